@@ -1,0 +1,186 @@
+"""Per-request records and run summaries under vLLM's benchmark conventions.
+
+TTFT = first token - arrival; TPOT = (e2e - ttft) / (output_tokens - 1); ITL = every gap between
+consecutive tokens; E2EL = finish - arrival. Summaries in milliseconds with vLLM's JSON keys
+(``mean_ttft_ms``, ``p99_tpot_ms``, ``request_throughput``, ...), so a simulator run, a real-engine run
+and a vLLM run compare column for column.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from twinserve.core.request import Request
+
+PERCENTILES = (50, 90, 99)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One finished request, in seconds since the start of the run (``nan`` where unknown)."""
+
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    finish_time: float
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    tenant: str = "default"
+    priority: int = 0
+    finish_reason: str = "length"
+    success: bool = True
+    error: str = ""
+    itls: list[float] = field(default_factory=list)  # seconds
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2el(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float:
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def queue_time(self) -> float:
+        return self.first_scheduled_time - self.arrival_time
+
+    @classmethod
+    def from_request(cls, req: Request, time_origin: float = 0.0) -> "RequestRecord":
+        """Builds the record of a finished request; times are shifted by ``time_origin``."""
+        nan = math.nan
+        times = req.token_times
+        return cls(
+            request_id=req.request_id,
+            arrival_time=req.arrival_time - time_origin,
+            first_scheduled_time=_shift(req.first_scheduled_time, time_origin),
+            first_token_time=_shift(req.first_token_time, time_origin),
+            finish_time=_shift(req.finish_time, time_origin) if req.finish_time is not None else nan,
+            input_tokens=req.num_prompt_tokens,
+            output_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens or 0,
+            num_preemptions=req.num_preemptions,
+            tenant=req.tenant,
+            priority=req.priority,
+            finish_reason=req.finish_reason or "",
+            success=req.first_token_time is not None,
+            itls=[b - a for a, b in zip(times, times[1:])],
+        )
+
+
+def _shift(t: float | None, origin: float) -> float:
+    return math.nan if t is None else t - origin
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of an already sorted list."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    vals = sorted(v * 1000.0 for v in values_s if not math.isnan(v))
+    n = len(vals)
+    mean = sum(vals) / n if n else math.nan
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / n) if n else math.nan
+    out = {f"mean_{name}_ms": mean, f"median_{name}_ms": percentile(vals, 50), f"std_{name}_ms": std}
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = percentile(vals, p)
+    return out
+
+
+def jain_index(values: list[float]) -> float:
+    """Jain's fairness index: 1 when all equal, 1/n when one gets everything."""
+    if not values:
+        return math.nan
+    sq = sum(v * v for v in values)
+    return (sum(values) ** 2) / (len(values) * sq) if sq > 0 else 1.0
+
+
+def summarize(
+    records: list[RequestRecord],
+    duration_s: float | None = None,
+    goodput_slos_ms: dict[str, float] | None = None,
+) -> dict[str, float | int | dict]:
+    """The vLLM ``benchmark_serving`` result dict, plus preemptions, cache hits and tenants.
+
+    ``duration_s`` defaults to last finish - first arrival. ``goodput_slos_ms`` maps any of
+    ``ttft``, ``tpot``, ``e2el`` to a limit in ms; goodput counts requests meeting all of them.
+    """
+    ok = [r for r in records if r.success]
+    if duration_s is None:
+        duration_s = (max((r.finish_time for r in ok), default=0.0)
+                      - min((r.arrival_time for r in records), default=0.0))
+    duration_s = max(duration_s, 1e-9)
+    in_tok = sum(r.input_tokens for r in ok)
+    out_tok = sum(r.output_tokens for r in ok)
+    summary: dict[str, float | int | dict] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": out_tok / duration_s,
+        "total_token_throughput": (in_tok + out_tok) / duration_s,
+    }
+    if goodput_slos_ms:
+        good = sum(1 for r in ok if _meets(r, goodput_slos_ms))
+        summary["request_goodput"] = good / duration_s
+    summary.update(_stats("ttft", [r.ttft for r in ok]))
+    summary.update(_stats("tpot", [r.tpot for r in ok]))
+    summary.update(_stats("itl", [g for r in ok for g in r.itls]))
+    summary.update(_stats("e2el", [r.e2el for r in ok]))
+    summary.update(_stats("queue", [r.queue_time for r in ok]))
+    summary["num_preemptions"] = sum(r.num_preemptions for r in records)
+    summary["prefix_cache_hit_rate"] = (
+        sum(r.cached_tokens for r in ok) / in_tok if in_tok else 0.0)
+    summary.update(tenant_summary(ok))
+    return summary
+
+
+def _meets(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    for key, limit in slos_ms.items():
+        value = getattr(r, key) * 1000.0
+        if not math.isnan(value) and value > limit:
+            return False
+    return True
+
+
+def tenant_summary(records: list[RequestRecord]) -> dict[str, float | dict]:
+    """Per-tenant service (input + 2 * output tokens, VTC's weights) and Jain's index over it."""
+    service: dict[str, float] = {}
+    for r in records:
+        service[r.tenant] = service.get(r.tenant, 0.0) + r.input_tokens + 2.0 * r.output_tokens
+    return {"tenant_service": service, "jain_index": jain_index(list(service.values()))}
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step: when it started, how long it took and what the engine held."""
+
+    time: float
+    duration: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preempted: int
+    # tokens computed this step per tenant: (prefill tokens, output tokens)
+    tenant_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)

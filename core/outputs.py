@@ -1,0 +1,95 @@
+"""The small dataclasses that cross the step seam:
+
+    out  = scheduler.schedule(now)                             # SchedulerOutput
+    res  = backend.execute(out)                                # ModelRunnerOutput
+    outs = scheduler.update_from_output(out, res, now_after)   # list[EngineCoreOutput]
+
+A backend performs, in this order: swap-outs, swap-ins, block copies (copy-on-write), then one
+forward pass over ``scheduled`` (prefill chunks and decodes flattened together), sampling a token
+for every entry whose ``sample`` is true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twinserve.core.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)`` of
+    ``request.all_token_ids`` are computed, their KV written into ``block_ids``.
+
+    ``block_ids`` is the request's live block table (read-only for the backend, valid until
+    ``update_from_output``). ``sample`` is true when this chunk reaches the end of the known tokens,
+    so the backend must sample the next token from the logits of the last position.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < self.request.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes. ``num_prefill_tokens``/``num_decode_tokens`` and the context sums
+    feed the simulator's cost model; a decode is a request past its prompt."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0
+    # Sum over scheduled requests of the context each new token attends to (attention cost).
+    sum_context_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that left since the previous step (finished or aborted): backends drop their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) device
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Tokens sampled by the backend, keyed by request id, for entries with ``sample`` set.
+    ``logprobs`` maps request id to a list (one per sampled token) of
+    ``(token_logprob, {token_id: logprob} of the top candidates)``."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """A request's progress after one step: the new tokens (for streaming) and, when it ended,
+    why. ``error`` is set when the request ended without running (e.g. prompt too long)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    error: str | None = None

@@ -1,0 +1,31 @@
+"""Prefix-cache keys: a chain of hashes over full blocks only.
+
+``hash(parent_hash, block tokens, extra_keys)``: a block's key depends on everything before it, so
+equal keys mean equal prefixes. Python's tuple hash of ints is stable within a process, which is
+all a cache needs (keys are never persisted); 64-bit collisions are ignored, as in vLLM's default.
+"""
+
+from __future__ import annotations
+
+from twinserve.core.request import Request
+
+ROOT_HASH = 0x5EED
+
+
+def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...], extra_keys: object = None) -> int:
+    return hash((parent_hash, tokens, extra_keys))
+
+
+def update_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[int]:
+    """Extends ``request.block_hashes`` to cover the full blocks within ``num_tokens`` tokens."""
+    hashes = request.block_hashes
+    num_full = num_tokens // block_size
+    if len(hashes) < num_full:
+        tokens = request.all_token_ids
+        parent = hashes[-1] if hashes else ROOT_HASH
+        extra = request.lora
+        for i in range(len(hashes), num_full):
+            start = i * block_size
+            parent = hash((parent, tuple(tokens[start:start + block_size]), extra))
+            hashes.append(parent)
+    return hashes

@@ -1,0 +1,151 @@
+"""KV blocks, the O(1) free queue that doubles as the LRU eviction order, and the block pool.
+
+A block with ``ref_cnt == 0`` sits in the free queue. If it still carries a ``block_hash`` it is a
+prefix-cache entry that can be revived by a later request (``touch``) until the pool hands it out
+again (``allocate`` pops from the head and drops the hash). Freed blocks join at the tail, so the
+least recently used cached block is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    prev_free: "KVCacheBlock | None" = None
+    next_free: "KVCacheBlock | None" = None
+    in_free_queue: bool = False
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, linked through the blocks themselves.
+
+    A Python deque would make ``remove`` O(n); a prefix-cache hit on a free block must take it out
+    of the middle of the queue, so the links live in the blocks and every operation is O(1).
+    """
+
+    __slots__ = ("_head", "_tail", "num_free")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head: KVCacheBlock | None = None
+        self._tail: KVCacheBlock | None = None
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head
+        if block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        block.prev_free = self._tail
+        block.next_free = None
+        if self._tail is None:
+            self._head = block
+        else:
+            self._tail.next_free = block
+        self._tail = block
+        block.in_free_queue = True
+        self.num_free += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None:
+            self._head = nxt
+        else:
+            prev.next_free = nxt
+        if nxt is None:
+            self._tail = prev
+        else:
+            nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        block.in_free_queue = False
+        self.num_free -= 1
+
+    def __iter__(self):
+        block = self._head
+        while block is not None:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """A fixed set of blocks with reference counts and, optionally, a prefix-cache index."""
+
+    __slots__ = ("blocks", "free_queue", "enable_caching", "cached", "num_evictions")
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be non-negative, got {num_blocks}.")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached: dict[int, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        total = len(self.blocks)
+        return 1.0 - self.free_queue.num_free / total if total else 0.0
+
+    def lookup(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        """Takes ``n`` blocks from the head of the free queue; caller checked ``num_free``."""
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                    self.num_evictions += 1
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes a reference on blocks found in the prefix cache (reviving free ones)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference each. Callers pass tail blocks first so they are evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Registers a full, computed block under its hash (first writer wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash; refused (False) while any block is in use, as in vLLM."""
+        if self.free_queue.num_free != len(self.blocks):
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True

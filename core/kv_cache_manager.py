@@ -1,0 +1,203 @@
+"""Per-request block tables over a device ``BlockPool``, with prefix caching, copy-on-write for
+forked requests (n > 1) and swapping to a bounded host pool.
+
+The manager owns the blocks; the request owns its token state. Predicates (``can_swap_in``) stand
+apart from mutators (``allocate_slots``, ``free``, ``swap_out``, ``swap_in``). Block copies the
+backend must perform are queued and drained once per step with ``take_block_ops``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twinserve.core.block_hash import update_block_hashes
+from twinserve.core.block_pool import BlockPool, KVCacheBlock
+from twinserve.core.request import Request
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """A request's blocks in order; ``ids`` mirrors ``blocks`` for the backend."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    host_blocks: list[KVCacheBlock] = field(default_factory=list)  # while swapped out
+
+    def append(self, blocks: list[KVCacheBlock]) -> None:
+        self.blocks.extend(blocks)
+        self.ids.extend(b.block_id for b in blocks)
+
+
+@dataclass(slots=True)
+class BlockOps:
+    """Copies the backend performs before the forward pass, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) copy-on-write
+
+
+class KVCacheManager:
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}.")
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}.")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.host_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.tables: dict[str, BlockTable] = {}
+        self._ops = BlockOps()
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0     # tokens found
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def block_ids(self, request: Request) -> list[int]:
+        return self.tables[request.request_id].ids
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request with no computed tokens, in whole blocks. The last
+        token is always recomputed so the backend has logits to sample from."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        hashes = update_block_hashes(request, self.block_size, max_hit_tokens)
+        hits: list[KVCacheBlock] = []
+        lookup = self.pool.cached.get
+        for h in hashes:
+            block = lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # ---- mutators ------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> BlockTable | None:
+        """Makes room for ``num_new_tokens`` more tokens after the computed ones (and after
+        ``computed_blocks``, prefix-cache hits being adopted). Returns None, changing nothing,
+        when the free blocks do not suffice; the scheduler then preempts."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            table = self.tables[request.request_id] = BlockTable()
+        hits = computed_blocks or ()
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = total_blocks - len(table.blocks) - len(hits)
+        write_idx = num_computed // self.block_size
+        cow = write_idx < len(table.blocks) and table.blocks[write_idx].ref_cnt > 1
+        if num_new_blocks <= 0 and not cow and not hits:
+            return table
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + cow + num_revived > self.pool.num_free:
+            return None
+        if hits:
+            self.pool.touch(hits)
+            table.append(list(hits))
+            table.num_cached_blocks = len(table.blocks)
+        if cow:
+            self._copy_on_write(table, write_idx)
+        if num_new_blocks > 0:
+            table.append(self.pool.allocate(num_new_blocks))
+        return table
+
+    def _copy_on_write(self, table: BlockTable, idx: int) -> None:
+        old = table.blocks[idx]
+        (new,) = self.pool.allocate(1)
+        self._ops.copy.append((old.block_id, new.block_id))
+        self.pool.free([old])
+        table.blocks[idx] = new
+        table.ids[idx] = new.block_id
+        table.num_cached_blocks = min(table.num_cached_blocks, idx)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's newly computed full blocks in the prefix cache."""
+        table = self.tables[request.request_id]
+        num_full = request.num_computed_tokens // self.block_size
+        if not self.enable_caching or num_full <= table.num_cached_blocks:
+            return
+        hashes = update_block_hashes(request, self.block_size, num_full * self.block_size)
+        for i in range(table.num_cached_blocks, num_full):
+            self.pool.cache(table.blocks[i], hashes[i])
+        table.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Releases a request's blocks (device and host); tail blocks are evicted first."""
+        table = self.tables.pop(request.request_id, None)
+        if table is None:
+            return
+        self.pool.free(reversed(table.blocks))
+        self.host_pool.free(table.host_blocks)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Child shares all of the parent's blocks; a later write into a shared block copies it."""
+        src = self.tables[parent.request_id]
+        table = self.tables[child.request_id] = BlockTable(num_cached_blocks=src.num_cached_blocks)
+        self.pool.touch(src.blocks)
+        table.append(list(src.blocks))
+
+    def swap_out(self, request: Request) -> bool:
+        """Moves a request's blocks to the host pool; False (nothing changed) if it lacks room."""
+        table = self.tables[request.request_id]
+        n = len(table.blocks)
+        if n == 0 or n > self.host_pool.num_free:
+            return False
+        host = self.host_pool.allocate(n)
+        self._ops.swap_out.extend(zip(table.ids, (b.block_id for b in host)))
+        self.pool.free(reversed(table.blocks))
+        table.blocks, table.ids, table.host_blocks = [], [], host
+        table.num_cached_blocks = 0
+        return True
+
+    def can_swap_in(self, request: Request) -> bool:
+        return len(self.tables[request.request_id].host_blocks) <= self.pool.num_free
+
+    def swap_in(self, request: Request) -> None:
+        table = self.tables[request.request_id]
+        device = self.pool.allocate(len(table.host_blocks))
+        self._ops.swap_in.extend(
+            (h.block_id, d.block_id) for h, d in zip(table.host_blocks, device))
+        self.host_pool.free(table.host_blocks)
+        table.host_blocks = []
+        table.append(device)
+
+    def take_block_ops(self) -> BlockOps:
+        ops, self._ops = self._ops, BlockOps()
+        return ops
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_consistency(self) -> None:
+        """Full audit (O(blocks)), for tests: reference counts equal the table references and
+        free + used = total on both pools."""
+        for pool, attr in ((self.pool, "blocks"), (self.host_pool, "host_blocks")):
+            refs: dict[int, int] = {}
+            for table in self.tables.values():
+                for b in getattr(table, attr):
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            for b in pool.blocks:
+                if b.ref_cnt != refs.get(b.block_id, 0):
+                    raise AssertionError(f"block {b.block_id}: ref_cnt {b.ref_cnt} != "
+                                         f"{refs.get(b.block_id, 0)} table references")
+                if b.in_free_queue != (b.ref_cnt == 0):
+                    raise AssertionError(f"block {b.block_id}: free-queue membership is wrong")
+            if sum(1 for _ in pool.free_queue) != pool.num_free:
+                raise AssertionError("free queue length differs from its counter")

@@ -1,0 +1,146 @@
+"""The scheduling-policy contract, and the waiting queues policies are built from.
+
+A policy decides three things: the order in which waiting requests are admitted, which running
+request is the victim under memory pressure, and (optionally) accounting after each step. The
+scheduler calls it identically in the real engine and the simulator.
+
+Aborted requests are dropped lazily: the scheduler marks them finished and calls ``remove``; queues
+skip finished entries when they reach them, so no operation is O(n) in the queue length.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from twinserve.core.request import Request
+
+
+class SchedulingPolicy(ABC):
+    """Owns the waiting queue. Subclasses are registered by name in ``twinserve.policies``."""
+
+    name: ClassVar[str] = ""
+    # Whether the policy reads ``Request.priority`` (the server rejects ``priority`` otherwise).
+    uses_priority: ClassVar[bool] = False
+    # Whether ``on_output_tokens`` must be called (skipped otherwise, to save time per step).
+    accounts_tokens: ClassVar[bool] = False
+
+    # ---- waiting queue -------------------------------------------------------------------
+    @abstractmethod
+    def add(self, request: Request) -> None:
+        """A new request arrives."""
+
+    @abstractmethod
+    def peek(self) -> Request | None:
+        """The next request to admit, or None."""
+
+    @abstractmethod
+    def pop(self) -> Request:
+        """Removes the request ``peek`` returned."""
+
+    @abstractmethod
+    def remove(self, request: Request) -> None:
+        """A waiting request was aborted (already marked finished)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of live waiting requests."""
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request returns to the waiting queue (default: like an arrival)."""
+        self.add(request)
+
+    # ---- preemption ----------------------------------------------------------------------
+    def select_victim(self, running: Sequence[Request]) -> Request:
+        """Victim under memory pressure among ``running`` (admission order). Default: the most
+        recently admitted, as in vLLM's FCFS."""
+        return running[-1]
+
+    def should_preempt(self, waiting: Request, victim: Request) -> bool:
+        """May ``waiting`` take the place of running ``victim``? Default: never."""
+        return False
+
+    # ---- accounting ----------------------------------------------------------------------
+    def on_admit(self, request: Request, now: float, first_time: bool) -> None:
+        """A waiting request was admitted into the running batch."""
+
+    def on_output_tokens(self, request: Request, num_tokens: int) -> None:
+        """``num_tokens`` were generated for ``request`` this step (if ``accounts_tokens``)."""
+
+
+class FifoQueue:
+    """Arrival-order queue with O(1) add, requeue-at-front, peek, pop and lazy removal."""
+
+    __slots__ = ("_items", "_live")
+
+    def __init__(self) -> None:
+        self._items: deque[Request] = deque()
+        self._live = 0
+
+    def add(self, request: Request) -> None:
+        self._items.append(request)
+        self._live += 1
+
+    def add_front(self, request: Request) -> None:
+        self._items.appendleft(request)
+        self._live += 1
+
+    def peek(self) -> Request | None:
+        items = self._items
+        while items and items[0].is_finished:
+            items.popleft()
+        return items[0] if items else None
+
+    def pop(self) -> Request:
+        request = self.peek()
+        if request is None:
+            raise IndexError("pop from an empty queue")
+        self._items.popleft()
+        self._live -= 1
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._live -= 1
+
+    def __len__(self) -> int:
+        return self._live
+
+
+class HeapQueue:
+    """Queue ordered by ``key(request)`` (ties by insertion), lazy removal."""
+
+    __slots__ = ("_heap", "_key", "_counter", "_live")
+
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._key = key
+        self._counter = itertools.count()
+        self._live = 0
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
+        self._live += 1
+
+    def peek(self) -> Request | None:
+        heap = self._heap
+        while heap and heap[0][2].is_finished:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def pop(self) -> Request:
+        request = self.peek()
+        if request is None:
+            raise IndexError("pop from an empty queue")
+        heapq.heappop(self._heap)
+        self._live -= 1
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._live -= 1
+
+    def __len__(self) -> int:
+        return self._live

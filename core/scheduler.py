@@ -1,0 +1,401 @@
+"""The token-budget scheduler shared by the real engine and the simulator.
+
+No prefill or decode phases: each step hands out tokens so that every scheduled request's
+``num_computed_tokens`` catches up with its ``num_tokens``, within ``max_num_batched_tokens`` and
+``max_num_seqs``. Chunked prefill, prefix caching and continuous batching fall out of that loop::
+
+    schedule(now)
+      1. running, in admission order            2. waiting, in the policy's order
+         +--------------------------------+        (only if nobody was preempted this step)
+         | want = num_tokens - computed   |        +----------------------------------------+
+         | clip to budget / threshold     |        | swapped? swap its blocks back in       |
+         | allocate_slots(want)           |        | else adopt prefix-cache hits           |
+         |   None -> preempt policy victim|        | allocate_slots(rest of chunk)          |
+         |           among running[i:],   |        |   None -> policy may preempt a running |
+         |           retry (or stop if the|        |           victim it outranks, or stop  |
+         |           victim is this one)  |        | move to running                        |
+         +--------------------------------+        +----------------------------------------+
+    update_from_output(out, tokens, now)
+      advance num_computed_tokens, cache full blocks, append sampled tokens, stop checks,
+      fork n > 1 children after the first token, free the blocks of finished requests.
+
+``schedule`` and ``update_from_output`` are pure CPU work over plain data; time is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinserve.core.config import SchedulerConfig
+from twinserve.core.kv_cache_manager import KVCacheManager
+from twinserve.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
+                                    SchedulerOutput)
+from twinserve.core.policy import SchedulingPolicy
+from twinserve.core.request import Request, RequestStatus
+from twinserve.core.sampling_params import SamplingParams
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """Id of the ``index``-th sample of an n > 1 request (index 0 is the parent itself)."""
+    return parent_id if index == 0 else f"{parent_id}#{index}"
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy) -> None:
+        self.config = config
+        self.policy = policy
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size,
+                                 config.enable_prefix_caching, config.num_cpu_blocks)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._multi_sample = False  # any n > 1 request seen: seat reservations apply
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises ValueError for one that can never run."""
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine.")
+        if request.num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"your request has {request.num_prompt_tokens} input tokens. Please reduce the "
+                "length of the input messages.")
+        needed = self.kv.num_blocks_needed(request.num_prompt_tokens + 1)
+        if needed > cfg.num_gpu_blocks:
+            raise ValueError(
+                f"The prompt needs {needed} KV-cache blocks but the cache holds only "
+                f"{cfg.num_gpu_blocks}; it could never be scheduled.")
+        seats = request.sampling_params.n
+        if seats > cfg.max_num_seqs:
+            raise ValueError(f"n ({seats}) exceeds max_num_seqs ({cfg.max_num_seqs}).")
+        self._multi_sample |= seats > 1
+        self.requests[request.request_id] = request
+        self.policy.add(request)
+
+    def abort_requests(self, request_ids: list[str], now: float) -> list[EngineCoreOutput]:
+        """Ends requests wherever they are; unknown or finished ids are ignored. Call between
+        steps (from the thread that runs them)."""
+        return self.finish_requests(request_ids, now, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.policy) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.policy), self.kv.usage,
+                              self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
+                              self.num_prompt_tokens, self.num_generation_tokens)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget, now)
+        if not preempted:
+            self._schedule_waiting(out, budget, now)
+        ops = self.kv.take_block_ops()
+        out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = (
+            ops.swap_out, ops.swap_in, ops.copy)
+        self._check_step_invariants(out)
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return min(n, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          now: float) -> tuple[int, bool]:
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = self._num_new_tokens(request, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.policy.select_victim(running[i:])
+                self._preempt(victim, out, now)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._add_scheduled(out, request, n)
+                budget -= n
+                i += 1
+                continue
+            break
+        return budget, preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        cfg = self.config
+        policy = self.policy
+        reserved = self._reserved_seats()
+        while budget > 0:
+            request = policy.peek()
+            if request is None:
+                return
+            seats = self._seats(request)
+            if len(self.running) + reserved + seats > cfg.max_num_seqs:
+                freed = self._preempt_for(request, out, now)
+                if freed is None:
+                    return
+                budget += freed
+                reserved = self._reserved_seats()
+                continue
+            n = self._admit_blocks(request, budget)
+            if n is None:
+                freed = self._preempt_for(request, out, now)
+                if freed is None:
+                    return
+                budget += freed
+                reserved = self._reserved_seats()
+                continue
+            reserved += seats - 1
+            policy.pop()
+            first_time = request.first_scheduled_time is None
+            if first_time:
+                request.first_scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            policy.on_admit(request, now, first_time)
+            self._add_scheduled(out, request, n)
+            budget -= n
+
+    def _admit_blocks(self, request: Request, budget: int) -> int | None:
+        """Secures blocks for a waiting request's next chunk; returns its size or None."""
+        kv = self.kv
+        if request.swapped_out:
+            if not kv.can_swap_in(request):
+                return None
+            kv.swap_in(request)
+            request.swapped_out = False
+            return self._num_new_tokens(request, budget)
+        hits, num_hit = kv.get_computed_blocks(request)
+        n = request.num_tokens - request.num_computed_tokens - num_hit
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        if n > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            n = budget
+        if kv.allocate_slots(request, n, hits) is None:
+            return None
+        request.num_computed_tokens += num_hit
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit
+        return n
+
+    def _seats(self, request: Request) -> int:
+        """Running slots a request needs: an unforked n > 1 request reserves one per sample."""
+        if request.parent_id is None and request.num_output_tokens == 0:
+            return request.sampling_params.n
+        return 1
+
+    def _reserved_seats(self) -> int:
+        """Seats held for the future children of running, not yet forked n > 1 requests."""
+        if not self._multi_sample:
+            return 0
+        return sum(self._seats(r) - 1 for r in self.running)
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput, now: float) -> int | None:
+        """Lets the policy evict a running request that ``request`` outranks. Returns the
+        tokens given back to the step's budget, or None when nobody is evicted."""
+        if not self.running:
+            return None
+        victim = self.policy.select_victim(self.running)
+        if not self.policy.should_preempt(request, victim):
+            return None
+        freed = self._unschedule(victim, out)
+        self._preempt(victim, out, now)
+        return freed
+
+    def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
+        for k, sr in enumerate(out.scheduled):
+            if sr.request is victim:
+                del out.scheduled[k]
+                self._count(out, sr, -1)
+                return sr.num_new_tokens
+        return 0
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, now: float) -> None:
+        self.running.remove(victim)
+        swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(victim)
+        if not swapped:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+        victim.swapped_out = swapped
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.policy.requeue(victim)
+        out.preempted_request_ids.append(victim.request_id)
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        start = request.num_computed_tokens
+        sr = ScheduledRequest(request, start, n, self.kv.tables[request.request_id].ids,
+                              start + n == request.num_tokens)
+        out.scheduled.append(sr)
+        self._count(out, sr, 1)
+
+    @staticmethod
+    def _count(out: SchedulerOutput, sr: ScheduledRequest, sign: int) -> None:
+        n, start = sr.num_new_tokens, sr.start
+        out.total_num_scheduled_tokens += sign * n
+        out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
+        if n == 1 and start >= sr.request.num_prompt_tokens:
+            out.num_decode_tokens += sign
+            out.num_decode_seqs += sign
+        else:
+            out.num_prefill_tokens += sign * n
+            out.num_prefill_seqs += sign
+
+    def _check_step_invariants(self, out: SchedulerOutput) -> None:
+        cfg = self.config
+        if out.total_num_scheduled_tokens > cfg.max_num_batched_tokens:
+            raise RuntimeError("scheduler exceeded max_num_batched_tokens")
+        if len(self.running) > cfg.max_num_seqs:
+            raise RuntimeError("scheduler exceeded max_num_seqs")
+        if not 0 <= self.kv.num_free_blocks <= cfg.num_gpu_blocks:
+            raise RuntimeError("free block count out of range")
+
+    # ---- after the step ------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                           now: float) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        kv = self.kv
+        caching = kv.enable_caching
+        sampled = result.sampled_token_ids
+        any_finished = False
+        for sr in out.scheduled:
+            request = sr.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = sr.start + sr.num_new_tokens
+            if sr.is_prefill:
+                self.num_prompt_tokens += min(sr.num_new_tokens,
+                                              request.num_prompt_tokens - sr.start)
+            if caching:
+                kv.cache_full_blocks(request)
+            if not sr.sample:
+                continue
+            tokens = sampled.get(request.request_id)
+            if not tokens:
+                raise RuntimeError(f"backend returned no token for {request.request_id!r}")
+            output = self._append_tokens(request, tokens, now, result)
+            outputs.append(output)
+            any_finished |= output.finished
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _append_tokens(self, request: Request, tokens: list[int], now: float,
+                       result: ModelRunnerOutput) -> EngineCoreOutput:
+        new: list[int] = []
+        status = None
+        for token in tokens:
+            request.append_output_token(token, now)
+            new.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                break
+        self.num_generation_tokens += len(new)
+        if self.policy.accounts_tokens:
+            self.policy.on_output_tokens(request, len(new))
+        if request.parent_id is None and request.sampling_params.n > 1 \
+                and request.num_output_tokens == len(new):
+            self._fork_children(request, now)
+        if status is not None:
+            self._finish(request, status, now)
+        return EngineCoreOutput(request.request_id, new, status is not None,
+                                request.finish_reason if status is not None else None,
+                                request.stop_reason, request.num_cached_tokens or 0,
+                                result.logprobs.get(request.request_id))
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _fork_children(self, parent: Request, now: float) -> None:
+        """n > 1: the other samples share the parent's prompt KV; each recomputes the last prompt
+        token (copy-on-write of the shared last block) to sample its own first token."""
+        for index in range(1, parent.sampling_params.n):
+            child = Request(child_request_id(parent.request_id, index), parent.prompt_token_ids,
+                            parent.sampling_params, parent.arrival_time, parent.eos_token_id,
+                            parent.priority, parent.tenant, parent.lora, dict(parent.hints),
+                            parent_id=parent.request_id, index=index)
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = now
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_prompt_tokens - 1
+            self.requests[child.request_id] = child
+            self.running.append(child)
+
+    def finish_requests(self, request_ids: list[str], now: float,
+                        status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+                        ) -> list[EngineCoreOutput]:
+        """Ends requests the front-end decided are done (a stop string was detokenized, the
+        client went away). Unknown or already finished ids are ignored."""
+        outs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            was_running = request.status == RequestStatus.RUNNING
+            if was_running:
+                self.running.remove(request)
+            self._finish(request, status, now)
+            if not was_running:
+                self.policy.remove(request)
+            outs.append(EngineCoreOutput(rid, [], True, request.finish_reason,
+                                         num_cached_tokens=request.num_cached_tokens or 0))
+        return outs
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        request.status = status
+        request.finish_time = now
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], arrival_time: float = 0.0,
+                 sampling_params: SamplingParams | None = None, **kwargs) -> Request:
+    """Shorthand for tests and scripts."""
+    return Request(request_id, list(prompt_token_ids), sampling_params or SamplingParams(),
+                   arrival_time, **kwargs)

@@ -1,0 +1,55 @@
+from twinserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+
+
+def test_free_queue_is_fifo_and_removes_from_the_middle():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeKVCacheBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4]
+    assert q.popleft().block_id == 0
+    q.append(blocks[0])
+    assert [b.block_id for b in q] == [1, 3, 4, 0]
+    assert q.num_free == 4
+    for b in list(q):
+        q.remove(b)
+    assert q.num_free == 0 and list(q) == []
+
+
+def test_allocate_evicts_least_recently_freed_cached_block():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, 111)
+    pool.cache(b, 222)
+    pool.free([b, a, c])  # b freed first, so it is evicted first
+    assert pool.num_free == 3
+    (x,) = pool.allocate(1)
+    assert x is b and x.block_hash is None and 222 not in pool.cached
+    assert pool.lookup(111) is a and pool.num_evictions == 1
+
+
+def test_touch_revives_a_free_cached_block_and_free_returns_it():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache(a, 5)
+    pool.free([a])
+    assert pool.num_free == 2
+    pool.touch([pool.lookup(5)])
+    assert a.ref_cnt == 1 and pool.num_free == 1 and not a.in_free_queue
+    pool.touch([a])
+    pool.free([a])
+    assert a.ref_cnt == 1 and pool.num_free == 1
+    pool.free([a])
+    assert pool.num_free == 2
+
+
+def test_first_writer_wins_and_reset_is_refused_while_in_use():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache(a, 9)
+    pool.cache(b, 9)
+    assert pool.lookup(9) is a and b.block_hash is None
+    assert pool.reset_prefix_cache() is False
+    pool.free([a, b])
+    assert pool.reset_prefix_cache() is True
+    assert pool.lookup(9) is None and a.block_hash is None
+    assert pool.usage == 0.0

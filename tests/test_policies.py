@@ -1,0 +1,147 @@
+import pytest
+
+from twinserve.core import ModelRunnerOutput
+from twinserve.core.policy import SchedulingPolicy
+from twinserve.policies import available_policies, get_policy
+from twinserve.policies import registry
+
+from core_helpers import make_req, make_scheduler, run_to_completion, step
+
+
+def admission_order(policy, reqs, **opts):
+    s = make_scheduler(max_num_seqs=1, policy=policy, policy_options=opts)
+    for r in reqs:
+        s.add_request(r)
+    order = []
+    now = 0.0
+    while s.has_unfinished_requests():
+        out, _ = step(s, now)
+        order += [sr.request_id for sr in out.scheduled if sr.start == 0]
+        now += 1
+    return order
+
+
+def test_fcfs_admits_in_arrival_order():
+    reqs = [make_req(f"r{i}", 4, max_tokens=1, arrival=float(i)) for i in range(5)]
+    assert admission_order("fcfs", reqs) == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_priority_orders_by_priority_then_arrival():
+    reqs = [make_req("a", 4, max_tokens=1, priority=2, arrival=0.0),
+            make_req("b", 4, max_tokens=1, priority=0, arrival=1.0),
+            make_req("c", 4, max_tokens=1, priority=1, arrival=2.0),
+            make_req("d", 4, max_tokens=1, priority=0, arrival=3.0)]
+    assert admission_order("priority", reqs) == ["b", "d", "c", "a"]
+
+
+def test_priority_victim_is_lowest_priority_latest_arrival():
+    policy = get_policy("priority")
+    running = [make_req("a", 4, priority=1, arrival=0.0), make_req("b", 4, priority=3, arrival=1.0),
+               make_req("c", 4, priority=3, arrival=2.0), make_req("d", 4, priority=0, arrival=3.0)]
+    assert policy.select_victim(running).request_id == "c"
+    assert get_policy("fcfs").select_victim(running).request_id == "d"
+
+
+def test_waiting_high_priority_preempts_running_low_priority():
+    s = make_scheduler(max_num_seqs=1, policy="priority")
+    s.add_request(make_req("low", 4, max_tokens=50, priority=5))
+    step(s, 0.0)
+    s.add_request(make_req("high", 4, max_tokens=2, priority=0, arrival=1.0))
+    out, _ = step(s, 1.0)
+    assert out.preempted_request_ids == ["low"]
+    assert [sr.request_id for sr in out.scheduled] == ["high"]
+    run_to_completion(s)
+    # without the option, it waits
+    s = make_scheduler(max_num_seqs=1, policy="priority", policy_options={"preempt_running": False})
+    s.add_request(make_req("low", 4, max_tokens=5, priority=5))
+    step(s, 0.0)
+    s.add_request(make_req("high", 4, max_tokens=2, priority=0, arrival=1.0))
+    out, _ = step(s, 1.0)
+    assert out.preempted_request_ids == [] and [sr.request_id for sr in out.scheduled] == ["low"]
+
+
+def test_sjf_admits_shortest_expected_output_first():
+    reqs = [make_req("long", 4, max_tokens=50, arrival=0.0),
+            make_req("short", 4, max_tokens=3, arrival=1.0),
+            make_req("mid", 4, max_tokens=10, arrival=2.0)]
+    reqs[0].hints["output_len_hint"] = 1.0  # a hint overrides max_tokens
+    assert admission_order("sjf", reqs) == ["long", "short", "mid"]
+
+
+def service_gap(policy: str) -> tuple[float, dict[str, int]]:
+    """Heavy tenant floods the queue first; light tenant is backlogged too. Returns the largest
+    gap in served tokens (input + 2 * output) while both are backlogged."""
+    s = make_scheduler(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                       policy=policy)
+    for i in range(60):
+        s.add_request(make_req(f"h{i}", 16, max_tokens=16, tenant="heavy", arrival=0.0))
+    for i in range(20):
+        s.add_request(make_req(f"l{i}", 16, max_tokens=16, tenant="light", arrival=0.001))
+    served = {"heavy": 0, "light": 0}
+    left = {"heavy": 60, "light": 20}
+    gap = 0.0
+    now = 0.0
+    while left["light"] and left["heavy"]:
+        out = s.schedule(now)
+        outs = s.update_from_output(out, ModelRunnerOutput(
+            {sr.request_id: [7] for sr in out.scheduled if sr.sample}), now)
+        for sr in out.scheduled:
+            served[sr.request.tenant] += (sr.num_new_tokens if sr.is_prefill else 0) + 2 * sr.sample
+        for o in outs:
+            if o.finished:
+                left["heavy" if o.request_id[0] == "h" else "light"] -= 1
+        gap = max(gap, abs(served["heavy"] - served["light"]))
+        now += 1
+    return gap, served
+
+
+def test_vtc_bounds_the_service_gap_where_fcfs_does_not():
+    fcfs_gap, _ = service_gap("fcfs")
+    fair_gap, served = service_gap("fair")
+    # VTC's bound is a few requests' worth of service (max_num_seqs * request cost = 4 * 48)
+    assert fair_gap <= 4 * 48
+    assert fcfs_gap > 5 * fair_gap
+    assert served["light"] > 0
+
+
+def test_vtc_lifts_a_returning_tenant_to_the_backlogged_minimum():
+    policy = get_policy("fair")
+    policy.add(make_req("a1", 10, tenant="a"))
+    policy.pop()
+    policy.on_admit(make_req("a1x", 100, tenant="a"), 0.0, True)
+    policy.add(make_req("a2", 10, tenant="a"))
+    policy.add(make_req("b1", 10, tenant="b"))  # b is new: lifted to a's counter
+    assert policy.counters["b"] == policy.counters["a"] == 100.0
+
+
+def test_tenant_weights_share_service_in_proportion():
+    policy = get_policy("fair", tenant_weights={"gold": 2.0})
+    policy.counters.update({"gold": 0.0, "free": 0.0})
+    policy.on_output_tokens(make_req("g", 4, tenant="gold"), 10)
+    policy.on_output_tokens(make_req("f", 4, tenant="free"), 10)
+    assert policy.counters["gold"] * 2 == policy.counters["free"]
+
+
+def test_registry_lists_valid_names_and_loads_entry_points(monkeypatch):
+    assert {"fcfs", "priority", "fair", "sjf"} <= set(available_policies())
+    with pytest.raises(ValueError, match="valid: fair, fcfs, priority, sjf"):
+        get_policy("nope")
+    with pytest.raises(ValueError, match="bad options"):
+        get_policy("fcfs", bogus=1)
+
+    class LIFO(SchedulingPolicy):
+        def __init__(self):
+            self.items = []
+        def add(self, r): self.items.append(r)
+        def peek(self): return self.items[-1] if self.items else None
+        def pop(self): return self.items.pop()
+        def remove(self, r): self.items.remove(r)
+        def __len__(self): return len(self.items)
+
+    class EP:
+        name = "lifo"
+        def load(self): return LIFO
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EP()] if group == "twinserve.policies" else [])
+    reqs = [make_req(f"r{i}", 4, max_tokens=1) for i in range(3)]
+    assert admission_order("lifo", reqs) == ["r2", "r1", "r0"]

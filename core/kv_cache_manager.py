@@ -94,13 +94,19 @@ class KVCacheManager:
         ``computed_blocks``, prefix-cache hits being adopted). Returns None, changing nothing,
         when the free blocks do not suffice; the scheduler then preempts."""
         table = self.tables.get(request.request_id)
+        bs = self.block_size
         if table is None:
             table = self.tables[request.request_id] = BlockTable()
+        elif not computed_blocks:  # fast path: a decode that fits in its last block
+            num_computed = request.num_computed_tokens
+            if num_computed + num_new_tokens <= len(table.blocks) * bs \
+                    and table.blocks[num_computed // bs].ref_cnt == 1:
+                return table
         hits = computed_blocks or ()
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_computed = request.num_computed_tokens + len(hits) * bs
+        total_blocks = -(-(num_computed + num_new_tokens) // bs)
         num_new_blocks = total_blocks - len(table.blocks) - len(hits)
-        write_idx = num_computed // self.block_size
+        write_idx = num_computed // bs
         cow = write_idx < len(table.blocks) and table.blocks[write_idx].ref_cnt > 1
         if num_new_blocks <= 0 and not cow and not hits:
             return table

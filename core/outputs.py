@@ -58,6 +58,7 @@ class SchedulerOutput:
     num_decode_seqs: int = 0
     # Sum over scheduled requests of the context each new token attends to (attention cost).
     sum_context_tokens: int = 0
+    sum_decode_context_tokens: int = 0  # the decode part of sum_context_tokens
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.
     finished_request_ids: list[str] = field(default_factory=list)

@@ -68,6 +68,7 @@ class Request:
     swapped_out: bool = False
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = field(init=False, default=0)
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -85,10 +86,7 @@ class Request:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}.")
         self.all_token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -121,7 +121,9 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        n = request.num_tokens - request.num_computed_tokens
+        n = len(request.all_token_ids) - request.num_computed_tokens
+        if n == 1:
+            return 1
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
             n = threshold
@@ -130,23 +132,23 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           now: float) -> tuple[int, bool]:
         running = self.running
+        allocate = self.kv.allocate_slots
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             n = self._num_new_tokens(request, budget)
-            while self.kv.allocate_slots(request, n) is None:
+            table = allocate(request, n)
+            while table is None:
                 victim = self.policy.select_victim(running[i:])
                 self._preempt(victim, out, now)
                 preempted = True
                 if victim is request:
-                    break
-            else:
-                self._add_scheduled(out, request, n)
-                budget -= n
-                i += 1
-                continue
-            break
+                    return budget, preempted
+                table = allocate(request, n)
+            self._add_scheduled(out, request, n, table.ids)
+            budget -= n
+            i += 1
         return budget, preempted
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
@@ -181,7 +183,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             policy.on_admit(request, now, first_time)
-            self._add_scheduled(out, request, n)
+            self._add_scheduled(out, request, n, self.kv.block_ids(request))
             budget -= n
 
     def _admit_blocks(self, request: Request, budget: int) -> int | None:
@@ -254,10 +256,10 @@ class Scheduler:
         self.policy.requeue(victim)
         out.preempted_request_ids.append(victim.request_id)
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, n: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, n: int,
+                       block_ids: list[int]) -> None:
         start = request.num_computed_tokens
-        sr = ScheduledRequest(request, start, n, self.kv.tables[request.request_id].ids,
-                              start + n == request.num_tokens)
+        sr = ScheduledRequest(request, start, n, block_ids, start + n == len(request.all_token_ids))
         out.scheduled.append(sr)
         self._count(out, sr, 1)
 
@@ -265,11 +267,13 @@ class Scheduler:
     def _count(out: SchedulerOutput, sr: ScheduledRequest, sign: int) -> None:
         n, start = sr.num_new_tokens, sr.start
         out.total_num_scheduled_tokens += sign * n
-        out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
         if n == 1 and start >= sr.request.num_prompt_tokens:
+            out.sum_context_tokens += sign * (start + 1)
+            out.sum_decode_context_tokens += sign * (start + 1)
             out.num_decode_tokens += sign
             out.num_decode_seqs += sign
         else:
+            out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
             out.num_prefill_tokens += sign * n
             out.num_prefill_seqs += sign
 
@@ -288,18 +292,19 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         kv = self.kv
         caching = kv.enable_caching
+        block_size = kv.block_size
         sampled = result.sampled_token_ids
         any_finished = False
         for sr in out.scheduled:
             request = sr.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = sr.start + sr.num_new_tokens
-            if sr.is_prefill:
+            num_computed = request.num_computed_tokens = sr.start + sr.num_new_tokens
+            if sr.start < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(sr.num_new_tokens,
                                               request.num_prompt_tokens - sr.start)
-            if caching:
-                kv.cache_full_blocks(request)
+            if caching and num_computed % block_size < sr.num_new_tokens:
+                kv.cache_full_blocks(request)  # a block boundary was crossed
             if not sr.sample:
                 continue
             tokens = sampled.get(request.request_id)
@@ -314,39 +319,40 @@ class Scheduler:
 
     def _append_tokens(self, request: Request, tokens: list[int], now: float,
                        result: ModelRunnerOutput) -> EngineCoreOutput:
-        new: list[int] = []
         status = None
-        for token in tokens:
+        for k, token in enumerate(tokens):
             request.append_output_token(token, now)
-            new.append(token)
             status = self._check_stop(request, token)
             if status is not None:
+                tokens = tokens[:k + 1]
                 break
-        self.num_generation_tokens += len(new)
+        self.num_generation_tokens += len(tokens)
         if self.policy.accounts_tokens:
-            self.policy.on_output_tokens(request, len(new))
-        if request.parent_id is None and request.sampling_params.n > 1 \
-                and request.num_output_tokens == len(new):
+            self.policy.on_output_tokens(request, len(tokens))
+        if request.sampling_params.n > 1 and request.parent_id is None \
+                and len(request.output_token_ids) == len(tokens):
             self._fork_children(request, now)
-        if status is not None:
-            self._finish(request, status, now)
-        return EngineCoreOutput(request.request_id, new, status is not None,
-                                request.finish_reason if status is not None else None,
+        if status is None:
+            return EngineCoreOutput(request.request_id, tokens, False, None, None,
+                                    request.num_cached_tokens or 0,
+                                    result.logprobs.get(request.request_id) if result.logprobs else None)
+        self._finish(request, status, now)
+        return EngineCoreOutput(request.request_id, tokens, True, request.finish_reason,
                                 request.stop_reason, request.num_cached_tokens or 0,
-                                result.logprobs.get(request.request_id))
+                                result.logprobs.get(request.request_id) if result.logprobs else None)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        num_out = request.num_output_tokens
+        num_out = len(request.output_token_ids)
         if num_out >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
+            if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

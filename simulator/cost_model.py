@@ -1,0 +1,418 @@
+"""Step time of the simulated GPU: a roofline that needs no profiling, and a fitted linear model.
+
+Roofline (``CostModel``), per GPU of a tensor-parallel group, two operator groups each bound by the
+slower of compute and memory, plus communication, swap copies and fixed overheads::
+
+    linear    = max(2 * P_layers * T + 2 * V * H * S , (P_layers + V * H) * dtype) / (rates)   # GEMMs
+    attention = max(4 * L * heads * head_dim * C     , kv_bytes * (C_read + T))    / (rates)   # paged attn
+    step      = linear + attention + allreduce + swap + step_overhead + L * per_layer + S * per_seq
+
+with T scheduled tokens, S scheduled sequences (``lm_head`` runs on one position per sequence), C
+``sum_context_tokens`` (the positions every new token attends to), C_read the KV positions read:
+a decode reads its whole context once; a prefill chunk reads its prefix and itself once.
+FLOPs are divided by ``eff_compute * peak_flops``, bytes by ``eff_memory * mem_bandwidth``; weights,
+heads and FLOPs split over ``tensor_parallel_size``. Each layer does two ring all-reduces of
+``T * H * dtype`` bytes: ``2 * (tp - 1) / tp * bytes / interconnect_bandwidth + latency`` each.
+Summing the two groups (instead of one max over the step) charges a mixed batch for its
+memory-bound decode attention even when its GEMMs are compute-bound.
+
+Decode context: only the scheduler knows how ``sum_context_tokens`` splits between decodes and
+prefill chunks. ``SchedulerOutput.sum_decode_context_tokens`` is used when present; otherwise the
+prefill share is taken as that of prompt chunks without a cached prefix, ``P * (P / k + 1) / 2``
+for P prefill tokens in k chunks (exact for fresh equal-length chunks, an over-estimate of the decode
+share for chunks continuing a long prompt), capped at ``max_position_embeddings`` per decode.
+
+Fitted (``FittedCostModel``): ``seconds = intercept + sum(c_f * feature_f)`` over ``FEATURE_NAMES``
+with non-negative coefficients (NNLS), swap copies still timed by the roofline's PCIe term.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twinserve.core.outputs import SchedulerOutput
+from twinserve.simulator.hardware import FittedParams, HardwareProfile
+from twinserve.simulator.model_spec import ModelSpec
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "num_tokens",  # total_num_scheduled_tokens: GEMM work above the weight-streaming floor
+    "num_prefill_tokens",
+    "num_prefill_seqs",
+    "num_decode_seqs",  # per-sequence CPU work, lm_head, sampling
+    "sum_context_tokens",  # attention FLOPs
+    "sum_decode_context_tokens",  # KV bytes read by decodes
+)
+DEFAULT_BLOCK_SIZE = 16
+_NON_TORCH_RESERVE_BYTES = 512 * 2**20  # CUDA context, cuBLAS/NCCL workspaces, CUDA graphs
+
+
+def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) -> int:
+    """The part of ``sum_context_tokens`` owed to decodes (see the module docstring)."""
+    exact = getattr(out, "sum_decode_context_tokens", None)
+    if exact is not None:
+        return exact
+    total, prefill = out.sum_context_tokens, out.num_prefill_tokens
+    if prefill == 0:
+        return total
+    chunks = max(1, out.num_prefill_seqs)
+    estimate = max(0, total - (prefill * (prefill / chunks + 1) // 2))
+    if max_context is not None:
+        estimate = min(estimate, out.num_decode_seqs * max_context)
+    return int(estimate)
+
+
+def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
+    return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
+            out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context))
+
+
+def step_features(out: SchedulerOutput, max_context: int | None = None) -> dict[str, float]:
+    """The features of one step, keyed by ``FEATURE_NAMES`` (what calibration records)."""
+    return dict(zip(FEATURE_NAMES, _feature_vector(out, max_context)))
+
+
+@dataclass(slots=True, frozen=True)
+class StepCost:
+    """One step, term by term (per GPU). ``total_s`` is what ``step_time`` returns."""
+
+    flops: float
+    nbytes: float
+    compute_s: float  # all FLOPs at the achievable compute rate
+    memory_s: float  # all bytes at the achievable bandwidth
+    linear_s: float
+    attention_s: float
+    allreduce_s: float
+    swap_s: float
+    overhead_s: float
+    total_s: float
+
+    @property
+    def is_compute_bound(self) -> bool:
+        return self.compute_s > self.memory_s
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Roofline step time for ``model`` on ``tensor_parallel_size`` devices like ``hardware``.
+
+    ``block_size`` (tokens per KV block) sizes the swap and copy traffic of a step.
+    """
+
+    model: ModelSpec
+    hardware: HardwareProfile
+    tensor_parallel_size: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+    _s_per_flop: float = field(init=False, repr=False)
+    _s_per_byte: float = field(init=False, repr=False)
+    _flops_per_token: float = field(init=False, repr=False)
+    _flops_per_seq: float = field(init=False, repr=False)
+    _flops_per_context: float = field(init=False, repr=False)
+    _weight_bytes: float = field(init=False, repr=False)
+    _kv_bytes: int = field(init=False, repr=False)
+    _fixed_s: float = field(init=False, repr=False)
+    _allreduce_s_per_token: float = field(init=False, repr=False)
+    _allreduce_latency_s: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
+        layer_matmul = m.hidden_size * (2 * m.q_size + 2 * m.kv_size) + 3 * m.hidden_size * m.intermediate_size
+        self._s_per_flop = 1.0 / (hw.eff_compute * hw.peak_flops)
+        self._s_per_byte = 1.0 / (hw.eff_memory * hw.mem_bandwidth)
+        self._flops_per_token = 2.0 * m.num_layers * layer_matmul / tp
+        self._flops_per_seq = 2.0 * m.embedding_params / tp  # lm_head on the sampled position
+        self._flops_per_context = 4.0 * m.num_layers * m.q_size / tp
+        streamed = m.num_layers * m.params_per_layer + m.hidden_size + m.embedding_params
+        self._weight_bytes = streamed * m.dtype_bytes / tp
+        self._kv_bytes = self.kv_bytes_per_token_per_gpu
+        ring = 2.0 * (tp - 1) / tp
+        self._allreduce_s_per_token = (2 * m.num_layers * ring * m.hidden_size * m.dtype_bytes
+                                       / hw.interconnect_bandwidth)
+        self._allreduce_latency_s = 2 * m.num_layers * hw.interconnect_latency_s if tp > 1 else 0.0
+        self._fixed_s = hw.step_overhead_s + hw.per_layer_overhead_s * m.num_layers
+
+    def _validate(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
+        if self.model.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads "
+                             f"({self.model.num_attention_heads}).")
+        kv = self.model.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv}) must divide one another.")
+        _check_block_size(self.block_size)
+
+    @property
+    def kv_heads_per_gpu(self) -> int:
+        """KV heads split over the group; replicated when there are fewer heads than GPUs (as vLLM)."""
+        return max(1, self.model.num_key_value_heads // self.tensor_parallel_size)
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * self.kv_heads_per_gpu * m.head_dim * m.dtype_bytes
+
+    @property
+    def weight_bytes_per_gpu(self) -> int:
+        return math.ceil(self.model.weight_bytes / self.tensor_parallel_size)
+
+    def block_bytes(self, block_size: int | None = None) -> int:
+        """Bytes of one KV block on one GPU (all layers, K and V)."""
+        return (block_size or self.block_size) * self.kv_bytes_per_token_per_gpu
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Seconds for one engine step (swaps, copies, then the forward pass). O(1); equals
+        ``breakdown(out).total_s`` without building it (this runs once per simulated step)."""
+        tokens = out.total_num_scheduled_tokens
+        if tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            return self.breakdown(out).total_s
+        seqs = out.num_prefill_seqs + out.num_decode_seqs
+        linear_flops, attention_flops, kv_bytes = self._work(out, tokens, seqs)
+        linear_s = max(linear_flops * self._s_per_flop, self._weight_bytes * self._s_per_byte)
+        attention_s = max(attention_flops * self._s_per_flop, kv_bytes * self._s_per_byte)
+        return linear_s + attention_s + self._allreduce_s(tokens) + self._overhead_s(seqs)
+
+    def breakdown(self, out: SchedulerOutput) -> StepCost:
+        """``step_time`` term by term (for reports and tests)."""
+        tokens = out.total_num_scheduled_tokens
+        swap_s = self.copy_time(out)
+        if tokens == 0:
+            overhead = self.hardware.step_overhead_s if swap_s > 0 else 0.0
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, swap_s, overhead, swap_s + overhead)
+        seqs = out.num_prefill_seqs + out.num_decode_seqs
+        linear_flops, attention_flops, kv_bytes = self._work(out, tokens, seqs)
+        linear_s = max(linear_flops * self._s_per_flop, self._weight_bytes * self._s_per_byte)
+        attention_s = max(attention_flops * self._s_per_flop, kv_bytes * self._s_per_byte)
+        allreduce_s, overhead_s = self._allreduce_s(tokens), self._overhead_s(seqs)
+        flops, nbytes = linear_flops + attention_flops, self._weight_bytes + kv_bytes
+        total = linear_s + attention_s + allreduce_s + swap_s + overhead_s
+        return StepCost(flops, nbytes, flops * self._s_per_flop, nbytes * self._s_per_byte,
+                        linear_s, attention_s, allreduce_s, swap_s, overhead_s, total)
+
+    def _work(self, out: SchedulerOutput, tokens: int, seqs: int) -> tuple[float, float, float]:
+        """Per-GPU GEMM FLOPs, attention FLOPs and KV bytes (read + written) of the forward pass."""
+        linear_flops = self._flops_per_token * tokens + self._flops_per_seq * seqs
+        attention_flops = self._flops_per_context * out.sum_context_tokens
+        return linear_flops, attention_flops, self._kv_bytes * (self._kv_tokens_read(out) + tokens)
+
+    def _allreduce_s(self, tokens: int) -> float:
+        """Two ring all-reduces of the hidden states per layer (zero without tensor parallelism)."""
+        return self._allreduce_s_per_token * tokens + self._allreduce_latency_s
+
+    def _overhead_s(self, seqs: int) -> float:
+        """Per-step and per-layer fixed costs plus per-sequence CPU work."""
+        return self._fixed_s + self.hardware.per_seq_overhead_s * seqs
+
+    def _kv_tokens_read(self, out: SchedulerOutput) -> float:
+        """KV positions read: each decode its context; each prefill chunk its prefix and itself.
+
+        For k prefill chunks of n tokens after s cached ones, the prefill context is
+        ``k * (n * s + n * (n + 1) / 2)``, so ``k * (s + n) = ctx * k / P + (P - k) / 2``.
+        """
+        decode = decode_context_tokens(out, self.model.max_position_embeddings)
+        prefill_tokens, chunks = out.num_prefill_tokens, out.num_prefill_seqs
+        if prefill_tokens == 0 or chunks == 0:
+            return decode
+        prefill_context = max(0, out.sum_context_tokens - decode)
+        return decode + prefill_context * chunks / prefill_tokens + (prefill_tokens - chunks) / 2
+
+    def copy_time(self, out: SchedulerOutput) -> float:
+        """Swap-outs and swap-ins over PCIe plus copy-on-write block copies on the device."""
+        swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        copied = len(out.blocks_to_copy)
+        if not swapped and not copied:
+            return 0.0
+        device_copy = 2 * copied * self.block_bytes() * self._s_per_byte  # read + write on the device
+        return self.swap_time(swapped) + device_copy
+
+    def swap_time(self, num_blocks: int, block_size: int | None = None) -> float:
+        """Seconds to move ``num_blocks`` KV blocks between host and device over PCIe (per GPU)."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}.")
+        return num_blocks * self.block_bytes(block_size) / self.hardware.pcie_bandwidth
+
+    def activation_reserve_bytes(self, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256) -> int:
+        """Peak non-KV memory of a profiling forward pass of ``max_num_batched_tokens`` (as vLLM
+        measures it): hidden states, qkv and MLP activations per token, fp32 logits per sequence, plus
+        a fixed 512 MiB for the CUDA context, library workspaces and CUDA graphs."""
+        m, tp = self.model, self.tensor_parallel_size
+        per_token = 2 * m.hidden_size + (m.q_size + 2 * m.kv_size + 3 * m.intermediate_size) / tp
+        logits = max_num_seqs * m.vocab_size / tp * 4
+        return int(max_num_batched_tokens * per_token * m.dtype_bytes + logits) + _NON_TORCH_RESERVE_BYTES
+
+    def num_gpu_blocks(self, gpu_memory_utilization: float, block_size: int | None = None,
+                       activation_reserve_bytes: int | None = None) -> int:
+        """KV blocks per GPU: ``(capacity * utilization - weights / tp - reserve) // block_bytes``.
+
+        ``activation_reserve_bytes`` defaults to ``activation_reserve_bytes()``. Raises ValueError
+        when the weights and the reserve leave no room for one block.
+        """
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}.")
+        block_size = self.block_size if block_size is None else block_size
+        _check_block_size(block_size)
+        reserve = self.activation_reserve_bytes() if activation_reserve_bytes is None else activation_reserve_bytes
+        if reserve < 0:
+            raise ValueError(f"activation_reserve_bytes must be >= 0, got {reserve}.")
+        budget = self.hardware.mem_capacity * gpu_memory_utilization
+        free = budget - self.weight_bytes_per_gpu - reserve
+        blocks = int(free // self.block_bytes(block_size)) if free > 0 else 0
+        if blocks < 1:
+            raise ValueError(self._does_not_fit_message(gpu_memory_utilization, budget, reserve))
+        return blocks
+
+    def _does_not_fit_message(self, utilization: float, budget: float, reserve: int) -> str:
+        gib = 2**30
+        return (f"{self.model.name} does not fit on {self.hardware.name} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: weights {self.weight_bytes_per_gpu / gib:.2f} GiB per GPU + "
+                f"activation reserve {reserve / gib:.2f} GiB > gpu_memory_utilization {utilization} x "
+                f"{self.hardware.mem_capacity / gib:.2f} GiB = {budget / gib:.2f} GiB, leaving no room for "
+                f"a KV block of {self.block_bytes() / 2**20:.2f} MiB.")
+
+
+def _check_block_size(block_size: object) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+
+
+@dataclass(slots=True)
+class FittedCostModel:
+    """Step time from coefficients measured on the machine (``params``); memory sizing and swap
+    copies from the roofline ``base`` for the same model, hardware and TP size."""
+
+    params: FittedParams
+    base: CostModel
+    _intercept: float = field(init=False, repr=False)
+    _coefficients: tuple[float, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.params.coefficients) - set(FEATURE_NAMES))
+        if unknown:
+            raise ValueError(f"fitted coefficients name unknown feature(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(FEATURE_NAMES)}.")
+        if not self.params.matches(self.base.model.name, self.base.tensor_parallel_size):
+            raise ValueError(f"params were fitted for model {self.params.model!r} at tensor_parallel_size="
+                             f"{self.params.tensor_parallel_size}, not {self.base.model.name!r} at "
+                             f"{self.base.tensor_parallel_size}.")
+        self._intercept = self.params.intercept_s
+        self._coefficients = tuple(self.params.coefficients.get(f, 0.0) for f in FEATURE_NAMES)
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.base.model
+
+    @property
+    def hardware(self) -> HardwareProfile:
+        return self.base.hardware
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.base.tensor_parallel_size
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """The fitted forward pass plus the roofline's swap and copy time. O(1)."""
+        if out.total_num_scheduled_tokens == 0:
+            return self.base.breakdown(out).total_s  # swaps only (or nothing): no forward pass
+        x = _feature_vector(out, None)  # as ``step_features(out)`` recorded them
+        return self._intercept + sum(c * v for c, v in zip(self._coefficients, x)) + self.base.copy_time(out)
+
+    def swap_time(self, num_blocks: int, block_size: int | None = None) -> float:
+        return self.base.swap_time(num_blocks, block_size)
+
+    def num_gpu_blocks(self, gpu_memory_utilization: float, block_size: int | None = None,
+                       activation_reserve_bytes: int | None = None) -> int:
+        return self.base.num_gpu_blocks(gpu_memory_utilization, block_size, activation_reserve_bytes)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[dict[str, float], float]], base: CostModel) -> FittedCostModel:
+        """Fit on ``(step_features(out), measured seconds)`` pairs, labelled with ``base``'s model and TP."""
+        params = fit_step_time(samples, base.model.name, base.tensor_parallel_size)
+        return cls(params, base)
+
+
+def make_cost_model(model: ModelSpec, hardware: HardwareProfile, tensor_parallel_size: int = 1,
+                    block_size: int = DEFAULT_BLOCK_SIZE) -> CostModel | FittedCostModel:
+    """The fitted model when ``hardware`` holds a fit for this model and TP size, else the roofline."""
+    base = CostModel(model, hardware, tensor_parallel_size, block_size)
+    params = hardware.find_fitted(model.name, tensor_parallel_size)
+    return FittedCostModel(params, base) if params is not None else base
+
+
+def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str | None = None,
+                  tensor_parallel_size: int = 1) -> FittedParams:
+    """Non-negative least squares of seconds on ``[1, *FEATURE_NAMES]``.
+
+    Each sample is ``(features, seconds)``; a feature missing from the dict counts as 0, an unknown
+    one raises ValueError. ``model`` ``None`` labels the fit as valid for any model.
+    """
+    if not samples:
+        raise ValueError("samples must hold at least one (features, seconds) pair.")
+    x = np.ones((len(samples), len(FEATURE_NAMES) + 1))
+    y = np.empty(len(samples))
+    for i, (features, seconds) in enumerate(samples):
+        x[i, 1:] = _sample_row(features, i)
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"samples[{i}] seconds must be finite and >= 0, got {seconds!r}.")
+        y[i] = seconds
+    coef = nnls(x, y)
+    rmse = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+    return FittedParams(float(coef[0]), dict(zip(FEATURE_NAMES, map(float, coef[1:]))), model,
+                        tensor_parallel_size, len(samples), rmse)
+
+
+def _sample_row(features: dict[str, float], index: int) -> list[float]:
+    unknown = sorted(set(features) - set(FEATURE_NAMES))
+    if unknown:
+        raise ValueError(f"samples[{index}] has unknown feature(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(FEATURE_NAMES)}.")
+    return [float(features.get(name, 0.0)) for name in FEATURE_NAMES]
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """``argmin ||a x - b||`` subject to ``x >= 0`` (Lawson-Hanson active set; numpy only).
+
+    Columns are scaled to unit norm first so that features of very different magnitudes
+    (tokens vs. context sums) share one tolerance; all-zero columns get coefficient 0.
+    """
+    norms = np.linalg.norm(a, axis=0)
+    live = norms > 0
+    scaled = a[:, live] / norms[live]
+    solution = np.zeros(a.shape[1])
+    solution[live] = _lawson_hanson(scaled, b, max_iter or 30 * scaled.shape[1]) / norms[live]
+    return solution
+
+
+def _lawson_hanson(a: np.ndarray, b: np.ndarray, max_iter: int) -> np.ndarray:
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * max(a.shape) * max(1.0, float(np.abs(a).sum(axis=0).max()))
+    for _ in range(max_iter):
+        gradient = a.T @ (b - a @ x)
+        if passive.all() or gradient[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
+        x, passive = _feasible_step(a, b, x, passive, tol)
+    return x
+
+
+def _feasible_step(a: np.ndarray, b: np.ndarray, x: np.ndarray, passive: np.ndarray,
+                   tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """Solve on the passive set; walk back toward feasibility while a passive coefficient is <= 0."""
+    while True:
+        s = np.zeros_like(x)
+        s[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+        if (s[passive] > tol).all():
+            return s, passive
+        blocking = passive & (s <= tol)
+        gap = x[blocking] - s[blocking]
+        alpha = float(np.min(np.divide(x[blocking], gap, out=np.zeros_like(gap), where=gap > 0)))
+        x = x + alpha * (s - x)
+        passive = passive & (x > tol)
+        x[~passive] = 0.0
+        if not passive.any():
+            return x, passive

@@ -1,0 +1,177 @@
+"""A GPU (or CPU) as the cost model sees it: peaks, achievable efficiencies, fixed overheads, links.
+
+Profiles are JSON files: the bundled ones live in ``simulator/data/hardware/<name>.json`` (drop a new
+file there to add a name) and any other file loads by path. A profile may carry ``fitted`` entries,
+step-time coefficients measured on that machine (see ``cost_model.FittedCostModel``); a calibrated
+profile is just a profile file with that section filled in, saved with ``save``.
+
+Units: FLOP/s, bytes/s, bytes, seconds. ``mem_capacity`` is the total the device reports
+(``torch.cuda.mem_get_info``), which is what vLLM multiplies by ``gpu_memory_utilization``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+_HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
+_ALIASES = MappingProxyType({"h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100": "a100-80gb",
+                             "h200-141gb": "h200"})
+
+
+@dataclass(slots=True, frozen=True)
+class FittedParams:
+    """A linear step-time model measured for one model at one tensor-parallel size.
+
+    ``seconds = intercept_s + sum(coefficients[f] * features[f])`` with the feature names of
+    ``cost_model.FEATURE_NAMES``. ``model`` ``None`` means "any model" (a fit that was not labelled).
+    """
+
+    intercept_s: float
+    coefficients: Mapping[str, float]
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    num_samples: int = 0
+    rmse_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_non_negative("intercept_s", self.intercept_s)
+        _check_non_negative("rmse_s", self.rmse_s)
+        coefficients = dict(self.coefficients)
+        for key, value in coefficients.items():
+            _check_non_negative(f"coefficients[{key!r}]", value)
+        object.__setattr__(self, "coefficients", MappingProxyType(coefficients))
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
+        if not isinstance(self.num_samples, int) or self.num_samples < 0:
+            raise ValueError(f"num_samples must be a non-negative integer, got {self.num_samples!r}.")
+
+    def matches(self, model_name: str, tensor_parallel_size: int) -> bool:
+        same_model = self.model is None or self.model.lower() == model_name.lower()
+        return same_model and self.tensor_parallel_size == tensor_parallel_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "tensor_parallel_size": self.tensor_parallel_size,
+                "intercept_s": self.intercept_s, "coefficients": dict(self.coefficients),
+                "num_samples": self.num_samples, "rmse_s": self.rmse_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FittedParams:
+        return cls(**_known_keys(cls, data, "fitted"))
+
+
+@dataclass(slots=True, frozen=True)
+class HardwareProfile:
+    """One device. ``eff_*`` scale the published peaks to what kernels achieve; the overheads are
+    added to every step (``step_overhead_s``), per layer and per scheduled sequence."""
+
+    name: str
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
+    mem_bandwidth: float  # bytes/s
+    mem_capacity: int  # bytes
+    eff_compute: float
+    eff_memory: float
+    step_overhead_s: float
+    per_layer_overhead_s: float
+    per_seq_overhead_s: float
+    interconnect_bandwidth: float  # all-reduce bus bandwidth per GPU, bytes/s (nccl-tests busbw)
+    interconnect_latency_s: float  # fixed cost of one all-reduce
+    pcie_bandwidth: float  # host<->device copies (swap), bytes/s
+    notes: str = ""
+    fitted: tuple[FittedParams, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name must be a non-empty string.")
+        for key in ("peak_flops", "mem_bandwidth", "mem_capacity", "interconnect_bandwidth", "pcie_bandwidth"):
+            _check_positive(key, getattr(self, key))
+        for key in ("eff_compute", "eff_memory"):
+            value = getattr(self, key)
+            _check_positive(key, value)
+            if value > 1.0:
+                raise ValueError(f"{key} must be in (0, 1], got {value!r}.")
+        for key in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s", "interconnect_latency_s"):
+            _check_non_negative(key, getattr(self, key))
+        object.__setattr__(self, "fitted", tuple(self.fitted))
+
+    def find_fitted(self, model_name: str, tensor_parallel_size: int = 1) -> FittedParams | None:
+        """The fit for this model and TP size: an exact model match first, then an unlabelled one."""
+        matches = [f for f in self.fitted if f.matches(model_name, tensor_parallel_size)]
+        matches.sort(key=lambda f: f.model is None)
+        return matches[0] if matches else None
+
+    def with_fitted(self, params: FittedParams) -> HardwareProfile:
+        """A copy holding ``params``, replacing any fit for the same model and TP size."""
+        kept = tuple(f for f in self.fitted
+                     if (f.model, f.tensor_parallel_size) != (params.model, params.tensor_parallel_size))
+        return replace(self, fitted=kept + (params,))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fitted"}
+        data["fitted"] = [f.to_dict() for f in self.fitted]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
+        values = _known_keys(cls, data, "hardware profile")
+        fitted = values.pop("fitted", None) or []
+        if isinstance(fitted, Mapping):  # a single entry written without the list
+            fitted = [fitted]
+        return cls(**values, fitted=tuple(FittedParams.from_dict(f) for f in fitted))
+
+    def save(self, path: str | Path) -> Path:
+        """Write as JSON (loadable with ``load_hardware(path)``); returns the path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+def load_hardware(name_or_path: str | Path) -> HardwareProfile:
+    """A profile JSON by path, or a bundled name (case-insensitive, see ``bundled_hardware_names``)."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        path = _bundled_path(str(name_or_path))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hardware profile {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ValueError(f"hardware profile {str(path)!r} must hold a JSON object.")
+    return HardwareProfile.from_dict(data)
+
+
+def bundled_hardware_names() -> list[str]:
+    return sorted(p.stem for p in _HARDWARE_DIR.glob("*.json"))
+
+
+def _bundled_path(name: str) -> Path:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    path = _HARDWARE_DIR / f"{key}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown hardware {name!r}: not a profile file and not a bundled profile. "
+                         f"Valid names: {', '.join(bundled_hardware_names())}.")
+    return path
+
+
+def _known_keys(cls: type, data: Mapping[str, Any], what: str) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{what} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}.")
+    return dict(data)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}.")
+
+
+def _check_non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}.")

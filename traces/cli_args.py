@@ -1,0 +1,134 @@
+"""Command-line flags that pick and shape a workload, shared by every entry point that replays one.
+
+``trace_from_args`` applies them in this order:
+
+1. ``--trace``: a bundled trace, a file, or ``synthetic`` (built from ``--num-requests``,
+   ``--request-rate``, ``--burstiness``, ``--input-len``, ``--output-len``, ``--range-ratio``,
+   ``--prefix-len``, ``--prefix-share`` and ``--seed``; those flags are refused with a real trace);
+2. ``--time-window START:END`` (seconds of the trace, re-based to 0);
+3. ``--num-requests N`` (the first N, for a real trace);
+4. ``--time-scale K`` (K times the rate);
+5. ``--tenants name=weight,...`` then ``--priorities prio=weight,...`` (seeded draws, ``--seed``);
+6. ``--max-model-len`` (``clip_lengths``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from twinserve.traces.errors import TraceError
+from twinserve.traces.loaders import BUNDLED_TRACES, load_trace
+from twinserve.traces.synthetic import SyntheticConfig, synthetic_trace
+from twinserve.traces.trace_request import TraceRequest
+from twinserve.traces.transforms import (assign_priorities, assign_tenants, clip_lengths, first_n,
+                                         scale_time, time_window)
+
+SYNTHETIC = "synthetic"
+# Flags only a synthetic workload takes; each destination is the SyntheticConfig field of that name.
+SYNTHETIC_FLAGS = ("request_rate", "burstiness", "input_len", "output_len", "range_ratio", "prefix_len",
+                   "prefix_share")
+K = TypeVar("K", str, int)
+
+
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    """Adds the workload flags (see the module docstring for the order they apply in)."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--trace", default="azure-conv",
+                   help=f"{', '.join(BUNDLED_TRACES)}, {SYNTHETIC}, or a .csv/.jsonl trace file")
+    g.add_argument("--num-requests", type=int, help="first N requests (synthetic: how many; default 1000)")
+    g.add_argument("--time-window", metavar="START:END", help="keep arrivals in [START, END) seconds")
+    g.add_argument("--time-scale", type=float, help="replay K times as fast (arrivals / K)")
+    g.add_argument("--request-rate", type=float, help="synthetic: requests/s (default inf: all at t=0)")
+    g.add_argument("--burstiness", type=float, help="synthetic: gamma shape of the gaps (1 = Poisson)")
+    g.add_argument("--input-len", type=int, help="synthetic: prompt tokens besides the prefix")
+    g.add_argument("--output-len", type=int, help="synthetic: output tokens")
+    g.add_argument("--range-ratio", type=float, help="synthetic: lengths uniform in len*(1 +- r)")
+    g.add_argument("--prefix-len", type=int, help="synthetic: shared system-prompt tokens")
+    g.add_argument("--prefix-share", type=float, help="synthetic: fraction of requests sharing it")
+    g.add_argument("--tenants", metavar="NAME=W,...", help="assign tenants with these weights")
+    g.add_argument("--priorities", metavar="PRIO=W,...", help="assign priorities with these weights")
+    g.add_argument("--max-model-len", type=int, help="clip prompt+output to fit (see clip_lengths)")
+    g.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+
+
+@contextlib.contextmanager
+def _flag(name: str) -> Iterator[None]:
+    """Re-raises a ValueError from inside as one that names the flag (a TraceError passes unchanged)."""
+    try:
+        yield
+    except TraceError:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
+    """The workload the flags describe, transformed in the documented order."""
+    if isinstance(args.seed, bool) or not isinstance(args.seed, int) or args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {args.seed!r}.")
+    reqs = _source(args)
+    if args.time_window is not None:
+        with _flag("--time-window"):
+            reqs = time_window(reqs, *parse_window(args.time_window))
+    if args.num_requests is not None and args.trace != SYNTHETIC:
+        with _flag("--num-requests"):
+            reqs = first_n(reqs, args.num_requests)
+    if args.time_scale is not None:
+        with _flag("--time-scale"):
+            reqs = scale_time(reqs, args.time_scale)
+    if args.tenants is not None:
+        with _flag("--tenants"):
+            reqs = assign_tenants(reqs, parse_weights(args.tenants, str), seed=args.seed)
+    if args.priorities is not None:
+        with _flag("--priorities"):
+            reqs = assign_priorities(reqs, parse_weights(args.priorities, int), seed=args.seed)
+    if args.max_model_len is not None:
+        with _flag("--max-model-len"):
+            reqs = clip_lengths(reqs, args.max_model_len)
+    return reqs
+
+
+def _source(args: argparse.Namespace) -> list[TraceRequest]:
+    given = {dest: getattr(args, dest) for dest in SYNTHETIC_FLAGS if getattr(args, dest) is not None}
+    if args.trace != SYNTHETIC:
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise ValueError(f"{flag} applies only to --trace {SYNTHETIC}.")
+        with _flag("--trace"):
+            return load_trace(args.trace)
+    with _flag("--num-requests"):
+        num = 1000 if args.num_requests is None else args.num_requests
+        SyntheticConfig(num_requests=num)
+    for dest, value in given.items():  # validate one flag at a time so the error names it
+        with _flag("--" + dest.replace("_", "-")):
+            SyntheticConfig(**{dest: value})
+    return synthetic_trace(SyntheticConfig(num_requests=num, seed=args.seed, **given))
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """``"START:END"`` -> (start, end) seconds; END may be empty (= no end)."""
+    start, sep, end = text.partition(":")
+    if not sep:
+        raise ValueError(f"expected START:END in seconds, got {text!r}.")
+    try:
+        return float(start or 0.0), float(end) if end else math.inf
+    except ValueError:
+        raise ValueError(f"expected START:END in seconds, got {text!r}.") from None
+
+
+def parse_weights(text: str, key_type: Callable[[str], K]) -> dict[K, float]:
+    """``"a=3,b=1"`` -> {"a": 3.0, "b": 1.0} with keys converted by ``key_type``."""
+    weights: dict[K, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            weights[key_type(key.strip())] = float(value)
+        except ValueError:
+            raise ValueError(f"expected KEY=WEIGHT,... got {item!r} in {text!r}.") from None
+    return weights

@@ -1,0 +1,115 @@
+"""One request of a workload: when it arrives, how long it is, and which prompt blocks it shares.
+
+A trace carries lengths, never text, so the prompt is made up on demand by ``prompt_token_ids``:
+deterministic ids in ``[LOWEST_TOKEN_ID, vocab_size)``. The first ``num_prefix_tokens`` tokens are a
+function of the shared prefix block ids only (so the engine's prefix cache finds exactly the sharing the
+trace records); the rest are a function of ``request_id`` (so nothing else is shared by accident).
+
+A prefix block id stands for ``prefix_block_tokens`` tokens: 512 for Mooncake's ``hash_ids``, the whole
+shared prefix for a synthetic system prompt (one id), 16 for hand-made block lists. Token ``p`` of the
+prefix is ``mix(seed(prefix_blocks[p // prefix_block_tokens]) + p % prefix_block_tokens)``, so the tokens
+depend on the block id and the offset only, never on the engine's KV block size; the last block may cover
+fewer tokens than ``prefix_block_tokens`` (it stops at ``input_tokens``). Keeping the trace's own block
+granularity (instead of expanding every 512-token id into 32 ids of 16 tokens) keeps the Mooncake trace
+at ~0.3 M ints in memory rather than ~9 M, and produces the same tokens for every shared block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+LOWEST_TOKEN_ID = 16  # ids below this are left to special tokens (BOS, EOS, PAD, ...)
+MAX_BLOCK_ID = 2**63 - 1
+
+_PREFIX_SALT = 0x5AFE_B10C_0000_0001
+_U64 = np.uint64
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic, vectorised)."""
+    z = x + _U64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return z ^ (z >> _U64(31))
+
+
+def stable_seed(text: str) -> int:
+    """A 64-bit seed from a string, identical across processes (unlike the salted ``hash()``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _check_count(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    """A request spec from a trace or a synthetic workload; times in seconds from the trace start."""
+
+    request_id: str
+    arrival_time: float
+    input_tokens: int
+    output_tokens: int
+    tenant: str = "default"
+    priority: int = 0
+    prefix_blocks: tuple[int, ...] = ()  # shared prompt blocks, in prompt order
+    prefix_block_tokens: int = 16  # tokens each prefix block id stands for
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}.")
+        if not isinstance(self.arrival_time, (int, float)) or not math.isfinite(self.arrival_time) \
+                or self.arrival_time < 0:
+            raise ValueError(f"arrival_time must be a finite number >= 0, got {self.arrival_time!r}.")
+        _check_count("input_tokens", self.input_tokens, 1)
+        _check_count("output_tokens", self.output_tokens, 1)
+        _check_count("priority", self.priority, -(2**63))
+        _check_count("prefix_block_tokens", self.prefix_block_tokens, 1)
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}.")
+        self._check_prefix_blocks()
+
+    def _check_prefix_blocks(self) -> None:
+        if not isinstance(self.prefix_blocks, tuple):
+            raise ValueError(f"prefix_blocks must be a tuple, got {type(self.prefix_blocks).__name__}.")
+        blocks = self.prefix_blocks
+        # Whole-tuple checks in C: this runs for every copy a transform makes of a long Mooncake prompt.
+        if blocks and (not set(map(type, blocks)) <= {int}
+                       or min(blocks) < 0 or max(blocks) > MAX_BLOCK_ID):
+            raise ValueError(f"prefix_blocks must hold ints in [0, 2**63), got {blocks!r}.")
+        # Every block must cover at least one prompt token; the last one may be partial.
+        if (len(self.prefix_blocks) - 1) * self.prefix_block_tokens >= self.input_tokens:
+            raise ValueError(
+                f"prefix_blocks: {len(self.prefix_blocks)} blocks of {self.prefix_block_tokens} tokens "
+                f"do not fit in input_tokens={self.input_tokens}.")
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Prompt tokens that come from the shared prefix blocks."""
+        return min(len(self.prefix_blocks) * self.prefix_block_tokens, self.input_tokens)
+
+    def prompt_token_ids(self, vocab_size: int, block_size: int = 16) -> list[int]:
+        """Exactly ``input_tokens`` deterministic ids in ``[LOWEST_TOKEN_ID, vocab_size)``.
+
+        ``block_size`` (the engine's KV block size) is accepted so callers may pass it, but the tokens
+        do not depend on it: the same request gives the same prompt under any engine setting.
+        """
+        _check_count("vocab_size", vocab_size, LOWEST_TOKEN_ID + 1)
+        _check_count("block_size", block_size, 1)
+        n_prefix = self.num_prefix_tokens
+        positions = np.arange(self.input_tokens, dtype=_U64)
+        keys = np.empty(self.input_tokens, dtype=_U64)
+        if n_prefix:
+            blocks = np.array(self.prefix_blocks, dtype=_U64) ^ _U64(_PREFIX_SALT)
+            block_seeds = _mix(blocks)
+            head = positions[:n_prefix]
+            keys[:n_prefix] = block_seeds[head // _U64(self.prefix_block_tokens)] \
+                + head % _U64(self.prefix_block_tokens)
+        keys[n_prefix:] = _U64(stable_seed(self.request_id)) + positions[n_prefix:]
+        ids = _mix(keys) % _U64(vocab_size - LOWEST_TOKEN_ID) + _U64(LOWEST_TOKEN_ID)
+        return ids.tolist()

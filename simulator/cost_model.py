@@ -51,18 +51,11 @@ _NON_TORCH_RESERVE_BYTES = 512 * 2**20  # CUDA context, cuBLAS/NCCL workspaces, 
 
 
 def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) -> int:
-    """The part of ``sum_context_tokens`` owed to decodes (see the module docstring)."""
-    exact = getattr(out, "sum_decode_context_tokens", None)
-    if exact is not None:
-        return exact
-    total, prefill = out.sum_context_tokens, out.num_prefill_tokens
-    if prefill == 0:
-        return total
-    chunks = max(1, out.num_prefill_seqs)
-    estimate = max(0, total - (prefill * (prefill / chunks + 1) // 2))
+    """The part of ``sum_context_tokens`` owed to decodes (the scheduler counts it exactly)."""
+    decode = out.sum_decode_context_tokens
     if max_context is not None:
-        estimate = min(estimate, out.num_decode_seqs * max_context)
-    return int(estimate)
+        decode = min(decode, out.num_decode_seqs * max_context)
+    return decode
 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:

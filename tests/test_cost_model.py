@@ -37,7 +37,8 @@ MODELS_DIR = Path(__file__).resolve().parents[1] / "simulator" / "data" / "model
 def decode_step(batch: int, context: int) -> SchedulerOutput:
     """``batch`` decodes, each attending to ``context`` positions."""
     return SchedulerOutput(total_num_scheduled_tokens=batch, num_decode_tokens=batch, num_decode_seqs=batch,
-                           sum_context_tokens=batch * context)
+                           sum_context_tokens=batch * context,
+                           sum_decode_context_tokens=batch * context)
 
 
 def prefill_step(tokens: int, cached: int = 0, chunks: int = 1) -> SchedulerOutput:
@@ -222,12 +223,10 @@ def test_decode_context_split() -> None:
     fresh = prefill_step(100, chunks=3)
     mixed = SchedulerOutput(total_num_scheduled_tokens=fresh.total_num_scheduled_tokens + 8,
                             num_prefill_tokens=300, num_prefill_seqs=3, num_decode_tokens=8, num_decode_seqs=8,
-                            sum_context_tokens=fresh.sum_context_tokens + 8 * 700)
+                            sum_context_tokens=fresh.sum_context_tokens + 8 * 700,
+                            sum_decode_context_tokens=8 * 700)
     assert decode_context_tokens(mixed) == 8 * 700  # fresh equal chunks: exact
     assert decode_context_tokens(decode_step(5, 40)) == 200
-    given = SimpleNamespace(**{name: getattr(mixed, name) for name in mixed.__slots__},
-                            sum_decode_context_tokens=1234)
-    assert decode_context_tokens(given) == 1234
     assert step_features(mixed)["sum_decode_context_tokens"] == 5600
 
 
@@ -276,9 +275,11 @@ def synthetic_samples(truth: dict[str, float], intercept: float, n: int, noise: 
     samples = []
     for _ in range(n):
         d, p, k = int(rng.integers(0, 128)), int(rng.integers(0, 4096)), int(rng.integers(1, 5))
+        decode_ctx = d * int(rng.integers(1, 8192))
         step = SchedulerOutput(total_num_scheduled_tokens=d + p, num_prefill_tokens=p, num_prefill_seqs=k,
                                num_decode_tokens=d, num_decode_seqs=d,
-                               sum_context_tokens=d * int(rng.integers(1, 8192)) + p * int(rng.integers(1, 4096)))
+                               sum_context_tokens=decode_ctx + p * int(rng.integers(1, 4096)),
+                               sum_decode_context_tokens=decode_ctx)
         features = step_features(step)
         seconds = intercept + sum(truth.get(f, 0.0) * v for f, v in features.items())
         samples.append((features, seconds * (1 + noise * rng.standard_normal())))

@@ -182,5 +182,6 @@ class StepRecord:
     num_waiting: int
     kv_usage: float
     num_preempted: int
+    replica: int = 0
     # tokens computed this step per tenant: (prefill tokens, output tokens)
     tenant_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -26,7 +26,7 @@ REQUEST_COLUMNS = (
 )
 STEP_COLUMNS = (
     "time", "duration", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_running",
-    "num_waiting", "kv_usage", "num_preempted",
+    "num_waiting", "kv_usage", "num_preempted", "replica",
 )
 TENANT_COLUMNS = ("time", "tenant", "prefill_tokens", "output_tokens")
 
@@ -77,7 +77,7 @@ def _write_steps(out: Path, steps: list[StepRecord]) -> None:
         for s in steps:
             ws.writerow([_fmt(s.time), _fmt(s.duration), s.num_seqs, s.num_prefill_tokens,
                          s.num_decode_tokens, s.num_running, s.num_waiting, f"{s.kv_usage:.6f}",
-                         s.num_preempted])
+                         s.num_preempted, s.replica])
             for tenant in sorted(s.tenant_tokens):
                 p, o = s.tenant_tokens[tenant]
                 wt.writerow([_fmt(s.time), tenant, p, o])

@@ -1,0 +1,274 @@
+"""The report's plotly figures. Each builder returns ``None`` when its data is absent (no steps.csv,
+one tenant, one priority class, no simulator/real pair), so a page never shows an empty chart."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from twinserve.core.metrics import LATENCY_METRICS
+from twinserve.reports.compare import COMPARED_METRICS, pair_sim_real, sim_vs_real
+from twinserve.reports.runs import Run
+from twinserve.reports.sampling import (
+    decimate_last, decimate_mean, ecdf_points, rate_in_windows)
+from twinserve.reports.stats import metric_values_ms
+from twinserve.reports.tables import summary_table
+
+PALETTE = qualitative.Plotly + qualitative.D3
+METRIC_TITLES = {"ttft": "TTFT (ms)", "tpot": "TPOT (ms)", "itl": "ITL (ms)", "e2el": "E2EL (ms)"}
+STEP_SERIES = (("num_waiting", "queue length (waiting)"), ("num_seqs", "batch size (seqs)"),
+               ("kv_usage", "KV cache usage"))
+SWEEP_PANELS = (
+    ("request throughput (req/s)", ("request_throughput",)),
+    ("output throughput (tok/s)", ("output_throughput",)),
+    ("TTFT (ms): mean solid, p90 dashed", ("mean_ttft_ms", "p90_ttft_ms")),
+    ("E2EL (ms): mean solid, p90 dashed", ("mean_e2el_ms", "p90_e2el_ms")),
+)
+FAIRNESS_WINDOWS = 100
+LEGEND_LIFT_PX = 30
+LOG_AXIS_SPREAD = 100.0  # a latency axis goes logarithmic when max / min exceeds this
+
+
+def color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    """Title on top, then the legend in one row, then the subplot titles (which sit just above the
+    plot area): the legend is lifted by LEGEND_LIFT_PX above the plot area, in paper units."""
+    top, bottom = 110, 50
+    fig.update_layout(title={"text": title, "y": 1 - 18 / height, "yanchor": "top"},
+                      height=height, template="plotly_white",
+                      margin={"l": 60, "r": 20, "t": top, "b": bottom},
+                      legend={"orientation": "h", "yanchor": "bottom", "x": 0,
+                              "y": 1 + LEGEND_LIFT_PX / (height - top - bottom)})
+    return fig
+
+
+def _wide_range(values: list[np.ndarray]) -> bool:
+    """True when positive values span more than LOG_AXIS_SPREAD (a log axis reads better)."""
+    pos = np.concatenate([v[v > 0] for v in values]) if values else np.array([])
+    return len(pos) > 1 and pos.max() / pos.min() > LOG_AXIS_SPREAD
+
+
+def latency_cdfs(runs: list[Run]) -> go.Figure | None:
+    """TTFT, TPOT, ITL and E2EL empirical CDFs, one trace per run (one legend entry per run)."""
+    values = {m: [metric_values_ms(run, m) for run in runs] for m in LATENCY_METRICS}
+    if not any(len(v) for vs in values.values() for v in vs):
+        return None
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[METRIC_TITLES[m] for m in LATENCY_METRICS],
+                        horizontal_spacing=0.08, vertical_spacing=0.14)
+    for k, metric in enumerate(LATENCY_METRICS):
+        row, col = divmod(k, 2)
+        for i, (run, vals) in enumerate(zip(runs, values[metric])):
+            x, y = ecdf_points(vals)
+            fig.add_trace(go.Scatter(
+                x=x, y=y, mode="lines", name=run.display_name, legendgroup=run.display_name,
+                showlegend=k == 0, line={"color": color(i)},
+                hovertemplate="%{x:.1f} ms: %{y:.3f}<extra>" + run.display_name + "</extra>"),
+                row=row + 1, col=col + 1)
+        fig.update_yaxes(title_text="CDF", range=[0, 1.02], row=row + 1, col=col + 1)
+        if _wide_range(values[metric]):
+            fig.update_xaxes(type="log", row=row + 1, col=col + 1)
+    return _base_layout(fig, "Latency CDFs (successful requests)", 760)
+
+
+def sweep_frame(runs: list[Run], sweep: pd.DataFrame | None = None) -> pd.DataFrame | None:
+    """Rows of (series, request_rate, metrics...): ``sweep`` if given (series from its ``series``,
+    ``backend`` or ``run`` column), else the runs whose config carries a finite ``request_rate``
+    (series: backend, plus policy when named). ``None`` unless some series has two rates."""
+    df = _sweep_from_table(sweep) if sweep is not None else _sweep_from_runs(runs)
+    if df is None or df.empty:
+        return None
+    if df.groupby("series")["request_rate"].nunique().max() < 2:
+        return None
+    return df.sort_values(["series", "request_rate"])
+
+
+def _sweep_from_table(sweep: pd.DataFrame) -> pd.DataFrame | None:
+    if "request_rate" not in sweep.columns:
+        raise ValueError("the sweep table needs a request_rate column")
+    df = sweep.copy()
+    label = next((c for c in ("series", "backend", "run") if c in df.columns), None)
+    df["series"] = df[label].astype(str) if label else "sweep"
+    df["request_rate"] = pd.to_numeric(df["request_rate"], errors="coerce")
+    return df[np.isfinite(df["request_rate"])]
+
+
+def _sweep_from_runs(runs: list[Run]) -> pd.DataFrame | None:
+    rated = [r for r in runs if _finite_rate(r.config.get("request_rate"))]
+    if not rated:
+        return None
+    df = summary_table(rated)
+    df["request_rate"] = df["request_rate"].astype(float)
+    df["series"] = [_series_name(r) for r in rated]
+    return df
+
+
+def _finite_rate(value: object) -> bool:
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
+def _series_name(run: Run) -> str:
+    policy = run.config.get("policy")
+    return f"{run.backend} {policy}" if isinstance(policy, str) else run.backend
+
+
+def rate_sweep(runs: list[Run], sweep: pd.DataFrame | None = None) -> go.Figure | None:
+    """Throughput and latency against request rate, one line per series (p90 dashed)."""
+    df = sweep_frame(runs, sweep)
+    if df is None:
+        return None
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[t for t, _ in SWEEP_PANELS],
+                        horizontal_spacing=0.08, vertical_spacing=0.14)
+    for i, (series, group) in enumerate(df.groupby("series", sort=True)):
+        for k, (_, columns) in enumerate(SWEEP_PANELS):
+            for j, column in enumerate(c for c in columns if c in group.columns):
+                fig.add_trace(go.Scatter(
+                    x=group["request_rate"], y=group[column], mode="lines+markers",
+                    name=str(series), legendgroup=str(series), showlegend=k == 0,
+                    line={"color": color(i), "dash": "dash" if j else "solid"},
+                    hovertemplate=f"{column}: %{{y:.4g}} at %{{x:.3g}} req/s<extra>{series}</extra>"),
+                    row=k // 2 + 1, col=k % 2 + 1)
+    fig.update_xaxes(title_text="request rate (req/s)")
+    return _base_layout(fig, "Throughput and latency against request rate", 760)
+
+
+def engine_timeseries(runs: list[Run]) -> go.Figure | None:
+    """Queue length, batch size and KV usage over time from steps.csv, one trace per run."""
+    with_steps = [(i, r) for i, r in enumerate(runs) if r.steps is not None]
+    if not with_steps:
+        return None
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=[t for _, t in STEP_SERIES])
+    for i, run in with_steps:
+        steps = decimate_mean(run.steps.sort_values("time"), "time")
+        for k, (column, _) in enumerate(STEP_SERIES):
+            fig.add_trace(go.Scatter(
+                x=steps["time"], y=steps[column], mode="lines", name=run.display_name,
+                legendgroup=run.display_name, showlegend=k == 0, line={"color": color(i)}),
+                row=k + 1, col=1)
+    fig.update_xaxes(title_text="time since run start (s)", row=3, col=1)
+    fig.update_yaxes(range=[0, 1.02], row=3, col=1)
+    return _base_layout(fig, "Engine state over time (steps.csv)", 820)
+
+
+def tenant_service(tenants: pd.DataFrame) -> pd.DataFrame:
+    """tenants.csv with ``service`` = prefill_tokens + 2 * output_tokens (VTC's weights)."""
+    out = tenants.copy()
+    out["tenant"] = out["tenant"].astype(str)
+    out["service"] = out["prefill_tokens"] + 2.0 * out["output_tokens"]
+    return out.sort_values("time", kind="stable")
+
+
+def _multi_tenant(run: Run) -> bool:
+    return run.tenants is not None and run.tenants["tenant"].nunique() > 1
+
+
+def fairness(runs: list[Run]) -> go.Figure | None:
+    """Per run with two or more tenants: each tenant's service rate over time (left) and cumulative
+    service (right); one colour per tenant across runs."""
+    fair = [r for r in runs if _multi_tenant(r)]
+    if not fair:
+        return None
+    tenant_names = sorted({t for r in fair for t in r.tenants["tenant"].astype(str)})
+    colors = {t: color(i) for i, t in enumerate(tenant_names)}
+    titles = [t for r in fair for t in (f"{r.display_name}: service rate (tok/s)",
+                                        f"{r.display_name}: cumulative service (tokens)")]
+    fig = make_subplots(rows=len(fair), cols=2, subplot_titles=titles, horizontal_spacing=0.08,
+                        vertical_spacing=min(0.12, 0.3 / len(fair)))
+    shown: set[str] = set()
+    for row, run in enumerate(fair, start=1):
+        _add_fairness_row(fig, tenant_service(run.tenants), row, colors, shown)
+        fig.update_xaxes(title_text="time (s)", row=row)
+    return _base_layout(fig, "Per-tenant service (prefill + 2 x output tokens)", 120 + 320 * len(fair))
+
+
+def _add_fairness_row(fig: go.Figure, service: pd.DataFrame, row: int, colors: dict[str, str],
+                      shown: set[str]) -> None:
+    t0, t1 = float(service["time"].min()), float(service["time"].max())
+    windows = max(1, min(FAIRNESS_WINDOWS, service["time"].nunique()))
+    for tenant, group in service.groupby("tenant", sort=True):
+        x, rate = rate_in_windows(group["time"], group["service"], t0, t1, windows)
+        cum = decimate_last(group.assign(cum=group["service"].cumsum()), "time")
+        style = {"name": tenant, "legendgroup": tenant, "line": {"color": colors[tenant]}}
+        fig.add_trace(go.Scatter(x=x, y=rate, mode="lines", showlegend=tenant not in shown,
+                                 **style), row=row, col=1)
+        fig.add_trace(go.Scatter(x=cum["time"], y=cum["cum"], mode="lines", showlegend=False,
+                                 **style), row=row, col=2)
+        shown.add(tenant)
+
+
+def _box_stats(values: np.ndarray) -> dict[str, float]:
+    """Tukey box: quartiles, mean, whiskers at the furthest values within 1.5 IQR."""
+    q1, med, q3 = np.percentile(values, [25, 50, 75])
+    lo, hi = q1 - 1.5 * (q3 - q1), q3 + 1.5 * (q3 - q1)
+    inside = values[(values >= lo) & (values <= hi)]
+    return {"q1": q1, "median": med, "q3": q3, "mean": float(values.mean()),
+            "lowerfence": float(inside.min()), "upperfence": float(inside.max())}
+
+
+def ttft_by_priority(runs: list[Run]) -> go.Figure | None:
+    """TTFT per priority class, one box per run and class (statistics precomputed: small pages)."""
+    classes = sorted({int(p) for r in runs for p in r.ok_requests["priority"].unique()})
+    if len(classes) < 2:
+        return None
+    fig = go.Figure()
+    for i, run in enumerate(runs):
+        ok = run.ok_requests.dropna(subset=["ttft_ms"])
+        groups = [(p, g["ttft_ms"].to_numpy(dtype=float)) for p, g in ok.groupby("priority")]
+        stats = [(f"priority {p}", _box_stats(v)) for p, v in groups if len(v)]
+        if not stats:
+            continue
+        fig.add_trace(go.Box(
+            x=[name for name, _ in stats], name=run.display_name, marker={"color": color(i)},
+            **{k: [s[k] for _, s in stats] for k in stats[0][1]}))
+    fig.update_layout(boxmode="group", yaxis_title="TTFT (ms)", xaxis_title="priority class")
+    return _base_layout(fig, "TTFT by priority class", 480)
+
+
+def sim_vs_real_figure(runs: list[Run]) -> go.Figure | None:
+    """Every simulator/real pair: TTFT, TPOT and E2EL CDFs overlaid (simulator dashed), and the
+    relative error of each compared metric as bars."""
+    pairs = pair_sim_real(runs)
+    if not pairs:
+        return None
+    metrics = ("ttft", "tpot", "e2el")
+    fig = make_subplots(
+        rows=2, cols=3, specs=[[{}, {}, {}], [{"colspan": 3}, None, None]],
+        subplot_titles=[*(METRIC_TITLES[m] for m in metrics), "relative error (sim - real) / real"],
+        vertical_spacing=0.16, horizontal_spacing=0.07)
+    drawn: set[str] = set()
+    for i, (sim, real) in enumerate(pairs):
+        _add_pair_cdfs(fig, sim, real, metrics, color(i), drawn)
+        errors = sim_vs_real(sim, real)
+        fig.add_trace(go.Bar(
+            x=list(COMPARED_METRICS), y=errors["rel_error"], name=f"{sim.name} vs {real.name}",
+            marker={"color": color(i)}, texttemplate="%{y:.1%}", textposition="outside",
+            cliponaxis=False),
+            row=2, col=1)
+    fig.update_yaxes(tickformat=".0%", row=2, col=1)
+    fig.update_yaxes(title_text="CDF", range=[0, 1.02], row=1)
+    return _base_layout(fig, "Simulation against reality", 820)
+
+
+def _add_pair_cdfs(fig: go.Figure, sim: Run, real: Run, metrics: tuple[str, ...], c: str,
+                   drawn: set[str]) -> None:
+    """Adds the CDFs of a pair; a real run already drawn (paired with an earlier sim) is not redrawn."""
+    todo = [(run, dash) for run, dash in ((real, "solid"), (sim, "dash"))
+            if run.display_name not in drawn]
+    drawn.update(run.display_name for run, _ in todo)
+    for col, metric in enumerate(metrics, start=1):
+        for run, dash in todo:
+            x, y = ecdf_points(metric_values_ms(run, metric))
+            fig.add_trace(go.Scatter(
+                x=x, y=y, mode="lines", name=run.display_name, legendgroup=run.display_name,
+                showlegend=col == 1, line={"color": c, "dash": dash}), row=1, col=col)

@@ -71,6 +71,9 @@ class SchedulingPolicy(ABC):
     def on_output_tokens(self, request: Request, num_tokens: int) -> None:
         """``num_tokens`` were generated for ``request`` this step (if ``accounts_tokens``)."""
 
+    def on_finish(self, request: Request) -> None:
+        """``request`` ended (finished, stopped or aborted), wherever it was."""
+
 
 class FifoQueue:
     """Arrival-order queue with O(1) add, requeue-at-front, peek, pop and lazy removal."""

@@ -53,9 +53,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy,
+                 stream_outputs: bool = True) -> None:
         self.config = config
         self.policy = policy
+        self.stream_outputs = stream_outputs
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size,
                                  config.enable_prefix_caching, config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}
@@ -133,22 +135,39 @@ class Scheduler:
                           now: float) -> tuple[int, bool]:
         running = self.running
         allocate = self.kv.allocate_slots
+        scheduled = out.scheduled
         preempted = False
+        num_decodes = decode_context = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = self._num_new_tokens(request, budget)
+            start = request.num_computed_tokens
+            n = len(request.all_token_ids) - start
+            if n != 1:
+                n = self._num_new_tokens(request, budget)
             table = allocate(request, n)
             while table is None:
                 victim = self.policy.select_victim(running[i:])
                 self._preempt(victim, out, now)
                 preempted = True
                 if victim is request:
-                    return budget, preempted
+                    break
                 table = allocate(request, n)
-            self._add_scheduled(out, request, n, table.ids)
+            if table is None:
+                break
             budget -= n
             i += 1
+            if n == 1 and start >= request.num_prompt_tokens:  # the common case, counted inline
+                scheduled.append(ScheduledRequest(request, start, 1, table.ids, True))
+                num_decodes += 1
+                decode_context += start + 1
+            else:
+                self._add_scheduled(out, request, n, table.ids)
+        out.total_num_scheduled_tokens += num_decodes
+        out.num_decode_tokens += num_decodes
+        out.num_decode_seqs += num_decodes
+        out.sum_context_tokens += decode_context
+        out.sum_decode_context_tokens += decode_context
         return budget, preempted
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
@@ -289,57 +308,64 @@ class Scheduler:
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
                            now: float) -> list[EngineCoreOutput]:
+        """Applies a step's results. Returns one output per request that got tokens (only the
+        finished ones when the scheduler was built with ``stream_outputs=False``)."""
         outputs: list[EngineCoreOutput] = []
         kv = self.kv
         caching = kv.enable_caching
         block_size = kv.block_size
         sampled = result.sampled_token_ids
+        logprobs = result.logprobs
+        stream = self.stream_outputs
         any_finished = False
         for sr in out.scheduled:
             request = sr.request
-            if request.is_finished:  # aborted while the step ran
+            if request.status > RequestStatus.PREEMPTED:  # aborted while the step ran
                 continue
-            num_computed = request.num_computed_tokens = sr.start + sr.num_new_tokens
-            if sr.start < request.num_prompt_tokens:
-                self.num_prompt_tokens += min(sr.num_new_tokens,
-                                              request.num_prompt_tokens - sr.start)
-            if caching and num_computed % block_size < sr.num_new_tokens:
+            start, n = sr.start, sr.num_new_tokens
+            num_computed = request.num_computed_tokens = start + n
+            if start < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(n, request.num_prompt_tokens - start)
+            if caching and num_computed % block_size < n:
                 kv.cache_full_blocks(request)  # a block boundary was crossed
             if not sr.sample:
                 continue
             tokens = sampled.get(request.request_id)
             if not tokens:
                 raise RuntimeError(f"backend returned no token for {request.request_id!r}")
-            output = self._append_tokens(request, tokens, now, result)
-            outputs.append(output)
-            any_finished |= output.finished
+            tokens, status = self._append_tokens(request, tokens, now)
+            if status is not None:
+                self._finish(request, status, now)
+                any_finished = True
+            elif not stream:
+                continue
+            outputs.append(EngineCoreOutput(
+                request.request_id, tokens, status is not None, request.finish_reason,
+                request.stop_reason, request.num_cached_tokens or 0,
+                logprobs.get(request.request_id) if logprobs else None))
         if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
+            self.running = [r for r in self.running if r.status <= RequestStatus.PREEMPTED]
         return outputs
 
-    def _append_tokens(self, request: Request, tokens: list[int], now: float,
-                       result: ModelRunnerOutput) -> EngineCoreOutput:
+    def _append_tokens(self, request: Request, tokens: list[int],
+                       now: float) -> tuple[list[int], RequestStatus | None]:
+        """Appends sampled tokens up to the first stop; returns those kept and the stop."""
         status = None
+        check_stop = self._check_stop
         for k, token in enumerate(tokens):
             request.append_output_token(token, now)
-            status = self._check_stop(request, token)
+            status = check_stop(request, token)
             if status is not None:
-                tokens = tokens[:k + 1]
+                if k + 1 < len(tokens):
+                    tokens = tokens[:k + 1]
                 break
         self.num_generation_tokens += len(tokens)
         if self.policy.accounts_tokens:
             self.policy.on_output_tokens(request, len(tokens))
-        if request.sampling_params.n > 1 and request.parent_id is None \
+        if request.parent_id is None and request.sampling_params.n > 1 \
                 and len(request.output_token_ids) == len(tokens):
             self._fork_children(request, now)
-        if status is None:
-            return EngineCoreOutput(request.request_id, tokens, False, None, None,
-                                    request.num_cached_tokens or 0,
-                                    result.logprobs.get(request.request_id) if result.logprobs else None)
-        self._finish(request, status, now)
-        return EngineCoreOutput(request.request_id, tokens, True, request.finish_reason,
-                                request.stop_reason, request.num_cached_tokens or 0,
-                                result.logprobs.get(request.request_id) if result.logprobs else None)
+        return tokens, status
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -398,6 +424,7 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self.policy.on_finish(request)
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], arrival_time: float = 0.0,

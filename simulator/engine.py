@@ -1,0 +1,121 @@
+"""The SimPy twin of the GPU: an arrival process and one engine process per replica.
+
+Each engine process runs the very same step as the real engine::
+
+    out = scheduler.schedule(env.now)
+    yield env.timeout(cost_model.step_time(out))       # the GPU, modelled
+    scheduler.update_from_output(out, tokens, env.now) # tokens end each request at its trace length
+
+Requests carry ``max_tokens = output_tokens`` and ``ignore_eos``, so every request ends exactly at
+its trace output length whatever token the twin "samples".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import simpy
+
+from twinserve.core.metrics import RequestRecord, StepRecord
+from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from twinserve.core.request import Request
+from twinserve.core.scheduler import Scheduler
+from twinserve.simulator.router import Router
+
+SIMULATED_TOKEN = 17
+
+
+class _SameTokenForEveryRequest(dict):
+    """The twin's "sampler": every request that samples gets ``SIMULATED_TOKEN`` (saves building
+    a dict per step; the scheduler only calls ``get``)."""
+
+    _TOKENS = (SIMULATED_TOKEN,)
+
+    def get(self, key, default=None):  # noqa: ARG002
+        return list(self._TOKENS)
+
+
+@dataclass(slots=True)
+class Replica:
+    index: int
+    scheduler: Scheduler
+    step_time: Callable[[SchedulerOutput], float]
+    live: dict[str, Request] = field(default_factory=dict)
+    wakeup: simpy.Event | None = None
+
+
+@dataclass(slots=True)
+class SimRecorder:
+    """Collects finished requests and steps; ``on_finish`` lets a progress bar follow along."""
+
+    records: list[RequestRecord] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    record_tenants: bool = False
+    on_finish: Callable[[int], None] | None = None
+
+
+def arrival_process(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
+                    router: Router, recorder: SimRecorder):
+    """Releases each request at its arrival time to the replica the router picks."""
+    schedulers = [r.scheduler for r in replicas]
+    for request in requests:
+        delay = request.arrival_time - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        replica = replicas[router.route(request, schedulers)]
+        try:
+            replica.scheduler.add_request(request)
+        except ValueError as exc:  # can never run: recorded as failed, like a 400 from a server
+            recorder.records.append(_rejected(request, str(exc)))
+            if recorder.on_finish:
+                recorder.on_finish(1)
+            continue
+        replica.live[request.request_id] = request
+        if replica.wakeup is not None and not replica.wakeup.triggered:
+            replica.wakeup.succeed()
+
+
+def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecorder):
+    """One replica's engine loop: schedule, let the modelled GPU take its time, update."""
+    sched = replica.scheduler
+    sampled = ModelRunnerOutput(_SameTokenForEveryRequest())
+    while True:
+        if not sched.has_unfinished_requests():
+            replica.wakeup = env.event()
+            yield replica.wakeup
+            replica.wakeup = None
+        start = env.now
+        out = sched.schedule(start)
+        if not out.scheduled:
+            raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={start}")
+        duration = replica.step_time(out)
+        yield env.timeout(duration)
+        finished = [o.request_id for o in sched.update_from_output(out, sampled, env.now)
+                    if o.finished]
+        recorder.steps.append(_step_record(replica, out, start, duration, recorder.record_tenants))
+        for rid in finished:
+            recorder.records.append(RequestRecord.from_request(replica.live.pop(rid)))
+        if finished and recorder.on_finish:
+            recorder.on_finish(len(finished))
+
+
+def _step_record(replica: Replica, out: SchedulerOutput, start: float, duration: float,
+                 with_tenants: bool) -> StepRecord:
+    sched = replica.scheduler
+    tenants: dict[str, tuple[int, int]] = {}
+    if with_tenants:
+        for sr in out.scheduled:
+            p, o = tenants.get(sr.request.tenant, (0, 0))
+            tenants[sr.request.tenant] = (p + (sr.num_new_tokens if sr.is_prefill else 0),
+                                          o + sr.sample)
+    return StepRecord(start, duration, len(out.scheduled), out.num_prefill_tokens,
+                      out.num_decode_tokens, len(sched.running), sched.num_waiting, sched.kv.usage,
+                      len(out.preempted_request_ids), replica.index, tenants)
+
+
+def _rejected(request: Request, error: str) -> RequestRecord:
+    nan = float("nan")
+    return RequestRecord(request.request_id, request.arrival_time, nan, nan, nan,
+                         request.num_prompt_tokens, 0, tenant=request.tenant,
+                         priority=request.priority, finish_reason="", success=False, error=error)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
+from twinserve.core.scheduler import Scheduler
 
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -185,3 +187,17 @@ class StepRecord:
     replica: int = 0
     # tokens computed this step per tenant: (prefill tokens, output tokens)
     tenant_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_step(cls, out: SchedulerOutput, scheduler: Scheduler, start: float, duration: float,
+                  replica: int = 0, with_tenants: bool = True) -> "StepRecord":
+        """The record of a step just applied with ``update_from_output``."""
+        tenants: dict[str, tuple[int, int]] = {}
+        if with_tenants:
+            for sr in out.scheduled:
+                p, o = tenants.get(sr.request.tenant, (0, 0))
+                tenants[sr.request.tenant] = (p + (sr.num_new_tokens if sr.is_prefill else 0),
+                                              o + sr.sample)
+        return cls(start, duration, len(out.scheduled), out.num_prefill_tokens,
+                   out.num_decode_tokens, len(scheduler.running), scheduler.num_waiting,
+                   scheduler.kv.usage, len(out.preempted_request_ids), replica, tenants)

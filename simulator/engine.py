@@ -93,25 +93,12 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
         yield env.timeout(duration)
         finished = [o.request_id for o in sched.update_from_output(out, sampled, env.now)
                     if o.finished]
-        recorder.steps.append(_step_record(replica, out, start, duration, recorder.record_tenants))
+        recorder.steps.append(StepRecord.from_step(out, sched, start, duration, replica.index,
+                                                   recorder.record_tenants))
         for rid in finished:
             recorder.records.append(RequestRecord.from_request(replica.live.pop(rid)))
         if finished and recorder.on_finish:
             recorder.on_finish(len(finished))
-
-
-def _step_record(replica: Replica, out: SchedulerOutput, start: float, duration: float,
-                 with_tenants: bool) -> StepRecord:
-    sched = replica.scheduler
-    tenants: dict[str, tuple[int, int]] = {}
-    if with_tenants:
-        for sr in out.scheduled:
-            p, o = tenants.get(sr.request.tenant, (0, 0))
-            tenants[sr.request.tenant] = (p + (sr.num_new_tokens if sr.is_prefill else 0),
-                                          o + sr.sample)
-    return StepRecord(start, duration, len(out.scheduled), out.num_prefill_tokens,
-                      out.num_decode_tokens, len(sched.running), sched.num_waiting, sched.kv.usage,
-                      len(out.preempted_request_ids), replica.index, tenants)
 
 
 def _rejected(request: Request, error: str) -> RequestRecord:

@@ -1,0 +1,122 @@
+"""Turns the scheduler's per-step token outputs into ``RequestOutput``s: detokenization, stop
+strings, logprobs, and the n > 1 samples of one request gathered under its id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinserve.core.outputs import EngineCoreOutput
+from twinserve.core.request import Request
+from twinserve.core.request_output import CompletionOutput, RequestOutput
+from twinserve.core.scheduler import child_request_id
+from twinserve.gpu.detokenizer import IncrementalDetokenizer
+from twinserve.gpu.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    prompt: str | None
+    completions: list[CompletionOutput]
+    detokenizers: list[IncrementalDetokenizer | None]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, request: Request, prompt: str | None, detokenize: bool = True) -> None:
+        params = request.sampling_params
+        if params.stop and (self.tokenizer is None or not detokenize):
+            raise ValueError("stop strings need a tokenizer and detokenize=True.")
+
+        def detok() -> IncrementalDetokenizer | None:
+            if self.tokenizer is None or not detokenize:
+                return None
+            return self.tokenizer.detokenizer(
+                request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+
+        self.states[request.request_id] = RequestState(
+            request, prompt, [CompletionOutput(i) for i in range(params.n)],
+            [detok() for _ in range(params.n)])
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests and the sample ids a stop string ended (the engine
+        finishes those in the scheduler)."""
+        touched: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for o in outputs:
+            parent_id, _, index = o.request_id.rpartition("#")
+            state = self.states.get(o.request_id) or self.states.get(parent_id)
+            if state is None:
+                continue
+            idx = int(index) if state.request.request_id != o.request_id else 0
+            if self._apply(state, idx, o):
+                stopped.append(o.request_id)
+            touched[state.request.request_id] = state
+        results = []
+        for rid, state in touched.items():
+            results.append(self._snapshot(state))
+            if state.finished:
+                del self.states[rid]
+        return results, stopped
+
+    def _apply(self, state: RequestState, idx: int, o: EngineCoreOutput) -> bool:
+        """Applies one sample's new tokens; True when a stop string ended it here."""
+        comp = state.completions[idx]
+        if comp.finished:
+            return False
+        comp.token_ids.extend(o.new_token_ids)
+        comp.delta_token_ids.extend(o.new_token_ids)
+        if o.new_logprobs:
+            comp.logprobs = comp.logprobs or []
+            for lp, top in o.new_logprobs:
+                comp.logprobs.append(top)
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp
+        detok = state.detokenizers[idx]
+        hit = detok.add_tokens(o.new_token_ids) if detok is not None else None
+        if hit is not None and not o.finished:
+            comp.finish_reason, comp.stop_reason = "stop", hit
+            return True
+        if o.finished:
+            comp.finish_reason = "stop" if hit is not None else o.finish_reason
+            comp.stop_reason = hit if hit is not None else o.stop_reason
+        return False
+
+    def _snapshot(self, state: RequestState) -> RequestOutput:
+        outs = []
+        for comp, detok in zip(state.completions, state.detokenizers):
+            if detok is not None:
+                delta = detok.get_delta(finished=comp.finished)
+                comp.text += delta
+                comp.delta_text = delta
+            outs.append(CompletionOutput(comp.index, comp.text, list(comp.token_ids),
+                                         comp.cumulative_logprob, comp.logprobs,
+                                         comp.finish_reason, comp.stop_reason, comp.delta_text,
+                                         comp.delta_token_ids))
+            comp.delta_text, comp.delta_token_ids = "", []
+        req = state.request
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, outs,
+                             state.finished, req.num_cached_tokens or 0)
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Ends every sample of a request (client gone, engine stopping)."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return None
+        for comp in state.completions:
+            if not comp.finished:
+                comp.finish_reason = reason
+        return self._snapshot(state)
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        return [child_request_id(request_id, i) for i in range(len(state.completions))]

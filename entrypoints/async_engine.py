@@ -1,0 +1,165 @@
+"""The engine loop in its own thread, fed from asyncio.
+
+HTTP handling never blocks a step and a step never blocks HTTP: requests and aborts go to the
+engine thread through a thread-safe queue; each step's outputs come back to the event loop with
+``call_soon_threadsafe``. Only the engine thread touches the engine, so the scheduler needs no
+locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twinserve.core.request_output import RequestOutput
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu.llm_engine import LLMEngine
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; the server answers 503/500 from then on."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None
+                 ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def _submit(self, *command: Any) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        self._commands.put(command)
+        self._wake.set()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes. Raises ValueError if the engine
+        refuses it. Leaving early (client gone) aborts the request and frees its blocks."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit("add", request_id, prompt, params, kwargs, stream)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:  # accepted
+                    continue
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished and self.is_alive:
+                self._submit("abort", request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id)
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> "asyncio.Future[Any]":
+        """Runs ``fn(engine)`` on the engine thread between steps (e.g. reset_prefix_cache)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._submit("call", fn, _Stream(loop, asyncio.Queue()), fut)
+        return fut
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    for out in outputs:
+                        self._deliver(out)
+                    if self._on_step is not None:
+                        self._on_step(outputs)
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # the engine is dead: every waiter learns why
+            self.error = exc
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"engine failed: {exc!r}"))
+            self._streams.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "call":
+                _, fn, stream, fut = command
+                try:
+                    result = fn(self.engine)
+                    stream.loop.call_soon_threadsafe(_resolve, fut, result, None)
+                except Exception as exc:  # reported to the caller, the engine goes on
+                    stream.loop.call_soon_threadsafe(_resolve, fut, None, exc)
+
+    def _add(self, request_id: str, prompt: Any, params: SamplingParams, kwargs: dict,
+             stream: _Stream) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id, **kwargs)
+        except ValueError as exc:
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+        stream.put(None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.put(out)
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

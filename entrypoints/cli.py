@@ -1,0 +1,162 @@
+"""The ``twinserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from twinserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _simulate_parser(sub) -> None:
+    from twinserve.traces import add_trace_args
+    p = sub.add_parser("simulate", help="replay a trace through the simulated engine",
+                       description="Replay a trace through the SimPy twin of the engine.")
+    add_trace_args(p)
+    p.add_argument("--model", default="llama-3-8b", help="bundled model name or config.json path")
+    p.add_argument("--hardware", default="h100-sxm", help="bundled profile name or JSON path")
+    add_engine_args(p, simulated=True)
+    p.add_argument("--label", default="", help="name of the run in reports")
+    p.add_argument("--out", default=None, help="run folder (default runs/sim-<policy>)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(handler=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from twinserve.simulator import SimConfig, simulate, write_sim_run
+    from twinserve.traces import trace_from_args
+    fields = {f.name for f in dataclasses.fields(SimConfig)}
+    cfg = SimConfig(**engine_kwargs(args, fields))
+    trace = trace_from_args(args)
+    result = simulate(cfg, trace, progress=not args.disable_tqdm)
+    out = Path(args.out or f"runs/sim-{cfg.scheduling_policy}")
+    write_sim_run(result, out, _trace_desc(args))
+    _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "
+                                    f"{cfg.scheduling_policy})")
+    print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
+    return 0
+
+
+def _trace_desc(args: argparse.Namespace) -> dict:
+    keys = ("trace", "num_requests", "time_window", "time_scale", "request_rate", "tenants",
+            "priorities", "seed")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def _print_summary(summary: dict, title: str) -> None:
+    try:
+        from twinserve.entrypoints.result_printout import format_result
+    except ImportError:
+        print(json.dumps(summary, indent=2, default=str))
+        return
+    print(format_result(summary, title=title))
+
+
+def _generate_parser(sub) -> None:
+    for name in ("generate", "chat"):
+        p = sub.add_parser(name, help=f"{name} with the real engine (default: bundled model)")
+        p.add_argument("prompts", nargs="*", help="prompts (chat: user messages); stdin if none")
+        p.add_argument("--model", default=None, help="HF model directory (default: bundled)")
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--n", type=int, default=1)
+        p.add_argument("--stop", action="append", default=None)
+        p.add_argument("--sampling-seed", type=int, default=None)
+        add_engine_args(p, simulated=False)
+        p.set_defaults(handler=_generate, chat=name == "chat")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from twinserve.core.sampling_params import SamplingParams
+    from twinserve.entrypoints.llm import LLM
+    from twinserve.gpu.llm_engine import EngineArgs
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt given (pass prompts as arguments or on stdin).")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, n=args.n, stop=args.stop or [],
+                            seed=args.sampling_seed)
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    llm = LLM(args.model, **engine_kwargs(args, fields))
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        for comp in out.outputs:
+            print(f"### {prompt!r} [{comp.finish_reason}]\n{comp.text}\n")
+    return 0
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="compare run folders in one HTML report")
+    p.add_argument("runs", nargs="+", help="run folders (simulate, bench serve, validate)")
+    p.add_argument("--out", default="report.html")
+    p.add_argument("--title", default="twinserve run comparison")
+    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    p.set_defaults(handler=_report)
+
+
+def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float] | None:
+    """vLLM's ``ttft:MS tpot:MS e2el:MS`` syntax."""
+    if not items:
+        return None
+    slos = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"{flag}: unknown metric {key!r} in {item!r}; use ttft, tpot or e2el.")
+        try:
+            slos[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} needs a number of milliseconds after ':'.") from None
+    return slos
+
+
+def _report(args: argparse.Namespace) -> int:
+    from twinserve.reports import write_report
+    out = write_report(args.runs, Path(args.out), slos_ms=parse_slos(args.goodput),
+                       title=args.title)
+    print(f"report written: {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="twinserve", description=(
+        "LLM serving engine and its SimPy digital twin, sharing one scheduler."))
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_simulate_parser, _generate_parser, _report_parser, *_optional_parsers()):
+        add(sub)
+    return parser
+
+
+def _optional_parsers() -> list[Callable]:
+    """Subcommands defined next to their implementation."""
+    from twinserve.entrypoints import subcommands
+    return subcommands.PARSERS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"twinserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

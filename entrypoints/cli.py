@@ -106,25 +106,10 @@ def _report_parser(sub) -> None:
     p.set_defaults(handler=_report)
 
 
-def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float] | None:
-    """vLLM's ``ttft:MS tpot:MS e2el:MS`` syntax."""
-    if not items:
-        return None
-    slos = {}
-    for item in items:
-        key, _, value = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"{flag}: unknown metric {key!r} in {item!r}; use ttft, tpot or e2el.")
-        try:
-            slos[key] = float(value)
-        except ValueError:
-            raise ValueError(f"{flag}: {item!r} needs a number of milliseconds after ':'.") from None
-    return slos
-
-
 def _report(args: argparse.Namespace) -> int:
     from twinserve.reports import write_report
-    out = write_report(args.runs, Path(args.out), slos_ms=parse_slos(args.goodput),
+    from twinserve.entrypoints.bench_serve import parse_goodput
+    out = write_report(args.runs, Path(args.out), slos_ms=parse_goodput(args.goodput) or None,
                        title=args.title)
     print(f"report written: {out}")
     return 0

@@ -2,4 +2,27 @@
 
 from __future__ import annotations
 
-PARSERS: list = []
+import argparse
+
+
+def _bench(sub) -> None:
+    from twinserve.entrypoints.bench_serve import add_bench_serve_args, run_bench_serve
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    p = kinds.add_parser("serve", help="replay a trace against an OpenAI-compatible server",
+                         description="Replay a trace or synthetic workload against any "
+                         "OpenAI-compatible server (twinserve or vLLM); writes a run folder.")
+    add_bench_serve_args(p)
+
+    def handler(args: argparse.Namespace) -> int:
+        run_bench_serve(args)
+        return 0
+    p.set_defaults(handler=handler)
+
+
+def _demo(sub) -> None:
+    from twinserve.entrypoints.demo import add_parser
+    add_parser(sub)
+
+
+PARSERS = [_bench, _demo]

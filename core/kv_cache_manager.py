@@ -83,9 +83,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts a lookup once its request is admitted (retries are not queries)."""
+        if self.enable_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
 
     # ---- mutators ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -171,8 +175,11 @@ class KVCacheManager:
         table.num_cached_blocks = 0
         return True
 
-    def can_swap_in(self, request: Request) -> bool:
-        return len(self.tables[request.request_id].host_blocks) <= self.pool.num_free
+    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
+        """Room for the swapped blocks and for ``num_new_tokens`` more tokens after them."""
+        num_host = len(self.tables[request.request_id].host_blocks)
+        total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        return max(num_host, total) <= self.pool.num_free
 
     def swap_in(self, request: Request) -> None:
         table = self.tables[request.request_id]

@@ -209,11 +209,13 @@ class Scheduler:
         """Secures blocks for a waiting request's next chunk; returns its size or None."""
         kv = self.kv
         if request.swapped_out:
-            if not kv.can_swap_in(request):
+            n = self._num_new_tokens(request, budget)
+            if not kv.can_swap_in(request, n):
                 return None
             kv.swap_in(request)
             request.swapped_out = False
-            return self._num_new_tokens(request, budget)
+            kv.allocate_slots(request, n)  # cannot fail: can_swap_in counted these blocks
+            return n
         hits, num_hit = kv.get_computed_blocks(request)
         n = request.num_tokens - request.num_computed_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
@@ -225,6 +227,7 @@ class Scheduler:
             n = budget
         if kv.allocate_slots(request, n, hits) is None:
             return None
+        kv.record_prefix_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens += num_hit
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_hit

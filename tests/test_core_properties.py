@@ -66,6 +66,10 @@ def _one_step(s, now):
     assert out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
     assert len(out.scheduled) <= s.config.max_num_seqs
     assert len({sr.request_id for sr in out.scheduled}) == len(out.scheduled)
+    for sr in out.scheduled:  # every token computed this step has a slot in its block table
+        assert len(sr.block_ids) * s.config.block_size >= sr.start + sr.num_new_tokens
+        assert sr.start == sr.request.num_computed_tokens
+        assert sr.sample == (sr.start + sr.num_new_tokens == sr.request.num_tokens)
     s.kv.check_consistency()
     token = 2 if int(now) % 5 == 0 else 9  # eos now and then
     outs = s.update_from_output(out, ModelRunnerOutput(

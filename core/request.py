@@ -69,6 +69,9 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_prompt_tokens: int = field(init=False, default=0)
+    # Output length at which the request is capped (max_tokens, or what max_model_len leaves);
+    # set by the scheduler when the request is added.
+    max_output_tokens: int = field(init=False, default=0)
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -88,6 +88,9 @@ class Scheduler:
         if seats > cfg.max_num_seqs:
             raise ValueError(f"n ({seats}) exceeds max_num_seqs ({cfg.max_num_seqs}).")
         self._multi_sample |= seats > 1
+        room = cfg.max_model_len - request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
         self.requests[request.request_id] = request
         self.policy.add(request)
 
@@ -353,35 +356,37 @@ class Scheduler:
     def _append_tokens(self, request: Request, tokens: list[int],
                        now: float) -> tuple[list[int], RequestStatus | None]:
         """Appends sampled tokens up to the first stop; returns those kept and the stop."""
-        status = None
-        check_stop = self._check_stop
-        for k, token in enumerate(tokens):
-            request.append_output_token(token, now)
-            status = check_stop(request, token)
-            if status is not None:
-                if k + 1 < len(tokens):
+        if len(tokens) == 1:  # the common case, without the loop
+            request.append_output_token(tokens[0], now)
+            status = self._check_stop(request, tokens[0])
+        else:
+            for k, token in enumerate(tokens):
+                request.append_output_token(token, now)
+                status = self._check_stop(request, token)
+                if status is not None:
                     tokens = tokens[:k + 1]
-                break
+                    break
         self.num_generation_tokens += len(tokens)
         if self.policy.accounts_tokens:
             self.policy.on_output_tokens(request, len(tokens))
-        if request.parent_id is None and request.sampling_params.n > 1 \
+        if self._multi_sample and request.parent_id is None and request.sampling_params.n > 1 \
                 and len(request.output_token_ids) == len(tokens):
             self._fork_children(request, now)
         return tokens, status
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
+        """EOS (unless ignore_eos) and stop token ids once min_tokens are out, then the length
+        cap (max_tokens or max_model_len), as in vLLM."""
         num_out = len(request.output_token_ids)
-        if num_out >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
+        params = request.sampling_params
+        if (token == request.eos_token_id and not params.ignore_eos) \
+                or (params.stop_token_ids and token in params.stop_token_ids):
+            if num_out >= params.min_tokens:
+                if token != request.eos_token_id or params.ignore_eos:
+                    request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if len(request.all_token_ids) >= self.config.max_model_len:
+        if num_out >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

@@ -30,10 +30,10 @@ class _SameTokenForEveryRequest(dict):
     """The twin's "sampler": every request that samples gets ``SIMULATED_TOKEN`` (saves building
     a dict per step; the scheduler only calls ``get``)."""
 
-    _TOKENS = (SIMULATED_TOKEN,)
+    _TOKENS = (SIMULATED_TOKEN,)  # immutable, shared: the scheduler only reads it
 
     def get(self, key, default=None):  # noqa: ARG002
-        return list(self._TOKENS)
+        return self._TOKENS
 
 
 @dataclass(slots=True)

@@ -1,0 +1,33 @@
+"""The twinserve command line: simulate, report, errors."""
+
+import json
+
+from twinserve.entrypoints.cli import main
+
+
+def test_simulate_writes_a_run_folder_and_report(tmp_path, capsys):
+    out = tmp_path / "sim"
+    rc = main(["simulate", "--trace", "azure-conv", "--num-requests", "50", "--model", "llama-3-8b",
+               "--hardware", "a100-80gb", "--policy", "fair", "--tenants", "heavy=3,light=1",
+               "--max-num-seqs", "32", "--out", str(out), "--disable-tqdm"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Successful requests:" in text and "Mean TTFT (ms):" in text
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert summary["completed"] == 50 and config["scheduling_policy"] == "fair"
+    assert config["max_num_seqs"] == 32 and config["backend"] == "sim"
+    assert set(summary["tenant_service"]) == {"heavy", "light"}
+    rc = main(["report", str(out), "--out", str(tmp_path / "r.html"), "--goodput", "ttft:500"])
+    assert rc == 0 and (tmp_path / "r.html").stat().st_size > 100_000
+
+
+def test_bad_names_exit_2_with_the_valid_ones(capsys):
+    assert main(["simulate", "--num-requests", "5", "--policy", "nope"]) == 2
+    assert "valid: fair, fcfs, priority, sjf, static" in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "5", "--hardware", "tpu"]) == 2
+    assert "h100-sxm" in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "5", "--model", "gpt-9"]) == 2
+    assert "llama-3-8b" in capsys.readouterr().err
+    assert main(["report", "/nonexistent/run"]) == 2
+    assert "not a run folder" in capsys.readouterr().err

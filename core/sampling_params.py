@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass(slots=True)
@@ -61,7 +62,9 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, minimum=-(2**63))
+            if self.seed >= 2**63:
+                raise ValueError(f"seed must be below 2**63, got {self.seed}.")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
@@ -71,6 +74,8 @@ class SamplingParams:
                 f"got {self.min_tokens}.")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}.")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}.")

@@ -401,6 +401,7 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             child.first_scheduled_time = now
             child.num_cached_tokens = parent.num_cached_tokens
+            child.max_output_tokens = parent.max_output_tokens
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens - 1
             self.requests[child.request_id] = child

@@ -59,6 +59,7 @@ class EngineMetrics:
     steps: list[StepRecord] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
     record_steps: bool = True
+    record_requests: bool = True  # a long-running server consumes and clears these itself
 
 
 class LLMEngine:
@@ -107,6 +108,9 @@ class LLMEngine:
             raise ValueError(f"Got priority {priority} but the {self.policy.name!r} scheduling "
                              "policy does not use priorities (use scheduling_policy='priority').")
         token_ids, text = self._prompt_tokens(prompt)
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}.")
         rid = request_id or f"req-{next(self._ids)}"
         request = Request(rid, token_ids, params,
                           self.now() if arrival_time is None else arrival_time,
@@ -163,7 +167,7 @@ class LLMEngine:
         self.num_steps += 1
         if out.scheduled and self.metrics.record_steps:
             self.metrics.steps.append(StepRecord.from_step(out, sched, start, end - start))
-        if finished:
+        if finished and self.metrics.record_requests:
             self._record_finished(out, finished)
         return results
 

@@ -34,6 +34,7 @@ def test_n_samples_stop_strings_and_seeds(llm):
     a = llm.generate("Once upon a time", params, use_tqdm=False)[0]
     b = llm.generate("Once upon a time", params, use_tqdm=False)[0]
     assert len(a.outputs) == 3 and [c.index for c in a.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in a.outputs)
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]  # seeded
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # the samples differ
     stop = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, stop=["6"]),

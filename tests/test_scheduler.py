@@ -164,6 +164,7 @@ def test_n_samples_fork_after_prefill_with_copy_on_write():
     s.add_request(make_req("p", 6, params=SamplingParams(n=3, max_tokens=4, ignore_eos=True)))
     out, outs = step(s, 0.0)
     assert [o.request_id for o in outs] == ["p"]
+    samples = [s.requests[k] for k in ("p", "p#1", "p#2")]
     out = s.schedule(1.0)
     ids = {sr.request_id: sr for sr in out.scheduled}
     assert set(ids) == {"p", "p#1", "p#2"}
@@ -171,6 +172,7 @@ def test_n_samples_fork_after_prefill_with_copy_on_write():
     assert len(out.blocks_to_copy) == 2  # the shared partial block, once per child
     s.update_from_output(out, ModelRunnerOutput({k: [1] for k in ids}), 1.0)
     run_to_completion(s)
+    assert [r.num_output_tokens for r in samples] == [4, 4, 4]
     assert s.kv.num_free_blocks == s.config.num_gpu_blocks
 
 

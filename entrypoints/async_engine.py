@@ -55,6 +55,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         self._commands.put(command)
         self._wake.set()
+        if self.error is not None:  # died meanwhile: nobody will drain the queue
+            self._fail_pending_commands()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -113,6 +115,22 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put(EngineDeadError(f"engine failed: {exc!r}"))
             self._streams.clear()
+            self._fail_pending_commands()
+
+    def _fail_pending_commands(self) -> None:
+        """After the engine died: answers the queued adds and calls with EngineDeadError, so
+        no waiter hangs (called by the dying engine thread and by late submitters)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            error = EngineDeadError(f"engine failed: {self.error!r}")
+            if command[0] == "add":
+                command[5].put(error)
+            elif command[0] == "call":
+                _, _, stream, fut = command
+                stream.loop.call_soon_threadsafe(_resolve, fut, None, error)
 
     def _drain_commands(self) -> None:
         while True:

@@ -25,4 +25,25 @@ def _demo(sub) -> None:
     add_parser(sub)
 
 
-PARSERS = [_bench, _demo]
+def _sweep(sub) -> None:
+    from twinserve.entrypoints.sweep import add_sweep_args, run_sweep_cli
+    p = sub.add_parser("sweep", help="grid of simulations (local processes or Ray), capacity, report",
+                       description="Run a grid of simulations described by a TOML spec.")
+    add_sweep_args(p)
+    p.set_defaults(handler=run_sweep_cli)
+
+
+def _serve(sub) -> None:
+    from twinserve.entrypoints.server import add_serve_args, run_server
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the real engine",
+                       description="Serve the model over an OpenAI-compatible HTTP API "
+                       "(binds 127.0.0.1 unless --host is given).")
+    add_serve_args(p)
+
+    def handler(args: argparse.Namespace) -> int:
+        run_server(args)
+        return 0
+    p.set_defaults(handler=handler)
+
+
+PARSERS = [_bench, _demo, _sweep, _serve]

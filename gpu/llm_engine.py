@@ -59,7 +59,12 @@ class EngineMetrics:
     steps: list[StepRecord] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
     record_steps: bool = True
-    record_requests: bool = True  # a long-running server consumes and clears these itself
+    record_requests: bool = True
+
+    def take_requests(self) -> list[RequestRecord]:
+        """The finished-request records since the last call (a long-running server drains them)."""
+        taken, self.requests = self.requests, []
+        return taken
 
 
 class LLMEngine:

@@ -91,6 +91,12 @@ class Scheduler:
         room = cfg.max_model_len - request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
+        # The last token's KV is never written, so prompt + max_output - 1 tokens must fit.
+        longest = self.kv.num_blocks_needed(request.num_prompt_tokens + request.max_output_tokens - 1)
+        if longest > cfg.num_gpu_blocks:
+            raise ValueError(
+                f"prompt + max_tokens need up to {longest} KV-cache blocks but the cache holds "
+                f"only {cfg.num_gpu_blocks}; the request could never finish. Lower max_tokens.")
         self.requests[request.request_id] = request
         self.policy.add(request)
 

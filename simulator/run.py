@@ -57,6 +57,8 @@ class SimConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}.")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}.")
         if self.router not in ROUTERS:
@@ -83,9 +85,11 @@ def build_scheduler_config(cfg: SimConfig) -> tuple[SchedulerConfig, Any, int]:
     spec = load_model_spec(cfg.model)
     cost = make_cost_model(spec, load_hardware(cfg.hardware), cfg.tensor_parallel_size,
                            cfg.block_size)
-    num_blocks = cfg.num_gpu_blocks or cost.num_gpu_blocks(cfg.gpu_memory_utilization,
-                                                          cfg.block_size)
-    block_bytes = cost.base.block_bytes() if hasattr(cost, "base") else cost.block_bytes()
+    roofline = cost.base if hasattr(cost, "base") else cost
+    reserve = roofline.activation_reserve_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    num_blocks = (cfg.num_gpu_blocks if cfg.num_gpu_blocks is not None else
+                  cost.num_gpu_blocks(cfg.gpu_memory_utilization, cfg.block_size, reserve))
+    block_bytes = roofline.block_bytes()
     sched_cfg = SchedulerConfig(
         num_gpu_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -1,0 +1,130 @@
+"""Paged attention in plain torch (the CPU path; ``triton_attention.py`` has the same functions).
+
+KV cache layout, shared with the Triton kernels: per layer ``key_cache`` and ``value_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot = block_id * block_size + offset.
+
+A step's queries are flattened: sequence b owns rows ``query_start_loc[b]:query_start_loc[b+1]`` and
+its i-th query sits at position ``seq_lens[b] - q_len_b + i`` (causal, it sees positions <= its own)::
+
+    query rows  | seq 0 (decode) | seq 1 (decode) | seq 2 (prefill chunk, 3 tokens) |
+    context     |  0 ....... 41  |  0 .... 17     |  0 ... 9 (cached) 10 11 12      |
+
+Sequences with one query token (decodes) are batched together: their KV is gathered at once, padded to
+the longest context and masked, then one grouped matmul serves all of them (no KV-head expansion:
+queries are grouped by KV head instead). Longer queries (prefills) run per sequence with SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Per-step gather indices, computed once and reused by every layer.
+
+    ``decode_rows``: query rows of single-token sequences; ``decode_slots[Bd, L]``: their KV slots,
+    padded; ``decode_mask[Bd, 1, 1, L]``: 0 where visible, -inf on padding. ``prefills``: for each
+    multi-token sequence ``(row_start, row_end, context_slots[ctx])``.
+    """
+
+    decode_rows: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[tuple[int, int, torch.Tensor]]
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[T, Hkv, D]`` at ``slot_mapping[T]`` (int64) of the paged caches."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+    """Gather indices for one step (see ``AttentionPlan``); the mask is float32."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    decode = [b for b, q in enumerate(q_lens) if q == 1]
+    prefills = []
+    for b, q in enumerate(q_lens):
+        if q > 1:
+            pos = torch.arange(lens[b])
+            slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+            prefills.append((starts[b], starts[b + 1], slots))
+    if not decode:
+        return AttentionPlan(None, None, None, prefills)
+    idx = torch.tensor(decode, dtype=torch.long)
+    ctx = seq_lens[idx].long()
+    max_len = int(ctx.max())
+    pos = torch.arange(max_len)
+    tables = block_tables[idx][:, pos // block_size].long()
+    slots = tables * block_size + pos % block_size
+    mask = torch.zeros(len(decode), max_len)
+    mask.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf"))
+    rows = torch.tensor([starts[b] for b in decode], dtype=torch.long)
+    return AttentionPlan(rows, slots, mask[:, None, None, :], prefills)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``query[T, Hq, D]`` over the paged KV; returns ``[T, Hq, D]``."""
+    plan = plan_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1])
+    return planned_attention(query, key_cache, value_cache, plan, scale)
+
+
+def planned_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """``paged_attention`` with the gather indices precomputed by ``plan_attention``."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    keys = key_cache.view(-1, num_kv_heads, head_dim)
+    values = value_cache.view(-1, num_kv_heads, head_dim)
+    if plan.decode_rows is not None and not plan.prefills:
+        return _decode_attention(query, keys, values, plan, scale)
+    out = torch.empty_like(query)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = _decode_attention(query[plan.decode_rows], keys, values, plan,
+                                                  scale)
+    for row_start, row_end, slots in plan.prefills:
+        out[row_start:row_end] = _prefill_attention(query[row_start:row_end], keys[slots],
+                                                    values[slots], scale)
+    return out
+
+
+def _decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """One query token per sequence: ``query[Bd, Hq, D]`` against gathered, padded KV."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    q = query.view(batch, num_kv_heads, group, head_dim)
+    k = keys[plan.decode_slots].permute(0, 2, 3, 1)       # [Bd, Hkv, D, L]
+    v = values[plan.decode_slots].transpose(1, 2)         # [Bd, Hkv, L, D]
+    scores = torch.matmul(q, k).float().mul_(scale).add_(plan.decode_mask)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)     # [Bd, Hkv, G, L]
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+
+
+def _prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """One sequence's chunk: ``query[q, Hq, D]`` against its whole context ``keys[ctx, Hkv, D]``."""
+    q_len, num_heads, _ = query.shape
+    ctx_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    q = query.transpose(0, 1)
+    k = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+    v = values.transpose(0, 1).repeat_interleave(group, dim=0)
+    if ctx_len == q_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        rows = torch.arange(ctx_len - q_len, ctx_len)[:, None]
+        mask = torch.arange(ctx_len)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)

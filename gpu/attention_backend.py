@@ -1,0 +1,60 @@
+"""Per-step attention inputs and the choice of kernels (torch on CPU, Triton on CUDA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from twinserve.gpu import attention as torch_attention
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's flattened batch layout (see ``attention.py``): ``slot_mapping[T]`` int64,
+    ``block_tables[B, M]`` int32, ``seq_lens[B]`` int32 (context after this step),
+    ``query_start_loc[B + 1]`` int32. ``max_query_len``/``max_seq_len`` are host copies (the
+    Triton path needs no device sync then); ``plan`` is the torch path's precomputed gather."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    plan: torch_attention.AttentionPlan | None = None
+
+
+class AttentionBackend:
+    """Writes KV and attends; one instance per model, chosen by device. No shared state."""
+
+    __slots__ = ("write_kv_cache", "_paged_attention", "use_plan")
+
+    def __init__(self, device: torch.device) -> None:
+        self.write_kv_cache: Callable[..., None]
+        if device.type == "cuda":
+            from twinserve.gpu import triton_attention  # lazy: Triton only where it runs
+            self.write_kv_cache = triton_attention.write_kv_cache
+            self._paged_attention = triton_attention.paged_attention
+            self.use_plan = False
+        else:
+            self.write_kv_cache = torch_attention.write_kv_cache
+            self._paged_attention = torch_attention.paged_attention
+            self.use_plan = True
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Precompute what every layer reuses (the torch path's gather indices)."""
+        if self.use_plan:
+            meta.plan = torch_attention.plan_attention(meta.block_tables, meta.seq_lens,
+                                                       meta.query_start_loc, block_size)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.plan is not None:
+            return torch_attention.planned_attention(query, key_cache, value_cache, meta.plan,
+                                                     scale)
+        return self._paged_attention(query, key_cache, value_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, scale,
+                                     max_query_len=meta.max_query_len,
+                                     max_seq_len=meta.max_seq_len)

@@ -1,0 +1,101 @@
+"""The paged KV cache: per-layer device tensors sized from a byte budget, plus a host pool for
+swap preemption. Layout per layer (shared with the Triton kernels):
+``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and again for values."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Keys and values of one block across all layers."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def host_memory_available() -> int:
+    """Bytes of physical memory currently available (what a CPU cache may at most take)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_for(budget_bytes: int, spec: KVCacheSpec) -> int:
+    return max(0, int(budget_bytes) // spec.bytes_per_block)
+
+
+class KVCache:
+    """Device blocks ``gpu[layer] = (key_cache, value_cache)`` and host blocks ``cpu[layer]``."""
+
+    __slots__ = ("spec", "gpu", "cpu")
+
+    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
+                 device: torch.device) -> None:
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}: the KV "
+                             "cache budget is smaller than one block.")
+        self.spec = spec
+        self.gpu = [self._alloc(num_gpu_blocks, device, False) for _ in range(spec.num_layers)]
+        pin = device.type == "cuda"
+        self.cpu = [self._alloc(num_cpu_blocks, torch.device("cpu"), pin)
+                    for _ in range(spec.num_layers)]
+
+    def _alloc(self, num_blocks: int, device: torch.device,
+               pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, *self.spec.block_shape)
+        return (torch.zeros(shape, dtype=self.spec.dtype, device=device, pin_memory=pin),
+                torch.zeros(shape, dtype=self.spec.dtype, device=device, pin_memory=pin))
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu[0][0].shape[0]
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu[0][0].shape[0]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: ``(device_block, host_block)`` pairs."""
+        _copy(self.gpu, self.cpu, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks: ``(host_block, device_block)`` pairs."""
+        _copy(self.cpu, self.gpu, pairs)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write inside the device pool: ``(src_block, dst_block)`` pairs."""
+        _copy(self.gpu, self.gpu, pairs)
+
+
+def _copy(src: list[tuple[torch.Tensor, torch.Tensor]],
+          dst: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    if not pairs:
+        return
+    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
+        s_ids, d_ids = src_ids.to(src_k.device), dst_ids.to(dst_k.device)
+        dst_k[d_ids] = src_k[s_ids].to(dst_k.device, non_blocking=True)
+        dst_v[d_ids] = src_v[s_ids].to(dst_v.device, non_blocking=True)

@@ -1,0 +1,312 @@
+"""Micro-benchmarks of the real backend: ``(step aggregates, seconds)`` samples for calibration.
+
+Two kinds of measurement, both keyed by the aggregate fields the scheduler fills in every
+``SchedulerOutput`` (``AGGREGATE_FIELDS``), so the simulator's ``step_features(out)`` applies to them:
+
+- ``run_micro_benchmarks``: hand-built steps (prefill chunks after a cached prefix, decode batches,
+  decodes + one prefill chunk) timed through ``ModelRunner.execute`` with warm-up and repeats
+  (median). Block ids are disjoint and handed out by hand; the KV they hold is whatever is there
+  (timing does not depend on its values). Plus swap copies (``measure_swap``).
+- ``StepRecorder``: wraps a live ``LLMEngine`` so that every ``engine.step()`` yields its
+  ``SchedulerOutput`` aggregates, the whole step's seconds (schedule, forward pass, sampling,
+  ``update_from_output``, output processing) and the forward pass alone. ``run_engine_loop``
+  drives synthetic workloads through it; ``entrypoints.validate`` records a whole trace replay.
+
+This module knows nothing of the simulator (``gpu`` never imports ``simulator``): it produces
+``MeasuredStep`` rows; ``simulator.calibration`` turns them into a fit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from twinserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+
+AGGREGATE_FIELDS: tuple[str, ...] = (
+    "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
+    "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens",
+)
+_FIRST_TOKEN_ID = 16  # below: special tokens
+
+
+@dataclass(slots=True)
+class MeasuredStep:
+    """One timed step: ``seconds`` is what the engine step (or, for a micro-benchmark, the
+    forward pass) took; ``execute_seconds`` the forward pass alone (``nan`` when not timed apart).
+    ``kind`` is ``prefill``, ``decode``, ``mixed`` or ``swap``."""
+
+    kind: str
+    aggregates: dict[str, int]
+    seconds: float
+    execute_seconds: float = math.nan
+    repeats: list[float] = field(default_factory=list)
+
+
+def aggregates(out: SchedulerOutput) -> dict[str, int]:
+    """The scheduler-filled totals of one step (what the cost model reads)."""
+    return {name: int(getattr(out, name)) for name in AGGREGATE_FIELDS}
+
+
+def step_kind(out: SchedulerOutput) -> str:
+    if out.num_prefill_seqs and out.num_decode_seqs:
+        return "mixed"
+    if out.num_prefill_seqs:
+        return "prefill"
+    return "decode" if out.num_decode_seqs else "swap"
+
+
+# ---- hand-built steps ----------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class StepSpec:
+    """A step to build: ``decodes`` holds each decode's context length after the step (its KV
+    positions, >= 2); ``prefills`` holds ``(new_tokens, cached_tokens)`` per prefill chunk."""
+
+    decodes: tuple[int, ...] = ()
+    prefills: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def kind(self) -> str:
+        if self.decodes and self.prefills:
+            return "mixed"
+        return "prefill" if self.prefills else "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for n, _ in self.prefills)
+
+    def label(self) -> str:
+        parts = []
+        if self.decodes:
+            parts.append(f"{len(self.decodes)} decodes @ ctx {max(self.decodes)}")
+        parts += [f"prefill {n} after {s}" for n, s in self.prefills]
+        return " + ".join(parts)
+
+
+def _prompt(seed: int, length: int, vocab_size: int) -> list[int]:
+    span = vocab_size - _FIRST_TOKEN_ID
+    return [_FIRST_TOKEN_ID + (seed * 7919 + 31 * i) % span for i in range(length)]
+
+
+def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int) -> SchedulerOutput:
+    """A ``SchedulerOutput`` for ``spec`` with disjoint block ids and the aggregates the scheduler
+    would fill (``Scheduler._count``). Raises ValueError when the blocks do not fit."""
+    out = SchedulerOutput()
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=0.0)
+    next_block = 0
+
+    def blocks_for(tokens: int) -> list[int]:
+        nonlocal next_block
+        n = -(-tokens // block_size)
+        if next_block + n > num_blocks:
+            raise ValueError(f"step {spec.label()!r} needs more than the {num_blocks} KV blocks "
+                             "of the cache.")
+        ids = list(range(next_block, next_block + n))
+        next_block += n
+        return ids
+
+    for i, ctx in enumerate(spec.decodes):
+        if ctx < 2:
+            raise ValueError(f"a decode needs a context of at least 2 tokens, got {ctx}.")
+        req = Request(f"profile-d{i}", _prompt(i, ctx - 1, vocab_size), params, 0.0)
+        req.append_output_token(_FIRST_TOKEN_ID, 0.0)
+        out.scheduled.append(ScheduledRequest(req, ctx - 1, 1, blocks_for(ctx), True))
+        out.num_decode_seqs += 1
+        out.num_decode_tokens += 1
+        out.sum_decode_context_tokens += ctx
+        out.sum_context_tokens += ctx
+    for j, (n, cached) in enumerate(spec.prefills):
+        if n < 1 or cached < 0:
+            raise ValueError(f"a prefill chunk needs n >= 1 and cached >= 0, got {n}, {cached}.")
+        req = Request(f"profile-p{j}", _prompt(1000 + j, cached + n, vocab_size), params, 0.0)
+        out.scheduled.append(ScheduledRequest(req, cached, n, blocks_for(cached + n), True))
+        out.num_prefill_seqs += 1
+        out.num_prefill_tokens += n
+        out.sum_context_tokens += n * cached + n * (n + 1) // 2
+    out.total_num_scheduled_tokens = out.num_decode_tokens + out.num_prefill_tokens
+    return out
+
+
+def time_call(fn: Callable[[], object], warmup: int = 1, repeats: int = 3,
+              sync: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` calls after ``warmup`` untimed ones (device synchronised)."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync_for(device: torch.device) -> Callable[[], None] | None:
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
+                 max_model_len: int = 2048, quick: bool = False) -> list[StepSpec]:
+    """Prefill chunks (16..max tokens) after cached prefixes, decode batches (1..max_num_seqs) at
+    several contexts, and decode batches with one prefill chunk; all within the given limits."""
+    tokens = [t for t in (16, 64, 256, 1024, 2048) if t <= max_num_batched_tokens] if quick else \
+        [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048) if t <= max_num_batched_tokens]
+    if not tokens or tokens[-1] < max_num_batched_tokens <= 2048:
+        tokens.append(max_num_batched_tokens)
+    cached = (0, 512) if quick else (0, 128, 512, 1536)
+    batches = [b for b in ((1, 4, 16, 64, 128) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256))
+               if b <= max_num_seqs]
+    if batches[-1] < max_num_seqs <= 256:
+        batches.append(max_num_seqs)
+    contexts = (64, 512) if quick else (32, 128, 512, 1536)
+    specs: list[StepSpec] = []
+    for n in tokens:
+        for s in cached:
+            if n + s <= max_model_len and (s == 0 or n <= 512):
+                specs.append(StepSpec(prefills=((n, s),)))
+    for b in batches:
+        for c in contexts:
+            if c < max_model_len:
+                specs.append(StepSpec(decodes=(c,) * b))
+    for b in [b for b in (4, 16, 64) if b < max_num_seqs] or [max(1, max_num_seqs - 1)]:
+        for n in (32, 256) if quick else (32, 128, 512):
+            if b + n <= max_num_batched_tokens and n < max_model_len:
+                ctx = min(256, max_model_len - 1)
+                specs.append(StepSpec(decodes=(ctx,) * b, prefills=((n, 0),)))
+    return specs
+
+
+def run_micro_benchmarks(runner, specs: Sequence[StepSpec], warmup: int = 1, repeats: int = 3,
+                         progress: Callable[[str], None] | None = None) -> list[MeasuredStep]:
+    """Times ``runner.execute`` on each hand-built step; ``seconds`` is the median of repeats.
+    Steps whose blocks do not fit the runner's cache are skipped (reported through ``progress``)."""
+    out = []
+    sync = _sync_for(runner.device)
+    for k, spec in enumerate(specs):
+        try:
+            step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
+        except ValueError as exc:
+            if progress:
+                progress(f"skipped: {exc}")
+            continue
+        times = time_call(lambda: runner.execute(step), warmup, repeats, sync)
+        median = statistics.median(times)
+        out.append(MeasuredStep(spec.kind, aggregates(step), median, median, times))
+        if progress:
+            progress(f"[{k + 1}/{len(specs)}] {spec.label():<40} {median * 1e3:9.1f} ms")
+    return out
+
+
+def measure_swap(runner, num_blocks: int = 16, warmup: int = 1, repeats: int = 3) -> float | None:
+    """Seconds per KV block of a swap-out plus a swap-in (median), or None without a host pool."""
+    cache = runner.kv_cache
+    n = min(num_blocks, cache.num_cpu_blocks, cache.num_gpu_blocks)
+    if n <= 0:
+        return None
+    pairs = [(i, i) for i in range(n)]
+
+    def swap() -> None:
+        cache.swap_out(pairs)
+        cache.swap_in(pairs)
+
+    times = time_call(swap, warmup, repeats, _sync_for(runner.device))
+    return statistics.median(times) / (2 * n)
+
+
+# ---- steps of a live engine ----------------------------------------------------------------
+class StepRecorder:
+    """Records every step of ``engine`` (an ``LLMEngine``): call ``recorder.step()`` instead of
+    ``engine.step()``. The scheduler's ``schedule`` and the runner's ``execute`` are wrapped on
+    the instances (nothing else changes); ``close()`` unwraps them."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.steps: list[MeasuredStep] = []
+        self._out: SchedulerOutput | None = None
+        self._execute_s = 0.0
+        scheduler, runner = engine.scheduler, engine.runner
+        schedule, execute = scheduler.schedule, runner.execute
+
+        def recording_schedule(now: float) -> SchedulerOutput:
+            self._out = schedule(now)
+            return self._out
+
+        def timed_execute(out: SchedulerOutput) -> ModelRunnerOutput:
+            t0 = time.perf_counter()
+            result = execute(out)
+            self._execute_s += time.perf_counter() - t0
+            return result
+
+        scheduler.schedule = recording_schedule
+        runner.execute = timed_execute
+
+    def step(self):
+        """One ``engine.step()``; returns its outputs. Steps that scheduled no token are not
+        kept (as ``LLMEngine`` records no ``StepRecord`` for them)."""
+        self._out, self._execute_s = None, 0.0
+        t0 = time.perf_counter()
+        results = self.engine.step()
+        seconds = time.perf_counter() - t0
+        out = self._out
+        if out is not None and out.scheduled:
+            self.steps.append(MeasuredStep(step_kind(out), aggregates(out), seconds,
+                                           self._execute_s))
+        return results
+
+    def close(self) -> None:
+        for obj, name in ((self.engine.scheduler, "schedule"), (self.engine.runner, "execute")):
+            if name in vars(obj):
+                delattr(obj, name)
+
+
+@dataclass(slots=True, frozen=True)
+class LoopScenario:
+    """``num_requests`` distinct prompts of ``prompt_len`` tokens, all queued at once, each
+    generating ``output_len`` tokens."""
+
+    num_requests: int
+    prompt_len: int
+    output_len: int
+
+
+def default_scenarios(max_num_seqs: int = 128, max_model_len: int = 2048,
+                      quick: bool = False) -> list[LoopScenario]:
+    """Batches that fill up, decode and drain: a spread of batch sizes and contexts."""
+    batches = [b for b in ((2, 16, 64) if quick else (1, 4, 16, 32, 64, 128)) if b <= max_num_seqs]
+    prompts = [p for p in ((48, 400) if quick else (32, 200, 800)) if p + 16 < max_model_len]
+    out_len = 8 if quick else 16
+    return [LoopScenario(b, p, out_len) for b in batches for p in prompts]
+
+
+def run_engine_loop(engine, scenarios: Iterable[LoopScenario], detokenize: bool = True,
+                    progress: Callable[[str], None] | None = None) -> list[MeasuredStep]:
+    """Runs each scenario to completion through ``engine`` and returns its recorded steps."""
+    recorder = StepRecorder(engine)
+    vocab = engine.runner.vocab_size
+    try:
+        for k, sc in enumerate(scenarios):
+            first = len(recorder.steps)
+            params = SamplingParams(max_tokens=sc.output_len, ignore_eos=True, temperature=0.0)
+            for i in range(sc.num_requests):
+                engine.add_request(_prompt(10_000 * (k + 1) + i, sc.prompt_len, vocab), params,
+                                   request_id=f"profile-{k}-{i}", detokenize=detokenize)
+            while engine.has_unfinished_requests():
+                recorder.step()
+            if progress:
+                steps = recorder.steps[first:]
+                total = sum(s.seconds for s in steps)
+                progress(f"[{k + 1}] {sc.num_requests} x ({sc.prompt_len} in, {sc.output_len} out): "
+                         f"{len(steps)} steps, {total:.2f} s")
+    finally:
+        recorder.close()
+    return recorder.steps

@@ -1,0 +1,124 @@
+"""Token sampling with vLLM semantics, batched across requests.
+
+Order per row: min_tokens (stop tokens masked), penalties (repetition over prompt + output,
+frequency and presence over output), then greedy argmax, or temperature -> min_p -> top_k ->
+top_p -> a draw. Draws use the exponential-race trick ``argmax(p / q)``, ``q ~ Exp(1)``, with the
+request's own ``torch.Generator`` when it has a seed. Logprobs come from the raw logits (vLLM v1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+
+Logprobs = tuple[float, dict[int, float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+def sample(logits: torch.Tensor, requests: list[Request],
+           generators: list[torch.Generator | None],
+           default_generator: torch.Generator) -> SamplerOutput:
+    """Sample one token per row of ``logits[N, V]`` (float32) for ``requests[N]``."""
+    params = [r.sampling_params for r in requests]
+    raw = logits
+    if any(_needs_processing(p, r) for p, r in zip(params, requests)):
+        logits = logits.clone()
+        for row, (p, r) in enumerate(zip(params, requests)):
+            _apply_min_tokens(logits[row], p, r)
+            _apply_penalties(logits[row], p, r)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        drawn = _draw(logits[idx], [params[i] for i in random_rows],
+                      [generators[i] for i in random_rows], default_generator)
+        tokens[idx] = drawn
+    token_ids = tokens.tolist()
+    return SamplerOutput(token_ids, _logprobs(raw, params, token_ids))
+
+
+def _needs_processing(p: SamplingParams, r: Request) -> bool:
+    return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens)
+
+
+def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: Request) -> None:
+    if len(r.output_token_ids) >= p.min_tokens:
+        return
+    banned = list(p.stop_token_ids)
+    if r.eos_token_id is not None and not p.ignore_eos:
+        banned.append(r.eos_token_id)
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+
+
+def _apply_penalties(row: torch.Tensor, p: SamplingParams, r: Request) -> None:
+    """vLLM's ``apply_penalties`` on one row, in place."""
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[torch.tensor(r.prompt_token_ids + r.output_token_ids, device=row.device)] = True
+        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, penalised, row))
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and r.output_token_ids:
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+        row.sub_(p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype))
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams],
+          generators: list[torch.Generator | None],
+          default_generator: torch.Generator) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        probs = torch.softmax(logits, dim=-1)
+        cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        logits = logits.masked_fill(probs < cutoff, float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = torch.softmax(logits, dim=-1)
+    q = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        q[row].exponential_(generator=gen or default_generator)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask all but the top k, then the smallest set whose probability reaches top_p."""
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs      # keep a token while the mass before it < p
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+def _logprobs(raw: torch.Tensor, params: list[SamplingParams],
+              token_ids: list[int]) -> list[Logprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[Logprobs | None] = [None] * len(params)
+    if not rows:
+        return result
+    logprobs = torch.log_softmax(raw[rows], dim=-1)
+    for j, i in enumerate(rows):
+        k = params[i].logprobs or 0
+        top_vals, top_ids = logprobs[j].topk(k) if k else (logprobs[j][:0], logprobs[j][:0])
+        top = dict(zip(top_ids.tolist(), top_vals.tolist()))
+        result[i] = (float(logprobs[j, token_ids[i]]), {int(t): v for t, v in top.items()})
+    return result

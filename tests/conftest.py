@@ -1,0 +1,83 @@
+"""Shared fixtures: the converted default model, tiny random-weight HF directories, and a helper
+that drives ``ModelRunner`` with hand-built ``SchedulerOutput``s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+TINY_VOCAB = 320
+
+# name -> (architecture, config overrides)
+TINY_MODELS = {
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-untied-llama3rope": ("llama", {
+        "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF (once per cache, ~40 s the first time)."""
+    from twinserve.gpu.default_model import default_model_path
+    return default_model_path()
+
+
+def _build_tiny(path: Path, arch: str, overrides: dict) -> Path:
+    import torch
+    import transformers
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    with torch.no_grad():  # larger than the 0.02 init so that greedy choices are well separated
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight Llama and Qwen2 directories (GQA; tied and untied embeddings)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: _build_tiny(root / name, arch, overrides)
+            for name, (arch, overrides) in TINY_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
+def drive() -> Callable:
+    """``drive(runner, requests, plan)`` runs steps given as lists of ``(request, num_new_tokens)``
+    and appends sampled tokens; each request owns disjoint blocks ``[64 * i, 64 * i + 64)``."""
+    from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
+
+    def run(runner, requests, steps):
+        blocks = {r.request_id: list(range(64 * i, 64 * i + 64)) for i, r in enumerate(requests)}
+        for step in steps:
+            scheduled = []
+            for request, n in step:
+                start = request.num_computed_tokens
+                sample = start + n == request.num_tokens
+                scheduled.append(ScheduledRequest(request, start, n, blocks[request.request_id],
+                                                  sample))
+            out = runner.execute(SchedulerOutput(scheduled=scheduled))
+            for sr in scheduled:
+                sr.request.num_computed_tokens += sr.num_new_tokens
+                if sr.sample:
+                    sr.request.append_output_token(out.sampled_token_ids[sr.request_id][0], 0.0)
+        return requests
+
+    return run

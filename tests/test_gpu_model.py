@@ -1,0 +1,187 @@
+"""gpu/ building blocks: paged attention, KV cache swaps, sampler, detokenizer, loader errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu.attention import paged_attention, write_kv_cache
+from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+from twinserve.gpu.model_loader import load_model
+from twinserve.gpu.sampler import _apply_penalties, _top_k_top_p, sample
+from twinserve.gpu.tokenizer import Tokenizer
+
+
+def _dense_reference(q, k, v, q_len, scale):
+    """Causal attention of the last ``q_len`` positions over ``k``/``v`` ``[ctx, Hkv, D]``."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    ctx = k.shape[0]
+    pos_q = torch.arange(ctx - q_len, ctx)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx)[None, :] > pos_q, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_attention_matches_dense(dtype, tol):
+    torch.manual_seed(0)
+    block_size, hkv, hq, d = 4, 2, 6, 16
+    ctx_lens, q_lens = [7, 1, 12, 20, 3], [1, 1, 12, 5, 1]   # decodes, full and chunked prefill
+    key_cache = torch.zeros(40, block_size, hkv, d, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    perm = torch.randperm(40).tolist()
+    tables, ks, vs = [], [], []
+    for ctx in ctx_lens:
+        n = -(-ctx // block_size)
+        tables.append([perm.pop() for _ in range(n)])
+        ks.append(torch.randn(ctx, hkv, d, dtype=dtype))
+        vs.append(torch.randn(ctx, hkv, d, dtype=dtype))
+        slots = torch.tensor([tables[-1][p // block_size] * block_size + p % block_size
+                              for p in range(ctx)])
+        write_kv_cache(ks[-1], vs[-1], key_cache, value_cache, slots)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = paged_attention(query, key_cache, value_cache, block_tables,
+                          torch.tensor(ctx_lens, dtype=torch.int32), qsl, d ** -0.5)
+    for b, (ctx, ql) in enumerate(zip(ctx_lens, q_lens)):
+        rows = slice(int(qsl[b]), int(qsl[b + 1]))
+        want = _dense_reference(query[rows].float(), ks[b].float(), vs[b].float(), ql, d ** -0.5)
+        torch.testing.assert_close(out[rows].float(), want, atol=tol, rtol=tol)
+
+
+def test_swap_out_swap_in_copy_round_trip():
+    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                       dtype=torch.float32)
+    cache = KVCache(spec, num_gpu_blocks=6, num_cpu_blocks=3, device=torch.device("cpu"))
+    for k, v in cache.gpu:
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+    before = [(k.clone(), v.clone()) for k, v in cache.gpu]
+    cache.swap_out([(1, 0), (4, 2)])
+    for k, v in cache.gpu:
+        k[[1, 4]] = 0.0
+        v[[1, 4]] = 0.0
+    cache.swap_in([(2, 5), (0, 3)])
+    cache.copy_blocks([(0, 1)])
+    for (k, v), (k0, v0) in zip(cache.gpu, before):
+        torch.testing.assert_close(k[5], k0[4])
+        torch.testing.assert_close(v[3], v0[1])
+        torch.testing.assert_close(k[1], k0[0])
+        torch.testing.assert_close(v[0], v0[0])
+    assert spec.bytes_per_block == 2 * 2 * 4 * 2 * 8 * 4
+
+
+def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
+    r = Request("x", list(prompt), params, 0.0, eos_token_id=2)
+    for t in output:
+        r.append_output_token(t, 0.0)
+    return r
+
+
+def test_sampler_top_k_one_equals_greedy_and_seed_reproducible():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    top1 = [_req(SamplingParams(temperature=1.0, top_k=1))] * 4
+    assert sample(logits, top1, [None] * 4, gen).token_ids == logits.argmax(-1).tolist()
+    seeded = [_req(SamplingParams(temperature=1.5, seed=3))] * 4
+    draws = [sample(logits, seeded, [torch.Generator().manual_seed(3) for _ in range(4)],
+                    gen).token_ids for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+def test_penalties_follow_vllm_semantics():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
+    r = _req(SamplingParams(repetition_penalty=2.0), prompt=(0,), output=(1,))
+    row = logits.clone()
+    _apply_penalties(row, r.sampling_params, r)
+    assert row.tolist() == [1.0, -4.0, 1.0, 0.5, 3.0]   # seen: positive / p, negative * p
+    r = _req(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt=(4,),
+             output=(2, 2, 3))
+    row = logits.clone()
+    _apply_penalties(row, r.sampling_params, r)
+    assert row.tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 3.0]  # output only
+
+
+def test_min_tokens_masks_eos_and_min_p_top_p_masks():
+    logits = torch.full((1, 5), -10.0)
+    logits[0, 2] = 10.0   # eos is by far the best
+    r = _req(SamplingParams(temperature=0.0, min_tokens=2), output=(4,))
+    assert sample(logits, [r], [None], torch.Generator()).token_ids != [2]
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    masked = _top_k_top_p(probs.log(), [SamplingParams(top_p=0.7)])
+    assert torch.isfinite(masked).tolist() == [[True, True, False, False]]
+    gen = torch.Generator().manual_seed(0)
+    min_p = [_req(SamplingParams(temperature=1.0, min_p=0.5))]
+    drawn = {sample(probs.log(), min_p, [None], gen).token_ids[0] for _ in range(50)}
+    assert drawn <= {0, 1}   # 0.15 and 0.05 are below 0.5 * 0.5
+
+
+def test_chat_template_and_detokenizer_streaming(default_model_dir):
+    tok = Tokenizer.from_dir(default_model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token_id == 2
+    message = "Café ☕ naïve 世界 🙂 ok"
+    ids = tok.encode(message)
+    assert tok.decode(ids) == message
+    detok = tok.detokenizer(tok.encode("Say:"))
+    deltas = []
+    for t in ids:   # one token at a time: multi-byte characters span tokens
+        detok.add_tokens([t])
+        deltas.append(detok.get_delta())
+    assert "".join(deltas) + detok.get_delta(finished=True) == message
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_detokenizer_stop_strings(default_model_dir):
+    tok = Tokenizer.from_dir(default_model_dir)
+    ids = tok.encode("The answer is 42. Done here.")
+    detok = tok.detokenizer([1], stop=["Done"])
+    streamed = ""
+    for t in ids:
+        if detok.add_tokens([t]):
+            break
+        streamed += detok.get_delta()
+    assert detok.stop_reason == "Done"
+    assert streamed + detok.get_delta(finished=True) == "The answer is 42. "
+    keep = tok.detokenizer([1], stop=["42"], include_stop_str_in_output=True)
+    keep.add_tokens(ids)
+    assert keep.output_text == "The answer is 42"
+
+
+def _copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loader_errors(tiny_model_dirs, tmp_path):
+    src = tiny_model_dirs["llama-tied"]
+    cpu = torch.device("cpu")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, torch.float32, cpu, 64)
+    missing = _copy_model(src, tmp_path / "missing")
+    (missing / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(missing, torch.float32, cpu, 64)
+    unknown = _copy_model(src, tmp_path / "unknown")
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unknown architecture 'GPT2LMHeadModel'"):
+        load_model(unknown, torch.float32, cpu, 64)
+    wrong = _copy_model(src, tmp_path / "wrong")
+    (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 100}))
+    with pytest.raises(ValueError, match="gate_proj.weight.*shape"):
+        load_model(wrong, torch.float32, cpu, 64)
+    untied = _copy_model(src, tmp_path / "untied")
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="'lm_head.weight' is missing"):
+        load_model(untied, torch.float32, cpu, 64)

@@ -37,14 +37,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"{gguf_path}: general.architecture is "
                          f"{meta.get('general.architecture')!r}, only 'llama' is converted.")
-    config = _config(meta)
-    _write_json(out_dir / "config.json", config)
-    save_file(_weights(reader, config), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    tokenizer, special = _tokenizer(reader)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
     ids = {k: int(reader.fields[f"tokenizer.ggml.{k}_token_id"].contents())
            for k in ("bos", "eos", "padding") if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    config = {**_config(meta), "bos_token_id": ids.get("bos"), "eos_token_id": ids.get("eos")}
+    weights = _weights(reader, config)  # may untie the embeddings: write config.json after
+    _write_json(out_dir / "config.json", config)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer, special = _tokenizer(reader)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     _write_json(out_dir / "tokenizer_config.json", {
         "tokenizer_class": "GPT2Tokenizer", "chat_template": meta.get("tokenizer.chat_template"),
@@ -74,7 +74,6 @@ def _config(meta: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": int(meta["llama.context_length"]),
         "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "torch_dtype": "float32",
-        "bos_token_id": 1, "eos_token_id": 2,
     }
 
 

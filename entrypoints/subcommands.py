@@ -47,3 +47,16 @@ def _serve(sub) -> None:
 
 
 PARSERS = [_bench, _demo, _sweep, _serve]
+
+
+def _calibrate(sub) -> None:
+    from twinserve.entrypoints.calibrate import add_parser
+    add_parser(sub)
+
+
+def _validate(sub) -> None:
+    from twinserve.entrypoints.validate import add_parser
+    add_parser(sub)
+
+
+PARSERS += [_calibrate, _validate]

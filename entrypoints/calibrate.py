@@ -1,0 +1,240 @@
+"""``twinserve calibrate``: measure the real backend, fit the simulator's step time, write a profile.
+
+    twinserve calibrate --model DIR [--device cpu|cuda] [--dtype D] --out PROFILE.json \\
+        [--base-hardware cpu] [--quick] [--max-num-batched-tokens N] [--max-num-seqs N]
+    twinserve calibrate --from-run RUN_DIR [RUN_DIR ...] --out PROFILE.json [--model DIR]
+
+From the backend (default): micro-benchmarks of ``ModelRunner.execute`` on hand-built steps
+(prefill chunks after cached prefixes, decode batches, decodes + a prefill chunk; median of
+repeats) plus synthetic workloads through the real engine loop, which time the whole step
+(scheduling, sampling, output processing) beside the forward pass. The forward pass is fitted on
+every forward timing (relative error), the loop overhead (step minus forward) on the loop's steps;
+the profile holds their sum. Swap copies are timed too and set the profile's ``pcie_bandwidth``.
+
+From runs (``--from-run``): the per-step samples ``validate`` records in ``RUN/step_features.csv``
+(every real step's aggregates and measured seconds), fitted by absolute least squares so the
+predicted total of the run's step times equals the measured one. This is the most faithful data.
+To refine a backend calibration, pass it as the base: ``--from-run RUN --base-hardware OLD.json``
+keeps its measured swap bandwidth and other fits and replaces this model's fit.
+
+The profile is the base profile's roofline numbers with a ``fitted`` entry for this model (its
+directory name, as ``load_model_spec`` names it) at TP 1; ``twinserve simulate --hardware
+PROFILE.json --model DIR`` picks it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+Log = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class Calibration:
+    """A fit and what it was fitted on. ``params`` is what goes into the profile."""
+
+    params: Any  # FittedParams
+    samples: list = field(default_factory=list)  # StepSample
+    forward: Any = None  # FittedParams of the forward pass alone (backend calibration)
+    overhead: Any = None  # FittedParams of the loop overhead (backend calibration)
+    seconds_per_swap_block: float | None = None
+    report: str = ""
+
+
+def _log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def to_samples(steps) -> list:
+    """``gpu.profiler.MeasuredStep`` rows as ``simulator.calibration.StepSample``."""
+    from twinserve.simulator.calibration import StepSample
+    return [StepSample(dict(s.aggregates), s.seconds, s.execute_seconds, s.kind) for s in steps]
+
+
+def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False, warmup: int = 1,
+                      repeats: int = 3, engine_loop: bool = True, log: Log | None = None,
+                      ) -> Calibration:
+    """Micro-benchmarks + engine-loop workloads on ``runner`` (a loaded ``ModelRunner``), with
+    the limits of ``engine_args`` (an ``EngineArgs``: batch budget, sequences, model length)."""
+    from twinserve.gpu import profiler
+    from twinserve.gpu.llm_engine import LLMEngine
+    from twinserve.simulator.calibration import (combine, fit, fit_errors, fit_overhead,
+                                                 format_errors)
+    log = log or (lambda msg: None)
+    max_len = runner.max_model_len
+    specs = profiler.default_grid(engine_args.max_num_batched_tokens, engine_args.max_num_seqs,
+                                  max_len, quick)
+    log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
+    micro = to_samples(profiler.run_micro_benchmarks(runner, specs, warmup, repeats, log))
+    per_block = profiler.measure_swap(runner, warmup=warmup, repeats=repeats)
+    if per_block is not None:
+        log(f"swap copies: {per_block * 1e6:.1f} us per KV block (out + in averaged)")
+    loop: list = []
+    if engine_loop:
+        scenarios = profiler.default_scenarios(engine_args.max_num_seqs, max_len, quick)
+        log(f"engine loop: {len(scenarios)} synthetic workloads")
+        engine = LLMEngine(engine_args, runner=runner)
+        engine.metrics.record_steps = False
+        loop = to_samples(profiler.run_engine_loop(engine, scenarios, progress=log))
+    forward = fit(micro + loop, model_name, 1, "relative", target="execute_seconds")
+    lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
+                           "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
+    if loop:
+        overhead = fit_overhead(loop, model_name, 1)
+        params = combine(forward, overhead)
+        lines.append(format_errors(fit_errors(params, loop, "seconds"),
+                                   "step fit on the engine-loop steps (whole engine.step)"))
+    else:
+        overhead, params = None, forward
+    return Calibration(params, micro + loop, forward, overhead, per_block, "\n".join(lines))
+
+
+def calibrate_from_runs(run_dirs: list[str | Path], model_name: str) -> Calibration:
+    """Absolute least squares over the recorded steps of real runs."""
+    from twinserve.simulator.calibration import fit, fit_errors, format_errors, read_samples
+    samples = [s for d in run_dirs for s in read_samples(d)]
+    params = fit(samples, model_name, 1, "absolute")
+    report = format_errors(fit_errors(params, samples, "seconds"),
+                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
+    return Calibration(params, samples, report=report)
+
+
+def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
+                 block_size: int = 16, note: str = "") -> Path:
+    """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``."""
+    from twinserve.simulator.calibration import calibrated_profile
+    from twinserve.simulator.cost_model import CostModel
+    from twinserve.simulator.hardware import load_hardware
+    from twinserve.simulator.model_spec import load_model_spec
+    base = load_hardware(base_hardware)
+    pcie = None
+    if cal.seconds_per_swap_block:
+        # the simulator times a swap as spec block bytes / pcie_bandwidth: match the measurement
+        block_bytes = CostModel(load_model_spec(model), base, 1, block_size).block_bytes()
+        pcie = block_bytes / cal.seconds_per_swap_block
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = base.name if base.name.endswith("-calibrated") else f"{base.name}-calibrated"
+    profile = calibrated_profile(base, cal.params, pcie, name=name, note=note)
+    return profile.save(out)
+
+
+def load_runner(args: argparse.Namespace):
+    """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args``."""
+    import dataclasses
+
+    from twinserve.entrypoints.engine_args import engine_kwargs
+    from twinserve.gpu.llm_engine import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    eargs = EngineArgs(**engine_kwargs(args, fields))
+    runner = ModelRunner(
+        eargs.model, dtype=eargs.dtype, device=eargs.device, block_size=eargs.block_size,
+        kv_cache_memory=eargs.kv_cache_memory, gpu_memory_utilization=eargs.gpu_memory_utilization,
+        swap_space=eargs.swap_space, max_num_batched_tokens=eargs.max_num_batched_tokens,
+        max_model_len=eargs.max_model_len, enforce_eager=eargs.enforce_eager, seed=eargs.seed)
+    return eargs, runner
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+
+
+def model_dir_or_default(model: str | None) -> str:
+    if model:
+        return model
+    from twinserve.gpu.default_model import default_model_path
+    return str(default_model_path())
+
+
+def add_backend_flags(p: argparse.ArgumentParser) -> None:
+    """The engine knobs a calibration depends on (vLLM's names)."""
+    g = p.add_argument_group("backend (vLLM's names)")
+    g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="largest decode batch measured")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="largest step measured (default 2048)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest context measured")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU")
+    g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap pool")
+    g.add_argument("--enforce-eager", action="store_true", default=None)
+
+
+def add_calibration_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("calibration")
+    g.add_argument("--base-hardware", default="cpu",
+                   help="profile whose roofline numbers the calibrated profile keeps (default cpu)")
+    g.add_argument("--quick", action="store_true", help="a smaller grid and fewer workloads")
+    g.add_argument("--warmup", type=int, default=1, help="untimed runs per benchmark step")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per step (median)")
+    g.add_argument("--no-engine-loop", dest="engine_loop", action="store_false",
+                   help="micro-benchmarks only (no scheduling/sampling overhead measured)")
+    g.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit the simulator's step time to the real backend",
+                       description=__doc__.split("\n\n", 1)[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", default=None, help="HF model directory (default: bundled model)")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
+                   help="fit from the steps recorded by validate in these real run folders")
+    p.add_argument("--samples-out", default=None, help="also write the samples as CSV")
+    add_backend_flags(p)
+    add_calibration_flags(p)
+    p.set_defaults(handler=run_calibrate)
+
+
+def _model_from_runs(run_dirs: list[str]) -> str | None:
+    for d in run_dirs:
+        path = Path(d) / "config.json"
+        if path.is_file():
+            model = json.loads(path.read_text()).get("model")
+            if model:
+                return str(model)
+    return None
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from twinserve.simulator.calibration import write_samples
+    from twinserve.simulator.model_spec import load_model_spec
+    if args.from_run:
+        model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)
+        name = load_model_spec(model).name
+        cal = calibrate_from_runs(args.from_run, name)
+        block_size = args.block_size or 16
+        note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
+    else:
+        set_threads(args.threads)
+        model = args.model = model_dir_or_default(args.model)
+        name = load_model_spec(model).name
+        eargs, runner = load_runner(args)
+        _log_stderr(f"calibrating {name} on {runner.device} ({runner.dtype}), "
+                    f"{runner.num_gpu_blocks} KV blocks")
+        cal = calibrate_backend(runner, eargs, name, args.quick, args.warmup, args.repeats,
+                                args.engine_loop, _log_stderr)
+        block_size = eargs.block_size
+        note = (f"Calibrated for {name} on {runner.device} {str(runner.dtype).removeprefix('torch.')}"
+                f"{' (quick)' if args.quick else ''}.")
+    path = save_profile(cal, model, args.base_hardware, args.out, block_size, note)
+    if args.samples_out:
+        write_samples(args.samples_out, cal.samples)
+    print(cal.report)
+    p = cal.params
+    coefs = ", ".join(f"{k}={v:.3g}" for k, v in p.coefficients.items() if v)
+    print(f"fitted: intercept {p.intercept_s * 1e3:.2f} ms; {coefs or 'no coefficient'}")
+    print(f"profile written: {path} (use: twinserve simulate --hardware {path} --model "
+          f"{model})")
+    return 0 if all(math.isfinite(v) for v in p.coefficients.values()) else 1

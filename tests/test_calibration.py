@@ -1,0 +1,256 @@
+"""Calibration: the fit (synthetic samples), the backend profiler on a tiny random Llama, and
+``twinserve validate`` end to end on a small synthetic slice."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from twinserve.simulator.calibration import (AGGREGATE_FIELDS, StepSample, calibrated_profile,
+                                             combine, features_of, fit, fit_errors, predict,
+                                             read_samples, step_kind, write_samples)
+from twinserve.simulator.cost_model import FEATURE_NAMES, make_cost_model
+from twinserve.simulator.hardware import FittedParams, load_hardware
+from twinserve.simulator.model_spec import load_model_spec
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": True,
+    "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def make_tiny_llama(path: Path) -> Path:
+    """An HF directory (config.json + model.safetensors, no tokenizer) of random weights."""
+    import torch
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = TINY_CONFIG
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    tensors = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h),
+               "model.norm.weight": torch.ones(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter)})
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+# ---- the fit -------------------------------------------------------------------------------
+def _random_aggregates(rng: np.random.Generator) -> dict[str, int]:
+    decodes = int(rng.integers(0, 64))
+    chunks = int(rng.integers(0 if decodes else 1, 3))
+    prefill = sum(int(rng.integers(1, 512)) for _ in range(chunks))
+    decode_ctx = sum(int(rng.integers(2, 2048)) for _ in range(decodes))
+    prefill_ctx = prefill * int(rng.integers(1, 1024)) if chunks else 0
+    return {"total_num_scheduled_tokens": decodes + prefill, "num_prefill_tokens": prefill,
+            "num_decode_tokens": decodes, "num_prefill_seqs": chunks, "num_decode_seqs": decodes,
+            "sum_context_tokens": decode_ctx + prefill_ctx, "sum_decode_context_tokens": decode_ctx}
+
+
+TRUE_INTERCEPT = 4e-3
+TRUE = {"num_tokens": 2e-4, "num_prefill_tokens": 5e-5, "num_prefill_seqs": 1e-3,
+        "num_decode_seqs": 3e-4, "sum_context_tokens": 2e-8, "sum_decode_context_tokens": 1e-7}
+
+
+def _synthetic_samples(n: int, noise: float, seed: int = 0) -> list[StepSample]:
+    rng = np.random.default_rng(seed)
+    truth = FittedParams(TRUE_INTERCEPT, TRUE)
+    out = []
+    for _ in range(n):
+        agg = _random_aggregates(rng)
+        y = predict(truth, agg) * (1 + noise * rng.standard_normal())
+        out.append(StepSample(agg, max(y, 0.0)))
+    return out
+
+
+@pytest.mark.parametrize("weighting", ["absolute", "relative"])
+def test_fit_recovers_known_coefficients(weighting: str) -> None:
+    params = fit(_synthetic_samples(400, 0.0), "m", 1, weighting)
+    assert params.intercept_s == pytest.approx(TRUE_INTERCEPT, rel=1e-4)
+    c = params.coefficients
+    for name in ("num_prefill_seqs", "sum_context_tokens", "sum_decode_context_tokens"):
+        assert c[name] == pytest.approx(TRUE[name], rel=1e-4), name
+    # num_tokens = num_prefill_tokens + num_decode_seqs: only the per-token cost of each kind
+    # is identifiable, not how it splits between num_tokens and the kind's own feature
+    assert c["num_tokens"] + c["num_prefill_tokens"] == pytest.approx(
+        TRUE["num_tokens"] + TRUE["num_prefill_tokens"], rel=1e-4)
+    assert c["num_tokens"] + c["num_decode_seqs"] == pytest.approx(
+        TRUE["num_tokens"] + TRUE["num_decode_seqs"], rel=1e-4)
+    assert params.model == "m" and params.num_samples == 400
+
+
+def test_fit_with_noise_is_close_and_errors_are_per_kind() -> None:
+    samples = _synthetic_samples(600, 0.02, seed=1)
+    params = fit(samples, None, 1, "relative")
+    assert params.intercept_s == pytest.approx(TRUE_INTERCEPT, rel=0.1)
+    c = params.coefficients
+    assert c["num_tokens"] + c["num_decode_seqs"] == pytest.approx(
+        TRUE["num_tokens"] + TRUE["num_decode_seqs"], rel=0.1)
+    errors = {e.kind: e for e in fit_errors(params, samples)}
+    assert {"prefill", "decode", "mixed", "all"} <= set(errors)
+    assert errors["all"].mape < 4.0 and errors["all"].count == 600
+
+
+def test_absolute_fit_matches_the_total() -> None:
+    samples = _synthetic_samples(300, 0.1, seed=2)
+    params = fit(samples, None, 1, "absolute")
+    total = sum(s.seconds for s in samples)
+    assert sum(predict(params, s.aggregates) for s in samples) == pytest.approx(total, rel=0.01)
+
+
+def test_combine_adds_and_features_match_cost_model(tmp_path: Path) -> None:
+    a = FittedParams(1e-3, {"num_tokens": 1e-4}, "m")
+    b = FittedParams(2e-3, {"num_decode_seqs": 5e-5, "num_tokens": 1e-5}, "m")
+    both = combine(a, b)
+    agg = _random_aggregates(np.random.default_rng(3))
+    assert predict(both, agg) == pytest.approx(predict(a, agg) + predict(b, agg))
+    assert set(features_of(agg)) == set(FEATURE_NAMES)
+    assert step_kind({"num_prefill_seqs": 1, "num_decode_seqs": 2}) == "mixed"
+    samples = _synthetic_samples(5, 0.0)
+    samples[0].execute_seconds = 0.5
+    back = read_samples(write_samples(tmp_path / "s.csv", samples))
+    assert [s.aggregates for s in back] == [s.aggregates for s in samples]
+    assert back[0].execute_seconds == 0.5 and math.isnan(back[1].execute_seconds)
+    with pytest.raises(ValueError, match="unknown aggregate"):
+        StepSample({"tokens": 3}, 1.0)
+
+
+def test_calibrated_profile_round_trips_and_drives_the_cost_model(tmp_path: Path,
+                                                                  tiny_model: Path) -> None:
+    spec = load_model_spec(tiny_model)
+    params = fit(_synthetic_samples(100, 0.0), spec.name)
+    path = calibrated_profile(load_hardware("cpu"), params, 5e9, name="cpu-cal").save(
+        tmp_path / "p.json")
+    profile = load_hardware(path)
+    assert profile.pcie_bandwidth == 5e9 and profile.find_fitted(spec.name) is not None
+    cost = make_cost_model(spec, profile)
+    from twinserve.core.outputs import SchedulerOutput
+    agg = _random_aggregates(np.random.default_rng(4))
+    assert cost.step_time(SchedulerOutput(**agg)) == pytest.approx(predict(params, agg))
+
+
+# ---- the backend ---------------------------------------------------------------------------
+def test_build_step_aggregates_match_the_scheduler() -> None:
+    from twinserve.core.config import SchedulerConfig
+    from twinserve.core.outputs import ModelRunnerOutput
+    from twinserve.core.sampling_params import SamplingParams
+    from twinserve.core.scheduler import Scheduler, make_request
+    from twinserve.gpu.profiler import StepSpec, aggregates, build_step
+    from twinserve.policies import get_policy
+    # the scheduler's own accounting of 3 decodes at context 40 + a 50-token chunk after 32
+    cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=256,
+                          enable_prefix_caching=False)
+    sched = Scheduler(cfg, get_policy("fcfs"))
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    tokens = ModelRunnerOutput({f"d{i}": [7] for i in range(3)})
+    for i in range(3):
+        sched.add_request(make_request(f"d{i}", [20 + i] * 38, sampling_params=params))
+    sched.update_from_output(sched.schedule(0.0), tokens, 0.0)
+    sched.add_request(make_request("p", [30] * 82, sampling_params=params))
+    cfg.max_num_batched_tokens = 3 + 32
+    sched.update_from_output(sched.schedule(0.0), tokens, 0.0)
+    cfg.max_num_batched_tokens = 8192
+    theirs = aggregates(sched.schedule(0.0))
+    mine = aggregates(build_step(StepSpec(decodes=(40,) * 3, prefills=((50, 32),)), 16, 64, 256))
+    assert mine == theirs
+    assert mine["sum_decode_context_tokens"] == 120 and mine["num_prefill_tokens"] == 50
+    with pytest.raises(ValueError, match="KV blocks"):
+        build_step(StepSpec(decodes=(200,) * 8), 16, 16, 256)
+
+
+@pytest.mark.slow
+def test_calibrate_cli_on_tiny_model(tmp_path: Path, tiny_model: Path, capsys) -> None:
+    from twinserve.entrypoints.cli import main
+    out = tmp_path / "profile.json"
+    samples = tmp_path / "samples.csv"
+    rc = main(["calibrate", "--model", str(tiny_model), "--out", str(out), "--quick",
+               "--dtype", "float32", "--max-num-batched-tokens", "256", "--max-num-seqs", "16",
+               "--max-model-len", "512", "--kv-cache-memory", str(8 << 20), "--repeats", "2",
+               "--samples-out", str(samples)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "prefill" in printed and "decode" in printed and "mixed" in printed
+    profile = load_hardware(out)
+    spec = load_model_spec(tiny_model)
+    params = profile.find_fitted(spec.name)
+    assert params is not None and params.tensor_parallel_size == 1
+    cost = make_cost_model(spec, profile)
+    from twinserve.core.outputs import SchedulerOutput
+
+    def prefill(n: int, ctx: int) -> SchedulerOutput:
+        return SchedulerOutput(total_num_scheduled_tokens=n, num_prefill_tokens=n,
+                               num_prefill_seqs=1, sum_context_tokens=n * ctx + n * (n + 1) // 2)
+
+    def decode(b: int, ctx: int) -> SchedulerOutput:
+        return SchedulerOutput(total_num_scheduled_tokens=b, num_decode_tokens=b,
+                               num_decode_seqs=b, sum_context_tokens=b * ctx,
+                               sum_decode_context_tokens=b * ctx)
+
+    assert cost.step_time(prefill(256, 0)) > cost.step_time(prefill(16, 0))
+    assert cost.step_time(prefill(256, 256)) >= cost.step_time(prefill(256, 0))
+    assert cost.step_time(decode(16, 64)) > cost.step_time(decode(1, 64))
+    assert cost.step_time(decode(16, 400)) >= cost.step_time(decode(16, 64))
+    assert len(read_samples(samples)) > 10
+
+
+@pytest.mark.slow
+def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, capsys) -> None:
+    from twinserve.entrypoints.cli import main
+    out = tmp_path / "val"
+    rc = main(["validate", "--model", str(tiny_model), "--trace", "synthetic",
+               "--num-requests", "12", "--request-rate", "20", "--input-len", "40",
+               "--output-len", "8", "--prefix-len", "32", "--prefix-share", "0.5",
+               "--policy", "fair", "--tenants", "heavy=3,light=1", "--dtype", "float32",
+               "--max-model-len", "256", "--max-num-batched-tokens", "128",
+               "--max-num-seqs", "8", "--kv-cache-memory", str(4 << 20), "--quick",
+               "--repeats", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "mean_e2el_ms" in printed
+    for run, backend in (("real", "twinserve"), ("sim", "sim")):
+        config = json.loads((out / run / "config.json").read_text())
+        assert config["backend"] == backend and config["trace"] == "synthetic"
+        assert config["request_rate"] == 20
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert summary["completed"] == 12
+    real_cfg = json.loads((out / "real" / "config.json").read_text())
+    sim_cfg = json.loads((out / "sim" / "config.json").read_text())
+    assert sim_cfg["num_gpu_blocks"] == real_cfg["num_gpu_blocks"]
+    with open(out / "errors.csv") as f:
+        rows = {r["metric"]: r for r in csv.DictReader(f)}
+    assert {"request_throughput", "mean_ttft_ms", "mean_tpot_ms", "p90_e2el_ms"} <= set(rows)
+    assert (out / "profile.json").is_file() and (out / "report.html").is_file()
+    samples = read_samples(out / "real")
+    steps = list(csv.DictReader(open(out / "real" / "steps.csv")))
+    assert len(samples) == len(steps) > 0
+    # a second calibration from the recorded steps loads and fits
+    rc = main(["calibrate", "--from-run", str(out / "real"), "--out", str(tmp_path / "p2.json")])
+    assert rc == 0
+    assert load_hardware(tmp_path / "p2.json").find_fitted("tiny-llama") is not None
+    assert set(AGGREGATE_FIELDS) <= set(read_samples(out / "real")[0].aggregates)

@@ -26,8 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="runs/demo", help="folder for the runs and report.html")
     p.add_argument("--num-requests", type=int, default=3000,
                    help="requests of the Azure conv trace to simulate (default 3000)")
-    p.add_argument("--time-scale", type=float, default=2.0,
-                   help="replay the simulated slice K times as fast (default 2: near saturation)")
+    p.add_argument("--time-scale", type=float, default=4.0,
+                   help="replay the simulated slice K times as fast (default 4: just past the "
+                   "H100's saturation, where the policies differ)")
     p.add_argument("--real-requests", type=int, default=24,
                    help="requests replayed through the real engine (0 skips it)")
     p.add_argument("--seed", type=int, default=0)

@@ -19,8 +19,10 @@ COMPARED_METRICS = (
     "median_e2el_ms", "p90_e2el_ms", "num_preemptions", "prefix_cache_hit_rate",
 )
 # config keys that say two runs served the same workload, most telling first
-PAIRING_KEYS = ("trace", "request_rate", "model", "num_prompts", "seed", "policy")
-REQUIRED_KEYS = ("trace", "request_rate")
+PAIRING_KEYS = ("trace", "request_rate", "model", "num_prompts", "seed", "scheduling_policy",
+                "policy")
+# The same workload: the same trace slice at the same rate.
+REQUIRED_KEYS = ("trace", "request_rate", "num_requests", "time_scale", "time_window")
 
 
 def relative_error(sim: float, real: float) -> float:

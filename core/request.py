@@ -72,6 +72,9 @@ class Request:
     # Output length at which the request is capped (max_tokens, or what max_model_len leaves);
     # set by the scheduler when the request is added.
     max_output_tokens: int = field(init=False, default=0)
+    # Token ids that may end the request (stop_token_ids, plus EOS unless ignore_eos): one set
+    # lookup per sampled token on the scheduler's hot path.
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -90,6 +93,9 @@ class Request:
             raise ValueError(f"priority must be an integer, got {self.priority!r}.")
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        params = self.sampling_params
+        eos = () if self.eos_token_id is None or params.ignore_eos else (self.eos_token_id,)
+        self.stop_ids = frozenset((*params.stop_token_ids, *eos))
 
     @property
     def num_output_tokens(self) -> int:

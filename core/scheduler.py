@@ -144,6 +144,11 @@ class Scheduler:
                           now: float) -> tuple[int, bool]:
         running = self.running
         allocate = self.kv.allocate_slots
+        tables = self.kv.tables
+        block_size = self.kv.block_size
+        # Without forks no partially filled block is shared, so a decode whose slot lies inside
+        # its last block needs neither new blocks nor copy-on-write: skip allocate_slots.
+        no_forks = not self._multi_sample
         scheduled = out.scheduled
         preempted = False
         num_decodes = decode_context = 0
@@ -152,18 +157,21 @@ class Scheduler:
             request = running[i]
             start = request.num_computed_tokens
             n = len(request.all_token_ids) - start
-            if n != 1:
-                n = self._num_new_tokens(request, budget)
-            table = allocate(request, n)
-            while table is None:
-                victim = self.policy.select_victim(running[i:])
-                self._preempt(victim, out, now)
-                preempted = True
-                if victim is request:
-                    break
+            if n == 1 and no_forks and start % block_size:
+                table = tables[request.request_id]
+            else:
+                if n != 1:
+                    n = self._num_new_tokens(request, budget)
                 table = allocate(request, n)
-            if table is None:
-                break
+                while table is None:
+                    victim = self.policy.select_victim(running[i:])
+                    self._preempt(victim, out, now)
+                    preempted = True
+                    if victim is request:
+                        break
+                    table = allocate(request, n)
+                if table is None:
+                    break
             budget -= n
             i += 1
             if n == 1 and start >= request.num_prompt_tokens:  # the common case, counted inline
@@ -323,6 +331,9 @@ class Scheduler:
         sampled = result.sampled_token_ids
         logprobs = result.logprobs
         stream = self.stream_outputs
+        no_forks = not self._multi_sample
+        on_tokens = self.policy.on_output_tokens if self.policy.accounts_tokens else None
+        num_generated = 0
         any_finished = False
         for sr in out.scheduled:
             request = sr.request
@@ -339,16 +350,32 @@ class Scheduler:
             tokens = sampled.get(request.request_id)
             if not tokens:
                 raise RuntimeError(f"backend returned no token for {request.request_id!r}")
-            tokens, status = self._append_tokens(request, tokens, now)
+            token = tokens[0]
+            if no_forks and len(tokens) == 1 and token not in request.stop_ids:
+                # The common case inline: one token, no stop token, nothing to fork.
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                request.token_times.append(now)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                num_generated += 1
+                if on_tokens is not None:
+                    on_tokens(request, 1)
+                status = (RequestStatus.FINISHED_LENGTH_CAPPED
+                          if len(request.output_token_ids) >= request.max_output_tokens else None)
+            else:
+                tokens, status = self._append_tokens(request, tokens, now)
             if status is not None:
                 self._finish(request, status, now)
                 any_finished = True
             elif not stream:
                 continue
             outputs.append(EngineCoreOutput(
-                request.request_id, tokens, status is not None, request.finish_reason,
-                request.stop_reason, request.num_cached_tokens or 0,
+                request.request_id, tokens, status is not None,
+                None if status is None else request.finish_reason, request.stop_reason,
+                request.num_cached_tokens or 0,
                 logprobs.get(request.request_id) if logprobs else None))
+        self.num_generation_tokens += num_generated
         if any_finished:
             self.running = [r for r in self.running if r.status <= RequestStatus.PREEMPTED]
         return outputs
@@ -356,16 +383,13 @@ class Scheduler:
     def _append_tokens(self, request: Request, tokens: list[int],
                        now: float) -> tuple[list[int], RequestStatus | None]:
         """Appends sampled tokens up to the first stop; returns those kept and the stop."""
-        if len(tokens) == 1:  # the common case, without the loop
-            request.append_output_token(tokens[0], now)
-            status = self._check_stop(request, tokens[0])
-        else:
-            for k, token in enumerate(tokens):
-                request.append_output_token(token, now)
-                status = self._check_stop(request, token)
-                if status is not None:
-                    tokens = tokens[:k + 1]
-                    break
+        status = None
+        for k, token in enumerate(tokens):
+            request.append_output_token(token, now)
+            status = self._check_stop(request, token)
+            if status is not None:
+                tokens = tokens[:k + 1]
+                break
         self.num_generation_tokens += len(tokens)
         if self.policy.accounts_tokens:
             self.policy.on_output_tokens(request, len(tokens))
@@ -379,13 +403,10 @@ class Scheduler:
         """EOS (unless ignore_eos) and stop token ids once min_tokens are out, then the length
         cap (max_tokens or max_model_len), as in vLLM."""
         num_out = len(request.output_token_ids)
-        params = request.sampling_params
-        if (token == request.eos_token_id and not params.ignore_eos) \
-                or (params.stop_token_ids and token in params.stop_token_ids):
-            if num_out >= params.min_tokens:
-                if token != request.eos_token_id or params.ignore_eos:
-                    request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+        if token in request.stop_ids and num_out >= request.sampling_params.min_tokens:
+            if token != request.eos_token_id or request.sampling_params.ignore_eos:
+                request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

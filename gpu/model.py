@@ -92,7 +92,23 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows that sample."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        if head.device.type != "cpu":
+            return F.linear(hidden, head).float()
+        return _vocab_chunked_linear(hidden, head).float()
+
+
+LM_HEAD_CHUNK = 2048
+
+
+def _vocab_chunked_linear(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """``F.linear(hidden, head)`` for a tall ``head`` on CPU, in slabs of vocabulary rows written
+    into a ``[vocab, N]`` buffer (returned transposed). One GEMM over all 49k rows ran at half the
+    FLOP rate of 2k-row slabs here (64 x 576 x 49152, fp32: 80 ms vs 40 ms)."""
+    out = hidden.new_empty(head.shape[0], hidden.shape[0])
+    for start in range(0, head.shape[0], LM_HEAD_CHUNK):
+        rows = head[start:start + LM_HEAD_CHUNK]
+        torch.mm(rows, hidden.t(), out=out[start:start + rows.shape[0]])
+    return out.t().contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

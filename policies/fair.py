@@ -91,8 +91,8 @@ class VTCPolicy(SchedulingPolicy):
                 self.w_in * request.num_prompt_tokens / self._weight(request.tenant))
 
     def on_output_tokens(self, request: Request, num_tokens: int) -> None:
-        self.counters[request.tenant] = self.counters.get(request.tenant, 0.0) + (
-            self.w_out * num_tokens / self._weight(request.tenant))
+        # Every tenant with a request has a counter (set by _lift when it was queued).
+        self.counters[request.tenant] += self.w_out * num_tokens / self._weight(request.tenant)
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         """The latest-admitted request of the most-served tenant."""

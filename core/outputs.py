@@ -59,6 +59,9 @@ class SchedulerOutput:
     # Sum over scheduled requests of the context each new token attends to (attention cost).
     sum_context_tokens: int = 0
     sum_decode_context_tokens: int = 0  # the decode part of sum_context_tokens
+    # Longest context among the decodes: a backend that pads decode attention to it reads
+    # num_decode_seqs * max_decode_context KV tokens.
+    max_decode_context: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
@@ -69,6 +72,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+# The step totals the scheduler fills in every SchedulerOutput: what the simulator's cost model
+# reads, what calibration records per measured step.
+AGGREGATE_FIELDS: tuple[str, ...] = (
+    "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
+    "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens", "max_decode_context",
+)
 
 
 @dataclass(slots=True)

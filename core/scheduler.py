@@ -151,7 +151,7 @@ class Scheduler:
         no_forks = not self._multi_sample
         scheduled = out.scheduled
         preempted = False
-        num_decodes = decode_context = 0
+        num_decodes = decode_context = max_context = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -178,6 +178,8 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, start, 1, table.ids, True))
                 num_decodes += 1
                 decode_context += start + 1
+                if start >= max_context:
+                    max_context = start + 1
             else:
                 self._add_scheduled(out, request, n, table.ids)
         out.total_num_scheduled_tokens += num_decodes
@@ -185,6 +187,7 @@ class Scheduler:
         out.num_decode_seqs += num_decodes
         out.sum_context_tokens += decode_context
         out.sum_decode_context_tokens += decode_context
+        out.max_decode_context = max(out.max_decode_context, max_context)
         return budget, preempted
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
@@ -305,6 +308,8 @@ class Scheduler:
             out.sum_decode_context_tokens += sign * (start + 1)
             out.num_decode_tokens += sign
             out.num_decode_seqs += sign
+            if sign > 0:  # after an unschedule the maximum is an upper bound
+                out.max_decode_context = max(out.max_decode_context, start + 1)
         else:
             out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
             out.num_prefill_tokens += sign * n

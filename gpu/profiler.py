@@ -26,14 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from twinserve.core.outputs import (AGGREGATE_FIELDS, ModelRunnerOutput, ScheduledRequest,
+                                    SchedulerOutput)
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 
-AGGREGATE_FIELDS: tuple[str, ...] = (
-    "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
-    "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens",
-)
 _FIRST_TOKEN_ID = 16  # below: special tokens
 
 
@@ -122,6 +119,7 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         out.num_decode_tokens += 1
         out.sum_decode_context_tokens += ctx
         out.sum_context_tokens += ctx
+        out.max_decode_context = max(out.max_decode_context, ctx)
     for j, (n, cached) in enumerate(spec.prefills):
         if n < 1 or cached < 0:
             raise ValueError(f"a prefill chunk needs n >= 1 and cached >= 0, got {n}, {cached}.")
@@ -158,7 +156,8 @@ def _sync_for(device: torch.device) -> Callable[[], None] | None:
 def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
                  max_model_len: int = 2048, quick: bool = False) -> list[StepSpec]:
     """Prefill chunks (16..max tokens) after cached prefixes, decode batches (1..max_num_seqs) at
-    several contexts, and decode batches with one prefill chunk; all within the given limits."""
+    several contexts (equal, and spread up to the context), and decode batches with one prefill
+    chunk; all within the given limits."""
     tokens = [t for t in (16, 64, 256, 1024, 2048) if t <= max_num_batched_tokens] if quick else \
         [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048) if t <= max_num_batched_tokens]
     if not tokens or tokens[-1] < max_num_batched_tokens <= 2048:
@@ -178,6 +177,9 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
         for c in contexts:
             if c < max_model_len:
                 specs.append(StepSpec(decodes=(c,) * b))
+                if b > 1:  # contexts spread up to c: the padded and the summed KV part ways
+                    specs.append(StepSpec(decodes=tuple(max(2, c * (i + 1) // b)
+                                                        for i in range(b))))
     for b in [b for b in (4, 16, 64) if b < max_num_seqs] or [max(1, max_num_seqs - 1)]:
         for n in (32, 256) if quick else (32, 128, 512):
             if b + n <= max_num_batched_tokens and n < max_model_len:

@@ -30,14 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from twinserve.core.outputs import SchedulerOutput
+from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 from twinserve.simulator.cost_model import FEATURE_NAMES, nnls, step_features
 from twinserve.simulator.hardware import FittedParams, HardwareProfile
 
-AGGREGATE_FIELDS: tuple[str, ...] = (
-    "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
-    "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens",
-)
 STEP_KINDS = ("prefill", "decode", "mixed", "swap")
 SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
 WEIGHTINGS = ("relative", "absolute")

@@ -45,6 +45,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "num_decode_seqs",  # per-sequence CPU work, lm_head, sampling
     "sum_context_tokens",  # attention FLOPs
     "sum_decode_context_tokens",  # KV bytes read by decodes
+    "padded_decode_context_tokens",  # decodes x longest decode context: padded attention backends
 )
 DEFAULT_BLOCK_SIZE = 16
 _NON_TORCH_RESERVE_BYTES = 512 * 2**20  # CUDA context, cuBLAS/NCCL workspaces, CUDA graphs
@@ -59,8 +60,11 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
+    longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
+                                                                      max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
-            out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context))
+            out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context),
+            out.num_decode_seqs * longest)
 
 
 def step_features(out: SchedulerOutput, max_context: int | None = None) -> dict[str, float]:

@@ -66,16 +66,19 @@ def _random_aggregates(rng: np.random.Generator) -> dict[str, int]:
     decodes = int(rng.integers(0, 64))
     chunks = int(rng.integers(0 if decodes else 1, 3))
     prefill = sum(int(rng.integers(1, 512)) for _ in range(chunks))
-    decode_ctx = sum(int(rng.integers(2, 2048)) for _ in range(decodes))
+    contexts = [int(rng.integers(2, 2048)) for _ in range(decodes)]
+    decode_ctx = sum(contexts)
     prefill_ctx = prefill * int(rng.integers(1, 1024)) if chunks else 0
     return {"total_num_scheduled_tokens": decodes + prefill, "num_prefill_tokens": prefill,
             "num_decode_tokens": decodes, "num_prefill_seqs": chunks, "num_decode_seqs": decodes,
-            "sum_context_tokens": decode_ctx + prefill_ctx, "sum_decode_context_tokens": decode_ctx}
+            "sum_context_tokens": decode_ctx + prefill_ctx, "sum_decode_context_tokens": decode_ctx,
+            "max_decode_context": max(contexts, default=0)}
 
 
 TRUE_INTERCEPT = 4e-3
 TRUE = {"num_tokens": 2e-4, "num_prefill_tokens": 5e-5, "num_prefill_seqs": 1e-3,
-        "num_decode_seqs": 3e-4, "sum_context_tokens": 2e-8, "sum_decode_context_tokens": 1e-7}
+        "num_decode_seqs": 3e-4, "sum_context_tokens": 2e-8, "sum_decode_context_tokens": 1e-7,
+        "padded_decode_context_tokens": 5e-8}
 
 
 def _synthetic_samples(n: int, noise: float, seed: int = 0) -> list[StepSample]:

@@ -274,11 +274,12 @@ def synthetic_samples(truth: dict[str, float], intercept: float, n: int, noise: 
     samples = []
     for _ in range(n):
         d, p, k = int(rng.integers(0, 128)), int(rng.integers(0, 4096)), int(rng.integers(1, 5))
-        decode_ctx = d * int(rng.integers(1, 8192))
+        longest = int(rng.integers(1, 8192))
+        decode_ctx = d * int(rng.integers(1, longest + 1))
         step = SchedulerOutput(total_num_scheduled_tokens=d + p, num_prefill_tokens=p, num_prefill_seqs=k,
                                num_decode_tokens=d, num_decode_seqs=d,
                                sum_context_tokens=decode_ctx + p * int(rng.integers(1, 4096)),
-                               sum_decode_context_tokens=decode_ctx)
+                               sum_decode_context_tokens=decode_ctx, max_decode_context=longest)
         features = step_features(step)
         seconds = intercept + sum(truth.get(f, 0.0) * v for f, v in features.items())
         samples.append((features, seconds * (1 + noise * rng.standard_normal())))
@@ -286,7 +287,8 @@ def synthetic_samples(truth: dict[str, float], intercept: float, n: int, noise: 
 
 
 TRUTH = {"num_tokens": 2e-5, "num_prefill_tokens": 0.0, "num_prefill_seqs": 1e-4, "num_decode_seqs": 3e-5,
-         "sum_context_tokens": 1e-9, "sum_decode_context_tokens": 5e-9}
+         "sum_context_tokens": 1e-9, "sum_decode_context_tokens": 5e-9,
+         "padded_decode_context_tokens": 2e-9}
 
 
 def test_fit_recovers_known_coefficients() -> None:

@@ -26,6 +26,17 @@ def test_decodes_first_then_waiting_fill_the_budget_in_the_same_step():
     out, _ = step(s, 1.0)
     assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 9)]
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 9
+    assert out.sum_decode_context_tokens == 7 and out.max_decode_context == 7
+
+
+def test_decode_context_sums_and_longest_over_mixed_lengths():
+    s = make_scheduler(max_num_batched_tokens=64)
+    for rid, n in (("a", 5), ("b", 17), ("c", 9)):  # 17: the decode crosses a block boundary
+        s.add_request(make_req(rid, n, max_tokens=4))
+    step(s, 0.0)
+    out, _ = step(s, 1.0)
+    assert out.num_decode_seqs == 3 and out.sum_decode_context_tokens == 6 + 18 + 10
+    assert out.max_decode_context == 18 and out.sum_context_tokens == 34
 
 
 def test_continuous_batching_finished_leave_waiting_join():

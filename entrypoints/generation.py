@@ -1,0 +1,366 @@
+"""The request-to-engine machinery the endpoints share: prompt inputs, limits and validation,
+sampling params, the ``Generation`` (one API call's engine requests, merged and tracked, aborted
+when the client leaves) and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from twinserve.core.request_output import CompletionOutput, RequestOutput
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.entrypoints.async_engine import EngineDeadError
+from twinserve.entrypoints.http_errors import APIError, ClientGone, error_event, value_error_param
+from twinserve.entrypoints.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from twinserve.entrypoints.server_state import ServerState
+
+logger = logging.getLogger("twinserve.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+T = TypeVar("T")
+
+
+# ==== prompts, limits, sampling ==================================================================
+@dataclass(slots=True)
+class PromptInput:
+    token_ids: list[int]
+    text: str | None
+
+
+def echo_text(state: ServerState, prompt: PromptInput) -> str:
+    """The prompt as text, for ``echo`` (token-id prompts are decoded)."""
+    if prompt.text is not None:
+        return prompt.text
+    tok = state.engine.tokenizer
+    return tok.decode(prompt.token_ids) if tok is not None else ""
+
+
+def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None,
+                       field_name: str, prompt_field: str) -> int:
+    """Checks prompt + completion against ``max_model_len`` (vLLM's wording); None means up to
+    ``max_model_len``."""
+    limit = state.max_model_len
+    if requested is None:
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                                f"However, your request has {prompt_len} input tokens. Please "
+                                "reduce the length of the input messages.", prompt_field)
+        return limit - prompt_len
+    if requested >= 1 and prompt_len + requested > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                            f"you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                            f"messages, {requested} in the completion). Please reduce the length "
+                            "of the messages or completion.", field_name)
+    return requested
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def check_priority(state: ServerState, priority: int) -> None:
+    if priority != 0 and not state.engine.policy.uses_priority:
+        raise APIError(400, f"Got priority {priority} but the "
+                            f"{state.engine.policy.name!r} scheduling policy does not use "
+                            "priorities (start the server with --scheduling-policy priority).",
+                       "priority")
+
+
+def check_request_limits(state: ServerState, body: SamplingFields) -> None:
+    """What the engine would only trip over inside a step (which would stop it for everyone)."""
+    max_seqs = state.engine.config.max_num_seqs
+    if body.n > max_seqs:
+        raise APIError(400, f"n ({body.n}) exceeds max_num_seqs ({max_seqs}).", "n")
+    vocab = state.engine.runner.vocab_size
+    for t in body.stop_token_ids or []:
+        if not 0 <= t < vocab:
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab}), got {t}.",
+                           "stop_token_ids")
+
+
+def build_sampling_params(body: SamplingFields, max_tokens: int,
+                          logprobs: int | None) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "Stream options can only be defined when `stream=True`.",
+                       "stream_options")
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), value_error_param(exc, set(type(body).model_fields)))
+
+
+def tenant_of(request: Request, body: SamplingFields) -> str:
+    """The fairness tenant: the ``X-Tenant`` header (set by a gateway) wins over ``user``."""
+    return request.headers.get("x-tenant") or body.user or "default"
+
+
+# ==== running requests ===========================================================================
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work``; if the client disconnects first, cancels it and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves the outputs of several requests as ``(prompt index, output)``. Closing or
+    cancelling the merged stream closes every request stream (so each is aborted)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as s:
+                async for out in s:
+                    queue.put_nowait((i, out, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice (sample) has received so far."""
+
+    prefix: str = ""  # echo: the prompt text, sent before the first delta
+    prev_cumulative: float = 0.0
+    finished: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def update(self, comp: CompletionOutput, want_logprobs: bool) -> ChoiceDelta | None:
+        """The delta of ``comp``; None once the choice has finished (or nothing is new)."""
+        if self.finished:
+            return None
+        lps = self._new_logprobs(comp) if want_logprobs else []
+        text, self.prefix = self.prefix + comp.delta_text, ""
+        self.finished = comp.finish_reason is not None
+        if not text and not lps and not self.finished:
+            return None
+        return ChoiceDelta(text, lps, comp.finish_reason, comp.stop_reason)
+
+    def _new_logprobs(self, comp: CompletionOutput) -> list[TokenLogprob]:
+        delta = comp.delta_token_ids
+        if not delta or comp.logprobs is None:
+            return []
+        start = len(comp.token_ids) - len(delta)
+        tops = comp.logprobs[start:start + len(delta)]  # by index: the list grows on the engine
+        cumulative = comp.cumulative_logprob or 0.0
+        step_total, self.prev_cumulative = cumulative - self.prev_cumulative, cumulative
+        out = []
+        for j, token in enumerate(delta):
+            top = tops[j] if j < len(tops) else {}
+            # The engine keeps only the running sum of the sampled tokens' logprobs; one token
+            # per step (the norm) makes the step's sum that token's logprob.
+            lp = top.get(token, step_total if len(delta) == 1 else LOGPROB_FLOOR)
+            out.append(TokenLogprob(token, finite_logprob(lp), top))
+        self.logprobs.extend(out)
+        return out
+
+
+def finite_logprob(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def token_decoder(state: ServerState) -> Callable[[int], str]:
+    tok = state.engine.tokenizer
+    if tok is None:
+        return str
+    return lambda token_id: tok.decode([token_id], skip_special_tokens=False)
+
+
+class Generation:
+    """One API call's requests (one per prompt, each with n samples), tracked as a unit: the
+    merged output stream, per-choice deltas, usage, and the metrics at the end."""
+
+    def __init__(self, state: ServerState, request: Request, prompts: list[PromptInput],
+                 params: list[SamplingParams], request_id: str, priority: int, tenant: str,
+                 echo: bool = False) -> None:
+        self.id = request_id
+        self.state = state
+        self.request = request
+        self.prompts = prompts
+        self.n = params[0].n
+        self.want_logprobs = params[0].logprobs is not None
+        self.last: list[RequestOutput | None] = [None] * len(prompts)
+        self.choices = [ChoiceState(prefix=echo_text(state, p) if echo else "")
+                        for p in prompts for _ in range(self.n)]
+        streams = [state.async_engine.generate(p.token_ids, sp, f"{request_id}-{i}",
+                                               priority=priority, tenant=tenant)
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._merged = merge_streams(streams)
+        self._first: tuple[int, RequestOutput] | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Waits for the first output, so that a refused request is answered with a status
+        code rather than inside a stream. Raises ClientGone if the client leaves meanwhile."""
+        try:
+            self._first = await unless_disconnected(self.request, _first_item(self._merged))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
+        """``(choice index, delta)`` in arrival order, until every request finished."""
+        try:
+            if self._first is not None:
+                for item in self._on_output(*self._first):
+                    yield item
+            async for prompt_idx, out in self._merged:
+                for item in self._on_output(prompt_idx, out):
+                    yield item
+        finally:
+            await self.close()
+
+    async def collect(self) -> None:
+        """Consumes every output (non-streaming), aborting if the client disconnects."""
+        async def drain() -> None:
+            async for _ in self.deltas():
+                pass
+        try:
+            await unless_disconnected(self.request, drain())
+        finally:
+            await self.close()
+
+    def _on_output(self, prompt_idx: int, out: RequestOutput) -> list[tuple[int, ChoiceDelta]]:
+        self.last[prompt_idx] = out
+        result = []
+        for comp in out.outputs:
+            index = prompt_idx * self.n + comp.index
+            delta = self.choices[index].update(comp, self.want_logprobs)
+            if delta is not None:
+                result.append((index, delta))
+        return result
+
+    async def close(self) -> None:
+        """Aborts what is unfinished (idempotent) and counts the requests in the metrics."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._merged.aclose()
+        for last in self.last:
+            self.state.metrics.observe_request_end(last)
+
+    def final_completion(self, index: int) -> CompletionOutput | None:
+        out = self.last[index // self.n]
+        if out is None:
+            return None
+        return out.outputs[index % self.n]
+
+    def usage(self) -> UsageInfo:
+        outs = [o for o in self.last if o is not None]
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _first_item(stream: AsyncIterator[T]) -> T:
+    return await stream.__anext__()
+
+
+async def start_generation(gen: Generation) -> None:
+    """``gen.start()`` with the engine's refusals mapped to status codes."""
+    try:
+        await gen.start()
+    except StopAsyncIteration as exc:
+        raise APIError(500, "The engine returned no output.") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, however it
+    ends (client gone, server stopping), so the engine hears the abort at once."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """``data: {...}`` per chunk, then ``data: [DONE]``; errors become an error event."""
+    try:
+        async with contextlib.aclosing(chunks) as it:
+            async for chunk in it:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+    except EngineDeadError as exc:
+        yield error_event(503, f"The engine is not running: {exc}")
+    except ValueError as exc:
+        yield error_event(400, str(exc))
+    except Exception:
+        logger.exception("error while streaming")
+        yield error_event(500, "Internal server error.")
+    yield "data: [DONE]\n\n"
+

@@ -1,0 +1,113 @@
+"""``/v1/completions``: prompts (text, token ids, or lists of those), the handler, and its
+response and stream chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from twinserve.entrypoints.generation import (Generation, PromptInput, SSEResponse, TokenLogprob,
+                                              build_sampling_params, check_model, check_priority,
+                                              check_request_limits, echo_text, finite_logprob,
+                                              resolve_max_tokens, sse_events, start_generation,
+                                              tenant_of, token_decoder)
+from twinserve.entrypoints.http_errors import APIError
+from twinserve.entrypoints.protocol import (CompletionChoice, CompletionLogProbs,
+                                            CompletionRequest, CompletionResponse, random_id)
+from twinserve.entrypoints.server_state import ServerState
+
+
+# ==== /v1/completions ============================================================================
+def completion_prompts(state: ServerState, prompt: Any) -> list[PromptInput]:
+    """A string, a list of token ids, or a list of either -> one input per prompt."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(400, "prompt must be a non-empty string, list of token ids, or list of "
+                            "those.", "prompt")
+    return [_one_prompt(state, p) for p in prompt]
+
+
+def _one_prompt(state: ServerState, prompt: str | list[int]) -> PromptInput:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty.", "prompt")
+        return PromptInput(state.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+    if not prompt:
+        raise APIError(400, "prompt token id lists must not be empty.", "prompt")
+    vocab = state.engine.runner.vocab_size
+    for t in prompt:
+        if not 0 <= t < vocab:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {t}.", "prompt")
+    return PromptInput(list(prompt), None)
+
+
+def completion_logprobs(state: ServerState, lps: list[TokenLogprob],
+                        offset: int) -> CompletionLogProbs:
+    decode = token_decoder(state)
+    result = CompletionLogProbs()
+    for lp in lps:
+        token = decode(lp.token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(lp.logprob)
+        result.top_logprobs.append({decode(t): finite_logprob(v) for t, v in lp.top.items()})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+async def create_completion(state: ServerState, body: CompletionRequest,
+                            request: Request) -> Response:
+    check_model(state, body.model)
+    check_priority(state, body.priority)
+    check_request_limits(state, body)
+    prompts = completion_prompts(state, body.prompt)
+    params = [build_sampling_params(
+        body, resolve_max_tokens(state, len(p.token_ids), body.max_tokens, "max_tokens",
+                           "prompt"),
+        body.logprobs) for p in prompts]
+    gen = Generation(state, request, prompts, params, random_id("cmpl"), body.priority,
+                     tenant_of(request, body), echo=body.echo)
+    await start_generation(gen)
+    if body.stream:
+        return SSEResponse(sse_events(completion_chunks(state, gen, body)))
+    await gen.collect()
+    return JSONResponse(completion_response(state, gen, body).model_dump())
+
+
+def completion_response(state: ServerState, gen: Generation,
+                        body: CompletionRequest) -> CompletionResponse:
+    choices = []
+    for index, choice in enumerate(gen.choices):
+        comp = gen.final_completion(index)
+        text = (echo_text(state, gen.prompts[index // gen.n]) if body.echo else "") + \
+            (comp.text if comp else "")
+        logprobs = (completion_logprobs(state, choice.logprobs, 0)
+                    if body.logprobs is not None else None)
+        choices.append(CompletionChoice(
+            index=index, text=text, logprobs=logprobs,
+            finish_reason=comp.finish_reason if comp else "abort",
+            stop_reason=comp.stop_reason if comp else None))
+    return CompletionResponse(id=gen.id, model=state.model_name,
+                              choices=choices, usage=gen.usage())
+
+
+async def completion_chunks(state: ServerState, gen: Generation,
+                            body: CompletionRequest) -> AsyncIterator[BaseModel]:
+    rid = gen.id
+    offsets = [0] * len(gen.choices)
+    async for index, delta in gen.deltas():
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(state, delta.logprobs, offsets[index])
+            offsets[index] += sum(len(t) for t in logprobs.tokens)
+        yield CompletionResponse(id=rid, model=state.model_name, choices=[CompletionChoice(
+            index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason)])
+    if body.include_usage:
+        yield CompletionResponse(id=rid, model=state.model_name, choices=[], usage=gen.usage())

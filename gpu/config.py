@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinserve.core.hf_config import HFModelShape, read_hf_config
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DEFAULT_MAX_POSITIONS = 2048
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,48 +59,30 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        if not archs:
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        shape = HFModelShape.from_dict(raw)
+        if shape.architecture is None:
             raise ValueError("config.json: field 'architectures' is missing or empty.")
-        arch = archs[0]
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = float(raw.get("rope_theta", rope.pop("rope_theta", 10000.0)))
-        rope.pop("rope_theta", None)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        heads = _required(raw, "num_attention_heads")
-        hidden = _required(raw, "hidden_size")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            architecture=arch,
-            vocab_size=_required(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_required(raw, "intermediate_size"),
-            num_hidden_layers=_required(raw, "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
+            architecture=shape.architecture,
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_hidden_layers,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_key_value_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            eos_token_ids=eos_ids,
+            rope_theta=shape.rope_theta,
+            rope_scaling=shape.rope_scaling,
+            max_position_embeddings=shape.max_position_embeddings or _DEFAULT_MAX_POSITIONS,
+            tie_word_embeddings=shape.tie_word_embeddings,
+            # The engine has no o_proj bias, so only the q/k/v one matters here.
+            attention_bias=shape.qkv_bias,
+            torch_dtype=shape.dtype,
+            eos_token_ids=shape.eos_token_ids,
         )
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json in the model directory.")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
-
-
-def _required(raw: dict[str, Any], name: str) -> Any:
-    if name not in raw:
-        raise ValueError(f"config.json: required field {name!r} is missing.")
-    return raw[name]
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        return cls.from_dict(read_hf_config(model_dir))

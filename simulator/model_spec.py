@@ -10,12 +10,13 @@ bundled config (``simulator/data/models/<name>.json``, case-insensitive, e.g. ``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from twinserve.core.hf_config import HFModelShape, missing_field, read_hf_config
 
 _MODELS_DIR = Path(__file__).parent / "data" / "models"
 _DTYPE_BYTES = MappingProxyType({
@@ -61,24 +62,23 @@ class ModelSpec:
     def from_hf_config(cls, config: Mapping[str, Any], name: str,
                        dtype_bytes: int | None = None) -> ModelSpec:
         """Build from the dict of an HF ``config.json`` (Llama/Mistral/Qwen2 field names)."""
-        heads = _required(config, "num_attention_heads")
-        hidden = _required(config, "hidden_size")
-        head_dim = config.get("head_dim") or hidden // heads
-        model_type = str(config.get("model_type", "llama"))
+        shape = HFModelShape.from_dict(config)
+        if shape.max_position_embeddings is None:
+            raise missing_field("max_position_embeddings")
         return cls(
             name=name,
-            num_layers=_required(config, "num_hidden_layers"),
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            intermediate_size=_required(config, "intermediate_size"),
-            vocab_size=_required(config, "vocab_size"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=_required(config, "max_position_embeddings"),
-            dtype_bytes=dtype_bytes if dtype_bytes is not None else _config_dtype_bytes(config),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            o_proj_bias=bool(config.get("attention_bias", False)),
+            num_layers=shape.num_hidden_layers,
+            hidden_size=shape.hidden_size,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_key_value_heads,
+            head_dim=shape.head_dim,
+            intermediate_size=shape.intermediate_size,
+            vocab_size=shape.vocab_size,
+            tie_word_embeddings=shape.tie_word_embeddings,
+            max_position_embeddings=shape.max_position_embeddings,
+            dtype_bytes=dtype_bytes if dtype_bytes is not None else _dtype_bytes(shape.dtype),
+            qkv_bias=shape.qkv_bias,
+            o_proj_bias=shape.o_proj_bias,
         )
 
     @property
@@ -136,7 +136,7 @@ def load_model_spec(name_or_path: str | Path, dtype_bytes: int | None = None) ->
     else:
         config_path = _bundled_path(str(name_or_path))
         name = config_path.stem
-    return ModelSpec.from_hf_config(_read_json(config_path), name, dtype_bytes)
+    return ModelSpec.from_hf_config(read_hf_config(config_path), name, dtype_bytes)
 
 
 def bundled_model_names() -> list[str]:
@@ -161,28 +161,12 @@ def _normalize_name(name: str) -> str:
     return key.removesuffix("-hf")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(path)!r} must hold a JSON object.")
-    return data
-
-
-def _config_dtype_bytes(config: Mapping[str, Any]) -> int:
-    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    key = str(dtype).lower().removeprefix("torch.")
+def _dtype_bytes(dtype: str | None) -> int:
+    spelled = dtype or "bfloat16"
+    key = spelled.lower().removeprefix("torch.")
     if key not in _DTYPE_BYTES:
-        raise ValueError(f"torch_dtype {dtype!r} is not supported; known: {', '.join(_DTYPE_BYTES)}.")
+        raise ValueError(f"torch_dtype {spelled!r} is not supported; known: {', '.join(_DTYPE_BYTES)}.")
     return _DTYPE_BYTES[key]
-
-
-def _required(config: Mapping[str, Any], key: str) -> int:
-    if key not in config:
-        raise ValueError(f"config.json lacks required field {key!r}.")
-    return config[key]
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -13,6 +13,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
@@ -87,24 +89,19 @@ def _shift(t: float | None, origin: float) -> float:
     return math.nan if t is None else t - origin
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default) of an already sorted list."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    vals = sorted(v * 1000.0 for v in values_s if not math.isnan(v))
-    n = len(vals)
-    mean = sum(vals) / n if n else math.nan
-    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / n) if n else math.nan
-    out = {f"mean_{name}_ms": mean, f"median_{name}_ms": percentile(vals, 50), f"std_{name}_ms": std}
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = percentile(vals, p)
+def _stats(name: str, values_s: np.ndarray | Sequence[float]) -> dict[str, float]:
+    """Mean, median, std and ``PERCENTILES`` (linear interpolation, as vLLM's numpy calls) in ms;
+    NaNs (unknown values) are left out."""
+    vals = np.asarray(values_s, dtype=np.float64) * 1000.0
+    vals = vals[~np.isnan(vals)]
+    if vals.size == 0:
+        nan = math.nan
+        return {f"mean_{name}_ms": nan, f"median_{name}_ms": nan, f"std_{name}_ms": nan,
+                **{f"p{p}_{name}_ms": nan for p in PERCENTILES}}
+    qs = np.percentile(vals, (50, *PERCENTILES))
+    out = {f"mean_{name}_ms": float(vals.mean()), f"median_{name}_ms": float(qs[0]),
+           f"std_{name}_ms": float(vals.std())}
+    out.update({f"p{p}_{name}_ms": float(q) for p, q in zip(PERCENTILES, qs[1:])})
     return out
 
 
@@ -148,7 +145,8 @@ def summarize(
         summary["request_goodput"] = good / duration_s
     summary.update(_stats("ttft", [r.ttft for r in ok]))
     summary.update(_stats("tpot", [r.tpot for r in ok]))
-    summary.update(_stats("itl", [g for r in ok for g in r.itls]))
+    summary.update(_stats("itl", np.concatenate([np.asarray(r.itls, dtype=np.float64) for r in ok])
+                          if ok else ()))
     summary.update(_stats("e2el", [r.e2el for r in ok]))
     summary.update(_stats("queue", [r.queue_time for r in ok]))
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)

@@ -103,8 +103,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    for out in outputs:
-                        self._deliver(out)
+                    self._deliver(outputs)
                     if self._on_step is not None:
                         self._on_step(outputs)
                 else:
@@ -165,13 +164,24 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        stream.put(out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs to their streams with one wake-up per event loop (not one per
+        output: with 64 streams, per-output wake-ups kept the loop thread busy in the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -12,6 +12,7 @@ from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.attention import paged_attention, write_kv_cache
 from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+from twinserve.gpu.model import CPU_GEMM_SLAB, feature_major_linear
 from twinserve.gpu.model_loader import load_model
 from twinserve.gpu.sampler import _apply_penalties, _top_k_top_p, sample
 from twinserve.gpu.tokenizer import Tokenizer
@@ -27,6 +28,16 @@ def _dense_reference(q, k, v, q_len, scale):
     pos_q = torch.arange(ctx - q_len, ctx)[:, None]
     scores = scores.masked_fill(torch.arange(ctx)[None, :] > pos_q, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("rows", [1, CPU_GEMM_SLAB, 2 * CPU_GEMM_SLAB + 37])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_feature_major_linear_equals_linear(rows, tokens):
+    torch.manual_seed(rows + tokens)
+    x, w = torch.randn(tokens, 48), torch.randn(rows, 48)
+    out = feature_major_linear(x, w)
+    assert out.shape == (rows, tokens) and out.is_contiguous()
+    torch.testing.assert_close(out.t(), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
         return self._mlp(x), residual
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or x.shape[0] < MIN_SLAB_TOKENS:
             gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down_proj)
         gate_up = feature_major_linear(x, self.gate_up_proj)  # [2 * intermediate, T]
@@ -99,12 +99,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows that sample."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if head.device.type != "cpu":
+        if head.device.type != "cpu" or hidden.shape[0] < MIN_SLAB_TOKENS:
             return F.linear(hidden, head).float()
         return feature_major_linear(hidden, head).t().contiguous().float()
 
 
 CPU_GEMM_SLAB = 1024
+MIN_SLAB_TOKENS = 8  # below, the GEMM is a memory-bound GEMV and one call does as well
 
 
 def feature_major_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

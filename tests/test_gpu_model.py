@@ -11,6 +11,7 @@ import torch
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.attention import paged_attention, write_kv_cache
+from twinserve.gpu.cpu_decode_kernel import build_paged_decode
 from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
 from twinserve.gpu.model import CPU_GEMM_SLAB, feature_major_linear
 from twinserve.gpu.model_loader import load_model
@@ -40,8 +41,9 @@ def test_feature_major_linear_equals_linear(rows, tokens):
     torch.testing.assert_close(out.t(), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-decode", "native-decode"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_attention_matches_dense(dtype, tol):
+def test_paged_attention_matches_dense(dtype, tol, native):
     torch.manual_seed(0)
     block_size, hkv, hq, d = 4, 2, 6, 16
     ctx_lens, q_lens = [7, 1, 12, 20, 3], [1, 1, 12, 5, 1]   # decodes, full and chunked prefill
@@ -62,7 +64,8 @@ def test_paged_attention_matches_dense(dtype, tol):
     query = torch.randn(sum(q_lens), hq, d, dtype=dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     out = paged_attention(query, key_cache, value_cache, block_tables,
-                          torch.tensor(ctx_lens, dtype=torch.int32), qsl, d ** -0.5)
+                          torch.tensor(ctx_lens, dtype=torch.int32), qsl, d ** -0.5,
+                          build_paged_decode() if native else None)
     for b, (ctx, ql) in enumerate(zip(ctx_lens, q_lens)):
         rows = slice(int(qsl[b]), int(qsl[b + 1]))
         want = _dense_reference(query[rows].float(), ks[b].float(), vs[b].float(), ql, d ** -0.5)

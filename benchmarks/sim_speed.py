@@ -74,7 +74,7 @@ def summarise(label: str, trace: list[TraceRequest],
     result = runs[-1][0]
     cpus = [cpu for _, _, cpu in runs]
     return Measurement(label, len(trace), len(result.steps),
-                       sum(s.num_seqs for s in result.steps), float(result.summary["duration"]),
+                       sum(result.steps.column("num_seqs")), float(result.summary["duration"]),
                        statistics.median(wall for _, wall, _ in runs), statistics.median(cpus),
                        min(cpus))
 

@@ -35,8 +35,7 @@ class FreeKVCacheBlockQueue:
         self._head: KVCacheBlock | None = None
         self._tail: KVCacheBlock | None = None
         self.num_free = 0
-        for b in blocks:
-            self.append(b)
+        self.extend(blocks)
 
     def popleft(self) -> KVCacheBlock:
         block = self._head
@@ -44,6 +43,26 @@ class FreeKVCacheBlockQueue:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The ``n`` blocks at the head, unlinked in one pass (the hot path of allocation)."""
+        if n > self.num_free:
+            raise IndexError(f"{n} blocks requested, {self.num_free} free")
+        out = []
+        block = self._head
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block.in_free_queue = False
+            block = nxt
+        self._head = block
+        if block is None:
+            self._tail = None
+        else:
+            block.prev_free = None
+        self.num_free -= n
+        return out
 
     def append(self, block: KVCacheBlock) -> None:
         block.prev_free = self._tail
@@ -55,6 +74,24 @@ class FreeKVCacheBlockQueue:
         self._tail = block
         block.in_free_queue = True
         self.num_free += 1
+
+    def extend(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """``append`` for each block in order, linked in one pass."""
+        tail = self._tail
+        count = 0
+        for block in blocks:
+            block.prev_free = tail
+            if tail is None:
+                self._head = block
+            else:
+                tail.next_free = block
+            block.in_free_queue = True
+            tail = block
+            count += 1
+        if tail is not None:
+            tail.next_free = None
+        self._tail = tail
+        self.num_free += count
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -85,7 +122,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be non-negative, got {num_blocks}.")
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.blocks = list(map(KVCacheBlock, range(num_blocks)))
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[int, KVCacheBlock] = {}
@@ -109,16 +146,15 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Takes ``n`` blocks from the head of the free queue; caller checked ``num_free``."""
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        out = self.free_queue.popleft_n(n)
+        cached = self.cached
+        for block in out:
+            block.ref_cnt = 1
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
+                if cached.get(block.block_hash) is block:
+                    del cached[block.block_hash]
                     self.num_evictions += 1
                 block.block_hash = None
-            block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -130,16 +166,26 @@ class BlockPool:
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference each. Callers pass tail blocks first so they are evicted first."""
+        released = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                released.append(block)
+        self.free_queue.extend(released)
 
     def cache(self, block: KVCacheBlock, block_hash: int) -> None:
         """Registers a full, computed block under its hash (first writer wins)."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+
+    def cache_all(self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[int]) -> None:
+        """``cache`` for each pair of block and hash."""
+        cached = self.cached
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use, as in vLLM."""

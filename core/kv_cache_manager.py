@@ -26,7 +26,7 @@ class BlockTable:
 
     def append(self, blocks: list[KVCacheBlock]) -> None:
         self.blocks.extend(blocks)
-        self.ids.extend(b.block_id for b in blocks)
+        self.ids += [b.block_id for b in blocks]
 
 
 @dataclass(slots=True)
@@ -114,7 +114,7 @@ class KVCacheManager:
         cow = write_idx < len(table.blocks) and table.blocks[write_idx].ref_cnt > 1
         if num_new_blocks <= 0 and not cow and not hits:
             return table
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        num_revived = len([b for b in hits if not b.ref_cnt])
         if max(num_new_blocks, 0) + cow + num_revived > self.pool.num_free:
             return None
         if hits:
@@ -143,8 +143,8 @@ class KVCacheManager:
         if not self.enable_caching or num_full <= table.num_cached_blocks:
             return
         hashes = update_block_hashes(request, self.block_size, num_full * self.block_size)
-        for i in range(table.num_cached_blocks, num_full):
-            self.pool.cache(table.blocks[i], hashes[i])
+        first = table.num_cached_blocks
+        self.pool.cache_all(table.blocks[first:num_full], hashes[first:num_full])
         table.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -189,6 +189,11 @@ class KVCacheManager:
         self.host_pool.free(table.host_blocks)
         table.host_blocks = []
         table.append(device)
+
+    def has_block_ops(self) -> bool:
+        """Whether copies are queued for the backend (``take_block_ops`` would return some)."""
+        ops = self._ops
+        return bool(ops.swap_out or ops.swap_in or ops.copy)
 
     def take_block_ops(self) -> BlockOps:
         ops, self._ops = self._ops, BlockOps()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import overload
 
 import numpy as np
 
@@ -81,8 +82,17 @@ class RequestRecord:
             priority=req.priority,
             finish_reason=req.finish_reason or "",
             success=req.first_token_time is not None,
-            itls=array("d", [b - a for a, b in zip(times, times[1:])]),
+            itls=_gaps(times),
         )
+
+
+def _gaps(times: list[float]) -> array:
+    """Consecutive differences as a compact array: the same IEEE subtractions as a Python loop,
+    done by numpy (a request has hundreds of tokens)."""
+    if len(times) < 2:
+        return array("d")
+    t = np.array(times, dtype=np.float64)
+    return array("d", (t[1:] - t[:-1]).tobytes())
 
 
 def _shift(t: float | None, origin: float) -> float:
@@ -193,12 +203,79 @@ class StepRecord:
     def from_step(cls, out: SchedulerOutput, scheduler: Scheduler, start: float, duration: float,
                   replica: int = 0, with_tenants: bool = True) -> "StepRecord":
         """The record of a step just applied with ``update_from_output``."""
-        tenants: dict[str, tuple[int, int]] = {}
-        if with_tenants:
-            for sr in out.scheduled:
-                p, o = tenants.get(sr.request.tenant, (0, 0))
-                tenants[sr.request.tenant] = (p + (sr.num_new_tokens if sr.is_prefill else 0),
-                                              o + sr.sample)
+        tenants = _tenant_tokens(out) if with_tenants else {}
         return cls(start, duration, len(out.scheduled), out.num_prefill_tokens,
-                   out.num_decode_tokens, len(scheduler.running), scheduler.num_waiting,
-                   scheduler.kv.usage, len(out.preempted_request_ids), replica, tenants)
+                   out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
+                   scheduler.kv.pool.usage, len(out.preempted_request_ids), replica, tenants)
+
+
+def _tenant_tokens(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
+    """Tokens computed per tenant in a step: (prefill tokens, output tokens)."""
+    tenants: dict[str, tuple[int, int]] = {}
+    for sr in out.scheduled:
+        p, o = tenants.get(sr.request.tenant, (0, 0))
+        tenants[sr.request.tenant] = (p + (sr.num_new_tokens if sr.is_prefill else 0), o + sr.sample)
+    return tenants
+
+
+class StepLog(Sequence[StepRecord]):
+    """``StepRecord``s kept as plain tuples of numbers, one per step. A simulation records hundreds
+    of thousands of steps: the garbage collector stops tracking such tuples after one pass, where
+    it would walk a ``StepRecord`` object per step in every full collection. Reading an element
+    or iterating builds the ``StepRecord`` objects on the fly."""
+
+    __slots__ = ("_rows", "_tenants")
+
+    def __init__(self, records: Iterable[StepRecord] = ()) -> None:
+        # One row per step: StepRecord's fields but tenant_tokens, in order (_STEP_COLUMNS).
+        self._rows: list[tuple[float, float, int, int, int, int, int, float, int, int]] = []
+        self._tenants: dict[int, dict[str, tuple[int, int]]] = {}  # steps with tenant tokens only
+        for r in records:
+            self.append(r)
+
+    def append(self, r: StepRecord) -> None:
+        if r.tenant_tokens:
+            self._tenants[len(self._rows)] = r.tenant_tokens
+        self._rows.append((r.time, r.duration, r.num_seqs, r.num_prefill_tokens,
+                           r.num_decode_tokens, r.num_running, r.num_waiting, r.kv_usage,
+                           r.num_preempted, r.replica))
+
+    def record_step(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
+                    duration: float, replica: int = 0, with_tenants: bool = True) -> None:
+        """``append(StepRecord.from_step(...))`` without building the record."""
+        if with_tenants:
+            tenants = _tenant_tokens(out)
+            if tenants:
+                self._tenants[len(self._rows)] = tenants
+        self._rows.append((start, duration, len(out.scheduled), out.num_prefill_tokens,
+                           out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
+                           scheduler.kv.pool.usage, len(out.preempted_request_ids), replica))
+
+    def column(self, name: str) -> list[float] | list[int]:
+        """One numeric field of every step, e.g. ``log.column("num_seqs")``."""
+        k = _STEP_COLUMNS.index(name)
+        return [row[k] for row in self._rows]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, index: int) -> StepRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[StepRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> StepRecord | list[StepRecord]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = range(len(self._rows))[index]  # negative indices, IndexError
+        return StepRecord(*self._rows[i], self._tenants.get(i, {}))
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        tenants = self._tenants
+        for i, row in enumerate(self._rows):
+            yield StepRecord(*row, tenants.get(i, {}))
+
+
+# StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens).
+_STEP_COLUMNS = tuple(f.name for f in fields(StepRecord) if f.name != "tenant_tokens")

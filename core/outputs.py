@@ -24,6 +24,9 @@ class ScheduledRequest:
     ``block_ids`` is the request's live block table (read-only for the backend, valid until
     ``update_from_output``). ``sample`` is true when this chunk reaches the end of the known tokens,
     so the backend must sample the next token from the logits of the last position.
+
+    An entry is valid until the next ``schedule``: the scheduler updates a running decode's entry
+    in place from step to step instead of building a new one (copy it to keep it longer).
     """
 
     request: Request

@@ -28,6 +28,9 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(status)
 
 
+# Enum class attributes cost ~0.1 us a lookup on Python 3.11; ``is_finished`` runs per step.
+_PREEMPTED = RequestStatus.PREEMPTED
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -107,7 +110,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
+        return self.status > _PREEMPTED
 
     @property
     def is_prefill(self) -> bool:

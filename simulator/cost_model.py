@@ -111,6 +111,8 @@ class CostModel:
     _weight_bytes: float = field(init=False, repr=False)
     _kv_bytes: int = field(init=False, repr=False)
     _fixed_s: float = field(init=False, repr=False)
+    _per_seq_s: float = field(init=False, repr=False)
+    _max_context: int = field(init=False, repr=False)
     _allreduce_s_per_token: float = field(init=False, repr=False)
     _allreduce_latency_s: float = field(init=False, repr=False)
 
@@ -131,6 +133,8 @@ class CostModel:
                                        / hw.interconnect_bandwidth)
         self._allreduce_latency_s = 2 * m.num_layers * hw.interconnect_latency_s if tp > 1 else 0.0
         self._fixed_s = hw.step_overhead_s + hw.per_layer_overhead_s * m.num_layers
+        self._per_seq_s = hw.per_seq_overhead_s
+        self._max_context = m.max_position_embeddings
 
     def _validate(self) -> None:
         tp = self.tensor_parallel_size
@@ -168,11 +172,24 @@ class CostModel:
         tokens = out.total_num_scheduled_tokens
         if tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
             return self.breakdown(out).total_s
+        # ``_work``, ``_kv_tokens_read``, ``_allreduce_s`` and ``_overhead_s`` inlined, with the
+        # same float operations in the same order (results are bit-identical to ``breakdown``).
         seqs = out.num_prefill_seqs + out.num_decode_seqs
-        linear_flops, attention_flops, kv_bytes = self._work(out, tokens, seqs)
-        linear_s = max(linear_flops * self._s_per_flop, self._weight_bytes * self._s_per_byte)
-        attention_s = max(attention_flops * self._s_per_flop, kv_bytes * self._s_per_byte)
-        return linear_s + attention_s + self._allreduce_s(tokens) + self._overhead_s(seqs)
+        linear_flops = self._flops_per_token * tokens + self._flops_per_seq * seqs
+        attention_flops = self._flops_per_context * out.sum_context_tokens
+        decode = min(out.sum_decode_context_tokens, out.num_decode_seqs * self._max_context)
+        prefill_tokens, chunks = out.num_prefill_tokens, out.num_prefill_seqs
+        if prefill_tokens == 0 or chunks == 0:
+            kv_read = decode
+        else:
+            prefill_context = max(0, out.sum_context_tokens - decode)
+            kv_read = decode + prefill_context * chunks / prefill_tokens + (prefill_tokens - chunks) / 2
+        s_per_flop, s_per_byte = self._s_per_flop, self._s_per_byte
+        linear_s = max(linear_flops * s_per_flop, self._weight_bytes * s_per_byte)
+        attention_s = max(attention_flops * s_per_flop, self._kv_bytes * (kv_read + tokens) * s_per_byte)
+        return (linear_s + attention_s
+                + (self._allreduce_s_per_token * tokens + self._allreduce_latency_s)
+                + (self._fixed_s + self._per_seq_s * seqs))
 
     def breakdown(self, out: SchedulerOutput) -> StepCost:
         """``step_time`` term by term (for reports and tests)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from twinserve.core.metrics import RequestRecord, StepRecord
+from twinserve.core.metrics import RequestRecord, StepLog
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
@@ -50,7 +50,7 @@ class SimRecorder:
     """Collects finished requests and steps; ``on_finish`` lets a progress bar follow along."""
 
     records: list[RequestRecord] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: StepLog = field(default_factory=StepLog)
     record_tenants: bool = False
     on_finish: Callable[[int], None] | None = None
 
@@ -80,8 +80,11 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
     """One replica's engine loop: schedule, let the modelled GPU take its time, update."""
     sched = replica.scheduler
     sampled = ModelRunnerOutput(_SameTokenForEveryRequest())
+    step_time, timeout, index = replica.step_time, env.timeout, replica.index
+    record_step, records, live = recorder.steps.record_step, recorder.records, replica.live
+    with_tenants = recorder.record_tenants
     while True:
-        if not sched.has_unfinished_requests():
+        if not sched.running and not sched.has_unfinished_requests():
             replica.wakeup = env.event()
             yield replica.wakeup
             replica.wakeup = None
@@ -89,16 +92,16 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
         out = sched.schedule(start)
         if not out.scheduled:
             raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={start}")
-        duration = replica.step_time(out)
-        yield env.timeout(duration)
-        finished = [o.request_id for o in sched.update_from_output(out, sampled, env.now)
-                    if o.finished]
-        recorder.steps.append(StepRecord.from_step(out, sched, start, duration, replica.index,
-                                                   recorder.record_tenants))
-        for rid in finished:
-            recorder.records.append(RequestRecord.from_request(replica.live.pop(rid)))
-        if finished and recorder.on_finish:
-            recorder.on_finish(len(finished))
+        duration = step_time(out)
+        yield timeout(duration)
+        outputs = sched.update_from_output(out, sampled, env.now)
+        record_step(out, sched, start, duration, index, with_tenants)
+        if outputs:  # empty on most steps (simulate builds schedulers with stream_outputs=False)
+            finished = [o.request_id for o in outputs if o.finished]
+            for rid in finished:
+                records.append(RequestRecord.from_request(live.pop(rid)))
+            if finished and recorder.on_finish:
+                recorder.on_finish(len(finished))
 
 
 def _rejected(request: Request, error: str) -> RequestRecord:

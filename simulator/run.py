@@ -12,7 +12,8 @@ import simpy
 from tqdm import tqdm
 
 from twinserve.core.config import SchedulerConfig
-from twinserve.core.metrics import RequestRecord, StepRecord, summarize
+from twinserve.core.metrics import RequestRecord, StepLog, summarize
+from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request
 from twinserve.core.run_dir import write_run
 from twinserve.core.sampling_params import SamplingParams
@@ -74,7 +75,7 @@ class SimConfig:
 class SimResult:
     config: SimConfig
     records: list[RequestRecord]
-    steps: list[StepRecord]
+    steps: StepLog  # a Sequence[StepRecord]
     summary: dict[str, Any]
     num_gpu_blocks: int
     wall_time_s: float
@@ -116,25 +117,30 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) 
     t0 = time.perf_counter()
     sched_cfg, cost, vocab = build_scheduler_config(cfg)
     env = simpy.Environment()
-    replicas = [Replica(i, Scheduler(sched_cfg, get_policy(cfg.scheduling_policy,
-                                                           **cfg.policy_options),
-                                     stream_outputs=False),
-                        cost.step_time) for i in range(cfg.num_replicas)]
+    replicas = [Replica(i, Scheduler(sched_cfg, policy, stream_outputs=False), cost.step_time)
+                for i, policy in enumerate(_policies(cfg))]
     recorder = SimRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
-    bar = tqdm(total=len(trace), unit="req", desc="simulating", disable=not progress,
-               mininterval=0.5)
-    recorder.on_finish = bar.update
+    # tqdm starts a monitor thread even when disabled: no bar at all without progress.
+    bar = tqdm(total=len(trace), unit="req", desc="simulating", mininterval=0.5) if progress else None
+    recorder.on_finish = bar.update if bar is not None else None
     requests: Iterator[Request] = (to_request(tr, vocab, cfg.block_size) for tr in trace)
     env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
     for replica in replicas:
         env.process(engine_process(env, replica, recorder))
     env.run()
-    bar.close()
+    if bar is not None:
+        bar.close()
     records = sorted(recorder.records, key=lambda r: r.arrival_time)
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
     return SimResult(cfg, records, recorder.steps, summary, sched_cfg.num_gpu_blocks,
                      time.perf_counter() - t0)
+
+
+def _policies(cfg: SimConfig) -> list[SchedulingPolicy]:
+    """A fresh policy per replica; the registry (an entry-point scan) is consulted once."""
+    first = get_policy(cfg.scheduling_policy, **cfg.policy_options)
+    return [first, *(type(first)(**cfg.policy_options) for _ in range(cfg.num_replicas - 1))]
 
 
 def write_sim_run(result: SimResult, out_dir: str | Path, trace_desc: dict[str, Any]) -> Path:
@@ -143,4 +149,4 @@ def write_sim_run(result: SimResult, out_dir: str | Path, trace_desc: dict[str, 
               "num_gpu_blocks": result.num_gpu_blocks}
     if not config.get("label"):
         config["label"] = f"sim {result.config.scheduling_policy}"
-    return write_run(out_dir, config, result.records, result.summary, result.steps)
+    return write_run(out_dir, config, result.records, result.summary, list(result.steps))

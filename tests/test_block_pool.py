@@ -53,3 +53,32 @@ def test_first_writer_wins_and_reset_is_refused_while_in_use():
     assert pool.reset_prefix_cache() is True
     assert pool.lookup(9) is None and a.block_hash is None
     assert pool.usage == 0.0
+
+
+def test_bulk_pop_and_extend_keep_queue_order_and_counts():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    q = FreeKVCacheBlockQueue(blocks[:4])
+    taken = q.popleft_n(3)
+    assert [b.block_id for b in taken] == [0, 1, 2] and not any(b.in_free_queue for b in taken)
+    assert [b.block_id for b in q] == [3] and q.num_free == 1
+    q.extend([blocks[5], blocks[1]])
+    assert [b.block_id for b in q] == [3, 5, 1] and q.num_free == 3
+    assert q.popleft_n(3) == [blocks[3], blocks[5], blocks[1]] and list(q) == []
+    q.extend([])
+    assert q.num_free == 0
+    q.append(blocks[4])
+    assert [b.block_id for b in q] == [4]
+    try:
+        q.popleft_n(2)
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("popleft_n must refuse more blocks than are free")
+
+
+def test_cache_all_registers_pairs_first_writer_wins():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache_all([a, b], [10, 11])
+    pool.cache_all([c], [10])
+    assert pool.lookup(10) is a and pool.lookup(11) is b and c.block_hash is None

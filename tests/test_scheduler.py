@@ -118,11 +118,19 @@ def test_recompute_preemption_picks_the_latest_admitted_and_everything_finishes(
     while s.has_unfinished_requests():
         out, _ = step(s, now)
         preempted += out.preempted_request_ids
+        _assert_live_block_tables(s, out)
         now += 1
     assert preempted and preempted[0] == "r2"
     assert s.num_preemptions == len(preempted)
     assert s.kv.num_free_blocks == 6
     s.kv.check_consistency()
+
+
+def _assert_live_block_tables(s, out) -> None:
+    """Entries (reused decode entries included) point at their request's current block table."""
+    for sr in out.scheduled:
+        table = s.kv.tables.get(sr.request_id)
+        assert table is None or sr.block_ids is table.ids, sr.request_id
 
 
 def test_swap_preemption_moves_blocks_and_resumes_without_recompute():
@@ -141,6 +149,7 @@ def test_swap_preemption_moves_blocks_and_resumes_without_recompute():
             # a resumed request continues where it stopped: no prefill again
             if sr.request.num_output_tokens:
                 assert sr.num_new_tokens == 1
+        _assert_live_block_tables(s, out)  # before the update: swap-outs replace the tables
         s.update_from_output(out, ModelRunnerOutput(
             {sr.request_id: [7] for sr in out.scheduled if sr.sample}), now)
         now += 1
@@ -225,3 +234,16 @@ def test_timestamps_for_metrics():
     assert (a.first_scheduled_time, a.first_token_time, a.finish_time) == (0.0, 0.5, 2.5)
     assert a.token_times == [0.5, 1.5, 2.5]
     assert b.first_scheduled_time == 3.0 and b.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_a_running_decode_entry_is_updated_in_place_and_dropped_at_the_end():
+    s = make_scheduler(block_size=4)
+    s.add_request(make_req("a", 5, max_tokens=8))
+    step(s, 0.0)  # prefill
+    first, _ = step(s, 1.0)  # first decode: a fresh entry
+    second, _ = step(s, 2.0)
+    (e1,), (e2,) = first.scheduled, second.scheduled
+    assert e2 is e1 and (e2.start, e2.num_new_tokens, e2.sample) == (6, 1, True)
+    assert e2.block_ids is s.kv.block_ids(s.requests["a"])
+    run_to_completion(s)
+    assert not s._decode_entries  # finished requests leave no entry behind

@@ -559,3 +559,22 @@ def test_unknown_router_and_preemption_mode_raise_value_error() -> None:
         SimConfig(router="random")
     with pytest.raises(ValueError, match="recompute"):
         simulate(SimConfig(preemption_mode="drop"), TINY)
+
+
+def test_step_log_reads_back_the_step_records_it_was_given() -> None:
+    from twinserve.core.metrics import StepLog
+    records = [StepRecord(0.5 * k, 0.25, k, 2 * k, k + 1, 3, k % 2, 0.125 * k, 0, k % 3,
+                          {"t": (k, 1)} if k % 2 else {}) for k in range(5)]
+    log = StepLog(records)
+    assert len(log) == 5 and list(log) == records and log[-1] == records[-1]
+    assert log[1:3] == records[1:3] and log.column("num_seqs") == [0, 1, 2, 3, 4]
+    with pytest.raises(IndexError):
+        log[5]
+
+
+def test_simulated_steps_are_a_step_log_matching_the_schedule() -> None:
+    trace = [TraceRequest(f"r{i}", 0.01 * i, 40, 5) for i in range(6)]
+    result = simulate(SimConfig(num_gpu_blocks=64), trace)
+    assert sum(result.steps.column("num_seqs")) == sum(s.num_seqs for s in result.steps)
+    assert sum(result.steps.column("num_decode_tokens")) == 6 * 4  # first tokens come from prefill
+    assert all(isinstance(s, StepRecord) for s in result.steps)

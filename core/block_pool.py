@@ -65,15 +65,7 @@ class FreeKVCacheBlockQueue:
         return out
 
     def append(self, block: KVCacheBlock) -> None:
-        block.prev_free = self._tail
-        block.next_free = None
-        if self._tail is None:
-            self._head = block
-        else:
-            self._tail.next_free = block
-        self._tail = block
-        block.in_free_queue = True
-        self.num_free += 1
+        self.extend((block,))
 
     def extend(self, blocks: Iterable[KVCacheBlock]) -> None:
         """``append`` for each block in order, linked in one pass."""
@@ -175,12 +167,10 @@ class BlockPool:
 
     def cache(self, block: KVCacheBlock, block_hash: int) -> None:
         """Registers a full, computed block under its hash (first writer wins)."""
-        if block.block_hash is None and block_hash not in self.cached:
-            block.block_hash = block_hash
-            self.cached[block_hash] = block
+        self.cache_all((block,), (block_hash,))
 
     def cache_all(self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[int]) -> None:
-        """``cache`` for each pair of block and hash."""
+        """Registers each full, computed block under its hash (first writer wins)."""
         cached = self.cached
         for block, block_hash in zip(blocks, block_hashes):
             if block.block_hash is None and block_hash not in cached:

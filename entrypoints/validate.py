@@ -15,13 +15,16 @@ measure how far the twin lands.
    max_model_len).
 3. ``OUT/real`` (backend ``twinserve``), ``OUT/sim`` (backend ``sim``), the error table
    ``OUT/errors.csv`` (signed relative error of the twin per metric, with the targets) and
-   ``OUT/report.html``. The table's last row, ``replayed_step_time_s``, times the real run's own
+   ``OUT/report.html``. With ``--real-repeats N`` the real replay runs N times (``OUT/real``,
+   ``OUT/real-2``, ...; a fresh scheduler and cache each time) and the twin is compared with the
+   median of each metric, the spread of the real runs shown beside it: on a shared machine one
+   replay's TPOT can move by a fifth. The table's last row, ``replayed_step_time_s``, times the real run's own
    steps with the profile (measured total vs predicted total): when it is off, the step-time
    model (or the machine's speed since calibration) is to blame, not the scheduling.
 
 Without ``--profile`` the backend is calibrated first (quick mode) and the profile saved as
-``OUT/profile.json``. ``--reuse-real RUN_DIR`` skips the real replay and compares against a real
-run folder written before (same workload flags): handy to try another profile.
+``OUT/profile.json``. ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares against real
+run folders written before (same workload flags): handy to try another profile.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from twinserve.entrypoints.calibrate import (add_calibration_flags, calibrate_backend,
                                              load_runner, model_dir_or_default, save_profile,
                                              set_threads)
@@ -51,7 +56,8 @@ TARGETS: tuple[tuple[str, float | None], ...] = (
 TRACE_KEYS = ("trace", "num_requests", "time_window", "time_scale", "request_rate", "tenants",
               "priorities", "seed", "max_output_tokens", "max_model_len")
 STEP_TIME_METRIC = "replayed_step_time_s"  # the real steps, measured vs as the profile times them
-ERROR_COLUMNS = ("metric", "real", "sim", "rel_error_pct", "target_pct", "within_target")
+ERROR_COLUMNS = ("metric", "real", "sim", "rel_error_pct", "target_pct", "within_target",
+                 "real_min", "real_max", "real_runs")
 
 
 # ---- the real replay -----------------------------------------------------------------------
@@ -132,12 +138,13 @@ def _rejected(tr, error: str):
 
 
 def write_real_run(replay: RealReplay, engine, out_dir: Path, trace_desc: dict[str, Any],
-                   model: str) -> Path:
+                   model: str, label: str | None = None) -> Path:
     from twinserve.core.run_dir import write_run
     from twinserve.entrypoints.calibrate import to_samples
     from twinserve.simulator.calibration import write_samples
     args = engine.args
-    config = {"backend": "twinserve", "label": f"real {args.scheduling_policy}", "model": model,
+    config = {"backend": "twinserve", "label": label or f"real {args.scheduling_policy}",
+              "model": model,
               **trace_desc, **dataclasses.asdict(engine.config),  # what the engine really used
               "scheduling_policy": args.scheduling_policy, "policy_options": args.policy_options,
               "dtype": str(engine.runner.dtype).removeprefix("torch."),
@@ -179,10 +186,15 @@ def simulate_like(real_config: dict[str, Any], model: str, profile: str | Path, 
 
 
 # ---- the comparison ------------------------------------------------------------------------
-def error_rows(real: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]]:
+def error_rows(reals: list[dict[str, Any]], sim: dict[str, Any]) -> list[dict[str, Any]]:
+    """The twin's signed relative error per metric against the median of the real runs."""
+    if not reals:
+        raise ValueError("error_rows needs at least one real run summary.")
     rows = []
     for metric, target in TARGETS:
-        r, s = _num(real.get(metric)), _num(sim.get(metric))
+        values = [v for v in (_num(r.get(metric)) for r in reals) if not math.isnan(v)]
+        r = float(np.median(values)) if values else math.nan
+        s = _num(sim.get(metric))
         if math.isnan(r) or math.isnan(s):
             err = math.nan
         elif r == 0:
@@ -191,7 +203,9 @@ def error_rows(real: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]
             err = 100.0 * (s - r) / r
         within = "" if target is None or math.isnan(err) else str(abs(err) <= target).lower()
         rows.append({"metric": metric, "real": r, "sim": s, "rel_error_pct": err,
-                     "target_pct": "" if target is None else target, "within_target": within})
+                     "target_pct": "" if target is None else target, "within_target": within,
+                     "real_min": min(values, default=math.nan),
+                     "real_max": max(values, default=math.nan), "real_runs": len(values)})
     return rows
 
 
@@ -216,7 +230,8 @@ def step_time_row(real_dir: Path, model: str, profile: str | Path,
     err = 100.0 * (sim - real) / real if real > 0 else math.nan
     return {"metric": STEP_TIME_METRIC, "real": real if samples else math.nan,
             "sim": sim if samples else math.nan, "rel_error_pct": err, "target_pct": "",
-            "within_target": ""}
+            "within_target": "", "real_min": math.nan, "real_max": math.nan,
+            "real_runs": 1 if samples else 0}
 
 
 def _num(value: Any) -> float:
@@ -237,12 +252,17 @@ def write_errors(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def format_errors(rows: list[dict[str, Any]], title: str = "sim vs real") -> str:
-    lines = [title, f"  {'metric':<24} {'real':>12} {'sim':>12} {'error %':>9} {'target':>7}"]
+    spread = any(row.get("real_runs", 1) > 1 for row in rows)
+    lines = [title, f"  {'metric':<24} {'real':>12} {'sim':>12} {'error %':>9} {'target':>7}"
+             + ("   real min..max" if spread else "")]
     for row in rows:
         target = f"±{row['target_pct']:g}" if row["target_pct"] != "" else ""
         mark = {"true": " ok", "false": " MISS"}.get(row["within_target"], "")
-        lines.append(f"  {row['metric']:<24} {row['real']:>12.4g} {row['sim']:>12.4g} "
-                     f"{row['rel_error_pct']:>+9.2f} {target:>7}{mark}")
+        line = (f"  {row['metric']:<24} {row['real']:>12.4g} {row['sim']:>12.4g} "
+                f"{row['rel_error_pct']:>+9.2f} {target:>7}{mark:<5}")
+        if spread and row.get("real_runs", 0) > 1:
+            line += f" {row['real_min']:.4g}..{row['real_max']:.4g}"
+        lines.append(line.rstrip())
     return "\n".join(lines)
 
 
@@ -260,8 +280,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: bundled model)")
     p.add_argument("--profile", default=None,
                    help="calibrated hardware profile (default: calibrate first, quick)")
-    p.add_argument("--reuse-real", default=None, metavar="RUN_DIR",
-                   help="compare against this real run folder instead of replaying again")
+    p.add_argument("--reuse-real", nargs="+", default=None, metavar="RUN_DIR",
+                   help="compare against these real run folders instead of replaying again")
+    p.add_argument("--real-repeats", type=_positive_int, default=1, metavar="N",
+                   help="replay the real engine N times; compare with the median of each metric")
     p.add_argument("--out", required=True, help="output folder (real/, sim/, errors.csv, ...)")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                    help="skip incremental detokenization in the real engine")
@@ -286,6 +308,42 @@ def load_workload(args: argparse.Namespace) -> list:
     return trace
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def real_runs(args: argparse.Namespace, trace: list, desc: dict[str, Any], out: Path,
+              model: str, log) -> tuple[list[Path], str | Path]:
+    """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given)."""
+    from twinserve.gpu.llm_engine import LLMEngine
+    set_threads(args.threads)
+    eargs, runner = load_runner(args)
+    log(f"real engine: {runner.device} {runner.dtype}, {runner.num_gpu_blocks} KV blocks; "
+        f"{len(trace)} requests")
+    profile = args.profile
+    if profile is None:
+        from twinserve.simulator.model_spec import load_model_spec
+        cal = calibrate_backend(runner, eargs, load_model_spec(model).name, quick=True,
+                                warmup=args.warmup, repeats=args.repeats,
+                                engine_loop=args.engine_loop, log=log)
+        profile = save_profile(cal, model, args.base_hardware, out / "profile.json",
+                               eargs.block_size, "Calibrated by validate (quick).")
+        log(cal.report)
+    dirs = []
+    for i in range(args.real_repeats):
+        engine = LLMEngine(eargs, runner=runner)  # fresh scheduler and prefix cache
+        replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
+        label = f"real {args.scheduling_policy}" + (f" #{i + 1}" if args.real_repeats > 1 else "")
+        dirs.append(write_real_run(replay, engine, out / ("real" if i == 0 else f"real-{i + 1}"),
+                                   desc, model, label))
+        log(f"real replay {i + 1}/{args.real_repeats}: {replay.wall_time_s:.1f} s wall, "
+            f"{len(replay.steps)} steps")
+    return dirs, profile
+
+
 def run_validate(args: argparse.Namespace) -> int:
     from twinserve.reports import write_report
     out = Path(args.out)
@@ -295,42 +353,23 @@ def run_validate(args: argparse.Namespace) -> int:
     desc = trace_desc_from_args(args)
     log = (lambda msg: None) if args.quiet else (
         lambda msg: print(msg, file=sys.stderr, flush=True))
-    real_dir = out / "real"
-    profile = args.profile
     if args.reuse_real:
-        real_dir = Path(args.reuse_real)
-        real_config = json.loads((real_dir / "config.json").read_text())
-        real_summary = json.loads((real_dir / "summary.json").read_text())
-        if profile is None:
+        if args.profile is None:
             raise ValueError("--reuse-real needs --profile (no backend is loaded to calibrate).")
+        real_dirs, profile = [Path(d) for d in args.reuse_real], args.profile
     else:
-        set_threads(args.threads)
-        eargs, runner = load_runner(args)
-        log(f"real engine: {runner.device} {runner.dtype}, {runner.num_gpu_blocks} KV blocks; "
-            f"{len(trace)} requests")
-        if profile is None:
-            from twinserve.simulator.model_spec import load_model_spec
-            cal = calibrate_backend(runner, eargs, load_model_spec(model).name, quick=True,
-                                    warmup=args.warmup, repeats=args.repeats,
-                                    engine_loop=args.engine_loop, log=log)
-            profile = save_profile(cal, model, args.base_hardware, out / "profile.json",
-                                   eargs.block_size, "Calibrated by validate (quick).")
-            log(cal.report)
-        from twinserve.gpu.llm_engine import LLMEngine
-        engine = LLMEngine(eargs, runner=runner)
-        replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
-        write_real_run(replay, engine, real_dir, desc, model)
-        real_config = json.loads((real_dir / "config.json").read_text())
-        real_summary = replay.summary
-        log(f"real replay: {replay.wall_time_s:.1f} s wall, {len(replay.steps)} steps")
+        real_dirs, profile = real_runs(args, trace, desc, out, model, log)
+    real_config = json.loads((real_dirs[0] / "config.json").read_text())
+    summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc)
-    rows = error_rows(real_summary, sim.summary)
-    rows.append(step_time_row(real_dir, model, profile, int(real_config["block_size"])))
+    rows = error_rows(summaries, sim.summary)
+    rows.append(step_time_row(real_dirs[0], model, profile, int(real_config["block_size"])))
     write_errors(out / "errors.csv", rows)
     print(format_errors(rows, f"sim vs real ({real_config['scheduling_policy']}, "
-                              f"{len(trace)} requests, profile {profile})"))
+                              f"{len(trace)} requests, {len(real_dirs)} real run(s), "
+                              f"profile {profile})"))
     try:
-        report = write_report([real_dir, out / "sim"], out / "report.html",
+        report = write_report([*real_dirs, out / "sim"], out / "report.html",
                               title=f"twinserve validate: {real_config['scheduling_policy']}")
         print(f"report: {report}")
     except Exception as exc:  # the error table is the result; a report failure is not fatal

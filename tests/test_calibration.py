@@ -232,11 +232,11 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
                "--policy", "fair", "--tenants", "heavy=3,light=1", "--dtype", "float32",
                "--max-model-len", "256", "--max-num-batched-tokens", "128",
                "--max-num-seqs", "8", "--kv-cache-memory", str(4 << 20), "--quick",
-               "--repeats", "1", "--out", str(out), "--quiet"])
+               "--repeats", "1", "--real-repeats", "2", "--out", str(out), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "mean_e2el_ms" in printed
-    for run, backend in (("real", "twinserve"), ("sim", "sim")):
+    assert "mean_e2el_ms" in printed and "2 real run(s)" in printed
+    for run, backend in (("real", "twinserve"), ("real-2", "twinserve"), ("sim", "sim")):
         config = json.loads((out / run / "config.json").read_text())
         assert config["backend"] == backend and config["trace"] == "synthetic"
         assert config["request_rate"] == 20
@@ -248,6 +248,9 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     with open(out / "errors.csv") as f:
         rows = {r["metric"]: r for r in csv.DictReader(f)}
     assert {"request_throughput", "mean_ttft_ms", "mean_tpot_ms", "p90_e2el_ms"} <= set(rows)
+    ttft = rows["mean_ttft_ms"]  # the median of the two real replays, with their spread
+    assert ttft["real_runs"] == "2"
+    assert float(ttft["real_min"]) <= float(ttft["real"]) <= float(ttft["real_max"])
     assert (out / "profile.json").is_file() and (out / "report.html").is_file()
     samples = read_samples(out / "real")
     steps = list(csv.DictReader(open(out / "real" / "steps.csv")))
@@ -257,3 +260,40 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     assert rc == 0
     assert load_hardware(tmp_path / "p2.json").find_fitted("tiny-llama") is not None
     assert set(AGGREGATE_FIELDS) <= set(read_samples(out / "real")[0].aggregates)
+
+
+def test_error_rows_compare_with_the_median_of_the_real_runs() -> None:
+    from twinserve.entrypoints.validate import error_rows
+    reals = [{"mean_ttft_ms": v, "request_throughput": 2.0} for v in (100.0, 300.0, 120.0)]
+    rows = {r["metric"]: r for r in error_rows(reals, {"mean_ttft_ms": 132.0,
+                                                         "request_throughput": 2.2})}
+    ttft = rows["mean_ttft_ms"]
+    assert ttft["real"] == 120.0 and ttft["real_min"] == 100.0 and ttft["real_max"] == 300.0
+    assert ttft["rel_error_pct"] == pytest.approx(10.0) and ttft["within_target"] == "true"
+    assert rows["request_throughput"]["within_target"] == "false"  # +10% against a 5% target
+    assert rows["mean_tpot_ms"]["real_runs"] == 0 and rows["mean_tpot_ms"]["within_target"] == ""
+    with pytest.raises(ValueError, match="at least one real run"):
+        error_rows([], {})
+
+
+@pytest.mark.slow
+def test_fidelity_benchmark_plumbing_on_tiny_model(tmp_path: Path, tiny_model: Path,
+                                                   capsys) -> None:
+    """The fidelity script end to end at toy size: calibration replay, repeated real replays of a
+    target scenario, a single one elsewhere, leave-one-out and in-sample profiles, the table."""
+    from twinserve.benchmarks.fidelity import main
+    out = tmp_path / "fid"
+    rc = main(["--out", str(out), "--model", str(tiny_model), "--num-requests", "6",
+               "--calib-window", "0:", "--max-model-len", "128", "--max-output-tokens", "4",
+               "--time-scale", "20", "--dtype", "float32", "--threads", "1",
+               "--scenarios", "fcfs,light", "--real-repeats", "2"])
+    assert rc == 0
+    assert (out / "fcfs-from-run" / "real-2" / "summary.json").is_file()
+    assert not (out / "light-from-run" / "real-2").exists()
+    with open(out / "fidelity.csv") as f:
+        rows = list(csv.DictReader(f))
+    keyed = {(r["scenario"], r["profile"], r["metric"]): r for r in rows}
+    for scenario, runs in (("fcfs", "2"), ("light", "1")):
+        for profile in ("from-run", "loo", "self"):
+            assert keyed[(scenario, profile, "mean_e2el_ms")]["real_runs"] == runs
+    assert "sim vs real, relative error" in capsys.readouterr().out

@@ -19,7 +19,6 @@ class KVCacheBlock:
     block_hash: int | None = None
     prev_free: "KVCacheBlock | None" = None
     next_free: "KVCacheBlock | None" = None
-    in_free_queue: bool = False
 
 
 class FreeKVCacheBlockQueue:
@@ -49,12 +48,12 @@ class FreeKVCacheBlockQueue:
         if n > self.num_free:
             raise IndexError(f"{n} blocks requested, {self.num_free} free")
         out = []
+        append = out.append
         block = self._head
         for _ in range(n):
-            out.append(block)
+            append(block)
             nxt = block.next_free
             block.prev_free = block.next_free = None
-            block.in_free_queue = False
             block = nxt
         self._head = block
         if block is None:
@@ -77,7 +76,6 @@ class FreeKVCacheBlockQueue:
                 self._head = block
             else:
                 tail.next_free = block
-            block.in_free_queue = True
             tail = block
             count += 1
         if tail is not None:
@@ -96,7 +94,6 @@ class FreeKVCacheBlockQueue:
         else:
             nxt.prev_free = prev
         block.prev_free = block.next_free = None
-        block.in_free_queue = False
         self.num_free -= 1
 
     def __iter__(self):
@@ -137,16 +134,19 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
-        """Takes ``n`` blocks from the head of the free queue; caller checked ``num_free``."""
+        """Takes ``n`` blocks from the head of the free queue; caller checked ``num_free``.
+
+        A block carries a hash only while it is the cache's entry for that hash (``cache_all``
+        sets both, first writer wins), so handing out such a block evicts exactly that entry."""
         out = self.free_queue.popleft_n(n)
         cached = self.cached
+        num_cached = len(cached)
         for block in out:
             block.ref_cnt = 1
             if block.block_hash is not None:
-                if cached.get(block.block_hash) is block:
-                    del cached[block.block_hash]
-                    self.num_evictions += 1
+                del cached[block.block_hash]
                 block.block_hash = None
+        self.num_evictions += num_cached - len(cached)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -9,10 +9,13 @@ backend must perform are queued and drained once per step with ``take_block_ops`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from twinserve.core.block_hash import update_block_hashes
 from twinserve.core.block_pool import BlockPool, KVCacheBlock
 from twinserve.core.request import Request
+
+_block_id = attrgetter("block_id")
 
 
 @dataclass(slots=True)
@@ -25,8 +28,8 @@ class BlockTable:
     host_blocks: list[KVCacheBlock] = field(default_factory=list)  # while swapped out
 
     def append(self, blocks: list[KVCacheBlock]) -> None:
-        self.blocks.extend(blocks)
-        self.ids += [b.block_id for b in blocks]
+        self.blocks += blocks
+        self.ids += map(_block_id, blocks)
 
 
 @dataclass(slots=True)
@@ -98,24 +101,23 @@ class KVCacheManager:
         ``computed_blocks``, prefix-cache hits being adopted). Returns None, changing nothing,
         when the free blocks do not suffice; the scheduler then preempts."""
         table = self.tables.get(request.request_id)
-        bs = self.block_size
         if table is None:
             table = self.tables[request.request_id] = BlockTable()
-        elif not computed_blocks:  # fast path: a decode that fits in its last block
-            num_computed = request.num_computed_tokens
-            if num_computed + num_new_tokens <= len(table.blocks) * bs \
-                    and table.blocks[num_computed // bs].ref_cnt == 1:
-                return table
+        bs = self.block_size
+        blocks = table.blocks
         hits = computed_blocks or ()
         num_computed = request.num_computed_tokens + len(hits) * bs
-        total_blocks = -(-(num_computed + num_new_tokens) // bs)
-        num_new_blocks = total_blocks - len(table.blocks) - len(hits)
+        num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hits)
         write_idx = num_computed // bs
-        cow = write_idx < len(table.blocks) and table.blocks[write_idx].ref_cnt > 1
-        if num_new_blocks <= 0 and not cow and not hits:
-            return table
-        num_revived = len([b for b in hits if not b.ref_cnt])
-        if max(num_new_blocks, 0) + cow + num_revived > self.pool.num_free:
+        cow = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
+        if num_new_blocks <= 0:
+            if not cow and not hits:  # e.g. a decode whose slot lies in its own last block
+                return table
+            num_new_blocks = 0
+        needed = num_new_blocks + cow
+        if hits:
+            needed += sum(1 for b in hits if not b.ref_cnt)  # free cached blocks to revive
+        if needed > self.pool.num_free:
             return None
         if hits:
             self.pool.touch(hits)
@@ -204,18 +206,24 @@ class KVCacheManager:
 
     # ---- checks --------------------------------------------------------------------------
     def check_consistency(self) -> None:
-        """Full audit (O(blocks)), for tests: reference counts equal the table references and
-        free + used = total on both pools."""
+        """Full audit (O(blocks)), for tests: reference counts equal the table references, the
+        free queue holds exactly the unreferenced blocks, and its counter is its length, on both
+        pools; table ids mirror table blocks."""
+        for table in self.tables.values():
+            if table.ids != [b.block_id for b in table.blocks]:
+                raise AssertionError("a block table's ids differ from its blocks")
         for pool, attr in ((self.pool, "blocks"), (self.host_pool, "host_blocks")):
             refs: dict[int, int] = {}
             for table in self.tables.values():
                 for b in getattr(table, attr):
                     refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            queued = [b.block_id for b in pool.free_queue]
+            free = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
             for b in pool.blocks:
                 if b.ref_cnt != refs.get(b.block_id, 0):
                     raise AssertionError(f"block {b.block_id}: ref_cnt {b.ref_cnt} != "
                                          f"{refs.get(b.block_id, 0)} table references")
-                if b.in_free_queue != (b.ref_cnt == 0):
-                    raise AssertionError(f"block {b.block_id}: free-queue membership is wrong")
-            if sum(1 for _ in pool.free_queue) != pool.num_free:
+            if len(queued) != len(set(queued)) or set(queued) != free:
+                raise AssertionError("free queue membership differs from the unreferenced blocks")
+            if len(queued) != pool.num_free:
                 raise AssertionError("free queue length differs from its counter")

@@ -11,6 +11,7 @@ for every entry whose ``sample`` is true.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from twinserve.core.request import Request
@@ -68,9 +69,11 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) device
+    # Block copies, rare: the shared empty tuple unless the step has some (saves three lists a
+    # step; the scheduler sets its own lists when it has copies to ask for).
+    blocks_to_swap_out: Sequence[tuple[int, int]] = ()  # (device, host)
+    blocks_to_swap_in: Sequence[tuple[int, int]] = ()   # (host, device)
+    blocks_to_copy: Sequence[tuple[int, int]] = ()      # (src, dst) device
 
     @property
     def is_empty(self) -> bool:

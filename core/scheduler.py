@@ -191,8 +191,13 @@ class Scheduler:
             budget -= n
             i += 1
             if n == 1 and start >= request.num_prompt_tokens:
-                entry = entries[request.request_id] = ScheduledRequest(request, start, 1,
-                                                                       table.ids, True)
+                entry = entries.get(request.request_id)
+                if entry is None:
+                    entry = entries[request.request_id] = ScheduledRequest(request, start, 1,
+                                                                           table.ids, True)
+                else:  # a decode that needed a block (or a copy): same entry, same live table
+                    entry.start = start
+                    entry.block_ids = table.ids
                 append(entry)
                 num_decodes += 1
                 decode_context += start + 1

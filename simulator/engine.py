@@ -24,16 +24,9 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.simulator.router import Router
 
 SIMULATED_TOKEN = 17
-
-
-class _SameTokenForEveryRequest(dict):
-    """The twin's "sampler": every request that samples gets ``SIMULATED_TOKEN`` (saves building
-    a dict per step; the scheduler only calls ``get``)."""
-
-    _TOKENS = (SIMULATED_TOKEN,)  # immutable, shared: the scheduler only reads it
-
-    def get(self, key, default=None):  # noqa: ARG002
-        return self._TOKENS
+# What the twin "samples" for every request, every step: one immutable, shared token list (the
+# scheduler only reads it).
+_SAMPLED: Sequence[int] = (SIMULATED_TOKEN,)
 
 
 @dataclass(slots=True)
@@ -42,6 +35,9 @@ class Replica:
     scheduler: Scheduler
     step_time: Callable[[SchedulerOutput], float]
     live: dict[str, Request] = field(default_factory=dict)
+    # The sampler's output, kept across steps: ``_SAMPLED`` for every live request id (a plain
+    # dict, so the scheduler's per-request lookup stays in C rather than a Python ``get``).
+    sampled: dict[str, Sequence[int]] = field(default_factory=dict)
     wakeup: simpy.Event | None = None
 
 
@@ -72,6 +68,7 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
                 recorder.on_finish(1)
             continue
         replica.live[request.request_id] = request
+        replica.sampled[request.request_id] = _SAMPLED
         if replica.wakeup is not None and not replica.wakeup.triggered:
             replica.wakeup.succeed()
 
@@ -79,7 +76,7 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
 def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecorder):
     """One replica's engine loop: schedule, let the modelled GPU take its time, update."""
     sched = replica.scheduler
-    sampled = ModelRunnerOutput(_SameTokenForEveryRequest())
+    sampled = ModelRunnerOutput(replica.sampled)  # type: ignore[arg-type]  # read-only lists
     step_time, timeout, index = replica.step_time, env.timeout, replica.index
     record_step, records, live = recorder.steps.record_step, recorder.records, replica.live
     with_tenants = recorder.record_tenants
@@ -100,6 +97,7 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
             finished = [o.request_id for o in outputs if o.finished]
             for rid in finished:
                 records.append(RequestRecord.from_request(live.pop(rid)))
+                del replica.sampled[rid]
             if finished and recorder.on_finish:
                 recorder.on_finish(len(finished))
 

@@ -34,7 +34,7 @@ def test_touch_revives_a_free_cached_block_and_free_returns_it():
     pool.free([a])
     assert pool.num_free == 2
     pool.touch([pool.lookup(5)])
-    assert a.ref_cnt == 1 and pool.num_free == 1 and not a.in_free_queue
+    assert a.ref_cnt == 1 and pool.num_free == 1 and a not in list(pool.free_queue)
     pool.touch([a])
     pool.free([a])
     assert a.ref_cnt == 1 and pool.num_free == 1
@@ -59,7 +59,8 @@ def test_bulk_pop_and_extend_keep_queue_order_and_counts():
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = FreeKVCacheBlockQueue(blocks[:4])
     taken = q.popleft_n(3)
-    assert [b.block_id for b in taken] == [0, 1, 2] and not any(b.in_free_queue for b in taken)
+    assert [b.block_id for b in taken] == [0, 1, 2]
+    assert all(b.prev_free is None and b.next_free is None for b in taken)
     assert [b.block_id for b in q] == [3] and q.num_free == 1
     q.extend([blocks[5], blocks[1]])
     assert [b.block_id for b in q] == [3, 5, 1] and q.num_free == 3

@@ -96,7 +96,7 @@ def assert_no_leaks(run: EngineRun) -> None:
     """Every replica ends empty: no request, no device or host block held, audit clean."""
     for replica in run.replicas:
         sched = replica.scheduler
-        assert not replica.live and not sched.requests and not sched.running
+        assert not replica.live and not replica.sampled and not sched.requests and not sched.running
         assert sched.num_waiting == 0 and not sched.has_unfinished_requests()
         kv = sched.kv
         assert not kv.tables
@@ -240,6 +240,19 @@ def _golden(tmp_dir: Path | None = None) -> dict[str, object]:
 
 def test_golden_tiny_workload(tmp_path: Path) -> None:
     assert _golden(tmp_path) == GOLDEN
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_simulate_restores_the_callers_garbage_collector_setting(enabled: bool) -> None:
+    import gc
+    trace = synthetic_trace(SyntheticConfig(num_requests=5, input_len=20, output_len=3, seed=1))
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert simulate(SimConfig(**SMALL), trace).summary["completed"] == 5
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 # ---- (c) queueing theory: M/D/1 and Little's law ---------------------------------------------

@@ -29,12 +29,15 @@ _PREFIX_SALT = 0x5AFE_B10C_0000_0001
 _U64 = np.uint64
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over a uint64 array (wrapping arithmetic, vectorised)."""
-    z = x + _U64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return z ^ (z >> _U64(31))
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array, in place (wrapping arithmetic, vectorised)."""
+    z += _U64(0x9E3779B97F4A7C15)
+    z ^= z >> _U64(30)
+    z *= _U64(0xBF58476D1CE4E5B9)
+    z ^= z >> _U64(27)
+    z *= _U64(0x94D049BB133111EB)
+    z ^= z >> _U64(31)
+    return z
 
 
 def stable_seed(text: str) -> int:
@@ -102,14 +105,15 @@ class TraceRequest:
         _check_count("vocab_size", vocab_size, LOWEST_TOKEN_ID + 1)
         _check_count("block_size", block_size, 1)
         n_prefix = self.num_prefix_tokens
-        positions = np.arange(self.input_tokens, dtype=_U64)
-        keys = np.empty(self.input_tokens, dtype=_U64)
+        keys = np.arange(self.input_tokens, dtype=_U64)  # positions, then keys in place
         if n_prefix:
-            blocks = np.array(self.prefix_blocks, dtype=_U64) ^ _U64(_PREFIX_SALT)
-            block_seeds = _mix(blocks)
-            head = positions[:n_prefix]
-            keys[:n_prefix] = block_seeds[head // _U64(self.prefix_block_tokens)] \
+            block_seeds = _mix(np.array(self.prefix_blocks, dtype=_U64) ^ _U64(_PREFIX_SALT))
+            head = keys[:n_prefix]
+            head[:] = block_seeds[head // _U64(self.prefix_block_tokens)] \
                 + head % _U64(self.prefix_block_tokens)
-        keys[n_prefix:] = _U64(stable_seed(self.request_id)) + positions[n_prefix:]
-        ids = _mix(keys) % _U64(vocab_size - LOWEST_TOKEN_ID) + _U64(LOWEST_TOKEN_ID)
-        return ids.tolist()
+        keys[n_prefix:] += _U64(stable_seed(self.request_id))
+        ids = _mix(keys)
+        ids %= _U64(vocab_size - LOWEST_TOKEN_ID)
+        ids += _U64(LOWEST_TOKEN_ID)
+        # Every id is below 2**63: int64 is the same numbers, and converts to Python ints faster.
+        return ids.view(np.int64).tolist()

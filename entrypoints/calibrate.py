@@ -144,7 +144,6 @@ def load_runner(args: argparse.Namespace):
 
 def set_threads(threads: int | None) -> None:
     if threads:
-        import twinserve.gpu  # noqa: F401  (before torch: its OpenMP settings)
         import torch
         torch.set_num_threads(threads)
 

@@ -18,13 +18,13 @@ measure how far the twin lands.
    ``OUT/report.html``. With ``--real-repeats N`` the real replay runs N times (``OUT/real``,
    ``OUT/real-2``, ...; a fresh scheduler and cache each time) and the twin is compared with the
    median of each metric, the spread of the real runs shown beside it: on a shared machine one
-   replay's TPOT can move by a fifth. The table's last row, ``replayed_step_time_s``, times the real run's own
-   steps with the profile (measured total vs predicted total): when it is off, the step-time
-   model (or the machine's speed since calibration) is to blame, not the scheduling.
+   replay's TPOT can move by a fifth. The table's last row, ``replayed_step_time_s``, times the
+   real run's own steps with the profile (measured total vs predicted total): when it is off, the
+   step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
 Without ``--profile`` the backend is calibrated first (quick mode) and the profile saved as
-``OUT/profile.json``. ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares against real
-run folders written before (same workload flags): handy to try another profile.
+``OUT/profile.json``. ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares
+against real run folders written before (same workload flags): handy to try another profile.
 """
 
 from __future__ import annotations

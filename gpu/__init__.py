@@ -1,2 +1,2 @@
 """The real backend: HF Llama-family models on paged KV, CPU (torch + a C++ decode kernel) and CUDA
-(Triton). Every module here imports torch; ``simulator/`` never imports this package."""
+(Triton); ``simulator/`` never imports this package."""

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from tqdm import tqdm
@@ -53,6 +54,12 @@ TRACE_KEYS = ("trace", "num_requests", "time_window", "time_scale", "request_rat
               "input_len", "output_len", "range_ratio", "prefix_len", "prefix_share", "tenants",
               "priorities", "max_model_len", "seed")
 EXIT_INTERRUPTED = 130
+
+_T = TypeVar("_T")
+
+
+class BenchmarkInterrupted(Exception):
+    """The replay was stopped (Ctrl-C) before every request finished."""
 
 
 class ServerUnavailableError(ConnectionError):
@@ -223,11 +230,13 @@ async def benchmark(
     request_timeout_s: float = DEFAULT_TIMEOUT_S,
     disable_tqdm: bool = True,
     collected: list[RequestRecord] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replays ``requests`` against ``base_url`` in real time; returns the records (in arrival
     order) and the summary. Finished records are also appended to ``collected`` as they come, so
-    a caller keeps them if the run is cancelled. Raises :class:`ServerUnavailableError` if the
-    server cannot be reached at the start."""
+    a caller keeps them if the run is stopped: setting ``stop`` cancels the requests in flight and
+    raises :class:`BenchmarkInterrupted`. Raises :class:`ServerUnavailableError` if the server
+    cannot be reached at the start."""
     base_url = check_base_url(base_url)
     check_options(endpoint, max_concurrency, vocab_size, request_timeout_s)
     model = await resolve_model(base_url, model)
@@ -242,26 +251,36 @@ async def benchmark(
                              lambda: time.perf_counter() - start,
                              asyncio.Semaphore(max_concurrency) if max_concurrency else None,
                              bar, collected if collected is not None else [])
-            records = await _replay(ordered, sender)
+            records = await _replay(ordered, sender, stop or asyncio.Event())
             duration = sender.clock()
     finally:
         bar.close()
     return records, _summary(records, duration, goodput_slos_ms, sender.peak_in_flight, max_concurrency)
 
 
-async def _replay(ordered: list[TraceRequest], sender: _Sender) -> list[RequestRecord]:
-    """Starts each request at its arrival time and waits for all of them."""
+async def _replay(ordered: list[TraceRequest], sender: _Sender,
+                  stop: asyncio.Event) -> list[RequestRecord]:
+    """Starts each request at its arrival time and waits for all of them, or until ``stop`` is set."""
     tasks: list[asyncio.Task[RequestRecord]] = []
+    stopped = asyncio.create_task(stop.wait())
     try:
         for req in ordered:
             delay = req.arrival_time - sender.clock()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await asyncio.wait([stopped], timeout=delay)
+            if stop.is_set():
+                raise BenchmarkInterrupted
             tasks.append(asyncio.create_task(sender.send(req)))
-        return list(await asyncio.gather(*tasks))
+        everything = asyncio.gather(*tasks)
+        await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():
+            raise BenchmarkInterrupted
+        return list(everything.result())
     finally:
-        for task in tasks:  # only unfinished ones, when cancelled (Ctrl-C)
+        stopped.cancel()
+        for task in tasks:  # only unfinished ones, when stopped or cancelled
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _summary(records: list[RequestRecord], duration: float, goodput_slos_ms: dict[str, float] | None,
@@ -304,16 +323,17 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out) if args.out else default_out_dir()
     model = args.model or ""
     collected: list[RequestRecord] = []
+    stop = asyncio.Event()
     try:
         model = asyncio.run(resolve_model(base_url, args.model))
-        records, summary = asyncio.run(benchmark(
+        records, summary = asyncio.run(_until_ctrl_c(benchmark(
             base_url, requests, model=model, endpoint=args.endpoint,
             max_concurrency=args.max_concurrency, goodput_slos_ms=slos, vocab_size=args.vocab_size,
             send_priority=args.send_priority, request_timeout_s=args.request_timeout,
-            disable_tqdm=args.disable_tqdm, collected=collected))
+            disable_tqdm=args.disable_tqdm, collected=collected, stop=stop), stop))
     except ServerUnavailableError as exc:
         raise SystemExit(f"twinserve bench serve: error: {exc}") from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BenchmarkInterrupted):
         _write_interrupted(args, model, len(requests), collected, slos, out_dir)
         raise SystemExit(EXIT_INTERRUPTED) from None
     _add_configured(summary, args)
@@ -321,6 +341,21 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     print(format_result(summary))
     print(f"Run folder: {out_dir}")
     return summary
+
+
+async def _until_ctrl_c(replay: Coroutine[Any, Any, _T], stop: asyncio.Event) -> _T:
+    """Runs ``replay`` with Ctrl-C setting ``stop``: the replay ends itself with
+    :class:`BenchmarkInterrupted`, rather than relying on a task cancellation that a library in
+    the stack could absorb (which once let an interrupted run finish as if complete)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    except (NotImplementedError, RuntimeError):  # no loop signal handlers here (Windows, a thread)
+        return await replay
+    try:
+        return await replay
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def _write_interrupted(args: argparse.Namespace, model: str, num_requests: int,

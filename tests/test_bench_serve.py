@@ -22,8 +22,9 @@ from fake_openai_server import (BAD_REQUEST_TOKENS, ERROR_EVENT_TOKENS, MALFORME
                                 serve_in_thread)
 
 from twinserve.core.run_dir import REQUEST_COLUMNS, write_run
-from twinserve.entrypoints.bench_serve import (ServerUnavailableError, add_bench_serve_args, benchmark,
-                                               parse_goodput, run_bench_serve)
+from twinserve.entrypoints.bench_serve import (BenchmarkInterrupted, ServerUnavailableError,
+                                               add_bench_serve_args, benchmark, parse_goodput,
+                                               run_bench_serve)
 from twinserve.entrypoints.result_printout import format_result
 from twinserve.entrypoints.sse_client import http_error_message, sse_data
 from twinserve.traces import LOWEST_TOKEN_ID, TraceRequest
@@ -233,6 +234,25 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_requests(fake: tuple[str, FakeS
     assert config["interrupted"] is True and config["num_prompts"] == 200
     assert 1 <= len(_read_csv(out / "requests.csv")) < 200
 
+
+
+def test_stop_ends_the_replay_and_keeps_what_finished(fake: tuple[str, FakeStats]) -> None:
+    url, stats = fake
+    reqs = [TraceRequest(f"r{i}", 0.05 * i, 8, 2) for i in range(100)]
+    collected: list = []
+
+    async def stop_after_three() -> None:
+        stop = asyncio.Event()
+        replay = asyncio.create_task(benchmark(url, reqs, collected=collected, stop=stop))
+        while len(collected) < 3:
+            await asyncio.sleep(0.01)
+        stop.set()
+        with pytest.raises(BenchmarkInterrupted):
+            await asyncio.wait_for(replay, timeout=5)
+
+    asyncio.run(stop_after_three())
+    assert 3 <= len(collected) < 100
+    assert len(stats.bodies) < 100  # the requests not yet due were never sent
 
 # ------------------------------------------------------------------------------------ chat endpoint
 

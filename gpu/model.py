@@ -14,6 +14,7 @@ from torch import nn
 
 from twinserve.gpu.attention_backend import AttentionBackend, AttentionMetadata
 from twinserve.gpu.config import ModelConfig
+from twinserve.gpu.cpu_gemm import MIN_SLAB_TOKENS, Gemm
 from twinserve.gpu.rope import RotaryEmbedding, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -21,8 +22,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, gemm: Gemm) -> None:
         super().__init__()
+        self.gemm = gemm
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -49,17 +51,17 @@ class DecoderLayer(nn.Module):
         return self._mlp(x), residual
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.shape[0] < MIN_SLAB_TOKENS:
+        if not self.gemm.slabs or x.shape[0] < MIN_SLAB_TOKENS:
             gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down_proj)
-        gate_up = feature_major_linear(x, self.gate_up_proj)  # [2 * intermediate, T]
+        gate_up = self.gemm.feature_major(x, self.gate_up_proj)  # [2 * intermediate, T]
         gate, up = gate_up.chunk(2, dim=0)
-        return torch.mm(F.silu(gate).mul_(up).t(), self.down_proj.t())
+        return self.gemm.linear(F.silu(gate).mul_(up).t(), self.down_proj)
 
     def _attention(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                    meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.gemm.linear(x, self.qkv_proj, self.qkv_bias)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -67,7 +69,7 @@ class DecoderLayer(nn.Module):
         key_cache, value_cache = kv_cache
         backend.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return self.gemm.linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
 class CausalLM(nn.Module):
@@ -77,8 +79,10 @@ class CausalLM(nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         self.config = config
+        self.gemm = Gemm.for_device(device, dtype)
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.gemm)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
@@ -99,25 +103,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows that sample."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if head.device.type != "cpu" or hidden.shape[0] < MIN_SLAB_TOKENS:
+        if not self.gemm.slabs or hidden.shape[0] < MIN_SLAB_TOKENS:
             return F.linear(hidden, head).float()
-        return feature_major_linear(hidden, head).t().contiguous().float()
-
-
-CPU_GEMM_SLAB = 1024
-MIN_SLAB_TOKENS = 8  # below, the GEMM is a memory-bound GEMV and one call does as well
-
-
-def feature_major_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight).t()`` (``[out_features, T]``, contiguous) computed in slabs of
-    ``CPU_GEMM_SLAB`` weight rows. On this CPU (fp32, MKL) one GEMM with a wide output ran well
-    below the FLOP rate of narrow slabs: 64 x 576 x 49152 80 ms vs 40 ms; the MLP's gate/up
-    projection about 20% slower."""
-    out = x.new_empty(weight.shape[0], x.shape[0])
-    for start in range(0, weight.shape[0], CPU_GEMM_SLAB):
-        rows = weight[start:start + CPU_GEMM_SLAB]
-        torch.mm(rows, x.t(), out=out[start:start + rows.shape[0]])
-    return out
+        return self.gemm.feature_major(hidden, head).t().contiguous().float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

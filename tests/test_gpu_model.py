@@ -10,10 +10,12 @@ import torch
 
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu import cpu_gemm
 from twinserve.gpu.attention import paged_attention, write_kv_cache
+from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.cpu_decode_kernel import build_paged_decode
+from twinserve.gpu.cpu_gemm import CPU_GEMM_SLAB, Gemm
 from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
-from twinserve.gpu.model import CPU_GEMM_SLAB, feature_major_linear
 from twinserve.gpu.model_loader import load_model
 from twinserve.gpu.sampler import _apply_penalties, _top_k_top_p, sample
 from twinserve.gpu.tokenizer import Tokenizer
@@ -33,12 +35,70 @@ def _dense_reference(q, k, v, q_len, scale):
 
 @pytest.mark.parametrize("rows", [1, CPU_GEMM_SLAB, 2 * CPU_GEMM_SLAB + 37])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-def test_feature_major_linear_equals_linear(rows, tokens):
+@pytest.mark.parametrize("dtype,widen,tol", [(torch.float32, False, 1e-5),
+                                             (torch.bfloat16, True, 1e-2),
+                                             (torch.float16, True, 1e-3)])
+def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
+    """Slabs and widened half products equal one fp32 product rounded to the model's dtype."""
     torch.manual_seed(rows + tokens)
-    x, w = torch.randn(tokens, 48), torch.randn(rows, 48)
-    out = feature_major_linear(x, w)
-    assert out.shape == (rows, tokens) and out.is_contiguous()
-    torch.testing.assert_close(out.t(), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    gemm = Gemm(slabs=True, widen_half=widen)
+    x, w, b = (torch.randn(tokens, 48), torch.randn(rows, 48), torch.randn(rows))
+    xt = torch.randn(48, tokens).to(dtype)  # a transposed activation, as the MLP passes it
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    out = gemm.feature_major(x, w)
+    assert out.shape == (rows, tokens) and out.is_contiguous() and out.dtype == dtype
+    torch.testing.assert_close(out.t().float(), expected - b.float(), rtol=tol, atol=tol)
+    out = gemm.linear(x, w, b)
+    assert out.shape == (tokens, rows) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(gemm.linear(xt.t(), w).float(),
+                               xt.t().float() @ w.float().t(), rtol=tol, atol=tol)
+
+
+def test_half_weights_widen_only_on_cpus_without_native_half_matmuls(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "cpu_has_native_bf16", lambda: False)
+    assert Gemm.for_device(torch.device("cpu"), torch.bfloat16) == Gemm(True, True)
+    assert Gemm.for_device(torch.device("cpu"), torch.float32) == Gemm(True, False)
+    assert Gemm.for_device(torch.device("cuda"), torch.bfloat16) == Gemm(False, False)
+    monkeypatch.setattr(cpu_gemm, "cpu_has_native_bf16", lambda: True)
+    assert Gemm.for_device(torch.device("cpu"), torch.bfloat16) == Gemm(True, False)
+
+
+def _prefill_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of every position of one sequence prefilled into a throwaway 16-token-block cache."""
+    n, config = token_ids.shape[0], model.config
+    blocks = -(-n // 16)
+    shape = (blocks, 16, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.zeros(shape, dtype=model.embed_tokens.dtype),
+               torch.zeros(shape, dtype=model.embed_tokens.dtype))
+              for _ in range(config.num_hidden_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(n),
+                             block_tables=torch.arange(blocks, dtype=torch.int32)[None, :],
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             max_query_len=n, max_seq_len=n)
+    model.backend.prepare(meta, 16)
+    with torch.inference_mode():
+        return model.compute_logits(model(token_ids, torch.arange(n), caches, meta))
+
+
+def test_widened_bf16_model_matches_torch_bf16_products(tiny_model_dirs):
+    """The whole forward (q/k/v bias, MLP, untied head) with half weights widened in slabs agrees
+    with torch's own bf16 products to bf16 rounding."""
+    model = load_model(tiny_model_dirs["qwen2-untied"], torch.bfloat16, torch.device("cpu"), 256)
+    token_ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for widen in (True, False):
+        gemm = Gemm(slabs=True, widen_half=widen)
+        model.gemm = gemm
+        for layer in model.layers:
+            layer.gemm = gemm
+        logits[widen] = _prefill_logits(model, token_ids)
+    assert logits[True].shape == (40, 320)
+    torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)
+    agree = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
+    assert agree >= 0.9
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch-decode", "native-decode"])

@@ -4,16 +4,22 @@
         [--max-model-len 2048] [--max-output-tokens 128] [--time-scale S] [--dtype auto] \\
         [--scenarios fcfs,fair,light,overload] [--real-repeats 3] [--micro]
 
-1. Calibration, out of sample: a real replay of a *different* slice of the trace (requests from
-   ``--calib-window``, fcfs, same load), whose recorded steps are fitted by
-   ``twinserve calibrate --from-run`` into ``OUT/profile.json``. With ``--micro`` the
-   micro-benchmark profile (``twinserve calibrate --quick``) is evaluated as well, against the same
-   real runs (``validate --reuse-real``: no second replay).
-2. Scenarios, each a ``twinserve validate`` run (prefix caching on, chunked prefill on):
-   ``fcfs`` and ``fair`` (tenants heavy=3, light=1) at ``--time-scale`` (near saturation),
-   ``light`` at a third of that load, ``overload`` at twice the load with a KV cache cut to
-   ``--overload-blocks`` blocks (preemptions).
-3. The table of relative errors (sim - real) / real per scenario and metric, with the targets
+1. Real replays (``twinserve validate``, prefix caching and chunked prefill on), into
+   ``OUT/real/<scenario>-<round>``, in ``--real-repeats`` interleaved rounds: each round replays the
+   calibration slice and each target scenario once, so that the machine's drift (on a shared host
+   the engine's speed moved by +-8% between runs) falls on calibration and targets alike.
+   - ``calib``: a *different* slice of the trace (requests from ``--calib-window``, fcfs, the
+     targets' load), for the out-of-sample calibration;
+   - ``fcfs`` and ``fair`` (tenants heavy=3, light=1) at ``--time-scale`` (near saturation): the
+     targets, compared with the median of their rounds;
+   - ``light`` at a third of that load and ``overload`` at twice the load with a KV cache cut to
+     ``--overload-blocks`` blocks (preemptions), in the first round only.
+2. Profiles, each fitted by ``twinserve calibrate --from-run``: ``from-run`` on the calibration
+   replays (``OUT/profile.json``), ``loo`` on every other scenario's replays plus those, ``self`` on
+   the scenario's own (the twin's floor of error). ``--micro`` adds the micro-benchmark profile
+   (``calibrate --quick``); ``--profile`` replaces the calibration replays by a given profile.
+3. Each scenario simulated with each profile against its real replays (``validate --reuse-real``)
+   and the table of relative errors (sim - real) / real per scenario and metric, with the targets
    (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%): ``OUT/fidelity.csv``.
 """
 
@@ -29,6 +35,7 @@ from pathlib import Path
 from twinserve.entrypoints.cli import main as cli
 
 SCENARIOS = ("fcfs", "fair", "light", "overload")
+CALIBRATION = "calib"
 TARGET_SCENARIOS = ("fcfs", "fair")  # the issue's targets; the others show how errors move
 SHOWN = ("request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "p90_e2el_ms",
          "num_preemptions", "prefix_cache_hit_rate", "replayed_step_time_s")
@@ -51,6 +58,10 @@ def _workload(args: argparse.Namespace, time_scale: float, window: str | None = 
 
 def scenario_flags(name: str, args: argparse.Namespace) -> list[str]:
     s = args.time_scale
+    if name == CALIBRATION:
+        calib = argparse.Namespace(**{**vars(args), "num_requests": args.calib_requests
+                                      or args.num_requests})
+        return _workload(calib, s, args.calib_window) + ["--policy", "fcfs"]
     if name == "fcfs":
         return _workload(args, s) + ["--policy", "fcfs"]
     if name == "fair":
@@ -60,20 +71,58 @@ def scenario_flags(name: str, args: argparse.Namespace) -> list[str]:
     if name == "overload":
         return _workload(args, 2 * s) + ["--policy", "fcfs", "--num-gpu-blocks-override",
                                          str(args.overload_blocks)]
-    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    raise ValueError(f"unknown scenario {name!r}; known: {CALIBRATION}, {', '.join(SCENARIOS)}")
 
 
 def _model(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model] if args.model else []
 
 
-def _repeats(name: str, args: argparse.Namespace) -> int:
-    return args.real_repeats if name in TARGET_SCENARIOS else 1
+def replay_rounds(names: list[str], args: argparse.Namespace, engine: list[str],
+                  out: Path) -> dict[str, list[Path]]:
+    """The real runs of each scenario (and of the calibration slice unless ``--profile``), replayed
+    round by round; with ``--resume`` a replay already on disk is kept."""
+    repeats = {name: args.real_repeats if name in TARGET_SCENARIOS else 1 for name in names}
+    if not args.profile:
+        repeats = {CALIBRATION: args.real_repeats, **repeats}
+    runs: dict[str, list[Path]] = {name: [] for name in repeats}
+    for round_ in range(1, max(repeats.values()) + 1):
+        for name in (n for n, k in repeats.items() if round_ <= k):
+            folder = out / "real" / f"{name}-{round_}"
+            if not (args.resume and (folder / "real" / "step_features.csv").is_file()):
+                _run(["validate", *scenario_flags(name, args), *engine, "--profile", "cpu",
+                      "--out", str(folder), "--quiet"])
+            runs[name].append(folder / "real")
+    return runs
 
 
-def _real_dirs(folder: Path, repeats: int) -> list[Path]:
-    """Where ``validate --real-repeats`` writes its real runs."""
-    return [folder / ("real" if i == 0 else f"real-{i + 1}") for i in range(repeats)]
+def fit_profiles(names: list[str], runs: dict[str, list[Path]], args: argparse.Namespace,
+                 out: Path) -> dict[str, dict[str, str]]:
+    """Per scenario, the profiles it is simulated with: label -> profile name or path."""
+    shared: dict[str, str] = {}
+    if args.profile:
+        shared["given"] = args.profile
+    else:
+        shared["from-run"] = _fit(runs[CALIBRATION], out / "profile.json", args)
+    if args.micro:
+        path = out / "profile-micro.json"
+        if not (args.resume and path.is_file()):
+            _run(["calibrate", "--quick", *_engine_flags(args), "--out", str(path),
+                  "--samples-out", str(out / "profile-micro-samples.csv")])
+        shared["micro"] = str(path)
+    profiles = {name: dict(shared) for name in names}
+    for name in names:
+        if args.loo and len(names) > 1:
+            others = [d for n, dirs in runs.items() if n != name for d in dirs]
+            profiles[name]["loo"] = _fit(others, out / f"profile-loo-{name}.json", args)
+        if args.self_fit:
+            profiles[name]["self"] = _fit(runs[name], out / f"profile-self-{name}.json", args)
+    return profiles
+
+
+def _fit(runs: list[Path], path: Path, args: argparse.Namespace) -> str:
+    _run(["calibrate", "--from-run", *map(str, runs), "--out", str(path), *_model(args)])
+    return str(path)
 
 
 def read_errors(path: Path) -> dict[str, dict[str, str]]:
@@ -106,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="arrival speed-up of the near-saturation scenarios (tune to the machine: "
                         "where the simulated queue time starts to grow)")
     p.add_argument("--real-repeats", type=int, default=3,
-                   help="real replays of each target scenario (fcfs, fair); medians are compared")
+                   help="rounds of real replays of the calibration slice and each target scenario "
+                        "(fcfs, fair); the targets' medians are compared")
     p.add_argument("--overload-blocks", type=int, default=None,
                    help="KV blocks in the overload scenario (default: 4 full-length requests)")
     p.add_argument("--calib-window", default="120:",
@@ -118,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--micro", action="store_true",
                    help="also evaluate the micro-benchmark profile (calibrate --quick)")
-    p.add_argument("--profile", default=None, help="use this profile, skip the calibration replay")
+    p.add_argument("--profile", default=None, help="use this profile, skip the calibration replays")
     p.add_argument("--no-loo", dest="loo", action="store_false",
                    help="skip the leave-one-out profiles (fitted on the other scenarios' runs)")
     p.add_argument("--no-self", dest="self_fit", action="store_false",
-                   help="skip the in-sample profiles (fitted on the scenario's own run)")
+                   help="skip the in-sample profiles (fitted on the scenario's own runs)")
     p.add_argument("--resume", action="store_true",
                    help="reuse real runs already in OUT (re-simulate only)")
     args = p.parse_args(argv)
@@ -131,63 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    for n in names:
-        scenario_flags(n, args)  # unknown names fail before anything runs
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"--scenarios: unknown {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     t_start = time.perf_counter()
-    backend = _engine_flags(args)  # what calibrate takes
-    engine = backend + ["--enable-prefix-caching", "--enable-chunked-prefill"]
-    profiles: dict[str, str] = {}
-    if args.profile:
-        profiles["given"] = args.profile
-    else:
-        calib = argparse.Namespace(**{**vars(args), "num_requests": args.calib_requests
-                                      or args.num_requests})
-        if not (out / "calib" / "real" / "step_features.csv").is_file():  # else: reused
-            _run(["validate", *_workload(calib, args.time_scale, args.calib_window), "--policy",
-                  "fcfs", *engine, "--profile", "cpu", "--out", str(out / "calib"), "--quiet"])
-        _run(["calibrate", "--from-run", str(out / "calib" / "real"), "--out",
-              str(out / "profile.json"), *_model(args)])
-        profiles["from-run"] = str(out / "profile.json")
-    if args.micro and args.resume and (out / "profile-micro.json").is_file():
-        profiles["micro"] = str(out / "profile-micro.json")
-    elif args.micro:
-        _run(["calibrate", "--quick", *backend, "--out", str(out / "profile-micro.json"),
-              "--samples-out", str(out / "profile-micro-samples.csv")])
-        profiles["micro"] = str(out / "profile-micro.json")
-    first_label = next(iter(profiles))
-    real = {name: _real_dirs(out / f"{name}-{first_label}", _repeats(name, args)) for name in names}
+    engine = _engine_flags(args) + ["--enable-prefix-caching", "--enable-chunked-prefill"]
+    runs = replay_rounds(names, args, engine, out)
     rows = []
-    for name in names:  # the real replays (each compared with the first profile)
-        argv = ["validate", *scenario_flags(name, args), *engine, "--profile",
-                profiles[first_label], "--out", str(out / f"{name}-{first_label}"), "--quiet"]
-        if args.resume and all((d / "step_features.csv").is_file() for d in real[name]):
-            argv += ["--reuse-real", *map(str, real[name])]  # re-simulate only
-        else:
-            argv += ["--real-repeats", str(_repeats(name, args))]
-        _run(argv)
-    if args.loo and len(names) > 1:  # leave one out: fitted on every other real run
-        for name in names:
-            path = out / f"profile-loo-{name}.json"
-            others = [str(d) for n in names if n != name for d in real[n]]
-            if (out / "calib" / "real").is_dir():
-                others.append(str(out / "calib" / "real"))
-            _run(["calibrate", "--from-run", *others, "--out", str(path), *_model(args)])
-    if args.self_fit:  # in sample: the fit of the run itself (the twin's floor of error)
-        for name in names:
-            _run(["calibrate", "--from-run", *map(str, real[name]), "--out",
-                  str(out / f"profile-self-{name}.json"), *_model(args)])
-    for name in names:
-        scenario_profiles = dict(profiles)
-        if args.loo and len(names) > 1:
-            scenario_profiles["loo"] = str(out / f"profile-loo-{name}.json")
-        if args.self_fit:
-            scenario_profiles["self"] = str(out / f"profile-self-{name}.json")
-        for label, profile in scenario_profiles.items():
+    for name, profiles in fit_profiles(names, runs, args, out).items():
+        for label, profile in profiles.items():
             folder = out / f"{name}-{label}"
-            if label != first_label:
-                _run(["validate", *scenario_flags(name, args), *engine, "--profile", profile,
-                      "--out", str(folder), "--quiet", "--reuse-real", *map(str, real[name])])
-            for metric, row in read_errors(folder / "errors.csv").items():
+            _run(["validate", *scenario_flags(name, args), *engine, "--profile", profile,
+                  "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
+            for row in read_errors(folder / "errors.csv").values():
                 rows.append({"scenario": name, "profile": label, **row})
     with open(out / "fidelity.csv", "w", newline="") as f:
         w = csv.DictWriter(f, ["scenario", "profile", "metric", "real", "sim", "rel_error_pct",

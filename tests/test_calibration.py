@@ -279,8 +279,8 @@ def test_error_rows_compare_with_the_median_of_the_real_runs() -> None:
 @pytest.mark.slow
 def test_fidelity_benchmark_plumbing_on_tiny_model(tmp_path: Path, tiny_model: Path,
                                                    capsys) -> None:
-    """The fidelity script end to end at toy size: calibration replay, repeated real replays of a
-    target scenario, a single one elsewhere, leave-one-out and in-sample profiles, the table."""
+    """The fidelity script end to end at toy size: interleaved rounds of calibration and target
+    replays, a single one elsewhere, leave-one-out and in-sample profiles, the table."""
     from twinserve.benchmarks.fidelity import main
     out = tmp_path / "fid"
     rc = main(["--out", str(out), "--model", str(tiny_model), "--num-requests", "6",
@@ -288,8 +288,10 @@ def test_fidelity_benchmark_plumbing_on_tiny_model(tmp_path: Path, tiny_model: P
                "--time-scale", "20", "--dtype", "float32", "--threads", "1",
                "--scenarios", "fcfs,light", "--real-repeats", "2"])
     assert rc == 0
-    assert (out / "fcfs-from-run" / "real-2" / "summary.json").is_file()
-    assert not (out / "light-from-run" / "real-2").exists()
+    for run in ("calib-1", "calib-2", "fcfs-1", "fcfs-2", "light-1"):
+        assert (out / "real" / run / "real" / "summary.json").is_file()
+    assert not (out / "real" / "light-2").exists()
+    assert json.loads((out / "profile.json").read_text())["fitted"][0]["num_samples"] > 0
     with open(out / "fidelity.csv") as f:
         rows = list(csv.DictReader(f))
     keyed = {(r["scenario"], r["profile"], r["metric"]): r for r in rows}

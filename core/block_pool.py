@@ -8,7 +8,7 @@ least recently used cached block is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -30,7 +30,7 @@ class FreeKVCacheBlockQueue:
 
     __slots__ = ("_head", "_tail", "num_free")
 
-    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self._head: KVCacheBlock | None = None
         self._tail: KVCacheBlock | None = None
         self.num_free = 0
@@ -66,10 +66,9 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         self.extend((block,))
 
-    def extend(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def extend(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``append`` for each block in order, linked in one pass."""
         tail = self._tail
-        count = 0
         for block in blocks:
             block.prev_free = tail
             if tail is None:
@@ -77,11 +76,10 @@ class FreeKVCacheBlockQueue:
             else:
                 tail.next_free = block
             tail = block
-            count += 1
         if tail is not None:
             tail.next_free = None
         self._tail = tail
-        self.num_free += count
+        self.num_free += len(blocks)
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -167,7 +165,9 @@ class BlockPool:
 
     def cache(self, block: KVCacheBlock, block_hash: int) -> None:
         """Registers a full, computed block under its hash (first writer wins)."""
-        self.cache_all((block,), (block_hash,))
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
 
     def cache_all(self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[int]) -> None:
         """Registers each full, computed block under its hash (first writer wins)."""

@@ -94,16 +94,16 @@ class QueuePolicy(SchedulingPolicy):
         self._queue.remove(request)
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self._queue.num_live  # not len(): one Python call instead of two, every step
 
 
 class _LazyQueue:
     """What both queues share: a live count, lazy removal, and ``pop`` as ``peek`` + drop head."""
 
-    __slots__ = ("_live",)
+    __slots__ = ("num_live",)
 
     def __init__(self) -> None:
-        self._live = 0
+        self.num_live = 0  # requests queued and not yet removed (``len``)
 
     def peek(self) -> Request | None:
         raise NotImplementedError
@@ -116,14 +116,14 @@ class _LazyQueue:
         if request is None:
             raise IndexError("pop from an empty queue")
         self._drop_head()
-        self._live -= 1
+        self.num_live -= 1
         return request
 
     def remove(self, request: Request) -> None:
-        self._live -= 1
+        self.num_live -= 1
 
     def __len__(self) -> int:
-        return self._live
+        return self.num_live
 
 
 class FifoQueue(_LazyQueue):
@@ -137,11 +137,11 @@ class FifoQueue(_LazyQueue):
 
     def add(self, request: Request) -> None:
         self._items.append(request)
-        self._live += 1
+        self.num_live += 1
 
     def add_front(self, request: Request) -> None:
         self._items.appendleft(request)
-        self._live += 1
+        self.num_live += 1
 
     def peek(self) -> Request | None:
         items = self._items
@@ -166,7 +166,7 @@ class HeapQueue(_LazyQueue):
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
-        self._live += 1
+        self.num_live += 1
 
     def peek(self) -> Request | None:
         heap = self._heap

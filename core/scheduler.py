@@ -38,6 +38,7 @@ from twinserve.core.sampling_params import SamplingParams
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_NEVER = 1 << 62  # a modulus above any token count
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -74,7 +75,7 @@ class Scheduler:
         self._multi_sample = False  # any n > 1 request seen: seat reservations apply
         # One entry per running decode, updated in place from step to step rather than rebuilt
         # (the bulk of all entries); dropped when the request's block table goes away.
-        self._decode_entries: dict[str, ScheduledRequest] = {}
+        self._decode_entries: dict[Request, ScheduledRequest] = {}
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -153,30 +154,33 @@ class Scheduler:
                           now: float) -> tuple[int, bool]:
         running = self.running
         allocate = self.kv.allocate_slots
-        block_size = self.kv.block_size
         # Without forks no partially filled block is shared, so a decode whose slot lies inside
-        # its last block needs neither new blocks nor copy-on-write: skip allocate_slots.
-        no_forks = not self._multi_sample
+        # its last block needs neither new blocks nor copy-on-write: skip allocate_slots. With
+        # forks ``start % 1`` is 0 and every decode takes the general path.
+        in_block = 1 if self._multi_sample else self.kv.block_size
         entries = self._decode_entries
-        append = out.scheduled.append
+        get_entry = entries.get
+        scheduled = out.scheduled
+        append = scheduled.append
         preempted = False
-        num_decodes = decode_context = max_context = 0
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+        num_others = decode_starts = 0  # decodes are counted once, after the loop
+        max_start = -1
+        # Preemption only removes requests at or after the current one (and stops the loop when
+        # it removes the current one), so iterating while it shrinks the list is safe.
+        for request in running:
+            if budget <= 0:
+                break
             start = request.num_computed_tokens
             n = len(request.all_token_ids) - start
-            if n == 1 and start % block_size and no_forks:
-                entry = entries.get(request.request_id)
+            if n == 1 and start % in_block:
+                entry = get_entry(request)
                 if entry is not None:  # the common case: a decode entry reused, counted inline
                     entry.start = start
                     append(entry)
                     budget -= 1
-                    i += 1
-                    num_decodes += 1
-                    decode_context += start + 1
-                    if start >= max_context:
-                        max_context = start + 1
+                    decode_starts += start
+                    if start > max_start:
+                        max_start = start
                     continue
                 table = self.kv.tables[request.request_id]
             else:
@@ -184,40 +188,43 @@ class Scheduler:
                     n = self._num_new_tokens(request, budget)
                 table = allocate(request, n)
                 if table is None:
-                    table = self._preempt_until_allocated(request, n, i, out, now)
+                    table = self._preempt_until_allocated(request, n, out, now)
                     preempted = True
                     if table is None:
                         break
             budget -= n
-            i += 1
             if n == 1 and start >= request.num_prompt_tokens:
-                entry = entries.get(request.request_id)
+                entry = get_entry(request)
                 if entry is None:
-                    entry = entries[request.request_id] = ScheduledRequest(request, start, 1,
-                                                                           table.ids, True)
+                    entry = entries[request] = ScheduledRequest(request, start, 1, table.ids, True)
                 else:  # a decode that needed a block (or a copy): same entry, same live table
                     entry.start = start
                     entry.block_ids = table.ids
                 append(entry)
-                num_decodes += 1
-                decode_context += start + 1
-                if start >= max_context:
-                    max_context = start + 1
+                decode_starts += start
+                if start > max_start:
+                    max_start = start
             else:
                 self._add_scheduled(out, request, n, table.ids)
-        out.total_num_scheduled_tokens += num_decodes
-        out.num_decode_tokens += num_decodes
-        out.num_decode_seqs += num_decodes
-        out.sum_context_tokens += decode_context
-        out.sum_decode_context_tokens += decode_context
-        out.max_decode_context = max(out.max_decode_context, max_context)
+                num_others += 1
+        num_decodes = len(scheduled) - num_others
+        if num_decodes:
+            decode_context = decode_starts + num_decodes  # each decode attends to start + 1
+            out.total_num_scheduled_tokens += num_decodes
+            out.num_decode_tokens += num_decodes
+            out.num_decode_seqs += num_decodes
+            out.sum_context_tokens += decode_context
+            out.sum_decode_context_tokens += decode_context
+            if max_start >= out.max_decode_context:
+                out.max_decode_context = max_start + 1
         return budget, preempted
 
-    def _preempt_until_allocated(self, request: Request, n: int, index: int,
-                                 out: SchedulerOutput, now: float) -> BlockTable | None:
-        """Preempts the policy's victims among ``running[index:]`` (``request`` first there)
+    def _preempt_until_allocated(self, request: Request, n: int, out: SchedulerOutput,
+                                 now: float) -> BlockTable | None:
+        """Preempts the policy's victims among the running requests from ``request`` on
         until ``request`` gets blocks for ``n`` tokens; None once ``request`` itself went."""
         running = self.running
+        index = running.index(request)
         while True:
             victim = self.policy.select_victim(running[index:])
             self._preempt(victim, out, now)
@@ -318,7 +325,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(victim)
-        self._decode_entries.pop(victim.request_id, None)
+        self._decode_entries.pop(victim, None)
         swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(victim)
         if not swapped:
             self.kv.free(victim)
@@ -369,8 +376,9 @@ class Scheduler:
         finished ones when the scheduler was built with ``stream_outputs=False``)."""
         outputs: list[EngineCoreOutput] = []
         kv = self.kv
-        caching = kv.enable_caching
-        block_size = kv.block_size
+        # A crossed block boundary is ``num_computed % cache_every < n``; without caching the
+        # modulus exceeds every token count, so the test never holds (one compare per request).
+        cache_every = kv.block_size if kv.enable_caching else _NEVER
         get_tokens = result.sampled_token_ids.get
         logprobs = result.logprobs
         stream = self.stream_outputs
@@ -387,7 +395,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens = start + n
             if start < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, request.num_prompt_tokens - start)
-            if caching and num_computed % block_size < n:
+            if num_computed % cache_every < n:
                 kv.cache_full_blocks(request)  # a block boundary was crossed
             if not sr.sample:
                 continue
@@ -406,7 +414,12 @@ class Scheduler:
                 num_generated += 1
                 if on_tokens is not None:
                     on_tokens(request, 1)
-                status = _LENGTH_CAPPED if len(output) >= request.max_output_tokens else None
+                if len(output) < request.max_output_tokens:
+                    if not stream:
+                        continue
+                    status = None
+                else:
+                    status = _LENGTH_CAPPED
             else:
                 tokens, status = self._append_tokens(request, tokens, now)
             if status is not None:
@@ -496,7 +509,7 @@ class Scheduler:
         request.status = status
         request.finish_time = now
         self.kv.free(request)
-        self._decode_entries.pop(request.request_id, None)
+        self._decode_entries.pop(request, None)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.policy.on_finish(request)

@@ -174,10 +174,13 @@ class CostModel:
             return self.breakdown(out).total_s
         # ``_work``, ``_kv_tokens_read``, ``_allreduce_s`` and ``_overhead_s`` inlined, with the
         # same float operations in the same order (results are bit-identical to ``breakdown``).
+        # ``b if b > a else a`` is ``max(a, b)`` (and ``b if b < a else a`` is ``min``) without
+        # the builtin's keyword parsing, a good part of this function's cost.
         seqs = out.num_prefill_seqs + out.num_decode_seqs
         linear_flops = self._flops_per_token * tokens + self._flops_per_seq * seqs
         attention_flops = self._flops_per_context * out.sum_context_tokens
-        decode = min(out.sum_decode_context_tokens, out.num_decode_seqs * self._max_context)
+        decode, longest = out.sum_decode_context_tokens, out.num_decode_seqs * self._max_context
+        decode = longest if longest < decode else decode
         prefill_tokens, chunks = out.num_prefill_tokens, out.num_prefill_seqs
         if prefill_tokens == 0 or chunks == 0:
             kv_read = decode
@@ -185,8 +188,10 @@ class CostModel:
             prefill_context = max(0, out.sum_context_tokens - decode)
             kv_read = decode + prefill_context * chunks / prefill_tokens + (prefill_tokens - chunks) / 2
         s_per_flop, s_per_byte = self._s_per_flop, self._s_per_byte
-        linear_s = max(linear_flops * s_per_flop, self._weight_bytes * s_per_byte)
-        attention_s = max(attention_flops * s_per_flop, self._kv_bytes * (kv_read + tokens) * s_per_byte)
+        compute_s, memory_s = linear_flops * s_per_flop, self._weight_bytes * s_per_byte
+        linear_s = memory_s if memory_s > compute_s else compute_s
+        compute_s, memory_s = attention_flops * s_per_flop, self._kv_bytes * (kv_read + tokens) * s_per_byte
+        attention_s = memory_s if memory_s > compute_s else compute_s
         return (linear_s + attention_s
                 + (self._allreduce_s_per_token * tokens + self._allreduce_latency_s)
                 + (self._fixed_s + self._per_seq_s * seqs))

@@ -6,6 +6,8 @@ Each engine process runs the very same step as the real engine::
     yield env.timeout(cost_model.step_time(out))       # the GPU, modelled
     scheduler.update_from_output(out, tokens, env.now) # tokens end each request at its trace length
 
+(The engine's clock runs ahead of SimPy's while no other process could act: see ``engine_process``.)
+
 Requests carry ``max_tokens = output_tokens`` and ``ignore_eos``, so every request ends exactly at
 its trace output length whatever token the twin "samples".
 """
@@ -74,25 +76,40 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
 
 
 def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecorder):
-    """One replica's engine loop: schedule, let the modelled GPU take its time, update."""
+    """One replica's engine loop: schedule, let the modelled GPU take its time, update.
+
+    SimPy's clock is moved only when another process could act. A step that ends before every
+    other pending event (the next arrival, the other replicas' steps) runs without an event of
+    its own: the loop keeps the time in ``now`` and yields once something else is due. The times
+    are the very floats SimPy would have produced (``start + duration`` each step; a step is only
+    run ahead when one addition brings SimPy's clock exactly to its end), so only the number of
+    events differs, not the results.
+    """
     sched = replica.scheduler
     sampled = ModelRunnerOutput(replica.sampled)  # type: ignore[arg-type]  # read-only lists
-    step_time, timeout, index = replica.step_time, env.timeout, replica.index
+    step_time, timeout, peek, index = replica.step_time, env.timeout, env.peek, replica.index
     record_step, records, live = recorder.steps.record_step, recorder.records, replica.live
     with_tenants = recorder.record_tenants
+    base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     while True:
         if not sched.running and not sched.has_unfinished_requests():
             replica.wakeup = env.event()
             yield replica.wakeup
             replica.wakeup = None
-        start = env.now
-        out = sched.schedule(start)
+            base = now = env.now
+        out = sched.schedule(now)
         if not out.scheduled:
-            raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={start}")
+            raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={now}")
         duration = step_time(out)
-        yield timeout(duration)
-        outputs = sched.update_from_output(out, sampled, env.now)
-        record_step(out, sched, start, duration, index, with_tenants)
+        end = now + duration
+        if end >= peek() or base + (end - base) != end:
+            if now != base:  # catch SimPy up to this step's start (exact: checked when it ran ahead)
+                yield timeout(now - base)
+            yield timeout(duration)  # SimPy resumes us at exactly ``now + duration``
+            base = end
+        outputs = sched.update_from_output(out, sampled, end)
+        record_step(out, sched, now, duration, index, with_tenants)
+        now = end
         if outputs:  # empty on most steps (simulate builds schedulers with stream_outputs=False)
             finished = [o.request_id for o in outputs if o.finished]
             for rid in finished:

@@ -247,3 +247,27 @@ def test_a_running_decode_entry_is_updated_in_place_and_dropped_at_the_end():
     assert e2.block_ids is s.kv.block_ids(s.requests["a"])
     run_to_completion(s)
     assert not s._decode_entries  # finished requests leave no entry behind
+
+
+def test_a_decode_crossing_a_block_boundary_gets_one_block_and_caches_the_full_one():
+    s = make_scheduler(block_size=4, enable_prefix_caching=True)
+    a = make_req("a", 6, max_tokens=10)
+    s.add_request(a)
+    step(s, 0.0)  # prefill: 6 tokens in 2 blocks, the first one full and cached
+    kv = s.kv
+    for t in range(1, 9):  # decodes at positions 6..13 cross into blocks 2 and 3
+        step(s, float(t))
+        table = kv.tables["a"]
+        assert len(table.blocks) == -(-a.num_computed_tokens // 4)
+        assert table.num_cached_blocks == a.num_computed_tokens // 4 == len(a.block_hashes)
+        for block, h in zip(table.blocks, a.block_hashes):
+            assert block.block_hash == h and kv.pool.cached[h] is block
+        kv.check_consistency()
+    assert a.num_computed_tokens == 14 and len(kv.tables["a"].blocks) == 4
+    step(s, 9.0)  # the last token: a finishes, its full blocks stay cached
+    assert a.is_finished and "a" not in kv.tables
+    b = make_req("b", 14, max_tokens=2, prefix=a.all_token_ids[:13])
+    s.add_request(b)
+    out, _ = step(s, 10.0)
+    assert b.num_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 2
+    kv.check_consistency()

@@ -47,9 +47,9 @@ class EngineRun:
     block_ops: Counter
 
 
-def run_engines(cfg: SimConfig, trace: list[TraceRequest]) -> EngineRun:
+def run_engines(cfg: SimConfig, trace: list[TraceRequest], engine=engine_process) -> EngineRun:
     """``simulate`` without the summary, keeping the replicas, counting swap/copy block ops and
-    checking that every scheduled token has a KV slot."""
+    checking that every scheduled token has a KV slot; ``engine`` is the engine process."""
     sched_cfg, cost, vocab = build_scheduler_config(cfg)
     ops: Counter = Counter()
 
@@ -71,7 +71,7 @@ def run_engines(cfg: SimConfig, trace: list[TraceRequest]) -> EngineRun:
     requests = (to_request(tr, vocab, cfg.block_size) for tr in trace)
     env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
     for replica in replicas:
-        env.process(engine_process(env, replica, recorder))
+        env.process(engine(env, replica, recorder))
     env.run()
     return EngineRun(recorder, replicas, ops)
 
@@ -591,3 +591,50 @@ def test_simulated_steps_are_a_step_log_matching_the_schedule() -> None:
     assert sum(result.steps.column("num_seqs")) == sum(s.num_seqs for s in result.steps)
     assert sum(result.steps.column("num_decode_tokens")) == 6 * 4  # first tokens come from prefill
     assert all(isinstance(s, StepRecord) for s in result.steps)
+
+
+def _one_event_per_step(env: simpy.Environment, replica: Replica, recorder: SimRecorder):
+    """The engine loop as the design states it, one SimPy timeout per step: the reference that
+    ``engine_process`` (which skips the events no other process could observe) must match."""
+    sched = replica.scheduler
+    sampled = ModelRunnerOutput(replica.sampled)  # type: ignore[arg-type]
+    while True:
+        if not sched.has_unfinished_requests():
+            replica.wakeup = env.event()
+            yield replica.wakeup
+            replica.wakeup = None
+        start = env.now
+        out = sched.schedule(start)
+        duration = replica.step_time(out)
+        yield env.timeout(duration)
+        outputs = sched.update_from_output(out, sampled, env.now)
+        recorder.steps.record_step(out, sched, start, duration, replica.index, True)
+        for o in outputs:
+            if o.finished:
+                recorder.records.append(RequestRecord.from_request(replica.live.pop(o.request_id)))
+                del replica.sampled[o.request_id]
+
+
+def _replay(cfg: SimConfig, trace: list[TraceRequest], engine) -> tuple[list, list]:
+    recorder = run_engines(cfg, trace, engine).recorder
+    records = [dataclasses.astuple(r) for r in recorder.records]
+    return records, [dataclasses.astuple(s) for s in recorder.steps]
+
+
+@pytest.mark.parametrize("num_replicas", [1, 3])
+def test_engine_clock_running_ahead_of_simpy_matches_one_event_per_step(num_replicas: int) -> None:
+    # Arrivals at 0, within a step of 0, in ties, in bursts and after idle gaps, and (second run)
+    # exactly at step ends: every step time and record must be the same floats.
+    rng = random.Random(7)
+    times = [0.0, 0.0, 1e-9, 3e-4, 3e-4, 0.004]
+    while len(times) < 160:
+        times.append(times[-1] + rng.choice([0.0, 1e-6, rng.expovariate(40.0), 2.5]))
+    trace = [TraceRequest(f"r{i}", t, rng.randint(1, 700), rng.randint(1, 90))
+             for i, t in enumerate(times)]
+    cfg = SimConfig(num_replicas=num_replicas, num_gpu_blocks=300)
+    records, steps = _replay(cfg, trace, _one_event_per_step)
+    assert _replay(cfg, trace, engine_process) == (records, steps)
+    ends = sorted({s[0] + s[1] for s in steps})  # StepRecord starts with time, duration
+    ties = [TraceRequest(f"tie{k}", ends[k], 50, 20) for k in (5, 40, 200)]
+    trace = sorted(trace + ties, key=lambda tr: tr.arrival_time)
+    assert _replay(cfg, trace, engine_process) == _replay(cfg, trace, _one_event_per_step)

@@ -25,18 +25,24 @@ import numpy as np
 LOWEST_TOKEN_ID = 16  # ids below this are left to special tokens (BOS, EOS, PAD, ...)
 MAX_BLOCK_ID = 2**63 - 1
 
-_PREFIX_SALT = 0x5AFE_B10C_0000_0001
 _U64 = np.uint64
+_PREFIX_SALT = _U64(0x5AFE_B10C_0000_0001)
+# splitmix64's constants as numpy scalars, built once: converting a Python int on every ufunc call
+# costs more than the arithmetic on a prompt's ids.
+_GAMMA, _M1, _M2 = _U64(0x9E3779B97F4A7C15), _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+_LOWEST = _U64(LOWEST_TOKEN_ID)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser over a uint64 array, in place (wrapping arithmetic, vectorised)."""
-    z += _U64(0x9E3779B97F4A7C15)
-    z ^= z >> _U64(30)
-    z *= _U64(0xBF58476D1CE4E5B9)
-    z ^= z >> _U64(27)
-    z *= _U64(0x94D049BB133111EB)
-    z ^= z >> _U64(31)
+    t = np.empty_like(z)  # one scratch array for the three shifts
+    z += _GAMMA
+    z ^= np.right_shift(z, _S30, out=t)
+    z *= _M1
+    z ^= np.right_shift(z, _S27, out=t)
+    z *= _M2
+    z ^= np.right_shift(z, _S31, out=t)
     return z
 
 
@@ -107,13 +113,14 @@ class TraceRequest:
         n_prefix = self.num_prefix_tokens
         keys = np.arange(self.input_tokens, dtype=_U64)  # positions, then keys in place
         if n_prefix:
-            block_seeds = _mix(np.array(self.prefix_blocks, dtype=_U64) ^ _U64(_PREFIX_SALT))
+            block_seeds = _mix(np.array(self.prefix_blocks, dtype=_U64) ^ _PREFIX_SALT)
             head = keys[:n_prefix]
             head[:] = block_seeds[head // _U64(self.prefix_block_tokens)] \
                 + head % _U64(self.prefix_block_tokens)
         keys[n_prefix:] += _U64(stable_seed(self.request_id))
         ids = _mix(keys)
         ids %= _U64(vocab_size - LOWEST_TOKEN_ID)
-        ids += _U64(LOWEST_TOKEN_ID)
-        # Every id is below 2**63: int64 is the same numbers, and converts to Python ints faster.
-        return ids.view(np.int64).tolist()
+        ids += _LOWEST
+        # Every id is below 2**63, so int64 holds the same numbers; a memoryview converts them to
+        # Python ints in about half the time of ``ndarray.tolist``.
+        return memoryview(ids.view(np.int64)).tolist()

@@ -1,16 +1,20 @@
-"""The model's weight products, shaped for where torch's default CPU path is slow.
+"""The model's weight products on CPU, shaped where torch's default path is slow.
 
-Measured on this machine's 2-core AVX2 EPYC with torch's CPU kernels, per weight product:
+Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
+(``python -m twinserve.benchmarks.cpu_gemm``, all products of one forward):
 
-- fp32, 8+ tokens: one GEMM with a wide output ran well below the FLOP rate of narrow slabs
-  (64 x 576 x 49152: 80 ms vs 40 ms), so the product is computed in slabs of ``CPU_GEMM_SLAB``
-  weight rows, feature-major (``[out_features, T]``).
-- bf16/fp16 where the CPU has no native half matmuls (no avx512_bf16 / AMX): torch emulates the
-  GEMM, 2.8x slower than fp32 at 64 tokens and 4.8x at 256. With 8+ tokens each slab of weights is
-  widened to fp32 while it sits in cache, multiplied in fp32 and the output rounded back: what a
-  native bf16 GEMM computes (half inputs, fp32 accumulation), 1.1x the fp32 time.
-- Below 8 tokens the product is a GEMV bound by memory bandwidth, and torch's own half GEMV reads
-  half the bytes: 2.5x faster than fp32 at 1 token. One plain call does as well as slabs there.
+- fp32: ``F.linear(x, W)`` (MKL with W transposed) jumps in cost from 1 token to 2 and stays
+  there; ``W @ x.T`` ran 2.0-2.6x faster at 2-4 tokens, 1.1-1.8x at 6-16 and 1.0-1.2x at 64. So
+  products of 2+ tokens are computed feature-major (``[out_features, T]``) in slabs of
+  ``CPU_GEMM_SLAB`` weight rows (one wide product ran below the rate of slabs: 64 x 576 x 49152,
+  80 ms vs 40 ms), and transposed back where the caller needs ``[T, out_features]``.
+- bf16/fp16 where the CPU has no native half matmuls (no avx512_bf16 / AMX): torch's half GEMM
+  costs about 18 ms more per token here (1.1 s at 64 tokens, about 4x fp32). From
+  ``MIN_WIDEN_TOKENS`` tokens on, each slab of weights is widened to fp32 while it sits in cache
+  and multiplied in fp32, the output rounded back: what a native bf16 GEMM computes (half inputs,
+  fp32 accumulation); 1.3x faster than torch's at 8 tokens, 4.7-5.4x at 64, where it was as fast as
+  fp32. Below, the product is bound by memory bandwidth and torch's half GEMV reads half the
+  bytes: 2.4-2.9x faster than fp32 at 1 token.
 """
 
 from __future__ import annotations
@@ -21,39 +25,41 @@ import torch
 import torch.nn.functional as F
 
 CPU_GEMM_SLAB = 1024
-MIN_SLAB_TOKENS = 8
+MIN_WIDEN_TOKENS = 6
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
-    """How one model's weight products run: ``slabs`` on CPU; ``widen_half`` where its half
-    weights live on a CPU without native half matmuls."""
-    slabs: bool
+    """How one model's weight products run: ``cpu`` computes products of 2+ tokens feature-major in
+    slabs; ``widen_half`` where its half weights live on a CPU without native half matmuls."""
+    cpu: bool
     widen_half: bool
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> Gemm:
         on_cpu = device.type == "cpu"
-        return cls(slabs=on_cpu,
+        return cls(cpu=on_cpu,
                    widen_half=on_cpu and dtype in HALF_DTYPES and not cpu_has_native_bf16())
+
+    def plain(self, num_tokens: int) -> bool:
+        """Whether torch's own ``F.linear`` is the faster product for ``num_tokens`` rows."""
+        if not self.cpu:
+            return True
+        return num_tokens < (MIN_WIDEN_TOKENS if self.widen_half else 2)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``: ``[T, out_features]``; ``x`` may be a transposed view."""
-        if not (self.widen_half and x.shape[0] >= MIN_SLAB_TOKENS):
+        """``F.linear(x, weight, bias)``: contiguous ``[T, out_features]``; ``x`` may be a
+        transposed view."""
+        if self.plain(x.shape[0]):
             return F.linear(x, weight, bias)
-        x32 = x.float()
-        out = x.new_empty(x.shape[0], weight.shape[0])
-        for start in range(0, weight.shape[0], CPU_GEMM_SLAB):
-            stop = start + CPU_GEMM_SLAB
-            out[:, start:stop] = F.linear(x32, weight[start:stop].float(),
-                                          None if bias is None else bias[start:stop].float())
-        return out
+        out = self.feature_major(x, weight).t().contiguous()
+        return out if bias is None else out.add_(bias)
 
     def feature_major(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, weight).t()``, contiguous ``[out_features, T]``."""
-        if not (self.slabs and x.shape[0] >= MIN_SLAB_TOKENS):
+        if self.plain(x.shape[0]):
             return F.linear(x, weight).t().contiguous()
         out = x.new_empty(weight.shape[0], x.shape[0])
         if not self.widen_half:

@@ -14,7 +14,7 @@ from torch import nn
 
 from twinserve.gpu.attention_backend import AttentionBackend, AttentionMetadata
 from twinserve.gpu.config import ModelConfig
-from twinserve.gpu.cpu_gemm import MIN_SLAB_TOKENS, Gemm
+from twinserve.gpu.cpu_gemm import Gemm
 from twinserve.gpu.rope import RotaryEmbedding, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
         return self._mlp(x), residual
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gemm.slabs or x.shape[0] < MIN_SLAB_TOKENS:
+        if self.gemm.plain(x.shape[0]):
             gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down_proj)
         gate_up = self.gemm.feature_major(x, self.gate_up_proj)  # [2 * intermediate, T]
@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows that sample."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if not self.gemm.slabs or hidden.shape[0] < MIN_SLAB_TOKENS:
+        if self.gemm.plain(hidden.shape[0]):
             return F.linear(hidden, head).float()
         return self.gemm.feature_major(hidden, head).t().contiguous().float()
 

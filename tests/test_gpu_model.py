@@ -34,14 +34,14 @@ def _dense_reference(q, k, v, q_len, scale):
 
 
 @pytest.mark.parametrize("rows", [1, CPU_GEMM_SLAB, 2 * CPU_GEMM_SLAB + 37])
-@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 64])
 @pytest.mark.parametrize("dtype,widen,tol", [(torch.float32, False, 1e-5),
                                              (torch.bfloat16, True, 1e-2),
                                              (torch.float16, True, 1e-3)])
 def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
     """Slabs and widened half products equal one fp32 product rounded to the model's dtype."""
     torch.manual_seed(rows + tokens)
-    gemm = Gemm(slabs=True, widen_half=widen)
+    gemm = Gemm(cpu=True, widen_half=widen)
     x, w, b = (torch.randn(tokens, 48), torch.randn(rows, 48), torch.randn(rows))
     xt = torch.randn(48, tokens).to(dtype)  # a transposed activation, as the MLP passes it
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
@@ -50,7 +50,7 @@ def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
     assert out.shape == (rows, tokens) and out.is_contiguous() and out.dtype == dtype
     torch.testing.assert_close(out.t().float(), expected - b.float(), rtol=tol, atol=tol)
     out = gemm.linear(x, w, b)
-    assert out.shape == (tokens, rows) and out.dtype == dtype
+    assert out.shape == (tokens, rows) and out.dtype == dtype and out.is_contiguous()
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     torch.testing.assert_close(gemm.linear(xt.t(), w).float(),
                                xt.t().float() @ w.float().t(), rtol=tol, atol=tol)
@@ -90,7 +90,7 @@ def test_widened_bf16_model_matches_torch_bf16_products(tiny_model_dirs):
     token_ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
     logits = {}
     for widen in (True, False):
-        gemm = Gemm(slabs=True, widen_half=widen)
+        gemm = Gemm(cpu=True, widen_half=widen)
         model.gemm = gemm
         for layer in model.layers:
             layer.gemm = gemm

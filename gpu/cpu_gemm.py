@@ -32,7 +32,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """How one model's weight products run: ``cpu`` computes products of 2+ tokens feature-major in
-    slabs; ``widen_half`` where its half weights live on a CPU without native half matmuls."""
+    slabs; ``widen_half`` (half weights on a CPU without native half matmuls) widens products of
+    ``MIN_WIDEN_TOKENS``+ tokens to fp32 and leaves smaller ones to torch's half GEMV."""
     cpu: bool
     widen_half: bool
 

@@ -105,14 +105,6 @@ class KVCacheManager:
             table = self.tables[request.request_id] = BlockTable()
         bs = self.block_size
         blocks = table.blocks
-        if not computed_blocks and request.num_computed_tokens == len(blocks) * bs:
-            # The new tokens start a fresh block (a decode crossing a block boundary, a prompt
-            # without cache hits): nothing shared to copy or revive, just new blocks.
-            num_new_blocks = -(-num_new_tokens // bs)
-            if num_new_blocks > self.pool.num_free:
-                return None
-            table.append(self.pool.allocate(num_new_blocks))
-            return table
         hits = computed_blocks or ()
         num_computed = request.num_computed_tokens + len(hits) * bs
         num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hits)

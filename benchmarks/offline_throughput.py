@@ -48,12 +48,13 @@ def trace_output_lengths(n: int, rng: random.Random, low: int = 16, high: int = 
     return [rng.choice(pool) for _ in range(n)]
 
 
-def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str) -> float:
+def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str, device: str = "cpu",
+                  enforce_eager: bool = False) -> float:
     import torch
 
     from twinserve import SamplingParams
     torch.set_num_threads(threads)
-    llm = _twinserve_llm(model, dtype)
+    llm = _twinserve_llm(model, dtype, device, enforce_eager)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -66,28 +67,56 @@ def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str) -> flo
 _LLM_CACHE: dict[str, object] = {}
 
 
-def _twinserve_llm(model: str, dtype: str):
-    key = f"{model}:{dtype}"
+def _twinserve_llm(model: str, dtype: str, device: str = "cpu", enforce_eager: bool = False):
+    key = f"{model}:{dtype}:{device}:{enforce_eager}"
     if key not in _LLM_CACHE:
         from twinserve import LLM
-        _LLM_CACHE[key] = LLM(model, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+        _LLM_CACHE.clear()  # one model in memory at a time (a GPU holds one 8B model's KV budget)
+        _LLM_CACHE[key] = LLM(model, dtype=dtype, device=device, enforce_eager=enforce_eager,
+                              max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
     return _LLM_CACHE[key]
 
 
-def run_hf(model: str, prompts, lengths, threads: int, dtype: str, batch_size: int = 32) -> float:
+def decode_floor(model: str, dtype: str, hardware: str) -> str:
+    """The physical limit of a batch-1 decode step: every weight byte read once per token."""
+    import torch
+
+    from twinserve.core.hf_config import HFModelShape, read_hf_config
+    from twinserve.simulator.hardware import load_hardware
+    shape = HFModelShape.from_dict(read_hf_config(model))
+    hw = load_hardware(hardware)
+    per_layer = (shape.hidden_size * (shape.num_attention_heads + 2 * shape.num_key_value_heads)
+                 * shape.head_dim + shape.num_attention_heads * shape.head_dim * shape.hidden_size
+                 + 3 * shape.hidden_size * shape.intermediate_size)
+    table = shape.vocab_size * shape.hidden_size
+    params = shape.num_hidden_layers * per_layer + table * (1 if shape.tie_word_embeddings else 2)
+    # a step streams every layer and the LM head; the embedding rows it gathers are negligible
+    streamed = shape.num_hidden_layers * per_layer + table
+    nbytes = streamed * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    seconds = nbytes / hw.mem_bandwidth
+    return (f"decode floor on {hw.name}: {nbytes / 1e9:.2f} GB of weights per step / "
+            f"{hw.mem_bandwidth / 1e12:.2f} TB/s = {seconds * 1e3:.2f} ms -> at most "
+            f"{1 / seconds:.0f} tok/s at batch 1 ({params / 1e9:.2f} B parameters)")
+
+
+def run_hf(model: str, prompts, lengths, threads: int, dtype: str, device: str = "cpu",
+           batch_size: int = 32) -> float:
     """HF ``generate`` with static batches of ``batch_size``: each batch runs to its longest
     output, finished rows keep computing (padding), as a static-batching server does."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        chunk = torch.tensor(prompts[i:i + batch_size])  # equal prompt lengths: no padding needed
+        # equal prompt lengths: no padding needed
+        chunk = torch.tensor(prompts[i:i + batch_size], device=device)
         new = max(lengths[i:i + batch_size])
         with torch.inference_mode():
             m.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new,
                        min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if device != "cpu":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     return sum(lengths) / elapsed  # useful tokens only
 
@@ -133,6 +162,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF directory (default: the bundled model)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    ap.add_argument("--hardware", default=None,
+                    help="a hardware profile (cpu, h200, ...): print the batch-1 decode floor")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="bf16 as the peers were measured; float32 where the CPU lacks native bf16")
     ap.add_argument("--workloads", nargs="+", default=["batch", "single", "varied"],
@@ -147,16 +180,21 @@ def main() -> None:
     data = {k: v for k, v in workloads(vocab).items() if k in args.workloads}
     results: dict[str, dict[str, list[float]]] = {"twinserve": {}, "hf": {}}
     for name, (prompts, lengths) in data.items():
-        results["twinserve"][name] = [run_twinserve(model, prompts, lengths, args.threads, args.dtype)
+        results["twinserve"][name] = [run_twinserve(model, prompts, lengths, args.threads, args.dtype,
+                                                    args.device, args.enforce_eager)
                                       for _ in range(args.repeats)]
+    _LLM_CACHE.clear()
+    for name, (prompts, lengths) in data.items():
         if not args.skip_hf:
-            results["hf"][name] = [run_hf(model, prompts, lengths, args.threads, args.dtype)
-                                   for _ in range(args.repeats)]
+            results["hf"][name] = [run_hf(model, prompts, lengths, args.threads, args.dtype,
+                                          args.device) for _ in range(args.repeats)]
     if args.vllm_python:
         tmp = Path(args.tmp)
         tmp.mkdir(parents=True, exist_ok=True)
         results["vllm"] = run_vllm(args.vllm_python, model, data, args.repeats, tmp, args.dtype)
     _print(results)
+    if args.hardware:
+        print(decode_floor(model, args.dtype, args.hardware))
 
 
 def _print(results: dict[str, dict[str, list[float]]]) -> None:

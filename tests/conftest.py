@@ -81,3 +81,21 @@ def drive() -> Callable:
         return requests
 
     return run
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Plain argmax loop over HF's KV cache (no eos or min-length logic to mirror)."""
+    import torch
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf(torch.tensor([p]), use_cache=True)
+            tokens = [int(out.logits[0, -1].argmax())]
+            for _ in range(max_new_tokens - 1):
+                out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                         use_cache=True)
+                tokens.append(int(out.logits[0, -1].argmax()))
+            outs.append(tokens)
+    return outs

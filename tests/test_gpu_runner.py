@@ -10,26 +10,9 @@ from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.model_runner import ModelRunner
 
-from conftest import TINY_MODELS, TINY_VOCAB
+from conftest import TINY_MODELS, TINY_VOCAB, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-
-
-def _hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Plain argmax loop over HF's KV cache (no eos or min-length logic to mirror)."""
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf(torch.tensor([p]), use_cache=True)
-            tokens = [int(out.logits[0, -1].argmax())]
-            for _ in range(max_new_tokens - 1):
-                out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                         use_cache=True)
-                tokens.append(int(out.logits[0, -1].argmax()))
-            outs.append(tokens)
-    return outs
 
 
 def _prompts(lengths: tuple[int, ...], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -58,7 +41,7 @@ def test_tiny_prefill_then_decodes_match_hf(name, tiny_model_dirs, tiny_runners,
     requests = _requests(prompts)
     steps = [[(r, r.num_tokens) for r in requests]] + _decode_steps(requests, 9)
     drive(tiny_runners[name], requests, steps)
-    assert [r.output_token_ids for r in requests] == _hf_greedy(tiny_model_dirs[name], prompts, 10)
+    assert [r.output_token_ids for r in requests] == hf_greedy(tiny_model_dirs[name], prompts, 10)
 
 
 @pytest.mark.parametrize("name", ["llama-untied-llama3rope", "qwen2-tied"])
@@ -74,7 +57,7 @@ def test_tiny_chunked_prefill_and_mixed_batch_match_hf(name, tiny_model_dirs, ti
         [(b, 1), (c, 33), (a, 1)],
     ] + _decode_steps(requests, 6)
     drive(tiny_runners[name], requests, steps)
-    want = _hf_greedy(tiny_model_dirs[name], prompts, 10)
+    want = hf_greedy(tiny_model_dirs[name], prompts, 10)
     got = [r.output_token_ids for r in requests]
     assert got == [w[:len(g)] for g, w in zip(got, want)]
     assert [len(g) for g in got] == [10, 9, 7]
@@ -127,5 +110,5 @@ def test_default_model_fp32_matches_hf(default_model_dir, drive):
                for q in questions]
     requests = _requests(prompts)
     drive(runner, requests, [[(r, r.num_tokens) for r in requests]] + _decode_steps(requests, 31))
-    assert [r.output_token_ids for r in requests] == _hf_greedy(default_model_dir, prompts, 32)
+    assert [r.output_token_ids for r in requests] == hf_greedy(default_model_dir, prompts, 32)
     assert "Paris" in tok.decode(requests[0].output_token_ids)

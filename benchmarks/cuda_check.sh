@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The prepared run for a CUDA machine, in one command from the repository root:
+#
+#   bash benchmarks/cuda_check.sh            # log and results in ${OUT:-/tmp/twinserve-cuda}
+#
+# 1. the environment (GPU, torch, triton);
+# 2. the CUDA tests: Triton kernels against the torch reference, and the engine's greedy tokens
+#    on CUDA (every scheduling regime, CUDA graphs against eager) against HF transformers;
+# 3. a random-weight Llama-3-8B-shaped model in bf16 (benchmarks/random_model.py), then the
+#    offline benchmark on it: 64 x 128 and batch 1 x 128 generated tokens, with CUDA graphs and
+#    eager, next to HF transformers `generate`, and the batch-1 decode floor of an H200.
+#
+# The machine may be offline: it needs torch, triton, safetensors, tokenizers, numpy, pytest and
+# transformers installed. Other packages travel as wheels in .whl/ (installed to /tmp/site when
+# present); the decode-floor line needs simpy (pure Python):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl simpy==4.1.2
+set -uo pipefail
+OUT=${OUT:-/tmp/twinserve-cuda}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/cuda_check.log") 2>&1
+export PYTHONUNBUFFERED=1
+ROOT=$(pwd)
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# import the checkout as `twinserve` without installing it (no build backend needed offline)
+mkdir -p /tmp/twinserve-src && ln -sfn "$ROOT" /tmp/twinserve-src/twinserve
+export PYTHONPATH=/tmp/twinserve-src${PYTHONPATH:+:$PYTHONPATH}
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
+
+echo "== CUDA tests"
+python3 -m pytest -q -p no:cacheprovider -m cuda --junitxml="$OUT/cuda_tests.xml" \
+    tests/test_triton_attention.py tests/test_engine_equivalence.py
+tests_rc=$?
+
+echo "== random-weight Llama-3-8B (bf16)"
+MODEL=/tmp/llama-3-8b-random
+start=$(date +%s)
+python3 -m twinserve.benchmarks.random_model --config llama-3-8b --dtype bfloat16 --device cuda \
+    --out "$MODEL" || exit 1
+echo "written in $(( $(date +%s) - start )) s"
+
+echo "== offline throughput, CUDA graphs"
+python3 -m twinserve.benchmarks.offline_throughput --model "$MODEL" --device cuda --dtype bfloat16 \
+    --workloads batch single --repeats 3 --hardware h200
+echo "== offline throughput, eager (no HF rerun)"
+python3 -m twinserve.benchmarks.offline_throughput --model "$MODEL" --device cuda --dtype bfloat16 \
+    --workloads batch single --repeats 3 --enforce-eager --skip-hf
+
+echo "== CUDA tests exit status: $tests_rc"
+exit $tests_rc

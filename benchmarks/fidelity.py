@@ -229,6 +229,12 @@ def format_table(rows: list[dict[str, str]]) -> str:
             mark = "*" if r["within_target"] == "false" else " "
             cells.append(f"{err:+.1f}{mark}" if math.isfinite(err) else "nan")
         lines.append(f"{scenario:<10} {profile:<9}" + "".join(f" {c:>10}" for c in cells))
+    per_tenant = [r for r in rows if r["metric"].startswith("mean_ttft_ms[")]
+    if per_tenant:
+        lines += ["", "mean TTFT per tenant (ms): real median, sim, error %"]
+        lines += [f"{r['scenario']:<10} {r['profile']:<9} {r['metric'][13:-1]:<8} "
+                  f"{float(r['real']):>9.0f} {float(r['sim']):>9.0f} "
+                  f"{float(r['rel_error_pct']):>+7.1f}" for r in per_tenant]
     return "\n".join(lines)
 
 

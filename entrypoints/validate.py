@@ -190,23 +190,46 @@ def error_rows(reals: list[dict[str, Any]], sim: dict[str, Any]) -> list[dict[st
     """The twin's signed relative error per metric against the median of the real runs."""
     if not reals:
         raise ValueError("error_rows needs at least one real run summary.")
-    rows = []
-    for metric, target in TARGETS:
-        values = [v for v in (_num(r.get(metric)) for r in reals) if not math.isnan(v)]
-        r = float(np.median(values)) if values else math.nan
-        s = _num(sim.get(metric))
-        if math.isnan(r) or math.isnan(s):
-            err = math.nan
-        elif r == 0:
-            err = 0.0 if s == 0 else math.nan
-        else:
-            err = 100.0 * (s - r) / r
-        within = "" if target is None or math.isnan(err) else str(abs(err) <= target).lower()
-        rows.append({"metric": metric, "real": r, "sim": s, "rel_error_pct": err,
-                     "target_pct": "" if target is None else target, "within_target": within,
-                     "real_min": min(values, default=math.nan),
-                     "real_max": max(values, default=math.nan), "real_runs": len(values)})
-    return rows
+    return [error_row(metric, [_num(r.get(metric)) for r in reals], _num(sim.get(metric)), target)
+            for metric, target in TARGETS]
+
+
+def error_row(metric: str, reals: list[float], sim: float,
+              target: float | None = None) -> dict[str, Any]:
+    """One metric: the median of the real values against the twin's."""
+    values = [v for v in reals if not math.isnan(v)]
+    r = float(np.median(values)) if values else math.nan
+    if math.isnan(r) or math.isnan(sim):
+        err = math.nan
+    elif r == 0:
+        err = 0.0 if sim == 0 else math.nan
+    else:
+        err = 100.0 * (sim - r) / r
+    within = "" if target is None or math.isnan(err) else str(abs(err) <= target).lower()
+    return {"metric": metric, "real": r, "sim": sim, "rel_error_pct": err,
+            "target_pct": "" if target is None else target, "within_target": within,
+            "real_min": min(values, default=math.nan), "real_max": max(values, default=math.nan),
+            "real_runs": len(values)}
+
+
+def tenant_ttft_rows(real_dirs: list[Path], sim_dir: Path) -> list[dict[str, Any]]:
+    """``mean_ttft_ms[<tenant>]`` per tenant when the workload has several: what a fairness
+    policy moves while the overall means barely change."""
+    reals = [_tenant_mean_ttft(d / "requests.csv") for d in real_dirs]
+    sim = _tenant_mean_ttft(sim_dir / "requests.csv")
+    if len(sim) < 2:
+        return []
+    return [error_row(f"mean_ttft_ms[{t}]", [r.get(t, math.nan) for r in reals], sim[t])
+            for t in sorted(sim)]
+
+
+def _tenant_mean_ttft(path: Path) -> dict[str, float]:
+    by_tenant: dict[str, list[float]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["success"] == "1":
+                by_tenant.setdefault(row["tenant"], []).append(float(row["ttft_ms"]))
+    return {t: float(np.mean(v)) for t, v in by_tenant.items()}
 
 
 def step_time_row(real_dir: Path, model: str, profile: str | Path,
@@ -364,6 +387,7 @@ def run_validate(args: argparse.Namespace) -> int:
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc)
     rows = error_rows(summaries, sim.summary)
     rows.append(step_time_row(real_dirs[0], model, profile, int(real_config["block_size"])))
+    rows += tenant_ttft_rows(real_dirs, out / "sim")
     write_errors(out / "errors.csv", rows)
     print(format_errors(rows, f"sim vs real ({real_config['scheduling_policy']}, "
                               f"{len(trace)} requests, {len(real_dirs)} real run(s), "

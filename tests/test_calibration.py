@@ -251,6 +251,9 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     ttft = rows["mean_ttft_ms"]  # the median of the two real replays, with their spread
     assert ttft["real_runs"] == "2"
     assert float(ttft["real_min"]) <= float(ttft["real"]) <= float(ttft["real_max"])
+    for tenant in ("heavy", "light"):  # what the fair policy moves, per tenant
+        row = rows[f"mean_ttft_ms[{tenant}]"]
+        assert row["real_runs"] == "2" and float(row["sim"]) > 0
     assert (out / "profile.json").is_file() and (out / "report.html").is_file()
     samples = read_samples(out / "real")
     steps = list(csv.DictReader(open(out / "real" / "steps.csv")))

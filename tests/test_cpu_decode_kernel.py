@@ -46,6 +46,17 @@ def test_native_decode_equals_torch_path(num_seqs, heads, kv_heads, head_dim, dt
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_size", [5, 8, 24])  # blocks that end inside or on an 8-token group
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_native_decode_handles_any_block_size(block_size, dtype, tol):
+    query, key_cache, value_cache, tables, lens = _decode_batch(4, 9, 3, 64, dtype, block_size)
+    starts = torch.arange(5, dtype=torch.int32)
+    want = paged_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens,
+                           starts, 0.125)
+    got = build_paged_decode()(query, key_cache, value_cache, tables, lens, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_native_decode_reads_a_non_contiguous_query():
     query, key_cache, value_cache, tables, lens = _decode_batch(5, 9, 3, 64, torch.float32)
     wide = torch.cat([query, torch.zeros_like(query)], dim=1)[:, :9]   # strided view

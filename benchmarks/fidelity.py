@@ -1,7 +1,7 @@
 """Fidelity of the twin: the same Azure-conv slice replayed on the real engine and in simulation.
 
     python -m twinserve.benchmarks.fidelity [--out runs/fidelity] [--num-requests 200] \\
-        [--max-model-len 2048] [--max-output-tokens 128] [--time-scale S] [--dtype auto] \\
+        [--max-model-len 128] [--max-output-tokens 32] [--time-scale 0.5] [--dtype auto] \\
         [--scenarios fcfs,fair,light,overload] [--real-repeats 3] [--micro]
 
 1. Real replays (``twinserve validate``, prefix caching and chunked prefill on), into
@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="HF model directory (default: bundled SmolLM2)")
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-output-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=128)
+    p.add_argument("--max-output-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--time-scale", type=float, default=0.75,
+    p.add_argument("--time-scale", type=float, default=0.5,
                    help="arrival speed-up of the near-saturation scenarios (tune to the machine: "
                         "where the simulated queue time starts to grow)")
     p.add_argument("--real-repeats", type=int, default=3,

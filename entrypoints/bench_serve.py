@@ -41,7 +41,8 @@ from twinserve.core.run_dir import write_run
 from twinserve.entrypoints.bench_request import request_body, to_record
 from twinserve.entrypoints.result_printout import format_result
 from twinserve.entrypoints.sse_client import http_error_message, one_line, stream_completion
-from twinserve.traces import LOWEST_TOKEN_ID, TraceRequest, add_trace_args, trace_from_args
+from twinserve.traces import (LOWEST_TOKEN_ID, TraceRequest, add_trace_args, trace_desc,
+                              trace_from_args)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_ENDPOINT = "/v1/completions"
@@ -50,9 +51,6 @@ DEFAULT_TIMEOUT_S = 3600.0
 CONNECT_TIMEOUT_S = 10.0
 MODELS_TIMEOUT_S = 30.0
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
-TRACE_KEYS = ("trace", "num_requests", "time_window", "time_scale", "request_rate", "burstiness",
-              "input_len", "output_len", "range_ratio", "prefix_len", "prefix_share", "tenants",
-              "priorities", "max_model_len", "seed")
 EXIT_INTERRUPTED = 130
 
 _T = TypeVar("_T")
@@ -392,7 +390,7 @@ def run_config(args: argparse.Namespace, model: str, num_requests: int, slos: di
         "request_timeout_s": args.request_timeout, "num_prompts": num_requests,
         "interrupted": interrupted,
     }
-    config.update({k: getattr(args, k) for k in TRACE_KEYS if getattr(args, k, None) is not None})
+    config.update(trace_desc(args))
     if args.label:
         config["label"] = args.label
     return config

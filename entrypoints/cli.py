@@ -30,23 +30,17 @@ def _simulate_parser(sub) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from twinserve.simulator import SimConfig, simulate, write_sim_run
-    from twinserve.traces import trace_from_args
+    from twinserve.traces import trace_desc, trace_from_args
     fields = {f.name for f in dataclasses.fields(SimConfig)}
     cfg = SimConfig(**engine_kwargs(args, fields))
     trace = trace_from_args(args)
     result = simulate(cfg, trace, progress=not args.disable_tqdm)
     out = Path(args.out or f"runs/sim-{cfg.scheduling_policy}")
-    write_sim_run(result, out, _trace_desc(args))
+    write_sim_run(result, out, trace_desc(args))
     _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "
                                     f"{cfg.scheduling_policy})")
     print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
     return 0
-
-
-def _trace_desc(args: argparse.Namespace) -> dict:
-    keys = ("trace", "num_requests", "time_window", "time_scale", "request_rate", "tenants",
-            "priorities", "seed")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def _print_summary(summary: dict, title: str) -> None:

@@ -73,7 +73,7 @@ def _real_vs_sim(out: Path, num_requests: int, seed: int) -> list[Path]:
     folder = out / "real-vs-sim"
     args = build_parser().parse_args([
         "validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
-        "--max-model-len", "256", "--max-output-tokens", "32", "--time-scale", "0.2",
+        "--max-model-len", "128", "--max-output-tokens", "32", "--time-scale", "0.2",
         "--tenants", "heavy=4,light=1", "--seed", str(seed), "--policy", "fcfs",
         "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--out", str(folder)])
     args.handler(args)

@@ -53,8 +53,6 @@ TARGETS: tuple[tuple[str, float | None], ...] = (
     ("median_e2el_ms", None), ("p90_e2el_ms", 10.0), ("num_preemptions", None),
     ("prefix_cache_hit_rate", None),
 )
-TRACE_KEYS = ("trace", "num_requests", "time_window", "time_scale", "request_rate", "tenants",
-              "priorities", "seed", "max_output_tokens", "max_model_len")
 STEP_TIME_METRIC = "replayed_step_time_s"  # the real steps, measured vs as the profile times them
 ERROR_COLUMNS = ("metric", "real", "sim", "rel_error_pct", "target_pct", "within_target",
                  "real_min", "real_max", "real_runs")
@@ -298,8 +296,6 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=__doc__.split("\n\n", 1)[1])
     add_trace_args(p)
-    p.add_argument("--max-output-tokens", type=int, default=None,
-                   help="cap every output length (clip_lengths), to bound the replay's runtime")
     p.add_argument("--model", default=None, help="HF model directory (default: bundled model)")
     p.add_argument("--profile", default=None,
                    help="calibrated hardware profile (default: calibrate first, quick)")
@@ -316,16 +312,9 @@ def add_parser(sub) -> None:
     p.set_defaults(handler=run_validate)
 
 
-def trace_desc_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in TRACE_KEYS if getattr(args, k, None) is not None}
-
-
 def load_workload(args: argparse.Namespace) -> list:
-    from twinserve.traces import clip_lengths, trace_from_args
+    from twinserve.traces import trace_from_args
     trace = trace_from_args(args)
-    if args.max_output_tokens is not None:
-        limit = args.max_model_len or 1 << 30
-        trace = clip_lengths(trace, limit, args.max_output_tokens)
     if not trace:
         raise ValueError("the workload flags select no request.")
     return trace
@@ -369,11 +358,12 @@ def real_runs(args: argparse.Namespace, trace: list, desc: dict[str, Any], out: 
 
 def run_validate(args: argparse.Namespace) -> int:
     from twinserve.reports import write_report
+    from twinserve.traces import trace_desc
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.model = model = model_dir_or_default(args.model)
     trace = load_workload(args)
-    desc = trace_desc_from_args(args)
+    desc = trace_desc(args)
     log = (lambda msg: None) if args.quiet else (
         lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.reuse_real:

@@ -332,6 +332,18 @@ def test_cli_synthetic() -> None:
     assert len(trace_from_args(_parse())) == 19_366  # default: azure-conv
 
 
+def test_cli_output_cap_applies_before_prompts_are_clipped() -> None:
+    raw = trace_from_args(_parse("--num-requests", "300"))
+    reqs = trace_from_args(_parse("--num-requests", "300", "--max-model-len", "128",
+                                  "--max-output-tokens", "32"))
+    for r, c in zip(raw, reqs):  # a prompt keeps room for its capped output, and no more
+        assert c.output_tokens == min(r.output_tokens, 32)
+        assert c.input_tokens == min(r.input_tokens, 128 - c.output_tokens)
+    assert any(c.input_tokens == 96 for c in reqs)
+    alone = trace_from_args(_parse("--num-requests", "300", "--max-output-tokens", "32"))
+    assert [c.input_tokens for c in alone] == [r.input_tokens for r in raw]
+
+
 SMALL = ["--trace", "synthetic", "--num-requests", "20"]
 
 
@@ -347,6 +359,7 @@ SMALL = ["--trace", "synthetic", "--num-requests", "20"]
     ([*SMALL, "--tenants", "a"], "--tenants"),
     ([*SMALL, "--priorities", "high=1"], "--priorities"),
     ([*SMALL, "--max-model-len", "1"], "--max-model-len"),
+    ([*SMALL, "--max-output-tokens", "0"], "--max-output-tokens"),
     ([*SMALL, "--seed", "-1"], "--seed"),
 ])
 def test_cli_errors_name_the_flag(argv: list[str], flag: str) -> None:

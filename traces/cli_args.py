@@ -9,7 +9,8 @@
 3. ``--num-requests N`` (the first N, for a real trace);
 4. ``--time-scale K`` (K times the rate);
 5. ``--tenants name=weight,...`` then ``--priorities prio=weight,...`` (seeded draws, ``--seed``);
-6. ``--max-model-len`` (``clip_lengths``).
+6. ``--max-output-tokens`` and ``--max-model-len`` (``clip_lengths``: outputs capped first, then
+   prompts shortened to leave room for them).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tenants", metavar="NAME=W,...", help="assign tenants with these weights")
     g.add_argument("--priorities", metavar="PRIO=W,...", help="assign priorities with these weights")
     g.add_argument("--max-model-len", type=int, help="clip prompt+output to fit (see clip_lengths)")
+    g.add_argument("--max-output-tokens", type=int,
+                   help="cap every output length (clip_lengths), to bound a replay's runtime")
     g.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
 
 
@@ -64,6 +67,13 @@ def _flag(name: str) -> Iterator[None]:
         raise
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
+
+
+def trace_desc(args: argparse.Namespace) -> dict[str, object]:
+    """The workload flags that were given, for a run folder's config (what reruns the workload)."""
+    keys = ("trace", "num_requests", "time_window", "time_scale", *SYNTHETIC_FLAGS, "tenants",
+            "priorities", "max_model_len", "max_output_tokens", "seed")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
@@ -86,9 +96,10 @@ def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
     if args.priorities is not None:
         with _flag("--priorities"):
             reqs = assign_priorities(reqs, parse_weights(args.priorities, int), seed=args.seed)
-    if args.max_model_len is not None:
-        with _flag("--max-model-len"):
-            reqs = clip_lengths(reqs, args.max_model_len)
+    if args.max_model_len is not None or args.max_output_tokens is not None:
+        flag = "--max-model-len" if args.max_model_len is not None else "--max-output-tokens"
+        with _flag(flag):
+            reqs = clip_lengths(reqs, args.max_model_len or 1 << 30, args.max_output_tokens)
     return reqs
 
 

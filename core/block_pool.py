@@ -8,7 +8,7 @@ least recently used cached block is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -17,88 +17,105 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    prev_free: "KVCacheBlock | None" = None
-    next_free: "KVCacheBlock | None" = None
+
+
+# Consumed entries are dropped from the front of the queue's list once they are this many and
+# at least half of it; stale entries are swept once they outnumber the free blocks by this many.
+_COMPACT_AT = 1024
+_STALE_SLACK = 64
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, linked through the blocks themselves.
+    """Free blocks in LRU order: a list consumed from a head index.
 
-    A Python deque would make ``remove`` O(n); a prefix-cache hit on a free block must take it out
-    of the middle of the queue, so the links live in the blocks and every operation is O(1).
+    Popping ``n`` blocks is one slice and freeing one ``extend``, both in C, where a linked list
+    would relink every block in Python. ``remove`` (a prefix-cache hit reviving a free block from
+    the middle) leaves the block's entry in place and counts it stale instead; pops skip stale
+    entries. A freed block always re-enters at the tail, so a block's stale entries precede its
+    live one: of a block with ``k`` stale entries, the first ``k`` met are the stale ones. Every
+    operation is O(1) amortised: the list is compacted as its consumed or stale part grows.
     """
 
-    __slots__ = ("_head", "_tail", "num_free")
+    __slots__ = ("_items", "_head", "_stale", "_num_stale", "num_free")
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self._head: KVCacheBlock | None = None
-        self._tail: KVCacheBlock | None = None
+        self._items: list[KVCacheBlock] = []
+        self._head = 0  # entries before it were popped
+        self._stale: dict[KVCacheBlock, int] = {}  # block -> its stale entries at or after head
+        self._num_stale = 0
         self.num_free = 0
         self.extend(blocks)
 
     def popleft(self) -> KVCacheBlock:
-        block = self._head
-        if block is None:
+        if not self.num_free:
             raise IndexError("no free blocks")
-        self.remove(block)
-        return block
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """The ``n`` blocks at the head, unlinked in one pass (the hot path of allocation)."""
+        """The ``n`` blocks at the head (the hot path of allocation)."""
         if n > self.num_free:
             raise IndexError(f"{n} blocks requested, {self.num_free} free")
-        out = []
-        append = out.append
-        block = self._head
-        for _ in range(n):
-            append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        self._head = block
-        if block is None:
-            self._tail = None
+        head = self._head
+        out = self._items[head:head + n]
+        if self._stale and not self._stale.keys().isdisjoint(out):
+            out = self._pop_skipping_stale(n)
         else:
-            block.prev_free = None
+            self._head = head + n
         self.num_free -= n
+        if self._head >= _COMPACT_AT and 2 * self._head >= len(self._items):
+            del self._items[:self._head]
+            self._head = 0
         return out
 
+    def _pop_skipping_stale(self, n: int) -> list[KVCacheBlock]:
+        items, stale, head = self._items, self._stale, self._head
+        out: list[KVCacheBlock] = []
+        while len(out) < n:
+            block = items[head]
+            head += 1
+            if block in stale:
+                self._drop_one_stale(block)
+            else:
+                out.append(block)
+        self._head = head
+        return out
+
+    def _drop_one_stale(self, block: KVCacheBlock) -> None:
+        k = self._stale[block]
+        if k == 1:
+            del self._stale[block]
+        else:
+            self._stale[block] = k - 1
+        self._num_stale -= 1
+
     def append(self, block: KVCacheBlock) -> None:
-        self.extend((block,))
+        self._items.append(block)
+        self.num_free += 1
 
     def extend(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``append`` for each block in order, linked in one pass."""
-        tail = self._tail
-        for block in blocks:
-            block.prev_free = tail
-            if tail is None:
-                self._head = block
-            else:
-                tail.next_free = block
-            tail = block
-        if tail is not None:
-            tail.next_free = None
-        self._tail = tail
+        """``append`` for each block in order."""
+        self._items += blocks
         self.num_free += len(blocks)
 
     def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None:
-            self._head = nxt
-        else:
-            prev.next_free = nxt
-        if nxt is None:
-            self._tail = prev
-        else:
-            nxt.prev_free = prev
-        block.prev_free = block.next_free = None
+        """Takes a free block out of the queue (its entry turns stale)."""
+        self._stale[block] = self._stale.get(block, 0) + 1
+        self._num_stale += 1
         self.num_free -= 1
+        if self._num_stale > self.num_free + _STALE_SLACK:
+            self._items = list(self)
+            self._head = 0
+            self._stale.clear()
+            self._num_stale = 0
 
-    def __iter__(self):
-        block = self._head
-        while block is not None:
-            yield block
-            block = block.next_free
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        skip = dict(self._stale)
+        for block in self._items[self._head:]:
+            k = skip.get(block)
+            if k:
+                skip[block] = k - 1
+            else:
+                yield block
 
 
 class BlockPool:
@@ -141,8 +158,9 @@ class BlockPool:
         num_cached = len(cached)
         for block in out:
             block.ref_cnt = 1
-            if block.block_hash is not None:
-                del cached[block.block_hash]
+            block_hash = block.block_hash
+            if block_hash is not None:
+                del cached[block_hash]
                 block.block_hash = None
         self.num_evictions += num_cached - len(cached)
         return out
@@ -156,11 +174,13 @@ class BlockPool:
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference each. Callers pass tail blocks first so they are evicted first."""
-        released = []
+        released: list[KVCacheBlock] = []
+        release = released.append
         for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                released.append(block)
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if not ref_cnt:
+                release(block)
         self.free_queue.extend(released)
 
     def cache(self, block: KVCacheBlock, block_hash: int) -> None:

@@ -3,7 +3,7 @@ forked requests (n > 1) and swapping to a bounded host pool.
 
 The manager owns the blocks; the request owns its token state. Predicates (``can_swap_in``) stand
 apart from mutators (``allocate_slots``, ``free``, ``swap_out``, ``swap_in``). Block copies the
-backend must perform are queued and drained once per step with ``take_block_ops``.
+backend must perform are queued in ``block_ops`` and drained once per step with ``take_block_ops``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_gpu_blocks, enable_caching)
         self.host_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         self.tables: dict[str, BlockTable] = {}
-        self._ops = BlockOps()
+        # Copies queued for the backend since the last ``take_block_ops``; None while there are
+        # none (the scheduler tests this attribute every step).
+        self.block_ops: BlockOps | None = None
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0     # tokens found
 
@@ -117,7 +119,7 @@ class KVCacheManager:
         needed = num_new_blocks + cow
         if hits:
             needed += sum(1 for b in hits if not b.ref_cnt)  # free cached blocks to revive
-        if needed > self.pool.num_free:
+        if needed > self.pool.free_queue.num_free:
             return None
         if hits:
             self.pool.touch(hits)
@@ -129,10 +131,22 @@ class KVCacheManager:
             table.append(self.pool.allocate(num_new_blocks))
         return table
 
+    def append_slot(self, request: Request) -> BlockTable | None:
+        """``allocate_slots(request, 1)`` for a running request none of whose blocks is shared
+        with another (no forked samples, so no copy-on-write): the decode's path to a new block."""
+        table = self.tables[request.request_id]
+        num_new_blocks = request.num_computed_tokens // self.block_size + 1 - len(table.blocks)
+        if num_new_blocks <= 0:
+            return table
+        if num_new_blocks > self.pool.free_queue.num_free:
+            return None
+        table.append(self.pool.allocate(num_new_blocks))
+        return table
+
     def _copy_on_write(self, table: BlockTable, idx: int) -> None:
         old = table.blocks[idx]
         (new,) = self.pool.allocate(1)
-        self._ops.copy.append((old.block_id, new.block_id))
+        self._queued_ops().copy.append((old.block_id, new.block_id))
         self.pool.free([old])
         table.blocks[idx] = new
         table.ids[idx] = new.block_id
@@ -174,7 +188,7 @@ class KVCacheManager:
         if n == 0 or n > self.host_pool.num_free:
             return False
         host = self.host_pool.allocate(n)
-        self._ops.swap_out.extend(zip(table.ids, (b.block_id for b in host)))
+        self._queued_ops().swap_out.extend(zip(table.ids, (b.block_id for b in host)))
         self.pool.free(reversed(table.blocks))
         table.blocks, table.ids, table.host_blocks = [], [], host
         table.num_cached_blocks = 0
@@ -189,20 +203,20 @@ class KVCacheManager:
     def swap_in(self, request: Request) -> None:
         table = self.tables[request.request_id]
         device = self.pool.allocate(len(table.host_blocks))
-        self._ops.swap_in.extend(
+        self._queued_ops().swap_in.extend(
             (h.block_id, d.block_id) for h, d in zip(table.host_blocks, device))
         self.host_pool.free(table.host_blocks)
         table.host_blocks = []
         table.append(device)
 
-    def has_block_ops(self) -> bool:
-        """Whether copies are queued for the backend (``take_block_ops`` would return some)."""
-        ops = self._ops
-        return bool(ops.swap_out or ops.swap_in or ops.copy)
+    def _queued_ops(self) -> BlockOps:
+        if self.block_ops is None:
+            self.block_ops = BlockOps()
+        return self.block_ops
 
     def take_block_ops(self) -> BlockOps:
-        ops, self._ops = self._ops, BlockOps()
-        return ops
+        ops, self.block_ops = self.block_ops, None
+        return BlockOps() if ops is None else ops
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -9,6 +9,7 @@ and a vLLM run compare column for column.
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -88,10 +89,12 @@ class RequestRecord:
 
 def _gaps(times: list[float]) -> array:
     """Consecutive differences as a compact array: the same IEEE subtractions as a Python loop,
-    done by numpy (a request has hundreds of tokens)."""
-    if len(times) < 2:
+    done by numpy (a request has hundreds of tokens). ``struct`` turns the floats into doubles
+    in about half the instructions of ``np.array`` (or of ``array``, which parses each one)."""
+    n = len(times)
+    if n < 2:
         return array("d")
-    t = np.array(times, dtype=np.float64)
+    t = np.frombuffer(struct.pack(f"{n}d", *times))
     return array("d", (t[1:] - t[:-1]).tobytes())
 
 
@@ -247,9 +250,12 @@ class StepLog(Sequence[StepRecord]):
             tenants = _tenant_tokens(out)
             if tenants:
                 self._tenants[len(self._rows)] = tenants
+        pool = scheduler.kv.pool
+        total = len(pool.blocks)  # ``pool.usage``, inline: this runs every step
+        usage = 1.0 - pool.free_queue.num_free / total if total else 0.0
         self._rows.append((start, duration, len(out.scheduled), out.num_prefill_tokens,
                            out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
-                           scheduler.kv.pool.usage, len(out.preempted_request_ids), replica))
+                           usage, len(out.preempted_request_ids), replica))
 
     def column(self, name: str) -> list[float] | list[int]:
         """One numeric field of every step, e.g. ``log.column("num_seqs")``."""

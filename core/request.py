@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from twinserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from twinserve.core.outputs import ScheduledRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,6 +88,9 @@ class Request:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     admitted_time: float | None = None
+    # The scheduler's entry for this request while it runs as a decode, updated in place from
+    # step to step (one attribute read per decode and step, where a dict would need a lookup).
+    decode_entry: ScheduledRequest | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.request_id or not isinstance(self.request_id, str):

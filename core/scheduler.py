@@ -73,9 +73,11 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._multi_sample = False  # any n > 1 request seen: seat reservations apply
-        # One entry per running decode, updated in place from step to step rather than rebuilt
-        # (the bulk of all entries); dropped when the request's block table goes away.
-        self._decode_entries: dict[Request, ScheduledRequest] = {}
+        # Read by update_from_output every step. A crossed block boundary is
+        # ``num_computed % cache_every < n``; without caching the modulus exceeds every token
+        # count, so the test never holds (one compare per request).
+        self._cache_every = config.block_size if config.enable_prefix_caching else _NEVER
+        self._on_tokens = policy.on_output_tokens if policy.accounts_tokens else None
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,17 +130,22 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
-        out = SchedulerOutput([], finished_request_ids=self._finished_ids)
-        self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(out, budget, now)
+        out = SchedulerOutput()  # no keyword arguments: matching them costs more than the call
+        # The ids finished so far leave with this step; ``out``'s fresh list collects the next.
+        out.finished_request_ids, self._finished_ids = self._finished_ids, out.finished_request_ids
+        cfg, kv = self.config, self.kv
+        budget, preempted = self._schedule_running(out, cfg.max_num_batched_tokens, now)
         if not preempted and len(self.policy):
             self._schedule_waiting(out, budget, now)
-        if self.kv.has_block_ops():
-            ops = self.kv.take_block_ops()
+        if kv.block_ops is not None:
+            ops = kv.take_block_ops()
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = (
                 ops.swap_out, ops.swap_in, ops.copy)
-        self._check_step_invariants(out)
+        # The step's invariants, tested inline (this runs every step); the error names the one.
+        if (out.total_num_scheduled_tokens > cfg.max_num_batched_tokens
+                or len(self.running) > cfg.max_num_seqs
+                or not 0 <= kv.pool.free_queue.num_free <= cfg.num_gpu_blocks):
+            self._raise_broken_invariant(out)
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -155,11 +162,11 @@ class Scheduler:
         running = self.running
         allocate = self.kv.allocate_slots
         # Without forks no partially filled block is shared, so a decode whose slot lies inside
-        # its last block needs neither new blocks nor copy-on-write: skip allocate_slots. With
-        # forks ``start % 1`` is 0 and every decode takes the general path.
-        in_block = 1 if self._multi_sample else self.kv.block_size
-        entries = self._decode_entries
-        get_entry = entries.get
+        # its last block needs neither new blocks nor copy-on-write: skip allocate_slots (one that
+        # starts a block gets it from ``append_slot``). With forks ``start % 1`` is 0 and every
+        # decode takes the general path.
+        forks = self._multi_sample
+        in_block = 1 if forks else self.kv.block_size
         scheduled = out.scheduled
         append = scheduled.append
         preempted = False
@@ -173,7 +180,7 @@ class Scheduler:
             start = request.num_computed_tokens
             n = len(request.all_token_ids) - start
             if n == 1 and start % in_block:
-                entry = get_entry(request)
+                entry = request.decode_entry
                 if entry is not None:  # the common case: a decode entry reused, counted inline
                     entry.start = start
                     append(entry)
@@ -186,7 +193,11 @@ class Scheduler:
             else:
                 if n != 1:
                     n = self._num_new_tokens(request, budget)
-                table = allocate(request, n)
+                    table = allocate(request, n)
+                elif forks:
+                    table = allocate(request, 1)
+                else:
+                    table = self.kv.append_slot(request)
                 if table is None:
                     table = self._preempt_until_allocated(request, n, out, now)
                     preempted = True
@@ -194,9 +205,12 @@ class Scheduler:
                         break
             budget -= n
             if n == 1 and start >= request.num_prompt_tokens:
-                entry = get_entry(request)
+                # One entry per running decode, updated in place from step to step rather than
+                # rebuilt (the bulk of all entries); dropped when the block table goes away.
+                entry = request.decode_entry
                 if entry is None:
-                    entry = entries[request] = ScheduledRequest(request, start, 1, table.ids, True)
+                    entry = request.decode_entry = ScheduledRequest(request, start, 1, table.ids,
+                                                                    True)
                 else:  # a decode that needed a block (or a copy): same entry, same live table
                     entry.start = start
                     entry.block_ids = table.ids
@@ -208,15 +222,13 @@ class Scheduler:
                 self._add_scheduled(out, request, n, table.ids)
                 num_others += 1
         num_decodes = len(scheduled) - num_others
-        if num_decodes:
+        if num_decodes:  # the decode-only totals are still zero: no decode was counted yet
             decode_context = decode_starts + num_decodes  # each decode attends to start + 1
             out.total_num_scheduled_tokens += num_decodes
-            out.num_decode_tokens += num_decodes
-            out.num_decode_seqs += num_decodes
+            out.num_decode_tokens = out.num_decode_seqs = num_decodes
             out.sum_context_tokens += decode_context
-            out.sum_decode_context_tokens += decode_context
-            if max_start >= out.max_decode_context:
-                out.max_decode_context = max_start + 1
+            out.sum_decode_context_tokens = decode_context
+            out.max_decode_context = max_start + 1
         return budget, preempted
 
     def _preempt_until_allocated(self, request: Request, n: int, out: SchedulerOutput,
@@ -325,7 +337,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(victim)
-        self._decode_entries.pop(victim, None)
+        victim.decode_entry = None
         swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(victim)
         if not swapped:
             self.kv.free(victim)
@@ -360,14 +372,13 @@ class Scheduler:
             out.num_prefill_tokens += sign * n
             out.num_prefill_seqs += sign
 
-    def _check_step_invariants(self, out: SchedulerOutput) -> None:
+    def _raise_broken_invariant(self, out: SchedulerOutput) -> None:
         cfg = self.config
         if out.total_num_scheduled_tokens > cfg.max_num_batched_tokens:
             raise RuntimeError("scheduler exceeded max_num_batched_tokens")
         if len(self.running) > cfg.max_num_seqs:
             raise RuntimeError("scheduler exceeded max_num_seqs")
-        if not 0 <= self.kv.pool.num_free <= cfg.num_gpu_blocks:
-            raise RuntimeError("free block count out of range")
+        raise RuntimeError("free block count out of range")
 
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
@@ -376,19 +387,20 @@ class Scheduler:
         finished ones when the scheduler was built with ``stream_outputs=False``)."""
         outputs: list[EngineCoreOutput] = []
         kv = self.kv
-        # A crossed block boundary is ``num_computed % cache_every < n``; without caching the
-        # modulus exceeds every token count, so the test never holds (one compare per request).
-        cache_every = kv.block_size if kv.enable_caching else _NEVER
+        cache_every = self._cache_every
         get_tokens = result.sampled_token_ids.get
         logprobs = result.logprobs
         stream = self.stream_outputs
         no_forks = not self._multi_sample
-        on_tokens = self.policy.on_output_tokens if self.policy.accounts_tokens else None
-        num_generated = 0
+        on_tokens = self._on_tokens
+        scheduled = out.scheduled
+        # Entries without a token appended inline (the rest got exactly one: counted at the end).
+        num_others = 0
         any_finished = False
-        for sr in out.scheduled:
+        for sr in scheduled:
             request = sr.request
             if request.status > _PREEMPTED:  # aborted while the step ran
+                num_others += 1
                 continue
             start = sr.start
             n = sr.num_new_tokens
@@ -398,12 +410,18 @@ class Scheduler:
             if num_computed % cache_every < n:
                 kv.cache_full_blocks(request)  # a block boundary was crossed
             if not sr.sample:
+                num_others += 1
                 continue
             tokens = get_tokens(request.request_id)
-            if not tokens:
-                raise RuntimeError(f"backend returned no token for {request.request_id!r}")
-            token = tokens[0]
-            if no_forks and len(tokens) == 1 and token not in request.stop_ids:
+            try:  # unpacking tests for exactly one token at the cost of one instruction
+                (token,) = tokens
+                inline = no_forks and token not in request.stop_ids
+            except (TypeError, ValueError):  # no token list, or several tokens
+                if not tokens:
+                    raise RuntimeError(
+                        f"backend returned no token for {request.request_id!r}") from None
+                inline = False
+            if inline:
                 # The common case inline: one token, no stop token, nothing to fork.
                 output = request.output_token_ids
                 output.append(token)
@@ -411,7 +429,6 @@ class Scheduler:
                 request.token_times.append(now)
                 if request.first_token_time is None:
                     request.first_token_time = now
-                num_generated += 1
                 if on_tokens is not None:
                     on_tokens(request, 1)
                 if len(output) < request.max_output_tokens:
@@ -421,6 +438,7 @@ class Scheduler:
                 else:
                     status = _LENGTH_CAPPED
             else:
+                num_others += 1
                 tokens, status = self._append_tokens(request, tokens, now)
             if status is not None:
                 self._finish(request, status, now)
@@ -432,7 +450,7 @@ class Scheduler:
                 None if status is None else request.finish_reason, request.stop_reason,
                 request.num_cached_tokens or 0,
                 logprobs.get(request.request_id) if logprobs else None))
-        self.num_generation_tokens += num_generated
+        self.num_generation_tokens += len(scheduled) - num_others
         if any_finished:
             self.running = [r for r in self.running if r.status <= _PREEMPTED]
         return outputs
@@ -509,7 +527,7 @@ class Scheduler:
         request.status = status
         request.finish_time = now
         self.kv.free(request)
-        self._decode_entries.pop(request, None)
+        request.decode_entry = None
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.policy.on_finish(request)

@@ -91,22 +91,27 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
     record_step, records, live = recorder.steps.record_step, recorder.records, replica.live
     with_tenants = recorder.record_tenants
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
+    # Only other processes schedule events, and they run only while this one waits: the next
+    # event's time is read once per resumption.
+    horizon = peek()
     while True:
         if not sched.running and not sched.has_unfinished_requests():
             replica.wakeup = env.event()
             yield replica.wakeup
             replica.wakeup = None
             base = now = env.now
+            horizon = peek()
         out = sched.schedule(now)
         if not out.scheduled:
             raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={now}")
         duration = step_time(out)
         end = now + duration
-        if end >= peek() or base + (end - base) != end:
+        if end >= horizon or base + (end - base) != end:
             if now != base:  # catch SimPy up to this step's start (exact: checked when it ran ahead)
                 yield timeout(now - base)
             yield timeout(duration)  # SimPy resumes us at exactly ``now + duration``
             base = end
+            horizon = peek()
         outputs = sched.update_from_output(out, sampled, end)
         record_step(out, sched, now, duration, index, with_tenants)
         now = end

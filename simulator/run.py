@@ -27,6 +27,7 @@ from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
 from twinserve.traces import TraceRequest
+from twinserve.traces.trace_request import iter_prompt_token_ids
 
 GIB = 2**30
 
@@ -105,13 +106,32 @@ def build_scheduler_config(cfg: SimConfig) -> tuple[SchedulerConfig, Any, int]:
     return sched_cfg, cost, spec.vocab_size
 
 
-def to_request(tr: TraceRequest, vocab_size: int, block_size: int) -> Request:
-    """The engine request for a trace row. The SJF policy's length hint is the trace's own output
-    length (an oracle, as simulators usually assume)."""
-    return Request(tr.request_id, tr.prompt_token_ids(vocab_size, block_size),
-                   SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True), tr.arrival_time,
-                   priority=tr.priority, tenant=tr.tenant,
+def to_request(tr: TraceRequest, vocab_size: int, block_size: int, prompt: list[int] | None = None,
+               params: SamplingParams | None = None) -> Request:
+    """The engine request for a trace row (``prompt`` and ``params``: its prompt ids and sampling
+    parameters, when already made). The SJF policy's length hint is the trace's own output length
+    (an oracle, as simulators usually assume)."""
+    if prompt is None:
+        prompt = tr.prompt_token_ids(vocab_size, block_size)
+    return Request(tr.request_id, prompt, params or _sampling_params(tr.output_tokens),
+                   tr.arrival_time, priority=tr.priority, tenant=tr.tenant,
                    hints={"output_len_hint": float(tr.output_tokens)})
+
+
+def _sampling_params(output_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+
+
+def _engine_requests(trace: list[TraceRequest], vocab_size: int,
+                     block_size: int) -> Iterator[Request]:
+    """``to_request`` of each row, made as the replay reaches it: prompts in batches, and one
+    SamplingParams per output length (the engine only reads them, as forked samples share theirs)."""
+    shared: dict[int, SamplingParams] = {}
+    for tr, prompt in zip(trace, iter_prompt_token_ids(trace, vocab_size)):
+        params = shared.get(tr.output_tokens)
+        if params is None:
+            params = shared[tr.output_tokens] = _sampling_params(tr.output_tokens)
+        yield to_request(tr, vocab_size, block_size, prompt, params)
 
 
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) -> SimResult:
@@ -126,7 +146,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) 
         env = simpy.Environment()
         replicas = [Replica(i, Scheduler(sched_cfg, policy, stream_outputs=False), cost.step_time)
                     for i, policy in enumerate(_policies(cfg))]
-        requests: Iterator[Request] = (to_request(tr, vocab, cfg.block_size) for tr in trace)
+        requests = _engine_requests(trace, vocab, cfg.block_size)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
         for replica in replicas:
             env.process(engine_process(env, replica, recorder))
@@ -144,15 +164,20 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) 
 def _cyclic_gc_paused() -> Iterator[None]:
     """Pauses Python's cycle collector for a replay, restoring the caller's setting after.
 
-    A replay makes no cyclic garbage (reference counting frees everything it drops), while the
+    A replay makes next to no cyclic garbage (reference counting frees what it drops), while the
     collector would keep walking every KV block of every replica (tens of thousands each), every
     live request and record: ~3% of a 1-replica run, and a share that grows with the replicas.
-    The blocks' free-list links do form cycles, freed by the next collection after the run."""
+    What the replay leaves (a row per step, a record per request) is then moved to the oldest
+    generation in O(1), rather than walked by the first young collection after the run; not when
+    the caller has frozen objects itself (``gc.unfreeze`` would thaw those too)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if not gc.get_freeze_count():
+            gc.freeze()  # every tracked object to the permanent generation ...
+            gc.unfreeze()  # ... and from there to the oldest one
         if was_enabled:
             gc.enable()
 

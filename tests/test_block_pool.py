@@ -1,3 +1,5 @@
+import random
+
 from twinserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
@@ -60,7 +62,6 @@ def test_bulk_pop_and_extend_keep_queue_order_and_counts():
     q = FreeKVCacheBlockQueue(blocks[:4])
     taken = q.popleft_n(3)
     assert [b.block_id for b in taken] == [0, 1, 2]
-    assert all(b.prev_free is None and b.next_free is None for b in taken)
     assert [b.block_id for b in q] == [3] and q.num_free == 1
     q.extend([blocks[5], blocks[1]])
     assert [b.block_id for b in q] == [3, 5, 1] and q.num_free == 3
@@ -83,3 +84,62 @@ def test_cache_all_registers_pairs_first_writer_wins():
     pool.cache_all([a, b], [10, 11])
     pool.cache_all([c], [10])
     assert pool.lookup(10) is a and pool.lookup(11) is b and c.block_hash is None
+
+
+def test_removed_blocks_are_skipped_when_popped_and_refreed_ones_keep_their_new_place():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    q = FreeKVCacheBlockQueue(blocks[:5])
+    q.remove(blocks[1])
+    q.remove(blocks[3])
+    q.append(blocks[1])  # freed again: its old entry stays stale, it now sits at the tail
+    q.remove(blocks[1])
+    q.append(blocks[1])
+    q.append(blocks[5])
+    assert [b.block_id for b in q] == [0, 2, 4, 1, 5] and q.num_free == 5
+    assert q.popleft_n(2) == [blocks[0], blocks[2]]
+    assert q.popleft() is blocks[4]
+    assert [b.block_id for b in q] == [1, 5] and q.num_free == 2
+    assert q.popleft_n(2) == [blocks[1], blocks[5]] and list(q) == [] and q.num_free == 0
+    q.extend([blocks[3], blocks[0]])
+    assert q.popleft_n(2) == [blocks[3], blocks[0]]
+
+
+def test_free_queue_order_survives_compaction_and_stale_sweeps():
+    """Random pops, removals, revive-then-free cycles (a prefix hit whose request ends) and frees
+    against a plain list in LRU order; enough of each to compact the head and sweep stale entries."""
+    rng = random.Random(0)
+    blocks = [KVCacheBlock(i) for i in range(300)]
+    q = FreeKVCacheBlockQueue(blocks)
+    model = list(blocks)
+    for _ in range(6000):
+        op = rng.random()
+        if op < 0.2 and model:
+            n = rng.randint(1, min(8, len(model)))
+            assert q.popleft_n(n) == model[:n]
+            del model[:n]
+        elif op < 0.7 and model:
+            b = rng.choice(model)
+            q.remove(b)
+            model.remove(b)
+            if op >= 0.3:
+                q.append(b)
+                model.append(b)
+        else:
+            free = [b for b in blocks if b not in model]
+            back = rng.sample(free, min(len(free), rng.randint(0, 6)))
+            q.extend(back)
+            model += back
+        assert q.num_free == len(model)
+    assert list(q) == model
+    back = [b for b in blocks if b not in model]
+    q.extend(back)
+    model += back
+    for _ in range(1000):  # hits on free blocks without allocations: stale entries pile up
+        b = rng.choice(model)
+        q.remove(b)
+        model.remove(b)
+        if rng.random() < 0.8:
+            q.append(b)
+            model.append(b)
+    assert list(q) == model and q.num_free == len(model)
+    assert q.popleft_n(len(model)) == model and list(q) == []

@@ -246,7 +246,7 @@ def test_a_running_decode_entry_is_updated_in_place_and_dropped_at_the_end():
     assert e2 is e1 and (e2.start, e2.num_new_tokens, e2.sample) == (6, 1, True)
     assert e2.block_ids is s.kv.block_ids(s.requests["a"])
     run_to_completion(s)
-    assert not s._decode_entries  # finished requests leave no entry behind
+    assert e1.request.decode_entry is None  # a finished request keeps no entry behind
 
 
 def test_a_decode_crossing_a_block_boundary_gets_one_block_and_caches_the_full_one():
@@ -271,3 +271,61 @@ def test_a_decode_crossing_a_block_boundary_gets_one_block_and_caches_the_full_o
     out, _ = step(s, 10.0)
     assert b.num_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 2
     kv.check_consistency()
+
+
+@pytest.mark.parametrize("sampled", [{}, {"a": []}])
+def test_a_backend_without_a_token_for_a_sampling_entry_is_an_error(sampled):
+    s = make_scheduler()
+    s.add_request(make_req("a", 5))
+    out = s.schedule(0.0)
+    with pytest.raises(RuntimeError, match="no token for 'a'"):
+        s.update_from_output(out, ModelRunnerOutput(sampled), 1.0)
+
+
+def test_several_tokens_at_once_are_appended_up_to_a_stop_and_counted():
+    s = make_scheduler(max_num_batched_tokens=8)
+    s.add_request(make_req("a", 12, params=SamplingParams(max_tokens=10, stop_token_ids=[9])))
+    s.add_request(make_req("b", 4, max_tokens=6))
+    out = s.schedule(0.0)  # b waits: a's prefill chunk fills the budget
+    assert [(x.request_id, x.sample) for x in out.scheduled] == [("a", False)]
+    s.update_from_output(out, ModelRunnerOutput({}), 0.5)
+    out = s.schedule(1.0)
+    outs = s.update_from_output(out, ModelRunnerOutput({"a": [5, 6], "b": [7]}), 1.5)
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [5, 6]), ("b", [7])]
+    a, b = (x.request for x in out.scheduled)
+    assert a.output_token_ids == [5, 6] and a.token_times == [1.5, 1.5]
+    assert s.num_generation_tokens == 3
+    out = s.schedule(2.0)  # a has two new tokens to compute, b decodes
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 2), ("b", 1)]
+    outs = s.update_from_output(out, ModelRunnerOutput({"a": [8, 9, 4], "b": [7]}), 2.5)
+    assert outs[0].new_token_ids == [8, 9] and outs[0].finish_reason == "stop"
+    assert a.output_token_ids == [5, 6, 8, 9] and s.num_generation_tokens == 3 + 2 + 1
+
+
+def test_generated_tokens_are_counted_once_per_sampling_entry_only():
+    s = make_scheduler(max_num_batched_tokens=8)
+    for rid, n in (("a", 20), ("b", 3), ("c", 6)):
+        s.add_request(make_req(rid, n, max_tokens=5))
+    out = s.schedule(0.0)
+    s.abort_requests(["a"], 0.5)  # its chunk's result is dropped
+    s.update_from_output(out, ModelRunnerOutput({"a": [7]}), 1.0)
+    run_to_completion(s)
+    assert s.num_generation_tokens == 10 and s.num_prompt_tokens == 9
+
+
+def test_append_slot_matches_allocate_slots_for_one_token():
+    for computed in range(0, 13):
+        results = []
+        for use_append in (False, True):
+            s = make_scheduler(num_blocks=4, block_size=4)
+            r = make_req("a", 13)
+            s.kv.allocate_slots(r, max(computed, 1))
+            r.num_computed_tokens = computed
+            table = s.kv.append_slot(r) if use_append else s.kv.allocate_slots(r, 1)
+            results.append(None if table is None else (list(table.ids), s.kv.num_free_blocks))
+        assert results[0] == results[1], computed
+    s = make_scheduler(num_blocks=2, block_size=4)
+    r = make_req("a", 9)
+    s.kv.allocate_slots(r, 8)
+    r.num_computed_tokens = 8
+    assert s.kv.append_slot(r) is None and s.kv.num_free_blocks == 0  # full pool: nothing changed

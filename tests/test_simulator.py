@@ -255,6 +255,18 @@ def test_simulate_restores_the_callers_garbage_collector_setting(enabled: bool) 
         gc.enable() if was else gc.disable()
 
 
+def test_simulate_leaves_objects_the_caller_froze_frozen() -> None:
+    import gc
+    trace = synthetic_trace(SyntheticConfig(num_requests=5, input_len=20, output_len=3, seed=1))
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert simulate(SimConfig(**SMALL), trace).summary["completed"] == 5
+        assert gc.get_freeze_count() >= frozen - 100  # a few may have been freed, none thawed
+    finally:
+        gc.unfreeze()
+
+
 # ---- (c) queueing theory: M/D/1 and Little's law ---------------------------------------------
 def test_md1_busy_fraction_queueing_delay_and_littles_law() -> None:
     """One sequence at a time and fixed lengths make every service time the same S; Poisson

@@ -15,6 +15,7 @@ import pytest
 from twinserve.traces import (LOWEST_TOKEN_ID, SyntheticConfig, TraceError, TraceRequest, add_trace_args,
                               assign_priorities, assign_tenants, clip_lengths, first_n, load_trace,
                               repeat, scale_time, synthetic_trace, time_window, trace_from_args)
+from twinserve.traces.trace_request import iter_prompt_token_ids
 
 VOCAB = 49_152
 
@@ -69,6 +70,27 @@ def test_prompt_tokens_are_deterministic_and_in_range() -> None:
     assert req.prompt_token_ids(VOCAB, block_size=32) == req.prompt_token_ids(VOCAB)
     with pytest.raises(ValueError, match="vocab_size"):
         req.prompt_token_ids(LOWEST_TOKEN_ID)
+
+
+def test_prompts_made_in_batches_equal_the_ones_made_one_by_one() -> None:
+    rng = np.random.default_rng(3)
+    reqs = [TraceRequest("golden", 0.0, 20, 1, prefix_blocks=(7,), prefix_block_tokens=8)]
+    for k in range(60):
+        n, per_block = int(rng.integers(1, 300)), int(rng.choice([1, 3, 16, 512]))
+        blocks = tuple(int(b) for b in rng.integers(0, 2**63, rng.integers(0, (n - 1) // per_block + 2)))
+        reqs.append(TraceRequest(f"r{k}", 0.0, n, 1, prefix_blocks=blocks, prefix_block_tokens=per_block))
+    reqs += [TraceRequest("g2", 0.0, 11, 1, prefix_blocks=(1, 2, 3), prefix_block_tokens=4),
+             TraceRequest("g3", 0.0, 6, 1)]
+    one_by_one = [r.prompt_token_ids(VOCAB) for r in reqs]
+    # Golden values (made one prompt at a time, before batches existed): a partial last prefix
+    # block, and no prefix at all.
+    assert one_by_one[-2:] == [[39894, 17118, 48550, 32696, 21631, 40193, 15858, 34207, 7728, 35685,
+                                33112], [42614, 48081, 34292, 40649, 9292, 3159]]
+    for batch_tokens in (1, 97, 1000, 1 << 16):  # batches of one prompt up to a single batch
+        assert list(iter_prompt_token_ids(reqs, VOCAB, batch_tokens)) == one_by_one
+    assert list(iter_prompt_token_ids([], VOCAB)) == []
+    with pytest.raises(ValueError, match="vocab_size"):
+        list(iter_prompt_token_ids(reqs, LOWEST_TOKEN_ID))
 
 
 def test_shared_prefix_blocks_give_shared_tokens_only() -> None:

@@ -81,18 +81,15 @@ def decode_floor(model: str, dtype: str, hardware: str) -> str:
     """The physical limit of a batch-1 decode step: every weight byte read once per token."""
     import torch
 
-    from twinserve.core.hf_config import HFModelShape, read_hf_config
     from twinserve.simulator.hardware import load_hardware
-    shape = HFModelShape.from_dict(read_hf_config(model))
+    from twinserve.simulator.model_spec import load_model_spec
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    spec = load_model_spec(model, dtype_bytes=size)
     hw = load_hardware(hardware)
-    per_layer = (shape.hidden_size * (shape.num_attention_heads + 2 * shape.num_key_value_heads)
-                 * shape.head_dim + shape.num_attention_heads * shape.head_dim * shape.hidden_size
-                 + 3 * shape.hidden_size * shape.intermediate_size)
-    table = shape.vocab_size * shape.hidden_size
-    params = shape.num_hidden_layers * per_layer + table * (1 if shape.tie_word_embeddings else 2)
+    params = spec.num_params
     # a step streams every layer and the LM head; the embedding rows it gathers are negligible
-    streamed = shape.num_hidden_layers * per_layer + table
-    nbytes = streamed * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    tied = spec.tie_word_embeddings
+    nbytes = (params - (0 if tied else spec.embedding_params)) * size
     seconds = nbytes / hw.mem_bandwidth
     return (f"decode floor on {hw.name}: {nbytes / 1e9:.2f} GB of weights per step / "
             f"{hw.mem_bandwidth / 1e12:.2f} TB/s = {seconds * 1e3:.2f} ms -> at most "

@@ -14,7 +14,7 @@ from twinserve.gpu import cpu_gemm
 from twinserve.gpu.attention import paged_attention, write_kv_cache
 from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.cpu_decode_kernel import build_paged_decode
-from twinserve.gpu.cpu_gemm import CPU_GEMM_SLAB, Gemm
+from twinserve.gpu.cpu_gemm import CPU_GEMM_SLAB, Gemm, padded_width
 from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
 from twinserve.gpu.model_loader import load_model
 from twinserve.gpu.sampler import _apply_penalties, _top_k_top_p, sample
@@ -34,7 +34,7 @@ def _dense_reference(q, k, v, q_len, scale):
 
 
 @pytest.mark.parametrize("rows", [1, CPU_GEMM_SLAB, 2 * CPU_GEMM_SLAB + 37])
-@pytest.mark.parametrize("tokens", [1, 2, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 7, 15, 17, 64])
 @pytest.mark.parametrize("dtype,widen,tol", [(torch.float32, False, 1e-5),
                                              (torch.bfloat16, True, 1e-2),
                                              (torch.float16, True, 1e-3)])
@@ -47,13 +47,32 @@ def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
     out = gemm.feature_major(x, w)
-    assert out.shape == (rows, tokens) and out.is_contiguous() and out.dtype == dtype
+    assert out.shape == (rows, tokens) and out.dtype == dtype
     torch.testing.assert_close(out.t().float(), expected - b.float(), rtol=tol, atol=tol)
     out = gemm.linear(x, w, b)
     assert out.shape == (tokens, rows) and out.dtype == dtype and out.is_contiguous()
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     torch.testing.assert_close(gemm.linear(xt.t(), w).float(),
                                xt.t().float() @ w.float().t(), rtol=tol, atol=tol)
+
+
+def test_products_pad_tokens_to_a_multiple_of_eight_only_past_a_tail_of_three():
+    widths = {t: padded_width(t) for t in (1, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 63, 64, 65, 66, 67)}
+    assert widths == {1: 1, 5: 5, 6: 6, 7: 8, 8: 8, 9: 9, 10: 10, 11: 16, 15: 16, 16: 16, 17: 17,
+                      63: 64, 64: 64, 65: 65, 66: 66, 67: 72}
+
+
+def test_gemm_benchmark_times_every_path(tiny_model_dirs, capsys):
+    from twinserve.benchmarks.cpu_gemm import main
+    assert main(["--model", str(tiny_model_dirs["qwen2-untied"]), "--tokens", "1", "7",
+                 "--repeats", "1", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[2:] == ["F.linear", "ms", "unpadded", "ms", "Gemm", "ms", "vs",
+                                    "F.linear", "vs", "unpadded"]
+    rows = [line.split() for line in lines[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("float32", "1"), ("float32", "7"),
+                                            ("bfloat16", "1"), ("bfloat16", "7")]
+    assert all(float(v) > 0 for r in rows for v in r[2:])
 
 
 def test_half_weights_widen_only_on_cpus_without_native_half_matmuls(monkeypatch):

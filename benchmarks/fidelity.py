@@ -21,18 +21,24 @@
 3. Each scenario simulated with each profile against its real replays (``validate --reuse-real``)
    and the table of relative errors (sim - real) / real per scenario and metric, with the targets
    (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%): ``OUT/fidelity.csv``.
+4. The real engine against itself (profile ``real-run``, scenarios with 3+ replays): each replay's
+   error against the median of the other replays, the median of their sizes. No twin can be
+   expected to land closer to the real median than the replays land to each other.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
 
 from twinserve.entrypoints.cli import main as cli
+from twinserve.entrypoints.validate import TARGETS
 
 SCENARIOS = ("fcfs", "fair", "light", "overload")
 CALIBRATION = "calib"
@@ -125,6 +131,30 @@ def _fit(runs: list[Path], path: Path, args: argparse.Namespace) -> str:
     return str(path)
 
 
+def reproducibility_rows(name: str, runs: list[Path]) -> list[dict[str, object]]:
+    """Per target metric, the median over replays of |replay - median(other replays)| / median(other
+    replays), in %, as a ``real-run`` row of the table (none below 3 replays)."""
+    if len(runs) < 3:
+        return []
+    summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
+    rows: list[dict[str, object]] = []
+    for metric, target in TARGETS:
+        values = [float(s[metric]) for s in summaries if s.get(metric) is not None]
+        errors = []
+        for i, value in enumerate(values):
+            rest = statistics.median(values[:i] + values[i + 1:])
+            if rest:
+                errors.append(100.0 * abs(value - rest) / rest)
+        err = statistics.median(errors) if errors else math.nan
+        within = "" if target is None or math.isnan(err) else str(err <= target).lower()
+        rows.append({"scenario": name, "profile": "real-run", "metric": metric,
+                     "real": statistics.median(values) if values else math.nan, "sim": "",
+                     "rel_error_pct": err, "target_pct": "" if target is None else target,
+                     "within_target": within, "real_min": min(values, default=math.nan),
+                     "real_max": max(values, default=math.nan), "real_runs": len(values)})
+    return rows
+
+
 def read_errors(path: Path) -> dict[str, dict[str, str]]:
     with open(path) as f:
         return {row["metric"]: row for row in csv.DictReader(f)}
@@ -195,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
             for row in read_errors(folder / "errors.csv").values():
                 rows.append({"scenario": name, "profile": label, **row})
+        rows += reproducibility_rows(name, runs[name])
     with open(out / "fidelity.csv", "w", newline="") as f:
         w = csv.DictWriter(f, ["scenario", "profile", "metric", "real", "sim", "rel_error_pct",
                                "target_pct", "within_target", "real_min", "real_max",
@@ -214,7 +245,8 @@ def _short(metric: str) -> str:
 def format_table(rows: list[dict[str, str]]) -> str:
     """One line per scenario and profile: the signed error (%) of each metric; * marks a miss."""
     head = f"{'scenario':<10} {'profile':<9}" + "".join(f" {_short(m):>10}" for m in SHOWN)
-    lines = ["sim vs real, relative error % (* = outside target)", head]
+    lines = ["sim vs real, relative error % (* = outside target); real-run: a replay against the "
+             "median of the others, the median size", head]
     keyed: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
     for r in rows:
         keyed.setdefault((r["scenario"], r["profile"]), {})[r["metric"]] = r

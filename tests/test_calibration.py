@@ -279,6 +279,26 @@ def test_error_rows_compare_with_the_median_of_the_real_runs() -> None:
         error_rows([], {})
 
 
+def test_fidelity_reproducibility_rows_measure_replays_against_each_other(tmp_path: Path) -> None:
+    """The real-run row: each replay against the median of the others, the median error size."""
+    from twinserve.benchmarks.fidelity import reproducibility_rows
+    runs = []
+    for i, ttft in enumerate((100.0, 110.0, 150.0)):
+        runs.append(tmp_path / f"run-{i}")
+        runs[-1].mkdir()
+        (runs[-1] / "summary.json").write_text(json.dumps(
+            {"request_throughput": 2.0, "mean_ttft_ms": ttft, "mean_tpot_ms": None}))
+    rows = {r["metric"]: r for r in reproducibility_rows("fcfs", runs)}
+    # 100 vs 130: 23.1%; 110 vs 125: 12.0%; 150 vs 105: 42.9% -> median 23.1%
+    assert rows["mean_ttft_ms"]["rel_error_pct"] == pytest.approx(100 * 30 / 130)
+    assert rows["mean_ttft_ms"]["within_target"] == "false"
+    assert rows["mean_ttft_ms"]["real"] == 110.0 and rows["mean_ttft_ms"]["profile"] == "real-run"
+    assert rows["request_throughput"]["rel_error_pct"] == 0.0
+    assert rows["request_throughput"]["within_target"] == "true"
+    assert rows["mean_tpot_ms"]["real_runs"] == 0 and rows["mean_tpot_ms"]["within_target"] == ""
+    assert reproducibility_rows("fcfs", runs[:2]) == []
+
+
 @pytest.mark.slow
 def test_fidelity_benchmark_plumbing_on_tiny_model(tmp_path: Path, tiny_model: Path,
                                                    capsys) -> None:

@@ -145,6 +145,8 @@ def reproducibility_rows(name: str, runs: list[Path]) -> list[dict[str, object]]
             rest = statistics.median(values[:i] + values[i + 1:])
             if rest:
                 errors.append(100.0 * abs(value - rest) / rest)
+            elif value == 0:
+                errors.append(0.0)
         err = statistics.median(errors) if errors else math.nan
         within = "" if target is None or math.isnan(err) else str(err <= target).lower()
         rows.append({"scenario": name, "profile": "real-run", "metric": metric,

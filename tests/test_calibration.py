@@ -287,7 +287,8 @@ def test_fidelity_reproducibility_rows_measure_replays_against_each_other(tmp_pa
         runs.append(tmp_path / f"run-{i}")
         runs[-1].mkdir()
         (runs[-1] / "summary.json").write_text(json.dumps(
-            {"request_throughput": 2.0, "mean_ttft_ms": ttft, "mean_tpot_ms": None}))
+            {"request_throughput": 2.0, "mean_ttft_ms": ttft, "mean_tpot_ms": None,
+             "num_preemptions": 0}))
     rows = {r["metric"]: r for r in reproducibility_rows("fcfs", runs)}
     # 100 vs 130: 23.1%; 110 vs 125: 12.0%; 150 vs 105: 42.9% -> median 23.1%
     assert rows["mean_ttft_ms"]["rel_error_pct"] == pytest.approx(100 * 30 / 130)
@@ -296,6 +297,7 @@ def test_fidelity_reproducibility_rows_measure_replays_against_each_other(tmp_pa
     assert rows["request_throughput"]["rel_error_pct"] == 0.0
     assert rows["request_throughput"]["within_target"] == "true"
     assert rows["mean_tpot_ms"]["real_runs"] == 0 and rows["mean_tpot_ms"]["within_target"] == ""
+    assert rows["num_preemptions"]["rel_error_pct"] == 0.0  # all zero: no spread
     assert reproducibility_rows("fcfs", runs[:2]) == []
 
 

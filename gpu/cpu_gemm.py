@@ -16,11 +16,11 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
   fp32. Below, the product is bound by memory bandwidth and torch's half GEMV reads half the
   bytes: 2.4-2.9x faster than fp32 at 1 token.
 - Feature-major products of T >= 7 tokens cost as much as, or more than, those of the next
-  multiple of 8 when T % 8 >= 3: MKL's AVX2 tail for 3-7 columns is slow (T=15: 162 ms, padded to 16: 99 ms;
-  T=31: 287 vs 181; T=63: 271 vs 201; median of 9 interleaved runs of every product of one
-  forward). So such T are padded with zero tokens (``padded_width``); a tail of 1-2 columns ran
-  5-7% slower padded and is left as it is. In served batches this showed as a step-time sawtooth:
-  63 decodes took 447 ms, 64 took 358 ms.
+  multiple of 8 when T % 8 >= 3: MKL's AVX2 tail for 3-7 columns is slow (T=15: 162 ms, padded
+  to 16: 99 ms; T=31: 287 vs 181; T=63: 271 vs 201; median of 9 interleaved runs of every product
+  of one forward). So such T are padded with zero tokens (``padded_width``); a tail of 1-2
+  columns ran 5-7% slower padded and is left as it is. In served batches this showed as a
+  step-time sawtooth: 63 decodes took 447 ms, 64 took 358 ms.
 """
 
 from __future__ import annotations

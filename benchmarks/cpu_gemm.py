@@ -1,6 +1,7 @@
 """The decoder's weight products on this CPU: torch's ``F.linear`` against ``gpu.cpu_gemm.Gemm``.
 
-    python -m twinserve.benchmarks.cpu_gemm [--model DIR] [--tokens 1 2 4 8 15 16 63 64] [--threads 2]
+    python -m twinserve.benchmarks.cpu_gemm [--model DIR] [--tokens 1 2 4 8 15 16 63 64] \\
+        [--threads 2]
 
 For each dtype (float32, bfloat16) and number of tokens T, times every weight product of one forward
 pass of the model (q/k/v, o, gate/up, down for each layer, and the LM head) and prints milliseconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -57,7 +58,8 @@ def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
 
 
 def test_products_pad_tokens_to_a_multiple_of_eight_only_past_a_tail_of_three():
-    widths = {t: padded_width(t) for t in (1, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 63, 64, 65, 66, 67)}
+    tokens = (1, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 63, 64, 65, 66, 67)
+    widths = {t: padded_width(t) for t in tokens}
     assert widths == {1: 1, 5: 5, 6: 6, 7: 8, 8: 8, 9: 9, 10: 10, 11: 16, 15: 16, 16: 16, 17: 17,
                       63: 64, 64: 64, 65: 65, 66: 66, 67: 72}
 
@@ -72,7 +74,8 @@ def test_gemm_benchmark_times_every_path(tiny_model_dirs, capsys):
     rows = [line.split() for line in lines[1:]]
     assert [(r[0], r[1]) for r in rows] == [("float32", "1"), ("float32", "7"),
                                             ("bfloat16", "1"), ("bfloat16", "7")]
-    assert all(float(v) > 0 for r in rows for v in r[2:])
+    # a tiny model's times round to 0.0 ms, and one repeat's ratio to 0.00 on a busy machine
+    assert all(len(r) == 7 and all(0 <= float(v) < math.inf for v in r[2:]) for r in rows)
 
 
 def test_half_weights_widen_only_on_cpus_without_native_half_matmuls(monkeypatch):

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from twinserve.entrypoints.cli import main as cli
-from twinserve.entrypoints.validate import TARGETS
+from twinserve.entrypoints.validate import TARGETS, error_row
 
 SCENARIOS = ("fcfs", "fair", "light", "overload")
 CALIBRATION = "calib"
@@ -149,11 +149,9 @@ def reproducibility_rows(name: str, runs: list[Path]) -> list[dict[str, object]]
                 errors.append(0.0)
         err = statistics.median(errors) if errors else math.nan
         within = "" if target is None or math.isnan(err) else str(err <= target).lower()
-        rows.append({"scenario": name, "profile": "real-run", "metric": metric,
-                     "real": statistics.median(values) if values else math.nan, "sim": "",
-                     "rel_error_pct": err, "target_pct": "" if target is None else target,
-                     "within_target": within, "real_min": min(values, default=math.nan),
-                     "real_max": max(values, default=math.nan), "real_runs": len(values)})
+        row = error_row(metric, values, math.nan, target)  # the real median, min, max and count
+        rows.append({"scenario": name, "profile": "real-run", **row, "sim": "",
+                     "rel_error_pct": err, "within_target": within})
     return rows
 
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.optimize
 
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import FittedParams, HardwareProfile
@@ -392,46 +393,14 @@ def _sample_row(features: dict[str, float], index: int) -> list[float]:
     return [float(features.get(name, 0.0)) for name in FEATURE_NAMES]
 
 
-def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
-    """``argmin ||a x - b||`` subject to ``x >= 0`` (Lawson-Hanson active set; numpy only).
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin ||a x - b||`` subject to ``x >= 0`` (scipy's Lawson-Hanson solver).
 
     Columns are scaled to unit norm first so that features of very different magnitudes
     (tokens vs. context sums) share one tolerance; all-zero columns get coefficient 0.
     """
     norms = np.linalg.norm(a, axis=0)
     live = norms > 0
-    scaled = a[:, live] / norms[live]
     solution = np.zeros(a.shape[1])
-    solution[live] = _lawson_hanson(scaled, b, max_iter or 30 * scaled.shape[1]) / norms[live]
+    solution[live] = scipy.optimize.nnls(a[:, live] / norms[live], b)[0] / norms[live]
     return solution
-
-
-def _lawson_hanson(a: np.ndarray, b: np.ndarray, max_iter: int) -> np.ndarray:
-    n = a.shape[1]
-    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(float).eps * max(a.shape) * max(1.0, float(np.abs(a).sum(axis=0).max()))
-    for _ in range(max_iter):
-        gradient = a.T @ (b - a @ x)
-        if passive.all() or gradient[~passive].max() <= tol:
-            break
-        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
-        x, passive = _feasible_step(a, b, x, passive, tol)
-    return x
-
-
-def _feasible_step(a: np.ndarray, b: np.ndarray, x: np.ndarray, passive: np.ndarray,
-                   tol: float) -> tuple[np.ndarray, np.ndarray]:
-    """Solve on the passive set; walk back toward feasibility while a passive coefficient is <= 0."""
-    while True:
-        s = np.zeros_like(x)
-        s[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-        if (s[passive] > tol).all():
-            return s, passive
-        blocking = passive & (s <= tol)
-        gap = x[blocking] - s[blocking]
-        alpha = float(np.min(np.divide(x[blocking], gap, out=np.zeros_like(gap), where=gap > 0)))
-        x = x + alpha * (s - x)
-        passive = passive & (x > tol)
-        x[~passive] = 0.0
-        if not passive.any():
-            return x, passive

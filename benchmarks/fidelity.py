@@ -9,7 +9,8 @@
    calibration slice and each target scenario once, so that the machine's drift (on a shared host
    the engine's speed moved by +-8% between runs) falls on calibration and targets alike.
    - ``calib``: a *different* slice of the trace (requests from ``--calib-window``, fcfs, the
-     targets' load), for the out-of-sample calibration;
+     targets' load), for the out-of-sample calibration; with ``--calib-light`` also ``calib-light``,
+     the same slice at a third of that load, in the first round only;
    - ``fcfs`` and ``fair`` (tenants heavy=3, light=1) at ``--time-scale`` (near saturation): the
      targets, compared with the median of their rounds;
    - ``light`` at a third of that load and ``overload`` at twice the load with a KV cache cut to
@@ -42,6 +43,7 @@ from twinserve.entrypoints.validate import TARGETS, error_row
 
 SCENARIOS = ("fcfs", "fair", "light", "overload")
 CALIBRATION = "calib"
+CALIBRATION_LIGHT = "calib-light"
 TARGET_SCENARIOS = ("fcfs", "fair")  # the issue's targets; the others show how errors move
 SHOWN = ("request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "p90_e2el_ms",
          "num_preemptions", "prefix_cache_hit_rate", "replayed_step_time_s")
@@ -64,10 +66,11 @@ def _workload(args: argparse.Namespace, time_scale: float, window: str | None = 
 
 def scenario_flags(name: str, args: argparse.Namespace) -> list[str]:
     s = args.time_scale
-    if name == CALIBRATION:
+    if name in (CALIBRATION, CALIBRATION_LIGHT):
         calib = argparse.Namespace(**{**vars(args), "num_requests": args.calib_requests
                                       or args.num_requests})
-        return _workload(calib, s, args.calib_window) + ["--policy", "fcfs"]
+        scale = s if name == CALIBRATION else s / 3
+        return _workload(calib, scale, args.calib_window) + ["--policy", "fcfs"]
     if name == "fcfs":
         return _workload(args, s) + ["--policy", "fcfs"]
     if name == "fair":
@@ -90,7 +93,8 @@ def replay_rounds(names: list[str], args: argparse.Namespace, engine: list[str],
     round by round; with ``--resume`` a replay already on disk is kept."""
     repeats = {name: args.real_repeats if name in TARGET_SCENARIOS else 1 for name in names}
     if not args.profile:
-        repeats = {CALIBRATION: args.real_repeats, **repeats}
+        light = {CALIBRATION_LIGHT: 1} if args.calib_light else {}
+        repeats = {CALIBRATION: args.real_repeats, **light, **repeats}
     runs: dict[str, list[Path]] = {name: [] for name in repeats}
     for round_ in range(1, max(repeats.values()) + 1):
         for name in (n for n, k in repeats.items() if round_ <= k):
@@ -109,7 +113,8 @@ def fit_profiles(names: list[str], runs: dict[str, list[Path]], args: argparse.N
     if args.profile:
         shared["given"] = args.profile
     else:
-        shared["from-run"] = _fit(runs[CALIBRATION], out / "profile.json", args)
+        calibration = runs[CALIBRATION] + runs.get(CALIBRATION_LIGHT, [])
+        shared["from-run"] = _fit(calibration, out / "profile.json", args)
     if args.micro:
         path = out / "profile-micro.json"
         if not (args.resume and path.is_file()):
@@ -194,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="trace seconds the calibration replay takes its requests from")
     p.add_argument("--calib-requests", type=int, default=None,
                    help="requests of the calibration replay (default --num-requests)")
+    p.add_argument("--calib-light", action="store_true",
+                   help="also calibrate on one replay of the calibration slice at light load "
+                        "(a third of --time-scale), so the profile sees small decode batches")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)

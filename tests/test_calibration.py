@@ -305,18 +305,25 @@ def test_fidelity_reproducibility_rows_measure_replays_against_each_other(tmp_pa
 def test_fidelity_benchmark_plumbing_on_tiny_model(tmp_path: Path, tiny_model: Path,
                                                    capsys) -> None:
     """The fidelity script end to end at toy size: interleaved rounds of calibration and target
-    replays, a single one elsewhere, leave-one-out and in-sample profiles, the table."""
+    replays, a single one elsewhere (and of the light calibration slice), leave-one-out and
+    in-sample profiles, the table."""
     from twinserve.benchmarks.fidelity import main
     out = tmp_path / "fid"
     rc = main(["--out", str(out), "--model", str(tiny_model), "--num-requests", "6",
                "--calib-window", "0:", "--max-model-len", "128", "--max-output-tokens", "4",
                "--time-scale", "20", "--dtype", "float32", "--threads", "1",
-               "--scenarios", "fcfs,light", "--real-repeats", "2"])
+               "--scenarios", "fcfs,light", "--real-repeats", "2", "--calib-light"])
     assert rc == 0
-    for run in ("calib-1", "calib-2", "fcfs-1", "fcfs-2", "light-1"):
+    for run in ("calib-1", "calib-2", "calib-light-1", "fcfs-1", "fcfs-2", "light-1"):
         assert (out / "real" / run / "real" / "summary.json").is_file()
     assert not (out / "real" / "light-2").exists()
-    assert json.loads((out / "profile.json").read_text())["fitted"][0]["num_samples"] > 0
+    assert not (out / "real" / "calib-light-2").exists()
+
+    def steps(run: str) -> int:
+        with open(out / "real" / run / "real" / "step_features.csv") as f:
+            return sum(1 for _ in csv.DictReader(f))
+    fitted = json.loads((out / "profile.json").read_text())["fitted"][0]["num_samples"]
+    assert fitted == sum(steps(run) for run in ("calib-1", "calib-2", "calib-light-1"))
     with open(out / "fidelity.csv") as f:
         rows = list(csv.DictReader(f))
     keyed = {(r["scenario"], r["profile"], r["metric"]): r for r in rows}

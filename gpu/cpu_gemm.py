@@ -18,9 +18,11 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
 - Feature-major products of T >= 7 tokens cost as much as, or more than, those of the next
   multiple of 8 when T % 8 >= 3: MKL's AVX2 tail for 3-7 columns is slow (T=15: 162 ms, padded
   to 16: 99 ms; T=31: 287 vs 181; T=63: 271 vs 201; median of 9 interleaved runs of every product
-  of one forward). So such T are padded with zero tokens (``padded_width``); a tail of 1-2
-  columns ran 5-7% slower padded and is left as it is. In served batches this showed as a
-  step-time sawtooth: 63 decodes took 447 ms, 64 took 358 ms.
+  of one forward). So such T are padded with zero tokens (``padded_width``). In served batches
+  this showed as a step-time sawtooth: 63 decodes took 447 ms, 64 took 358 ms. A tail of 1-2
+  columns is left as it is past 16 tokens (17 and 18 decodes: 135 and 140 ms, against 151-174 ms
+  padded to 24, medians of 9 replays' steps), but 9 and 10 go to 16: unpadded they took 145 and
+  159 ms against 113 ms for 11-16 (in-process A/B, 96 decode steps: 9 sequences +24% tok/s, 10 +10%).
 """
 
 from __future__ import annotations
@@ -92,10 +94,12 @@ class Gemm:
 
 def padded_width(num_tokens: int) -> int:
     """The column count a feature-major product of ``num_tokens`` tokens runs at: the next
-    multiple of ``PAD_MULTIPLE`` when the tail is ``MIN_PADDED_TAIL`` columns or more (and at
-    least 7 tokens: below, 3-6 columns ran faster unpadded), else ``num_tokens``."""
+    multiple of ``PAD_MULTIPLE`` from 7 tokens on (below, 3-6 columns ran faster unpadded) when
+    the tail is ``MIN_PADDED_TAIL`` columns or more or the count is below twice the multiple,
+    else ``num_tokens``."""
     tail = num_tokens % PAD_MULTIPLE
-    if tail < MIN_PADDED_TAIL or num_tokens < PAD_MULTIPLE - 1:
+    short = num_tokens < 2 * PAD_MULTIPLE
+    if num_tokens < PAD_MULTIPLE - 1 or tail == 0 or (tail < MIN_PADDED_TAIL and not short):
         return num_tokens
     return num_tokens + PAD_MULTIPLE - tail
 

@@ -57,11 +57,11 @@ def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
                                xt.t().float() @ w.float().t(), rtol=tol, atol=tol)
 
 
-def test_products_pad_tokens_to_a_multiple_of_eight_only_past_a_tail_of_three():
-    tokens = (1, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 63, 64, 65, 66, 67)
+def test_products_pad_tokens_to_a_multiple_of_eight_past_a_tail_of_three_or_below_sixteen():
+    tokens = (1, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 18, 19, 63, 64, 65, 66, 67)
     widths = {t: padded_width(t) for t in tokens}
-    assert widths == {1: 1, 5: 5, 6: 6, 7: 8, 8: 8, 9: 9, 10: 10, 11: 16, 15: 16, 16: 16, 17: 17,
-                      63: 64, 64: 64, 65: 65, 66: 66, 67: 72}
+    assert widths == {1: 1, 5: 5, 6: 6, 7: 8, 8: 8, 9: 16, 10: 16, 11: 16, 15: 16, 16: 16, 17: 17,
+                      18: 18, 19: 24, 63: 64, 64: 64, 65: 65, 66: 66, 67: 72}
 
 
 def test_gemm_benchmark_times_every_path(tiny_model_dirs, capsys):

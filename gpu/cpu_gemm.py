@@ -22,7 +22,9 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
   this showed as a step-time sawtooth: 63 decodes took 447 ms, 64 took 358 ms. A tail of 1-2
   columns is left as it is past 16 tokens (17 and 18 decodes: 135 and 140 ms, against 151-174 ms
   padded to 24, medians of 9 replays' steps), but 9 and 10 go to 16: unpadded they took 145 and
-  159 ms against 113 ms for 11-16 (in-process A/B, 96 decode steps: 9 sequences +24% tok/s, 10 +10%).
+  159 ms against 113 ms for 11-16. In-process A/B runs of 96 decode steps agreed less: fp32
+  9 sequences +24% and +6% tok/s, 10 sequences +10% and +1%; bf16 -3% and -2%; an unchanged
+  control batch (17) moved by -5% to -10% in the same runs.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from twinserve.entrypoints.validate import TARGETS, error_row
 SCENARIOS = ("fcfs", "fair", "light", "overload")
 CALIBRATION = "calib"
 CALIBRATION_LIGHT = "calib-light"
+LIGHT_LOAD = 1 / 3  # of the targets' arrival rate, for ``light`` and ``calib-light``
 TARGET_SCENARIOS = ("fcfs", "fair")  # the issue's targets; the others show how errors move
 SHOWN = ("request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "p90_e2el_ms",
          "num_preemptions", "prefix_cache_hit_rate", "replayed_step_time_s")
@@ -69,14 +70,14 @@ def scenario_flags(name: str, args: argparse.Namespace) -> list[str]:
     if name in (CALIBRATION, CALIBRATION_LIGHT):
         calib = argparse.Namespace(**{**vars(args), "num_requests": args.calib_requests
                                       or args.num_requests})
-        scale = s if name == CALIBRATION else s / 3
+        scale = s if name == CALIBRATION else s * LIGHT_LOAD
         return _workload(calib, scale, args.calib_window) + ["--policy", "fcfs"]
     if name == "fcfs":
         return _workload(args, s) + ["--policy", "fcfs"]
     if name == "fair":
         return _workload(args, s) + ["--policy", "fair", "--tenants", "heavy=3,light=1"]
     if name == "light":
-        return _workload(args, s / 3) + ["--policy", "fcfs"]
+        return _workload(args, s * LIGHT_LOAD) + ["--policy", "fcfs"]
     if name == "overload":
         return _workload(args, 2 * s) + ["--policy", "fcfs", "--num-gpu-blocks-override",
                                          str(args.overload_blocks)]

@@ -62,11 +62,14 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
                       ) -> Calibration:
     """Micro-benchmarks + engine-loop workloads on ``runner`` (a loaded ``ModelRunner``), with
     the limits of ``engine_args`` (an ``EngineArgs``: batch budget, sequences, model length)."""
+    from dataclasses import replace
+
     from twinserve.gpu import profiler
     from twinserve.gpu.llm_engine import LLMEngine
     from twinserve.simulator.calibration import (combine, fit, fit_errors, fit_overhead,
                                                  format_errors)
     log = log or (lambda msg: None)
+    probes = [profiler.speed_probe(runner)]
     max_len = runner.max_model_len
     specs = profiler.default_grid(engine_args.max_num_batched_tokens, engine_args.max_num_seqs,
                                   max_len, quick)
@@ -82,7 +85,11 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
         engine = LLMEngine(engine_args, runner=runner)
         engine.metrics.record_steps = False
         loop = to_samples(profiler.run_engine_loop(engine, scenarios, progress=log))
-    forward = fit(micro + loop, model_name, 1, "relative", target="execute_seconds")
+    probes = [p for p in (*probes, profiler.speed_probe(runner)) if p is not None]
+    if probes:
+        log(f"host probe: {' then '.join(f'{p * 1e3:.1f}' for p in probes)} ms")
+    forward = replace(fit(micro + loop, model_name, 1, "relative", target="execute_seconds"),
+                      probe_s=sum(probes) / len(probes) if probes else 0.0)
     lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
                            "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
     if loop:
@@ -96,12 +103,17 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
 
 
 def calibrate_from_runs(run_dirs: list[str | Path], model_name: str) -> Calibration:
-    """Absolute least squares over the recorded steps of real runs."""
-    from twinserve.simulator.calibration import fit, fit_errors, format_errors, read_samples
-    samples = [s for d in run_dirs for s in read_samples(d)]
-    params = fit(samples, model_name, 1, "absolute")
+    """Absolute least squares over the recorded steps of real runs, each run brought to the
+    median host speed of their probes first (when every run was probed)."""
+    from dataclasses import replace
+
+    from twinserve.simulator.calibration import (fit, fit_errors, format_errors, read_probe,
+                                                 read_samples, to_reference_speed)
+    samples, probe = to_reference_speed([(read_samples(d), read_probe(d)) for d in run_dirs])
+    params = replace(fit(samples, model_name, 1, "absolute"), probe_s=probe)
     report = format_errors(fit_errors(params, samples, "seconds"),
-                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
+                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)"
+                           + (f" at host probe {probe * 1e3:.0f} ms" if probe else ""))
     return Calibration(params, samples, report=report)
 
 

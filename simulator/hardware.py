@@ -30,6 +30,9 @@ class FittedParams:
 
     ``seconds = intercept_s + sum(coefficients[f] * features[f])`` with the feature names of
     ``cost_model.FEATURE_NAMES``. ``model`` ``None`` means "any model" (a fit that was not labelled).
+    ``probe_s`` is what the backend's host-speed probe (``gpu.profiler.speed_probe``) took while
+    the fitted steps were measured (0: not probed); a run probed at ``p`` seconds is simulated
+    with the fit ``scaled(p / probe_s)``.
     """
 
     intercept_s: float
@@ -38,10 +41,12 @@ class FittedParams:
     tensor_parallel_size: int = 1
     num_samples: int = 0
     rmse_s: float = 0.0
+    probe_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_non_negative("intercept_s", self.intercept_s)
         _check_non_negative("rmse_s", self.rmse_s)
+        _check_non_negative("probe_s", self.probe_s)
         coefficients = dict(self.coefficients)
         for key, value in coefficients.items():
             _check_non_negative(f"coefficients[{key!r}]", value)
@@ -55,10 +60,17 @@ class FittedParams:
         same_model = self.model is None or self.model.lower() == model_name.lower()
         return same_model and self.tensor_parallel_size == tensor_parallel_size
 
+    def scaled(self, factor: float) -> FittedParams:
+        """Every time ``factor`` times longer: the same fit on a host that slowed by ``factor``."""
+        _check_positive("factor", factor)
+        return replace(self, intercept_s=self.intercept_s * factor,
+                       coefficients={k: v * factor for k, v in self.coefficients.items()},
+                       rmse_s=self.rmse_s * factor, probe_s=self.probe_s * factor)
+
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "tensor_parallel_size": self.tensor_parallel_size,
                 "intercept_s": self.intercept_s, "coefficients": dict(self.coefficients),
-                "num_samples": self.num_samples, "rmse_s": self.rmse_s}
+                "num_samples": self.num_samples, "rmse_s": self.rmse_s, "probe_s": self.probe_s}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FittedParams:

@@ -19,9 +19,7 @@
    replays (``OUT/profile.json``), ``loo`` on every other scenario's replays plus those, ``self`` on
    the scenario's own (the twin's floor of error). ``--micro`` adds the micro-benchmark profile
    (``calibrate --quick``); ``--profile`` replaces the calibration replays by a given profile.
-3. Each scenario simulated with each profile against its real replays (``validate --reuse-real``),
-   scaled to the host speed the real replays were probed at (``--host-speed probe``) and, as
-   ``<profile>-raw``, as fitted (``--host-speed none``),
+3. Each scenario simulated with each profile against its real replays (``validate --reuse-real``)
    and the table of relative errors (sim - real) / real per scenario and metric, with the targets
    (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%): ``OUT/fidelity.csv``.
 4. The real engine against itself (profile ``real-run``, scenarios with 3+ replays): each replay's
@@ -232,14 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, profiles in fit_profiles(names, runs, args, out).items():
         for label, profile in profiles.items():
-            for speed in ("probe", "none") if label != "self" else ("probe",):
-                label_as = label if speed == "probe" else f"{label}-raw"
-                folder = out / f"{name}-{label_as}"
-                _run(["validate", *scenario_flags(name, args), *engine, "--profile", profile,
-                      "--host-speed", speed, "--out", str(folder), "--quiet",
-                      "--reuse-real", *map(str, runs[name])])
-                for row in read_errors(folder / "errors.csv").values():
-                    rows.append({"scenario": name, "profile": label_as, **row})
+            folder = out / f"{name}-{label}"
+            _run(["validate", *scenario_flags(name, args), *engine, "--profile", profile,
+                  "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
+            for row in read_errors(folder / "errors.csv").values():
+                rows.append({"scenario": name, "profile": label, **row})
         rows += reproducibility_rows(name, runs[name])
     with open(out / "fidelity.csv", "w", newline="") as f:
         w = csv.DictWriter(f, ["scenario", "profile", "metric", "real", "sim", "rel_error_pct",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,17 +104,18 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
 
 
 def calibrate_from_runs(run_dirs: list[str | Path], model_name: str) -> Calibration:
-    """Absolute least squares over the recorded steps of real runs, each run brought to the
-    median host speed of their probes first (when every run was probed)."""
+    """Absolute least squares over the recorded steps of real runs; the profile records the
+    median of their host-speed probes."""
     from dataclasses import replace
 
     from twinserve.simulator.calibration import (fit, fit_errors, format_errors, read_probe,
-                                                 read_samples, to_reference_speed)
-    samples, probe = to_reference_speed([(read_samples(d), read_probe(d)) for d in run_dirs])
-    params = replace(fit(samples, model_name, 1, "absolute"), probe_s=probe)
+                                                 read_samples)
+    samples = [s for d in run_dirs for s in read_samples(d)]
+    probes = [p for p in map(read_probe, run_dirs) if p is not None]
+    params = replace(fit(samples, model_name, 1, "absolute"),
+                     probe_s=statistics.median(probes) if probes else 0.0)
     report = format_errors(fit_errors(params, samples, "seconds"),
-                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)"
-                           + (f" at host probe {probe * 1e3:.0f} ms" if probe else ""))
+                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
     return Calibration(params, samples, report=report)
 
 

@@ -18,16 +18,17 @@ measure how far the twin lands.
    ``OUT/report.html``. With ``--real-repeats N`` the real replay runs N times (``OUT/real``,
    ``OUT/real-2``, ...; a fresh scheduler and cache each time) and the twin is compared with the
    median of each metric, the spread of the real runs shown beside it: on a shared machine one
-   replay's TPOT can move by a fifth. The table's last row, ``replayed_step_time_s``, times the
-   real run's own steps with the profile (measured total vs predicted total): when it is off, the
+   replay's TPOT can move by a fifth. The row ``replayed_step_time_s`` times the real runs' own
+   steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
 Host speed: on a shared machine the same step's time moves by a third between minutes. Each
 real replay is bracketed by a fixed probe (``gpu.profiler.speed_probe``: 8 decodes and a prefill
-chunk, ``host_probe_s`` in its config.json), and calibration records the probe of the steps it
-fitted (``probe_s``). With ``--host-speed probe`` (default) the twin runs on the profile's fit
-scaled by (median probe of the real runs) / (probe at calibration), saved as
-``OUT/profile-host.json``; the ``host_probe_ms`` row shows both probes.
+chunk, ``host_probe_s`` in its config.json) and calibration records the probe of the steps it
+fitted (``probe_s``): the ``host_probe_ms`` row sets the two side by side, so an error can be
+read against how much faster or slower the machine ran than at calibration. (Scaling the profile
+by that ratio made the twin's errors larger here: one probe moved by up to a third between the
+start and the end of a replay, more than the drift it was to correct.)
 
 Without ``--profile`` the backend is calibrated first (quick mode) and the profile saved as
 ``OUT/profile.json``. ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares
@@ -62,7 +63,6 @@ TARGETS: tuple[tuple[str, float | None], ...] = (
 )
 STEP_TIME_METRIC = "replayed_step_time_s"  # the real steps, measured vs as the profile times them
 HOST_PROBE_METRIC = "host_probe_ms"  # gpu.profiler.speed_probe: real runs vs calibration
-HOST_SPEED_MODES = ("probe", "none")
 ERROR_COLUMNS = ("metric", "real", "sim", "rel_error_pct", "target_pct", "within_target",
                  "real_min", "real_max", "real_runs")
 
@@ -241,9 +241,9 @@ def _tenant_mean_ttft(path: Path) -> dict[str, float]:
     return {t: float(np.mean(v)) for t, v in by_tenant.items()}
 
 
-def step_time_row(real_dir: Path, model: str, profile: str | Path,
+def step_time_row(real_dirs: list[Path], model: str, profile: str | Path,
                   block_size: int) -> dict[str, Any]:
-    """The real run's own steps timed by the profile: measured total seconds (``real``) against
+    """The real runs' own steps timed by the profile: measured total seconds (``real``) against
     the cost model's total for the very same steps (``sim``). It separates the step-time model's
     error (or the machine's drift since calibration) from the scheduling dynamics."""
     from twinserve.core.outputs import SchedulerOutput
@@ -251,10 +251,12 @@ def step_time_row(real_dir: Path, model: str, profile: str | Path,
     from twinserve.simulator.cost_model import make_cost_model
     from twinserve.simulator.hardware import load_hardware
     from twinserve.simulator.model_spec import load_model_spec
-    try:
-        samples = read_samples(real_dir)
-    except FileNotFoundError:
-        samples = []
+    samples = []
+    for real_dir in real_dirs:
+        try:
+            samples += read_samples(real_dir)
+        except FileNotFoundError:
+            continue
     cost = make_cost_model(load_model_spec(model), load_hardware(profile), 1, block_size)
     real = sum(s.seconds for s in samples)
     sim = sum(cost.step_time(SchedulerOutput(**{k: s.aggregates[k] for k in AGGREGATE_FIELDS}))
@@ -263,7 +265,7 @@ def step_time_row(real_dir: Path, model: str, profile: str | Path,
     return {"metric": STEP_TIME_METRIC, "real": real if samples else math.nan,
             "sim": sim if samples else math.nan, "rel_error_pct": err, "target_pct": "",
             "within_target": "", "real_min": math.nan, "real_max": math.nan,
-            "real_runs": 1 if samples else 0}
+            "real_runs": len(real_dirs) if samples else 0}
 
 
 def host_probe_row(real_dirs: list[Path], model: str, profile: str | Path) -> dict[str, Any]:
@@ -277,13 +279,6 @@ def host_probe_row(real_dirs: list[Path], model: str, profile: str | Path) -> di
     if any(p is None for p in probes):
         row["rel_error_pct"] = math.nan
     return row
-
-
-def rescaled_profile(profile: str | Path, model: str, factor: float, path: Path) -> Path:
-    """``profile`` with the model's fit ``scaled(factor)``, saved to ``path``."""
-    from twinserve.simulator.hardware import load_hardware
-    hardware = load_hardware(profile)
-    return hardware.with_fitted(_fitted(model, profile).scaled(factor)).save(path)
 
 
 def _fitted(model: str, profile: str | Path):
@@ -343,10 +338,6 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (real/, sim/, errors.csv, ...)")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                    help="skip incremental detokenization in the real engine")
-    p.add_argument("--host-speed", choices=HOST_SPEED_MODES, default="probe",
-                   help="probe: scale the profile's step times by the host-speed probe of the "
-                        "real runs over the one at calibration (when both were probed); none: "
-                        "simulate with the profile as fitted")
     p.add_argument("--quiet", action="store_true")
     add_engine_args(p, simulated=False, with_seed=False)
     add_calibration_flags(p)
@@ -419,16 +410,10 @@ def run_validate(args: argparse.Namespace) -> int:
         real_dirs, profile = real_runs(args, trace, desc, out, model, log)
     real_config = json.loads((real_dirs[0] / "config.json").read_text())
     summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
-    probe_row = host_probe_row(real_dirs, model, profile)
-    if args.host_speed == "probe" and math.isfinite(probe_row["rel_error_pct"]):
-        factor = probe_row["real"] / probe_row["sim"]
-        profile = rescaled_profile(profile, model, factor, out / "profile-host.json")
-        log(f"host probe {probe_row['real']:.1f} ms in the real run(s), "
-            f"{probe_row['sim']:.1f} ms at calibration: step times x {factor:.3f} ({profile})")
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc)
     rows = error_rows(summaries, sim.summary)
-    rows.append(step_time_row(real_dirs[0], model, profile, int(real_config["block_size"])))
-    rows.append(probe_row)
+    rows.append(step_time_row(real_dirs, model, profile, int(real_config["block_size"])))
+    rows.append(host_probe_row(real_dirs, model, profile))
     rows += tenant_ttft_rows(real_dirs, out / "sim")
     write_errors(out / "errors.csv", rows)
     print(format_errors(rows, f"sim vs real ({real_config['scheduling_policy']}, "

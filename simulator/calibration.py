@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,25 +142,6 @@ def read_probe(run_dir: str | Path) -> float | None:
     probes = json.loads(path.read_text()).get("host_probe_s") or []
     probes = [float(p) for p in probes if math.isfinite(float(p)) and float(p) > 0]
     return sum(probes) / len(probes) if probes else None
-
-
-def to_reference_speed(runs: Sequence[tuple[Sequence[StepSample], float | None]],
-                       ) -> tuple[list[StepSample], float]:
-    """The samples of several runs, ``(samples, probe)`` each, brought to one host speed.
-
-    Each run's seconds are multiplied by ``reference / probe``, the reference being the median
-    probe, so a run measured while the host ran a fifth slower does not pull the fit. Returns
-    the samples and the reference (``0.0``, samples as measured, when a run was not probed)."""
-    probes = [probe for _, probe in runs]
-    if not runs or any(p is None or p <= 0 for p in probes):
-        return [s for samples, _ in runs for s in samples], 0.0
-    reference = float(statistics.median(probes))
-    out = []
-    for samples, probe in runs:
-        k = reference / probe
-        out += [StepSample(s.aggregates, s.seconds * k, s.execute_seconds * k, s.kind)
-                for s in samples]
-    return out, reference
 
 
 @dataclass(slots=True, frozen=True)

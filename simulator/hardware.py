@@ -31,8 +31,7 @@ class FittedParams:
     ``seconds = intercept_s + sum(coefficients[f] * features[f])`` with the feature names of
     ``cost_model.FEATURE_NAMES``. ``model`` ``None`` means "any model" (a fit that was not labelled).
     ``probe_s`` is what the backend's host-speed probe (``gpu.profiler.speed_probe``) took while
-    the fitted steps were measured (0: not probed); a run probed at ``p`` seconds is simulated
-    with the fit ``scaled(p / probe_s)``.
+    the fitted steps were measured (0: not probed): how fast the machine was then.
     """
 
     intercept_s: float
@@ -59,13 +58,6 @@ class FittedParams:
     def matches(self, model_name: str, tensor_parallel_size: int) -> bool:
         same_model = self.model is None or self.model.lower() == model_name.lower()
         return same_model and self.tensor_parallel_size == tensor_parallel_size
-
-    def scaled(self, factor: float) -> FittedParams:
-        """Every time ``factor`` times longer: the same fit on a host that slowed by ``factor``."""
-        _check_positive("factor", factor)
-        return replace(self, intercept_s=self.intercept_s * factor,
-                       coefficients={k: v * factor for k, v in self.coefficients.items()},
-                       rmse_s=self.rmse_s * factor, probe_s=self.probe_s * factor)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "tensor_parallel_size": self.tensor_parallel_size,

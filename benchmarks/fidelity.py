@@ -15,7 +15,7 @@
      targets, compared with the median of their rounds;
    - ``light`` at a third of that load and ``overload`` at twice the load with a KV cache cut to
      ``--overload-blocks`` blocks (preemptions), in the first round only.
-2. Profiles, each fitted by ``twinserve calibrate --from-run``: ``from-run`` on the calibration
+2. Profiles, each fitted by ``twinserve calibrate --from-run`` (at the median replay's speed): ``from-run`` on the calibration
    replays (``OUT/profile.json``), ``loo`` on every other scenario's replays plus those, ``self`` on
    the scenario's own (the twin's floor of error). ``--micro`` adds the micro-benchmark profile
    (``calibrate --quick``); ``--profile`` replaces the calibration replays by a given profile.
@@ -47,7 +47,7 @@ CALIBRATION_LIGHT = "calib-light"
 LIGHT_LOAD = 1 / 3  # of the targets' arrival rate, for ``light`` and ``calib-light``
 TARGET_SCENARIOS = ("fcfs", "fair")  # the issue's targets; the others show how errors move
 SHOWN = ("request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "p90_e2el_ms",
-         "num_preemptions", "prefix_cache_hit_rate", "replayed_step_time_s", "host_probe_ms")
+         "num_preemptions", "prefix_cache_hit_rate", "replayed_step_time_s")
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -249,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _short(metric: str) -> str:
     return {"request_throughput": "req/s", "num_preemptions": "preempt",
-            "prefix_cache_hit_rate": "cache_hit", "replayed_step_time_s": "steps",
-            "host_probe_ms": "probe"}.get(metric, metric.removesuffix("_ms"))
+            "prefix_cache_hit_rate": "cache_hit", "replayed_step_time_s": "steps"}.get(metric, metric.removesuffix("_ms"))
 
 
 def format_table(rows: list[dict[str, str]]) -> str:

@@ -14,6 +14,8 @@ the profile holds their sum. Swap copies are timed too and set the profile's ``p
 From runs (``--from-run``): the per-step samples ``validate`` records in ``RUN/step_features.csv``
 (every real step's aggregates and measured seconds), fitted by absolute least squares so the
 predicted total of the run's step times equals the measured one. This is the most faithful data.
+Several runs are fitted at the median run's speed: on a shared host whole runs go faster or
+slower, and the report lists each run's speed against the fit.
 To refine a backend calibration, pass it as the base: ``--from-run RUN --base-hardware OLD.json``
 keeps its measured swap bandwidth and other fits and replaces this model's fit.
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,14 +64,11 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
                       ) -> Calibration:
     """Micro-benchmarks + engine-loop workloads on ``runner`` (a loaded ``ModelRunner``), with
     the limits of ``engine_args`` (an ``EngineArgs``: batch budget, sequences, model length)."""
-    from dataclasses import replace
-
     from twinserve.gpu import profiler
     from twinserve.gpu.llm_engine import LLMEngine
     from twinserve.simulator.calibration import (combine, fit, fit_errors, fit_overhead,
                                                  format_errors)
     log = log or (lambda msg: None)
-    probes = [profiler.speed_probe(runner)]
     max_len = runner.max_model_len
     specs = profiler.default_grid(engine_args.max_num_batched_tokens, engine_args.max_num_seqs,
                                   max_len, quick)
@@ -86,11 +84,7 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
         engine = LLMEngine(engine_args, runner=runner)
         engine.metrics.record_steps = False
         loop = to_samples(profiler.run_engine_loop(engine, scenarios, progress=log))
-    probes = [p for p in (*probes, profiler.speed_probe(runner)) if p is not None]
-    if probes:
-        log(f"host probe: {' then '.join(f'{p * 1e3:.1f}' for p in probes)} ms")
-    forward = replace(fit(micro + loop, model_name, 1, "relative", target="execute_seconds"),
-                      probe_s=sum(probes) / len(probes) if probes else 0.0)
+    forward = fit(micro + loop, model_name, 1, "relative", target="execute_seconds")
     lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
                            "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
     if loop:
@@ -104,18 +98,17 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
 
 
 def calibrate_from_runs(run_dirs: list[str | Path], model_name: str) -> Calibration:
-    """Absolute least squares over the recorded steps of real runs; the profile records the
-    median of their host-speed probes."""
-    from dataclasses import replace
-
-    from twinserve.simulator.calibration import (fit, fit_errors, format_errors, read_probe,
-                                                 read_samples)
-    samples = [s for d in run_dirs for s in read_samples(d)]
-    probes = [p for p in map(read_probe, run_dirs) if p is not None]
-    params = replace(fit(samples, model_name, 1, "absolute"),
-                     probe_s=statistics.median(probes) if probes else 0.0)
+    """Absolute least squares over the recorded steps of real runs, at the median run's speed
+    (``simulator.calibration.fit_runs``)."""
+    from twinserve.simulator.calibration import fit_errors, fit_runs, format_errors, read_samples
+    runs = [read_samples(d) for d in run_dirs]
+    params, speeds = fit_runs(runs, model_name, 1)
+    samples = [s for run in runs for s in run]
     report = format_errors(fit_errors(params, samples, "seconds"),
                            f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
+    if len(runs) > 1:
+        report += ("\nrun speed, measured over fitted step time (the fit is at the median run's): "
+                   + " ".join(f"{v:.2f}" for v in speeds))
     return Calibration(params, samples, report=report)
 
 

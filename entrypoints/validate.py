@@ -22,14 +22,6 @@ measure how far the twin lands.
    steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
-Host speed: on a shared machine the same step's time moves by a third between minutes. Each
-real replay is bracketed by a fixed probe (``gpu.profiler.speed_probe``: 8 decodes and a prefill
-chunk, ``host_probe_s`` in its config.json) and calibration records the probe of the steps it
-fitted (``probe_s``): the ``host_probe_ms`` row sets the two side by side, so an error can be
-read against how much faster or slower the machine ran than at calibration. (Scaling the profile
-by that ratio made the twin's errors larger here: one probe moved by up to a third between the
-start and the end of a replay, more than the drift it was to correct.)
-
 Without ``--profile`` the backend is calibrated first (quick mode) and the profile saved as
 ``OUT/profile.json``. ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares
 against real run folders written before (same workload flags): handy to try another profile.
@@ -62,7 +54,6 @@ TARGETS: tuple[tuple[str, float | None], ...] = (
     ("prefix_cache_hit_rate", None),
 )
 STEP_TIME_METRIC = "replayed_step_time_s"  # the real steps, measured vs as the profile times them
-HOST_PROBE_METRIC = "host_probe_ms"  # gpu.profiler.speed_probe: real runs vs calibration
 ERROR_COLUMNS = ("metric", "real", "sim", "rel_error_pct", "target_pct", "within_target",
                  "real_min", "real_max", "real_runs")
 
@@ -145,8 +136,7 @@ def _rejected(tr, error: str):
 
 
 def write_real_run(replay: RealReplay, engine, out_dir: Path, trace_desc: dict[str, Any],
-                   model: str, label: str | None = None,
-                   probe_s: tuple[float, ...] = ()) -> Path:
+                   model: str, label: str | None = None) -> Path:
     from twinserve.core.run_dir import write_run
     from twinserve.entrypoints.calibrate import to_samples
     from twinserve.simulator.calibration import write_samples
@@ -156,8 +146,7 @@ def write_real_run(replay: RealReplay, engine, out_dir: Path, trace_desc: dict[s
               **trace_desc, **dataclasses.asdict(engine.config),  # what the engine really used
               "scheduling_policy": args.scheduling_policy, "policy_options": args.policy_options,
               "dtype": str(engine.runner.dtype).removeprefix("torch."),
-              "device": str(engine.runner.device), "wall_time_s": replay.wall_time_s,
-              "host_probe_s": list(probe_s)}  # gpu.profiler.speed_probe before and after
+              "device": str(engine.runner.device), "wall_time_s": replay.wall_time_s}
     write_run(out_dir, config, replay.records, replay.summary, replay.steps)
     write_samples(out_dir / "step_features.csv", to_samples(replay.measured))
     return out_dir
@@ -268,25 +257,6 @@ def step_time_row(real_dirs: list[Path], model: str, profile: str | Path,
             "real_runs": len(real_dirs) if samples else 0}
 
 
-def host_probe_row(real_dirs: list[Path], model: str, profile: str | Path) -> dict[str, Any]:
-    """The host-speed probe (ms): the median over the real runs (``real``) against the one the
-    profile's fit was measured at (``sim``); ``nan`` error where either was not probed."""
-    from twinserve.simulator.calibration import read_probe
-    probes = [read_probe(d) for d in real_dirs]
-    fitted = _fitted(model, profile)
-    calibrated = fitted.probe_s * 1e3 if fitted is not None and fitted.probe_s else math.nan
-    row = error_row(HOST_PROBE_METRIC, [p * 1e3 if p else math.nan for p in probes], calibrated)
-    if any(p is None for p in probes):
-        row["rel_error_pct"] = math.nan
-    return row
-
-
-def _fitted(model: str, profile: str | Path):
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
-    return load_hardware(profile).find_fitted(load_model_spec(model).name)
-
-
 def _num(value: Any) -> float:
     try:
         return float(value)
@@ -363,7 +333,6 @@ def real_runs(args: argparse.Namespace, trace: list, desc: dict[str, Any], out: 
               model: str, log) -> tuple[list[Path], str | Path]:
     """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given)."""
     from twinserve.gpu.llm_engine import LLMEngine
-    from twinserve.gpu.profiler import speed_probe
     set_threads(args.threads)
     eargs, runner = load_runner(args)
     log(f"real engine: {runner.device} {runner.dtype}, {runner.num_gpu_blocks} KV blocks; "
@@ -379,16 +348,13 @@ def real_runs(args: argparse.Namespace, trace: list, desc: dict[str, Any], out: 
         log(cal.report)
     dirs = []
     for i in range(args.real_repeats):
-        before = speed_probe(runner)
         engine = LLMEngine(eargs, runner=runner)  # fresh scheduler and prefix cache
         replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
-        probes = tuple(p for p in (before, speed_probe(runner)) if p is not None)
         label = f"real {args.scheduling_policy}" + (f" #{i + 1}" if args.real_repeats > 1 else "")
         dirs.append(write_real_run(replay, engine, out / ("real" if i == 0 else f"real-{i + 1}"),
-                                   desc, model, label, probes))
+                                   desc, model, label))
         log(f"real replay {i + 1}/{args.real_repeats}: {replay.wall_time_s:.1f} s wall, "
-            f"{len(replay.steps)} steps, host probe "
-            + ("/".join(f"{p * 1e3:.0f}" for p in probes) + " ms" if probes else "n/a"))
+            f"{len(replay.steps)} steps")
     return dirs, profile
 
 
@@ -413,7 +379,6 @@ def run_validate(args: argparse.Namespace) -> int:
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc)
     rows = error_rows(summaries, sim.summary)
     rows.append(step_time_row(real_dirs, model, profile, int(real_config["block_size"])))
-    rows.append(host_probe_row(real_dirs, model, profile))
     rows += tenant_ttft_rows(real_dirs, out / "sim")
     write_errors(out / "errors.csv", rows)
     print(format_errors(rows, f"sim vs real ({real_config['scheduling_policy']}, "

@@ -209,35 +209,6 @@ def run_micro_benchmarks(runner, specs: Sequence[StepSpec], warmup: int = 1, rep
     return out
 
 
-PROBE_CONTEXT = 64
-
-
-def probe_steps(max_model_len: int) -> tuple[StepSpec, StepSpec]:
-    """The host-speed probe: 8 decodes and one prefill chunk at a fixed context (memory- and
-    compute-bound steps of the forward pass), shortened to fit ``max_model_len``."""
-    ctx = max(2, min(PROBE_CONTEXT, max_model_len - 1))
-    return StepSpec(decodes=(ctx,) * 8), StepSpec(prefills=((ctx, 0),))
-
-
-def speed_probe(runner, repeats: int = 5) -> float | None:
-    """Seconds of the probe steps (median of ``repeats`` each, summed) on ``runner`` now; None
-    when they do not fit its KV cache.
-
-    On a shared host the same step's time moves by a third between minutes; timing a fixed
-    step beside a replay tells how fast the machine was then (``validate`` probes before and
-    after each real replay). It runs on blocks of the KV cache: call it while no engine holds
-    requests in it."""
-    sync = _sync_for(runner.device)
-    total = 0.0
-    for spec in probe_steps(runner.max_model_len):
-        try:
-            step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
-        except ValueError:
-            return None
-        total += statistics.median(time_call(lambda: runner.execute(step), 1, repeats, sync))
-    return total
-
-
 def measure_swap(runner, num_blocks: int = 16, warmup: int = 1, repeats: int = 3) -> float | None:
     """Seconds per KV block of a swap-out plus a swap-in (median), or None without a host pool."""
     cache = runner.kv_cache

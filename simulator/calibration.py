@@ -23,8 +23,8 @@ step minus ``ModelRunner.execute``) are both linear in the same features; ``comb
 from __future__ import annotations
 
 import csv
-import json
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +114,37 @@ def fit(samples: Sequence[StepSample], model: str | None = None, tensor_parallel
                         tensor_parallel_size, len(rows), rmse)
 
 
+def fit_runs(runs: Sequence[Sequence[StepSample]], model: str | None = None,
+             tensor_parallel_size: int = 1, rounds: int = 4) -> tuple[FittedParams, list[float]]:
+    """Absolute fit over the steps of several runs, at the speed of the median run.
+
+    On a shared host one run's steps can take a third longer than the next run's. Pooled as
+    measured, the slow runs pull the fit above the typical speed, and near saturation a queue
+    turns that into latencies well above the median run's. So each run gets a speed (its
+    measured seconds over the fit's), the runs are brought to the median speed and the fit is
+    repeated; a few rounds settle it. Returns the fit and each run's speed relative to it.
+    """
+    scales = [1.0] * len(runs)
+    for _ in range(rounds):
+        pooled = [StepSample(s.aggregates, s.seconds / k, s.execute_seconds / k, s.kind)
+                  for run, k in zip(runs, scales) for s in run]
+        params = fit(pooled, model, tensor_parallel_size, "absolute")
+        speeds = [run_speed(params, run) for run in runs]
+        middle = statistics.median(v for v in speeds if math.isfinite(v))
+        scales = [v / middle if math.isfinite(v) else 1.0 for v in speeds]
+    return params, speeds
+
+
+def run_speed(params: FittedParams, samples: Iterable[StepSample]) -> float:
+    """Measured over predicted seconds of the steps with tokens (``nan`` when there are none)."""
+    measured = predicted = 0.0
+    for s in samples:
+        if s.aggregates.get("total_num_scheduled_tokens", 0) > 0:
+            measured += s.seconds
+            predicted += predict(params, s.aggregates)
+    return measured / predicted if predicted > 0 else math.nan
+
+
 def fit_overhead(samples: Sequence[StepSample], model: str | None = None,
                  tensor_parallel_size: int = 1) -> FittedParams:
     """The engine loop's cost beyond the forward pass (``seconds - execute_seconds``), fitted on
@@ -129,19 +160,7 @@ def combine(forward: FittedParams, overhead: FittedParams) -> FittedParams:
                     for n in FEATURE_NAMES}
     return FittedParams(forward.intercept_s + overhead.intercept_s, coefficients, forward.model,
                         forward.tensor_parallel_size, forward.num_samples + overhead.num_samples,
-                        math.hypot(forward.rmse_s, overhead.rmse_s), forward.probe_s)
-
-
-# ---- the host's speed ----------------------------------------------------------------------
-def read_probe(run_dir: str | Path) -> float | None:
-    """The mean host-speed probe of a real run folder (``host_probe_s`` in its config.json:
-    ``gpu.profiler.speed_probe`` before and after the replay), or None when it was not probed."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        return None
-    probes = json.loads(path.read_text()).get("host_probe_s") or []
-    probes = [float(p) for p in probes if math.isfinite(float(p)) and float(p) > 0]
-    return sum(probes) / len(probes) if probes else None
+                        math.hypot(forward.rmse_s, overhead.rmse_s))
 
 
 @dataclass(slots=True, frozen=True)

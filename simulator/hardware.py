@@ -30,8 +30,6 @@ class FittedParams:
 
     ``seconds = intercept_s + sum(coefficients[f] * features[f])`` with the feature names of
     ``cost_model.FEATURE_NAMES``. ``model`` ``None`` means "any model" (a fit that was not labelled).
-    ``probe_s`` is what the backend's host-speed probe (``gpu.profiler.speed_probe``) took while
-    the fitted steps were measured (0: not probed): how fast the machine was then.
     """
 
     intercept_s: float
@@ -40,12 +38,10 @@ class FittedParams:
     tensor_parallel_size: int = 1
     num_samples: int = 0
     rmse_s: float = 0.0
-    probe_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_non_negative("intercept_s", self.intercept_s)
         _check_non_negative("rmse_s", self.rmse_s)
-        _check_non_negative("probe_s", self.probe_s)
         coefficients = dict(self.coefficients)
         for key, value in coefficients.items():
             _check_non_negative(f"coefficients[{key!r}]", value)
@@ -62,7 +58,7 @@ class FittedParams:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "tensor_parallel_size": self.tensor_parallel_size,
                 "intercept_s": self.intercept_s, "coefficients": dict(self.coefficients),
-                "num_samples": self.num_samples, "rmse_s": self.rmse_s, "probe_s": self.probe_s}
+                "num_samples": self.num_samples, "rmse_s": self.rmse_s}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FittedParams:

@@ -144,19 +144,23 @@ def test_combine_adds_and_features_match_cost_model(tmp_path: Path) -> None:
         StepSample({"tokens": 3}, 1.0)
 
 
-def test_a_run_folder_reports_its_host_probe(tmp_path: Path) -> None:
-    from twinserve.simulator.calibration import read_probe
-    run = tmp_path / "run"
-    run.mkdir()
-    assert read_probe(run) is None
-    (run / "config.json").write_text(json.dumps({"host_probe_s": [0.1, 0.2]}))
-    assert read_probe(run) == pytest.approx(0.15)
-    (run / "config.json").write_text(json.dumps({"host_probe_s": []}))
-    assert read_probe(run) is None
-    params = FittedParams(TRUE_INTERCEPT, TRUE, "m", probe_s=0.2)
-    assert FittedParams.from_dict(params.to_dict()) == params
-    with pytest.raises(ValueError, match="probe_s"):
-        FittedParams(0.0, {}, probe_s=-1.0)
+def test_runs_are_fitted_at_the_median_runs_speed() -> None:
+    """Three runs of one host, one of them 1.5x slower throughout: the fit lands on the typical
+    speed (pooled as measured, it would land ~17% above), and reports each run's speed."""
+    from twinserve.simulator.calibration import fit_runs, run_speed
+    runs = [_synthetic_samples(150, 0.0, seed=s) for s in (5, 6, 7)]
+    for s in runs[1]:
+        s.seconds *= 1.5
+    params, speeds = fit_runs(runs)
+    assert speeds == pytest.approx([1.0, 1.5, 1.0], rel=1e-3)
+    truth = FittedParams(TRUE_INTERCEPT, TRUE)
+    for sample in _synthetic_samples(30, 0.0, seed=8):
+        assert predict(params, sample.aggregates) == pytest.approx(
+            predict(truth, sample.aggregates), rel=1e-3)
+    pooled = fit([s for run in runs for s in run])
+    assert run_speed(pooled, runs[0]) < 0.9  # what the median-speed fit avoids
+    single, speeds = fit_runs(runs[:1])
+    assert speeds == pytest.approx([1.0]) and math.isnan(run_speed(single, []))
 
 
 def test_calibrated_profile_round_trips_and_drives_the_cost_model(tmp_path: Path,
@@ -270,9 +274,6 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
         row = rows[f"mean_ttft_ms[{tenant}]"]
         assert row["real_runs"] == "2" and float(row["sim"]) > 0
     assert (out / "profile.json").is_file() and (out / "report.html").is_file()
-    probe = rows["host_probe_ms"]  # probed around each replay and at calibration
-    assert probe["real_runs"] == "2" and float(probe["real"]) > 0 and float(probe["sim"]) > 0
-    assert len(real_cfg["host_probe_s"]) == 2
     assert rows["replayed_step_time_s"]["real_runs"] == "2"  # both replays' steps, as timed
     samples = read_samples(out / "real")
     steps = list(csv.DictReader(open(out / "real" / "steps.csv")))
@@ -281,10 +282,8 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     rc = main(["calibrate", "--from-run", str(out / "real"), str(out / "real-2"),
                "--out", str(tmp_path / "p2.json")])
     assert rc == 0
-    refit = load_hardware(tmp_path / "p2.json").find_fitted("tiny-llama")
-    probes = [sum(json.loads((out / d / "config.json").read_text())["host_probe_s"]) / 2
-              for d in ("real", "real-2")]
-    assert refit.probe_s == pytest.approx(float(np.median(probes)))
+    assert load_hardware(tmp_path / "p2.json").find_fitted("tiny-llama") is not None
+    assert "run speed" in capsys.readouterr().out  # two runs: each one's speed against the fit
     assert set(AGGREGATE_FIELDS) <= set(read_samples(out / "real")[0].aggregates)
 
 
@@ -353,6 +352,4 @@ def test_fidelity_benchmark_plumbing_on_tiny_model(tmp_path: Path, tiny_model: P
     for scenario, runs in (("fcfs", "2"), ("light", "1")):
         for profile in ("from-run", "loo", "self"):
             assert keyed[(scenario, profile, "mean_e2el_ms")]["real_runs"] == runs
-        probe = keyed[(scenario, "from-run", "host_probe_ms")]
-        assert float(probe["real"]) > 0 and float(probe["sim"]) > 0
     assert "sim vs real, relative error" in capsys.readouterr().out

@@ -23,11 +23,14 @@ for P prefill tokens in k chunks (exact for fresh equal-length chunks, an over-e
 share for chunks continuing a long prompt), capped at ``max_position_embeddings`` per decode.
 
 Fitted (``FittedCostModel``): ``seconds = intercept + sum(c_f * feature_f)`` over ``FEATURE_NAMES``
-with non-negative coefficients (NNLS), swap copies still timed by the roofline's PCIe term.
+with non-negative coefficients (NNLS), swap copies still timed by the roofline's PCIe term. Besides
+the linear terms, the features split the token count over log-spaced spans (``TOKEN_SEGMENTS``),
+so the fit can follow the steps of tiled kernels while staying non-decreasing in tokens.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +42,14 @@ from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import FittedParams, HardwareProfile
 from twinserve.simulator.model_spec import ModelSpec
 
+# Token counts where the fitted step time may change slope. GEMM kernels run in tiles and pad
+# their width, so time is not linear in the tokens of a step: on this CPU 5 to 16 decodes took
+# about the same 120 ms, 1-2 took 75 and 17-24 150. ``tokens_<a>_<b>`` counts a step's tokens
+# between two knots (``tokens_<a>_up`` past the last); with non-negative coefficients the fitted
+# time is a non-decreasing piecewise-linear function of the token count, linear past the last knot.
+TOKEN_KNOTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_SEGMENTS: tuple[str, ...] = (*(f"tokens_{a}_{b}" for a, b in zip(TOKEN_KNOTS, TOKEN_KNOTS[1:])),
+                                   f"tokens_{TOKEN_KNOTS[-1]}_up")
 FEATURE_NAMES: tuple[str, ...] = (
     "num_tokens",  # total_num_scheduled_tokens: GEMM work above the weight-streaming floor
     "num_prefill_tokens",
@@ -47,7 +58,9 @@ FEATURE_NAMES: tuple[str, ...] = (
     "sum_context_tokens",  # attention FLOPs
     "sum_decode_context_tokens",  # KV bytes read by decodes
     "padded_decode_context_tokens",  # decodes x longest decode context: padded attention backends
+    *TOKEN_SEGMENTS,
 )
+_NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 DEFAULT_BLOCK_SIZE = 16
 _NON_TORCH_RESERVE_BYTES = 512 * 2**20  # CUDA context, cuBLAS/NCCL workspaces, CUDA graphs
 
@@ -61,6 +74,7 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
+    """The linear features (``FEATURE_NAMES`` before the token segments)."""
     longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
                                                                       max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
@@ -68,9 +82,17 @@ def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[floa
             out.num_decode_seqs * longest)
 
 
+def token_segments(num_tokens: int) -> tuple[int, ...]:
+    """How many of ``num_tokens`` fall in each ``TOKEN_SEGMENTS`` span (they sum to
+    ``num_tokens - 1`` from 1 token on)."""
+    spans = zip(TOKEN_KNOTS, (*TOKEN_KNOTS[1:], math.inf))
+    return tuple(max(0, min(num_tokens, hi) - lo) for lo, hi in spans)
+
+
 def step_features(out: SchedulerOutput, max_context: int | None = None) -> dict[str, float]:
     """The features of one step, keyed by ``FEATURE_NAMES`` (what calibration records)."""
-    return dict(zip(FEATURE_NAMES, _feature_vector(out, max_context)))
+    return dict(zip(FEATURE_NAMES, (*_feature_vector(out, max_context),
+                                    *token_segments(out.total_num_scheduled_tokens))))
 
 
 @dataclass(slots=True, frozen=True)
@@ -309,6 +331,7 @@ class FittedCostModel:
     base: CostModel
     _intercept: float = field(init=False, repr=False)
     _coefficients: tuple[float, ...] = field(init=False, repr=False)
+    _token_curve: tuple[tuple[float, float], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.params.coefficients) - set(FEATURE_NAMES))
@@ -320,7 +343,14 @@ class FittedCostModel:
                              f"{self.params.tensor_parallel_size}, not {self.base.model.name!r} at "
                              f"{self.base.tensor_parallel_size}.")
         self._intercept = self.params.intercept_s
-        self._coefficients = tuple(self.params.coefficients.get(f, 0.0) for f in FEATURE_NAMES)
+        coefficients = [self.params.coefficients.get(f, 0.0) for f in FEATURE_NAMES]
+        self._coefficients = tuple(coefficients[:_NUM_LINEAR])
+        # the segments' sum at each knot and the slope after it: a lookup instead of 11 products
+        curve, value = [], 0.0
+        for lo, hi, slope in zip(TOKEN_KNOTS, (*TOKEN_KNOTS[1:], 0), coefficients[_NUM_LINEAR:]):
+            curve.append((value, slope))
+            value += slope * (hi - lo)
+        self._token_curve = tuple(curve)
 
     @property
     def model(self) -> ModelSpec:
@@ -339,7 +369,14 @@ class FittedCostModel:
         if out.total_num_scheduled_tokens == 0:
             return self.base.breakdown(out).total_s  # swaps only (or nothing): no forward pass
         x = _feature_vector(out, None)  # as ``step_features(out)`` recorded them
-        return self._intercept + sum(c * v for c, v in zip(self._coefficients, x)) + self.base.copy_time(out)
+        return (self._intercept + sum(c * v for c, v in zip(self._coefficients, x))
+                + self._token_time(out.total_num_scheduled_tokens) + self.base.copy_time(out))
+
+    def _token_time(self, num_tokens: int) -> float:
+        """``sum(c_j * token_segments(num_tokens)[j])``, from the knot at or below the count."""
+        j = bisect.bisect_right(TOKEN_KNOTS, num_tokens) - 1
+        value, slope = self._token_curve[j]
+        return value + slope * (num_tokens - TOKEN_KNOTS[j])
 
     def swap_time(self, num_blocks: int, block_size: int | None = None) -> float:
         return self.base.swap_time(num_blocks, block_size)

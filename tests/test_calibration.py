@@ -95,26 +95,23 @@ def _synthetic_samples(n: int, noise: float, seed: int = 0) -> list[StepSample]:
 @pytest.mark.parametrize("weighting", ["absolute", "relative"])
 def test_fit_recovers_known_coefficients(weighting: str) -> None:
     params = fit(_synthetic_samples(400, 0.0), "m", 1, weighting)
-    assert params.intercept_s == pytest.approx(TRUE_INTERCEPT, rel=1e-4)
     c = params.coefficients
     for name in ("num_prefill_seqs", "sum_context_tokens", "sum_decode_context_tokens"):
         assert c[name] == pytest.approx(TRUE[name], rel=1e-4), name
-    # num_tokens = num_prefill_tokens + num_decode_seqs: only the per-token cost of each kind
-    # is identifiable, not how it splits between num_tokens and the kind's own feature
-    assert c["num_tokens"] + c["num_prefill_tokens"] == pytest.approx(
-        TRUE["num_tokens"] + TRUE["num_prefill_tokens"], rel=1e-4)
-    assert c["num_tokens"] + c["num_decode_seqs"] == pytest.approx(
-        TRUE["num_tokens"] + TRUE["num_decode_seqs"], rel=1e-4)
+    # num_tokens = num_prefill_tokens + num_decode_seqs, and the token segments add up to it:
+    # how the per-token cost splits between those is not identifiable, the step time is
+    for sample in _synthetic_samples(50, 0.0, seed=8):
+        assert predict(params, sample.aggregates) == pytest.approx(sample.seconds, rel=1e-4)
     assert params.model == "m" and params.num_samples == 400
 
 
 def test_fit_with_noise_is_close_and_errors_are_per_kind() -> None:
     samples = _synthetic_samples(600, 0.02, seed=1)
     params = fit(samples, None, 1, "relative")
-    assert params.intercept_s == pytest.approx(TRUE_INTERCEPT, rel=0.1)
-    c = params.coefficients
-    assert c["num_tokens"] + c["num_decode_seqs"] == pytest.approx(
-        TRUE["num_tokens"] + TRUE["num_decode_seqs"], rel=0.1)
+    truth = FittedParams(TRUE_INTERCEPT, TRUE)
+    for sample in _synthetic_samples(50, 0.0, seed=8):
+        assert predict(params, sample.aggregates) == pytest.approx(
+            predict(truth, sample.aggregates), rel=0.05)
     errors = {e.kind: e for e in fit_errors(params, samples)}
     assert {"prefill", "decode", "mixed", "all"} <= set(errors)
     assert errors["all"].mape < 4.0 and errors["all"].count == 600

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.cost_model import (
     FEATURE_NAMES,
+    TOKEN_KNOTS,
+    TOKEN_SEGMENTS,
     CostModel,
     FittedCostModel,
     decode_context_tokens,
@@ -21,6 +23,7 @@ from twinserve.simulator.cost_model import (
     make_cost_model,
     nnls,
     step_features,
+    token_segments,
 )
 from twinserve.simulator.hardware import (
     FittedParams,
@@ -291,19 +294,66 @@ TRUTH = {"num_tokens": 2e-5, "num_prefill_tokens": 0.0, "num_prefill_seqs": 1e-4
          "padded_decode_context_tokens": 2e-9}
 
 
+def _predict(params: FittedParams, features: dict[str, float]) -> float:
+    return params.intercept_s + sum(params.coefficients[f] * v for f, v in features.items())
+
+
+# identifiable: the token count is num_prefill_tokens + num_decode_seqs and the token segments
+# add up to it, so only the coefficients of the other features are determined by the data
+IDENTIFIABLE = ("num_prefill_seqs", "sum_context_tokens", "sum_decode_context_tokens",
+                "padded_decode_context_tokens")
+
+
 def test_fit_recovers_known_coefficients() -> None:
     params = fit_step_time(synthetic_samples(TRUTH, 4e-3, 300), model="llama-3-8b")
-    assert params.intercept_s == pytest.approx(4e-3, rel=1e-6)
-    for name in FEATURE_NAMES:
+    for name in IDENTIFIABLE:
         assert params.coefficients[name] == pytest.approx(TRUTH[name], rel=1e-6, abs=1e-12)
+    for features, seconds in synthetic_samples(TRUTH, 4e-3, 50, seed=9):
+        assert _predict(params, features) == pytest.approx(seconds, rel=1e-6)
     assert params.rmse_s < 1e-9 and params.num_samples == 300
 
 
 def test_fit_with_noise_stays_close_and_non_negative() -> None:
     params = fit_step_time(synthetic_samples(TRUTH, 4e-3, 2000, noise=0.01, seed=1))
     assert all(value >= 0 for value in params.coefficients.values())
-    assert params.coefficients["num_tokens"] == pytest.approx(2e-5, rel=0.05)
     assert params.coefficients["sum_decode_context_tokens"] == pytest.approx(5e-9, rel=0.1)
+    cost = FittedCostModel(params, CostModel(load_model_spec("llama-3-8b"), load_hardware("h100")))
+    per_decode = (cost.step_time(decode_step(101, 512)) - cost.step_time(decode_step(1, 512))) / 100
+    assert per_decode == pytest.approx(2e-5 + 3e-5 + 512 * (1e-9 + 5e-9 + 2e-9), rel=0.05)
+
+
+def test_token_segments_split_the_count_over_the_knots() -> None:
+    assert sum(token_segments(1)) == 0 and sum(token_segments(3000)) == 2999
+    assert token_segments(6)[:4] == (1, 2, 2, 0)  # 1-2, 2-4, 4-6 of 4-8, none past 8
+    assert token_segments(3000)[-1] == 3000 - TOKEN_KNOTS[-1]
+    assert len(token_segments(7)) == len(TOKEN_SEGMENTS)
+
+
+def test_fitted_step_time_follows_a_plateau_and_never_decreases() -> None:
+    """Decode batches of 4-16 taking the same time (a padded kernel): the segments follow the
+    plateau that a line cannot, and the fitted time never falls as tokens grow."""
+    def seconds(tokens: int) -> float:
+        return 0.07 + 0.01 * min(tokens, 4) + 0.004 * max(0, tokens - 16)
+    samples = [(step_features(decode_step(b, 100)), seconds(b)) for b in range(1, 65)]
+    params = fit_step_time(samples)
+    cost = FittedCostModel(params, CostModel(load_model_spec("llama-3-8b"), load_hardware("h100")))
+    for b in (1, 2, 4, 5, 8, 16, 32, 64):
+        assert cost.step_time(decode_step(b, 100)) == pytest.approx(seconds(b), rel=1e-3), b
+    times = [cost.step_time(decode_step(b, 100)) for b in range(1, 3000, 7)]
+    assert all(a <= b + 1e-12 for a, b in zip(times, times[1:]))
+
+
+def test_fitted_step_time_equals_the_sum_over_its_features() -> None:
+    rng = np.random.default_rng(11)
+    coefficients = {name: float(rng.uniform(0, 1e-4)) for name in FEATURE_NAMES}
+    params = FittedParams(2e-3, coefficients, "llama-3-8b")
+    cost = FittedCostModel(params, CostModel(load_model_spec("llama-3-8b"), load_hardware("h100")))
+    for tokens in (1, 2, 3, 17, 1024, 1500, 5000):  # at, between and past the knots
+        for step in (decode_step(tokens, 300),
+                     SchedulerOutput(total_num_scheduled_tokens=tokens, num_prefill_tokens=tokens,
+                                     num_prefill_seqs=1,
+                                     sum_context_tokens=tokens * (tokens + 1) // 2)):
+            assert cost.step_time(step) == pytest.approx(_predict(params, step_features(step)))
 
 
 def test_nnls_clamps_and_satisfies_kkt() -> None:

@@ -346,11 +346,11 @@ class FittedCostModel:
         coefficients = [self.params.coefficients.get(f, 0.0) for f in FEATURE_NAMES]
         self._coefficients = tuple(coefficients[:_NUM_LINEAR])
         # the segments' sum at each knot and the slope after it: a lookup instead of 11 products
-        curve, value = [], 0.0
-        for lo, hi, slope in zip(TOKEN_KNOTS, (*TOKEN_KNOTS[1:], 0), coefficients[_NUM_LINEAR:]):
-            curve.append((value, slope))
-            value += slope * (hi - lo)
-        self._token_curve = tuple(curve)
+        slopes = coefficients[_NUM_LINEAR:]
+        values = [0.0]
+        for lo, hi, slope in zip(TOKEN_KNOTS, TOKEN_KNOTS[1:], slopes):
+            values.append(values[-1] + slope * (hi - lo))
+        self._token_curve = tuple(zip(values, slopes))
 
     @property
     def model(self) -> ModelSpec:

@@ -15,9 +15,9 @@
      targets, compared with the median of their rounds;
    - ``light`` at a third of that load and ``overload`` at twice the load with a KV cache cut to
      ``--overload-blocks`` blocks (preemptions), in the first round only.
-2. Profiles, each fitted by ``twinserve calibrate --from-run`` (at the median replay's speed): ``from-run`` on the calibration
-   replays (``OUT/profile.json``), ``loo`` on every other scenario's replays plus those, ``self`` on
-   the scenario's own (the twin's floor of error). ``--micro`` adds the micro-benchmark profile
+2. Profiles, each fitted by ``twinserve calibrate --from-run`` at the median replay's speed:
+   ``from-run`` on the calibration replays (``OUT/profile.json``), ``loo`` on every other
+   scenario's replays plus those, ``self`` on the scenario's own (the twin's floor of error). ``--micro`` adds the micro-benchmark profile
    (``calibrate --quick``); ``--profile`` replaces the calibration replays by a given profile.
 3. Each scenario simulated with each profile against its real replays (``validate --reuse-real``)
    and the table of relative errors (sim - real) / real per scenario and metric, with the targets

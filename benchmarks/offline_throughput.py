@@ -71,8 +71,12 @@ class Engines:
         handle = self._loaded.pop(engine, None)
         if isinstance(handle, VllmWorker):
             handle.close()
-        if self.device == "cuda":
+        del handle
+        if self.device == "cuda":  # the next engine sizes its KV cache from what is free
+            import gc
+
             import torch
+            gc.collect()
             torch.cuda.empty_cache()
 
     def close_all(self) -> None:
@@ -209,6 +213,7 @@ def measure(engines: Engines, names: list[str], data: dict, repeats: int,
 def decode_floor(model: str, dtype: str, hardware: str) -> str:
     """The physical limit of a batch-1 decode step: every weight byte read once per token."""
     import torch
+
     from twinserve.simulator.hardware import load_hardware
     from twinserve.simulator.model_spec import load_model_spec
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
@@ -242,6 +247,7 @@ def main() -> None:
     ap.add_argument("--tmp", default="/tmp/twinserve-offline-bench")
     args = ap.parse_args()
     import torch
+
     from twinserve.gpu.default_model import default_model_path
     model = args.model or str(default_model_path())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

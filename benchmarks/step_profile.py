@@ -1,0 +1,156 @@
+"""Where an engine step's time goes on the CPU, and how far batch-1 decode is from its floor.
+
+Runs the offline benchmark's workloads through ``LLM.generate`` with wall-clock timers around the
+parts of a step (the scheduler, input building, the layers' weight products, attention, the KV
+write, norms, the LM head, sampling, output processing), then prints each part's milliseconds
+per step and share of the step. On the CPU every torch op is synchronous, so the timers measure
+the work itself. The timers cost about a microsecond per call (a few hundred calls a step).
+
+    python -m twinserve.benchmarks.step_profile [--workloads batch single] [--dtype bfloat16]
+
+The last line is the physical limit of a batch-1 decode step: the weight bytes it must read,
+over the memory bandwidth of the ``--hardware`` profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import twinserve.gpu.model as model_module
+import twinserve.gpu.model_runner as runner_module
+from twinserve.benchmarks.offline_throughput import decode_floor, workloads
+from twinserve.core import Scheduler
+from twinserve.gpu.attention_backend import AttentionBackend
+from twinserve.gpu.llm_engine import LLMEngine
+from twinserve.gpu.model import CausalLM, DecoderLayer
+from twinserve.gpu.model_runner import ModelRunner
+
+# (scope, owner, attribute): every callable timed, inclusive of what it calls
+TIMED = [
+    ("step", LLMEngine, "step"),
+    ("schedule", Scheduler, "schedule"),
+    ("update", Scheduler, "update_from_output"),
+    ("execute", ModelRunner, "execute"),
+    ("inputs", runner_module, "build_model_input"),
+    ("prepare", AttentionBackend, "prepare"),
+    ("forward", CausalLM, "forward"),
+    ("attention_block", DecoderLayer, "_attention"),
+    ("attend", AttentionBackend, "attend"),
+    ("mlp", DecoderLayer, "_mlp"),
+    ("norms", model_module, "rms_norm"),
+    ("lm_head", CausalLM, "compute_logits"),
+    ("sampling", runner_module, "sample"),
+]
+
+
+@contextlib.contextmanager
+def timers(backend: AttentionBackend) -> Iterator[dict[str, float]]:
+    """Seconds spent in each ``TIMED`` scope (and the KV write) while the block runs."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    originals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in TIMED]
+    write_kv = backend.write_kv_cache
+    try:
+        for (scope, owner, attr), (_, _, fn) in zip(TIMED, originals):
+            setattr(owner, attr, _timed(fn, scope, totals))
+        backend.write_kv_cache = _timed(write_kv, "kv_write", totals)
+        yield totals
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+        backend.write_kv_cache = write_kv
+
+
+def _timed(fn: Callable, scope: str, totals: dict[str, float]) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[scope] += time.perf_counter() - t0
+    return wrapper
+
+
+def breakdown(totals: dict[str, float]) -> dict[str, float]:
+    """Exclusive seconds per part of a step; the parts sum to ``totals["step"]``."""
+    t = collections.defaultdict(float, totals)
+    attention_rest = t["attention_block"] - t["attend"] - t["kv_write"]
+    return {
+        "scheduler (schedule + update_from_output)": t["schedule"] + t["update"],
+        "input build (positions, slots, block tables)": t["inputs"] + t["prepare"],
+        "weight products: q/k/v, o (+ rope)": attention_rest,
+        "weight products: MLP (+ SiLU)": t["mlp"],
+        "attention over the paged KV": t["attend"],
+        "KV cache write": t["kv_write"],
+        "RMSNorm": t["norms"],
+        "embedding, residual adds, rope table": (t["forward"] - t["attention_block"] - t["mlp"]
+                                                 - t["norms"]),
+        "LM head": t["lm_head"],
+        "sampling": t["sampling"],
+        "runner's rest (swaps, output)": (t["execute"] - t["inputs"] - t["prepare"]
+                                          - t["forward"] - t["lm_head"] - t["sampling"]),
+        "output processing (detokenize, stop checks)": (t["step"] - t["schedule"] - t["update"]
+                                                        - t["execute"]),
+    }
+
+
+def profile(llm, prompts: list[list[int]], lengths: list[int]) -> tuple[dict[str, float], int]:
+    """``(exclusive seconds per part, steps)`` of one generate pass over the workload."""
+    from twinserve import SamplingParams
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+    engine = llm.engine
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    steps = engine.num_steps
+    with timers(engine.runner.model.backend) as totals:
+        llm.generate(prompts, params, use_tqdm=False)
+    return breakdown(totals), engine.num_steps - steps
+
+
+def format_breakdown(name: str, parts: dict[str, float], steps: int, tokens: int) -> str:
+    total = sum(parts.values())
+    head = (f"{name}: {steps} steps, {total / steps * 1e3:.1f} ms per step, "
+            f"{tokens / total:.1f} generated tok/s (with timers)")
+    lines = [head]
+    for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {part:<46} {seconds / steps * 1e3:9.2f} ms {seconds / total:7.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF directory (default: the bundled model)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", nargs="+", default=["batch", "single"],
+                    choices=["batch", "single", "varied", "varied-uniform"])
+    ap.add_argument("--hardware", default="cpu", help="the profile whose bandwidth sets the floor")
+    args = ap.parse_args(argv)
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from twinserve import LLM
+    from twinserve.gpu.default_model import default_model_path
+    torch.set_num_threads(args.threads)
+    model = args.model or str(default_model_path())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
+              max_model_len=1024)
+    data = workloads(vocab)
+    for name in args.workloads:
+        prompts, lengths = data[name]
+        parts, steps = profile(llm, prompts, lengths)
+        print(format_breakdown(name, parts, steps, sum(lengths)))
+    print(decode_floor(model, args.dtype, args.hardware))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,9 @@ passes of one round."""
 
 from collections import Counter
 
-from twinserve.benchmarks.offline_throughput import measure, schedule, summary
+import pytest
+
+from twinserve.benchmarks.offline_throughput import Engines, measure, schedule, summary
 
 
 def test_interleaved_rounds_run_every_pass_once_and_rotate_the_engines():
@@ -67,3 +69,14 @@ def test_summary_takes_the_median_of_per_round_ratios():
     assert header.split() == ["workload", "twinserve", "tok/s", "hf", "tok/s", "twinserve/hf"]
     assert row.split() == ["batch", "20.0", "10.0", "1.00"]
     assert runs.startswith("runs: ")
+
+
+def test_real_engines_generate_the_workload_and_a_missing_vllm_venv_is_named(tiny_model_dirs,
+                                                                              tmp_path):
+    engines = Engines(str(tiny_model_dirs["qwen2-tied"]), "float32", "cpu", False, None, tmp_path)
+    prompts, lengths = [[5, 6, 7, 8], [9, 10, 11, 12]], [6, 3]
+    data = {"tiny": (prompts, lengths)}
+    results = measure(engines, ["twinserve", "hf"], data, 2, interleave=True)
+    assert all(len(r["tiny"]) == 2 and min(r["tiny"]) > 0 for r in results.values())
+    with pytest.raises(ValueError, match="vllm_python"):
+        engines.run("vllm", prompts, lengths)

@@ -12,8 +12,10 @@
 #
 # The machine may be offline: it needs torch, triton, safetensors, tokenizers, numpy, pytest and
 # transformers installed. Other packages travel as wheels in .whl/ (installed to /tmp/site when
-# present); the decode-floor line needs simpy (pure Python):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl simpy==4.1.2
+# present); the decode-floor line imports the simulator, so it needs simpy and scipy (printed
+# after the figures, so a missing wheel costs only that line):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#       simpy==4.1.2 scipy==1.17.1
 set -uo pipefail
 OUT=${OUT:-/tmp/twinserve-cuda}
 mkdir -p "$OUT"

@@ -17,8 +17,9 @@
      ``--overload-blocks`` blocks (preemptions), in the first round only.
 2. Profiles, each fitted by ``twinserve calibrate --from-run`` at the median replay's speed:
    ``from-run`` on the calibration replays (``OUT/profile.json``), ``loo`` on every other
-   scenario's replays plus those, ``self`` on the scenario's own (the twin's floor of error). ``--micro`` adds the micro-benchmark profile
-   (``calibrate --quick``); ``--profile`` replaces the calibration replays by a given profile.
+   scenario's replays plus those, ``self`` on the scenario's own (the twin's floor of error).
+   ``--micro`` adds the micro-benchmark profile (``calibrate --quick``); ``--profile`` replaces
+   the calibration replays by a given profile.
 3. Each scenario simulated with each profile against its real replays (``validate --reuse-real``)
    and the table of relative errors (sim - real) / real per scenario and metric, with the targets
    (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%): ``OUT/fidelity.csv``.
@@ -248,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _short(metric: str) -> str:
-    return {"request_throughput": "req/s", "num_preemptions": "preempt",
-            "prefix_cache_hit_rate": "cache_hit", "replayed_step_time_s": "steps"}.get(metric, metric.removesuffix("_ms"))
+    short = {"request_throughput": "req/s", "num_preemptions": "preempt",
+             "prefix_cache_hit_rate": "cache_hit", "replayed_step_time_s": "steps"}
+    return short.get(metric, metric.removesuffix("_ms"))
 
 
 def format_table(rows: list[dict[str, str]]) -> str:

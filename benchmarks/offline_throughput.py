@@ -52,6 +52,12 @@ def trace_output_lengths(n: int, rng: random.Random, low: int = 16, high: int = 
     return [rng.choice(pool) for _ in range(n)]
 
 
+def greedy_params(lengths: list[int]) -> list:
+    """twinserve ``SamplingParams``: greedy, exactly ``n`` tokens each (ignore_eos)."""
+    from twinserve import SamplingParams
+    return [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+
+
 class Engines:
     """The engines under test, each loaded on first use and kept until ``close(name)``."""
 
@@ -90,8 +96,7 @@ class Engines:
                    max_num_batched_tokens=2048, max_model_len=1024)
 
     def _run_twinserve(self, llm, prompts, lengths) -> float:
-        from twinserve import SamplingParams
-        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+        params = greedy_params(lengths)
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -252,7 +257,8 @@ def main() -> None:
     model = args.model or str(default_model_path())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     data = {k: v for k, v in workloads(vocab).items() if k in args.workloads}
-    names = ["twinserve"] + ([] if args.skip_hf else ["hf"]) + (["vllm"] if args.vllm_python else [])
+    names = (["twinserve"] + ([] if args.skip_hf else ["hf"])
+             + (["vllm"] if args.vllm_python else []))
     torch.set_num_threads(args.threads)
     engines = Engines(model, args.dtype, args.device, args.enforce_eager, args.vllm_python,
                       Path(args.tmp))

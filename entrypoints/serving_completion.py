@@ -13,16 +13,18 @@ from pydantic import BaseModel
 from twinserve.entrypoints.generation import (Generation, PromptInput, SSEResponse, TokenLogprob,
                                               build_sampling_params, check_model, check_priority,
                                               check_request_limits, echo_text, finite_logprob,
-                                              resolve_max_tokens, sse_events, start_generation,
-                                              tenant_of, token_decoder)
+                                              refuse_unimplemented, resolve_max_tokens,
+                                              sse_events, start_generation, tenant_of,
+                                              token_decoder)
 from twinserve.entrypoints.http_errors import APIError
-from twinserve.entrypoints.protocol import (CompletionChoice, CompletionLogProbs,
+from twinserve.entrypoints.protocol import (COMPLETION, CompletionChoice, CompletionLogProbs,
                                             CompletionRequest, CompletionResponse, random_id)
 from twinserve.entrypoints.server_state import ServerState
 
 
 # ==== /v1/completions ============================================================================
-def completion_prompts(state: ServerState, prompt: Any) -> list[PromptInput]:
+def completion_prompts(state: ServerState, prompt: Any,
+                       add_special_tokens: bool = True) -> list[PromptInput]:
     """A string, a list of token ids, or a list of either -> one input per prompt."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(isinstance(t, int) for t in prompt)):
@@ -30,14 +32,16 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[PromptInput]:
     if not isinstance(prompt, list) or not prompt:
         raise APIError(400, "prompt must be a non-empty string, list of token ids, or list of "
                             "those.", "prompt")
-    return [_one_prompt(state, p) for p in prompt]
+    return [_one_prompt(state, p, add_special_tokens) for p in prompt]
 
 
-def _one_prompt(state: ServerState, prompt: str | list[int]) -> PromptInput:
+def _one_prompt(state: ServerState, prompt: str | list[int],
+                add_special_tokens: bool) -> PromptInput:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty.", "prompt")
-        return PromptInput(state.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+        return PromptInput(state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens),
+                           prompt)
     if not prompt:
         raise APIError(400, "prompt token id lists must not be empty.", "prompt")
     vocab = state.engine.runner.vocab_size
@@ -64,9 +68,10 @@ def completion_logprobs(state: ServerState, lps: list[TokenLogprob],
 async def create_completion(state: ServerState, body: CompletionRequest,
                             request: Request) -> Response:
     check_model(state, body.model)
+    refuse_unimplemented(body, COMPLETION)
     check_priority(state, body.priority)
     check_request_limits(state, body)
-    prompts = completion_prompts(state, body.prompt)
+    prompts = completion_prompts(state, body.prompt, body.add_special_tokens)
     params = [build_sampling_params(
         body, resolve_max_tokens(state, len(p.token_ids), body.max_tokens, "max_tokens",
                            "prompt"),

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from twinserve.entrypoints.generation import check_model
+from twinserve.entrypoints.generation import check_model, refuse_unimplemented
 from twinserve.entrypoints.http_errors import APIError
-from twinserve.entrypoints.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
-                                            TokenizeResponse)
+from twinserve.entrypoints.protocol import (TOKENIZE, DetokenizeRequest, DetokenizeResponse,
+                                            TokenizeRequest, TokenizeResponse)
 from twinserve.entrypoints.server_state import ServerState
 from twinserve.entrypoints.serving_chat import chat_prompt
 
 
 def tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
     check_model(state, body.model)
+    refuse_unimplemented(body, TOKENIZE)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "Give exactly one of prompt or messages.", "prompt")
     if body.messages is not None:
@@ -24,6 +25,7 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> TokenizeResponse:
 
 def detokenize(state: ServerState, body: DetokenizeRequest) -> DetokenizeResponse:
     check_model(state, body.model)
+    refuse_unimplemented(body, "detokenize")
     vocab = state.engine.runner.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -1,5 +1,6 @@
-"""Scheduler overhead: schedule() + update_from_output() per step with N running decode requests
-and a long waiting queue, prefix caching on. Target: <= 5 us per running request per step.
+"""Scheduler overhead: one step through the step driver (``schedule`` + ``update_from_output``
+and the driver's bookkeeping, step rows off) with N running decode requests and a long waiting
+queue, prefix caching on. Target: <= 5 us per running request per step.
 
     python -m twinserve.benchmarks.scheduler_overhead [--running 256 1024] [--steps 200] [--repeats 5]
 """
@@ -11,36 +12,38 @@ import statistics
 import time
 
 from twinserve.core import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
 
 
-def build(num_running: int, num_waiting: int, policy: str, prompt_len: int) -> Scheduler:
+def build(num_running: int, num_waiting: int, policy: str, prompt_len: int) -> StepDriver:
     block_size = 16
     blocks_per_req = (prompt_len + 4096) // block_size + 1
     config = SchedulerConfig(num_gpu_blocks=blocks_per_req * num_running + 64, block_size=block_size,
                              max_num_seqs=num_running, max_num_batched_tokens=max(8192, num_running),
                              max_model_len=prompt_len + 8192, enable_prefix_caching=True)
-    sched = Scheduler(config, get_policy(policy))
+    driver = StepDriver(Scheduler(config, get_policy(policy)), RunRecorder(record_steps=False))
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
     system = list(range(100, 100 + 64))  # a shared system prompt, so the prefix cache is used
     for i in range(num_running + num_waiting):
         prompt = system + [1000 + (i * 7919 + j) % 40000 for j in range(prompt_len - len(system))]
-        sched.add_request(Request(f"r{i}", prompt, params, 0.0, tenant=f"t{i % 4}"))
-    return sched
+        driver.add_request(Request(f"r{i}", prompt, params, 0.0, tenant=f"t{i % 4}"))
+    return driver
 
 
 def measure(num_running: int, steps: int, policy: str, num_waiting: int, prompt_len: int) -> float:
     """Microseconds per running request per decode step."""
-    sched = build(num_running, num_waiting, policy, prompt_len)
+    driver = build(num_running, num_waiting, policy, prompt_len)
+    sched = driver.scheduler
     now = 0.0
     while len(sched.running) < num_running or any(r.is_prefill for r in sched.running):
-        out = sched.schedule(now)
-        sched.update_from_output(out, _tokens(out), now)
+        out = driver.schedule(now)
+        driver.complete(out, _tokens(out), now, now)
         now += 0.01
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = sched.schedule(now)
-        sched.update_from_output(out, _tokens(out), now)
+        out = driver.schedule(now)
+        driver.complete(out, _tokens(out), now, now)
         now += 0.01
     elapsed = time.perf_counter() - t0
     assert out.num_decode_seqs == num_running

@@ -87,7 +87,7 @@ def batching_figures(base: SimConfig, azure: list[TraceRequest], n: int) -> list
                               f"azure-conv first {len(azure)} at t=0, max_num_seqs 256"),
         _continuous_vs_static("decode-heavy sat, continuous (32 seqs)",
                               "decode-heavy sat, static (32 seqs)",
-                              dataclasses.replace(base, max_num_seqs=32), decode_heavy,
+                              base.replace(max_num_seqs=32), decode_heavy,
                               f"{n} req at t=0, in 128, out 5-1019 uniform, max_num_seqs 32"),
     ]
 
@@ -95,7 +95,7 @@ def batching_figures(base: SimConfig, azure: list[TraceRequest], n: int) -> list
 def _continuous_vs_static(cont_label: str, static_label: str, cfg: SimConfig,
                           trace: list[TraceRequest], setup: str) -> Figure:
     cont = run(cont_label, cfg, trace)
-    static = run(static_label, dataclasses.replace(cfg, scheduling_policy="static"), trace)
+    static = run(static_label, cfg.replace(scheduling_policy="static"), trace)
     return Figure("continuous vs static batching", "2-10x throughput",
                   f"{ratio(cont, static, 'output_throughput'):.2f}x out tok/s", setup)
 
@@ -105,9 +105,9 @@ def prefix_figure(base: SimConfig, n: int) -> Figure:
                          output_len=128, range_ratio=0.5, prefix_len=2000, seed=0)
     trace = synthetic_trace(wl)
     on = run("shared 2000-tok prompt, prefix caching on",
-             dataclasses.replace(base, enable_prefix_caching=True), trace)
+             base.replace(enable_prefix_caching=True), trace)
     off = run("shared 2000-tok prompt, prefix caching off",
-              dataclasses.replace(base, enable_prefix_caching=False), trace)
+              base.replace(enable_prefix_caching=False), trace)
     return Figure("prefix caching TTFT", "5-10x lower TTFT",
                   f"{ratio(off, on, 'mean_ttft_ms'):.1f}x lower mean, "
                   f"{ratio(off, on, 'p99_ttft_ms'):.1f}x lower p99 (hit "
@@ -122,8 +122,8 @@ def lower(before: Run, after: Run, key: str) -> str:
 
 
 def chunked_figures(base: SimConfig, azure: list[TraceRequest], chunk: int) -> list[Figure]:
-    chunked_cfg = dataclasses.replace(base, max_model_len=8192, max_num_batched_tokens=chunk)
-    whole_cfg = dataclasses.replace(base, max_model_len=8192, max_num_batched_tokens=8192,
+    chunked_cfg = base.replace(max_model_len=8192, max_num_batched_tokens=chunk)
+    whole_cfg = base.replace(max_model_len=8192, max_num_batched_tokens=8192,
                                     enable_chunked_prefill=False)
     setting = f"azure-conv first {len(azure)}, budget {chunk} vs 8192"
     sat_on = run(f"azure sat, chunked prefill ({chunk})", chunked_cfg, at_once(azure))

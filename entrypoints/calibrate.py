@@ -70,8 +70,9 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
                                                  format_errors)
     log = log or (lambda msg: None)
     max_len = runner.max_model_len
-    specs = profiler.default_grid(engine_args.max_num_batched_tokens, engine_args.max_num_seqs,
-                                  max_len, quick)
+    limits = runner.engine_config.scheduler
+    specs = profiler.default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len,
+                                  quick)
     log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
     micro = to_samples(profiler.run_micro_benchmarks(runner, specs, warmup, repeats, log))
     per_block = profiler.measure_swap(runner, warmup=warmup, repeats=repeats)
@@ -79,9 +80,9 @@ def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False,
         log(f"swap copies: {per_block * 1e6:.1f} us per KV block (out + in averaged)")
     loop: list = []
     if engine_loop:
-        scenarios = profiler.default_scenarios(engine_args.max_num_seqs, max_len, quick)
+        scenarios = profiler.default_scenarios(limits.max_num_seqs, max_len, quick)
         log(f"engine loop: {len(scenarios)} synthetic workloads")
-        engine = LLMEngine(engine_args, runner=runner)
+        engine = LLMEngine(engine_args, runner=runner, usage_context="server")
         engine.metrics.record_steps = False
         loop = to_samples(profiler.run_engine_loop(engine, scenarios, progress=log))
     forward = fit(micro + loop, model_name, 1, "relative", target="execute_seconds")
@@ -133,20 +134,12 @@ def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Pa
 
 
 def load_runner(args: argparse.Namespace):
-    """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args``."""
-    import dataclasses
-
-    from twinserve.entrypoints.engine_args import engine_kwargs
-    from twinserve.gpu.llm_engine import EngineArgs
+    """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args`` (resolved
+    as a server's: calibration and validate measure the engine a server runs)."""
+    from twinserve.entrypoints.engine_args import engine_args_from
     from twinserve.gpu.model_runner import ModelRunner
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    eargs = EngineArgs(**engine_kwargs(args, fields))
-    runner = ModelRunner(
-        eargs.model, dtype=eargs.dtype, device=eargs.device, block_size=eargs.block_size,
-        kv_cache_memory=eargs.kv_cache_memory, gpu_memory_utilization=eargs.gpu_memory_utilization,
-        swap_space=eargs.swap_space, max_num_batched_tokens=eargs.max_num_batched_tokens,
-        max_model_len=eargs.max_model_len, enforce_eager=eargs.enforce_eager, seed=eargs.seed)
-    return eargs, runner
+    eargs = engine_args_from(args, model=args.model)
+    return eargs, ModelRunner(eargs, usage_context="server")
 
 
 def set_threads(threads: int | None) -> None:
@@ -162,21 +155,6 @@ def model_dir_or_default(model: str | None) -> str:
     return str(default_model_path())
 
 
-def add_backend_flags(p: argparse.ArgumentParser) -> None:
-    """The engine knobs a calibration depends on (vLLM's names)."""
-    g = p.add_argument_group("backend (vLLM's names)")
-    g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None, help="largest decode batch measured")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="largest step measured (default 2048)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest context measured")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU")
-    g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap pool")
-    g.add_argument("--enforce-eager", action="store_true", default=None)
-
-
 def add_calibration_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("calibration")
     g.add_argument("--base-hardware", default="cpu",
@@ -190,6 +168,7 @@ def add_calibration_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub) -> None:
+    from twinserve.entrypoints.engine_args import add_engine_args
     p = sub.add_parser("calibrate", help="fit the simulator's step time to the real backend",
                        description=__doc__.split("\n\n", 1)[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -199,7 +178,7 @@ def add_parser(sub) -> None:
     p.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
                    help="fit from the steps recorded by validate in these real run folders")
     p.add_argument("--samples-out", default=None, help="also write the samples as CSV")
-    add_backend_flags(p)
+    add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_calibrate)
 

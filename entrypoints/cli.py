@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from twinserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from twinserve.core.engine_config import USAGE_CONTEXTS
+from twinserve.entrypoints.engine_args import (add_engine_args, config_file_defaults,
+                                               engine_args_from)
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -19,10 +20,18 @@ def _simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="replay a trace through the simulated engine",
                        description="Replay a trace through the SimPy twin of the engine.")
     add_trace_args(p)
-    p.add_argument("--model", default="llama-3-8b", help="bundled model name or config.json path")
-    p.add_argument("--hardware", default="h100-sxm", help="bundled profile name or JSON path")
-    add_engine_args(p, simulated=True)
-    p.add_argument("--label", default="", help="name of the run in reports")
+    p.add_argument("--model", default=None,
+                   help="bundled model name, config.json or model directory (default llama-3-8b)")
+    p.add_argument("--hardware", default=None,
+                   help="bundled profile name or JSON path (default h100-sxm)")
+    p.add_argument("--usage-context", default=None, choices=USAGE_CONTEXTS,
+                   help="whose defaults apply: server (default: a trace replay is a server's "
+                        "workload) or llm (offline batches)")
+    p.add_argument("--num-replicas", type=int, default=None, help="engines behind a router")
+    p.add_argument("--router", default=None,
+                   help="round-robin, least-outstanding or prefix-affinity")
+    add_engine_args(p)
+    p.add_argument("--label", default=None, help="name of the run in reports")
     p.add_argument("--out", default=None, help="run folder (default runs/sim-<policy>)")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(handler=_simulate)
@@ -30,9 +39,10 @@ def _simulate_parser(sub) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from twinserve.simulator import SimConfig, simulate, write_sim_run
+    from twinserve.simulator.run import DEFAULT_SIM_MODEL, SIM_KEYS
     from twinserve.traces import trace_desc, trace_from_args
-    fields = {f.name for f in dataclasses.fields(SimConfig)}
-    cfg = SimConfig(**engine_kwargs(args, fields))
+    sim = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k, None) is not None}
+    cfg = SimConfig(engine_args_from(args, model=args.model or DEFAULT_SIM_MODEL), **sim)
     trace = trace_from_args(args)
     result = simulate(cfg, trace, progress=not args.disable_tqdm)
     out = Path(args.out or f"runs/sim-{cfg.scheduling_policy}")
@@ -64,22 +74,20 @@ def _generate_parser(sub) -> None:
         p.add_argument("--n", type=int, default=1)
         p.add_argument("--stop", action="append", default=None)
         p.add_argument("--sampling-seed", type=int, default=None)
-        add_engine_args(p, simulated=False)
+        add_engine_args(p)
         p.set_defaults(handler=_generate, chat=name == "chat")
 
 
 def _generate(args: argparse.Namespace) -> int:
     from twinserve.core.sampling_params import SamplingParams
     from twinserve.entrypoints.llm import LLM
-    from twinserve.gpu.llm_engine import EngineArgs
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt given (pass prompts as arguments or on stdin).")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, n=args.n, stop=args.stop or [],
                             seed=args.sampling_seed)
-    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
-    llm = LLM(args.model, **engine_kwargs(args, fields))
+    llm = LLM.from_engine_args(engine_args_from(args, model=args.model))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -124,9 +132,29 @@ def _optional_parsers() -> list[Callable]:
     return subcommands.PARSERS
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; with ``--config FILE.yaml`` the file's keys become the subcommand's
+    defaults and the command line is parsed again, so flags override the file."""
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        sub = _subparser(parser, args.command)
+        sub.set_defaults(**config_file_defaults(sub, Path(args.config)))
+        args = parser.parse_args(argv)
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(parser, argv)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"twinserve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -1,65 +1,179 @@
-"""Engine knobs as command-line flags, under vLLM's names, shared by every subcommand that builds
-an engine (real or simulated), so the same flags mean the same thing everywhere."""
+"""Engine arguments as command-line flags and ``--config`` files: built from
+``core.engine_args.EngineArgs``, so every subcommand that builds an engine (real or simulated)
+has the same flags, meaning the same thing.
+
+``--config FILE.yaml`` works as in ``vllm serve --config``: its keys are the command's flag names
+(dashes or underscores); flags given on the command line override the file; an unknown key or a
+value of the wrong type is an error naming the key and the file.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
-# flag -> (field, type, help); a knob both backends understand.
-_SHARED: dict[str, tuple[str, type, str]] = {
-    "--scheduling-policy": ("scheduling_policy", str, "fcfs, priority, fair, sjf, static or a plugin"),
-    "--block-size": ("block_size", int, "tokens per KV block"),
-    "--max-num-seqs": ("max_num_seqs", int, "most requests in one step"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one step"),
-    "--max-model-len": ("max_model_len", int, "longest prompt + output"),
-    "--long-prefill-token-threshold": ("long_prefill_token_threshold", int,
-                                       "cap on one request's prefill chunk (0: none)"),
-    "--preemption-mode": ("preemption_mode", str, "recompute or swap"),
-    "--swap-space": ("swap_space", float, "GiB of host memory for swapped KV blocks"),
-    "--gpu-memory-utilization": ("gpu_memory_utilization", float, "share of device memory used"),
+from twinserve.core.engine_args import NOT_IMPLEMENTED, EngineArgs, check_not_implemented
+
+_HELP: dict[str, str] = {
+    "dtype": "auto, float32, bfloat16 or float16 (auto: the checkpoint's on CUDA; on a CPU "
+             "bfloat16 only with native bf16, else float32)",
+    "device": "auto (cuda when present), cpu or cuda; the twin's device is its hardware profile",
+    "seed": "seed of the engine's sampler",
+    "scheduling_policy": "fcfs, priority, fair, sjf, static or a plugin",
+    "policy_options": 'policy options as JSON, e.g. \'{"tenant_weights": {"gold": 2}}\'',
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "most requests in one step (default: vLLM's for the device and usage)",
+    "max_num_batched_tokens": "token budget of one step (default: vLLM's for the device and usage)",
+    "max_model_len": "longest prompt + output (default and limit: the model's)",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk (0: none)",
+    "preemption_mode": "recompute or swap",
+    "gpu_memory_utilization": "share of device memory the engine may use",
+    "kv_cache_memory_bytes": "bytes of KV cache (default: on a CPU 2 GiB; on a GPU what "
+                             "gpu_memory_utilization leaves)",
+    "swap_space": "GiB of host memory for swapped-out KV blocks",
+    "num_gpu_blocks_override": "number of KV blocks, instead of sizing them from memory",
+    "tensor_parallel_size": "devices one replica is sharded over",
+    "enforce_eager": "no CUDA graphs",
 }
+_SHORT = {"tensor_parallel_size": ("-tp",), "scheduling_policy": ("--policy",)}
 
 
-def add_engine_args(parser: argparse.ArgumentParser, simulated: bool, with_seed: bool = True) -> None:
-    g = parser.add_argument_group("engine (vLLM's names)")
-    for flag, (dest, typ, help_) in _SHARED.items():
-        # --max-model-len may already be there from the workload flags (which clip the trace
-        # to it): one flag then serves both.
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Adds a flag per ``EngineArgs`` field but ``model`` (each command words its own), plus
+    ``--config``. A flag the parser already has (``--max-model-len`` of the workload flags, which
+    clips the trace to it; a workload's ``--seed``) is left to it: one flag then serves both, or
+    the engine keeps its default."""
+    g = parser.add_argument_group("engine (vLLM's names; also keys of --config)")
+    g.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="engine (and command) arguments from a YAML file; flags override it")
+    dests: list[str] = []
+    defaults = EngineArgs()
+    for name in EngineArgs.field_names():
+        flag = "--" + name.replace("_", "-")
+        if name == "model" or flag in parser._option_string_actions:
+            if name == "max_model_len":
+                dests.append(name)
+            continue
+        dests.append(name)
+        flags = (flag, *_SHORT.get(name, ()))
+        default = getattr(defaults, name)
+        help_ = f"{_HELP[name]} (default: {default if default is not None else 'resolved'})"
+        if isinstance(default, bool):
+            g.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                           default=None, help=help_)
+        elif name == "policy_options":
+            g.add_argument(*flags, dest=name, type=json.loads, default=None, help=help_)
+        else:
+            kind = _field_type(name)
+            g.add_argument(*flags, dest=name, type=kind, default=None, help=help_)
+    for name in NOT_IMPLEMENTED:  # refused by name, not as an unknown flag
+        flag = "--" + name.replace("_", "-")
         if flag not in parser._option_string_actions:
-            g.add_argument(flag, dest=dest, type=typ, help=help_, default=None)
-    g.add_argument("--policy", dest="scheduling_policy", help="alias of --scheduling-policy")
-    g.add_argument("--policy-options", type=json.loads, default=None,
-                   help='policy options as JSON, e.g. \'{"tenant_weights": {"gold": 2}}\'')
-    for name, help_ in (("prefix-caching", "prefix caching"), ("chunked-prefill", "chunked prefill")):
-        dest = "enable_" + name.replace("-", "_")
-        g.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=None,
-                       help=f"turn {help_} on (default on)")
-        g.add_argument(f"--no-enable-{name}", dest=dest, action="store_false",
-                       help=f"turn {help_} off")
-    if simulated:
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-        g.add_argument("--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
-        g.add_argument("--num-replicas", type=int, default=None)
-        g.add_argument("--router", default=None,
-                       help="round-robin, least-outstanding or prefix-affinity")
-    else:
-        g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
-        g.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
-        g.add_argument("--kv-cache-memory", type=int, default=None,
-                       help="bytes of KV cache on CPU (default 2 GiB)")
-        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        g.add_argument("--enforce-eager", action="store_true", default=None)
-        if with_seed:
-            g.add_argument("--seed", type=int, default=None)
+            g.add_argument(flag, dest=f"_unimplemented_{name}", nargs="?", const=True,
+                           default=None, help=argparse.SUPPRESS)
+    parser.set_defaults(_engine_dests=tuple(dests))
 
 
-def engine_kwargs(args: argparse.Namespace, fields: set[str]) -> dict[str, Any]:
-    """The knobs the user set, restricted to ``fields`` (those of EngineArgs or SimConfig)."""
-    out = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if getattr(args, "policy_options", None) is not None:
-        if not isinstance(args.policy_options, dict):
-            raise ValueError("--policy-options must be a JSON object.")
-        out["policy_options"] = args.policy_options
+def _field_type(name: str) -> type:
+    value = {"dtype": str, "device": str, "scheduling_policy": str, "preemption_mode": str,
+             "gpu_memory_utilization": float, "swap_space": float}
+    return value.get(name, int)
+
+
+def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """``EngineArgs`` from the flags the user set (others keep the defaults); ``overrides``
+    (e.g. ``model``) win. Raises ValueError naming a flag twinserve does not implement."""
+    for key, value in vars(args).items():
+        if key.startswith("_unimplemented_") and value is not None:
+            check_not_implemented(key.removeprefix("_unimplemented_"), value,
+                                  "command line")
+    dests = getattr(args, "_engine_dests", ())
+    given = {k: getattr(args, k) for k in dests if getattr(args, k, None) is not None}
+    if given.get("policy_options") is not None and not isinstance(given["policy_options"], dict):
+        raise ValueError("--policy-options must be a JSON object.")
+    return EngineArgs.from_mapping(given, "command line", **overrides)
+
+
+# ---- --config FILE.yaml -------------------------------------------------------------------
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parses ``argv`` with the keys of ``--config FILE`` (if given) as defaults, so that flags
+    on the command line override the file. Keys are ``parser``'s flag names."""
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if not path:
+        return args
+    parser.set_defaults(**config_file_defaults(parser, Path(path)))
+    return parser.parse_args(argv)
+
+
+def config_file_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """``{dest: value}`` for each key of the YAML file, checked against ``parser``'s flags."""
+    import yaml
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a mapping of argument names to values.")
+    actions = {a.option_strings[0].lstrip("-").replace("-", "_"): a for a in parser._actions
+               if a.option_strings and a.help is not argparse.SUPPRESS}
+    actions.update({a.dest: a for a in parser._actions if a.option_strings
+                    and a.help is not argparse.SUPPRESS})
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        check_not_implemented(key, value, str(path))
+        action = actions.get(key)
+        if action is None or key in ("config", "help"):
+            valid = sorted(k for k in actions if k not in ("config", "help"))
+            raise ValueError(f"{path}: unknown key {raw_key!r} for this command; valid keys: "
+                             f"{', '.join(valid)}.")
+        out[action.dest] = _config_value(action, value, f"{path}: key {raw_key!r}")
     return out
+
+
+def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                           argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}.")
+        if isinstance(action, argparse._StoreFalseAction):
+            return not value
+        return value
+    if action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [value]
+        return [_scalar(action, v, where) for v in items]
+    return _scalar(action, value, where)
+
+
+def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
+    kind = action.type
+    if kind is json.loads:
+        return value if not isinstance(value, str) else json.loads(value)
+    if isinstance(value, bool) and kind in (int, float):
+        raise ValueError(f"{where} must be a number, got {value!r}.")
+    if kind in (int, float, str):
+        if kind is int and not isinstance(value, int):
+            raise ValueError(f"{where} must be an integer, got {value!r}.")
+        if kind is float and not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, got {value!r}.")
+        if kind is str and not isinstance(value, (str, int, float)):
+            raise ValueError(f"{where} must be a string, got {value!r}.")
+        value = kind(value)
+    elif callable(kind) and isinstance(value, str):
+        try:
+            value = kind(value)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where} must be one of {', '.join(map(str, action.choices))}, "
+                         f"got {value!r}.")
+    return value

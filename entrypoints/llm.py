@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +15,8 @@ from tqdm import tqdm
 
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.gpu.llm_engine import EngineArgs, LLMEngine
+from twinserve.core.engine_args import EngineArgs
+from twinserve.gpu.llm_engine import LLMEngine
 
 Prompt = str | list[int]
 PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids"}
@@ -29,15 +29,19 @@ class LLM:
     """Generates for a batch of prompts with continuous batching; outputs come back in input
     order. Engine knobs are ``EngineArgs`` fields (vLLM's names)."""
 
-    def __init__(self, model: str | None = None, *, scheduling_policy: str = "fcfs",
-                 **engine_kwargs: Any) -> None:
-        known = {f.name for f in dataclasses.fields(EngineArgs)}
-        unknown = sorted(set(engine_kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; "
-                             f"valid: {', '.join(sorted(known))}")
-        self.engine = LLMEngine(EngineArgs(model=model, scheduling_policy=scheduling_policy,
-                                           **engine_kwargs))
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """``engine_args`` are ``EngineArgs`` fields (vLLM's names, e.g. ``max_num_seqs``,
+        ``scheduling_policy``); an unknown one, or one twinserve does not implement, raises
+        ValueError naming it. ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a
+        ``--config`` file."""
+        args = EngineArgs.from_mapping(engine_args, "LLM", model=model)
+        self.engine = LLMEngine(args, usage_context="llm")
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args, usage_context="llm")
+        return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Awaitable
 from typing import Any
 
@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse, Response
 
 import twinserve
 from twinserve.entrypoints.async_engine import AsyncEngine, EngineDeadError
-from twinserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from twinserve.entrypoints.engine_args import (add_engine_args, apply_config_file,
+                                               engine_args_from)
 from twinserve.entrypoints.http_errors import (APIKeyMiddleware, BodySizeLimitMiddleware,
                                               ClientGone, error_response, install_error_handlers)
 from twinserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -178,7 +179,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server's own."""
     parser.add_argument("--model", default=None,
                         help="HF model directory (default: the bundled SmolLM2-135M-Instruct)")
-    add_engine_args(parser, simulated=False)
+    add_engine_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", default=None,
                         help="the model id clients send (default: --model as given)")
@@ -195,16 +196,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def engine_args_from(args: argparse.Namespace) -> Any:
-    """``EngineArgs`` from the parsed flags; unset flags keep EngineArgs' defaults."""
-    from twinserve.gpu.llm_engine import EngineArgs
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**engine_kwargs(args, fields))
-
-
 def build_async_engine(args: argparse.Namespace) -> AsyncEngine:
     from twinserve.gpu.llm_engine import LLMEngine
-    engine = LLMEngine(engine_args_from(args))
+    engine = LLMEngine(engine_args_from(args, model=args.model), usage_context="server")
     engine.metrics.record_steps = False  # a server runs for days: keep no per-step rows
     return AsyncEngine(engine)
 
@@ -230,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description="OpenAI-compatible server")
     add_serve_args(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run_server(parser.parse_args(argv))
+    run_server(apply_config_file(parser, argv or sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from twinserve.entrypoints.sweep_spec import (SloSpec, SweepPoint, SweepSpec, base_trace, load_spec,
                                               mean_rate, point_trace)
+from twinserve.core.engine_args import EngineArgs
 from twinserve.simulator import SimConfig, simulate, write_sim_run
 from twinserve.traces import TraceRequest
 
@@ -76,7 +77,7 @@ class PointDone:
 
 def run_point(task: PointTask) -> PointDone:
     """Simulates one point and writes its run folder atomically (temporary folder, then rename)."""
-    result = simulate(SimConfig(**task.sim, label=task.label), task.trace)
+    result = simulate(SimConfig.from_flat({**task.sim, "label": task.label}), task.trace)
     final = Path(task.folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
@@ -121,7 +122,7 @@ def build_tasks(spec: SweepSpec, points: Sequence[SweepPoint], points_dir: Path)
 
 def _trace_desc(point: SweepPoint, trace: list[TraceRequest]) -> dict[str, Any]:
     """What the run folder's config records besides the SimConfig fields."""
-    policy = point.sim.get("scheduling_policy", SimConfig().scheduling_policy)
+    policy = point.sim.get("scheduling_policy", EngineArgs().scheduling_policy)
     return {**point.workload, "policy": policy,
             "trace_request_rate": mean_rate(trace), "num_requests_run": len(trace),
             "sweep_point_id": point.point_id, "sweep_point_name": point.name,
@@ -203,9 +204,9 @@ def point_row(point: SweepPoint, folder: Path, slo: SloSpec | None) -> dict[str,
     rate = point.workload["request_rate"]
     row: dict[str, Any] = {"point_id": point.point_id, "name": point.name, "series": point.series,
                            "folder": f"{POINTS_DIR}/{point.folder}", **point.axes}
-    sim = dataclasses.asdict(SimConfig(**point.sim))
+    sim = SimConfig.from_flat(point.sim).flat()
     sim.pop("label")
-    sim["num_gpu_blocks"] = config.get("num_gpu_blocks", sim["num_gpu_blocks"])  # as derived
+    sim["num_gpu_blocks"] = config.get("num_gpu_blocks")  # as derived
     row.update({k: _cell(v) for k, v in {**sim, **point.workload}.items() if k not in row})
     row["request_rate"] = rate if rate is not None else config.get("trace_request_rate")
     row["num_requests_run"] = len(requests)

@@ -16,11 +16,12 @@ tenant_priorities = { light = 0, heavy = 1 }  # ... or: priority given by the te
 clip_max_model_len = 4096             # clip prompt + output to fit (traces.clip_lengths)
 # synthetic only: burstiness, input_len, output_len, range_ratio, prefix_len, prefix_share
 
-[engine]                              # fixed SimConfig fields (vLLM engine-argument names)
+[engine]                              # fixed engine arguments (vLLM's names) and hardware,
+config = "base.yaml"                  # optional: keys of a --config YAML file (these override)
 model = "llama-3-8b"
 hardware = "h100-sxm"
 
-[grid]                                # axes: any SimConfig field, or trace / request_rate / seed
+[grid]                                # axes: any [engine] key, or trace / request_rate / seed
 scheduling_policy = ["fcfs", "priority", "fair"]
 request_rate = [8, 12, 16]
 max_num_seqs = [128, 256]
@@ -55,8 +56,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinserve.core.engine_args import EngineArgs
 from twinserve.policies import available_policies, get_policy
 from twinserve.simulator import SimConfig
+from twinserve.simulator.run import SIM_KEYS, build_engine_config
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.traces import (SyntheticConfig, TraceRequest, assign_priorities, assign_tenants,
@@ -70,7 +73,12 @@ WORKLOAD_KEYS = ("trace", "num_requests", "time_window", "request_rate", "seed",
                  "priorities", "tenant_priorities", "clip_max_model_len", *SYNTHETIC_KEYS)
 WORKLOAD_AXES = ("trace", "request_rate", "seed")
 NOT_ENGINE_KEYS = ("policy_options", "label")  # set through [policy_options.<name>] and the grid
-ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not in NOT_ENGINE_KEYS)
+# Each [engine]/[grid] key with its type: EngineArgs' fields (as their annotations read) and the
+# simulation's own keys.
+_KEY_TYPES = {**{f.name: str(f.type) for f in dataclasses.fields(EngineArgs)},
+              "hardware": "str", "usage_context": "str", "num_replicas": "int", "router": "str"}
+ENGINE_KEYS = tuple(k for k in _KEY_TYPES if k not in NOT_ENGINE_KEYS)
+BASE_CONFIG_KEY = "config"  # [engine] config = "base.yaml": engine keys read from a YAML file
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 DEFAULT_TRACE = "azure-conv"
 DEFAULT_SYNTHETIC_REQUESTS = 1000
@@ -97,10 +105,11 @@ class SweepPoint:
 
     @property
     def point_id(self) -> str:
-        """Hash of every SimConfig field (defaults written out, so stating a default keeps the id)
-        and the resolved workload."""
-        sim = dataclasses.asdict(self.sim_config())
-        sim.pop("label")
+        """Hash of the resolved engine configuration (so stating a default keeps the id), the
+        simulation keys and the resolved workload."""
+        cfg = self.sim_config()
+        sim = {**build_engine_config(cfg)[0].to_dict(),
+               **{k: getattr(cfg, k) for k in SIM_KEYS if k != "label"}}
         blob = json.dumps({"version": SPEC_VERSION, "sim": sim, "workload": self.workload},
                           sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:ID_LENGTH]
@@ -121,7 +130,7 @@ class SweepPoint:
         return f"{re.sub(r'[^A-Za-z0-9.=-]+', '_', self.name)}-{self.point_id}"
 
     def sim_config(self) -> SimConfig:
-        return SimConfig(**self.sim, label=self.name)
+        return SimConfig.from_flat({**self.sim, "label": self.name})
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +156,7 @@ class SweepSpec:
 
     def _point(self, axes: dict[str, Any]) -> SweepPoint:
         sim = {**self.engine, **{k: v for k, v in axes.items() if k in ENGINE_KEYS}}
-        policy = sim.get("scheduling_policy", SimConfig().scheduling_policy)
+        policy = sim.get("scheduling_policy", EngineArgs().scheduling_policy)
         sim["policy_options"] = dict(self.policy_options.get(policy, {}))
         workload = {**self.workload, **{k: v for k, v in axes.items() if k in WORKLOAD_AXES}}
         return SweepPoint(sim=sim, workload=resolve_workload(workload), axes=axes)
@@ -181,7 +190,11 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> SweepSpec:
     _check_keys(data, SECTIONS, source, "")
     sections = {name: _table(data, name, source) for name in SECTIONS}
     workload = _parse_workload(sections["workload"], source)
-    engine = {k: _engine_value(k, v, source, "[engine]") for k, v in sections["engine"].items()}
+    engine_table = dict(sections["engine"])
+    base = engine_table.pop(BASE_CONFIG_KEY, None)
+    if base is not None:
+        engine_table = {**_base_config(base, source), **engine_table}
+    engine = {k: _engine_value(k, v, source, "[engine]") for k, v in engine_table.items()}
     _check_keys(engine, ENGINE_KEYS, source, "[engine]")
     grid = _parse_grid(sections["grid"], source)
     for key in grid:
@@ -225,12 +238,27 @@ def _fail(source: str, where: str, key: str, message: str) -> ValueError:
 # ---------------------------------------------------------------- [engine] values
 
 
+def _base_config(path: Any, source: str) -> dict[str, Any]:
+    """The keys of the YAML file ``[engine] config`` names (relative to the spec's folder),
+    with dashes read as underscores; the [engine] table's own keys override them."""
+    import yaml
+    if not isinstance(path, str):
+        raise _fail(source, "[engine]", BASE_CONFIG_KEY, f"expected a file name, got {path!r}.")
+    file = Path(source).parent / path if not Path(path).is_absolute() else Path(path)
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise _fail(source, "[engine]", BASE_CONFIG_KEY, f"cannot read {file}: {exc}") from None
+    if not isinstance(data, dict):
+        raise _fail(source, "[engine]", BASE_CONFIG_KEY, f"{file} must hold a mapping.")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
 def _engine_value(key: str, value: Any, source: str, where: str) -> Any:
-    """A SimConfig field's value, type-checked against the field's annotation (ints widen to float)."""
+    """An engine key's value, type-checked against its annotation (ints widen to float)."""
     valid = ENGINE_KEYS + WORKLOAD_AXES if where == "[grid]" else ENGINE_KEYS
     _check_keys({key: value}, valid, source, where)
-    field = next(f for f in dataclasses.fields(SimConfig) if f.name == key)
-    base = str(field.type).replace(" | None", "")
+    base = _KEY_TYPES[key].replace(" | None", "")
     if base == "float" and _is_number(value):
         return float(value)
     expected = {"int": int, "bool": bool, "str": str}.get(base)

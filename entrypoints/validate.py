@@ -102,7 +102,7 @@ def replay_real(engine, trace: list, progress: bool = True, detokenize: bool = T
                     continue
                 requests.append(engine.scheduler.requests[rid])
             if engine.has_unfinished_requests():
-                recorder.step()
+                engine.step()
             elif pending:
                 time.sleep(max(0.0, pending[0].arrival_time - (engine.now() - origin)))
             if progress and time.perf_counter() - last_print > 10:
@@ -142,11 +142,9 @@ def write_real_run(replay: RealReplay, engine, out_dir: Path, trace_desc: dict[s
     from twinserve.simulator.calibration import write_samples
     args = engine.args
     config = {"backend": "twinserve", "label": label or f"real {args.scheduling_policy}",
-              "model": model,
-              **trace_desc, **dataclasses.asdict(engine.config),  # what the engine really used
-              "scheduling_policy": args.scheduling_policy, "policy_options": args.policy_options,
-              "dtype": str(engine.runner.dtype).removeprefix("torch."),
-              "device": str(engine.runner.device), "wall_time_s": replay.wall_time_s}
+              **trace_desc, **engine.engine_config.to_dict(),  # what the engine really used
+              "model": model, "device": str(engine.runner.device),
+              "wall_time_s": replay.wall_time_s}
     write_run(out_dir, config, replay.records, replay.summary, replay.steps)
     write_samples(out_dir / "step_features.csv", to_samples(replay.measured))
     return out_dir
@@ -154,30 +152,31 @@ def write_real_run(replay: RealReplay, engine, out_dir: Path, trace_desc: dict[s
 
 # ---- the twin ------------------------------------------------------------------------------
 def simulate_like(real_config: dict[str, Any], model: str, profile: str | Path, trace: list,
-                  out_dir: Path, trace_desc: dict[str, Any]):
-    """The simulator run matching a real run's settings (``real_config``: its config.json)."""
+                  out_dir: Path, trace_desc: dict[str, Any], log=None):
+    """The twin of a real run (``real_config``: its config.json): the real run's resolved
+    engine arguments on the profile's device, resolved by the same function. Where the profile
+    sizes the KV cache differently from the machine (another memory figure), the real block
+    counts are pinned, and ``log`` says so: the comparison is about step times, not memory."""
+    from twinserve.core.engine_args import EngineArgs
     from twinserve.simulator import SimConfig, simulate, write_sim_run
-    from twinserve.simulator.cost_model import CostModel
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
-    block_size = int(real_config["block_size"])
-    spec_block = CostModel(load_model_spec(model), load_hardware(profile), 1,
-                           block_size).block_bytes()
-    # the simulator sizes its host pool from swap_space: give it the real engine's block count
-    swap_space = (int(real_config.get("num_cpu_blocks", 0)) + 0.5) * spec_block / 2**30
-    cfg = SimConfig(
-        model=model, hardware=str(profile),
-        scheduling_policy=real_config["scheduling_policy"],
-        policy_options=dict(real_config.get("policy_options") or {}),
-        block_size=block_size, max_num_seqs=int(real_config["max_num_seqs"]),
-        max_num_batched_tokens=int(real_config["max_num_batched_tokens"]),
-        max_model_len=int(real_config["max_model_len"]),
-        enable_chunked_prefill=bool(real_config["enable_chunked_prefill"]),
-        enable_prefix_caching=bool(real_config["enable_prefix_caching"]),
-        long_prefill_token_threshold=int(real_config.get("long_prefill_token_threshold", 0)),
-        preemption_mode=real_config.get("preemption_mode", "recompute"), swap_space=swap_space,
-        num_gpu_blocks=int(real_config["num_gpu_blocks"]),
-        label=f"sim {real_config['scheduling_policy']}")
+    from twinserve.simulator.run import build_engine_config
+    given = {k: real_config[k] for k in EngineArgs.field_names()
+             if k in real_config and k not in ("model", "device")}
+    label = f"sim {real_config['scheduling_policy']}"
+    cfg = SimConfig(EngineArgs.from_mapping(given, "the real run's config.json", model=model),
+                    hardware=str(profile), label=label)
+    resolved = build_engine_config(cfg)[0]
+    twin = resolved.scheduler
+    real_blocks = (int(real_config["num_gpu_blocks"]), int(real_config.get("num_cpu_blocks", 0)))
+    if (twin.num_gpu_blocks, twin.num_cpu_blocks) != real_blocks:
+        if log is not None:
+            log(f"the profile sizes {twin.num_gpu_blocks} KV blocks ({twin.num_cpu_blocks} host) "
+                f"where the real engine had {real_blocks[0]} ({real_blocks[1]}): the twin uses "
+                "the real counts")
+        swap_space = (real_blocks[1] + 0.5) * resolved.block_bytes / 2**30
+        cfg = SimConfig(cfg.engine.replace(num_gpu_blocks_override=real_blocks[0],
+                                           swap_space=swap_space),
+                        hardware=str(profile), label=label)
     result = simulate(cfg, trace)
     write_sim_run(result, out_dir, {**trace_desc, "profile": str(profile)})
     return result
@@ -309,7 +308,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                    help="skip incremental detokenization in the real engine")
     p.add_argument("--quiet", action="store_true")
-    add_engine_args(p, simulated=False, with_seed=False)
+    add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_validate)
 
@@ -348,7 +347,7 @@ def real_runs(args: argparse.Namespace, trace: list, desc: dict[str, Any], out: 
         log(cal.report)
     dirs = []
     for i in range(args.real_repeats):
-        engine = LLMEngine(eargs, runner=runner)  # fresh scheduler and prefix cache
+        engine = LLMEngine(eargs, runner=runner, usage_context="server")  # fresh scheduler, cache
         replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
         label = f"real {args.scheduling_policy}" + (f" #{i + 1}" if args.real_repeats > 1 else "")
         dirs.append(write_real_run(replay, engine, out / ("real" if i == 0 else f"real-{i + 1}"),
@@ -376,7 +375,7 @@ def run_validate(args: argparse.Namespace) -> int:
         real_dirs, profile = real_runs(args, trace, desc, out, model, log)
     real_config = json.loads((real_dirs[0] / "config.json").read_text())
     summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
-    sim = simulate_like(real_config, model, profile, trace, out / "sim", desc)
+    sim = simulate_like(real_config, model, profile, trace, out / "sim", desc, log)
     rows = error_rows(summaries, sim.summary)
     rows.append(step_time_row(real_dirs, model, profile, int(real_config["block_size"])))
     rows += tenant_ttft_rows(real_dirs, out / "sim")

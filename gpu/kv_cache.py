@@ -57,16 +57,19 @@ class KVCache:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}: the KV "
                              "cache budget is smaller than one block.")
         self.spec = spec
-        self.gpu = [self._alloc(num_gpu_blocks, device, False) for _ in range(spec.num_layers)]
+        self.gpu = [self._alloc(num_gpu_blocks, device, False, torch.zeros)
+                    for _ in range(spec.num_layers)]
         pin = device.type == "cuda"
-        self.cpu = [self._alloc(num_cpu_blocks, torch.device("cpu"), pin)
+        # The host pool is only read where a swap-out wrote: left unfilled, its pages are not
+        # touched (nor resident, on a CPU host) until a swap uses them.
+        self.cpu = [self._alloc(num_cpu_blocks, torch.device("cpu"), pin, torch.empty)
                     for _ in range(spec.num_layers)]
 
-    def _alloc(self, num_blocks: int, device: torch.device,
-               pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _alloc(self, num_blocks: int, device: torch.device, pin: bool,
+               make=torch.zeros) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (num_blocks, *self.spec.block_shape)
-        return (torch.zeros(shape, dtype=self.spec.dtype, device=device, pin_memory=pin),
-                torch.zeros(shape, dtype=self.spec.dtype, device=device, pin_memory=pin))
+        return (make(shape, dtype=self.spec.dtype, device=device, pin_memory=pin),
+                make(shape, dtype=self.spec.dtype, device=device, pin_memory=pin))
 
     @property
     def num_gpu_blocks(self) -> int:

@@ -6,68 +6,65 @@ Per step: swap-outs, swap-ins, block copies, then one forward pass over every sc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.engine_config import resolve_engine_config
+from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.gpu.batch import build_model_input
-from twinserve.gpu.config import ModelConfig
-from twinserve.gpu.kv_cache import GiB, KVCache, KVCacheSpec, host_memory_available, \
-    num_blocks_for
-from twinserve.gpu.model_loader import load_generation_config, load_model, resolve_dtype
+from twinserve.gpu.default_model import resolve_model_path
+from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+from twinserve.gpu.model_loader import load_generation_config, load_model
+from twinserve.gpu.platform import TORCH_DTYPES, current_platform, resolve_device
 from twinserve.gpu.sampler import sample
 from twinserve.gpu.tokenizer import Tokenizer
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
-
 
 class ModelRunner:
-    """Holds the model, its KV cache, the tokenizer and per-request sampling generators."""
+    """Holds the model, its KV cache, the tokenizer and per-request sampling generators.
 
-    def __init__(self, model: str | None = None, *, dtype: str | torch.dtype = "auto",
-                 device: str = "cpu", block_size: int = 16, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, swap_space: float = 1.0,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}.")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
-        if swap_space < 0:
-            raise ValueError(f"swap_space must be non-negative, got {swap_space}.")
-        if model is None:
-            from twinserve.gpu.default_model import default_model_path
-            model = str(default_model_path())
-        self.model_dir = Path(model)
-        self.device = torch.device(device)
-        self.block_size = block_size
-        self.enforce_eager = enforce_eager
+    The engine's arguments are resolved by ``core.engine_config.resolve_engine_config`` for this
+    device (``engine_config``), as the twin resolves them for its hardware profile. On CUDA the
+    KV budget is what remains after the weights and a profiled forward pass of
+    ``max_num_batched_tokens``, so the arguments are resolved again once that is measured."""
+
+    def __init__(self, args: EngineArgs, usage_context: str = "llm") -> None:
+        self.model_dir = resolve_model_path(args.model)
         self.config = ModelConfig.from_dir(self.model_dir)
-        self.max_model_len = min(self.config.max_position_embeddings,
-                                 max_model_len or self.config.max_position_embeddings)
+        self.device = resolve_device(args.device)
+        self.block_size = args.block_size
+        self.enforce_eager = args.enforce_eager
+        platform = current_platform(self.device)
+        resolved = resolve_engine_config(args, self.config, platform, usage_context)
+        self.dtype = TORCH_DTYPES[resolved.dtype]
+        self.max_model_len = resolved.max_model_len
+        self.config.check_servable(self.max_model_len)
         self.vocab_size = self.config.vocab_size
-        self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        if self.device.type == "cuda" and args.kv_cache_memory_bytes is None \
+                and args.num_gpu_blocks_override is None:
+            from twinserve.gpu.cuda_graphs import profile_peak_memory
+            peak = profile_peak_memory(self.model, resolved.scheduler.max_num_batched_tokens,
+                                       self.block_size)
+            resolved = resolve_engine_config(args, self.config, platform, usage_context, peak)
+        self.engine_config = resolved
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
         self.eos_token_id = self._eos_token_id()
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(args.seed)
         self._generators: dict[str, torch.Generator] = {}
-        spec = KVCacheSpec(self.config.num_hidden_layers, block_size,
+        spec = KVCacheSpec(self.config.num_hidden_layers, self.block_size,
                            self.config.num_key_value_heads, self.config.head_dim, self.dtype)
-        num_gpu = num_blocks_for(self._kv_budget(kv_cache_memory, gpu_memory_utilization,
-                                                 max_num_batched_tokens), spec)
-        self.kv_cache = KVCache(spec, num_gpu, num_blocks_for(swap_space * GiB, spec),
-                                self.device)
+        sched = resolved.scheduler
+        self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device)
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self._graphs = None
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not args.enforce_eager:
             from twinserve.gpu.cuda_graphs import DecodeGraphs
-            self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, block_size,
+            self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.block_size,
                                         self.max_model_len)
 
     def _eos_token_id(self) -> int | None:
@@ -79,18 +76,6 @@ class ModelRunner:
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         return eos
-
-    def _kv_budget(self, kv_cache_memory: int | None, utilization: float,
-                   max_num_batched_tokens: int) -> int:
-        if self.device.type != "cuda":
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-            return min(int(budget), host_memory_available() // 2)
-        if kv_cache_memory is not None:
-            return int(kv_cache_memory)
-        from twinserve.gpu.cuda_graphs import profile_peak_memory
-        peak = profile_peak_memory(self.model, max_num_batched_tokens, self.block_size)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * utilization) - peak
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

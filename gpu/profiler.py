@@ -7,9 +7,9 @@ Two kinds of measurement, both keyed by the aggregate fields the scheduler fills
   decodes + one prefill chunk) timed through ``ModelRunner.execute`` with warm-up and repeats
   (median). Block ids are disjoint and handed out by hand; the KV they hold is whatever is there
   (timing does not depend on its values). Plus swap copies (``measure_swap``).
-- ``StepRecorder``: wraps a live ``LLMEngine`` so that every ``engine.step()`` yields its
-  ``SchedulerOutput`` aggregates, the whole step's seconds (schedule, forward pass, sampling,
-  ``update_from_output``, output processing) and the forward pass alone. ``run_engine_loop``
+- ``StepRecorder``: observes a live ``LLMEngine``'s step driver, so that every ``engine.step()``
+  yields its ``SchedulerOutput`` aggregates, the whole step's seconds (schedule, forward pass,
+  sampling, ``update_from_output``, output processing) and the forward pass alone. ``run_engine_loop``
   drives synthetic workloads through it; ``entrypoints.validate`` records a whole trace replay.
 
 This module knows nothing of the simulator (``gpu`` never imports ``simulator``): it produces
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinserve.core.outputs import (AGGREGATE_FIELDS, ModelRunnerOutput, ScheduledRequest,
-                                    SchedulerOutput)
+from twinserve.core.outputs import AGGREGATE_FIELDS, ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 
@@ -227,48 +226,22 @@ def measure_swap(runner, num_blocks: int = 16, warmup: int = 1, repeats: int = 3
 
 # ---- steps of a live engine ----------------------------------------------------------------
 class StepRecorder:
-    """Records every step of ``engine`` (an ``LLMEngine``): call ``recorder.step()`` instead of
-    ``engine.step()``. The scheduler's ``schedule`` and the runner's ``execute`` are wrapped on
-    the instances (nothing else changes); ``close()`` unwraps them."""
+    """Records every step of ``engine`` (an ``LLMEngine``) that scheduled work: its
+    ``SchedulerOutput`` aggregates, the whole step's seconds and the forward pass's. It observes
+    the engine's step driver (``core.step_driver.StepObserver``); ``close()`` detaches it."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.steps: list[MeasuredStep] = []
-        self._out: SchedulerOutput | None = None
-        self._execute_s = 0.0
-        scheduler, runner = engine.scheduler, engine.runner
-        schedule, execute = scheduler.schedule, runner.execute
+        engine.driver.observers.append(self)
 
-        def recording_schedule(now: float) -> SchedulerOutput:
-            self._out = schedule(now)
-            return self._out
-
-        def timed_execute(out: SchedulerOutput) -> ModelRunnerOutput:
-            t0 = time.perf_counter()
-            result = execute(out)
-            self._execute_s += time.perf_counter() - t0
-            return result
-
-        scheduler.schedule = recording_schedule
-        runner.execute = timed_execute
-
-    def step(self):
-        """One ``engine.step()``; returns its outputs. Steps that scheduled no token are not
-        kept (as ``LLMEngine`` records no ``StepRecord`` for them)."""
-        self._out, self._execute_s = None, 0.0
-        t0 = time.perf_counter()
-        results = self.engine.step()
-        seconds = time.perf_counter() - t0
-        out = self._out
-        if out is not None and out.scheduled:
-            self.steps.append(MeasuredStep(step_kind(out), aggregates(out), seconds,
-                                           self._execute_s))
-        return results
+    def on_step(self, out: SchedulerOutput, seconds: float, execute_seconds: float) -> None:
+        self.steps.append(MeasuredStep(step_kind(out), aggregates(out), seconds, execute_seconds))
 
     def close(self) -> None:
-        for obj, name in ((self.engine.scheduler, "schedule"), (self.engine.runner, "execute")):
-            if name in vars(obj):
-                delattr(obj, name)
+        observers = self.engine.driver.observers
+        if self in observers:
+            observers.remove(self)
 
 
 @dataclass(slots=True, frozen=True)
@@ -303,7 +276,7 @@ def run_engine_loop(engine, scenarios: Iterable[LoopScenario], detokenize: bool 
                 engine.add_request(_prompt(10_000 * (k + 1) + i, sc.prompt_len, vocab), params,
                                    request_id=f"profile-{k}-{i}", detokenize=detokenize)
             while engine.has_unfinished_requests():
-                recorder.step()
+                engine.step()
             if progress:
                 steps = recorder.steps[first:]
                 total = sum(s.seconds for s in steps)

@@ -24,7 +24,7 @@ from plotly.offline import get_plotlyjs
 from twinserve.reports import figures
 from twinserve.reports.compare import sim_vs_real_table
 from twinserve.reports.runs import Run, load_runs
-from twinserve.reports.tables import summary_table, write_table
+from twinserve.reports.tables import config_differences, summary_table, write_table
 
 Builder = Callable[[list[Run], pd.DataFrame | None], go.Figure | None]
 # (section title, figure builder, note shown when the builder has no data)
@@ -102,6 +102,8 @@ def render_page(title: str, runs: list[Run], table: pd.DataFrame, errors: pd.Dat
     expected = sum(fig is not None for _, fig, _ in built)
     body = [f"<h1>{html.escape(title)}</h1>", header_html(runs, slos_ms),
             "<h2>Summary</h2>", summary_html(table)]
+    if len(runs) > 1:
+        body += ["<h2>Engine configuration: what differs</h2>", config_html(runs)]
     if not errors.empty:
         body += ["<h2>Simulator error</h2>", errors_html(errors)]
     body += [section_html(k, name, fig, note) for k, (name, fig, note) in enumerate(built)]
@@ -131,6 +133,15 @@ def summary_html(table: pd.DataFrame) -> str:
     columns = [c for c in table.columns if c not in ("run", "folder")]
     rows = [[c, *(_cell(v) for v in table[c])] for c in columns]
     return _table_html(["metric", *table["run"].astype(str)], rows)
+
+
+def config_html(runs: list[Run]) -> str:
+    """The engine settings (from each run's config.json) that are not the same in every run."""
+    diff = config_differences(runs)
+    if diff.empty:
+        return '<p class="note">Every run has the same engine configuration.</p>'
+    rows = [[row["key"], *(_cell(row[r.name]) for r in runs)] for _, row in diff.iterrows()]
+    return _table_html(["key", *(r.name for r in runs)], rows)
 
 
 def errors_html(errors: pd.DataFrame) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from twinserve.core.config import SchedulerConfig
+from twinserve.core.engine_args import EngineArgs
 from twinserve.reports.runs import Run
 from twinserve.reports.stats import goodput, priority_stats, request_metrics
 
@@ -115,3 +117,24 @@ def _has_pyarrow() -> bool:
     except ImportError:
         return False
     return True
+
+
+# The keys of a run's config.json that describe the engine (EngineArgs, their resolved values and
+# the twin's own keys): the report lists those whose values differ between the runs compared.
+ENGINE_CONFIG_KEYS = (*EngineArgs.field_names(), *SchedulerConfig.field_names(), "usage_context",
+                      "device_type", "dtype", "kv_cache_bytes", "block_bytes", "hardware",
+                      "num_replicas", "router")
+
+
+def config_differences(runs: list[Run]) -> pd.DataFrame:
+    """One row per engine key whose value is not the same in every run (a run without the key
+    shows ``None``); columns ``key`` and one per run name."""
+    rows = []
+    for key in dict.fromkeys(ENGINE_CONFIG_KEYS):
+        if not any(key in r.config for r in runs):
+            continue
+        values = [r.config.get(key) for r in runs]
+        if any(json.dumps(v, sort_keys=True, default=str) !=
+               json.dumps(values[0], sort_keys=True, default=str) for v in values[1:]):
+            rows.append({"key": key, **{r.name: _scalar(v) for r, v in zip(runs, values)}})
+    return pd.DataFrame(rows, columns=["key", *(r.name for r in runs)])

@@ -2,9 +2,9 @@
 
 Each engine process runs the very same step as the real engine::
 
-    out = scheduler.schedule(env.now)
+    out = driver.schedule(env.now)                     # core.step_driver: the one step seam
     yield env.timeout(cost_model.step_time(out))       # the GPU, modelled
-    scheduler.update_from_output(out, tokens, env.now) # tokens end each request at its trace length
+    driver.complete(out, tokens, start, env.now)       # tokens end each request at its trace length
 
 (The engine's clock runs ahead of SimPy's while no other process could act: see ``engine_process``.)
 
@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from twinserve.core.metrics import RequestRecord, StepLog
+from twinserve.core.metrics import RequestRecord
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
+from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.simulator.router import Router
 
 SIMULATED_TOKEN = 17
@@ -31,30 +32,48 @@ SIMULATED_TOKEN = 17
 _SAMPLED: Sequence[int] = (SIMULATED_TOKEN,)
 
 
+class SyntheticTokens:
+    """The twin's backend of the step seam: every live request samples ``SIMULATED_TOKEN``.
+
+    The output is one ``ModelRunnerOutput`` kept across steps, holding ``_SAMPLED`` for every
+    live request id (a plain dict, so the scheduler's per-request lookup stays in C rather than
+    a Python ``get``)."""
+
+    __slots__ = ("output",)
+
+    def __init__(self) -> None:
+        self.output = ModelRunnerOutput({})
+
+    def admit(self, request_id: str) -> None:
+        self.output.sampled_token_ids[request_id] = _SAMPLED  # type: ignore[assignment]
+
+    def release(self, request_id: str) -> None:
+        del self.output.sampled_token_ids[request_id]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.output
+
+
 @dataclass(slots=True)
 class Replica:
+    """One simulated engine: its step driver, the cost model's step time and its tokens."""
+
     index: int
-    scheduler: Scheduler
+    driver: StepDriver
     step_time: Callable[[SchedulerOutput], float]
-    live: dict[str, Request] = field(default_factory=dict)
-    # The sampler's output, kept across steps: ``_SAMPLED`` for every live request id (a plain
-    # dict, so the scheduler's per-request lookup stays in C rather than a Python ``get``).
-    sampled: dict[str, Sequence[int]] = field(default_factory=dict)
+    tokens: SyntheticTokens = field(default_factory=SyntheticTokens)
     wakeup: simpy.Event | None = None
 
+    def __post_init__(self) -> None:
+        self.driver.on_release = self.tokens.release
 
-@dataclass(slots=True)
-class SimRecorder:
-    """Collects finished requests and steps; ``on_finish`` lets a progress bar follow along."""
-
-    records: list[RequestRecord] = field(default_factory=list)
-    steps: StepLog = field(default_factory=StepLog)
-    record_tenants: bool = False
-    on_finish: Callable[[int], None] | None = None
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.driver.scheduler
 
 
 def arrival_process(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
-                    router: Router, recorder: SimRecorder):
+                    router: Router, recorder: RunRecorder):
     """Releases each request at its arrival time to the replica the router picks."""
     schedulers = [r.scheduler for r in replicas]
     for request in requests:
@@ -63,19 +82,18 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
             yield env.timeout(delay)
         replica = replicas[router.route(request, schedulers)]
         try:
-            replica.scheduler.add_request(request)
+            replica.driver.add_request(request)
         except ValueError as exc:  # can never run: recorded as failed, like a 400 from a server
-            recorder.records.append(_rejected(request, str(exc)))
+            recorder.requests.append(_rejected(request, str(exc)))
             if recorder.on_finish:
                 recorder.on_finish(1)
             continue
-        replica.live[request.request_id] = request
-        replica.sampled[request.request_id] = _SAMPLED
+        replica.tokens.admit(request.request_id)
         if replica.wakeup is not None and not replica.wakeup.triggered:
             replica.wakeup.succeed()
 
 
-def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecorder):
+def engine_process(env: simpy.Environment, replica: Replica):
     """One replica's engine loop: schedule, let the modelled GPU take its time, update.
 
     SimPy's clock is moved only when another process could act. A step that ends before every
@@ -85,11 +103,11 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
     run ahead when one addition brings SimPy's clock exactly to its end), so only the number of
     events differs, not the results.
     """
-    sched = replica.scheduler
-    sampled = ModelRunnerOutput(replica.sampled)  # type: ignore[arg-type]  # read-only lists
-    step_time, timeout, peek, index = replica.step_time, env.timeout, env.peek, replica.index
-    record_step, records, live = recorder.steps.record_step, recorder.records, replica.live
-    with_tenants = recorder.record_tenants
+    driver = replica.driver
+    sched = driver.scheduler
+    sampled = replica.tokens.output  # the backend's output: read-only token lists
+    step_time, timeout, peek = replica.step_time, env.timeout, env.peek
+    schedule, complete = driver.schedule, driver.complete
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     # Only other processes schedule events, and they run only while this one waits: the next
     # event's time is read once per resumption.
@@ -101,7 +119,7 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
             replica.wakeup = None
             base = now = env.now
             horizon = peek()
-        out = sched.schedule(now)
+        out = schedule(now)
         if not out.scheduled:
             raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={now}")
         duration = step_time(out)
@@ -112,16 +130,8 @@ def engine_process(env: simpy.Environment, replica: Replica, recorder: SimRecord
             yield timeout(duration)  # SimPy resumes us at exactly ``now + duration``
             base = end
             horizon = peek()
-        outputs = sched.update_from_output(out, sampled, end)
-        record_step(out, sched, now, duration, index, with_tenants)
+        complete(out, sampled, now, end)
         now = end
-        if outputs:  # empty on most steps (simulate builds schedulers with stream_outputs=False)
-            finished = [o.request_id for o in outputs if o.finished]
-            for rid in finished:
-                records.append(RequestRecord.from_request(live.pop(rid)))
-                del replica.sampled[rid]
-            if finished and recorder.on_finish:
-                recorder.on_finish(len(finished))
 
 
 def _rejected(request: Request, error: str) -> RequestRecord:

@@ -19,6 +19,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from twinserve.core.engine_config import Platform
+
 _HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
 _ALIASES = MappingProxyType({"h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100": "a100-80gb",
                              "h200-141gb": "h200"})
@@ -82,6 +84,8 @@ class HardwareProfile:
     interconnect_bandwidth: float  # all-reduce bus bandwidth per GPU, bytes/s (nccl-tests busbw)
     interconnect_latency_s: float  # fixed cost of one all-reduce
     pcie_bandwidth: float  # host<->device copies (swap), bytes/s
+    device_type: str = "cuda"  # "cpu": the engine runs on the host (KV budget as on a CPU)
+    native_bf16: bool = True  # a CPU with avx512_bf16/AMX: dtype auto resolves to bfloat16
     notes: str = ""
     fitted: tuple[FittedParams, ...] = field(default_factory=tuple)
 
@@ -97,7 +101,13 @@ class HardwareProfile:
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}.")
         for key in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s", "interconnect_latency_s"):
             _check_non_negative(key, getattr(self, key))
+        if self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
         object.__setattr__(self, "fitted", tuple(self.fitted))
+
+    def platform(self) -> Platform:
+        """The device as the engine configuration sees it (``core.engine_config``)."""
+        return Platform(self.device_type, self.name, int(self.mem_capacity), self.native_bf16)
 
     def find_fitted(self, model_name: str, tensor_parallel_size: int = 1) -> FittedParams | None:
         """The fit for this model and TP size: an exact model match first, then an unlabelled one."""

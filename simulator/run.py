@@ -13,97 +13,123 @@ from typing import Any
 import simpy
 from tqdm import tqdm
 
-from twinserve.core.config import SchedulerConfig
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_engine_config
 from twinserve.core.metrics import RequestRecord, StepLog, summarize
+from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request
 from twinserve.core.run_dir import write_run
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
+from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
 from twinserve.simulator.cost_model import make_cost_model
-from twinserve.simulator.engine import Replica, SimRecorder, arrival_process, engine_process
+from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
 from twinserve.traces import TraceRequest
 from twinserve.traces.trace_request import iter_prompt_token_ids
 
-GIB = 2**30
+DEFAULT_SIM_MODEL = "llama-3-8b"
+DEFAULT_SIM_HARDWARE = "h100-sxm"
+SIM_KEYS = ("hardware", "usage_context", "num_replicas", "router", "label")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class SimConfig:
-    """What to simulate, under vLLM's engine-argument names. ``num_gpu_blocks`` overrides the
-    block count derived from memory (as vLLM's ``num_gpu_blocks_override``)."""
+    """What to simulate: the engine's arguments (``core.engine_args.EngineArgs``, the same the
+    real engine takes, resolved by the same function), the hardware profile the twin stands
+    for, the usage context whose defaults apply (a trace replay is a server's workload) and the
+    replicas. Engine arguments may be given flat: ``SimConfig(max_num_seqs=64, hardware="a100")``.
+    """
 
-    model: str = "llama-3-8b"
-    hardware: str = "h100-sxm"
-    scheduling_policy: str = "fcfs"
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0  # GiB of host memory per replica for swap preemption
-    num_gpu_blocks: int | None = None
-    num_replicas: int = 1
-    router: str = "round-robin"
-    label: str = ""
+    engine: EngineArgs
+    hardware: str
+    usage_context: str
+    num_replicas: int
+    router: str
+    label: str
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}.")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}.")
-        if self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}.")
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}; valid: {', '.join(ROUTERS)}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got "
-                             f"{self.tensor_parallel_size}.")
+    def __init__(self, engine: EngineArgs | None = None, *, hardware: str = DEFAULT_SIM_HARDWARE,
+                 usage_context: str = "server", num_replicas: int = 1,
+                 router: str = "round-robin", label: str = "", **engine_args: Any) -> None:
+        if engine is None:
+            engine = EngineArgs.from_mapping({"model": DEFAULT_SIM_MODEL, **engine_args},
+                                             "SimConfig")
+        elif engine_args:
+            engine = EngineArgs.from_mapping({**asdict(engine), **engine_args}, "SimConfig")
+        self.engine, self.hardware, self.usage_context = engine, hardware, usage_context
+        self.num_replicas, self.router, self.label = num_replicas, router, label
+        if usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got "
+                             f"{usage_context!r}.")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
+                or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}.")
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r}; valid: {', '.join(ROUTERS)}")
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any], source: str = "SimConfig") -> SimConfig:
+        """From one flat mapping of engine arguments and ``SIM_KEYS`` (a sweep point, a file)."""
+        sim = {k: values[k] for k in SIM_KEYS if k in values}
+        engine = {k: v for k, v in values.items() if k not in SIM_KEYS}
+        return cls(EngineArgs.from_mapping({"model": DEFAULT_SIM_MODEL, **engine}, source),
+                   **sim)
+
+    def replace(self, **changes: Any) -> SimConfig:
+        """A copy with ``changes`` (engine arguments or ``SIM_KEYS``)."""
+        return SimConfig.from_flat({**self.flat(), **changes})
+
+    def flat(self) -> dict[str, Any]:
+        """The engine arguments and ``SIM_KEYS`` in one flat dict (``from_flat``'s inverse)."""
+        return {**asdict(self.engine), **{k: getattr(self, k) for k in SIM_KEYS}}
+
+    @property
+    def model(self) -> str:
+        return self.engine.model or DEFAULT_SIM_MODEL
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.scheduling_policy
 
 
 @dataclass(slots=True)
 class SimResult:
     config: SimConfig
+    engine_config: EngineConfig
     records: list[RequestRecord]
     steps: StepLog  # a Sequence[StepRecord]
     summary: dict[str, Any]
-    num_gpu_blocks: int
     wall_time_s: float
 
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.engine_config.scheduler.num_gpu_blocks
 
-def build_scheduler_config(cfg: SimConfig) -> tuple[SchedulerConfig, Any, int]:
-    """Scheduler settings, the cost model and the model's vocabulary size for one replica."""
+
+def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]:
+    """The engine configuration of one replica (the real engine's resolution, for the profile's
+    device), its cost model and the model at the resolved dtype."""
+    hardware = load_hardware(cfg.hardware)
     spec = load_model_spec(cfg.model)
-    cost = make_cost_model(spec, load_hardware(cfg.hardware), cfg.tensor_parallel_size,
-                           cfg.block_size)
+    args, platform, tp = cfg.engine, hardware.platform(), cfg.engine.tensor_parallel_size
+    if args.device not in ("auto", platform.device_type):
+        raise ValueError(f"device {args.device!r} does not match the hardware profile "
+                         f"{hardware.name!r}, a {platform.device_type} device: the twin's device "
+                         "is its profile (leave device at auto).")
+    first = resolve_engine_config(args, spec, platform, cfg.usage_context)
+    spec = spec.with_dtype(first.dtype)
+    cost = make_cost_model(spec, hardware, tp, args.block_size)
+    if platform.device_type == "cpu":
+        return first, cost, spec
     roofline = cost.base if hasattr(cost, "base") else cost
-    reserve = roofline.activation_reserve_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-    num_blocks = (cfg.num_gpu_blocks if cfg.num_gpu_blocks is not None else
-                  cost.num_gpu_blocks(cfg.gpu_memory_utilization, cfg.block_size, reserve))
-    block_bytes = roofline.block_bytes()
-    sched_cfg = SchedulerConfig(
-        num_gpu_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len or spec.max_position_embeddings,
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-        preemption_mode=cfg.preemption_mode,
-        num_cpu_blocks=int(cfg.swap_space * GIB // block_bytes))
-    return sched_cfg, cost, spec.vocab_size
+    sched = first.scheduler
+    non_kv = roofline.weight_bytes_per_gpu + roofline.activation_reserve_bytes(
+        sched.max_num_batched_tokens, sched.max_num_seqs)
+    return resolve_engine_config(args, spec, platform, cfg.usage_context, non_kv), cost, spec
 
 
 def to_request(tr: TraceRequest, vocab_size: int, block_size: int, prompt: list[int] | None = None,
@@ -137,26 +163,29 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int,
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines."""
     t0 = time.perf_counter()
-    sched_cfg, cost, vocab = build_scheduler_config(cfg)
-    recorder = SimRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
+    engine_config, cost, spec = build_engine_config(cfg)
+    sched_cfg, vocab, block_size = (engine_config.scheduler, spec.vocab_size,
+                                    cfg.engine.block_size)
+    recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
     # tqdm starts a monitor thread even when disabled: no bar at all without progress.
     bar = tqdm(total=len(trace), unit="req", desc="simulating", mininterval=0.5) if progress else None
     recorder.on_finish = bar.update if bar is not None else None
     with _cyclic_gc_paused():
         env = simpy.Environment()
-        replicas = [Replica(i, Scheduler(sched_cfg, policy, stream_outputs=False), cost.step_time)
+        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
+                                          recorder, i), cost.step_time)
                     for i, policy in enumerate(_policies(cfg))]
-        requests = _engine_requests(trace, vocab, cfg.block_size)
+        requests = _engine_requests(trace, vocab, block_size)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
         for replica in replicas:
-            env.process(engine_process(env, replica, recorder))
+            env.process(engine_process(env, replica))
         env.run()
     if bar is not None:
         bar.close()
-    records = sorted(recorder.records, key=lambda r: r.arrival_time)
+    records = sorted(recorder.requests, key=lambda r: r.arrival_time)
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
-    return SimResult(cfg, records, recorder.steps, summary, sched_cfg.num_gpu_blocks,
+    return SimResult(cfg, engine_config, records, recorder.steps, summary,
                      time.perf_counter() - t0)
 
 
@@ -184,14 +213,15 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def _policies(cfg: SimConfig) -> list[SchedulingPolicy]:
     """A fresh policy per replica; the registry (an entry-point scan) is consulted once."""
-    first = get_policy(cfg.scheduling_policy, **cfg.policy_options)
-    return [first, *(type(first)(**cfg.policy_options) for _ in range(cfg.num_replicas - 1))]
+    args = cfg.engine
+    first = get_policy(args.scheduling_policy, **args.policy_options)
+    return [first, *(type(first)(**args.policy_options) for _ in range(cfg.num_replicas - 1))]
 
 
 def write_sim_run(result: SimResult, out_dir: str | Path, trace_desc: dict[str, Any]) -> Path:
     """Writes the run folder; its config records everything needed to rerun it."""
-    config = {"backend": "sim", **asdict(result.config), **trace_desc,
-              "num_gpu_blocks": result.num_gpu_blocks}
+    config = {"backend": "sim", **result.engine_config.to_dict(),
+              **{k: getattr(result.config, k) for k in SIM_KEYS}, **trace_desc}
     if not config.get("label"):
         config["label"] = f"sim {result.config.scheduling_policy}"
     return write_run(out_dir, config, result.records, result.summary, list(result.steps))

@@ -27,7 +27,7 @@ import httpx
 # float32: exact to the checkpoint, as the HF comparisons need.
 SMALL_SERVER_ARGS: tuple[str, ...] = (
     "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "256",
-    "--max-num-batched-tokens", "2048", "--kv-cache-memory", str(256 << 20), "--seed", "0",
+    "--max-num-batched-tokens", "2048", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
 )
 STARTUP_TIMEOUT_S = 240.0
 

@@ -210,7 +210,7 @@ def test_calibrate_cli_on_tiny_model(tmp_path: Path, tiny_model: Path, capsys) -
     samples = tmp_path / "samples.csv"
     rc = main(["calibrate", "--model", str(tiny_model), "--out", str(out), "--quick",
                "--dtype", "float32", "--max-num-batched-tokens", "256", "--max-num-seqs", "16",
-               "--max-model-len", "512", "--kv-cache-memory", str(8 << 20), "--repeats", "2",
+               "--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20), "--repeats", "2",
                "--samples-out", str(samples)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -247,7 +247,7 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
                "--output-len", "8", "--prefix-len", "32", "--prefix-share", "0.5",
                "--policy", "fair", "--tenants", "heavy=3,light=1", "--dtype", "float32",
                "--max-model-len", "256", "--max-num-batched-tokens", "128",
-               "--max-num-seqs", "8", "--kv-cache-memory", str(4 << 20), "--quick",
+               "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(4 << 20), "--quick",
                "--repeats", "1", "--real-repeats", "2", "--out", str(out), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out

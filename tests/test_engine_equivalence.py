@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.gpu.llm_engine import EngineArgs, LLMEngine
+from twinserve.core.engine_args import EngineArgs
+from twinserve.gpu.llm_engine import LLMEngine
 
 from conftest import TINY_VOCAB, hf_greedy
 
@@ -66,7 +67,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 def _engine(model_dir, device: str, regime: dict, enforce_eager: bool = False) -> LLMEngine:
     return LLMEngine(EngineArgs(model=str(model_dir), dtype="float32", device=device,
-                                kv_cache_memory=1 << 22, swap_space=0.01,
+                                kv_cache_memory_bytes=1 << 22, swap_space=0.01,
                                 enforce_eager=enforce_eager, **regime))
 
 

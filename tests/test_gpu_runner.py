@@ -8,6 +8,7 @@ import torch
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.engine_args import EngineArgs
 from twinserve.gpu.model_runner import ModelRunner
 
 from conftest import TINY_MODELS, TINY_VOCAB, hf_greedy
@@ -30,8 +31,8 @@ def _decode_steps(requests: list[Request], n: int) -> list[list[tuple[Request, i
 
 @pytest.fixture(scope="module")
 def tiny_runners(tiny_model_dirs):
-    return {name: ModelRunner(str(path), dtype="float32", block_size=4,
-                              kv_cache_memory=1 << 24, swap_space=0.001)
+    return {name: ModelRunner(EngineArgs(str(path), dtype="float32", block_size=4,
+                                         kv_cache_memory_bytes=1 << 24, swap_space=0.001))
             for name, path in tiny_model_dirs.items()}
 
 
@@ -99,8 +100,8 @@ def test_runner_attributes(tiny_runners):
 
 @pytest.mark.slow
 def test_default_model_fp32_matches_hf(default_model_dir, drive):
-    runner = ModelRunner(str(default_model_dir), dtype="float32", max_model_len=512,
-                         kv_cache_memory=400 << 20, swap_space=0)
+    runner = ModelRunner(EngineArgs(str(default_model_dir), dtype="float32", max_model_len=512,
+                                    kv_cache_memory_bytes=400 << 20, swap_space=0))
     tok = runner.tokenizer
     questions = ["What is the capital of France?", "Name three colors.", "Hi",
                  "Explain gravity in one sentence.", "Write a haiku about autumn leaves.",

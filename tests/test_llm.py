@@ -7,7 +7,7 @@ from twinserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory=64 * 2**20)
+    return LLM(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=64 * 2**20)
 
 
 def test_generate_returns_outputs_in_input_order(llm):
@@ -70,7 +70,7 @@ def test_abort_frees_the_blocks_of_every_sample(llm):
 
 
 def test_priority_policy_serves_urgent_requests_first():
-    llm = LLM(scheduling_policy="priority", max_num_seqs=1, kv_cache_memory=32 * 2**20)
+    llm = LLM(scheduling_policy="priority", max_num_seqs=1, kv_cache_memory_bytes=32 * 2**20)
     engine = llm.engine
     first = {}
     ids = [engine.add_request([20 + i] * 8, SamplingParams(max_tokens=2, temperature=0),

@@ -8,11 +8,12 @@ import pytest
 
 from twinserve.benchmarks.random_model import write_random_model
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.gpu.llm_engine import EngineArgs, LLMEngine
+from twinserve.core.engine_args import EngineArgs
+from twinserve.gpu.llm_engine import LLMEngine
 
 
 def _generate(model_dir, n: int = 4) -> list[int]:
-    engine = LLMEngine(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory=1 << 24))
+    engine = LLMEngine(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24))
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     engine.add_request([5, 6, 7, 8, 9], params)
     tokens: list[int] = []

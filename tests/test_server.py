@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from twinserve.gpu.llm_engine import EngineMetrics
+from twinserve.core.step_driver import RunRecorder
 
 from server_fixture import LiveServer, live_server
 
@@ -431,7 +431,7 @@ class _StubEngine:
         self.scheduler = SimpleNamespace(
             stats=lambda: SchedulerStats(len(self.live), 0, 0.0, 0, 0, 0, 0, 0),
             kv=SimpleNamespace(reset_prefix_cache=lambda: True))
-        self.metrics = EngineMetrics()
+        self.metrics = RunRecorder()
         self.fail_on_step = fail_on_step
         self.added: list[dict] = []
         self.live: dict[str, tuple[list[int], object, list[int]]] = {}

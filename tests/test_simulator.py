@@ -27,9 +27,10 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.policies import available_policies, get_policy
 from twinserve.policies.static import StaticBatchingPolicy
 from twinserve.simulator import SimConfig, SimResult, simulate, write_sim_run
-from twinserve.simulator.engine import Replica, SimRecorder, arrival_process, engine_process
+from twinserve.core.step_driver import RunRecorder, StepDriver
+from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.router import make_router
-from twinserve.simulator.run import build_scheduler_config, to_request
+from twinserve.simulator.run import build_engine_config, to_request
 from twinserve.traces import (SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace)
 
 from core_helpers import make_req, make_scheduler, step
@@ -42,7 +43,7 @@ SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
 class EngineRun:
     """A simulation driven here (not through ``simulate``) so the schedulers can be audited."""
 
-    recorder: SimRecorder
+    recorder: RunRecorder
     replicas: list[Replica]
     block_ops: Counter
 
@@ -50,12 +51,13 @@ class EngineRun:
 def run_engines(cfg: SimConfig, trace: list[TraceRequest], engine=engine_process) -> EngineRun:
     """``simulate`` without the summary, keeping the replicas, counting swap/copy block ops and
     checking that every scheduled token has a KV slot; ``engine`` is the engine process."""
-    sched_cfg, cost, vocab = build_scheduler_config(cfg)
+    engine_config, cost, spec = build_engine_config(cfg)
+    sched_cfg, vocab, block_size = engine_config.scheduler, spec.vocab_size, cfg.engine.block_size
     ops: Counter = Counter()
 
     def step_time(out: SchedulerOutput) -> float:
         for sr in out.scheduled:  # every token computed this step has a KV slot
-            slots = len(sr.block_ids) * cfg.block_size
+            slots = len(sr.block_ids) * block_size
             assert slots >= sr.start + sr.num_new_tokens, sr.request_id
         ops["swap_out"] += len(out.blocks_to_swap_out)
         ops["swap_in"] += len(out.blocks_to_swap_in)
@@ -63,15 +65,16 @@ def run_engines(cfg: SimConfig, trace: list[TraceRequest], engine=engine_process
         return cost.step_time(out)
 
     env = simpy.Environment()
-    replicas = [Replica(i, Scheduler(sched_cfg, get_policy(cfg.scheduling_policy,
-                                                           **cfg.policy_options),
-                                     stream_outputs=False), step_time)
+    recorder = RunRecorder(record_tenants=True)
+    args = cfg.engine
+    replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, get_policy(args.scheduling_policy,
+                                                                      **args.policy_options),
+                                                stream_outputs=False), recorder, i), step_time)
                 for i in range(cfg.num_replicas)]
-    recorder = SimRecorder(record_tenants=True)
-    requests = (to_request(tr, vocab, cfg.block_size) for tr in trace)
+    requests = (to_request(tr, vocab, block_size) for tr in trace)
     env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
     for replica in replicas:
-        env.process(engine(env, replica, recorder))
+        env.process(engine(env, replica))
     env.run()
     return EngineRun(recorder, replicas, ops)
 
@@ -96,7 +99,8 @@ def assert_no_leaks(run: EngineRun) -> None:
     """Every replica ends empty: no request, no device or host block held, audit clean."""
     for replica in run.replicas:
         sched = replica.scheduler
-        assert not replica.live and not replica.sampled and not sched.requests and not sched.running
+        assert not replica.tokens.output.sampled_token_ids
+        assert not sched.requests and not sched.running
         assert sched.num_waiting == 0 and not sched.has_unfinished_requests()
         kv = sched.kv
         assert not kv.tables
@@ -118,10 +122,11 @@ def at_once(trace: list[TraceRequest]) -> list[TraceRequest]:
 
 def service_time_alone(cfg: SimConfig, input_tokens: int, output_tokens: int) -> float:
     """Sum of the cost model's step times for one request alone in the engine (no SimPy)."""
-    sched_cfg, cost, vocab = build_scheduler_config(cfg)
-    sched = Scheduler(sched_cfg, get_policy(cfg.scheduling_policy), stream_outputs=False)
+    engine_config, cost, spec = build_engine_config(cfg)
+    sched = Scheduler(engine_config.scheduler, get_policy(cfg.scheduling_policy),
+                      stream_outputs=False)
     sched.add_request(to_request(TraceRequest("alone", 0.0, input_tokens, output_tokens),
-                                 vocab, cfg.block_size))
+                                 spec.vocab_size, cfg.engine.block_size))
     now = 0.0
     while sched.has_unfinished_requests():
         out = sched.schedule(now)
@@ -150,7 +155,7 @@ def test_conservation_on_azure_slice_tokens_add_up_and_no_block_leaks(
     trace = first_n(azure_conv, 300)
     cfg = SimConfig()
     run = run_engines(cfg, trace)
-    records = run.recorder.records
+    records = run.recorder.requests
     assert_conserved(trace, records)
     assert_no_leaks(run)
     steps = run.recorder.steps
@@ -188,7 +193,7 @@ def test_requests_that_can_never_run_are_recorded_as_failed() -> None:
 def test_a_request_longer_than_the_whole_cache_fails_alone() -> None:
     trace = [TraceRequest("huge", 0.0, 100, 100), TraceRequest("ok", 0.1, 20, 4),
              TraceRequest("exact", 0.2, 100, 61)]  # 160 tokens: the last KV is never written
-    result = simulate(SimConfig(num_gpu_blocks=10), trace)  # 160 tokens of KV in all
+    result = simulate(SimConfig(num_gpu_blocks_override=10), trace)  # 160 tokens of KV in all
     by_id = {r.request_id: r for r in result.records}
     assert not by_id["huge"].success and by_id["ok"].success and by_id["exact"].success
     assert "could never finish" in by_id["huge"].error
@@ -203,7 +208,7 @@ def test_same_inputs_give_byte_identical_run_folders(tmp_path: Path) -> None:
     wl = SyntheticConfig(num_requests=150, input_len=300, output_len=40,
                          range_ratio=0.8, prefix_len=128, prefix_share=0.5,
                          tenant_rates={"a": 20.0, "b": 10.0}, seed=11)
-    cfg = SimConfig(**SMALL, scheduling_policy="fair", max_num_seqs=16, num_gpu_blocks=300)
+    cfg = SimConfig(**SMALL, scheduling_policy="fair", max_num_seqs=16, num_gpu_blocks_override=300)
     desc = {"trace": "synthetic", "seed": wl.seed}
     one = write_sim_run(simulate(cfg, synthetic_trace(wl)), tmp_path / "one", desc)
     two = write_sim_run(simulate(cfg, synthetic_trace(wl)), tmp_path / "two", desc)
@@ -227,7 +232,9 @@ def _golden(tmp_dir: Path | None = None) -> dict[str, object]:
     import tempfile
     wl = SyntheticConfig(num_requests=40, request_rate=8.0, input_len=200, output_len=20,
                          range_ratio=0.5, prefix_len=64, prefix_share=0.5, seed=7)
-    result = simulate(SimConfig(**SMALL, max_num_seqs=8), synthetic_trace(wl))
+    # the engine limits written out: the golden numbers do not move with the defaults
+    result = simulate(SimConfig(**SMALL, max_num_seqs=8, max_num_batched_tokens=8192),
+                      synthetic_trace(wl))
     folder = write_sim_run(result, Path(tmp_dir or tempfile.mkdtemp()) / "golden",
                            {"trace": "synthetic-golden"})
     csv_bytes = (folder / "requests.csv").read_bytes()
@@ -381,7 +388,7 @@ def test_vtc_bounds_the_service_gap_between_backlogged_tenants() -> None:
         assert len(service) > 500  # a long backlogged stretch
         gaps[policy] = max(abs(a - b) for a, b in service)
         jains[policy] = jain_index(list(service[-1]))
-    assert gaps["fair"] <= cfg.max_num_seqs * max_service
+    assert gaps["fair"] <= cfg.engine.max_num_seqs * max_service
     assert gaps["fcfs"] > 5 * cfg.max_num_seqs * max_service
     assert jains["fair"] > 0.99 and jains["fair"] > jains["fcfs"]
 
@@ -403,11 +410,11 @@ def test_two_round_robin_replicas_double_saturated_throughput() -> None:
                                             range_ratio=0.5, seed=4))  # all at t=0
     one = run_engines(SimConfig(max_num_seqs=32), trace)
     two = run_engines(SimConfig(max_num_seqs=32, num_replicas=2), trace)
-    assert_conserved(trace, two.recorder.records)
+    assert_conserved(trace, two.recorder.requests)
     assert_no_leaks(two)
 
     def makespan(run: EngineRun) -> float:
-        return max(r.finish_time for r in run.recorder.records)
+        return max(r.finish_time for r in run.recorder.requests)
 
     assert 1.7 < makespan(one) / makespan(two) < 2.1  # throughput ratio at saturation
     # Round-robin: replica i served exactly the requests i, i + 2, i + 4, ... of the trace.
@@ -438,7 +445,7 @@ def test_prefix_affinity_routing_beats_round_robin_on_cache_hits() -> None:
     trace = _multi_prefix_trace(400, groups=8, prefix_tokens=1024, rate=20.0, seed=5)
     hit = {}
     for router in ("round-robin", "prefix-affinity"):
-        cfg = SimConfig(num_replicas=2, router=router, num_gpu_blocks=400)
+        cfg = SimConfig(num_replicas=2, router=router, num_gpu_blocks_override=400)
         summary = simulate(cfg, trace).summary
         assert summary["completed"] == len(trace)
         hit[router] = summary["prefix_cache_hit_rate"]
@@ -451,9 +458,9 @@ def test_prefix_affinity_routing_beats_round_robin_on_cache_hits() -> None:
 def test_memory_starved_engine_completes_everything_with_preemptions(mode: str) -> None:
     trace = synthetic_trace(SyntheticConfig(num_requests=300, input_len=256, output_len=64,
                                             range_ratio=0.5, seed=4))
-    cfg = SimConfig(preemption_mode=mode, num_gpu_blocks=200, max_num_seqs=64)
+    cfg = SimConfig(preemption_mode=mode, num_gpu_blocks_override=200, max_num_seqs=64)
     run = run_engines(cfg, trace)
-    records = run.recorder.records
+    records = run.recorder.requests
     assert_conserved(trace, records)
     assert_no_leaks(run)
     assert sum(r.num_preemptions for r in records) > 0
@@ -555,10 +562,10 @@ def test_static_in_simulation_batches_never_grow_and_lose_to_continuous_batching
 def test_static_preempted_members_rejoin_their_batch() -> None:
     trace = synthetic_trace(SyntheticConfig(num_requests=200, input_len=256, output_len=64,
                                             range_ratio=0.5, seed=4))
-    run = run_engines(SimConfig(scheduling_policy="static", num_gpu_blocks=200), trace)
-    assert_conserved(trace, run.recorder.records)
+    run = run_engines(SimConfig(scheduling_policy="static", num_gpu_blocks_override=200), trace)
+    assert_conserved(trace, run.recorder.requests)
     assert_no_leaks(run)
-    assert sum(r.num_preemptions for r in run.recorder.records) > 0
+    assert sum(r.num_preemptions for r in run.recorder.requests) > 0
 
 
 # ---- (i) unknown names -----------------------------------------------------------------------
@@ -599,37 +606,31 @@ def test_step_log_reads_back_the_step_records_it_was_given() -> None:
 
 def test_simulated_steps_are_a_step_log_matching_the_schedule() -> None:
     trace = [TraceRequest(f"r{i}", 0.01 * i, 40, 5) for i in range(6)]
-    result = simulate(SimConfig(num_gpu_blocks=64), trace)
+    result = simulate(SimConfig(num_gpu_blocks_override=64), trace)
     assert sum(result.steps.column("num_seqs")) == sum(s.num_seqs for s in result.steps)
     assert sum(result.steps.column("num_decode_tokens")) == 6 * 4  # first tokens come from prefill
     assert all(isinstance(s, StepRecord) for s in result.steps)
 
 
-def _one_event_per_step(env: simpy.Environment, replica: Replica, recorder: SimRecorder):
+def _one_event_per_step(env: simpy.Environment, replica: Replica):
     """The engine loop as the design states it, one SimPy timeout per step: the reference that
     ``engine_process`` (which skips the events no other process could observe) must match."""
-    sched = replica.scheduler
-    sampled = ModelRunnerOutput(replica.sampled)  # type: ignore[arg-type]
+    driver = replica.driver
     while True:
-        if not sched.has_unfinished_requests():
+        if not driver.scheduler.has_unfinished_requests():
             replica.wakeup = env.event()
             yield replica.wakeup
             replica.wakeup = None
         start = env.now
-        out = sched.schedule(start)
-        duration = replica.step_time(out)
-        yield env.timeout(duration)
-        outputs = sched.update_from_output(out, sampled, env.now)
-        recorder.steps.record_step(out, sched, start, duration, replica.index, True)
-        for o in outputs:
-            if o.finished:
-                recorder.records.append(RequestRecord.from_request(replica.live.pop(o.request_id)))
-                del replica.sampled[o.request_id]
+        out = driver.schedule(start)
+        result = driver.execute(replica.tokens, out)
+        yield env.timeout(replica.step_time(out))
+        driver.complete(out, result, start, env.now)
 
 
 def _replay(cfg: SimConfig, trace: list[TraceRequest], engine) -> tuple[list, list]:
     recorder = run_engines(cfg, trace, engine).recorder
-    records = [dataclasses.astuple(r) for r in recorder.records]
+    records = [dataclasses.astuple(r) for r in recorder.requests]
     return records, [dataclasses.astuple(s) for s in recorder.steps]
 
 
@@ -643,7 +644,7 @@ def test_engine_clock_running_ahead_of_simpy_matches_one_event_per_step(num_repl
         times.append(times[-1] + rng.choice([0.0, 1e-6, rng.expovariate(40.0), 2.5]))
     trace = [TraceRequest(f"r{i}", t, rng.randint(1, 700), rng.randint(1, 90))
              for i, t in enumerate(times)]
-    cfg = SimConfig(num_replicas=num_replicas, num_gpu_blocks=300)
+    cfg = SimConfig(num_replicas=num_replicas, num_gpu_blocks_override=300)
     records, steps = _replay(cfg, trace, _one_event_per_step)
     assert _replay(cfg, trace, engine_process) == (records, steps)
     ends = sorted({s[0] + s[1] for s in steps})  # StepRecord starts with time, duration

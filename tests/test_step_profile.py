@@ -7,7 +7,7 @@ from twinserve.gpu.llm_engine import LLMEngine
 
 
 def test_profile_times_every_part_and_removes_its_timers(tiny_model_dirs):
-    llm = LLM(str(tiny_model_dirs["llama-tied"]), dtype="float32", kv_cache_memory=1 << 24)
+    llm = LLM(str(tiny_model_dirs["llama-tied"]), dtype="float32", kv_cache_memory_bytes=1 << 24)
     before = [getattr(owner, attr) for _, owner, attr in TIMED]
     backend = llm.engine.runner.model.backend
     write_kv = backend.write_kv_cache

@@ -1,0 +1,161 @@
+"""The engine's arguments under vLLM's names: one set for the real engine and for its twin.
+
+``EngineArgs`` holds what the user asked for (``None`` = "pick the default"); ``engine_config``
+resolves it, for one model on one device and usage context, into what the engine runs with.
+Arguments vLLM accepts that twinserve does not implement are refused by name (``ValueError``)
+unless given their "absent" value, so a configuration never silently means less than it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+# vLLM engine arguments twinserve does not implement (yet), each with the value that means
+# "not used": that value is accepted, any other is refused naming the argument.
+NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
+    "quantization": None, "kv_cache_dtype": "auto", "enable_lora": False, "max_loras": None,
+    "max_lora_rank": None, "max_cpu_loras": None, "lora_modules": None,
+    "pipeline_parallel_size": 1, "data_parallel_size": 1, "distributed_executor_backend": None,
+    "speculative_config": None, "cpu_offload_gb": 0, "trust_remote_code": False,
+    "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
+    "tokenizer_revision": None, "download_dir": None, "load_format": "auto",
+    "hf_overrides": None, "rope_scaling": None, "rope_theta": None, "max_logprobs": 20,
+    "disable_sliding_window": False, "enable_expert_parallel": False,
+    "structured_outputs_config": None, "guided_decoding_backend": None,
+    "enable_prompt_embeds": False, "limit_mm_per_prompt": None, "mm_processor_kwargs": None,
+    "max_num_partial_prefills": 1, "scheduler_cls": None, "compilation_config": None,
+    "kv_transfer_config": None, "calculate_kv_scales": False, "enable_sleep_mode": False,
+})
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Engine knobs (vLLM's names and meanings). ``None`` fields are resolved per device and
+    usage context by ``engine_config.resolve_engine_config``, as vLLM picks its defaults."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # the real engine: cuda when present, else cpu; the twin: its profile's
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 16
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "recompute"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _hints()[f.name])
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                  "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}.")
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "engine arguments",
+                     **overrides: Any) -> EngineArgs:
+        """Builds from a mapping (a YAML file's keys: dashes or underscores); ``overrides`` win.
+        An unknown key, a wrong type or an argument twinserve does not implement raises
+        ValueError naming the key and ``source``."""
+        known = set(cls.field_names())
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in {**values, **overrides}.items():
+            key = str(raw_key).replace("-", "_")
+            if key in NOT_IMPLEMENTED:  # at its "not used" value it changes nothing: dropped
+                check_not_implemented(key, value, source)
+                continue
+            if key not in known:
+                raise ValueError(f"{source}: unknown engine argument {raw_key!r}; valid: "
+                                 f"{', '.join(sorted(known))}.")
+            kwargs[key] = value
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def check_not_implemented(name: str, value: Any, source: str = "engine arguments") -> None:
+    """Raises ValueError when ``name`` is a vLLM argument twinserve lacks, set to a real value."""
+    if name in NOT_IMPLEMENTED and value != NOT_IMPLEMENTED[name]:
+        raise ValueError(f"{source}: engine argument {name!r} is not implemented by twinserve "
+                         f"(got {value!r}); leave it unset.")
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(EngineArgs)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    allowed = _allowed_types(hint)
+    if value is None and type(None) in allowed:
+        return
+    if isinstance(value, bool) and bool not in allowed:
+        raise ValueError(f"{name} must be {_describe(allowed)}, got {value!r}.")
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if not isinstance(value, tuple(t for t in allowed if t is not type(None))):
+        raise ValueError(f"{name} must be {_describe(allowed)}, got {value!r}.")
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    args = typing.get_args(hint)
+    if args and not isinstance(hint, type):  # a union (X | None) or a generic (dict[str, Any])
+        origin = typing.get_origin(hint)
+        if origin in (dict, list, tuple):
+            return (origin,)
+        return tuple(a if isinstance(a, type) else typing.get_origin(a) for a in args)
+    return (hint,)
+
+
+def _describe(types_: tuple[type, ...]) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             dict: "a mapping", type(None): "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types_)
+
+
+def _positive(args: EngineArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _one_of(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {', '.join(valid)}; got {value!r}.")

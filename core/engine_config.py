@@ -1,0 +1,181 @@
+"""``EngineArgs`` resolved for one model on one device: the one function both halves call.
+
+    resolve_engine_config(args, model, platform, usage_context, non_kv_bytes) -> EngineConfig
+
+The real engine describes its own device (``gpu.platform.current_platform``); the twin describes
+the device of its hardware profile (``HardwareProfile.platform``). Given the same description
+both get the same scheduler settings, block counts and dtype, by construction:
+
+- batch limits: vLLM's defaults per device and usage context (``default_batch_limits``);
+- dtype: ``auto`` is the checkpoint's half dtype on CUDA; on a CPU bfloat16 only where the
+  processor has native bf16 matmuls, else float32 (exact to the checkpoint);
+- ``max_model_len``: the model's limit unless lower; above it is an error, worded as vLLM's;
+- KV blocks: the KV byte budget over one block's bytes (per tensor-parallel rank). On a CPU the
+  budget is ``kv_cache_memory_bytes`` (default 2 GiB) within half the memory available; on a GPU
+  ``total * gpu_memory_utilization`` minus what weights and activations take (``non_kv_bytes``:
+  measured by the real engine, estimated by the twin). Host blocks come from ``swap_space``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from twinserve.core.config import SchedulerConfig
+from twinserve.core.engine_args import EngineArgs
+
+GIB = 1 << 30
+USAGE_CONTEXTS = ("llm", "server")
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * GIB
+DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(slots=True, frozen=True)
+class Platform:
+    """A device as the configuration sees it. ``memory_bytes``: a GPU's total memory, or the host
+    memory available to a CPU engine."""
+
+    device_type: str  # "cpu" or "cuda"
+    device_name: str
+    memory_bytes: int
+    native_bf16: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}.")
+
+
+class ModelShape(Protocol):
+    """What the resolution reads of a model description."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int | None: ...
+    @property
+    def torch_dtype(self) -> str | None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """What an engine runs with: the arguments as given, and every value resolved from them."""
+
+    args: EngineArgs
+    usage_context: str
+    device_type: str
+    device_name: str
+    dtype: str
+    kv_cache_bytes: int
+    block_bytes: int
+    scheduler: SchedulerConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat, for a run folder's ``config.json``: the arguments with their resolved values."""
+        resolved = {k: v for k, v in asdict(self.scheduler).items()}
+        return {**asdict(self.args), **resolved, "usage_context": self.usage_context,
+                "device_type": self.device_type, "device_name": self.device_name,
+                "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
+                "block_bytes": self.block_bytes}
+
+
+def default_batch_limits(platform: Platform, usage_context: str,
+                         world_size: int = 1) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` as vLLM defaults them (``EngineArgs.
+    get_batch_defaults``): large GPUs (70+ GiB, not an A100) get bigger budgets; offline use
+    (``llm``) gets larger steps than a server, whose steps bound every stream's latency."""
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}.")
+    offline = usage_context == "llm"
+    if platform.device_type == "cpu":
+        return (4096 if offline else 2048) * world_size, (256 if offline else 128) * world_size
+    if platform.memory_bytes >= 70 * GIB and "a100" not in platform.device_name.lower():
+        return (16384 if offline else 8192), 1024
+    return (8192 if offline else 2048), 256
+
+
+def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform) -> str:
+    if requested != "auto":
+        return requested
+    if platform.device_type == "cuda":
+        return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
+    return "bfloat16" if platform.native_bf16 else "float32"
+
+
+def resolve_max_model_len(requested: int | None, model: ModelShape) -> int:
+    limit = model.max_position_embeddings
+    if limit is None:
+        raise ValueError("config.json has no max_position_embeddings: pass max_model_len.")
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"User-specified max_model_len ({requested}) is greater than the derived "
+                         f"max_model_len (max_position_embeddings={limit} in the model's "
+                         "config.json). twinserve does not serve past the model's trained "
+                         "length: pass max_model_len <= " f"{limit}.")
+    return requested
+
+
+def kv_block_bytes(model: ModelShape, block_size: int, dtype: str,
+                   tensor_parallel_size: int = 1) -> int:
+    """Keys and values of one block across all layers, on one rank (KV heads are split across
+    ranks and replicated when there are fewer of them than ranks)."""
+    heads = max(1, model.num_key_value_heads // tensor_parallel_size)
+    return 2 * model.num_hidden_layers * block_size * heads * model.head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_cache_budget(args: EngineArgs, platform: Platform, non_kv_bytes: int) -> int:
+    if platform.device_type == "cpu":
+        wanted = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        return min(wanted, platform.memory_bytes // 2)
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes
+    return int(platform.memory_bytes * args.gpu_memory_utilization) - non_kv_bytes
+
+
+def resolve_engine_config(args: EngineArgs, model: ModelShape, platform: Platform,
+                          usage_context: str = "llm", non_kv_bytes: int = 0) -> EngineConfig:
+    """Resolves ``args`` for ``model`` on ``platform``. Raises ValueError for a configuration
+    that cannot run (saying what to change)."""
+    tp = args.tensor_parallel_size
+    batched, seqs = default_batch_limits(platform, usage_context, tp)
+    dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
+    max_len = resolve_max_model_len(args.max_model_len, model)
+    check = getattr(model, "check_servable", None)
+    if check is not None:
+        check(max_len)
+    max_batched = args.max_num_batched_tokens or batched
+    if not args.enable_chunked_prefill:
+        max_batched = max(max_batched, max_len)
+    block_bytes = kv_block_bytes(model, args.block_size, dtype, tp)
+    budget = kv_cache_budget(args, platform, non_kv_bytes)
+    num_blocks = budget // block_bytes if budget > 0 else 0
+    if args.num_gpu_blocks_override is not None:
+        num_blocks = args.num_gpu_blocks_override
+    if num_blocks <= 0:
+        raise ValueError(
+            f"no memory is left for the KV cache on {platform.device_name}: "
+            f"{platform.memory_bytes / GIB:.1f} GiB x gpu_memory_utilization "
+            f"{args.gpu_memory_utilization} minus {non_kv_bytes / GIB:.1f} GiB of weights and "
+            "activations leaves less than one block. Raise gpu_memory_utilization or "
+            "tensor_parallel_size, or pick a smaller model or a larger device.")
+    scheduler = SchedulerConfig(
+        num_gpu_blocks=num_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs or seqs, max_num_batched_tokens=max_batched,
+        max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        preemption_mode=args.preemption_mode,
+        num_cpu_blocks=int(args.swap_space * GIB) // block_bytes)
+    return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
+                        num_blocks * block_bytes, block_bytes, scheduler)

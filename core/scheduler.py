@@ -25,6 +25,7 @@ No prefill or decode phases: each step hands out tokens so that every scheduled 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.kv_cache_manager import BlockTable, KVCacheManager
@@ -172,6 +173,7 @@ class Scheduler:
         preempted = False
         num_others = decode_starts = 0  # decodes are counted once, after the loop
         max_start = -1
+        table: BlockTable | None
         # Preemption only removes requests at or after the current one (and stops the loop when
         # it removes the current one), so iterating while it shrinks the list is safe.
         for request in running:
@@ -412,7 +414,7 @@ class Scheduler:
             if not sr.sample:
                 num_others += 1
                 continue
-            tokens = get_tokens(request.request_id)
+            tokens: Any = get_tokens(request.request_id)  # None when the backend lost one
             try:  # unpacking tests for exactly one token at the cost of one instruction
                 (token,) = tokens
                 inline = no_forks and token not in request.stop_ids

@@ -13,7 +13,7 @@ class FCFSPolicy(QueuePolicy):
     front of the queue so it resumes before later arrivals."""
 
     def __init__(self) -> None:
-        self._queue = FifoQueue()
+        self._queue: FifoQueue = FifoQueue()
 
     def requeue(self, request: Request) -> None:
         self._queue.add_front(request)

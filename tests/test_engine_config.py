@@ -252,3 +252,17 @@ def test_same_yaml_through_simulate_and_validate_gives_the_same_scheduler(
         for key in (*SchedulerConfig.field_names(), "dtype", "usage_context", "block_bytes"):
             assert sim[key] == other[key], (run, key)
     assert sim["max_num_seqs"] == 8 and sim["scheduling_policy"] == "fair"
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--quantization", "awq"], "'quantization' is not implemented"),
+    (["--enable-lora"], "'enable_lora' is not implemented"),
+    (["--max-model-len", "100000"], "User-specified max_model_len (100000)"),
+])
+def test_serve_refuses_what_it_cannot_honour_before_it_listens(tiny_model_dirs, flags, match,
+                                                               capsys) -> None:
+    from twinserve.entrypoints.cli import main
+    rc = main(["serve", "--model", str(tiny_model_dirs["llama-tied"]), "--port", "1",
+               "--kv-cache-memory-bytes", str(1 << 20), *flags])
+    assert rc == 2
+    assert match in capsys.readouterr().err

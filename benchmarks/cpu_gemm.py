@@ -32,7 +32,8 @@ def weight_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights one forward multiplies by, in order (the head once)."""
     weights = []
     for layer in model.layers:
-        weights += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        weights += [layer.qkv_proj.weight, layer.o_proj.weight, layer.gate_up_proj.weight,
+                    layer.down_proj.weight]
     return weights + [model.embed_tokens if model.lm_head is None else model.lm_head]
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from twinserve.core.hf_config import HFModelShape, read_hf_config
+from twinserve.core.hf_config import read_hf_config
+from twinserve.core.model_config import ModelConfig
 
 BUNDLED = Path(__file__).resolve().parent.parent / "simulator" / "data" / "models"
 INDEX = "model.safetensors.index.json"
@@ -38,36 +39,17 @@ def bundled_config(name_or_path: str) -> dict:
     return read_hf_config(path)
 
 
-def layer_shapes(shape: HFModelShape, layer: int) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of decoder layer ``layer``."""
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-    p = f"model.layers.{layer}."
-    shapes = {
-        p + "input_layernorm.weight": (hidden,),
-        p + "post_attention_layernorm.weight": (hidden,),
-        p + "self_attn.q_proj.weight": (q, hidden),
-        p + "self_attn.k_proj.weight": (kv, hidden),
-        p + "self_attn.v_proj.weight": (kv, hidden),
-        p + "self_attn.o_proj.weight": (hidden, q),
-        p + "mlp.gate_proj.weight": (inter, hidden),
-        p + "mlp.up_proj.weight": (inter, hidden),
-        p + "mlp.down_proj.weight": (hidden, inter),
-    }
-    if shape.qkv_bias:
-        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)})
-    if shape.o_proj_bias:
-        shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-    return shapes
+def layer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of decoder layer ``layer`` (the architecture's weight map)."""
+    prefix = f"model.layers.{layer}."
+    return {name: t.shape for name, t in config.arch.weight_map(config).items()
+            if name.startswith(prefix)}
 
 
-def outer_shapes(shape: HFModelShape) -> dict[str, tuple[int, ...]]:
-    shapes = {"model.embed_tokens.weight": (shape.vocab_size, shape.hidden_size),
-              "model.norm.weight": (shape.hidden_size,)}
-    if not shape.tie_word_embeddings:
-        shapes["lm_head.weight"] = (shape.vocab_size, shape.hidden_size)
-    return shapes
+def outer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The embedding, the final norm and an untied LM head."""
+    return {name: t.shape for name, t in config.arch.weight_map(config).items()
+            if not name.startswith("model.layers.")}
 
 
 def _draw(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str,
@@ -98,8 +80,8 @@ def write_random_model(out: str | Path, config: str = "llama-3-8b", dtype: str =
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
-    shape = HFModelShape.from_dict(cfg)
-    parts = [outer_shapes(shape)] + [layer_shapes(shape, i) for i in range(shape.num_hidden_layers)]
+    model = ModelConfig.from_hf_dict(cfg, out.name or "model")
+    parts = [outer_shapes(model)] + [layer_shapes(model, i) for i in range(model.num_hidden_layers)]
     for k, shapes in enumerate(parts):
         shard = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
         save_file(_draw(shapes, torch_dtype, device, gen), out / shard, metadata={"format": "pt"})

@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, unpadded batch.
+"""The dense decoder of the registered families (Llama, Mistral, Qwen2) over a flattened batch.
 
 One forward serves prefills, chunked prefills and decodes together: ``input_ids[T]`` and
 ``positions[T]`` concatenate every scheduled sequence's new tokens, ``AttentionMetadata`` says where
-each sequence's rows are and where its KV lives. Weights are fused at load time: q/k/v into one
-``qkv_proj`` and gate/up into one ``gate_up_proj`` (one matmul each instead of three and two).
+each sequence's rows are and where its KV lives. A decoder layer's projections are the linear
+layers (``gpu/linear.py``) its architecture entry names (``core/architectures``): q/k/v fused in
+one ``qkv_proj`` and gate/up in one ``gate_up_proj`` (one product each instead of three and two).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.attention_backend import AttentionBackend, AttentionMetadata
-from twinserve.gpu.config import ModelConfig
 from twinserve.gpu.cpu_gemm import Gemm
+from twinserve.gpu.linear import LinearBase, LinearOptions, linear_from_spec
 from twinserve.gpu.rope import RotaryEmbedding, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -22,23 +24,29 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, gemm: Gemm) -> None:
+    """Pre-norm attention and SiLU-gated MLP; the projections ``qkv_proj``, ``o_proj``,
+    ``gate_up_proj`` and ``down_proj`` are built from the architecture entry's ``linears``."""
+
+    input_layernorm: nn.Parameter
+    post_attention_layernorm: nn.Parameter
+    qkv_proj: LinearBase
+    o_proj: LinearBase
+    gate_up_proj: LinearBase
+    down_proj: LinearBase
+
+    def __init__(self, config: ModelConfig, options: LinearOptions) -> None:
         super().__init__()
-        self.gemm = gemm
+        self.gemm = options.gemm
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim ** -0.5
-        qkv_out = config.q_size + 2 * config.kv_size
-        self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
-        self.qkv_proj = nn.Parameter(torch.empty(qkv_out, config.hidden_size))
-        self.qkv_bias = nn.Parameter(torch.zeros(qkv_out)) if config.attention_bias else None
-        self.o_proj = nn.Parameter(torch.empty(config.hidden_size, config.q_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(2 * config.intermediate_size, config.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size))
+        for norm in config.arch.norms:
+            setattr(self, norm, _parameter(torch.ones(config.hidden_size, dtype=options.dtype,
+                                                      device=options.device)))
+        for spec in config.arch.linears(config):
+            setattr(self, spec.name, linear_from_spec(spec, config, options))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
@@ -51,17 +59,19 @@ class DecoderLayer(nn.Module):
         return self._mlp(x), residual
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        # ``forward`` directly: nn.Module.__call__'s hook dispatch, four times a layer, is
+        # measurable at batch-1 decode on a 2-core CPU.
         if self.gemm.plain(x.shape[0]):
-            gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down_proj)
-        gate_up = self.gemm.feature_major(x, self.gate_up_proj)  # [2 * intermediate, T]
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+            return self.down_proj.forward(F.silu(gate) * up)
+        gate_up = self.gate_up_proj.forward_feature_major(x)  # [2 * intermediate, T]
         gate, up = gate_up.chunk(2, dim=0)
-        return self.gemm.linear(F.silu(gate).mul_(up).t(), self.down_proj)
+        return self.down_proj.forward(F.silu(gate).mul_(up).t())
 
     def _attention(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                    meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.gemm.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv_proj.forward(x)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -69,26 +79,36 @@ class DecoderLayer(nn.Module):
         key_cache, value_cache = kv_cache
         backend.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        return self.gemm.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
 class CausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and (possibly tied) LM head."""
+    """Embeddings, decoder layers, final norm and (possibly tied) LM head. Parameters are
+    allocated (uninitialised) in ``dtype`` on ``device``; ``model_loader`` fills them."""
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
         self.config = config
         self.gemm = Gemm.for_device(device, dtype)
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, self.gemm)
+        options = LinearOptions(self.gemm, dtype, device)
+        embedding = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = _parameter(torch.empty(embedding, dtype=dtype, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(config, options)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.norm = _parameter(torch.ones(config.hidden_size, dtype=dtype, device=device))
         self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
+                        _parameter(torch.empty(embedding, dtype=dtype, device=device)))
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, dtype, device)
         self.backend = AttentionBackend(device)
+
+    def set_gemm(self, gemm: Gemm) -> None:
+        """Run every weight product (layers' projections, LM head) through ``gemm``."""
+        self.gemm = gemm
+        for module in self.modules():
+            if isinstance(module, (DecoderLayer, LinearBase)):
+                module.gemm = gemm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -106,6 +126,10 @@ class CausalLM(nn.Module):
         if self.gemm.plain(hidden.shape[0]):
             return F.linear(hidden, head).float()
         return self.gemm.feature_major(hidden, head).t().contiguous().float()
+
+
+def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

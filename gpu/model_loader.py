@@ -1,4 +1,6 @@
-"""Load an HF Llama/Mistral/Qwen2 directory into ``CausalLM``, fusing q/k/v and gate/up."""
+"""Load an HF directory of a registered architecture into ``CausalLM``: each checkpoint tensor goes
+through the weight loader of the layer the architecture's weight map names (q/k/v and gate/up
+land in their fused parameters there)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from typing import Any
 
 import torch
 
-from twinserve.gpu.config import ModelConfig
+from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.cpu_gemm import cpu_has_native_bf16
+from twinserve.gpu.linear import LinearBase
 from twinserve.gpu.model import CausalLM
 from twinserve.gpu.weights import SafetensorsWeights
 
@@ -48,47 +51,35 @@ def load_generation_config(model_dir: Path) -> dict[str, Any]:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int) -> CausalLM:
-    """Build the model on the meta device, then assign the checkpoint's (fused) tensors."""
+    """Build the model's (uninitialised) parameters in ``dtype`` on ``device``, then place every
+    checkpoint tensor through its layer's ``weight_loader``, by the architecture's weight map."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory does not exist.")
     config = ModelConfig.from_dir(model_dir)
     weights = SafetensorsWeights(model_dir)
-    with torch.device("meta"):
-        model = CausalLM(config, max_positions, dtype, device)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in
-             _fused_state(config, weights).items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    model = CausalLM(config, max_positions, dtype, device)
+    load_weights(model, weights)
     model.requires_grad_(False)
     return model.eval()
 
 
-def _fused_state(config: ModelConfig, weights: SafetensorsWeights) -> dict[str, torch.Tensor]:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.q_size, config.kv_size
-    state = {"embed_tokens": weights.get("model.embed_tokens.weight",
-                                         (config.vocab_size, hidden)),
-             "norm": weights.get("model.norm.weight", (hidden,))}
-    if not config.tie_word_embeddings:
-        state["lm_head"] = weights.get("lm_head.weight", (config.vocab_size, hidden))
-    for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn, mlp = hf + "self_attn.", hf + "mlp."
-        state[ours + "input_layernorm"] = weights.get(hf + "input_layernorm.weight", (hidden,))
-        state[ours + "post_attention_layernorm"] = weights.get(
-            hf + "post_attention_layernorm.weight", (hidden,))
-        state[ours + "qkv_proj"] = torch.cat([
-            weights.get(attn + "q_proj.weight", (q, hidden)),
-            weights.get(attn + "k_proj.weight", (kv, hidden)),
-            weights.get(attn + "v_proj.weight", (kv, hidden))])
-        if config.attention_bias:
-            state[ours + "qkv_bias"] = torch.cat([
-                weights.get(attn + "q_proj.bias", (q,)),
-                weights.get(attn + "k_proj.bias", (kv,)),
-                weights.get(attn + "v_proj.bias", (kv,))])
-        state[ours + "o_proj"] = weights.get(attn + "o_proj.weight", (hidden, q))
-        state[ours + "gate_up_proj"] = torch.cat([
-            weights.get(mlp + "gate_proj.weight", (inter, hidden)),
-            weights.get(mlp + "up_proj.weight", (inter, hidden))])
-        state[ours + "down_proj"] = weights.get(mlp + "down_proj.weight", (hidden, inter))
-    return state
+def load_weights(model: CausalLM, weights: SafetensorsWeights) -> None:
+    """Every tensor of ``model.config.arch.weight_map`` into its parameter (shapes checked);
+    raises ValueError for a missing tensor or a parameter left unloaded."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, target in model.config.arch.weight_map(model.config).items():
+        tensor = weights.get(hf_name, target.shape)
+        param = params[target.param]
+        module_name, _, _ = target.param.rpartition(".")
+        owner = model.get_submodule(module_name) if module_name else model
+        if isinstance(owner, LinearBase):
+            owner.weight_loader(param, tensor, target.shard_id)
+        else:
+            param.data.copy_(tensor)
+        loaded.add(target.param)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"weights: parameters {', '.join(missing)} are in no tensor of the "
+                         f"{model.config.architecture} weight map.")

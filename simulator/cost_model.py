@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.optimize
 
+from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import FittedParams, HardwareProfile
-from twinserve.simulator.model_spec import ModelSpec
 
 # Token counts where the fitted step time may change slope. GEMM kernels run in tiles and pad
 # their width, so time is not linear in the tokens of a step: on this CPU 5 to 16 decodes took
@@ -122,7 +122,7 @@ class CostModel:
     ``block_size`` (tokens per KV block) sizes the swap and copy traffic of a step.
     """
 
-    model: ModelSpec
+    model: ModelConfig
     hardware: HardwareProfile
     tensor_parallel_size: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -142,20 +142,20 @@ class CostModel:
     def __post_init__(self) -> None:
         self._validate()
         m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
-        layer_matmul = m.hidden_size * (2 * m.q_size + 2 * m.kv_size) + 3 * m.hidden_size * m.intermediate_size
+        arch = m.arch  # the formulas the engine's layers are built from
         self._s_per_flop = 1.0 / (hw.eff_compute * hw.peak_flops)
         self._s_per_byte = 1.0 / (hw.eff_memory * hw.mem_bandwidth)
-        self._flops_per_token = 2.0 * m.num_layers * layer_matmul / tp
-        self._flops_per_seq = 2.0 * m.embedding_params / tp  # lm_head on the sampled position
-        self._flops_per_context = 4.0 * m.num_layers * m.q_size / tp
-        streamed = m.num_layers * m.params_per_layer + m.hidden_size + m.embedding_params
-        self._weight_bytes = streamed * m.dtype_bytes / tp
+        self._flops_per_token = arch.linear_flops_per_token(m) / tp
+        self._flops_per_seq = arch.lm_head_flops_per_seq(m) / tp  # lm_head on the sampled position
+        self._flops_per_context = arch.attention_flops_per_context_token(m) / tp
+        self._weight_bytes = arch.streamed_params(m) * m.dtype_bytes / tp
         self._kv_bytes = self.kv_bytes_per_token_per_gpu
         ring = 2.0 * (tp - 1) / tp
-        self._allreduce_s_per_token = (2 * m.num_layers * ring * m.hidden_size * m.dtype_bytes
+        self._allreduce_s_per_token = (arch.allreduce_elements_per_token(m) * ring * m.dtype_bytes
                                        / hw.interconnect_bandwidth)
-        self._allreduce_latency_s = 2 * m.num_layers * hw.interconnect_latency_s if tp > 1 else 0.0
-        self._fixed_s = hw.step_overhead_s + hw.per_layer_overhead_s * m.num_layers
+        layers = m.num_hidden_layers
+        self._allreduce_latency_s = 2 * layers * hw.interconnect_latency_s if tp > 1 else 0.0
+        self._fixed_s = hw.step_overhead_s + hw.per_layer_overhead_s * layers
         self._per_seq_s = hw.per_seq_overhead_s
         self._max_context = m.max_position_embeddings
 
@@ -179,7 +179,7 @@ class CostModel:
     @property
     def kv_bytes_per_token_per_gpu(self) -> int:
         m = self.model
-        return 2 * m.num_layers * self.kv_heads_per_gpu * m.head_dim * m.dtype_bytes
+        return m.arch.kv_elements_per_token(m, self.kv_heads_per_gpu) * m.dtype_bytes
 
     @property
     def weight_bytes_per_gpu(self) -> int:
@@ -283,7 +283,7 @@ class CostModel:
         measures it): hidden states, qkv and MLP activations per token, fp32 logits per sequence, plus
         a fixed 512 MiB for the CUDA context, library workspaces and CUDA graphs."""
         m, tp = self.model, self.tensor_parallel_size
-        per_token = 2 * m.hidden_size + (m.q_size + 2 * m.kv_size + 3 * m.intermediate_size) / tp
+        per_token = m.arch.activation_elements_per_token(m, tp)
         logits = max_num_seqs * m.vocab_size / tp * 4
         return int(max_num_batched_tokens * per_token * m.dtype_bytes + logits) + _NON_TORCH_RESERVE_BYTES
 
@@ -353,7 +353,7 @@ class FittedCostModel:
         self._token_curve = tuple(zip(values, slopes))
 
     @property
-    def model(self) -> ModelSpec:
+    def model(self) -> ModelConfig:
         return self.base.model
 
     @property
@@ -392,7 +392,7 @@ class FittedCostModel:
         return cls(params, base)
 
 
-def make_cost_model(model: ModelSpec, hardware: HardwareProfile, tensor_parallel_size: int = 1,
+def make_cost_model(model: ModelConfig, hardware: HardwareProfile, tensor_parallel_size: int = 1,
                     block_size: int = DEFAULT_BLOCK_SIZE) -> CostModel | FittedCostModel:
     """The fitted model when ``hardware`` holds a fit for this model and TP size, else the roofline."""
     base = CostModel(model, hardware, tensor_parallel_size, block_size)

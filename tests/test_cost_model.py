@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.cost_model import (
     FEATURE_NAMES,
@@ -31,7 +32,7 @@ from twinserve.simulator.hardware import (
     bundled_hardware_names,
     load_hardware,
 )
-from twinserve.simulator.model_spec import ModelSpec, bundled_model_names, load_model_spec
+from twinserve.simulator.model_spec import bundled_model_names, load_model_spec
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "simulator" / "data" / "models"
 
@@ -67,7 +68,7 @@ def test_bundled_param_counts_match_published_sizes(name: str, published: float)
 def test_names_are_case_insensitive_and_hub_ids_resolve() -> None:
     assert load_model_spec("Llama-3-8B") == load_model_spec("llama-3-8b")
     assert load_model_spec("meta-llama/Meta-Llama-3-8B").num_params == load_model_spec("llama-3-8b").num_params
-    assert load_model_spec("meta-llama/Llama-2-7b-hf").num_layers == 32
+    assert load_model_spec("meta-llama/Llama-2-7b-hf").num_hidden_layers == 32
     assert load_model_spec("Mistral-7B").name == "mistral-7b-v0.1"
 
 
@@ -107,7 +108,9 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads"):
         load_model_spec(tmp_path)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        ModelSpec("m", 2, 64, 4, 3, 16, 128, 100, False, 128)
+        ModelConfig(name="m", architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=3, head_dim=16, max_position_embeddings=128)
     with pytest.raises(ValueError, match="no config.json"):
         load_model_spec(tmp_path / "..")
 

@@ -112,10 +112,7 @@ def test_widened_bf16_model_matches_torch_bf16_products(tiny_model_dirs):
     token_ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
     logits = {}
     for widen in (True, False):
-        gemm = Gemm(cpu=True, widen_half=widen)
-        model.gemm = gemm
-        for layer in model.layers:
-            layer.gemm = gemm
+        model.set_gemm(Gemm(cpu=True, widen_half=widen))
         logits[widen] = _prefill_logits(model, token_ids)
     assert logits[True].shape == (40, 320)
     torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)

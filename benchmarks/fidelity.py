@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from twinserve.entrypoints.cli import main as cli
-from twinserve.entrypoints.validate import TARGETS, error_row
+from twinserve.reports.fidelity import TARGETS, error_row
 
 SCENARIOS = ("fcfs", "fair", "light", "overload")
 CALIBRATION = "calib"

@@ -30,110 +30,35 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.simulator.calibration import Calibration
 
 Log = Callable[[str], None]
-
-
-@dataclass(slots=True)
-class Calibration:
-    """A fit and what it was fitted on. ``params`` is what goes into the profile."""
-
-    params: Any  # FittedParams
-    samples: list = field(default_factory=list)  # StepSample
-    forward: Any = None  # FittedParams of the forward pass alone (backend calibration)
-    overhead: Any = None  # FittedParams of the loop overhead (backend calibration)
-    seconds_per_swap_block: float | None = None
-    report: str = ""
 
 
 def _log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def to_samples(steps) -> list:
-    """``gpu.profiler.MeasuredStep`` rows as ``simulator.calibration.StepSample``."""
-    from twinserve.simulator.calibration import StepSample
-    return [StepSample(dict(s.aggregates), s.seconds, s.execute_seconds, s.kind) for s in steps]
+def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: str,
+                      quick: bool = False, warmup: int = 1, repeats: int = 3,
+                      engine_loop: bool = True, log: Log | None = None) -> Calibration:
+    """The backend measured (``gpu.profiler.measure_backend``: micro-benchmarks, swap copies,
+    engine-loop workloads on ``runner`` within the limits of ``engine_args``) and fitted
+    (``simulator.calibration.fit_backend``)."""
+    from twinserve.gpu.profiler import measure_backend
+    from twinserve.simulator.calibration import fit_backend
+    measured = measure_backend(runner, engine_args, quick, warmup, repeats, engine_loop, log)
+    return fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block)
 
 
-def calibrate_backend(runner, engine_args, model_name: str, quick: bool = False, warmup: int = 1,
-                      repeats: int = 3, engine_loop: bool = True, log: Log | None = None,
-                      ) -> Calibration:
-    """Micro-benchmarks + engine-loop workloads on ``runner`` (a loaded ``ModelRunner``), with
-    the limits of ``engine_args`` (an ``EngineArgs``: batch budget, sequences, model length)."""
-    from twinserve.gpu import profiler
-    from twinserve.gpu.llm_engine import LLMEngine
-    from twinserve.simulator.calibration import (combine, fit, fit_errors, fit_overhead,
-                                                 format_errors)
-    log = log or (lambda msg: None)
-    max_len = runner.max_model_len
-    limits = runner.engine_config.scheduler
-    specs = profiler.default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len,
-                                  quick)
-    log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
-    micro = to_samples(profiler.run_micro_benchmarks(runner, specs, warmup, repeats, log))
-    per_block = profiler.measure_swap(runner, warmup=warmup, repeats=repeats)
-    if per_block is not None:
-        log(f"swap copies: {per_block * 1e6:.1f} us per KV block (out + in averaged)")
-    loop: list = []
-    if engine_loop:
-        scenarios = profiler.default_scenarios(limits.max_num_seqs, max_len, quick)
-        log(f"engine loop: {len(scenarios)} synthetic workloads")
-        engine = LLMEngine(engine_args, runner=runner, usage_context="server")
-        engine.metrics.record_steps = False
-        loop = to_samples(profiler.run_engine_loop(engine, scenarios, progress=log))
-    forward = fit(micro + loop, model_name, 1, "relative", target="execute_seconds")
-    lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
-                           "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
-    if loop:
-        overhead = fit_overhead(loop, model_name, 1)
-        params = combine(forward, overhead)
-        lines.append(format_errors(fit_errors(params, loop, "seconds"),
-                                   "step fit on the engine-loop steps (whole engine.step)"))
-    else:
-        overhead, params = None, forward
-    return Calibration(params, micro + loop, forward, overhead, per_block, "\n".join(lines))
-
-
-def calibrate_from_runs(run_dirs: list[str | Path], model_name: str) -> Calibration:
-    """Absolute least squares over the recorded steps of real runs, at the median run's speed
-    (``simulator.calibration.fit_runs``)."""
-    from twinserve.simulator.calibration import fit_errors, fit_runs, format_errors, read_samples
-    runs = [read_samples(d) for d in run_dirs]
-    params, speeds = fit_runs(runs, model_name, 1)
-    samples = [s for run in runs for s in run]
-    report = format_errors(fit_errors(params, samples, "seconds"),
-                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
-    if len(runs) > 1:
-        report += ("\nrun speed, measured over fitted step time (the fit is at the median run's): "
-                   + " ".join(f"{v:.2f}" for v in speeds))
-    return Calibration(params, samples, report=report)
-
-
-def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
-                 block_size: int = 16, note: str = "") -> Path:
-    """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``."""
-    from twinserve.simulator.calibration import calibrated_profile
-    from twinserve.simulator.cost_model import CostModel
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
-    base = load_hardware(base_hardware)
-    pcie = None
-    if cal.seconds_per_swap_block:
-        # the simulator times a swap as spec block bytes / pcie_bandwidth: match the measurement
-        block_bytes = CostModel(load_model_spec(model), base, 1, block_size).block_bytes()
-        pcie = block_bytes / cal.seconds_per_swap_block
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    name = base.name if base.name.endswith("-calibrated") else f"{base.name}-calibrated"
-    profile = calibrated_profile(base, cal.params, pcie, name=name, note=note)
-    return profile.save(out)
-
-
-def load_runner(args: argparse.Namespace):
+def load_runner(args: argparse.Namespace) -> tuple[EngineArgs, ModelRunner]:
     """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args`` (resolved
     as a server's: calibration and validate measure the engine a server runs)."""
     from twinserve.entrypoints.engine_args import engine_args_from
@@ -167,7 +92,7 @@ def add_calibration_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from twinserve.entrypoints.engine_args import add_engine_args
     p = sub.add_parser("calibrate", help="fit the simulator's step time to the real backend",
                        description=__doc__.split("\n\n", 1)[0],
@@ -194,7 +119,8 @@ def _model_from_runs(run_dirs: list[str]) -> str | None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from twinserve.simulator.calibration import write_samples
+    from twinserve.core.step_sample import write_samples
+    from twinserve.simulator.calibration import calibrate_from_runs, save_profile
     from twinserve.simulator.model_spec import load_model_spec
     if args.from_run:
         model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)

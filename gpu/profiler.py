@@ -1,4 +1,4 @@
-"""Micro-benchmarks of the real backend: ``(step aggregates, seconds)`` samples for calibration.
+"""Micro-benchmarks of the real backend: ``core.step_sample.StepSample`` rows for calibration.
 
 Two kinds of measurement, both keyed by the aggregate fields the scheduler fills in every
 ``SchedulerOutput`` (``AGGREGATE_FIELDS``), so the simulator's ``step_features(out)`` applies to them:
@@ -10,53 +10,31 @@ Two kinds of measurement, both keyed by the aggregate fields the scheduler fills
 - ``StepRecorder``: observes a live ``LLMEngine``'s step driver, so that every ``engine.step()``
   yields its ``SchedulerOutput`` aggregates, the whole step's seconds (schedule, forward pass,
   sampling, ``update_from_output``, output processing) and the forward pass alone. ``run_engine_loop``
-  drives synthetic workloads through it; ``entrypoints.validate`` records a whole trace replay.
+  drives synthetic workloads through it; ``gpu.replay`` records a whole trace replay.
 
-This module knows nothing of the simulator (``gpu`` never imports ``simulator``): it produces
-``MeasuredStep`` rows; ``simulator.calibration`` turns them into a fit.
+``measure_backend`` runs all of them with the limits of the engine at hand. This module knows
+nothing of the simulator (``gpu`` never imports ``simulator``): it produces samples;
+``simulator.calibration`` turns them into a fit.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from twinserve.core.outputs import AGGREGATE_FIELDS, ScheduledRequest, SchedulerOutput
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.step_sample import StepSample
+from twinserve.gpu.llm_engine import LLMEngine
+from twinserve.gpu.model_runner import ModelRunner
 
 _FIRST_TOKEN_ID = 16  # below: special tokens
-
-
-@dataclass(slots=True)
-class MeasuredStep:
-    """One timed step: ``seconds`` is what the engine step (or, for a micro-benchmark, the
-    forward pass) took; ``execute_seconds`` the forward pass alone (``nan`` when not timed apart).
-    ``kind`` is ``prefill``, ``decode``, ``mixed`` or ``swap``."""
-
-    kind: str
-    aggregates: dict[str, int]
-    seconds: float
-    execute_seconds: float = math.nan
-    repeats: list[float] = field(default_factory=list)
-
-
-def aggregates(out: SchedulerOutput) -> dict[str, int]:
-    """The scheduler-filled totals of one step (what the cost model reads)."""
-    return {name: int(getattr(out, name)) for name in AGGREGATE_FIELDS}
-
-
-def step_kind(out: SchedulerOutput) -> str:
-    if out.num_prefill_seqs and out.num_decode_seqs:
-        return "mixed"
-    if out.num_prefill_seqs:
-        return "prefill"
-    return "decode" if out.num_decode_seqs else "swap"
+Log = Callable[[str], None]
 
 
 # ---- hand-built steps ----------------------------------------------------------------------
@@ -187,8 +165,8 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
     return specs
 
 
-def run_micro_benchmarks(runner, specs: Sequence[StepSpec], warmup: int = 1, repeats: int = 3,
-                         progress: Callable[[str], None] | None = None) -> list[MeasuredStep]:
+def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup: int = 1,
+                         repeats: int = 3, progress: Log | None = None) -> list[StepSample]:
     """Times ``runner.execute`` on each hand-built step; ``seconds`` is the median of repeats.
     Steps whose blocks do not fit the runner's cache are skipped (reported through ``progress``)."""
     out = []
@@ -200,15 +178,15 @@ def run_micro_benchmarks(runner, specs: Sequence[StepSpec], warmup: int = 1, rep
             if progress:
                 progress(f"skipped: {exc}")
             continue
-        times = time_call(lambda: runner.execute(step), warmup, repeats, sync)
+        times = time_call(lambda step=step: runner.execute(step), warmup, repeats, sync)
         median = statistics.median(times)
-        out.append(MeasuredStep(spec.kind, aggregates(step), median, median, times))
+        out.append(StepSample.of_step(step, median, median, times))
         if progress:
             progress(f"[{k + 1}/{len(specs)}] {spec.label():<40} {median * 1e3:9.1f} ms")
     return out
 
 
-def measure_swap(runner, num_blocks: int = 16, warmup: int = 1, repeats: int = 3) -> float | None:
+def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1, repeats: int = 3) -> float | None:
     """Seconds per KV block of a swap-out plus a swap-in (median), or None without a host pool."""
     cache = runner.kv_cache
     n = min(num_blocks, cache.num_cpu_blocks, cache.num_gpu_blocks)
@@ -230,13 +208,13 @@ class StepRecorder:
     ``SchedulerOutput`` aggregates, the whole step's seconds and the forward pass's. It observes
     the engine's step driver (``core.step_driver.StepObserver``); ``close()`` detaches it."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.steps: list[MeasuredStep] = []
+        self.steps: list[StepSample] = []
         engine.driver.observers.append(self)
 
     def on_step(self, out: SchedulerOutput, seconds: float, execute_seconds: float) -> None:
-        self.steps.append(MeasuredStep(step_kind(out), aggregates(out), seconds, execute_seconds))
+        self.steps.append(StepSample.of_step(out, seconds, execute_seconds))
 
     def close(self) -> None:
         observers = self.engine.driver.observers
@@ -263,8 +241,8 @@ def default_scenarios(max_num_seqs: int = 128, max_model_len: int = 2048,
     return [LoopScenario(b, p, out_len) for b in batches for p in prompts]
 
 
-def run_engine_loop(engine, scenarios: Iterable[LoopScenario], detokenize: bool = True,
-                    progress: Callable[[str], None] | None = None) -> list[MeasuredStep]:
+def run_engine_loop(engine: LLMEngine, scenarios: Iterable[LoopScenario], detokenize: bool = True,
+                    progress: Log | None = None) -> list[StepSample]:
     """Runs each scenario to completion through ``engine`` and returns its recorded steps."""
     recorder = StepRecorder(engine)
     vocab = engine.runner.vocab_size
@@ -285,3 +263,44 @@ def run_engine_loop(engine, scenarios: Iterable[LoopScenario], detokenize: bool 
     finally:
         recorder.close()
     return recorder.steps
+
+
+# ---- everything, for one engine ------------------------------------------------------------
+@dataclass(slots=True)
+class BackendMeasurement:
+    """What ``measure_backend`` measured: the micro-benchmarks (forward pass alone), the steps of
+    the engine loop (whole step and forward pass) and the swap copy time per KV block (``None``
+    without a host pool)."""
+
+    micro: list[StepSample] = field(default_factory=list)
+    loop: list[StepSample] = field(default_factory=list)
+    seconds_per_swap_block: float | None = None
+
+    @property
+    def samples(self) -> list[StepSample]:
+        return self.micro + self.loop
+
+
+def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = False,
+                    warmup: int = 1, repeats: int = 3, engine_loop: bool = True,
+                    log: Log | None = None) -> BackendMeasurement:
+    """Micro-benchmarks, swap copies and (with ``engine_loop``) synthetic workloads through an
+    ``LLMEngine`` on ``runner`` (a loaded ``ModelRunner``), within the limits of its resolved
+    engine configuration (batch budget, sequences, model length)."""
+    log = log or (lambda msg: None)
+    max_len = runner.max_model_len
+    limits = runner.engine_config.scheduler
+    specs = default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len, quick)
+    log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
+    measured = BackendMeasurement(run_micro_benchmarks(runner, specs, warmup, repeats, log))
+    measured.seconds_per_swap_block = measure_swap(runner, warmup=warmup, repeats=repeats)
+    if measured.seconds_per_swap_block is not None:
+        log(f"swap copies: {measured.seconds_per_swap_block * 1e6:.1f} us per KV block "
+            "(out + in averaged)")
+    if engine_loop:
+        scenarios = default_scenarios(limits.max_num_seqs, max_len, quick)
+        log(f"engine loop: {len(scenarios)} synthetic workloads")
+        engine = LLMEngine(engine_args, runner=runner, usage_context="server")
+        engine.metrics.record_steps = False
+        measured.loop = run_engine_loop(engine, scenarios, progress=log)
+    return measured

@@ -1,8 +1,8 @@
 """Calibration: from measured steps of the real backend to a fitted hardware profile (no torch).
 
-A *sample* is one measured step: the scheduler's aggregate fields of its ``SchedulerOutput``
-(``AGGREGATE_FIELDS``, what ``gpu.profiler`` records and what the run folder's
-``step_features.csv`` holds) and the seconds it took. Features are derived with the cost model's own
+A *sample* (``core.step_sample.StepSample``) is one measured step: the scheduler's aggregate fields
+of its ``SchedulerOutput`` (``AGGREGATE_FIELDS``, what ``gpu.profiler`` records and what the run
+folder's ``step_features.csv`` holds) and the seconds it took. Features are derived with the cost model's own
 ``step_features``, so the fit and the simulator read a step the same way::
 
     samples (aggregates, seconds) --step_features--> (features, seconds) --NNLS--> FittedParams
@@ -17,68 +17,43 @@ Two sources of samples, two weightings:
   (what throughput and latency of a replay depend on).
 
 A forward-pass fit and a loop-overhead fit (scheduling, sampling, output processing: the engine
-step minus ``ModelRunner.execute``) are both linear in the same features; ``combine`` adds them.
+step minus ``ModelRunner.execute``) are both linear in the same features; ``combine`` adds them
+(``fit_backend``). ``calibrate_from_runs`` fits recorded runs; ``save_profile`` writes the result.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
-from twinserve.simulator.cost_model import FEATURE_NAMES, nnls, step_features
-from twinserve.simulator.hardware import FittedParams, HardwareProfile
+from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples
+from twinserve.simulator.cost_model import (
+    FEATURE_NAMES,
+    CostModel,
+    fit_step_time,
+    make_cost_model,
+    nnls,
+    step_features,
+)
+from twinserve.simulator.hardware import FittedParams, HardwareProfile, load_hardware
+from twinserve.simulator.model_spec import load_model_spec
 
-STEP_KINDS = ("prefill", "decode", "mixed", "swap")
-SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
 WEIGHTINGS = ("relative", "absolute")
 
 
-@dataclass(slots=True)
-class StepSample:
-    """One measured step. ``execute_seconds`` is the forward pass alone when it was timed apart
-    from the whole engine step (``nan`` otherwise)."""
-
-    aggregates: dict[str, int]
-    seconds: float
-    execute_seconds: float = math.nan
-    kind: str = field(default="")
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.aggregates) - set(AGGREGATE_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown aggregate field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(AGGREGATE_FIELDS)}.")
-        if not math.isfinite(self.seconds) or self.seconds < 0:
-            raise ValueError(f"seconds must be finite and >= 0, got {self.seconds!r}.")
-        if not self.kind:
-            self.kind = step_kind(self.aggregates)
-
-    @property
-    def features(self) -> dict[str, float]:
-        return features_of(self.aggregates)
-
-
-def step_kind(aggregates: Mapping[str, int]) -> str:
-    """``prefill`` (chunks only), ``decode`` (decodes only), ``mixed`` or ``swap`` (no tokens)."""
-    prefill, decode = aggregates.get("num_prefill_seqs", 0), aggregates.get("num_decode_seqs", 0)
-    if prefill and decode:
-        return "mixed"
-    if prefill:
-        return "prefill"
-    return "decode" if decode else "swap"
+def output_of(aggregates: Mapping[str, int]) -> SchedulerOutput:
+    """A ``SchedulerOutput`` holding only the aggregate fields (what the cost model reads)."""
+    return SchedulerOutput(**{k: int(aggregates.get(k, 0)) for k in AGGREGATE_FIELDS})
 
 
 def features_of(aggregates: Mapping[str, int]) -> dict[str, float]:
     """The cost model's features of a step given by its aggregate fields."""
-    out = SchedulerOutput(**{k: int(aggregates.get(k, 0)) for k in AGGREGATE_FIELDS})
-    return step_features(out)
+    return step_features(output_of(aggregates))
 
 
 def predict(params: FittedParams, aggregates: Mapping[str, int]) -> float:
@@ -97,13 +72,12 @@ def fit(samples: Sequence[StepSample], model: str | None = None, tensor_parallel
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}.")
-    rows = [(s.features, getattr(s, target)) for s in samples
+    rows = [(features_of(s.aggregates), getattr(s, target)) for s in samples
             if s.aggregates.get("total_num_scheduled_tokens", 0) > 0
             and math.isfinite(getattr(s, target))]
     if not rows:
         raise ValueError(f"no sample with scheduled tokens and a finite {target} to fit.")
     if weighting == "absolute":
-        from twinserve.simulator.cost_model import fit_step_time
         return fit_step_time(rows, model, tensor_parallel_size)
     x = np.array([[1.0, *(f.get(n, 0.0) for n in FEATURE_NAMES)] for f, _ in rows])
     y = np.array([s for _, s in rows])
@@ -197,8 +171,9 @@ def fit_errors(params: FittedParams, samples: Iterable[StepSample], target: str 
 
 
 def format_errors(errors: Sequence[KindError], title: str = "fit error") -> str:
-    lines = [f"{title}:", f"  {'kind':<8} {'steps':>6} {'MAPE %':>8} {'max %':>8} "
-                          f"{'measured s':>11} {'predicted s':>12}"]
+    header = (f"  {'kind':<8} {'steps':>6} {'MAPE %':>8} {'max %':>8} "
+              f"{'measured s':>11} {'predicted s':>12}")
+    lines = [f"{title}:", header]
     for e in errors:
         lines.append(f"  {e.kind:<8} {e.count:>6} {e.mape:>8.1f} {e.max_ape:>8.1f} "
                      f"{e.measured_s:>11.3f} {e.predicted_s:>12.3f}")
@@ -210,7 +185,6 @@ def calibrated_profile(base: HardwareProfile, params: FittedParams,
                        note: str = "") -> HardwareProfile:
     """``base`` (its roofline numbers) holding ``params``; ``pcie_bandwidth`` (bytes/s, measured
     swap copies) replaces the base's when given."""
-    from dataclasses import replace
     changes: dict = {}
     if pcie_bandwidth is not None and math.isfinite(pcie_bandwidth) and pcie_bandwidth > 0:
         changes["pcie_bandwidth"] = float(pcie_bandwidth)
@@ -221,35 +195,73 @@ def calibrated_profile(base: HardwareProfile, params: FittedParams,
     return replace(base, **changes).with_fitted(params)
 
 
-# ---- samples on disk (the run folder's step_features.csv) ----------------------------------
-def write_samples(path: str | Path, samples: Iterable[StepSample]) -> Path:
-    path = Path(path)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(SAMPLE_COLUMNS)
-        for s in samples:
-            w.writerow([s.kind, *(int(s.aggregates.get(k, 0)) for k in AGGREGATE_FIELDS),
-                        repr(round(s.seconds, 9)),
-                        "" if math.isnan(s.execute_seconds) else repr(round(s.execute_seconds, 9))])
-    return path
+# ---- a calibration: its fit, its samples and the report of its errors ----------------------
+@dataclass(slots=True)
+class Calibration:
+    """A fit and what it was fitted on. ``params`` is what goes into the profile; ``forward`` and
+    ``overhead`` are its two parts in a backend calibration (``None`` otherwise)."""
+
+    params: FittedParams
+    samples: list[StepSample] = field(default_factory=list)
+    forward: FittedParams | None = None
+    overhead: FittedParams | None = None
+    seconds_per_swap_block: float | None = None
+    report: str = ""
 
 
-def read_samples(path: str | Path) -> list[StepSample]:
-    """Samples from a CSV written by ``write_samples``, or from a run folder holding one
-    (``step_features.csv``)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "step_features.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no step samples (validate writes step_features.csv into "
-                                "the real run folder).")
-    out = []
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                aggregates = {k: int(row[k]) for k in AGGREGATE_FIELDS}
-                execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
-                out.append(StepSample(aggregates, float(row["seconds"]), execute, row.get("kind", "")))
-            except (KeyError, ValueError) as exc:
-                raise ValueError(f"{path}:{i}: bad step sample row ({exc}).") from None
-    return out
+def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_name: str,
+                seconds_per_swap_block: float | None = None) -> Calibration:
+    """The forward pass fitted on every forward timing (relative error), the loop overhead (step
+    minus forward) on the engine loop's steps; ``params`` is their sum (the forward pass alone
+    without loop steps)."""
+    samples = [*micro, *loop]
+    forward = fit(samples, model_name, 1, "relative", target="execute_seconds")
+    lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
+                           "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
+    overhead = None
+    params = forward
+    if loop:
+        overhead = fit_overhead(loop, model_name, 1)
+        params = combine(forward, overhead)
+        lines.append(format_errors(fit_errors(params, loop, "seconds"),
+                                   "step fit on the engine-loop steps (whole engine.step)"))
+    return Calibration(params, samples, forward, overhead, seconds_per_swap_block,
+                       "\n".join(lines))
+
+
+def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str) -> Calibration:
+    """Absolute least squares over the recorded steps of real runs, at the median run's speed
+    (``fit_runs``)."""
+    runs = [read_samples(d) for d in run_dirs]
+    params, speeds = fit_runs(runs, model_name, 1)
+    samples = [s for run in runs for s in run]
+    report = format_errors(fit_errors(params, samples, "seconds"),
+                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
+    if len(runs) > 1:
+        report += ("\nrun speed, measured over fitted step time (the fit is at the median run's): "
+                   + " ".join(f"{v:.2f}" for v in speeds))
+    return Calibration(params, samples, report=report)
+
+
+def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
+                 block_size: int = 16, note: str = "") -> Path:
+    """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``."""
+    base = load_hardware(base_hardware)
+    pcie = None
+    if cal.seconds_per_swap_block:
+        # the simulator times a swap as spec block bytes / pcie_bandwidth: match the measurement
+        block_bytes = CostModel(load_model_spec(model), base, 1, block_size).block_bytes()
+        pcie = block_bytes / cal.seconds_per_swap_block
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = base.name if base.name.endswith("-calibrated") else f"{base.name}-calibrated"
+    profile = calibrated_profile(base, cal.params, pcie, name=name, note=note)
+    return profile.save(out)
+
+
+def predicted_seconds(samples: Iterable[StepSample], model: str, profile: str | Path,
+                      block_size: int) -> float:
+    """The total seconds the profile's cost model gives the very steps of ``samples`` (what
+    ``validate`` sets against their measured total)."""
+    cost = make_cost_model(load_model_spec(model), load_hardware(profile), 1, block_size)
+    return sum(cost.step_time(output_of(s.aggregates)) for s in samples)

@@ -10,10 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from twinserve.simulator.calibration import (AGGREGATE_FIELDS, StepSample, calibrated_profile,
-                                             combine, features_of, fit, fit_errors, predict,
-                                             read_samples, step_kind, write_samples)
+from twinserve.core.outputs import AGGREGATE_FIELDS
+from twinserve.core.step_sample import StepSample, read_samples, step_kind, write_samples
+from twinserve.simulator.calibration import (
+    calibrated_profile,
+    combine,
+    features_of,
+    fit,
+    fit_errors,
+    predict,
+)
 from twinserve.simulator.cost_model import FEATURE_NAMES, make_cost_model
 from twinserve.simulator.hardware import FittedParams, load_hardware
 from twinserve.simulator.model_spec import load_model_spec
@@ -141,6 +147,28 @@ def test_combine_adds_and_features_match_cost_model(tmp_path: Path) -> None:
         StepSample({"tokens": 3}, 1.0)
 
 
+def test_step_samples_are_validated_and_written_as_before(tmp_path: Path) -> None:
+    """The CSV is the run folders' step_features.csv: its bytes stay what they were."""
+    agg = {k: i for i, k in enumerate(AGGREGATE_FIELDS)}
+    samples = [StepSample(agg, 0.0123456789, 0.01), StepSample({}, 0.5, kind="swap")]
+    path = write_samples(tmp_path / "s.csv", samples)
+    assert path.read_text() == (
+        "kind,total_num_scheduled_tokens,num_prefill_tokens,num_decode_tokens,"
+        "num_prefill_seqs,num_decode_seqs,sum_context_tokens,sum_decode_context_tokens,"
+        "max_decode_context,seconds,execute_seconds\n"
+        "mixed,0,1,2,3,4,5,6,7,0.012345679,0.01\n"
+        "swap,0,0,0,0,0,0,0,0,0.5,\n")
+    assert [s.kind for s in read_samples(path)] == ["mixed", "swap"]
+    with pytest.raises(FileNotFoundError, match="step_features.csv"):
+        read_samples(tmp_path)  # a folder without the run's samples
+    with pytest.raises(ValueError, match="kind"):
+        StepSample({}, 1.0, kind="idle")
+    with pytest.raises(ValueError, match="seconds"):
+        StepSample({}, math.nan)
+    with pytest.raises(ValueError, match="execute_seconds"):
+        StepSample({}, 1.0, -1.0)
+
+
 def test_runs_are_fitted_at_the_median_runs_speed() -> None:
     """Three runs of one host, one of them 1.5x slower throughout: the fit lands on the typical
     speed (pooled as measured, it would land ~17% above), and reports each run's speed."""
@@ -180,7 +208,8 @@ def test_build_step_aggregates_match_the_scheduler() -> None:
     from twinserve.core.outputs import ModelRunnerOutput
     from twinserve.core.sampling_params import SamplingParams
     from twinserve.core.scheduler import Scheduler, make_request
-    from twinserve.gpu.profiler import StepSpec, aggregates, build_step
+    from twinserve.core.step_sample import aggregates
+    from twinserve.gpu.profiler import StepSpec, build_step
     from twinserve.policies import get_policy
     # the scheduler's own accounting of 3 decodes at context 40 + a 50-token chunk after 32
     cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=256,
@@ -273,7 +302,8 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     assert (out / "profile.json").is_file() and (out / "report.html").is_file()
     assert rows["replayed_step_time_s"]["real_runs"] == "2"  # both replays' steps, as timed
     samples = read_samples(out / "real")
-    steps = list(csv.DictReader(open(out / "real" / "steps.csv")))
+    with open(out / "real" / "steps.csv", newline="") as f:
+        steps = list(csv.DictReader(f))
     assert len(samples) == len(steps) > 0
     # a second calibration from the recorded steps loads and fits
     rc = main(["calibrate", "--from-run", str(out / "real"), str(out / "real-2"),
@@ -285,7 +315,7 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
 
 
 def test_error_rows_compare_with_the_median_of_the_real_runs() -> None:
-    from twinserve.entrypoints.validate import error_rows
+    from twinserve.reports.fidelity import error_rows
     reals = [{"mean_ttft_ms": v, "request_throughput": 2.0} for v in (100.0, 300.0, 120.0)]
     rows = {r["metric"]: r for r in error_rows(reals, {"mean_ttft_ms": 132.0,
                                                          "request_throughput": 2.2})}

@@ -1,0 +1,119 @@
+"""One measured step of the real backend, and the CSV that holds them (``step_features.csv``).
+
+A sample is the scheduler's totals of one ``SchedulerOutput`` (``AGGREGATE_FIELDS``: what the
+simulator's cost model reads) and the seconds the step took. ``gpu.profiler`` measures samples
+(hand-built steps, the steps of a live engine); ``simulator.calibration`` fits the cost model on
+them. The CSV has one row per sample::
+
+    kind, <AGGREGATE_FIELDS...>, seconds, execute_seconds
+
+``execute_seconds`` is empty when the forward pass was not timed apart from the whole step; the
+repeats of a micro-benchmark are not written (``seconds`` is their median).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
+
+STEP_KINDS = ("prefill", "decode", "mixed", "swap")
+SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
+SAMPLES_FILE = "step_features.csv"
+
+
+@dataclass(slots=True)
+class StepSample:
+    """One timed step. ``seconds`` is what the engine step (or, for a micro-benchmark, the forward
+    pass) took; ``execute_seconds`` the forward pass alone (``nan`` when not timed apart);
+    ``repeats`` the timings a median was taken of. ``kind`` (``prefill``, ``decode``, ``mixed`` or
+    ``swap``) is derived from the aggregates when not given."""
+
+    aggregates: dict[str, int]
+    seconds: float
+    execute_seconds: float = math.nan
+    kind: str = ""
+    repeats: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.aggregates) - set(AGGREGATE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown aggregate field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(AGGREGATE_FIELDS)}.")
+        if not math.isfinite(self.seconds) or self.seconds < 0:
+            raise ValueError(f"seconds must be finite and >= 0, got {self.seconds!r}.")
+        if not math.isnan(self.execute_seconds) and not self.execute_seconds >= 0:
+            raise ValueError(f"execute_seconds must be >= 0 or nan, got {self.execute_seconds!r}.")
+        if not self.kind:
+            self.kind = step_kind(self.aggregates)
+        elif self.kind not in STEP_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(STEP_KINDS)}, got {self.kind!r}.")
+
+    @classmethod
+    def of_step(cls, out: SchedulerOutput, seconds: float, execute_seconds: float = math.nan,
+                repeats: Iterable[float] = ()) -> StepSample:
+        """The sample of a timed ``SchedulerOutput``."""
+        return cls(aggregates(out), seconds, execute_seconds, repeats=list(repeats))
+
+
+def aggregates(out: SchedulerOutput) -> dict[str, int]:
+    """The scheduler-filled totals of one step (what the cost model reads)."""
+    return {name: int(getattr(out, name)) for name in AGGREGATE_FIELDS}
+
+
+def step_kind(aggregates: Mapping[str, int]) -> str:
+    """``prefill`` (chunks only), ``decode`` (decodes only), ``mixed`` or ``swap`` (no tokens)."""
+    prefill, decode = aggregates.get("num_prefill_seqs", 0), aggregates.get("num_decode_seqs", 0)
+    if prefill and decode:
+        return "mixed"
+    if prefill:
+        return "prefill"
+    return "decode" if decode else "swap"
+
+
+def write_samples(path: str | Path, samples: Iterable[StepSample]) -> Path:
+    path = Path(path)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(SAMPLE_COLUMNS)
+        for s in samples:
+            w.writerow([s.kind, *(int(s.aggregates.get(k, 0)) for k in AGGREGATE_FIELDS),
+                        repr(round(s.seconds, 9)),
+                        "" if math.isnan(s.execute_seconds) else repr(round(s.execute_seconds, 9))])
+    return path
+
+
+def read_samples(path: str | Path) -> list[StepSample]:
+    """Samples from a CSV written by ``write_samples``, or from a run folder holding one
+    (``step_features.csv``)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / SAMPLES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no step samples (validate writes {SAMPLES_FILE} into "
+                                "the real run folder).")
+    out = []
+    with open(path, newline="") as f:
+        for i, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS}
+                execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
+                out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or ""))
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"{path}:{i}: bad step sample row ({exc}).") from None
+    return out
+
+
+def read_recorded_samples(run_dirs: Iterable[str | Path]) -> list[StepSample]:
+    """The samples of every run folder that recorded its steps, in order (the others skipped)."""
+    samples: list[StepSample] = []
+    for run_dir in run_dirs:
+        try:
+            samples += read_samples(run_dir)
+        except FileNotFoundError:
+            continue
+    return samples

@@ -22,6 +22,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
     num_cpu_blocks: int = 0
+    # Admission bounds on requests not yet admitted (None: unbounded); beyond them add_request
+    # raises core.errors.EngineOverloaded.
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -33,6 +37,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}.")

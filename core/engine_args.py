@@ -60,6 +60,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     num_gpu_blocks_override: int | None = None
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
 
@@ -67,7 +69,8 @@ class EngineArgs:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _hints()[f.name])
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                  "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size")
+                  "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size",
+                  "max_waiting_requests", "max_waiting_tokens")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}.")

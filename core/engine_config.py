@@ -14,10 +14,15 @@ both get the same scheduler settings, block counts and dtype, by construction:
   budget is ``kv_cache_memory_bytes`` (default 2 GiB) within half the memory available; on a GPU
   ``total * gpu_memory_utilization`` minus what weights and activations take (``non_kv_bytes``:
   measured by the real engine, estimated by the twin). Host blocks come from ``swap_space``.
+  A sequence must fit the cache: the model's limit is capped to it (with a warning), an explicit
+  ``max_model_len`` that does not fit is an error;
+- admission (``usage_context="server"``): at most ``4 x max_num_seqs`` requests and ``4 x`` the
+  cache's tokens of prompts wait unadmitted; offline (``llm``) use queues without bound.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -29,6 +34,11 @@ GIB = 1 << 30
 USAGE_CONTEXTS = ("llm", "server")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GIB
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A server's default admission bounds: requests and prompt tokens queued (not yet admitted)
+# beyond which new requests get "not now" (503) instead of an unbounded wait.
+WAITING_REQUESTS_PER_SEQ = 4
+WAITING_TOKENS_PER_KV_TOKEN = 4
+logger = logging.getLogger("twinserve.engine")
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,31 +161,61 @@ def resolve_engine_config(args: EngineArgs, model: ModelShape, platform: Platfor
     batched, seqs = default_batch_limits(platform, usage_context, tp)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
     max_len = resolve_max_model_len(args.max_model_len, model)
-    check = getattr(model, "check_servable", None)
-    if check is not None:
-        check(max_len)
     max_batched = args.max_num_batched_tokens or batched
-    if not args.enable_chunked_prefill:
-        max_batched = max(max_batched, max_len)
     block_bytes = kv_block_bytes(model, args.block_size, dtype, tp)
     budget = kv_cache_budget(args, platform, non_kv_bytes)
     num_blocks = budget // block_bytes if budget > 0 else 0
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     if num_blocks <= 0:
-        raise ValueError(
-            f"no memory is left for the KV cache on {platform.device_name}: "
-            f"{platform.memory_bytes / GIB:.1f} GiB x gpu_memory_utilization "
-            f"{args.gpu_memory_utilization} minus {non_kv_bytes / GIB:.1f} GiB of weights and "
-            "activations leaves less than one block. Raise gpu_memory_utilization or "
-            "tensor_parallel_size, or pick a smaller model or a larger device.")
+        raise _no_room(platform, args, non_kv_bytes)
+    kv_tokens = num_blocks * args.block_size
+    max_len = _fit_max_model_len(args, max_len, kv_tokens)
+    check = getattr(model, "check_servable", None)  # what the model's attention can honour
+    if check is not None:
+        check(max_len)
+    if not args.enable_chunked_prefill:
+        max_batched = max(max_batched, max_len)
+    max_seqs = args.max_num_seqs or seqs
+    waiting_requests, waiting_tokens = args.max_waiting_requests, args.max_waiting_tokens
+    if usage_context == "server":  # a server says "not now" rather than queue without bound
+        waiting_requests = waiting_requests or WAITING_REQUESTS_PER_SEQ * max_seqs
+        waiting_tokens = waiting_tokens or WAITING_TOKENS_PER_KV_TOKEN * kv_tokens
     scheduler = SchedulerConfig(
         num_gpu_blocks=num_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs or seqs, max_num_batched_tokens=max_batched,
+        max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode,
-        num_cpu_blocks=int(args.swap_space * GIB) // block_bytes)
+        num_cpu_blocks=int(args.swap_space * GIB) // block_bytes,
+        max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens)
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
                         num_blocks * block_bytes, block_bytes, scheduler)
+
+
+def _fit_max_model_len(args: EngineArgs, max_len: int, kv_tokens: int) -> int:
+    """A sequence must fit the KV cache: an explicit ``max_model_len`` that cannot is an error
+    (as vLLM's); the model's own limit is capped to what fits, with a warning. A block count
+    given by hand (``num_gpu_blocks_override``, a study's setting) is taken as it is: requests
+    that cannot fit it are refused one by one."""
+    if max_len <= kv_tokens or args.num_gpu_blocks_override is not None:
+        return max_len
+    if args.max_model_len is not None:
+        raise ValueError(
+            f"The model's max seq len ({max_len}) is larger than the maximum number of tokens "
+            f"that can be stored in KV cache ({kv_tokens}). Try increasing "
+            "kv_cache_memory_bytes or gpu_memory_utilization, or decreasing max_model_len.")
+    logger.warning("max_model_len capped from %d (the model's) to %d: the KV cache holds only "
+                   "%d tokens (raise kv_cache_memory_bytes or gpu_memory_utilization for more).",
+                   max_len, kv_tokens, kv_tokens)
+    return kv_tokens
+
+
+def _no_room(platform: Platform, args: EngineArgs, non_kv_bytes: int) -> ValueError:
+    return ValueError(
+        f"no memory is left for the KV cache on {platform.device_name}: "
+        f"{platform.memory_bytes / GIB:.1f} GiB x gpu_memory_utilization "
+        f"{args.gpu_memory_utilization} minus {non_kv_bytes / GIB:.1f} GiB of weights and "
+        "activations leaves less than one block. Raise gpu_memory_utilization or "
+        "tensor_parallel_size, or pick a smaller model or a larger device.")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinserve.core.config import SchedulerConfig
+from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_cache_manager import BlockTable, KVCacheManager
 from twinserve.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                     SchedulerOutput)
@@ -40,6 +41,7 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _NEVER = 1 << 62  # a modulus above any token count
+ADMISSION_RETRY_AFTER_S = 1.0  # what an overloaded engine suggests to a client (Retry-After)
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -79,6 +81,9 @@ class Scheduler:
         # count, so the test never holds (one compare per request).
         self._cache_every = config.block_size if config.enable_prefix_caching else _NEVER
         self._on_tokens = policy.on_output_tokens if policy.accounts_tokens else None
+        # Requests (and their prompt tokens) queued and never admitted: the admission bounds.
+        self.num_queued = 0
+        self.num_queued_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,8 +114,27 @@ class Scheduler:
             raise ValueError(
                 f"prompt + max_tokens need up to {longest} KV-cache blocks but the cache holds "
                 f"only {cfg.num_gpu_blocks}; the request could never finish. Lower max_tokens.")
+        self._check_admission(request)
         self.requests[request.request_id] = request
         self.policy.add(request)
+        self.num_queued += 1
+        self.num_queued_tokens += request.num_prompt_tokens
+
+    def _check_admission(self, request: Request) -> None:
+        """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound."""
+        cfg = self.config
+        if cfg.max_waiting_requests is not None and self.num_queued >= cfg.max_waiting_requests:
+            raise EngineOverloaded(
+                f"the engine is overloaded: {self.num_queued} requests are waiting "
+                f"(max_waiting_requests {cfg.max_waiting_requests}); retry later.",
+                "max_waiting_requests", ADMISSION_RETRY_AFTER_S)
+        tokens = self.num_queued_tokens + request.num_prompt_tokens
+        if cfg.max_waiting_tokens is not None and self.num_queued and \
+                tokens > cfg.max_waiting_tokens:
+            raise EngineOverloaded(
+                f"the engine is overloaded: {self.num_queued_tokens} prompt tokens are waiting "
+                f"(max_waiting_tokens {cfg.max_waiting_tokens}); retry later.",
+                "max_waiting_tokens", ADMISSION_RETRY_AFTER_S)
 
     def abort_requests(self, request_ids: list[str], now: float) -> list[EngineCoreOutput]:
         """Ends requests wherever they are; unknown or finished ids are ignored. Call between
@@ -271,6 +295,8 @@ class Scheduler:
             first_time = request.first_scheduled_time is None
             if first_time:
                 request.first_scheduled_time = now
+                self.num_queued -= 1
+                self.num_queued_tokens -= request.num_prompt_tokens
             request.status = _RUNNING
             self.running.append(request)
             policy.on_admit(request, now, first_time)
@@ -521,6 +547,9 @@ class Scheduler:
             self._finish(request, status, now)
             if not was_running:
                 self.policy.remove(request)
+                if request.first_scheduled_time is None:
+                    self.num_queued -= 1
+                    self.num_queued_tokens -= request.num_prompt_tokens
             outs.append(EngineCoreOutput(rid, [], True, request.finish_reason,
                                          num_cached_tokens=request.num_cached_tokens or 0))
         return outs

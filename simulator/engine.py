@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from twinserve.core.errors import EngineOverloaded
 from twinserve.core.metrics import RequestRecord
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
@@ -83,7 +84,8 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         replica = replicas[router.route(request, schedulers)]
         try:
             replica.driver.add_request(request)
-        except ValueError as exc:  # can never run: recorded as failed, like a 400 from a server
+        except (ValueError, EngineOverloaded) as exc:  # can never run (400) or not now (503):
+            # recorded as failed, as a server's client would see it
             recorder.requests.append(_rejected(request, str(exc)))
             if recorder.on_finish:
                 recorder.on_finish(1)

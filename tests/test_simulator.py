@@ -36,6 +36,8 @@ from twinserve.traces import (SyntheticConfig, TraceRequest, first_n, load_trace
 from core_helpers import make_req, make_scheduler, step
 
 SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
+# Queues that never say "not now": for the studies of queueing itself (floods, M/D/1).
+UNBOUNDED = {"max_waiting_requests": 10**9, "max_waiting_tokens": 10**12}
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -281,7 +283,7 @@ def test_md1_busy_fraction_queueing_delay_and_littles_law() -> None:
     and mean wait in queue rho*S / (2*(1 - rho)) (Pollaczek-Khinchine). rho = 0.5 and 8,000
     requests put the sample mean within 6% of it for every seed tried (1-6), the busy fraction
     within 1%."""
-    cfg = SimConfig(max_num_seqs=1, enable_prefix_caching=False)
+    cfg = SimConfig(max_num_seqs=1, enable_prefix_caching=False, **UNBOUNDED)
     input_tokens, output_tokens, rho, n = 128, 4, 0.5, 8000
     service = service_time_alone(cfg, input_tokens, output_tokens)
     lam = rho / service
@@ -383,13 +385,13 @@ def test_vtc_bounds_the_service_gap_between_backlogged_tenants() -> None:
     max_service = max(tr.input_tokens + 2 * tr.output_tokens for tr in trace)
     gaps, jains = {}, {}
     for policy in ("fcfs", "fair"):
-        cfg = SimConfig(scheduling_policy=policy, max_num_seqs=16)
+        cfg = SimConfig(scheduling_policy=policy, max_num_seqs=16, **UNBOUNDED)
         service = backlogged_service(simulate(cfg, trace), ("heavy", "light"))
         assert len(service) > 500  # a long backlogged stretch
         gaps[policy] = max(abs(a - b) for a, b in service)
         jains[policy] = jain_index(list(service[-1]))
     assert gaps["fair"] <= cfg.engine.max_num_seqs * max_service
-    assert gaps["fcfs"] > 5 * cfg.max_num_seqs * max_service
+    assert gaps["fcfs"] > 5 * cfg.engine.max_num_seqs * max_service
     assert jains["fair"] > 0.99 and jains["fair"] > jains["fcfs"]
 
 
@@ -397,7 +399,8 @@ def test_vtc_shields_a_light_tenant_from_a_flooding_one() -> None:
     trace = _fair_trace({"heavy": 120.0, "light": 10.0}, 600)
     light_ttft = {}
     for policy in ("fcfs", "fair"):
-        records = simulate(SimConfig(scheduling_policy=policy, max_num_seqs=16), trace).records
+        records = simulate(SimConfig(scheduling_policy=policy, max_num_seqs=16, **UNBOUNDED),
+                           trace).records
         light = [r.ttft for r in records if r.tenant == "light"]
         light_ttft[policy] = sum(light) / len(light)
     assert light_ttft["fcfs"] > 5.0  # seconds: stuck behind the heavy tenant's backlog
@@ -408,8 +411,8 @@ def test_vtc_shields_a_light_tenant_from_a_flooding_one() -> None:
 def test_two_round_robin_replicas_double_saturated_throughput() -> None:
     trace = synthetic_trace(SyntheticConfig(num_requests=400, input_len=256, output_len=64,
                                             range_ratio=0.5, seed=4))  # all at t=0
-    one = run_engines(SimConfig(max_num_seqs=32), trace)
-    two = run_engines(SimConfig(max_num_seqs=32, num_replicas=2), trace)
+    one = run_engines(SimConfig(max_num_seqs=32, **UNBOUNDED), trace)
+    two = run_engines(SimConfig(max_num_seqs=32, num_replicas=2, **UNBOUNDED), trace)
     assert_conserved(trace, two.recorder.requests)
     assert_no_leaks(two)
 
@@ -458,7 +461,8 @@ def test_prefix_affinity_routing_beats_round_robin_on_cache_hits() -> None:
 def test_memory_starved_engine_completes_everything_with_preemptions(mode: str) -> None:
     trace = synthetic_trace(SyntheticConfig(num_requests=300, input_len=256, output_len=64,
                                             range_ratio=0.5, seed=4))
-    cfg = SimConfig(preemption_mode=mode, num_gpu_blocks_override=200, max_num_seqs=64)
+    cfg = SimConfig(preemption_mode=mode, num_gpu_blocks_override=200, max_num_seqs=64,
+                    **UNBOUNDED)
     run = run_engines(cfg, trace)
     records = run.recorder.requests
     assert_conserved(trace, records)
@@ -551,10 +555,10 @@ def test_static_in_simulation_batches_never_grow_and_lose_to_continuous_batching
         azure_conv: list[TraceRequest]) -> None:
     trace = at_once(first_n(azure_conv, 200))
     static = simulate(SimConfig(scheduling_policy="static", policy_options={"batch_size": 16},
-                                max_num_seqs=64), trace)
+                                max_num_seqs=64, **UNBOUNDED), trace)
     assert_conserved(trace, static.records)
     assert batches_by_overlap(static.records) == [16] * 12 + [8]
-    continuous = simulate(SimConfig(max_num_seqs=16), trace)
+    continuous = simulate(SimConfig(max_num_seqs=16, **UNBOUNDED), trace)
     assert batches_by_overlap(continuous.records) == [200]
     assert continuous.summary["output_throughput"] > 1.3 * static.summary["output_throughput"]
 
@@ -562,7 +566,8 @@ def test_static_in_simulation_batches_never_grow_and_lose_to_continuous_batching
 def test_static_preempted_members_rejoin_their_batch() -> None:
     trace = synthetic_trace(SyntheticConfig(num_requests=200, input_len=256, output_len=64,
                                             range_ratio=0.5, seed=4))
-    run = run_engines(SimConfig(scheduling_policy="static", num_gpu_blocks_override=200), trace)
+    run = run_engines(SimConfig(scheduling_policy="static", num_gpu_blocks_override=200,
+                                **UNBOUNDED), trace)
     assert_conserved(trace, run.recorder.requests)
     assert_no_leaks(run)
     assert sum(r.num_preemptions for r in run.recorder.requests) > 0
@@ -651,3 +656,26 @@ def test_engine_clock_running_ahead_of_simpy_matches_one_event_per_step(num_repl
     ties = [TraceRequest(f"tie{k}", ends[k], 50, 20) for k in (5, 40, 200)]
     trace = sorted(trace + ties, key=lambda tr: tr.arrival_time)
     assert _replay(cfg, trace, engine_process) == _replay(cfg, trace, _one_event_per_step)
+
+
+# ---- admission: a server's twin says "not now" -------------------------------------------------
+def test_a_flood_beyond_the_waiting_bounds_is_refused_and_counted() -> None:
+    """Everything arrives at once: the queue takes 4 x max_num_seqs (the server's default bound),
+    the rest fail at arrival with the overload error, and the summary counts them as failed."""
+    trace = [TraceRequest(f"r{i}", 0.0, 32, 4) for i in range(100)]
+    result = simulate(SimConfig(**SMALL, max_num_seqs=4), trace)
+    refused = [r for r in result.records if not r.success]
+    assert len(refused) == 100 - 4 * 4
+    assert all("overloaded" in r.error and "max_waiting_requests" in r.error for r in refused)
+    assert (result.summary["completed"], result.summary["failed"]) == (16, 84)
+    offline = simulate(SimConfig(**SMALL, max_num_seqs=4, usage_context="llm"), trace)
+    assert offline.summary["completed"] == 100  # offline use queues without bound
+
+
+def test_waiting_tokens_bound_refuses_only_while_others_wait() -> None:
+    trace = [TraceRequest("big", 0.0, 600, 2), TraceRequest("next", 0.0, 600, 2),
+             TraceRequest("later", 5.0, 600, 2)]
+    result = simulate(SimConfig(**SMALL, max_waiting_tokens=1000), trace)
+    by_id = {r.request_id: r for r in result.records}
+    assert by_id["big"].success and by_id["later"].success  # an empty queue takes any request
+    assert not by_id["next"].success and "max_waiting_tokens" in by_id["next"].error

@@ -64,13 +64,18 @@ def required_positive_int(raw: Mapping[str, Any], name: str) -> int:
 def rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(theta, scaling)``; scaling is ``None`` for plain RoPE, else carries a ``rope_type`` key.
 
-    A rope type the engine does not implement, or one that lacks a field it needs, is refused here
-    (a ValueError naming it), not silently run as plain RoPE.
+    When both are present the legacy ``rope_scaling`` wins, as transformers 5.x reads it. A rope
+    type the engine does not implement, or one that lacks a field it needs, is refused here (a
+    ValueError naming it), not silently run as plain RoPE.
     """
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    nested_theta = params.pop("rope_theta", None)
+    scaling = dict(raw.get("rope_scaling") or {})
+    parameters = dict(raw.get("rope_parameters") or {})
+    params = scaling or parameters
     theta = raw.get("rope_theta")
-    theta = nested_theta if theta is None else theta
+    for nested in (parameters, scaling):
+        if theta is None:
+            theta = nested.get("rope_theta")
+    params.pop("rope_theta", None)
     theta = DEFAULT_ROPE_THETA if theta is None else float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:

@@ -147,6 +147,7 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"{type(self).__name__}: unknown shard {shard_id!r}; "
                              f"shards: {list(self.shard_offsets)}.")
         start, size = self.shard_offsets[shard_id]
+        _check_shape(loaded_weight, (size, *param.shape[1:]), shard_id)
         per_rank = size // self.tp_size
         rows = loaded_weight.narrow(0, self.tp_rank * per_rank, per_rank)
         _copy_into(param.data.narrow(0, start // self.tp_size, per_rank), rows)
@@ -179,6 +180,7 @@ class RowParallelLinear(LinearBase):
                       shard_id: ShardId = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}.")
+        _check_shape(loaded_weight, (param.shape[0], self.input_size)[:param.dim()], None)
         if param.dim() == 2:
             per_rank = self.input_size // self.tp_size
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * per_rank, per_rank)
@@ -207,6 +209,14 @@ def _check_tp(tp_rank: int, tp_size: int) -> None:
                          "linear layers (only 1).")
     if tp_rank != 0:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}.")
+
+
+def _check_shape(loaded: torch.Tensor, shape: tuple[int, ...], shard_id: ShardId) -> None:
+    """The whole (unsharded) HF tensor's shape, checked before it is cut for this rank."""
+    if tuple(loaded.shape) != tuple(shape):
+        where = "" if shard_id is None else f" shard {shard_id!r}"
+        raise ValueError(f"weight of shape {tuple(loaded.shape)} does not fit{where} of shape "
+                         f"{tuple(shape)}.")
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

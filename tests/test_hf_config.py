@@ -36,11 +36,12 @@ def test_defaults_for_kv_heads_head_dim_and_optional_fields() -> None:
                                                                       "llama")
     assert (config.num_key_value_heads, config.head_dim) == (4, 16)
     assert (config.rope_theta, config.rope_scaling, config.rms_norm_eps) == (10000.0, None, 1e-6)
-    assert (config.tie_word_embeddings, config.qkv_bias, config.o_proj_bias) == (False, False, False)
+    assert (config.tie_word_embeddings, config.qkv_bias, config.o_proj_bias) == (False,) * 3
     assert (config.eos_token_ids, config.torch_dtype, config.dtype) == ((), None, "bfloat16")
     assert config.sliding_window is None
     explicit = _parse(num_key_value_heads=2, head_dim=32, eos_token_id=[1, 2], rms_norm_eps=1e-5)
-    assert (explicit.num_key_value_heads, explicit.head_dim, explicit.eos_token_ids) == (2, 32, (1, 2))
+    assert (explicit.num_key_value_heads, explicit.head_dim) == (2, 32)
+    assert explicit.eos_token_ids == (1, 2)
     assert explicit.rms_norm_eps == 1e-5
 
 
@@ -53,13 +54,18 @@ def test_transformers_4_rope_and_dtype_spelling() -> None:
 
 
 def test_transformers_5_rope_and_dtype_spelling() -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-    config = _parse(dtype="float32", rope_theta=None, rope_parameters={**scaling, "rope_theta": 5e5})
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = _parse(dtype="float32", rope_theta=None,
+                    rope_parameters={**scaling, "rope_theta": 5e5})
     assert (config.rope_theta, config.rope_scaling) == (5e5, scaling)
     assert (config.torch_dtype, config.dtype, config.dtype_bytes) == ("float32", "float32", 4)
     plain = _parse(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
+    # both spellings: the legacy rope_scaling wins, as transformers 5.x reads it
+    both = _parse(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert (both.rope_theta, both.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 2.0})
 
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0},
@@ -118,8 +124,8 @@ def test_activation_other_than_silu_is_refused() -> None:
         _parse(hidden_act="gelu")
 
 
-@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads"])
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size",
+                                   "num_hidden_layers", "num_attention_heads"])
 def test_missing_required_field_is_named(field: str) -> None:
     raw = _config()
     del raw[field]
@@ -130,7 +136,7 @@ def test_missing_required_field_is_named(field: str) -> None:
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"num_attention_heads": 0}, r"config\.json: num_attention_heads must be a positive integer"),
     ({"vocab_size": "100"}, r"config\.json: vocab_size must be a positive integer"),
-    ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_h"),
     ({"head_dim": 15}, r"head_dim must be even"),
     ({"rms_norm_eps": -1.0}, r"rms_norm_eps must be a positive number"),
     ({"torch_dtype": "int4"}, r"torch_dtype 'int4' is not supported"),

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from twinserve.entrypoints.sweep import BACKENDS, find_capacity, run_sweep
-from twinserve.entrypoints.sweep_spec import SweepSpec, load_spec
+from twinserve.entrypoints.sweep import sweep_and_report
+from twinserve.simulator.capacity import find_capacity
+from twinserve.simulator.sweep import BACKENDS
+from twinserve.simulator.sweep_spec import SweepSpec, load_spec
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "examples" / "sweep_azure.toml"
 TENANTS = ("light", "heavy")
@@ -80,8 +82,8 @@ def main() -> None:
     spec = load_spec(args.spec)
     with tempfile.TemporaryDirectory(prefix="policy_sweep_") as tmp:
         out = args.out or Path(tmp)
-        sweep = run_sweep(spec, out, backend=args.backend, workers=args.workers, progress=False,
-                          report=args.out is not None)
+        sweep = sweep_and_report(spec, out, backend=args.backend, workers=args.workers,
+                                 progress=False, report=args.out is not None)
         print(describe(spec, sweep, args.workers, args.backend))
         print(capacity_table(spec, sweep))
         print(fairness_table(sweep))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples
 from twinserve.simulator.cost_model import (

@@ -58,13 +58,21 @@ from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.policies import available_policies, get_policy
-from twinserve.simulator import SimConfig
-from twinserve.simulator.run import SIM_KEYS, build_engine_config
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.model_spec import load_model_spec
-from twinserve.traces import (SyntheticConfig, TraceRequest, assign_priorities, assign_tenants,
-                              clip_lengths, first_n, load_trace, scale_time, synthetic_trace,
-                              time_window)
+from twinserve.simulator.run import SIM_KEYS, SimConfig, build_engine_config
+from twinserve.traces import (
+    SyntheticConfig,
+    TraceRequest,
+    assign_priorities,
+    assign_tenants,
+    clip_lengths,
+    first_n,
+    load_trace,
+    scale_time,
+    synthetic_trace,
+    time_window,
+)
 
 SECTIONS = ("sweep", "workload", "engine", "grid", "slo", "policy_options")
 SYNTHETIC = "synthetic"
@@ -430,7 +438,9 @@ def _check_points(spec: SweepSpec) -> None:
         for key, check in (("model", load_model_spec), ("hardware", load_hardware),
                            ("scheduling_policy", get_policy)):
             if key in point.sim:
-                _run_check(spec.source, where[key], key, lambda: check(point.sim[key]))
+                value = point.sim[key]
+                _run_check(spec.source, where[key], key,
+                           lambda check=check, value=value: check(value))
         _run_check(spec.source, "[engine]/[grid]", "SimConfig", point.sim_config)
         _check_workload(spec, point.workload)
     if not any(p.workload["trace"] == SYNTHETIC for p in spec.points()):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from twinserve.core.outputs import AGGREGATE_FIELDS
 from twinserve.core.step_sample import StepSample, read_samples, step_kind, write_samples
 from twinserve.simulator.calibration import (

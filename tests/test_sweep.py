@@ -1,5 +1,6 @@
-"""entrypoints/sweep: a 2x2 grid run locally and on Ray gives identical numbers, resuming reruns
-nothing, capacity on hand-made curves, and spec errors that name the key and the file."""
+"""simulator/sweep (and the sweep command): a 2x2 grid run locally and on Ray gives identical
+numbers, resuming reruns nothing, capacity on hand-made curves, and spec errors that name the key
+and the file."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from twinserve.entrypoints.sweep import (add_sweep_args, capacity_of, find_capacity, run_sweep,
-                                         run_sweep_cli)
-from twinserve.entrypoints.sweep_spec import SweepSpec, load_spec, mean_rate, parse_spec, point_trace
+from twinserve.entrypoints.sweep import add_sweep_args, run_sweep_cli, sweep_and_report
+from twinserve.simulator.capacity import capacity_of, find_capacity
+from twinserve.simulator.sweep import run_sweep
+from twinserve.simulator.sweep_spec import SweepSpec, load_spec, mean_rate, parse_spec, point_trace
 from twinserve.traces import TraceRequest, load_trace
 
 SPEC = """\
@@ -63,7 +65,7 @@ def local_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, p
     tmp = tmp_path_factory.mktemp("sweep")
     spec = _spec_file(tmp)
     out = tmp / "local"
-    return spec, out, run_sweep(spec, out, backend="local", workers=2, progress=False)
+    return spec, out, sweep_and_report(spec, out, backend="local", workers=2, progress=False)
 
 
 @pytest.fixture()
@@ -98,7 +100,7 @@ def test_local_sweep_writes_every_output(local_sweep: tuple[Path, Path, pd.DataF
 def test_ray_matches_local(local_sweep: tuple[Path, Path, pd.DataFrame], ray_cluster: None,
                            tmp_path: Path) -> None:
     spec, _, local = local_sweep
-    remote = run_sweep(spec, tmp_path / "ray", backend="ray", progress=False, report=False)
+    remote = run_sweep(spec, tmp_path / "ray", backend="ray", progress=False)
     assert remote.attrs["points_run"] == 4
     key = ["point_id"]
     pd.testing.assert_frame_equal(local.sort_values(key)[[*key, *METRICS]].reset_index(drop=True),
@@ -108,7 +110,7 @@ def test_ray_matches_local(local_sweep: tuple[Path, Path, pd.DataFrame], ray_clu
 def test_resume_reruns_nothing(local_sweep: tuple[Path, Path, pd.DataFrame]) -> None:
     spec, out, first = local_sweep
     before = _mtimes(out)
-    again = run_sweep(spec, out, workers=1, progress=False, report=False)
+    again = run_sweep(spec, out, workers=1, progress=False)
     assert again.attrs["points_run"] == 0
     assert _mtimes(out) == before
     pd.testing.assert_frame_equal(first, again)
@@ -123,7 +125,7 @@ def test_resume_runs_only_new_or_incomplete_points(local_sweep: tuple[Path, Path
     (broken / "summary.json").unlink()  # as if killed while writing
     before = _mtimes(out)
     grown = _spec_file(tmp_path, SPEC.replace("[8.0, 32.0]", "[8.0, 32.0, 16.0]"))
-    sweep = run_sweep(grown, out, workers=1, progress=False, report=False)
+    sweep = run_sweep(grown, out, workers=1, progress=False)
     assert sweep.attrs["points_run"] == 3  # the broken point and the two at the new rate
     after = _mtimes(out)
     kept = [k for k in before if not k.startswith(broken.name)]

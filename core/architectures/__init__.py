@@ -1,12 +1,15 @@
 """Architecture families by HF architecture name: a decorator registry, one file per family.
 
 ``@register`` on a ``DenseDecoder`` subclass (see ``llama.py``) makes it serve the HF names in its
-``names``. The table is filled only by those decorators when this package is imported and is
-read-only afterwards: it holds stateless entries, never a model or a config.
+``names``; every module of this package is imported with it. The table is filled only by those
+decorators when this package is imported and is read-only afterwards: it holds stateless
+entries, never a model or a config.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -65,8 +68,15 @@ def architecture_name(raw: Mapping[str, Any]) -> str:
                      f"{', '.join(supported_architectures())}.")
 
 
-# The families register themselves on import (after ``register`` exists).
-from twinserve.core.architectures import llama, mistral, qwen2  # noqa: E402, F401
+def _import_families() -> None:
+    """Every module of this package but ``base`` is a family that registers itself on import,
+    so adding one is adding its file."""
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_families()
 
 __all__ = ["DenseDecoder", "FamilyFields", "LinearSpec", "WeightShard", "WeightTarget",
            "architecture_name", "get_architecture", "register", "supported_architectures"]

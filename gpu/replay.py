@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from twinserve.core.errors import EngineOverloaded
 from twinserve.core.metrics import RequestRecord, StepRecord, summarize
 from twinserve.core.request import Request
 from twinserve.core.run_dir import write_run
@@ -70,7 +71,8 @@ def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool
                         arrival_time=origin + tr.arrival_time,
                         priority=tr.priority if uses_priority else 0, tenant=tr.tenant,
                         hints={"output_len_hint": float(tr.output_tokens)}, detokenize=detokenize)
-                except ValueError as exc:  # can never run: a failed request, as in the simulator
+                except (ValueError, EngineOverloaded) as exc:  # never (400) or not now (503):
+                    # a failed request, as in the simulator
                     failed.append(rejected_record(tr, str(exc)))
                     continue
                 requests.append(engine.scheduler.requests[rid])

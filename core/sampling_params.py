@@ -12,6 +12,10 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# Bounds on the stop list: each stop string is matched against every request's output text, so
+# a client must not be able to make one request (or its neighbours' steps) slow by sending many.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 
 # vLLM's SamplingParams fields that twinserve does not implement: name -> (what the field asks
 # for, the values that mean "not used"). The first value of each is the dataclass default.
@@ -47,6 +51,8 @@ class SamplingParams:
     """How to sample one request's output. Invalid values raise ``ValueError`` naming the field.
 
     ``temperature == 0`` means greedy. ``max_tokens=None`` means "up to ``max_model_len``".
+    Attributes may be changed after construction; ``validate()`` checks them again (the engines
+    call it when a request is added, so a bad value never reaches a step).
     """
 
     n: int = 1
@@ -91,6 +97,11 @@ class SamplingParams:
     repetition_detection: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalises ``stop``/``stop_token_ids``/``top_k`` and checks every field; raises
+        ``ValueError`` naming the first bad one. Idempotent."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -98,14 +109,14 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+            raise ValueError(f"stop must be a string or a list of strings, got {_short(self.stop)}.")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
         else:
             raise ValueError(
-                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
+                f"stop_token_ids must be a list of integers, got {_short(self.stop_token_ids)}.")
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         # One tuple comparison on the hot path; the field-by-field check only when it differs.
@@ -128,7 +139,7 @@ class SamplingParams:
             if not _is_absent(value, absent):
                 shown = " or ".join(repr(a) for a in absent)
                 raise ValueError(f"{name} is not supported by twinserve yet ({what}); got "
-                                 f"{value!r}. Leave it at {shown}.")
+                                 f"{_short(value)}. Leave it at {shown}.")
 
     def _validate(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -164,19 +175,31 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got "
+                             f"{len(self.stop)}.")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}.")
+                raise ValueError(f"stop must be a list of non-empty strings, got {_short(s)} in it.")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters long, got one of {len(s)}.")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a boolean, got {value!r}.")
+                raise ValueError(f"{name} must be a boolean, got {_short(value)}.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (error messages echo client input)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _is_absent(value: object, absent: tuple[Any, ...]) -> bool:
@@ -188,14 +211,14 @@ def _is_absent(value: object, absent: tuple[Any, ...]) -> bool:
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
+        raise ValueError(f"{name} must be an integer, got {_short(value)}.")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}.")
 
 
 def _check_number(name: str, value: object, minimum: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}.")
+        raise ValueError(f"{name} must be a number, got {_short(value)}.")
     if value != value:  # NaN
         raise ValueError(f"{name} must be a number, got NaN.")
     if minimum is not None and value < minimum:

@@ -56,6 +56,7 @@ class LLMEngine:
                     hints: dict[str, float] | None = None, detokenize: bool = True) -> str:
         """Queues a request; returns its id. Raises ValueError naming what is wrong."""
         params = params or SamplingParams()
+        params.validate()  # attributes may have changed since construction
         if priority != 0 and not self.policy.uses_priority:
             raise ValueError(f"Got priority {priority} but the {self.policy.name!r} scheduling "
                              "policy does not use priorities (use scheduling_policy='priority').")

@@ -9,7 +9,7 @@ from twinserve.core.outputs import EngineCoreOutput
 from twinserve.core.request import Request
 from twinserve.core.request_output import CompletionOutput, RequestOutput
 from twinserve.core.scheduler import child_request_id
-from twinserve.gpu.detokenizer import IncrementalDetokenizer
+from twinserve.gpu.detokenizer import IncrementalDetokenizer, StopAutomaton
 from twinserve.gpu.tokenizer import Tokenizer
 
 
@@ -35,12 +35,18 @@ class OutputProcessor:
         if params.stop and (self.tokenizer is None or not detokenize):
             raise ValueError("stop strings need a tokenizer and detokenize=True.")
 
+        tokenizer = self.tokenizer
+        # One stop-string automaton per request, shared by its n samples (each keeps its state).
+        stops = StopAutomaton(params.stop) if params.stop else None
+
         def detok() -> IncrementalDetokenizer | None:
-            if self.tokenizer is None or not detokenize:
+            if tokenizer is None or not detokenize:
                 return None
-            return self.tokenizer.detokenizer(
-                request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            return IncrementalDetokenizer(
+                tokenizer, request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                stop_automaton=stops)
 
         self.states[request.request_id] = RequestState(
             request, prompt, [CompletionOutput(i) for i in range(params.n)],

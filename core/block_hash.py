@@ -12,10 +12,6 @@ from twinserve.core.request import Request
 ROOT_HASH = 0x5EED
 
 
-def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...], extra_keys: object = None) -> int:
-    return hash((parent_hash, tokens, extra_keys))
-
-
 def update_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[int]:
     """Extends ``request.block_hashes`` to cover the full blocks within ``num_tokens`` tokens."""
     hashes = request.block_hashes

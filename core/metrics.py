@@ -65,7 +65,7 @@ class RequestRecord:
         return self.first_scheduled_time - self.arrival_time
 
     @classmethod
-    def from_request(cls, req: Request, time_origin: float = 0.0) -> "RequestRecord":
+    def from_request(cls, req: Request, time_origin: float = 0.0) -> RequestRecord:
         """Builds the record of a finished request; times are shifted by ``time_origin``."""
         nan = math.nan
         times = req.token_times
@@ -169,6 +169,22 @@ def summarize(
     return summary
 
 
+def peak_output_throughput(records: Sequence[RequestRecord]) -> float:
+    """Output tokens of the busiest whole second since the start (vLLM's ``max_output_tokens_per_s``);
+    a request's tokens are spread evenly over its chunks."""
+    per_second: dict[int, float] = {}
+    for r in records:
+        if not r.success or math.isnan(r.first_token_time):
+            continue
+        times = [r.first_token_time]
+        for gap in r.itls:
+            times.append(times[-1] + gap)
+        weight = r.output_tokens / len(times)
+        for t in times:
+            per_second[int(t)] = per_second.get(int(t), 0.0) + weight
+    return max(per_second.values(), default=0.0)
+
+
 def _meets(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
     for key, limit in slos_ms.items():
         value = getattr(r, key) * 1000.0
@@ -201,15 +217,6 @@ class StepRecord:
     replica: int = 0
     # tokens computed this step per tenant: (prefill tokens, output tokens)
     tenant_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    @classmethod
-    def from_step(cls, out: SchedulerOutput, scheduler: Scheduler, start: float, duration: float,
-                  replica: int = 0, with_tenants: bool = True) -> "StepRecord":
-        """The record of a step just applied with ``update_from_output``."""
-        tenants = _tenant_tokens(out) if with_tenants else {}
-        return cls(start, duration, len(out.scheduled), out.num_prefill_tokens,
-                   out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
-                   scheduler.kv.pool.usage, len(out.preempted_request_ids), replica, tenants)
 
 
 def _tenant_tokens(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
@@ -245,7 +252,8 @@ class StepLog(Sequence[StepRecord]):
 
     def record_step(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
                     duration: float, replica: int = 0, with_tenants: bool = True) -> None:
-        """``append(StepRecord.from_step(...))`` without building the record."""
+        """Appends the record of a step just applied with ``update_from_output`` (without
+        building a ``StepRecord``)."""
         if with_tenants:
             tenants = _tenant_tokens(out)
             if tenants:

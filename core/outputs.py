@@ -75,10 +75,6 @@ class SchedulerOutput:
     blocks_to_swap_in: Sequence[tuple[int, int]] = ()   # (host, device)
     blocks_to_copy: Sequence[tuple[int, int]] = ()      # (src, dst) device
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
-
 
 # The step totals the scheduler fills in every SchedulerOutput: what the simulator's cost model
 # reads, what calibration records per measured step.

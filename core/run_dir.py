@@ -92,13 +92,6 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run folder: {path.name} is missing.")
-    return json.loads(path.read_text())
-
-
 def read_config(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}

@@ -36,13 +36,18 @@ from typing import Any, TypeVar
 import httpx
 from tqdm import tqdm
 
-from twinserve.core.metrics import RequestRecord, summarize
+from twinserve.core.metrics import RequestRecord, peak_output_throughput, summarize
 from twinserve.core.run_dir import write_run
 from twinserve.entrypoints.bench_request import request_body, to_record
 from twinserve.entrypoints.result_printout import format_result
 from twinserve.entrypoints.sse_client import http_error_message, one_line, stream_completion
-from twinserve.traces import (LOWEST_TOKEN_ID, TraceRequest, add_trace_args, trace_desc,
-                              trace_from_args)
+from twinserve.traces import (
+    LOWEST_TOKEN_ID,
+    TraceRequest,
+    add_trace_args,
+    trace_desc,
+    trace_from_args,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_ENDPOINT = "/v1/completions"
@@ -289,22 +294,6 @@ def _summary(records: list[RequestRecord], duration: float, goodput_slos_ms: dic
     if max_concurrency is not None:
         summary["max_concurrency"] = max_concurrency
     return summary
-
-
-def peak_output_throughput(records: Sequence[RequestRecord]) -> float:
-    """Output tokens of the busiest whole second since the start (vLLM's ``max_output_tokens_per_s``);
-    a request's tokens are spread evenly over its chunks."""
-    per_second: dict[int, float] = {}
-    for r in records:
-        if not r.success or math.isnan(r.first_token_time):
-            continue
-        times = [r.first_token_time]
-        for gap in r.itls:
-            times.append(times[-1] + gap)
-        weight = r.output_tokens / len(times)
-        for t in times:
-            per_second[int(t)] = per_second.get(int(t), 0.0) + weight
-    return max(per_second.values(), default=0.0)
 
 
 # ------------------------------------------------------------------------------------ the command

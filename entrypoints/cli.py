@@ -12,8 +12,6 @@ from twinserve.core.engine_config import USAGE_CONTEXTS
 from twinserve.entrypoints.engine_args import (add_engine_args, config_file_defaults,
                                                engine_args_from)
 
-Handler = Callable[[argparse.Namespace], int]
-
 
 def _simulate_parser(sub) -> None:
     from twinserve.traces import add_trace_args

@@ -42,10 +42,6 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for(budget_bytes: int, spec: KVCacheSpec) -> int:
-    return max(0, int(budget_bytes) // spec.bytes_per_block)
-
-
 class KVCache:
     """Device blocks ``gpu[layer] = (key_cache, value_cache)`` and host blocks ``cpu[layer]``."""
 

@@ -11,33 +11,9 @@ from typing import Any
 import torch
 
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.cpu_gemm import cpu_has_native_bf16
 from twinserve.gpu.linear import LinearBase
 from twinserve.gpu.model import CausalLM
 from twinserve.gpu.weights import SafetensorsWeights
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig,
-                  device: torch.device) -> torch.dtype:
-    """``"auto"``: on CPU bfloat16 where the CPU has native bf16 matmuls (avx512_bf16 / AMX),
-    else float32, exact to the checkpoint. On such CPUs ``"bfloat16"`` is the faster choice for
-    small batches (half the weight bytes: batch-1 decode ~2x float32 here) and ~10% slower for large
-    ones, whose products are widened to float32 (``cpu_gemm``). On CUDA the config's half dtype,
-    bfloat16 for float32 checkpoints."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}.")
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return _DTYPES.get(config.torch_dtype or "", torch.bfloat16) \
-                if config.torch_dtype in ("bfloat16", "float16") else torch.bfloat16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}.")
-    return _DTYPES[dtype]
 
 
 def load_generation_config(model_dir: Path) -> dict[str, Any]:

@@ -41,11 +41,6 @@ class StaticBatchingPolicy(SchedulingPolicy):
         self._pending: Request | None = None  # head returned by peek and not popped yet
 
     # ---- batch state ---------------------------------------------------------------------
-    @property
-    def batch_open(self) -> bool:
-        """Whether new requests may join the current batch (reopens once it has drained)."""
-        return not self._closed or not self._members
-
     def _close(self) -> None:
         self._closed = True
         self._pending = None

@@ -14,9 +14,6 @@ from collections.abc import Callable
 
 from twinserve.traces.trace_request import MAX_BLOCK_ID, stable_seed
 
-PLAIN_COLUMNS = ("arrival_time_s", "input_tokens", "output_tokens",
-                 "tenant", "priority", "prefix_group", "prefix_tokens")
-
 # A parsed row: (arrival in seconds, keyword arguments of TraceRequest other than id and arrival).
 Parsed = tuple[float, dict]
 RowParser = Callable[[dict], Parsed]

@@ -1,0 +1,70 @@
+"""The dependency rule of DESIGN.md, checked on every import statement (inside functions too):
+
+- ``core/`` imports no other project folder, and no torch, simpy, fastapi or pandas;
+- ``policies/`` imports ``core/`` only; ``traces/`` imports ``core/`` only;
+- ``simulator/`` and ``gpu/`` import ``core/``, ``policies/`` and ``traces/``, never each other;
+- ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_FOLDERS = ("core", "policies", "simulator", "gpu", "traces", "reports", "entrypoints",
+                   "benchmarks")
+ALLOWED = {  # the project folders each folder may import, itself included
+    "core": {"core"},
+    "policies": {"policies", "core"},
+    "traces": {"traces", "core"},
+    "simulator": {"simulator", "core", "policies", "traces"},
+    "gpu": {"gpu", "core", "policies", "traces"},
+    "reports": {"reports", "core"},
+}
+FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"}}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """``(line, dotted module)`` of every ``import`` and ``from ... import`` in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            found.append((node.lineno, "." * node.level + (node.module or "")))
+    return found
+
+
+def violations(folder: str) -> list[str]:
+    out = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        where = path.relative_to(ROOT)
+        for line, module in imported_modules(path):
+            if module.startswith("."):
+                out.append(f"{where}:{line}: relative import {module!r} (name the folder)")
+                continue
+            parts = module.split(".")
+            if parts[0] in FORBIDDEN_PACKAGES.get(folder, ()):
+                out.append(f"{where}:{line}: imports {module}")
+            if parts[0] == "twinserve" and len(parts) > 1 and parts[1] in PROJECT_FOLDERS \
+                    and parts[1] not in ALLOWED[folder]:
+                out.append(f"{where}:{line}: imports {module}")
+    return out
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_folder_keeps_the_dependency_rule(folder: str) -> None:
+    assert violations(folder) == []
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f():\n    from twinserve.gpu import replay\n"
+                    "    import torch.nn as nn\n")
+    assert imported_modules(path) == [(1, "os"), (4, "twinserve.gpu"), (5, "torch.nn")]

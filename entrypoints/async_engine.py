@@ -4,6 +4,11 @@ HTTP handling never blocks a step and a step never blocks HTTP: requests and abo
 engine thread through a thread-safe queue; each step's outputs come back to the event loop with
 ``call_soon_threadsafe``. Only the engine thread touches the engine, so the scheduler needs no
 locks.
+
+A request is submitted (``submit``), then accepted or refused by the engine between two steps
+(``RequestStream.accepted``: ``ValueError`` for a request that can never run,
+``EngineOverloaded`` for one the engine will not queue now), then streams its outputs. Closing
+its stream before it finished aborts it, wherever it is.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from twinserve.core.errors import EngineOverloaded
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.llm_engine import LLMEngine
@@ -31,6 +37,61 @@ class _Stream:
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """One submitted request: ``await accepted()``, then ``outputs()``; ``close()`` (idempotent)
+    aborts it unless it finished."""
+
+    __slots__ = ("_done", "_engine", "_outputs_started", "_pending", "_queue", "request_id")
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._pending: list[RequestOutput] = []
+        self._done = False
+        self._outputs_started = False
+
+    async def accepted(self) -> None:
+        """Returns once the engine queued the request; raises what it refused it with."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._done = True  # refused: nothing to abort
+                raise item
+            if item is None:
+                return
+            self._pending.append(item)  # an output before the acceptance marker: keep it
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes (call after ``accepted``)."""
+        try:
+            while self._pending:
+                out = self._pending.pop(0)
+                yield out
+                if out.finished:
+                    self._done = True
+                    return
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self._done = True
+                    raise item
+                if item is None:
+                    continue
+                yield item
+                if item.finished:
+                    self._done = True
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._engine.is_alive:
+                self._engine._submit("abort", self.request_id)
 
 
 class AsyncEngine:
@@ -58,32 +119,30 @@ class AsyncEngine:
         if self.error is not None:  # died meanwhile: nobody will drain the queue
             self._fail_pending_commands()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs until it finishes. Raises ValueError if the engine
-        refuses it. Leaving early (client gone) aborts the request and frees its blocks."""
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+               **kwargs: Any) -> RequestStream:
+        """Hands a request to the engine thread; the stream says whether it was accepted."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._submit("add", request_id, prompt, params, kwargs, stream)
-        finished = False
+        return RequestStream(self, request_id, stream.queue)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes. Raises ValueError (or
+        EngineOverloaded) if the engine refuses it. Leaving early (client gone) aborts the
+        request and frees its blocks."""
+        request = self.submit(prompt, params, request_id, **kwargs)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:  # accepted
-                    continue
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            await request.accepted()
+            async for out in request.outputs():
+                yield out
         finally:
-            if not finished and self.is_alive:
-                self._submit("abort", request_id)
+            request.close()
 
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> "asyncio.Future[Any]":
+    def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future[Any]:
         """Runs ``fn(engine)`` on the engine thread between steps (e.g. reset_prefix_cache)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
@@ -154,7 +213,7 @@ class AsyncEngine:
              stream: _Stream) -> None:
         try:
             self.engine.add_request(prompt, params, request_id=request_id, **kwargs)
-        except ValueError as exc:
+        except (ValueError, EngineOverloaded) as exc:  # refused: the engine holds nothing of it
             stream.put(exc)
             return
         self._streams[request_id] = stream

@@ -17,13 +17,15 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from twinserve.core.errors import EngineOverloaded
 from twinserve.core.request_output import CompletionOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.entrypoints.async_engine import EngineDeadError
-from twinserve.entrypoints.http_errors import APIError, ClientGone, error_event, value_error_param
+from twinserve.entrypoints.async_engine import EngineDeadError, RequestStream
+from twinserve.entrypoints.http_errors import (APIError, ClientGone, error_event, retry_after,
+                                              value_error_param)
 from twinserve.entrypoints.protocol import (PromptTokensDetails, RequestModel, SamplingFields,
                                             UsageInfo, find_unimplemented)
-from twinserve.entrypoints.server_state import ServerState
+from twinserve.entrypoints.server_state import MAX_TENANT_NAME_CHARS, ServerState
 
 logger = logging.getLogger("twinserve.server")
 
@@ -100,6 +102,15 @@ def check_request_limits(state: ServerState, body: SamplingFields) -> None:
                            "stop_token_ids")
 
 
+def check_prompt_count(state: ServerState, num_prompts: int, n: int) -> None:
+    """One API call may queue at most ``--max-prompts-per-request`` sequences (prompts x n)."""
+    cap = state.limits.max_prompts_per_request
+    if num_prompts * n > cap:
+        raise APIError(400, f"This request asks for {num_prompts} prompt(s) x n={n} = "
+                            f"{num_prompts * n} sequences; the limit is {cap} per request "
+                            "(--max-prompts-per-request).", "prompt" if num_prompts > 1 else "n")
+
+
 def build_sampling_params(body: SamplingFields, max_tokens: int,
                           logprobs: int | None) -> SamplingParams:
     if body.stream_options is not None and not body.stream:
@@ -111,9 +122,15 @@ def build_sampling_params(body: SamplingFields, max_tokens: int,
         raise APIError(400, str(exc), value_error_param(exc, set(type(body).model_fields)))
 
 
-def tenant_of(request: Request, body: SamplingFields) -> str:
-    """The fairness tenant: the ``X-Tenant`` header (set by a gateway) wins over ``user``."""
-    return request.headers.get("x-tenant") or body.user or "default"
+def tenant_of(state: ServerState, request: Request, body: SamplingFields) -> str:
+    """The fairness tenant: the ``X-Tenant`` header (set by a trusted gateway, honoured only
+    with ``--trust-tenant-header``) wins over ``user``; neither: ``default``."""
+    header = request.headers.get("x-tenant") if state.limits.trust_tenant_header else None
+    tenant = header or body.user or "default"
+    if len(tenant) > MAX_TENANT_NAME_CHARS:
+        raise APIError(400, f"The tenant name (user or X-Tenant) may be at most "
+                            f"{MAX_TENANT_NAME_CHARS} characters, got {len(tenant)}.", "user")
+    return tenant
 
 
 # ==== running requests ===========================================================================
@@ -244,7 +261,12 @@ def token_decoder(state: ServerState) -> Callable[[int], str]:
 
 class Generation:
     """One API call's requests (one per prompt, each with n samples), tracked as a unit: the
-    merged output stream, per-choice deltas, usage, and the metrics at the end."""
+    merged output stream, per-choice deltas, usage, and the metrics at the end.
+
+    ``start()`` submits them and returns once the engine accepted every one (so a refusal is a
+    status code, and a stream's headers go out before the first token); ``close()`` (always
+    reached: ``collect``, the end of ``deltas``, or the response's end) aborts what is
+    unfinished and releases the tenant's slots."""
 
     def __init__(self, state: ServerState, request: Request, prompts: list[PromptInput],
                  params: list[SamplingParams], request_id: str, priority: int, tenant: str,
@@ -253,23 +275,31 @@ class Generation:
         self.state = state
         self.request = request
         self.prompts = prompts
+        self.params = params
+        self.priority = priority
+        self.tenant = tenant
         self.n = params[0].n
         self.want_logprobs = params[0].logprobs is not None
         self.last: list[RequestOutput | None] = [None] * len(prompts)
         self.choices = [ChoiceState(prefix=echo_text(state, p) if echo else "")
                         for p in prompts for _ in range(self.n)]
-        streams = [state.async_engine.generate(p.token_ids, sp, f"{request_id}-{i}",
-                                               priority=priority, tenant=tenant)
-                   for i, (p, sp) in enumerate(zip(prompts, params))]
-        self._merged = merge_streams(streams)
-        self._first: tuple[int, RequestOutput] | None = None
+        self._streams: list[RequestStream] = []
+        self._merged: AsyncIterator[tuple[int, RequestOutput]] | None = None
+        self._holds_tenant = False
         self._closed = False
 
     async def start(self) -> None:
-        """Waits for the first output, so that a refused request is answered with a status
-        code rather than inside a stream. Raises ClientGone if the client leaves meanwhile."""
+        """Submits every prompt and waits until the engine accepted them all. Raises what the
+        engine refused one with (the others are aborted), or ClientGone if the client leaves."""
+        self.state.tenants.acquire(self.tenant, len(self.prompts))
+        self._holds_tenant = True
         try:
-            self._first = await unless_disconnected(self.request, _first_item(self._merged))
+            engine = self.state.async_engine
+            for i, (p, sp) in enumerate(zip(self.prompts, self.params)):
+                self._streams.append(engine.submit(p.token_ids, sp, f"{self.id}-{i}",
+                                                   priority=self.priority, tenant=self.tenant))
+            await unless_disconnected(self.request, _all_accepted(self._streams))
+            self._merged = merge_streams([s.outputs() for s in self._streams])
         except BaseException:
             await self.close()
             raise
@@ -277,9 +307,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """``(choice index, delta)`` in arrival order, until every request finished."""
         try:
-            if self._first is not None:
-                for item in self._on_output(*self._first):
-                    yield item
+            if self._merged is None:
+                return
             async for prompt_idx, out in self._merged:
                 for item in self._on_output(prompt_idx, out):
                     yield item
@@ -307,13 +336,23 @@ class Generation:
         return result
 
     async def close(self) -> None:
-        """Aborts what is unfinished (idempotent) and counts the requests in the metrics."""
+        """Aborts what is unfinished (idempotent), counts the accepted requests in the metrics
+        and releases the tenant's slots."""
         if self._closed:
             return
         self._closed = True
-        await self._merged.aclose()
-        for last in self.last:
-            self.state.metrics.observe_request_end(last)
+        try:
+            if self._merged is not None:
+                await self._merged.aclose()  # type: ignore[attr-defined]
+            for stream in self._streams:
+                stream.close()
+            if self._merged is not None:  # accepted: each request counts, waiting or not
+                for last in self.last:
+                    self.state.metrics.observe_request_end(last, self.n)
+        finally:
+            if self._holds_tenant:
+                self._holds_tenant = False
+                self.state.tenants.release(self.tenant, len(self.prompts))
 
     def final_completion(self, index: int) -> CompletionOutput | None:
         out = self.last[index // self.n]
@@ -331,25 +370,42 @@ class Generation:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-async def _first_item(stream: AsyncIterator[T]) -> T:
-    return await stream.__anext__()
+async def _all_accepted(streams: list[RequestStream]) -> None:
+    for stream in streams:  # the engine takes adds in order: one wait covers most of them
+        await stream.accepted()
 
 
 async def start_generation(gen: Generation) -> None:
-    """``gen.start()`` with the engine's refusals mapped to status codes."""
+    """``gen.start()`` with the engine's refusals mapped to status codes: 400 for a request that
+    can never run, 503 (``Retry-After``) when the engine's waiting queue is full, 429 for a
+    tenant's limit."""
     try:
         await gen.start()
-    except StopAsyncIteration as exc:
-        raise APIError(500, "The engine returned no output.") from exc
+    except EngineOverloaded as exc:
+        gen.state.metrics.observe_rejection(exc.reason)
+        raise APIError(503, f"The server is overloaded ({exc}); retry after "
+                            f"{exc.retry_after_s:.0f} s.", None,
+                       retry_after(exc.retry_after_s)) from exc
+    except APIError as exc:
+        if exc.status == 429:
+            gen.state.metrics.observe_rejection(
+                "max_tenants" if "--max-tenants" in exc.message else "max_requests_per_tenant")
+        raise
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
 
 
 class SSEResponse(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends, however it
-    ends (client gone, server stopping), so the engine hears the abort at once."""
+    """Server-sent events whose generator (and ``gen``) is always closed when the response ends,
+    however it ends (client gone before or after the headers, server stopping), so the engine
+    hears the abort at once."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], gen: Generation) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        self._gen = gen
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -358,6 +414,44 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            await self._gen.close()
+
+
+KEEPALIVE_EVENT = ": keep-alive\n\n"
+
+
+async def with_keepalive(items: AsyncIterator[str], every_s: float) -> AsyncIterator[str]:
+    """``items``, with an SSE comment (``: keep-alive``) whenever none came for ``every_s``
+    seconds (a queued request's stream would otherwise stay silent until its first token)."""
+    it = aiter(items)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield KEEPALIVE_EVENT
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def sse_response(state: ServerState, gen: Generation,
+                 chunks: AsyncIterator[BaseModel]) -> SSEResponse:
+    return SSEResponse(with_keepalive(sse_events(chunks), state.limits.sse_keepalive_s), gen)
 
 
 async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -1,9 +1,17 @@
-"""HTTP errors in OpenAI's shape and the ASGI middleware in front of the routes (API key, body
-size limit)."""
+"""HTTP errors in OpenAI's shape and the ASGI middleware in front of the routes (catch-all,
+Host check, API key, body size limit and read timeout).
+
+No request closes a healthy keep-alive connection: an unexpected exception is answered 500 here
+(Starlette's own last-resort handler answers and then re-raises, and uvicorn then closes the
+connection); only a body that can no longer be read in step (too large, too slow) closes it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
+import math
 import secrets
 
 from fastapi import FastAPI, Request
@@ -19,35 +27,55 @@ logger = logging.getLogger("twinserve.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-               499: "ClientClosedRequest", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape with ``status``."""
+    """An error answered in OpenAI's shape with ``status`` (and extra response ``headers``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """The ``Retry-After`` header: whole seconds, at least 1."""
+    value = seconds if math.isfinite(seconds) else 1.0
+    return {"Retry-After": str(max(1, math.ceil(value)))}
 
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"),
-                                         param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+def _encodable(text: str | None) -> str | None:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate echoed from the client)
+    escaped, so that an error message can always be sent."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _error_body(status: int, message: str, param: str | None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=_encodable(message) or "",
+                                         type=ERROR_TYPES.get(status, "Error"),
+                                         param=_encodable(param), code=status))
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, param).model_dump(), status_code=status,
+                        headers=headers)
 
 
 def error_event(status: int, message: str, param: str | None = None) -> str:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"),
-                                         param=param, code=status))
-    return f"data: {body.model_dump_json()}\n\n"
+    return f"data: {_error_body(status, message, param).model_dump_json()}\n\n"
 
 
 def value_error_param(exc: ValueError, fields: set[str]) -> str | None:
@@ -61,6 +89,9 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if not errors:
         return error_response(400, "Invalid request body.")
     first = errors[0]
+    if first.get("type") == "lone_surrogate":  # protocol.RequestModel names the field
+        ctx = first.get("ctx") or {}
+        return error_response(400, str(ctx.get("message", "Invalid text.")), ctx.get("param"))
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         return error_response(400, f"Malformed JSON body: {detail}")
@@ -76,7 +107,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     async def on_validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -89,18 +120,91 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_dead(_: Request, exc: Exception) -> Response:
         return error_response(503, f"The engine is not running: {exc}")
 
-    async def on_internal(_: Request, exc: Exception) -> Response:
-        logger.exception("internal error", exc_info=exc)
-        return error_response(500, "Internal server error.")
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(EngineDeadError, on_dead)
-    app.add_exception_handler(Exception, on_internal)
+    # Anything else: CatchAllMiddleware (a handler for Exception would re-raise, closing the
+    # connection).
 
 
 # ==== middleware (pure ASGI, so streaming and disconnects pass through untouched) ================
+class CatchAllMiddleware:
+    """An unexpected exception becomes one logged traceback and a 500 in OpenAI's shape; the
+    connection stays open. (If the response had started, it cannot be repaired: the server
+    closes that connection, as it must.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.error("internal error in %s %s", scope.get("method"), scope.get("path"),
+                         exc_info=exc)
+            if not started:
+                await error_response(500, "Internal server error.")(scope, receive, send)
+
+
+def bound_host_names(host: str) -> frozenset[str]:
+    """The Host names a server bound to ``host`` accepts by default: loopback names and the
+    bound address itself."""
+    names = {"localhost", "127.0.0.1", "::1", host.strip("[]").lower()}
+    return frozenset(names)
+
+
+def _host_name(header: bytes) -> str:
+    """``Host`` without its port (``[::1]:8000`` -> ``::1``, ``example.com:80`` ->
+    ``example.com``), lowercased."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostCheckMiddleware:
+    """400 unless the ``Host`` header names one of ``allowed`` (or, with ``allow_ip_literals``,
+    any IP address: a DNS-rebinding page always sends its own DNS name). Protects a server on
+    loopback from web pages that rebind their name to 127.0.0.1."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str], allow_ip_literals: bool) -> None:
+        self.app = app
+        self.allowed = allowed
+        self.allow_ip_literals = allow_ip_literals
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"host")
+        name = _host_name(header) if header is not None else ""
+        if name in self.allowed or (self.allow_ip_literals and _is_ip_literal(name)):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(400, "Invalid Host header: this server accepts only "
+                                       f"{', '.join(sorted(self.allowed))} (--allowed-hosts).",
+                                  "Host")
+        await response(scope, receive, send)
 class APIKeyMiddleware:
     """401 unless ``Authorization: Bearer <key>`` matches (open paths excepted)."""
 
@@ -122,14 +226,17 @@ class APIKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for a body over ``max_bytes`` (by Content-Length, and by the bytes that arrive).
+    """413 for a body over ``max_bytes`` (by Content-Length, and by the bytes that arrive); 408
+    for one not complete within ``read_timeout_s`` of the request's start (a client that never
+    finishes sending would otherwise hold its connection forever).
 
     The body is read here in full (it is small by construction) and replayed to the app; later
     ``receive`` calls go to the server, so the app still hears ``http.disconnect``."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,7 +246,15 @@ class BodySizeLimitMiddleware:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._too_large(scope, receive, send)
             return
-        body = await self._read_body(receive)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            response = error_response(408, "Request body not received within "
+                                           f"{self.read_timeout_s:g} s (--body-read-timeout-s).")
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
         if body is None:
             await self._too_large(scope, receive, send)
             return

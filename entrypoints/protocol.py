@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from twinserve.core.sampling_params import SamplingParams
@@ -34,15 +35,56 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def find_lone_surrogate(data: Any) -> str | None:
+    """The JSON path (``messages[0].content``) of the first string, or object key, holding a
+    lone UTF-16 surrogate (``"\\ud800"`` in JSON decodes to one; it cannot be encoded, so no
+    tokenizer or response can take it), else None. Iterative: nesting depth costs no stack."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _has_surrogate(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not key.isascii() and _has_surrogate(key):
+                    return where
+                items.append((where, item))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 class RequestModel(OpenAIBaseModel):
     """A request body that keeps the JSON object it was parsed from (``raw``), so the fields it
-    does not declare can be checked against ``UNIMPLEMENTED`` and the unknown ones logged."""
+    does not declare can be checked against ``UNIMPLEMENTED`` and the unknown ones logged.
+    Text holding a lone surrogate is refused first, naming its field."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
     def _keep_raw(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        bad = find_lone_surrogate(data)
+        if bad is not None:
+            where = bad.encode("utf-8", "backslashreplace").decode("utf-8")
+            param = where.split(".", 1)[0].split("[", 1)[0]
+            raise PydanticCustomError(
+                "lone_surrogate", "{message}",
+                {"message": f"{where} is not valid Unicode text: it holds a lone UTF-16 "
+                            "surrogate (such as \\ud800) that no encoding can represent.",
+                 "param": param})
         model = handler(data)
         if isinstance(data, dict) and isinstance(model, RequestModel):
             model._raw = data

@@ -13,6 +13,13 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. A
 away (mid-stream or while waiting for a whole response) has its request aborted, which frees its
 KV blocks.
 
+Overload and hostile clients (README, "Limits and security"): a full waiting queue is a 503 with
+``Retry-After`` (the engine's ``--max-waiting-requests``/``--max-waiting-tokens``), a tenant over
+``--max-tenants`` or ``--max-requests-per-tenant`` a 429, more than ``--max-prompts-per-request``
+sequences a 400; streams send their headers once the engine has queued the request and a
+``: keep-alive`` comment while it waits; bodies must arrive within ``--body-read-timeout-s``
+(408); without an API key only ``--allowed-hosts`` may appear in ``Host`` (DNS rebinding).
+
 This module holds the app and its lifecycle (routes, flags, startup). The handlers live in
 ``serving_completion``, ``serving_chat`` and ``serving_tokenization``; what they share (validation,
 the ``Generation``, SSE) in ``generation``; the per-app state in ``server_state``.
@@ -26,7 +33,6 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,12 +42,16 @@ from twinserve.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from twinserve.entrypoints.engine_args import (add_engine_args, apply_config_file,
                                                engine_args_from)
 from twinserve.entrypoints.http_errors import (APIKeyMiddleware, BodySizeLimitMiddleware,
-                                              ClientGone, error_response, install_error_handlers)
+                                              CatchAllMiddleware, ClientGone, HostCheckMiddleware,
+                                              bound_host_names, error_response,
+                                              install_error_handlers)
 from twinserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                             DetokenizeRequest, ModelCard, ModelList,
                                             TokenizeRequest)
 from twinserve.entrypoints.server_metrics import ServerMetrics
-from twinserve.entrypoints.server_state import ServerState
+from twinserve.entrypoints.server_state import (DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                                                DEFAULT_MAX_TENANTS, DEFAULT_SSE_KEEPALIVE_S,
+                                                ServerLimits, ServerState, TenantTracker)
 from twinserve.entrypoints.serving_chat import create_chat_completion
 from twinserve.entrypoints.serving_completion import create_completion
 from twinserve.entrypoints.serving_tokenization import detokenize, tokenize
@@ -49,6 +59,8 @@ from twinserve.entrypoints.serving_tokenization import detokenize, tokenize
 logger = logging.getLogger("twinserve.server")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 API_KEY_ENV_VARS = ("TWINSERVE_API_KEY", "VLLM_API_KEY")
 METRICS_SNAPSHOT_TIMEOUT_S = 30.0
 
@@ -83,22 +95,70 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     ``add_serve_args`` (missing attributes take their defaults)."""
     engine = async_engine.engine
     model_root = str(getattr(engine.runner, "model_dir", "") or "") or None
+    limits = server_limits(args)
     state = ServerState(async_engine=async_engine,
                         model_name=served_model_name(args, model_root),
                         model_root=model_root, max_model_len=int(engine.runner.max_model_len),
-                        metrics=ServerMetrics(served_model_name(args, model_root)))
+                        metrics=ServerMetrics(served_model_name(args, model_root)),
+                        limits=limits,
+                        tenants=TenantTracker(limits.max_tenants, limits.max_requests_per_tenant))
     app = FastAPI(title="twinserve", version=twinserve.__version__, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.twinserve = state
     install_error_handlers(app)
     add_routes(app)
+    # add_middleware wraps: the last added runs first (catch-all, Host, API key, body).
+    timeout = getattr(args, "body_read_timeout_s", DEFAULT_BODY_READ_TIMEOUT_S)
     app.add_middleware(BodySizeLimitMiddleware,
                        max_bytes=int(getattr(args, "max_request_body_bytes", None)
-                                     or DEFAULT_MAX_REQUEST_BODY_BYTES))
+                                     or DEFAULT_MAX_REQUEST_BODY_BYTES),
+                       read_timeout_s=float(timeout) if timeout and timeout > 0 else None)
     api_key = resolve_api_key(args)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    hosts = allowed_hosts(args, api_key)
+    if hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=hosts[0], allow_ip_literals=hosts[1])
+    app.add_middleware(CatchAllMiddleware)
     return app
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    def positive(name: str, default: int) -> int:
+        value = getattr(args, name, None)
+        value = default if value is None else int(value)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+        return value
+
+    per_tenant = int(getattr(args, "max_requests_per_tenant", None) or 0)
+    if per_tenant < 0:
+        raise ValueError(f"--max-requests-per-tenant must be >= 0, got {per_tenant}.")
+    keepalive = getattr(args, "sse_keepalive_s", None)
+    return ServerLimits(
+        max_prompts_per_request=positive("max_prompts_per_request",
+                                         DEFAULT_MAX_PROMPTS_PER_REQUEST),
+        max_tenants=positive("max_tenants", DEFAULT_MAX_TENANTS),
+        max_requests_per_tenant=per_tenant,
+        trust_tenant_header=bool(getattr(args, "trust_tenant_header", False)),
+        sse_keepalive_s=float(keepalive) if keepalive else DEFAULT_SSE_KEEPALIVE_S)
+
+
+def allowed_hosts(args: argparse.Namespace,
+                  api_key: str | None) -> tuple[frozenset[str], bool] | None:
+    """``(names, allow IP literals)`` the Host header must match, or None for any. Default:
+    with an API key any; without one the loopback names and ``--host`` (any IP address too when
+    ``--host`` is a wildcard such as 0.0.0.0)."""
+    given = getattr(args, "allowed_hosts", None)
+    host = str(getattr(args, "host", None) or "127.0.0.1")
+    if given:
+        names = [h.strip().strip("[]").lower() for h in str(given).split(",") if h.strip()]
+        if "*" in names:
+            return None
+        return frozenset(names), False
+    if api_key:
+        return None
+    return bound_host_names(host), host.strip("[]") in WILDCARD_HOSTS
 
 
 def add_routes(app: FastAPI) -> None:
@@ -164,8 +224,20 @@ def served_model_name(args: argparse.Namespace, model_root: str | None) -> str:
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else the first line of ``--api-key-file``, else ``$TWINSERVE_API_KEY``,
+    else ``$VLLM_API_KEY``; None: no key."""
     key = getattr(args, "api_key", None)
     if key:
+        return key
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from exc
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty.")
         return key
     for var in API_KEY_ENV_VARS:
         if os.environ.get(var):
@@ -186,11 +258,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", default=None,
-                        help="require Authorization: Bearer KEY (default: $TWINSERVE_API_KEY, "
-                             "then $VLLM_API_KEY)")
+                        help="require Authorization: Bearer KEY. A flag's value is visible to "
+                             "every user in the process list: prefer --api-key-file or the "
+                             "environment (default: $TWINSERVE_API_KEY, then $VLLM_API_KEY)")
+    server.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read the API key from the first line of PATH")
+    server.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                        help="comma-separated names the Host header may carry ('*': any). "
+                             "Default: any with an API key; otherwise localhost, 127.0.0.1, "
+                             "::1 and --host (and any IP address if --host is 0.0.0.0 or ::), "
+                             "against DNS rebinding")
     server.add_argument("--max-request-body-bytes", type=int,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413 (default 1 MiB)")
+    server.add_argument("--body-read-timeout-s", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
+                        help="a request body not received within this many seconds gets 408 "
+                             "(default 30; 0: no limit)")
+    server.add_argument("--max-prompts-per-request", type=int,
+                        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="at most this many sequences (prompts x n) per API call, else 400 "
+                             "(default 256)")
+    server.add_argument("--max-tenants", type=int, default=DEFAULT_MAX_TENANTS,
+                        help="at most this many tenants with requests in flight; a new one "
+                             "gets 429 (default 1024)")
+    server.add_argument("--max-requests-per-tenant", type=int, default=0,
+                        help="at most this many engine requests in flight per tenant, else "
+                             "429 (default 0: no limit)")
+    server.add_argument("--trust-tenant-header", action="store_true",
+                        help="take the fairness tenant from the X-Tenant header (set it only "
+                             "behind a gateway that sets it); default: the request's 'user'")
+    server.add_argument("--sse-keepalive-s", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
+                        help="a stream with nothing to send for this long sends a "
+                             "': keep-alive' comment (default 5)")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

@@ -2,8 +2,9 @@
 
 Three sources, each read where it is exact:
 - the HTTP layer counts what it hands back (``vllm:prompt_tokens``, ``vllm:generation_tokens``,
-  ``vllm:request_success`` by ``finished_reason``, aborts included), so the counters match the
-  ``usage`` the clients received;
+  ``vllm:request_success`` by ``finished_reason``, aborts included, also of requests aborted
+  while still waiting), so the counters match the ``usage`` the clients received; and the
+  requests it refused for overload (``twinserve:request_rejected`` by ``reason``);
 - at scrape time, on the engine thread, a snapshot of ``scheduler.stats()`` (running, waiting,
   KV usage, prefix-cache queries/hits, preemptions);
 - at scrape time, the engine's finished ``RequestRecord``s not seen before feed the latency
@@ -21,6 +22,9 @@ from prometheus_client.registry import Collector
 from twinserve.core.metrics import RequestRecord
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.scheduler import SchedulerStats
+
+REJECT_REASONS = ("max_waiting_requests", "max_waiting_tokens", "max_tenants",
+                  "max_requests_per_tenant")
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -90,20 +94,31 @@ class ServerMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Time from arrival to first scheduling.", labels,
                                     buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.request_rejected = Counter(
+            "twinserve:request_rejected", "Requests refused for overload (503/429).",
+            labels + ["reason"], registry=reg)
         for reason in ("stop", "length", "abort"):  # present from the first scrape, at 0
             self.request_success.labels(model_name, reason)
+        for reason in REJECT_REASONS:
+            self.request_rejected.labels(model_name, reason)
 
     # ---- the HTTP layer ------------------------------------------------------------------
-    def observe_request_end(self, last: RequestOutput | None) -> None:
+    def observe_request_end(self, last: RequestOutput | None, num_samples: int = 0) -> None:
         """Counts a request the server handed back (``last`` = its last output, None if it never
-        produced a token). Unfinished samples count as aborted."""
+        produced a token: its ``num_samples`` samples were aborted while waiting). Unfinished
+        samples count as aborted."""
         if last is None:
+            if num_samples:
+                self.request_success.labels(self.model_name, "abort").inc(num_samples)
             return
         self.prompt_tokens.inc(len(last.prompt_token_ids))
         for comp in last.outputs:
             self.generation_tokens.inc(len(comp.token_ids))
             reason = comp.finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
+
+    def observe_rejection(self, reason: str) -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
 
     # ---- scrape time ---------------------------------------------------------------------
     def take_engine_snapshot(self, stats: SchedulerStats, records: list[RequestRecord]) -> None:

@@ -9,11 +9,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from twinserve.entrypoints.generation import (Generation, PromptInput, SSEResponse, TokenLogprob,
+from twinserve.entrypoints.generation import (Generation, PromptInput, TokenLogprob,
                                               build_sampling_params, check_model, check_priority,
+                                              check_prompt_count,
                                               check_request_limits, finite_logprob,
                                               refuse_unimplemented, resolve_max_tokens,
-                                              sse_events, start_generation, tenant_of,
+                                              sse_response, start_generation, tenant_of,
                                               token_decoder)
 from twinserve.entrypoints.http_errors import APIError
 from twinserve.entrypoints.protocol import (CHAT, AssistantMessage, ChatChoiceLogProbs,
@@ -61,6 +62,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     refuse_unimplemented(body, CHAT)
     check_priority(state, body.priority)
     check_request_limits(state, body)
+    check_prompt_count(state, 1, body.n)
     prompt = chat_prompt(state, body)
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -72,10 +74,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise APIError(400, str(exc), "top_logprobs") from exc
     params = build_sampling_params(body, max_tokens, num_logprobs)
     gen = Generation(state, request, [prompt], [params], random_id("chatcmpl"), body.priority,
-                     tenant_of(request, body))
+                     tenant_of(state, request, body))
     await start_generation(gen)
     if body.stream:
-        return SSEResponse(sse_events(chat_chunks(state, gen, body)))
+        return sse_response(state, gen, chat_chunks(state, gen, body))
     await gen.collect()
     return JSONResponse(chat_response(state, gen, body).model_dump())
 

@@ -10,11 +10,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from twinserve.entrypoints.generation import (Generation, PromptInput, SSEResponse, TokenLogprob,
+from twinserve.entrypoints.generation import (Generation, PromptInput, TokenLogprob,
                                               build_sampling_params, check_model, check_priority,
+                                              check_prompt_count,
                                               check_request_limits, echo_text, finite_logprob,
                                               refuse_unimplemented, resolve_max_tokens,
-                                              sse_events, start_generation, tenant_of,
+                                              sse_response, start_generation, tenant_of,
                                               token_decoder)
 from twinserve.entrypoints.http_errors import APIError
 from twinserve.entrypoints.protocol import (COMPLETION, CompletionChoice, CompletionLogProbs,
@@ -23,15 +24,17 @@ from twinserve.entrypoints.server_state import ServerState
 
 
 # ==== /v1/completions ============================================================================
-def completion_prompts(state: ServerState, prompt: Any,
-                       add_special_tokens: bool = True) -> list[PromptInput]:
-    """A string, a list of token ids, or a list of either -> one input per prompt."""
+def completion_prompts(state: ServerState, prompt: Any, add_special_tokens: bool = True,
+                       n: int = 1) -> list[PromptInput]:
+    """A string, a list of token ids, or a list of either -> one input per prompt (at most
+    ``--max-prompts-per-request`` prompts x ``n``, checked before any is tokenized)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(isinstance(t, int) for t in prompt)):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise APIError(400, "prompt must be a non-empty string, list of token ids, or list of "
                             "those.", "prompt")
+    check_prompt_count(state, len(prompt), n)
     return [_one_prompt(state, p, add_special_tokens) for p in prompt]
 
 
@@ -71,16 +74,16 @@ async def create_completion(state: ServerState, body: CompletionRequest,
     refuse_unimplemented(body, COMPLETION)
     check_priority(state, body.priority)
     check_request_limits(state, body)
-    prompts = completion_prompts(state, body.prompt, body.add_special_tokens)
+    prompts = completion_prompts(state, body.prompt, body.add_special_tokens, body.n)
     params = [build_sampling_params(
         body, resolve_max_tokens(state, len(p.token_ids), body.max_tokens, "max_tokens",
                            "prompt"),
         body.logprobs) for p in prompts]
     gen = Generation(state, request, prompts, params, random_id("cmpl"), body.priority,
-                     tenant_of(request, body), echo=body.echo)
+                     tenant_of(state, request, body), echo=body.echo)
     await start_generation(gen)
     if body.stream:
-        return SSEResponse(sse_events(completion_chunks(state, gen, body)))
+        return sse_response(state, gen, completion_chunks(state, gen, body))
     await gen.collect()
     return JSONResponse(completion_response(state, gen, body).model_dump())
 

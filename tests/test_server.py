@@ -475,7 +475,7 @@ def _stub_app(engine: _StubEngine, **args: object) -> Iterator[httpx.AsyncClient
     try:
         app = build_app(async_engine, argparse.Namespace(**args))
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        yield httpx.AsyncClient(transport=transport, base_url="http://stub")
+        yield httpx.AsyncClient(transport=transport, base_url="http://localhost")
     finally:
         async_engine.shutdown()
 
@@ -501,7 +501,7 @@ def test_priority_and_tenant_reach_the_engine() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 64 - 3  # up to max_model_len
 
-    with _stub_app(engine) as client:
+    with _stub_app(engine, trust_tenant_header=True) as client:
         asyncio.run(run(client))
     assert [(a["priority"], a["tenant"]) for a in engine.added] == \
         [(3, "gold"), (0, "bob"), (0, "default")]

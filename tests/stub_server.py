@@ -97,7 +97,6 @@ def free_port() -> int:
 def serve(engine: StubEngine, **args: Any) -> Iterator[str]:
     """``build_app`` over ``engine`` served by uvicorn on 127.0.0.1; yields the base URL."""
     import uvicorn
-
     from twinserve.entrypoints.async_engine import AsyncEngine
     from twinserve.entrypoints.server import build_app
     port = free_port()
@@ -105,7 +104,7 @@ def serve(engine: StubEngine, **args: Any) -> Iterator[str]:
     server: uvicorn.Server | None = None
     thread: threading.Thread | None = None
     try:
-        app = build_app(async_engine, argparse.Namespace(host="127.0.0.1", **args))
+        app = build_app(async_engine, argparse.Namespace(**{"host": "127.0.0.1", **args}))
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="off"))
         thread = threading.Thread(target=server.run, daemon=True)

@@ -4,9 +4,21 @@ run against a real server on loopback (the default model) or an in-process app o
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
 import pytest
+
 from twinserve.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from twinserve.gpu.detokenizer import StopAutomaton
+
+from server_fixture import LiveServer, live_server
+from stub_server import StubEngine, serve
 
 
 # ---- SamplingParams at the engine's door ---------------------------------------------------------
@@ -109,3 +121,224 @@ def test_detokenizer_stops_with_many_stop_strings(default_model_dir):
     detok = tok.detokenizer([], stop=stops)
     assert detok.add_tokens(ids) == " three"
     assert detok.get_delta(finished=True) == "one, two,"
+
+
+# ---- the server: a bad request never closes a healthy connection -------------------------------
+
+@pytest.fixture(scope="module")
+def model_server() -> Iterator[LiveServer]:
+    with live_server(["--max-num-seqs", "8"]) as srv:  # no API key: the Host check is on
+        yield srv
+
+
+class _Connection:
+    """One HTTP/1.1 keep-alive connection (``http.client``): ``same_socket`` tells whether the
+    server kept it open between requests."""
+
+    def __init__(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        self.sock: socket.socket | None = None
+
+    def post(self, path: str, raw: bytes, headers: dict[str, str] | None = None
+             ) -> tuple[int, dict, dict[str, str]]:
+        self.conn.request("POST", path, body=raw,
+                          headers={"Content-Type": "application/json", **(headers or {})})
+        r = self.conn.getresponse()
+        body = r.read()
+        return r.status, json.loads(body) if body else {}, dict(r.getheaders())
+
+    def good(self) -> None:
+        status, body, _ = self.post("/v1/completions",
+                                    b'{"prompt": [1, 2], "max_tokens": 1, "temperature": 0}')
+        assert status == 200, body
+
+    def mark(self) -> None:
+        assert self.conn.sock is not None
+        self.sock = self.conn.sock
+
+    @property
+    def same_socket(self) -> bool:
+        return self.conn.sock is not None and self.conn.sock is self.sock
+
+
+SURROGATE = "\\ud800"  # as the raw JSON escape, which json.loads turns into a lone surrogate
+def _raw(template: str) -> str:
+    return template.replace("@", SURROGATE)
+
+
+SURROGATE_CASES = [
+    ("completion-prompt", "/v1/completions",
+     _raw('{"prompt": "a@b", "max_tokens": 2}'), "prompt"),
+    ("completion-prompt-list", "/v1/completions",
+     _raw('{"prompt": ["ok", "@"], "max_tokens": 2}'), "prompt"),
+    ("chat-message", "/v1/chat/completions",
+     _raw('{"messages": [{"role": "user", "content": "x@"}]}'), "messages"),
+    ("chat-content-part", "/v1/chat/completions",
+     _raw('{"messages": [{"role": "user", "content": [{"type": "text", "text": "@"}]}]}'),
+     "messages"),
+    ("tokenize-prompt", "/tokenize", _raw('{"prompt": "@"}'), "prompt"),
+    ("tokenize-messages", "/tokenize",
+     _raw('{"messages": [{"role": "user", "content": "@"}]}'), "messages"),
+    ("stop", "/v1/completions", _raw('{"prompt": "Hi", "stop": ["@"]}'), "stop"),
+    ("model", "/v1/completions", _raw('{"prompt": "Hi", "model": "@"}'), "model"),
+    ("user", "/v1/completions", _raw('{"prompt": "Hi", "user": "@"}'), "user"),
+    ("key", "/v1/completions", _raw('{"prompt": "Hi", "@": 1}'), None),
+]
+
+
+def test_lone_surrogates_are_400s_naming_the_field_on_a_kept_connection(model_server) -> None:
+    conn = _Connection(model_server.base_url)
+    conn.good()
+    conn.mark()
+    for name, path, raw, param in SURROGATE_CASES:
+        status, body, _ = conn.post(path, raw.encode())
+        assert status == 400, (name, body)
+        error = body["error"]
+        assert error["type"] == "BadRequestError" and error["code"] == 400, name
+        assert "surrogate" in error["message"], (name, error)
+        if param is not None:
+            assert error["param"] == param, (name, error)
+        conn.good()  # the same connection answers the next, valid request
+        assert conn.same_socket, name
+    # a valid surrogate pair is ordinary text
+    status, body, _ = conn.post("/tokenize", b'{"prompt": "\\ud83d\\ude00"}')
+    assert status == 200 and body["count"] >= 1
+    assert "Traceback" not in model_server.log_tail(20_000)
+
+
+def test_other_malformed_bodies_keep_the_connection(model_server) -> None:
+    conn = _Connection(model_server.base_url)
+    conn.good()
+    conn.mark()
+    for raw in (b"[" * 50_000, b'{"prompt": "\xff\xfe"}', b'{"prompt": 1e999999}',
+                b'{"prompt": [' + b"1," * 30_000 + b'1], "max_tokens": 1}',
+                b'{"prompt": "Hi", "max_tokens": 1, "n": 100000000000000000000}'):
+        status, body, _ = conn.post("/v1/completions", raw)
+        assert status == 400, (raw[:40], body)
+        conn.good()
+        assert conn.same_socket, raw[:40]
+
+
+def test_host_header_is_checked_without_an_api_key(model_server) -> None:
+    conn = _Connection(model_server.base_url)
+    port = urlsplit(model_server.base_url).port
+    for host, status in [("evil.example", 400), (f"evil.example:{port}", 400),
+                         (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200),
+                         (f"[::1]:{port}", 200), ("LOCALHOST", 200)]:
+        got, body, _ = conn.post("/v1/completions", b'{"prompt": [1], "max_tokens": 1}',
+                                 headers={"Host": host})
+        assert got == status, (host, body)
+        if status == 400:
+            assert body["error"]["param"] == "Host"
+
+
+# ---- the HTTP layer over a stub engine ---------------------------------------------------------
+def _exchange(port: int, parts: list[bytes], pause_s: float, timeout_s: float) -> bytes:
+    """Sends ``parts`` with ``pause_s`` between them, then reads until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        for part in parts:
+            s.sendall(part)
+            time.sleep(pause_s)
+        data = b""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_a_body_that_never_finishes_gets_408_and_the_connection_closes() -> None:
+    with serve(StubEngine(), body_read_timeout_s=0.5) as url:
+        port = int(urlsplit(url).port or 0)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+        t0 = time.monotonic()
+        reply = _exchange(port, [head, b'{"prompt": [1], '], 0.05, timeout_s=10)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"RequestTimeoutError" in reply and b"--body-read-timeout-s" in reply
+        assert time.monotonic() - t0 < 5  # answered after ~0.5 s, then closed by the server
+        # a slow but complete body within the limit is served
+        body = b'{"prompt": [1], "max_tokens": 1}'
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        reply = _exchange(port, [head, body[:10], body[10:]], 0.1, timeout_s=10)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_an_internal_error_is_a_500_on_a_kept_connection() -> None:
+    engine = StubEngine()
+
+    class Exploding:
+        max_model_len = 64
+        model_dir = "stub-dir"
+
+        @property
+        def vocab_size(self) -> int:
+            raise RuntimeError("secret internal detail")
+
+    engine.runner = Exploding()  # type: ignore[assignment]
+    with serve(engine) as url:
+        conn = _Connection(url)
+        status, body, _ = conn.post("/v1/completions", b'{"prompt": [1], "max_tokens": 1}')
+        assert status == 500 and body["error"]["type"] == "InternalServerError"
+        assert "secret" not in json.dumps(body)
+        conn.mark()
+        conn.conn.request("GET", "/health")
+        r = conn.conn.getresponse()
+        r.read()
+        assert r.status == 200 and conn.same_socket
+
+
+def test_allowed_hosts_options() -> None:
+    cases = [({}, {"evil.example": 400, "localhost": 200, "10.1.2.3": 400}),
+             ({"allowed_hosts": "api.example, other.example"},
+              {"api.example:443": 200, "other.example": 200, "localhost": 400}),
+             ({"allowed_hosts": "*"}, {"evil.example": 200}),
+             ({"api_key": "k"}, {"evil.example": 200}),
+             ({"host": "0.0.0.0"}, {"10.1.2.3:8000": 200, "evil.example": 400,
+                                    "localhost": 200})]
+    for args, expected in cases:
+        with serve(StubEngine(), **args) as url:
+            conn = _Connection(url)
+            for host, status in expected.items():
+                got, body, _ = conn.post("/v1/completions", b'{"prompt": [1], "max_tokens": 1}',
+                                         headers={"Host": host, "Authorization": "Bearer k"})
+                assert got == status, (args, host, body)
+
+
+def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
+    import argparse
+
+    from twinserve.entrypoints.server import add_serve_args, resolve_api_key
+    parser = add_serve_args(argparse.ArgumentParser())
+    help_text = " ".join(parser.format_help().split())
+    for phrase in ("process list", "--api-key-file", "$TWINSERVE_API_KEY", "$VLLM_API_KEY",
+                   "--allowed-hosts", "--max-tenants", "--trust-tenant-header",
+                   "--body-read-timeout-s", "--max-prompts-per-request"):
+        assert phrase in help_text, phrase
+    monkeypatch.delenv("TWINSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert resolve_api_key(parser.parse_args([])) is None
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(parser.parse_args(["--api-key-file", str(key_file)])) == "from-file"
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert resolve_api_key(parser.parse_args([])) == "from-vllm"
+    monkeypatch.setenv("TWINSERVE_API_KEY", "from-twinserve")
+    assert resolve_api_key(parser.parse_args([])) == "from-twinserve"
+    assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
+    key_file.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(parser.parse_args(["--api-key-file", str(key_file)]))
+    with pytest.raises(ValueError, match="--api-key-file"):
+        resolve_api_key(parser.parse_args(["--api-key-file", str(tmp_path / "missing")]))
+    key_file.write_text("sekret\n")
+    with serve(StubEngine(), api_key_file=str(key_file)) as url:
+        def post(headers: dict[str, str]) -> int:
+            return httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                              headers=headers, timeout=10).status_code
+        assert post({}) == 401
+        assert post({"Authorization": "Bearer sekret"}) == 200

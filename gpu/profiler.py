@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -179,7 +180,7 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
             if progress:
                 progress(f"skipped: {exc}")
             continue
-        times = time_call(lambda step=step: runner.execute(step), warmup, repeats, sync)
+        times = time_call(partial(runner.execute, step), warmup, repeats, sync)
         median = statistics.median(times)
         out.append(StepSample.of_step(step, median, median, times))
         if progress:

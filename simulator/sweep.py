@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,7 @@ def execute(tasks: list[PointTask], backend: str, workers: int | None, address: 
 def _run_local(tasks: list[PointTask], workers: int, on_done: Callable[[PointDone], None]) -> None:
     if workers == 1 or len(tasks) == 1:
         for task in tasks:
-            on_done(_named(task, lambda task=task: run_point(task)))
+            on_done(_named(task, partial(run_point, task)))
         return
     # spawn, not fork: the parent may hold threads (tqdm's monitor, a Ray driver).
     pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)),
@@ -171,12 +172,19 @@ def _run_ray(tasks: list[PointTask], address: str | None, workers: int | None,
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             task = pending.pop(done[0])
-            on_done(_named(task, lambda ref=done[0]: ray.get(ref)))
+            on_done(_named(task, partial(_ray_result, done[0])))
     finally:
         for ref in pending:
             ray.cancel(ref)
         if started:
             ray.shutdown()
+
+
+def _ray_result(ref: Any) -> PointDone:
+    import ray
+
+    done: PointDone = ray.get(ref)
+    return done
 
 
 def _named(task: PointTask, result: Callable[[], PointDone]) -> PointDone:

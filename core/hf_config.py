@@ -77,7 +77,7 @@ def rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
             theta = nested.get("rope_theta")
     params.pop("rope_theta", None)
     theta = DEFAULT_ROPE_THETA if theta is None else float(theta)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not implemented "
                          f"(supported: {', '.join(ROPE_TYPES)}).")

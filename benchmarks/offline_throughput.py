@@ -91,9 +91,12 @@ class Engines:
 
     def _load_twinserve(self):
         from twinserve import LLM
+        from twinserve.core.model_config import ModelConfig
+        from twinserve.gpu.default_model import resolve_model_path
+        limit = ModelConfig.from_dir(resolve_model_path(self.model)).max_position_embeddings
         return LLM(self.model, dtype=self.dtype, device=self.device,
                    enforce_eager=self.enforce_eager, max_num_seqs=64,
-                   max_num_batched_tokens=2048, max_model_len=1024)
+                   max_num_batched_tokens=2048, max_model_len=min(1024, limit or 1024))
 
     def _run_twinserve(self, llm, prompts, lengths) -> float:
         params = greedy_params(lengths)

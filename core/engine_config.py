@@ -127,6 +127,12 @@ def resolve_max_model_len(requested: int | None, model: ModelShape) -> int:
     if limit is None:
         raise ValueError("config.json has no max_position_embeddings: pass max_model_len.")
     if requested is None:
+        window = getattr(model, "sliding_window", None)
+        if window is not None and window < limit:
+            # Attention is full attention here: within the window it is exact.
+            logger.warning("max_model_len capped from %d to the model's sliding_window %d "
+                           "(sliding-window attention is not implemented).", limit, window)
+            return window
         return limit
     if requested > limit:
         raise ValueError(f"User-specified max_model_len ({requested}) is greater than the derived "

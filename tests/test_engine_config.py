@@ -266,3 +266,10 @@ def test_serve_refuses_what_it_cannot_honour_before_it_listens(tiny_model_dirs, 
                "--kv-cache-memory-bytes", str(1 << 20), *flags])
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_sliding_window_caps_the_default_length_and_refuses_a_longer_one() -> None:
+    spec = load_model_spec("mistral-7b-v0.1")  # sliding_window 4096, 32768 positions
+    assert resolve_engine_config(EngineArgs(), spec, H100).max_model_len == 4096
+    with pytest.raises(ValueError, match="sliding-window attention is not implemented"):
+        resolve_engine_config(EngineArgs(max_model_len=8192), spec, H100)

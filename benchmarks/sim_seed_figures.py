@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinserve.simulator import SimConfig, simulate
-from twinserve.traces import (SyntheticConfig, TraceRequest, first_n, load_trace, scale_time,
-                              synthetic_trace)
+from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, scale_time, synthetic_trace
 
 
 @dataclass(slots=True, frozen=True)

@@ -109,7 +109,7 @@ def scaling_rows(base: list[TraceRequest], scales: list[int], replicas: str,
     for _ in range(repeats):
         for mode, k in cases:
             cfg = SimConfig(num_replicas=k if mode == "per-load" else 1)
-            runs[(mode, k)].append(timed(lambda: simulate(cfg, traces[k])))
+            runs[(mode, k)].append(timed(lambda cfg=cfg, k=k: simulate(cfg, traces[k])))
     out: dict[str, list[Measurement]] = {}
     for mode, k in cases:
         label = f"{k}x base, {k if mode == 'per-load' else 1} replica(s)"

@@ -6,8 +6,7 @@ drive it through ``schedule(now)`` / ``update_from_output(out, result, now)``.
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.kv_cache_manager import KVCacheManager
-from twinserve.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
-                                    SchedulerOutput)
+from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request, RequestStatus
 from twinserve.core.sampling_params import SamplingParams

@@ -79,7 +79,7 @@ class QueuePolicy(SchedulingPolicy):
     """A policy whose whole waiting queue is one ``FifoQueue`` or ``HeapQueue``: subclasses set
     ``self._queue`` and override only what differs (victim, requeue, ...)."""
 
-    _queue: "FifoQueue | HeapQueue"
+    _queue: FifoQueue | HeapQueue
 
     def add(self, request: Request) -> None:
         self._queue.add(request)

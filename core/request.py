@@ -24,11 +24,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_IGNORED = 6  # rejected before it ever ran (prompt too long)
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def finish_reason(status: "RequestStatus") -> str | None:
+    def finish_reason(status: RequestStatus) -> str | None:
         return _FINISH_REASONS.get(status)
 
 

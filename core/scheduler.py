@@ -30,8 +30,7 @@ from typing import Any
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_cache_manager import BlockTable, KVCacheManager
-from twinserve.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
-                                    SchedulerOutput)
+from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request, RequestStatus
 from twinserve.core.sampling_params import SamplingParams

@@ -9,8 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from twinserve.core.engine_config import USAGE_CONTEXTS
-from twinserve.entrypoints.engine_args import (add_engine_args, config_file_defaults,
-                                               engine_args_from)
+from twinserve.entrypoints.engine_args import add_engine_args, config_file_defaults, engine_args_from
 
 
 def _simulate_parser(sub) -> None:
@@ -107,8 +106,8 @@ def _report_parser(sub) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from twinserve.reports import write_report
     from twinserve.entrypoints.bench_serve import parse_goodput
+    from twinserve.reports import write_report
     out = write_report(args.runs, Path(args.out), slos_ms=parse_goodput(args.goodput) or None,
                        title=args.title)
     print(f"report written: {out}")

@@ -21,10 +21,20 @@ from twinserve.core.errors import EngineOverloaded
 from twinserve.core.request_output import CompletionOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.async_engine import EngineDeadError, RequestStream
-from twinserve.entrypoints.http_errors import (APIError, ClientGone, error_event, retry_after,
-                                              value_error_param)
-from twinserve.entrypoints.protocol import (PromptTokensDetails, RequestModel, SamplingFields,
-                                            UsageInfo, find_unimplemented)
+from twinserve.entrypoints.http_errors import (
+    APIError,
+    ClientGone,
+    error_event,
+    retry_after,
+    value_error_param,
+)
+from twinserve.entrypoints.protocol import (
+    PromptTokensDetails,
+    RequestModel,
+    SamplingFields,
+    UsageInfo,
+    find_unimplemented,
+)
 from twinserve.entrypoints.server_state import MAX_TENANT_NAME_CHARS, ServerState
 
 logger = logging.getLogger("twinserve.server")
@@ -119,7 +129,8 @@ def build_sampling_params(body: SamplingFields, max_tokens: int,
     try:
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as exc:
-        raise APIError(400, str(exc), value_error_param(exc, set(type(body).model_fields)))
+        raise APIError(400, str(exc),
+                       value_error_param(exc, set(type(body).model_fields))) from None
 
 
 def tenant_of(state: ServerState, request: Request, body: SamplingFields) -> str:

@@ -13,9 +13,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from twinserve.core.engine_args import EngineArgs
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.core.engine_args import EngineArgs
 from twinserve.gpu.llm_engine import LLMEngine
 
 Prompt = str | list[int]

@@ -56,7 +56,7 @@ def _totals(s: Mapping[str, Any]) -> list[str]:
 
 
 def _row(label: str, value: Any, fmt: str) -> str:
-    return "{:<40} {:<10}".format(label, _value(value, fmt))
+    return f"{label:<40} {_value(value, fmt):<10}"
 
 
 def _value(value: Any, fmt: str) -> str:

@@ -39,19 +39,34 @@ from fastapi.responses import JSONResponse, Response
 
 import twinserve
 from twinserve.entrypoints.async_engine import AsyncEngine, EngineDeadError
-from twinserve.entrypoints.engine_args import (add_engine_args, apply_config_file,
-                                               engine_args_from)
-from twinserve.entrypoints.http_errors import (APIKeyMiddleware, BodySizeLimitMiddleware,
-                                              CatchAllMiddleware, ClientGone, HostCheckMiddleware,
-                                              bound_host_names, error_response,
-                                              install_error_handlers)
-from twinserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
-                                            DetokenizeRequest, ModelCard, ModelList,
-                                            TokenizeRequest)
+from twinserve.entrypoints.engine_args import add_engine_args, apply_config_file, engine_args_from
+from twinserve.entrypoints.http_errors import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    CatchAllMiddleware,
+    ClientGone,
+    HostCheckMiddleware,
+    bound_host_names,
+    error_response,
+    install_error_handlers,
+)
+from twinserve.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from twinserve.entrypoints.server_metrics import ServerMetrics
-from twinserve.entrypoints.server_state import (DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                                                DEFAULT_MAX_TENANTS, DEFAULT_SSE_KEEPALIVE_S,
-                                                ServerLimits, ServerState, TenantTracker)
+from twinserve.entrypoints.server_state import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_TENANTS,
+    DEFAULT_SSE_KEEPALIVE_S,
+    ServerLimits,
+    ServerState,
+    TenantTracker,
+)
 from twinserve.entrypoints.serving_chat import create_chat_completion
 from twinserve.entrypoints.serving_completion import create_completion
 from twinserve.entrypoints.serving_tokenization import detokenize, tokenize
@@ -79,7 +94,7 @@ async def render_metrics(state: ServerState) -> Response:
                 lambda e: (e.scheduler.stats(), e.metrics.take_requests())),
                 timeout=METRICS_SNAPSHOT_TIMEOUT_S)
             metrics.take_engine_snapshot(stats, records)
-        except (EngineDeadError, asyncio.TimeoutError):
+        except (TimeoutError, EngineDeadError):
             pass  # the last snapshot stands
     return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -10,16 +10,33 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from twinserve.entrypoints.generation import (Generation, PromptInput, TokenLogprob,
-                                              build_sampling_params, check_model, check_priority,
-                                              check_prompt_count,
-                                              check_request_limits, echo_text, finite_logprob,
-                                              refuse_unimplemented, resolve_max_tokens,
-                                              sse_response, start_generation, tenant_of,
-                                              token_decoder)
+from twinserve.entrypoints.generation import (
+    Generation,
+    PromptInput,
+    TokenLogprob,
+    build_sampling_params,
+    check_model,
+    check_priority,
+    check_prompt_count,
+    check_request_limits,
+    echo_text,
+    finite_logprob,
+    refuse_unimplemented,
+    resolve_max_tokens,
+    sse_response,
+    start_generation,
+    tenant_of,
+    token_decoder,
+)
 from twinserve.entrypoints.http_errors import APIError
-from twinserve.entrypoints.protocol import (COMPLETION, CompletionChoice, CompletionLogProbs,
-                                            CompletionRequest, CompletionResponse, random_id)
+from twinserve.entrypoints.protocol import (
+    COMPLETION,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
 from twinserve.entrypoints.server_state import ServerState
 
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from twinserve.entrypoints.generation import check_model, refuse_unimplemented
 from twinserve.entrypoints.http_errors import APIError
-from twinserve.entrypoints.protocol import (TOKENIZE, DetokenizeRequest, DetokenizeResponse,
-                                            TokenizeRequest, TokenizeResponse)
+from twinserve.entrypoints.protocol import (
+    TOKENIZE,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from twinserve.entrypoints.server_state import ServerState
 from twinserve.entrypoints.serving_chat import chat_prompt
 

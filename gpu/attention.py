@@ -12,7 +12,8 @@ its i-th query sits at position ``seq_lens[b] - q_len_b + i`` (causal, it sees p
 Sequences with one query token (decodes) are batched together. With the native kernel
 (``cpu_decode_kernel.py``) they attend straight from the paged cache; without it their KV is
 gathered at once, padded to the longest context and masked, then one grouped matmul serves all of
-them (no KV-head expansion: queries are grouped by KV head instead). Longer queries (prefills) run per sequence with SDPA
+them (no KV-head expansion: queries are grouped by KV head instead). Longer queries (prefills) run per
+sequence with SDPA
 (4-D inputs + ``enable_gqa`` take torch's CPU flash kernel: ~2x faster than 3-D here). Measured at
 decode shapes (64 sequences x 200 context, fp32, 1 thread): SDPA ``enable_gqa`` 4.6 ms, the grouped
 matmul 3.8 ms per layer.

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

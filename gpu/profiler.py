@@ -188,7 +188,8 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
     return out
 
 
-def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1, repeats: int = 3) -> float | None:
+def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1,
+                 repeats: int = 3) -> float | None:
     """Seconds per KV block of a swap-out plus a swap-in (median), or None without a host pool."""
     cache = runner.kv_cache
     n = min(num_blocks, cache.num_cpu_blocks, cache.num_gpu_blocks)

@@ -36,7 +36,7 @@ class Tokenizer:
             self._template = env.from_string(chat_template)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """``tokenizer.json`` and, if present, ``tokenizer_config.json`` (template, bos/eos)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"

@@ -207,14 +207,14 @@ if HAS_TRITON:
         d_mask = offs_d < head_dim
         row = (t64 * num_q_heads + h) * NUM_SPLITS + offs_s
         m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-        l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+        l_sum = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
         acc = tl.load(part_acc_ptr + row[:, None] * head_dim + offs_d[None, :],
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         m_max = tl.max(m, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.math.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
         num = tl.sum(acc * w[:, None], axis=0)
-        den = tl.sum(l * w, axis=0)
+        den = tl.sum(l_sum * w, axis=0)
         out = num / tl.where(den == 0.0, 1.0, den)
         tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -253,7 +253,8 @@ if HAS_TRITON:
         d_mask = offs_d < head_dim
         q_pos = ctx_len + q_idx
         tok = (q_start + q_idx).to(tl.int64)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh
+                    + offs_d[None, :] * stride_qd,
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -270,7 +271,8 @@ if HAS_TRITON:
                 block_size, offs_d, d_mask, scale_log2, DOT_FP32)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -306,7 +308,8 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (negative slot: skipped)."""
+    """Scatter key/value [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (negative slot:
+    skipped)."""
     _check_cache(key_cache, value_cache)
     if key.dim() != 3:
         raise ValueError(f"key must be [T, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
@@ -400,7 +403,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
-        part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32,
+                              device=query.device)
     else:
         part_acc = part_ml = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from twinserve.core.policy import SchedulingPolicy
 

@@ -2,9 +2,20 @@
 self-contained HTML page. Reads files only; imports no backend."""
 
 from twinserve.reports.compare import (
-    COMPARED_METRICS, pair_sim_real, relative_error, sim_vs_real, sim_vs_real_table)
+    COMPARED_METRICS,
+    pair_sim_real,
+    relative_error,
+    sim_vs_real,
+    sim_vs_real_table,
+)
 from twinserve.reports.figures import (
-    engine_timeseries, fairness, latency_cdfs, rate_sweep, sim_vs_real_figure, ttft_by_priority)
+    engine_timeseries,
+    fairness,
+    latency_cdfs,
+    rate_sweep,
+    sim_vs_real_figure,
+    ttft_by_priority,
+)
 from twinserve.reports.html import write_report
 from twinserve.reports.runs import NotARunFolderError, Run, load_run, load_runs
 from twinserve.reports.stats import goodput, priority_stats, request_metrics

@@ -14,8 +14,7 @@ from plotly.subplots import make_subplots
 from twinserve.core.metrics import LATENCY_METRICS
 from twinserve.reports.compare import COMPARED_METRICS, pair_sim_real, sim_vs_real
 from twinserve.reports.runs import Run
-from twinserve.reports.sampling import (
-    decimate_last, decimate_mean, ecdf_points, rate_in_windows)
+from twinserve.reports.sampling import decimate_last, decimate_mean, ecdf_points, rate_in_windows
 from twinserve.reports.stats import metric_values_ms
 from twinserve.reports.tables import summary_table
 

@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# Sets up everything the tests need, then runs the whole suite.
+# Sets up everything the tests need, then lints (ruff), type-checks core/ and policies/ (mypy)
+# and runs the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY="${PYTHON:-python3}"
 bash scripts/setup.sh --test
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+"$PY" -m ruff check .
+# The package is the repository root itself: mypy finds `twinserve.*` through a folder that
+# holds a link named twinserve to it.
+TYPES=$(mktemp -d)
+trap 'rm -rf "$TYPES"' EXIT
+ln -s "$ROOT" "$TYPES/twinserve"
+(cd "$TYPES" && "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TYPES/.cache" \
+    -p twinserve.core -p twinserve.policies)
+"$PY" -m pytest -q "$@"

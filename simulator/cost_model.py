@@ -168,7 +168,8 @@ class CostModel:
                              f"({self.model.num_attention_heads}).")
         kv = self.model.num_key_value_heads
         if kv % tp and tp % kv:
-            raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv}) must divide one another.")
+            raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv}) must divide "
+                             "one another.")
         _check_block_size(self.block_size)
 
     @property
@@ -298,7 +299,8 @@ class CostModel:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}.")
         block_size = self.block_size if block_size is None else block_size
         _check_block_size(block_size)
-        reserve = self.activation_reserve_bytes() if activation_reserve_bytes is None else activation_reserve_bytes
+        reserve = (self.activation_reserve_bytes() if activation_reserve_bytes is None
+                   else activation_reserve_bytes)
         if reserve < 0:
             raise ValueError(f"activation_reserve_bytes must be >= 0, got {reserve}.")
         budget = self.hardware.mem_capacity * gpu_memory_utilization

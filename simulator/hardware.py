@@ -49,7 +49,8 @@ class FittedParams:
             _check_non_negative(f"coefficients[{key!r}]", value)
         object.__setattr__(self, "coefficients", MappingProxyType(coefficients))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
+            raise ValueError("tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}.")
         if not isinstance(self.num_samples, int) or self.num_samples < 0:
             raise ValueError(f"num_samples must be a non-negative integer, got {self.num_samples!r}.")
 
@@ -92,14 +93,16 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must be a non-empty string.")
-        for key in ("peak_flops", "mem_bandwidth", "mem_capacity", "interconnect_bandwidth", "pcie_bandwidth"):
+        for key in ("peak_flops", "mem_bandwidth", "mem_capacity", "interconnect_bandwidth",
+                    "pcie_bandwidth"):
             _check_positive(key, getattr(self, key))
         for key in ("eff_compute", "eff_memory"):
             value = getattr(self, key)
             _check_positive(key, value)
             if value > 1.0:
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}.")
-        for key in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s", "interconnect_latency_s"):
+        for key in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s",
+                    "interconnect_latency_s"):
             _check_non_negative(key, getattr(self, key))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
@@ -173,15 +176,21 @@ def _known_keys(cls: type, data: Mapping[str, Any], what: str) -> dict[str, Any]
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"{what} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}.")
+        raise ValueError(f"{what} has unknown field(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(names))}.")
     return dict(data)
 
 
 def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _is_finite_number(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}.")
 
 
 def _check_non_negative(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not _is_finite_number(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative finite number, got {value!r}.")
+
+
+def _is_finite_number(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))

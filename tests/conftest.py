@@ -3,8 +3,8 @@ that drives ``ModelRunner`` with hand-built ``SchedulerOutput``s."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from twinserve.core import (ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig,
-                            SchedulerOutput)
+from twinserve.core import (
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from twinserve.policies import get_policy
 
 

@@ -97,6 +97,7 @@ def free_port() -> int:
 def serve(engine: StubEngine, **args: Any) -> Iterator[str]:
     """``build_app`` over ``engine`` served by uvicorn on 127.0.0.1; yields the base URL."""
     import uvicorn
+
     from twinserve.entrypoints.async_engine import AsyncEngine
     from twinserve.entrypoints.server import build_app
     port = free_port()

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from core_helpers import fake_execute, make_req, make_scheduler
 
 from twinserve.core.errors import EngineOverloaded
-
-from core_helpers import fake_execute, make_req, make_scheduler
 
 
 def test_waiting_requests_bound_counts_only_requests_never_admitted() -> None:

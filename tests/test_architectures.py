@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from conftest import hf_greedy
 
 from twinserve.core.architectures import (
     DenseDecoder,
@@ -33,8 +34,6 @@ from twinserve.gpu.model_loader import load_model
 from twinserve.gpu.model_runner import ModelRunner
 from twinserve.simulator.cost_model import CostModel
 from twinserve.simulator.hardware import load_hardware
-
-from conftest import hf_greedy
 
 CPU = torch.device("cpu")
 COMMON: dict[str, Any] = dict(vocab_size=160, hidden_size=64, intermediate_size=96,
@@ -253,9 +252,10 @@ def test_a_sliding_window_shorter_than_max_model_len_is_refused_at_load(
     with pytest.raises(ValueError, match=r"sliding-window attention is not implemented: "
                                          r"sliding_window=16 < max_model_len=128; pass "
                                          r"max_model_len <= 16"):
-        ModelRunner(EngineArgs(str(windowed), **args))
-    runner = ModelRunner(EngineArgs(str(windowed), max_model_len=16, **args))
-    assert (runner.max_model_len, runner.config.sliding_window) == (16, 16)
+        ModelRunner(EngineArgs(str(windowed), max_model_len=128, **args))
+    for max_model_len in (None, 16):  # unset, the length is capped to the window
+        runner = ModelRunner(EngineArgs(str(windowed), max_model_len=max_model_len, **args))
+        assert (runner.max_model_len, runner.config.sliding_window) == (16, 16)
 
 
 def test_an_unknown_rope_scaling_type_is_refused_at_load(family_dirs: dict[str, Path],

@@ -17,14 +17,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_openai_server import (BAD_REQUEST_TOKENS, ERROR_EVENT_TOKENS, MALFORMED_TOKENS, RESET_TOKENS,
-                                FakeConfig, FakeStats, cached_tokens, free_port, make_app,
-                                serve_in_thread)
+from fake_openai_server import (
+    BAD_REQUEST_TOKENS,
+    ERROR_EVENT_TOKENS,
+    MALFORMED_TOKENS,
+    RESET_TOKENS,
+    FakeConfig,
+    FakeStats,
+    cached_tokens,
+    free_port,
+    make_app,
+    serve_in_thread,
+)
 
 from twinserve.core.run_dir import REQUEST_COLUMNS, write_run
-from twinserve.entrypoints.bench_serve import (BenchmarkInterrupted, ServerUnavailableError,
-                                               add_bench_serve_args, benchmark, parse_goodput,
-                                               run_bench_serve)
+from twinserve.entrypoints.bench_serve import (
+    BenchmarkInterrupted,
+    ServerUnavailableError,
+    add_bench_serve_args,
+    benchmark,
+    parse_goodput,
+    run_bench_serve,
+)
 from twinserve.entrypoints.result_printout import format_result
 from twinserve.entrypoints.sse_client import http_error_message, sse_data
 from twinserve.traces import LOWEST_TOKEN_ID, TraceRequest

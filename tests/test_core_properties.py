@@ -1,12 +1,11 @@
 """Property tests: random add/schedule/update/abort sequences never break the block accounting or
 the budgets, and every request ends exactly once."""
 
+from core_helpers import make_req, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twinserve.core import ModelRunnerOutput, SamplingParams
-
-from core_helpers import make_req, make_scheduler
 
 op = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3),

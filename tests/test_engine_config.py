@@ -12,8 +12,7 @@ import yaml
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import NOT_IMPLEMENTED, EngineArgs
-from twinserve.core.engine_config import (GIB, Platform, default_batch_limits,
-                                          resolve_engine_config)
+from twinserve.core.engine_config import GIB, Platform, default_batch_limits, resolve_engine_config
 from twinserve.simulator import SimConfig
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.model_spec import load_model_spec

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from twinserve.core.sampling_params import SamplingParams
-from twinserve.core.engine_args import EngineArgs
-from twinserve.gpu.llm_engine import LLMEngine
-
 from conftest import TINY_VOCAB, hf_greedy
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu.llm_engine import LLMEngine
 
 MAX_TOKENS = 24
 LATE_AFTER_STEPS = 3  # the second half of the prompts arrives after this many steps

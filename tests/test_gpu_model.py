@@ -145,7 +145,7 @@ def test_paged_attention_matches_dense(dtype, tol, native):
     out = paged_attention(query, key_cache, value_cache, block_tables,
                           torch.tensor(ctx_lens, dtype=torch.int32), qsl, d ** -0.5,
                           build_paged_decode() if native else None)
-    for b, (ctx, ql) in enumerate(zip(ctx_lens, q_lens)):
+    for b, ql in enumerate(q_lens):
         rows = slice(int(qsl[b]), int(qsl[b + 1]))
         want = _dense_reference(query[rows].float(), ks[b].float(), vs[b].float(), ql, d ** -0.5)
         torch.testing.assert_close(out[rows].float(), want, atol=tol, rtol=tol)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_MODELS, TINY_VOCAB, hf_greedy
 
+from twinserve.core.engine_args import EngineArgs
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.core.engine_args import EngineArgs
 from twinserve.gpu.model_runner import ModelRunner
-
-from conftest import TINY_MODELS, TINY_VOCAB, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 

@@ -13,12 +13,11 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from server_fixture import LiveServer, live_server
+from stub_server import StubEngine, serve
 
 from twinserve.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from twinserve.gpu.detokenizer import StopAutomaton
-
-from server_fixture import LiveServer, live_server
-from stub_server import StubEngine, serve
 
 
 # ---- SamplingParams at the engine's door ---------------------------------------------------------

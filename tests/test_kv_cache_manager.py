@@ -1,9 +1,8 @@
 import pytest
+from core_helpers import make_req
 
 from twinserve.core import SamplingParams
 from twinserve.core.kv_cache_manager import KVCacheManager
-
-from core_helpers import make_req
 
 
 def compute(kv, req, n, hits=None):

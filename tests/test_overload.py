@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from stub_server import StubEngine, serve
 
 

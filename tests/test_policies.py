@@ -1,11 +1,9 @@
 import pytest
+from core_helpers import make_req, make_scheduler, run_to_completion, step
 
 from twinserve.core import ModelRunnerOutput
 from twinserve.core.policy import SchedulingPolicy
-from twinserve.policies import available_policies, get_policy
-from twinserve.policies import registry
-
-from core_helpers import make_req, make_scheduler, run_to_completion, step
+from twinserve.policies import available_policies, get_policy, registry
 
 
 def admission_order(policy, reqs, **opts):

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from twinserve.benchmarks.random_model import write_random_model
-from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.llm_engine import LLMEngine
 
 

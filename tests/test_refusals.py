@@ -17,13 +17,18 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from server_fixture import LiveServer, live_server
 
 from twinserve import LLM, SamplingParams
 from twinserve.core.sampling_params import UNSUPPORTED
-from twinserve.entrypoints.protocol import (CHAT, COMPLETION, NO_EFFECT_FIELDS, TOKENIZE,
-                                            UNIMPLEMENTED, UNIMPLEMENTED_MESSAGE_FIELDS)
-
-from server_fixture import LiveServer, live_server
+from twinserve.entrypoints.protocol import (
+    CHAT,
+    COMPLETION,
+    NO_EFFECT_FIELDS,
+    TOKENIZE,
+    UNIMPLEMENTED,
+    UNIMPLEMENTED_MESSAGE_FIELDS,
+)
 
 NOT_ABSENT = {"twinserve-test": "a value no field takes as absent"}
 USER = [{"role": "user", "content": "Hi"}]

@@ -18,8 +18,15 @@ from plotly.offline import get_plotlyjs
 from twinserve.core.metrics import RequestRecord, StepRecord, jain_index, summarize
 from twinserve.core.run_dir import write_run
 from twinserve.reports import (
-    NotARunFolderError, engine_timeseries, load_run, load_runs, sim_vs_real, sim_vs_real_table, summary_table,
-    write_report)
+    NotARunFolderError,
+    engine_timeseries,
+    load_run,
+    load_runs,
+    sim_vs_real,
+    sim_vs_real_table,
+    summary_table,
+    write_report,
+)
 from twinserve.reports.html import SECTIONS
 from twinserve.reports.sampling import MAX_POINTS, decimate_mean, ecdf_points
 

@@ -1,8 +1,7 @@
 import pytest
+from core_helpers import make_req, make_scheduler, run_to_completion, step
 
 from twinserve.core import ModelRunnerOutput, RequestStatus, SamplingParams, SchedulerConfig
-
-from core_helpers import make_req, make_scheduler, run_to_completion, step
 
 
 def test_token_budget_and_chunked_prefill():

@@ -16,10 +16,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from server_fixture import LiveServer, live_server
 
 from twinserve.core.step_driver import RunRecorder
-
-from server_fixture import LiveServer, live_server
 
 API_KEY = "test-key-123"
 BODY_LIMIT = 65536

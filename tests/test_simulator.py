@@ -20,20 +20,19 @@ from pathlib import Path
 
 import pytest
 import simpy
+from core_helpers import make_req, make_scheduler, step
 
 from twinserve.core import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.metrics import RequestRecord, StepRecord, jain_index
 from twinserve.core.scheduler import Scheduler
+from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import available_policies, get_policy
 from twinserve.policies.static import StaticBatchingPolicy
 from twinserve.simulator import SimConfig, SimResult, simulate, write_sim_run
-from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.router import make_router
 from twinserve.simulator.run import build_engine_config, to_request
-from twinserve.traces import (SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace)
-
-from core_helpers import make_req, make_scheduler, step
+from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace
 
 SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
 # Queues that never say "not now": for the studies of queueing itself (floods, M/D/1).

@@ -12,9 +12,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twinserve.traces import (LOWEST_TOKEN_ID, SyntheticConfig, TraceError, TraceRequest, add_trace_args,
-                              assign_priorities, assign_tenants, clip_lengths, first_n, load_trace,
-                              repeat, scale_time, synthetic_trace, time_window, trace_from_args)
+from twinserve.traces import (
+    LOWEST_TOKEN_ID,
+    SyntheticConfig,
+    TraceError,
+    TraceRequest,
+    add_trace_args,
+    assign_priorities,
+    assign_tenants,
+    clip_lengths,
+    first_n,
+    load_trace,
+    repeat,
+    scale_time,
+    synthetic_trace,
+    time_window,
+    trace_from_args,
+)
 from twinserve.traces.trace_request import iter_prompt_token_ids
 
 VOCAB = 49_152

@@ -5,8 +5,15 @@ from twinserve.traces.errors import TraceError
 from twinserve.traces.loaders import BUNDLED_TRACES, load_trace
 from twinserve.traces.synthetic import SyntheticConfig, synthetic_trace
 from twinserve.traces.trace_request import LOWEST_TOKEN_ID, TraceRequest
-from twinserve.traces.transforms import (assign_priorities, assign_tenants, clip_lengths, first_n,
-                                         repeat, scale_time, time_window)
+from twinserve.traces.transforms import (
+                                         assign_priorities,
+                                         assign_tenants,
+                                         clip_lengths,
+                                         first_n,
+                                         repeat,
+                                         scale_time,
+                                         time_window,
+)
 
 __all__ = [
     "BUNDLED_TRACES", "LOWEST_TOKEN_ID", "SyntheticConfig", "TraceError", "TraceRequest",

@@ -25,8 +25,14 @@ from twinserve.traces.errors import TraceError
 from twinserve.traces.loaders import BUNDLED_TRACES, load_trace
 from twinserve.traces.synthetic import SyntheticConfig, synthetic_trace
 from twinserve.traces.trace_request import TraceRequest
-from twinserve.traces.transforms import (assign_priorities, assign_tenants, clip_lengths, first_n,
-                                         scale_time, time_window)
+from twinserve.traces.transforms import (
+    assign_priorities,
+    assign_tenants,
+    clip_lengths,
+    first_n,
+    scale_time,
+    time_window,
+)
 
 SYNTHETIC = "synthetic"
 # Flags only a synthetic workload takes; each destination is the SyntheticConfig field of that name.

@@ -1,9 +1,11 @@
 """A burst of streaming requests arriving at once against ``twinserve serve`` on loopback: how many
 were served, how many were refused at once (503/429) and how fast, time to response headers, and
-whether the KV cache is back to empty afterwards.
+whether the KV cache is back to empty afterwards; then the same burst (the same arrival times,
+prompt lengths and engine flags) through the twin of this machine, whose admission rule is the
+same code: its served and refused counts beside the server's.
 
     python -m twinserve.benchmarks.overload_burst --num-requests 2000          # starts a server
-    python -m twinserve.benchmarks.overload_burst --base-url http://127.0.0.1:8000
+    python -m twinserve.benchmarks.overload_burst --base-url http://127.0.0.1:8000 --no-twin
 
 Loopback only, bounded: every request has a deadline and the whole burst ``--timeout-s``.
 Prints one JSON object.
@@ -34,23 +36,29 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @dataclass(slots=True)
 class Outcome:
     status: int  # HTTP status; 0: no response (client timeout or connection error)
+    sent_s: float  # when the request was sent, seconds after the burst began
     headers_s: float  # time to response headers (NaN without a response)
     done: bool  # a 200 stream that ended with data: [DONE] and no error event
     tokens: int
 
 
+def prompt(i: int) -> str:
+    return f"Request {i}: once upon a time"
+
+
 async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int,
-              deadline_s: float) -> Outcome:
-    body = {"prompt": f"Request {i}: once upon a time", "max_tokens": max_tokens,
+              deadline_s: float, start: float) -> Outcome:
+    body = {"prompt": prompt(i), "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.monotonic()
+    sent = t0 - start
     try:
         async with asyncio.timeout(deadline_s):
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 headers_s = time.monotonic() - t0
                 if r.status_code != 200:
                     await r.aread()
-                    return Outcome(r.status_code, headers_s, False, 0)
+                    return Outcome(r.status_code, sent, headers_s, False, 0)
                 tokens, done, error = 0, False, False
                 async for line in r.aiter_lines():
                     if line == "data: [DONE]":
@@ -59,9 +67,9 @@ async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int,
                         chunk = json.loads(line[6:])
                         error |= "error" in chunk
                         tokens += sum(1 for c in chunk.get("choices", []) if c.get("text"))
-                return Outcome(200, headers_s, done and not error, tokens)
+                return Outcome(200, sent, headers_s, done and not error, tokens)
     except (httpx.HTTPError, TimeoutError):
-        return Outcome(0, float("nan"), False, 0)
+        return Outcome(0, sent, float("nan"), False, 0)
 
 
 def kv_usage(url: str) -> tuple[float, float, float]:
@@ -87,7 +95,8 @@ async def burst(url: str, num: int, max_tokens: int, deadline_s: float) -> list[
     limits = httpx.Limits(max_connections=num, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(deadline_s, connect=60),
                                  limits=limits) as client:
-        return await asyncio.gather(*(one(client, url, i, max_tokens, deadline_s)
+        start = time.monotonic()
+        return await asyncio.gather(*(one(client, url, i, max_tokens, deadline_s, start)
                                       for i in range(num)))
 
 
@@ -141,6 +150,7 @@ def run(url: str, args: argparse.Namespace) -> dict:
     served = [o for o in outcomes if o.status == 200]
     refused = [o for o in outcomes if o.status in (429, 503)]
     return {
+        "outcomes": outcomes,
         "num_requests": len(outcomes), "wall_s": round(wall, 2),
         "served": len(served), "served_complete": sum(o.done for o in served),
         "refused_503": sum(o.status == 503 for o in outcomes),
@@ -156,6 +166,29 @@ def run(url: str, args: argparse.Namespace) -> dict:
     }
 
 
+def twin(outcomes: list[Outcome], args: argparse.Namespace) -> dict:
+    """The burst through the twin of this machine: the server's engine flags (resolved for a
+    server on this CPU, as the real one was), each request at its send time with its prompt's
+    token count and max_tokens."""
+    from twinserve.entrypoints.engine_args import add_engine_args, engine_args_from
+    from twinserve.gpu.default_model import resolve_model_path
+    from twinserve.gpu.tokenizer import Tokenizer
+    from twinserve.simulator import SimConfig, simulate
+    from twinserve.traces import TraceRequest
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--model", default=None)
+    add_engine_args(flags)
+    known, _ = flags.parse_known_args(args.server_args.split())
+    model = str(resolve_model_path(known.model))
+    tokenizer = Tokenizer.from_dir(resolve_model_path(known.model))
+    trace = sorted((TraceRequest(f"r{i}", o.sent_s, len(tokenizer.encode(prompt(i))),
+                                 args.max_tokens) for i, o in enumerate(outcomes)),
+                   key=lambda tr: tr.arrival_time)
+    result = simulate(SimConfig(engine_args_from(known, model=model), hardware="cpu"), trace)
+    served = sum(r.success for r in result.records)
+    return {"served": served, "refused": len(result.records) - served}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=None, help="a running server (loopback only); "
@@ -166,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="the whole burst")
     parser.add_argument("--server-args", default="--max-model-len 256",
                         help="flags for the server this script starts (one string)")
+    parser.add_argument("--no-twin", dest="twin", action="store_false",
+                        help="skip the twin's replay of the burst")
     args = parser.parse_args(argv)
     if args.base_url:
         if urlsplit(args.base_url).hostname not in LOOPBACK:
@@ -174,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with local_server(args.server_args.split()) as url:
             result = run(url, args)
+    outcomes = result.pop("outcomes")
+    if args.twin:
+        result["twin"] = twin(outcomes, args)
+        real = result["served"]
+        result["twin"]["served_error_pct"] = (round(100 * (result["twin"]["served"] - real) / real, 2)
+                                              if real else None)
     print(json.dumps(result, indent=2))
 
 

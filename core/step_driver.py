@@ -27,6 +27,8 @@ from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, Schedule
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 
+Completer = Callable[[SchedulerOutput, ModelRunnerOutput, float, float], list[EngineCoreOutput]]
+
 
 class StepBackend(Protocol):
     """Who produces a step's sampled tokens: the model runner, or the twin's synthetic tokens."""
@@ -96,13 +98,13 @@ class StepDriver:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
-        self._execute_s = float("nan")
         return self.scheduler.schedule(now)
 
     def execute(self, backend: StepBackend, out: SchedulerOutput) -> ModelRunnerOutput:
         """The backend's part of a step, timed for the observers; a step with nothing for the
         backend (no tokens, no block copies, no finished ids to forget) skips it."""
         if not (out.scheduled or out.finished_request_ids or out.blocks_to_swap_out):
+            self._execute_s = float("nan")
             return ModelRunnerOutput()
         t0 = time.perf_counter()
         result = backend.execute(out)
@@ -112,17 +114,30 @@ class StepDriver:
     def complete(self, out: SchedulerOutput, result: ModelRunnerOutput, start: float,
                  end: float) -> list[EngineCoreOutput]:
         """Applies the step's results at ``end`` and records the step and finished requests."""
-        sched = self.scheduler
-        outputs = sched.update_from_output(out, result, end)
-        rec = self.recorder
-        if out.scheduled and rec.record_steps:
-            rec.steps.record_step(out, sched, start, end - start, self.replica,
-                                  rec.record_tenants)
-        if outputs:
-            finished = [o.request_id for o in outputs if o.finished]
-            if finished:
-                self._record_finished(finished)
-        return outputs
+        return self.completer()(out, result, start, end)
+
+    def completer(self) -> Completer:
+        """``complete`` with its lookups done once, for a loop that calls it every step (the
+        twin's engine process: a simulated step costs microseconds). The recorder's settings
+        are read now."""
+        sched, rec, replica, record_finished = (self.scheduler, self.recorder, self.replica,
+                                                self._record_finished)
+        update = sched.update_from_output
+        record_step = rec.steps.record_step if rec.record_steps else None
+        tenants = rec.record_tenants
+
+        def complete(out: SchedulerOutput, result: ModelRunnerOutput, start: float,
+                     end: float) -> list[EngineCoreOutput]:
+            outputs = update(out, result, end)
+            if record_step is not None and out.scheduled:
+                record_step(out, sched, start, end - start, replica, tenants)
+            if outputs:
+                finished = [o.request_id for o in outputs if o.finished]
+                if finished:
+                    record_finished(finished)
+            return outputs
+
+        return complete
 
     def end_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Tells the observers about a step that scheduled work."""

@@ -23,6 +23,7 @@ from typing import Any
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S
 from twinserve.gpu.llm_engine import LLMEngine
 
 
@@ -104,6 +105,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        # Adds handed to the engine thread and taken by it: each counter has one writer thread,
+        # so their difference (adds in flight) is read without a lock.
+        self._adds_submitted = 0
+        self._adds_taken = 0
         self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
         self._thread.start()
 
@@ -123,8 +128,26 @@ class AsyncEngine:
                **kwargs: Any) -> RequestStream:
         """Hands a request to the engine thread; the stream says whether it was accepted."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        refusal = self._queue_full()
+        if refusal is not None:  # "not now" at once, without a turn of the engine thread
+            stream.queue.put_nowait(refusal)
+            return RequestStream(self, request_id, stream.queue)
         self._submit("add", request_id, prompt, params, kwargs, stream)
+        self._adds_submitted += 1
         return RequestStream(self, request_id, stream.queue)
+
+    def _queue_full(self) -> EngineOverloaded | None:
+        """The scheduler's bound on waiting requests, counting the adds still in flight to the
+        engine thread (in a burst, thousands arrive before it takes any): the engine thread
+        only reads commands between steps. The scheduler's own check stays authoritative."""
+        scheduler = self.engine.scheduler
+        bound = scheduler.config.max_waiting_requests
+        waiting = scheduler.num_queued + self._adds_submitted - self._adds_taken
+        if bound is None or waiting < bound:
+            return None
+        return EngineOverloaded(
+            f"the engine is overloaded: {waiting} requests are waiting (max_waiting_requests "
+            f"{bound}); retry later.", "max_waiting_requests", ADMISSION_RETRY_AFTER_S)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -211,6 +234,7 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt: Any, params: SamplingParams, kwargs: dict,
              stream: _Stream) -> None:
+        self._adds_taken += 1
         try:
             self.engine.add_request(prompt, params, request_id=request_id, **kwargs)
         except (ValueError, EngineOverloaded) as exc:  # refused: the engine holds nothing of it

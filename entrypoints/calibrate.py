@@ -120,6 +120,7 @@ def _model_from_runs(run_dirs: list[str]) -> str | None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from twinserve.core.step_sample import write_samples
+    from twinserve.gpu.platform import current_platform
     from twinserve.simulator.calibration import calibrate_from_runs, save_profile
     from twinserve.simulator.model_spec import load_model_spec
     if args.from_run:
@@ -128,6 +129,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cal = calibrate_from_runs(args.from_run, name)
         block_size = args.block_size or 16
         note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
+        platform = None
     else:
         set_threads(args.threads)
         model = args.model = model_dir_or_default(args.model)
@@ -138,9 +140,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cal = calibrate_backend(runner, eargs, name, args.quick, args.warmup, args.repeats,
                                 args.engine_loop, _log_stderr)
         block_size = eargs.block_size
+        platform = current_platform(runner.device)
         note = (f"Calibrated for {name} on {runner.device} {str(runner.dtype).removeprefix('torch.')}"
                 f"{' (quick)' if args.quick else ''}.")
-    path = save_profile(cal, model, args.base_hardware, args.out, block_size, note)
+    path = save_profile(cal, model, args.base_hardware, args.out, block_size, note, platform)
     if args.samples_out:
         write_samples(args.samples_out, cal.samples)
     print(cal.report)

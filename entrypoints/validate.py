@@ -92,6 +92,7 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
               out: Path, model: str, log: Log) -> tuple[list[Path], str | Path]:
     """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given)."""
     from twinserve.gpu.llm_engine import LLMEngine
+    from twinserve.gpu.platform import current_platform
     from twinserve.gpu.replay import replay_real, write_real_run
     from twinserve.simulator.calibration import save_profile
     set_threads(args.threads)
@@ -105,7 +106,8 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
                                 warmup=args.warmup, repeats=args.repeats,
                                 engine_loop=args.engine_loop, log=log)
         profile = save_profile(cal, model, args.base_hardware, out / "profile.json",
-                               eargs.block_size, "Calibrated by validate (quick).")
+                               eargs.block_size, "Calibrated by validate (quick).",
+                               current_platform(runner.device))
         log(cal.report)
     dirs = []
     for i in range(args.real_repeats):

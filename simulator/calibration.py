@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from twinserve.core.engine_config import Platform
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples
 from twinserve.simulator.cost_model import (
@@ -245,9 +246,13 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str) -> Cali
 
 
 def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
-                 block_size: int = 16, note: str = "") -> Path:
-    """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``."""
+                 block_size: int = 16, note: str = "", platform: Platform | None = None) -> Path:
+    """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``.
+    ``platform``: the measured device, whose type and bf16 support the profile then records,
+    so the twin resolves the engine arguments as the real engine did there."""
     base = load_hardware(base_hardware)
+    if platform is not None:
+        base = replace(base, device_type=platform.device_type, native_bf16=platform.native_bf16)
     pcie = None
     if cal.seconds_per_swap_block:
         # the simulator times a swap as spec block bytes / pcie_bandwidth: match the measurement

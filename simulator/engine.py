@@ -109,7 +109,8 @@ def engine_process(env: simpy.Environment, replica: Replica):
     sched = driver.scheduler
     sampled = replica.tokens.output  # the backend's output: read-only token lists
     step_time, timeout, peek = replica.step_time, env.timeout, env.peek
-    schedule, complete = driver.schedule, driver.complete
+    # driver.schedule and driver.complete with their lookups done once (this runs every step)
+    schedule, complete = sched.schedule, driver.completer()
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     # Only other processes schedule events, and they run only while this one waits: the next
     # event's time is read once per resumption.

@@ -108,10 +108,21 @@ def test_from_mapping_takes_dashes_and_names_the_source() -> None:
 
 # ---- the twin of this machine resolves what the real engine resolves --------------------------
 def _this_machine_profile(tmp_path: Path) -> Path:
-    """The bundled cpu profile with this processor's bf16 support, as ``calibrate`` records it."""
+    """A profile of this machine as ``calibrate`` writes it: the bundled cpu profile, a fit,
+    and the measured device's type and bf16 support."""
+    from twinserve.gpu.platform import current_platform
+    from twinserve.simulator.calibration import Calibration, save_profile
+    from twinserve.simulator.hardware import FittedParams
+    cal = Calibration(FittedParams(0.01, {}, model="tiny"))
+    return save_profile(cal, "smollm2-135m", "cpu", tmp_path / "this-machine.json",
+                        platform=current_platform("cpu"))
+
+
+def test_a_calibrated_profile_records_the_measured_device(tmp_path: Path) -> None:
     from twinserve.gpu.cpu_gemm import cpu_has_native_bf16
-    profile = dataclasses.replace(load_hardware("cpu"), native_bf16=cpu_has_native_bf16())
-    return profile.save(tmp_path / "this-machine.json")
+    profile = load_hardware(_this_machine_profile(tmp_path))
+    assert (profile.device_type, profile.native_bf16) == ("cpu", cpu_has_native_bf16())
+    assert profile.platform().device_type == "cpu"
 
 
 def _real_and_twin(model: Path, profile: Path, **engine) -> tuple:

@@ -68,3 +68,18 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     path.write_text("import os\n\ndef f():\n    from twinserve.gpu import replay\n"
                     "    import torch.nn as nn\n")
     assert imported_modules(path) == [(1, "os"), (4, "twinserve.gpu"), (5, "torch.nn")]
+
+
+def test_update_from_output_is_called_only_by_the_step_driver() -> None:
+    """The step seam is written once: outside the tests, ``core/step_driver.py`` alone applies a
+    step's results (``core/scheduler.py`` defines the method)."""
+    callers = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".git") or rel.as_posix() == "core/step_driver.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        callers += [f"{rel}:{node.lineno}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and node.attr == "update_from_output"
+                    and not isinstance(getattr(node, "ctx", None), ast.Store)]
+    assert callers == [], callers

@@ -232,3 +232,50 @@ def test_abort_while_waiting_is_counted() -> None:
             time.sleep(0.05)
         assert engine.live == {}
         assert _metric(url, *aborted) == before + 3  # n=2 samples, then one stream
+
+
+def test_a_full_queue_is_refused_before_the_engine_thread_takes_the_request() -> None:
+    """In a burst the engine thread reads commands only between steps: the async front counts
+    the adds in flight against max_waiting_requests and says "not now" at once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from twinserve.core.errors import EngineOverloaded
+    from twinserve.entrypoints.async_engine import AsyncEngine
+
+    in_step, release = threading.Event(), threading.Event()
+
+    class Busy:  # an engine thread held inside a long step for the whole burst
+        scheduler = SimpleNamespace(num_queued=1, config=SimpleNamespace(max_waiting_requests=3))
+
+        def has_unfinished_requests(self) -> bool:
+            return not release.is_set()
+
+        def step(self) -> list:
+            in_step.set()
+            release.wait(10)
+            return []
+
+        def add_request(self, *args, **kwargs) -> str:
+            return "added"
+
+    engine = AsyncEngine(Busy())  # type: ignore[arg-type]
+    try:
+        assert in_step.wait(10)
+
+        async def burst() -> list[str]:
+            results = []
+            for i in range(5):
+                stream = engine.submit([1, 2], None, f"r{i}")  # type: ignore[arg-type]
+                if not stream._queue.qsize():  # no answer yet: it waits for the engine thread
+                    results.append("queued")
+                    continue
+                with pytest.raises(EngineOverloaded) as info:
+                    await asyncio.wait_for(stream.accepted(), 1)
+                results.append(info.value.reason)
+            return results
+        # 1 waiting + 2 in flight reach the bound of 3: the rest is refused at once
+        assert asyncio.run(burst()) == ["queued", "queued"] + ["max_waiting_requests"] * 3
+    finally:
+        release.set()
+        engine.shutdown()

@@ -298,3 +298,20 @@ def test_browser_helper_reports_console_errors(tmp_path: Path) -> None:
     assert any("boom" in e for e in shot.console_errors)
     assert any("Uncaught ReferenceError" in e for e in shot.console_errors)
     assert not any("all good" in e for e in shot.console_errors)
+
+
+def test_report_lists_the_engine_keys_that_differ(tmp_path: Path) -> None:
+    from twinserve.reports.runs import load_runs
+    from twinserve.reports.tables import config_differences
+    a = make_run(tmp_path, "a", "sim", max_num_seqs=256, block_size=16, dtype="bfloat16",
+                 policy_options={"w": 1})
+    b = make_run(tmp_path, "b", "sim", max_num_seqs=64, block_size=16, dtype="bfloat16",
+                 policy_options={"w": 2}, num_replicas=2)
+    diff = config_differences(load_runs([a, b]))
+    assert list(diff["key"]) == ["policy_options", "max_num_seqs", "num_replicas"]
+    row = diff.set_index("key").loc["max_num_seqs"]
+    assert list(row) == [256, 64]
+    page = write_report([a, b], tmp_path / "r.html").read_text()
+    assert "Engine configuration: what differs" in page and "num_replicas" in page
+    same = write_report([a, a], tmp_path / "s.html").read_text()
+    assert "Every run has the same engine configuration." in same

@@ -429,7 +429,8 @@ class _StubEngine:
         self.policy = SimpleNamespace(uses_priority=uses_priority, name="stub")
         self.scheduler = SimpleNamespace(
             stats=lambda: SchedulerStats(len(self.live), 0, 0.0, 0, 0, 0, 0, 0),
-            kv=SimpleNamespace(reset_prefix_cache=lambda: True))
+            kv=SimpleNamespace(reset_prefix_cache=lambda: True), num_queued=0,
+            config=SimpleNamespace(max_waiting_requests=None))
         self.metrics = RunRecorder()
         self.fail_on_step = fail_on_step
         self.added: list[dict] = []

@@ -269,3 +269,15 @@ def test_run_sweep_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="address"):
         run_sweep(spec, tmp_path, address="auto", progress=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_engine_table_may_start_from_a_config_file(tmp_path: Path) -> None:
+    from twinserve.simulator.sweep_spec import load_spec
+    (tmp_path / "base.yaml").write_text("max-num-seqs: 64\nblock-size: 32\n")
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text(SPEC.replace("[engine]", '[engine]\nconfig = "base.yaml"\nblock_size = 8'))
+    points = load_spec(spec_file).points()
+    assert {(p.sim["max_num_seqs"], p.sim["block_size"]) for p in points} == {(64, 8)}
+    (tmp_path / "base.yaml").write_text("max-num-seq: 64\n")
+    with pytest.raises(ValueError, match="max_num_seq"):
+        load_spec(spec_file)

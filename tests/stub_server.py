@@ -88,6 +88,17 @@ class StubEngine:
         return outs
 
 
+class ExplodingRunner:
+    """A model runner whose every use fails: how an internal error reaches the server."""
+
+    max_model_len = 64
+    model_dir = "stub-dir"
+
+    @property
+    def vocab_size(self) -> int:
+        raise RuntimeError("secret internal detail")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

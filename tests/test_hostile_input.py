@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from server_fixture import LiveServer, live_server
-from stub_server import StubEngine, serve
+from stub_server import ExplodingRunner, StubEngine, serve
 
 from twinserve.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from twinserve.gpu.detokenizer import StopAutomaton
@@ -270,15 +270,7 @@ def test_a_body_that_never_finishes_gets_408_and_the_connection_closes() -> None
 def test_an_internal_error_is_a_500_on_a_kept_connection() -> None:
     engine = StubEngine()
 
-    class Exploding:
-        max_model_len = 64
-        model_dir = "stub-dir"
-
-        @property
-        def vocab_size(self) -> int:
-            raise RuntimeError("secret internal detail")
-
-    engine.runner = Exploding()  # type: ignore[assignment]
+    engine.runner = ExplodingRunner()  # type: ignore[assignment]
     with serve(engine) as url:
         conn = _Connection(url)
         status, body, _ = conn.post("/v1/completions", b'{"prompt": [1], "max_tokens": 1}')

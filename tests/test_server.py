@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from server_fixture import LiveServer, live_server
+from stub_server import ExplodingRunner
 
 from twinserve.core.step_driver import RunRecorder
 
@@ -525,15 +526,7 @@ def test_dead_engine_answers_503() -> None:
 def test_internal_error_is_500_without_traceback() -> None:
     engine = _StubEngine()
 
-    class Exploding:
-        max_model_len = 64
-        model_dir = "stub-dir"
-
-        @property
-        def vocab_size(self) -> int:
-            raise RuntimeError("secret internal detail")
-
-    engine.runner = Exploding()  # type: ignore[assignment]
+    engine.runner = ExplodingRunner()  # type: ignore[assignment]
 
     async def run(client: httpx.AsyncClient) -> None:
         r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})

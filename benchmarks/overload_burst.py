@@ -1,8 +1,12 @@
 """A burst of streaming requests arriving at once against ``twinserve serve`` on loopback: how many
 were served, how many were refused at once (503/429) and how fast, time to response headers, and
-whether the KV cache is back to empty afterwards; then the same burst (the same arrival times,
-prompt lengths and engine flags) through the twin of this machine, whose admission rule is the
-same code: its served and refused counts beside the server's.
+whether the KV cache is back to empty afterwards; then the same burst (the same prompt lengths,
+max_tokens and engine flags) through the twin of this machine, whose admission rule is the same
+code: its served and refused counts beside the server's. In the twin the burst arrives at once
+(every request at t=0): the server's engine thread takes queued requests only between steps, so
+a burst sent within its first step reaches the scheduler all together. ``--twin-arrivals sent``
+uses the client's send times instead (the twin then steps between arrivals a real engine thread
+never sees one by one).
 
     python -m twinserve.benchmarks.overload_burst --num-requests 2000          # starts a server
     python -m twinserve.benchmarks.overload_burst --base-url http://127.0.0.1:8000 --no-twin
@@ -168,8 +172,8 @@ def run(url: str, args: argparse.Namespace) -> dict:
 
 def twin(outcomes: list[Outcome], args: argparse.Namespace) -> dict:
     """The burst through the twin of this machine: the server's engine flags (resolved for a
-    server on this CPU, as the real one was), each request at its send time with its prompt's
-    token count and max_tokens."""
+    server on this CPU, as the real one was), each request with its prompt's token count and
+    max_tokens, arriving at once or at its send time (``--twin-arrivals``)."""
     from twinserve.entrypoints.engine_args import add_engine_args, engine_args_from
     from twinserve.gpu.default_model import resolve_model_path
     from twinserve.gpu.tokenizer import Tokenizer
@@ -181,7 +185,10 @@ def twin(outcomes: list[Outcome], args: argparse.Namespace) -> dict:
     known, _ = flags.parse_known_args(args.server_args.split())
     model = str(resolve_model_path(known.model))
     tokenizer = Tokenizer.from_dir(resolve_model_path(known.model))
-    trace = sorted((TraceRequest(f"r{i}", o.sent_s, len(tokenizer.encode(prompt(i))),
+    def arrival(o: Outcome) -> float:
+        return o.sent_s if args.twin_arrivals == "sent" else 0.0
+
+    trace = sorted((TraceRequest(f"r{i}", arrival(o), len(tokenizer.encode(prompt(i))),
                                  args.max_tokens) for i, o in enumerate(outcomes)),
                    key=lambda tr: tr.arrival_time)
     result = simulate(SimConfig(engine_args_from(known, model=model), hardware="cpu"), trace)
@@ -201,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="flags for the server this script starts (one string)")
     parser.add_argument("--no-twin", dest="twin", action="store_false",
                         help="skip the twin's replay of the burst")
+    parser.add_argument("--twin-arrivals", choices=("once", "sent"), default="once",
+                        help="the twin's arrivals: all at t=0 (default) or the send times")
     args = parser.parse_args(argv)
     if args.base_url:
         if urlsplit(args.base_url).hostname not in LOOPBACK:
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             result = run(url, args)
     outcomes = result.pop("outcomes")
     if args.twin:
-        result["twin"] = twin(outcomes, args)
+        result["twin"] = {"arrivals": args.twin_arrivals, **twin(outcomes, args)}
         real = result["served"]
         result["twin"]["served_error_pct"] = (round(100 * (result["twin"]["served"] - real) / real, 2)
                                               if real else None)

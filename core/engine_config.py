@@ -92,8 +92,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, for a run folder's ``config.json``: the arguments with their resolved values."""
-        resolved = {k: v for k, v in asdict(self.scheduler).items()}
-        return {**asdict(self.args), **resolved, "usage_context": self.usage_context,
+        return {**asdict(self.args), **asdict(self.scheduler), "usage_context": self.usage_context,
                 "device_type": self.device_type, "device_name": self.device_name,
                 "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
                 "block_bytes": self.block_bytes}

@@ -1,10 +1,12 @@
-"""The dense decoder of the registered families (Llama, Mistral, Qwen2) over a flattened batch.
+"""The dense decoder of the registered families (Llama, Mistral, Qwen2, Qwen3) over a flattened
+batch.
 
 One forward serves prefills, chunked prefills and decodes together: ``input_ids[T]`` and
 ``positions[T]`` concatenate every scheduled sequence's new tokens, ``AttentionMetadata`` says where
 each sequence's rows are and where its KV lives. A decoder layer's projections are the linear
 layers (``gpu/linear.py``) its architecture entry names (``core/architectures``): q/k/v fused in
 one ``qkv_proj`` and gate/up in one ``gate_up_proj`` (one product each instead of three and two).
+An entry with ``qk_norm`` (Qwen3) adds a per-head RMSNorm on q and k before RoPE.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and SiLU-gated MLP; the projections ``qkv_proj``, ``o_proj``,
-    ``gate_up_proj`` and ``down_proj`` are built from the architecture entry's ``linears``."""
+    ``gate_up_proj`` and ``down_proj`` are built from the architecture entry's ``linears``;
+    ``q_norm`` / ``k_norm`` ([head_dim]) exist only when the entry has ``qk_norm``."""
 
     input_layernorm: nn.Parameter
     post_attention_layernorm: nn.Parameter
@@ -33,6 +36,8 @@ class DecoderLayer(nn.Module):
     o_proj: LinearBase
     gate_up_proj: LinearBase
     down_proj: LinearBase
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
 
     def __init__(self, config: ModelConfig, options: LinearOptions) -> None:
         super().__init__()
@@ -47,6 +52,12 @@ class DecoderLayer(nn.Module):
                                                       device=options.device)))
         for spec in config.arch.linears(config):
             setattr(self, spec.name, linear_from_spec(spec, config, options))
+        if config.arch.qk_norm:
+            head = (config.head_dim,)
+            self.q_norm = _parameter(torch.ones(head, dtype=options.dtype, device=options.device))
+            self.k_norm = _parameter(torch.ones(head, dtype=options.dtype, device=options.device))
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
@@ -73,7 +84,11 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], *rope)
+        qk = qkv[:, :self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+            qk = torch.cat((rms_norm(qk[:, :self.num_heads], self.q_norm, self.eps),
+                            rms_norm(qk[:, self.num_heads:], self.k_norm, self.eps)), dim=1)
+        qk = apply_rope(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         key_cache, value_cache = kv_cache

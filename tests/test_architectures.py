@@ -47,6 +47,9 @@ FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
                                                 "tie_word_embeddings": False}),
     "mistral": (transformers.MistralConfig, {"sliding_window": None, "head_dim": 32}),
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": False}),
+    # head_dim 32 != hidden / heads = 16; tied and untied
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 32, "tie_word_embeddings": False}),
+    "qwen3-tied": (transformers.Qwen3Config, {"head_dim": 32, "tie_word_embeddings": True}),
 }
 
 
@@ -58,6 +61,8 @@ def _hf_model(name: str) -> transformers.PreTrainedModel:
         for param_name, p in model.named_parameters():
             if "norm" not in param_name:
                 p.normal_(0.0, 0.2)
+            elif "q_norm" in param_name or "k_norm" in param_name:  # q's and k's told apart
+                p.normal_(1.0, 0.3)
     return model
 
 
@@ -75,7 +80,8 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize(("name", "family"), [("LlamaForCausalLM", "Llama"),
                                               ("MistralForCausalLM", "Mistral"),
-                                              ("Qwen2ForCausalLM", "Qwen2")])
+                                              ("Qwen2ForCausalLM", "Qwen2"),
+                                              ("Qwen3ForCausalLM", "Qwen3")])
 def test_each_family_resolves(name: str, family: str) -> None:
     entry = get_architecture(name)
     assert type(entry).__name__ == family and name in entry.names
@@ -84,9 +90,10 @@ def test_each_family_resolves(name: str, family: str) -> None:
 
 def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
     assert supported_architectures() == ("LlamaForCausalLM", "MistralForCausalLM",
-                                         "Qwen2ForCausalLM")
+                                         "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     with pytest.raises(ValueError, match=r"unknown architecture 'GPT2LMHeadModel'; supported: "
-                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                         r"Qwen3ForCausalLM"):
         get_architecture("GPT2LMHeadModel")
 
 
@@ -148,6 +155,10 @@ def test_fused_parameters_hold_the_hf_tensors(name: str, family_dirs: dict[str, 
         torch.testing.assert_close(layer.qkv_proj.bias, torch.cat(
             [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), rtol=0, atol=0)
     assert (layer.o_proj.bias is None) == (attn.o_proj.bias is None)
+    assert (layer.q_norm is None) == (not hasattr(attn, "q_norm"))
+    if layer.q_norm is not None:
+        torch.testing.assert_close(layer.q_norm, attn.q_norm.weight, rtol=0, atol=0)
+        torch.testing.assert_close(layer.k_norm, attn.k_norm.weight, rtol=0, atol=0)
     assert (layer.down_proj.bias is None) == (mlp.down_proj.bias is None)
 
 

@@ -90,6 +90,9 @@ class DenseDecoder:
     model_type: ClassVar[str] = ""  # HF ``model_type``, used when ``architectures`` is absent
     default_max_position_embeddings: ClassVar[int] = 2048  # the HF config class's default
     norms: ClassVar[tuple[str, ...]] = ("input_layernorm", "post_attention_layernorm")
+    # per-head RMSNorm on q and k before RoPE (Qwen3): engine parameters ``q_norm`` and
+    # ``k_norm`` of a decoder layer, shape [head_dim], eps ``rms_norm_eps``
+    qk_norm: ClassVar[bool] = False
 
     def read_fields(self, raw: Mapping[str, Any]) -> FamilyFields:
         """Biases and the sliding window from the family's own config fields."""

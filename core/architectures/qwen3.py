@@ -1,0 +1,48 @@
+"""Qwen3 (``Qwen3ForCausalLM``, dense): Qwen2's layers without the q/k/v biases (``attention_bias``
+puts biases on q/k/v and o, false in the released models) and with a per-head RMSNorm on q and
+on k (``self_attn.q_norm`` / ``self_attn.k_norm``, weight [head_dim]) applied before RoPE;
+``head_dim`` is given in config.json and may differ from hidden_size / num_attention_heads. The
+sliding window is read as Qwen2's (only when ``use_sliding_window`` is true)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from twinserve.core.architectures import register
+from twinserve.core.architectures.base import DenseDecoder, FamilyFields, WeightTarget
+from twinserve.core.architectures.qwen2 import HF_DEFAULT_SLIDING_WINDOW
+
+if TYPE_CHECKING:
+    from twinserve.core.model_config import ModelConfig
+
+QK_NORMS = (("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm"))  # HF name, ours
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class Qwen3(DenseDecoder):
+    names: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    model_type: ClassVar[str] = "qwen3"
+    default_max_position_embeddings: ClassVar[int] = 32768  # Qwen3Config's default
+    qk_norm: ClassVar[bool] = True
+
+    def read_fields(self, raw: Mapping[str, Any]) -> FamilyFields:
+        attention_bias = bool(raw.get("attention_bias") or False)
+        sliding = bool(raw.get("use_sliding_window")) or "sliding_attention" in (
+            raw.get("layer_types") or ())
+        window = (raw.get("sliding_window") or HF_DEFAULT_SLIDING_WINDOW) if sliding else None
+        return FamilyFields(qkv_bias=attention_bias, o_proj_bias=attention_bias,
+                            sliding_window=window)
+
+    def weight_map(self, config: ModelConfig) -> dict[str, WeightTarget]:
+        out = DenseDecoder.weight_map(self, config)
+        for i in range(config.num_hidden_layers):
+            for hf_name, ours in QK_NORMS:
+                out[f"model.layers.{i}.{hf_name}.weight"] = WeightTarget(
+                    f"layers.{i}.{ours}", None, (config.head_dim,))
+        return out
+
+    def params_per_layer(self, config: ModelConfig) -> int:
+        return DenseDecoder.params_per_layer(self, config) + len(QK_NORMS) * config.head_dim

@@ -163,9 +163,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    base = SimConfig(model=args.model, hardware=args.hardware)
+    # Batches given at once, as an offline LLM job (its queue has no bound), with the limits the
+    # figures state written out.
+    base = SimConfig(model=args.model, hardware=args.hardware, usage_context="llm",
+                     max_num_seqs=256, max_num_batched_tokens=8192)
     azure = first_n(load_trace("azure-conv"), args.num_requests)
-    print(f"{args.model} on {args.hardware}; the engine defaults of SimConfig unless stated\n")
+    print(f"{args.model} on {args.hardware}; offline use, max_num_seqs 256, "
+          "max_num_batched_tokens 8192 unless stated\n")
     print(DETAIL_HEADER)
     steps: list[Callable[[], list[Figure]]] = [
         lambda: batching_figures(base, azure, args.num_requests),

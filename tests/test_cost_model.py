@@ -60,9 +60,47 @@ def cost(model: str, hardware: str, tp: int = 1) -> CostModel:
 @pytest.mark.parametrize("name, published", [
     ("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-2-70b", 68.98e9), ("llama-3-8b", 8.03e9),
     ("llama-3-70b", 70.6e9), ("mistral-7b-v0.1", 7.24e9), ("qwen2.5-7b", 7.62e9), ("smollm2-135m", 1.35e8),
+    ("llama-3.1-8b", 8.03e9), ("llama-3.1-70b", 70.6e9), ("qwen3-8b", 8.19e9),
 ])
 def test_bundled_param_counts_match_published_sizes(name: str, published: float) -> None:
     assert load_model_spec(name).num_params == pytest.approx(published, rel=0.03)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("name, params, context, kv_bytes, rope_scaling", [
+    # exact counts: 8,030,261,248 and 70,553,706,496 are Meta's published tensor totals
+    ("llama-3.1-8b", 8_030_261_248, 131072, 2 * 32 * 8 * 128 * 2, LLAMA3_ROPE),
+    ("llama-3.1-70b", 70_553_706_496, 131072, 2 * 80 * 8 * 128 * 2, LLAMA3_ROPE),
+    # Qwen3-8B: 36 layers of 4096 -> q 32 x 128, kv 8 x 128, MLP 12288, + q/k norms of 128 each
+    ("qwen3-8b", 151936 * 4096 * 2 + 4096 + 36 * (4096 * (4096 + 2 * 1024) + 4096 * 4096
+                                                  + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128),
+     40960, 2 * 36 * 8 * 128 * 2, None),
+])
+def test_long_context_bundled_specs(name: str, params: int, context: int, kv_bytes: int,
+                                    rope_scaling: dict | None) -> None:
+    spec = load_model_spec(name)
+    assert name in bundled_model_names()
+    assert (spec.num_params, spec.max_position_embeddings) == (params, context)
+    assert spec.kv_bytes_per_token == kv_bytes and spec.rope_scaling == rope_scaling
+    assert spec.dtype == "bfloat16" and not spec.tie_word_embeddings
+
+
+def test_hub_ids_of_the_long_context_specs_resolve() -> None:
+    assert load_model_spec("meta-llama/Meta-Llama-3.1-8B").name == "llama-3.1-8b"
+    assert load_model_spec("meta-llama/Llama-3.1-70B").name == "llama-3.1-70b"
+    assert load_model_spec("Qwen/Qwen3-8B").architecture == "Qwen3ForCausalLM"
+
+
+def test_simulate_runs_on_llama_3_1_8b(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from twinserve.entrypoints.cli import main
+    out = tmp_path / "sim"
+    assert main(["simulate", "--model", "llama-3.1-8b", "--num-requests", "50", "--out", str(out),
+                 "--disable-tqdm"]) == 0
+    assert "Successful requests:" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["completed"] == 50
 
 
 def test_names_are_case_insensitive_and_hub_ids_resolve() -> None:

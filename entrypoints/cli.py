@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from twinserve.core.engine_config import USAGE_CONTEXTS
 from twinserve.entrypoints.engine_args import add_engine_args, config_file_defaults, engine_args_from
@@ -114,19 +115,48 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command with its one-line help and the function that adds its full parser. Only the
+# command being run gets its full parser (building serve's imports the real engine, torch
+# included); the others are listed by name and help, so `twinserve --help` and the simulator's
+# commands start without importing any backend.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("replay a trace through the simulated engine", "cli:_simulate_parser"),
+    "generate": ("generate with the real engine (default: bundled model)", "cli:_generate_parser"),
+    "chat": ("chat with the real engine (default: bundled model)", "cli:_generate_parser"),
+    "report": ("compare run folders in one HTML report", "cli:_report_parser"),
+    "bench": ("benchmarks against a running server", "subcommands:bench"),
+    "demo": ("the main job: simulate policies, run the real engine, report", "subcommands:demo"),
+    "sweep": ("grid of simulations (local processes or Ray), capacity, report",
+              "subcommands:sweep"),
+    "serve": ("OpenAI-compatible HTTP server on the real engine", "subcommands:serve"),
+    "calibrate": ("fit the simulator's step time to the real backend", "subcommands:calibrate"),
+    "validate": ("replay a trace on the real engine and its twin; errors",
+                 "subcommands:validate"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``twinserve`` parser: every command's full parser, or with ``only`` that command's
+    full parser and the others' names and help."""
     parser = argparse.ArgumentParser(prog="twinserve", description=(
         "LLM serving engine and its SimPy digital twin, sharing one scheduler."))
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_simulate_parser, _generate_parser, _report_parser, *_optional_parsers()):
-        add(sub)
+    built: set[str] = set()
+    for name, (help_, where) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_, add_help=False)
+        elif where not in built:  # generate and chat share one builder
+            built.add(where)
+            _builder(where)(sub)
     return parser
 
 
-def _optional_parsers() -> list[Callable]:
-    """Subcommands defined next to their implementation."""
+def _builder(where: str) -> Callable[[Any], None]:
+    module, name = where.split(":")
+    if module == "cli":
+        return globals()[name]
     from twinserve.entrypoints import subcommands
-    return subcommands.PARSERS
+    return getattr(subcommands, name)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -146,7 +176,9 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), "")
+    parser = build_parser(only=command)
     try:
         args = parse_args(parser, argv)
     except (ValueError, FileNotFoundError) as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def _bench(sub) -> None:
+def bench(sub) -> None:
     from twinserve.entrypoints.bench_serve import add_bench_serve_args, run_bench_serve
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -20,12 +20,12 @@ def _bench(sub) -> None:
     p.set_defaults(handler=handler)
 
 
-def _demo(sub) -> None:
+def demo(sub) -> None:
     from twinserve.entrypoints.demo import add_parser
     add_parser(sub)
 
 
-def _sweep(sub) -> None:
+def sweep(sub) -> None:
     from twinserve.entrypoints.sweep import add_sweep_args, run_sweep_cli
     p = sub.add_parser("sweep", help="grid of simulations (local processes or Ray), capacity, report",
                        description="Run a grid of simulations described by a TOML spec.")
@@ -33,7 +33,7 @@ def _sweep(sub) -> None:
     p.set_defaults(handler=run_sweep_cli)
 
 
-def _serve(sub) -> None:
+def serve(sub) -> None:
     from twinserve.entrypoints.server import add_serve_args, run_server
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the real engine",
                        description="Serve the model over an OpenAI-compatible HTTP API "
@@ -46,17 +46,12 @@ def _serve(sub) -> None:
     p.set_defaults(handler=handler)
 
 
-PARSERS = [_bench, _demo, _sweep, _serve]
-
-
-def _calibrate(sub) -> None:
+def calibrate(sub) -> None:
     from twinserve.entrypoints.calibrate import add_parser
     add_parser(sub)
 
 
-def _validate(sub) -> None:
+def validate(sub) -> None:
     from twinserve.entrypoints.validate import add_parser
     add_parser(sub)
 
-
-PARSERS += [_calibrate, _validate]

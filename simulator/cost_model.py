@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.optimize
 
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
@@ -441,5 +440,6 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(a, axis=0)
     live = norms > 0
     solution = np.zeros(a.shape[1])
+    import scipy.optimize  # only fitting needs it (~0.5 s to import): not every simulation
     solution[live] = scipy.optimize.nnls(a[:, live] / norms[live], b)[0] / norms[live]
     return solution

@@ -141,13 +141,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinserve", description=(
         "LLM serving engine and its SimPy digital twin, sharing one scheduler."))
     sub = parser.add_subparsers(dest="command", required=True)
-    built: set[str] = set()
-    for name, (help_, where) in COMMANDS.items():
-        if only is not None and name != only:
+    full = COMMANDS if only is None else {k: v for k, v in COMMANDS.items() if k == only}
+    for where in dict.fromkeys(where for _, where in full.values()):  # generate, chat: one
+        _builder(where)(sub)
+    for name, (help_, _) in COMMANDS.items():
+        if name not in sub.choices:
             sub.add_parser(name, help=help_, add_help=False)
-        elif where not in built:  # generate and chat share one builder
-            built.add(where)
-            _builder(where)(sub)
     return parser
 
 

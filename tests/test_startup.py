@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from twinserve.entrypoints.cli import COMMANDS, build_parser
 
 REFUSE_BACKENDS = """
@@ -59,3 +61,12 @@ def test_the_command_list_uses_each_commands_own_help() -> None:
     assert listed == {name: help_ for name, (help_, _) in COMMANDS.items()}
     lazy = build_parser(only="report")
     assert set(lazy._subparsers._group_actions[0].choices) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", [c.split() for c in (*COMMANDS, "bench serve")])
+def test_every_commands_help_builds(command: list[str], capsys) -> None:
+    from twinserve.entrypoints.cli import main
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: twinserve " + " ".join(command) in capsys.readouterr().out

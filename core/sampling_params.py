@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinserve.core.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # Bounds on the stop list: each stop string is matched against every request's output text, so
@@ -33,7 +35,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "truncate_prompt_tokens": ("prompt truncation", (None,)),
     "output_kind": ("output kinds (generate returns final outputs)", (None,)),
     "stream_interval": ("stream intervals", (None, 1)),
-    "structured_outputs": ("structured outputs (constrained decoding)", (None,)),
     "guided_decoding": ("guided (constrained) decoding", (None,)),
     "logit_bias": ("logit biases", (None, {})),
     "allowed_token_ids": ("allowed token ids", (None,)),
@@ -72,6 +73,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding (core/structured_outputs.py); a dict of its fields is accepted.
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's fields twinserve does not implement: accepted at their default only (UNSUPPORTED).
     best_of: int | None = field(default=None, repr=False)
     use_beam_search: bool = field(default=False, repr=False)
@@ -86,7 +89,6 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
     output_kind: Any = field(default=None, repr=False)
     stream_interval: int | None = field(default=None, repr=False)
-    structured_outputs: Any = field(default=None, repr=False)
     guided_decoding: Any = field(default=None, repr=False)
     logit_bias: dict[int, float] | None = field(default=None, repr=False)
     allowed_token_ids: list[int] | None = field(default=None, repr=False)
@@ -124,11 +126,13 @@ class SamplingParams:
                 self.prompt_logprobs, self.logprob_token_ids, self.flat_logprobs,
                 self.detokenize, self.spaces_between_special_tokens, self.logits_processors,
                 self.truncate_prompt_tokens, self.output_kind, self.stream_interval,
-                self.structured_outputs, self.guided_decoding, self.logit_bias,
+                self.guided_decoding, self.logit_bias,
                 self.allowed_token_ids, self.extra_args, self.bad_words,
                 self.skip_reading_prefix_cache, self.thinking_token_budget,
                 self.repetition_detection) != _UNSUPPORTED_DEFAULTS:
             self._refuse_unsupported()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._validate()
 
     def _refuse_unsupported(self) -> None:

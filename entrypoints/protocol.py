@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.structured_outputs import StructuredOutputsParams
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -144,10 +145,14 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs (one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
         return SamplingParams(
+            structured_outputs=self.structured_outputs_params(),
             n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
             top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0),
             presence_penalty=_or(self.presence_penalty, 0.0),
@@ -161,6 +166,53 @@ class SamplingFields(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``response_format`` or ``structured_outputs`` as the engine's parameters, compiled
+        once here so that a bad schema, regex or grammar is a ValueError whose first word is
+        the body's field (``response_format: json_schema.schema is invalid: ...``)."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type", "text") == "text":
+            fmt = None
+        if fmt is not None and so is not None:
+            raise ValueError("response_format and structured_outputs may not both be given.")
+        if fmt is None and so is None:
+            return None
+        top = "structured_outputs" if so is not None else "response_format"
+        try:
+            params = (StructuredOutputsParams.from_value(so) if so is not None
+                      else _response_format(fmt))
+            from twinserve.gpu.structured_outputs import compile_grammar
+            compile_grammar(params)
+        except ValueError as exc:
+            message = str(exc)
+            if fmt is not None:
+                message = message.replace("structured_outputs.json_object", "response_format")
+                message = message.replace("structured_outputs.json",
+                                          "response_format.json_schema.schema")
+            if message.startswith(top + "."):
+                message = f"{top}: {message[len(top) + 1:]}"
+            elif not message.startswith(top + " "):
+                message = f"{top}: {message}"
+            raise ValueError(message) from None
+        return params
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object "
+                             "(response_format: {\"type\": \"json_schema\", \"json_schema\": "
+                             "{\"name\": ..., \"schema\": {...}}}).")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format.type must be \"text\", \"json_object\" or "
+                     f"\"json_schema\", got {_json(kind)}.")
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -404,8 +456,6 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "functions": _U("function calling", (None, []), _CHAT),
     "function_call": _U("function calling", (None, "none", "auto"), _CHAT),
     # OpenAI: output formats, modalities, hosted features
-    "response_format": _U("structured outputs: JSON mode and JSON schemas",
-                          (None, {"type": "text"})),
     "logit_bias": _U("logit biases", (None, {})),
     "audio": _U("audio output", (None,), _CHAT),
     "modalities": _U("output modalities other than text", (None, ["text"]), _CHAT),
@@ -433,8 +483,8 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "include_reasoning": _U("reasoning parsers", (None, True), _CHAT),
     "repetition_detection": _U("repetition detection", (None,)),
     "stream_interval": _U("stream intervals", (None, 1)),
-    # vLLM: structured outputs (and the guided_* names of earlier versions)
-    "structured_outputs": _U("structured outputs", (None,)),
+    # vLLM: the guided_* names of structured outputs in earlier versions (structured_outputs
+    # and response_format are implemented)
     "guided_json": _U("structured outputs: JSON schemas", (None,)),
     "guided_regex": _U("structured outputs: regular expressions", (None,)),
     "guided_choice": _U("structured outputs: choices", (None,)),

@@ -19,6 +19,7 @@ from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
 from twinserve.gpu.model_loader import load_generation_config, load_model
 from twinserve.gpu.platform import TORCH_DTYPES, current_platform, resolve_device
 from twinserve.gpu.sampler import sample
+from twinserve.gpu.structured_outputs import StructuredOutputs
 from twinserve.gpu.tokenizer import Tokenizer
 
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.eos_token_id = self._eos_token_id()
         self.generator = torch.Generator(device=self.device).manual_seed(args.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._structured: StructuredOutputs | None = None  # made for the first constrained one
         spec = KVCacheSpec(self.config.num_hidden_layers, self.block_size,
                            self.config.num_key_value_heads, self.config.head_dim, self.dtype)
         sched = resolved.scheduler
@@ -81,6 +83,8 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self._structured is not None:
+            self._structured.free(scheduler_output.finished_request_ids)
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.kv_cache.copy_blocks(scheduler_output.blocks_to_copy)
@@ -98,14 +102,28 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         requests = [scheduled[i].request for i in inputs.sample_index]
+        structured = self._structured_outputs(requests)
+        allowed = structured.bitmask(requests) if structured is not None else None
         result = sample(logits, requests, [self._generator_for(r) for r in requests],
-                        self.generator)
+                        self.generator, allowed)
+        if allowed is not None:
+            structured.advance(requests, result.token_ids)
         out = ModelRunnerOutput()
         for request, token, logprobs in zip(requests, result.token_ids, result.logprobs):
             out.sampled_token_ids[request.request_id] = [token]
             if logprobs is not None:
                 out.logprobs[request.request_id] = [logprobs]
         return out
+
+    def _structured_outputs(self, requests: list[Request]) -> StructuredOutputs | None:
+        """The runner's matchers, made when the first constrained request samples."""
+        if self._structured is None and any(
+                r.sampling_params.structured_outputs is not None for r in requests):
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer.json.")
+            self._structured = StructuredOutputs(self.model_dir / "tokenizer.json",
+                                                 self.vocab_size, self.eos_token_id)
+        return self._structured
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         """A seeded request's own generator (seed + child index for n > 1), made on first use."""

@@ -10,6 +10,7 @@ from twinserve.core.request import Request
 from twinserve.core.request_output import CompletionOutput, RequestOutput
 from twinserve.core.scheduler import child_request_id
 from twinserve.gpu.detokenizer import IncrementalDetokenizer, StopAutomaton
+from twinserve.gpu.structured_outputs import compile_grammar
 from twinserve.gpu.tokenizer import Tokenizer
 
 
@@ -34,6 +35,10 @@ class OutputProcessor:
         params = request.sampling_params
         if params.stop and (self.tokenizer is None or not detokenize):
             raise ValueError("stop strings need a tokenizer and detokenize=True.")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer.json.")
+            compile_grammar(params.structured_outputs)  # a bad spec: ValueError naming it
 
         tokenizer = self.tokenizer
         # One stop-string automaton per request, shared by its n samples (each keeps its state).

@@ -1,7 +1,8 @@
 """Token sampling with vLLM semantics, batched across requests.
 
-Order per row: min_tokens (stop tokens masked), penalties (repetition over prompt + output,
-frequency and presence over output), then greedy argmax, or temperature -> min_p -> top_k ->
+Order per row: the grammar's allowed tokens (constrained decoding, ``allowed``), min_tokens
+(stop tokens masked), penalties (repetition over prompt + output, frequency and presence over
+output), then greedy argmax, or temperature -> min_p -> top_k ->
 top_p -> a draw. Draws use the exponential-race trick ``argmax(p / q)``, ``q ~ Exp(1)``, with the
 request's own ``torch.Generator`` when it has a seed. Logprobs come from the raw logits (vLLM v1).
 """
@@ -26,14 +27,27 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, requests: list[Request],
            generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> SamplerOutput:
-    """Sample one token per row of ``logits[N, V]`` (float32) for ``requests[N]``."""
+           default_generator: torch.Generator,
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+    """Sample one token per row of ``logits[N, V]`` (float32) for ``requests[N]``.
+
+    ``allowed``: ``(rows, mask[len(rows), V] bool)``, the tokens a grammar allows in those rows
+    (the other rows' logits are left as they are)."""
     params = [r.sampling_params for r in requests]
     raw = logits
-    if any(_needs_processing(p, r) for p, r in zip(params, requests)):
+    constrained: frozenset[int] = frozenset()
+    if allowed is not None:
+        rows, mask = allowed
+        constrained = frozenset(rows)
         logits = logits.clone()
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~mask.to(logits.device, non_blocking=True),
+                                              float("-inf"))
+    if any(_needs_processing(p, r) for p, r in zip(params, requests)):
+        if allowed is None:
+            logits = logits.clone()
         for row, (p, r) in enumerate(zip(params, requests)):
-            _apply_min_tokens(logits[row], p, r)
+            _apply_min_tokens(logits[row], p, r, row in constrained)
             _apply_penalties(logits[row], p, r)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -51,14 +65,19 @@ def _needs_processing(p: SamplingParams, r: Request) -> bool:
             or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens)
 
 
-def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: Request) -> None:
+def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: Request,
+                      constrained: bool = False) -> None:
     if len(r.output_token_ids) >= p.min_tokens:
         return
     banned = list(p.stop_token_ids)
     if r.eos_token_id is not None and not p.ignore_eos:
         banned.append(r.eos_token_id)
     if banned:
-        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+        idx = torch.tensor(banned, dtype=torch.long, device=row.device)
+        kept = row[idx].clone() if constrained else None
+        row[idx] = float("-inf")
+        if kept is not None and bool(torch.isinf(row).all()):
+            row[idx] = kept  # the grammar is complete: it wins over min_tokens
 
 
 def _apply_penalties(row: torch.Tensor, p: SamplingParams, r: Request) -> None:

@@ -130,6 +130,22 @@ def test_mixed_batch_leaves_unconstrained_requests_untouched(tiny_llm):
     got = [mixed[i].outputs[0].token_ids for i in (0, 2, 3, 4)]
     assert got == [alone[0], alone[0], alone[2], alone[3]]
     assert mixed[5].outputs[0].text in ("red", "blue")
+    tiny_llm.generate(PROMPTS[:1], plain, use_tqdm=False)   # its steps free the finished ones
+    assert len(tiny_llm.engine.runner._structured) == 0
+
+
+def test_recompute_preemption_keeps_constrained_outputs(tiny_llm, tiny_dir):
+    params = [_so(json=s, params=dict(max_tokens=100)) for s in SCHEMAS] * 3
+    prompts = [PROMPTS[i % 4] for i in range(len(params))]
+    cramped = LLM(str(tiny_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
+                  kv_cache_memory_bytes=1 << 16, block_size=16)   # 8 blocks: preempts
+    outs = cramped.generate(prompts, params, use_tqdm=False)
+    assert cramped.engine.scheduler.num_preemptions > 0
+    roomy = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    for out, schema in zip(outs, SCHEMAS * 3):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
 def test_matcher_follows_the_output_after_recompute_and_is_freed(tiny_llm):

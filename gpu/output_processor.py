@@ -38,6 +38,8 @@ class OutputProcessor:
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the model's tokenizer.json.")
+            if request.eos_token_id is None:  # a complete grammar ends the request with EOS
+                raise ValueError("structured_outputs needs a model with an EOS token.")
             compile_grammar(params.structured_outputs)  # a bad spec: ValueError naming it
 
         tokenizer = self.tokenizer

@@ -23,17 +23,16 @@ both get the same scheduler settings, block counts and dtype, by construction:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.model_config import DTYPE_BYTES, ModelConfig
 
 GIB = 1 << 30
 USAGE_CONTEXTS = ("llm", "server")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GIB
-DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # A server's default admission bounds: requests and prompt tokens queued (not yet admitted)
 # beyond which new requests get "not now" (503) instead of an unbounded wait.
 WAITING_REQUESTS_PER_SEQ = 4
@@ -56,21 +55,6 @@ class Platform:
             raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
         if self.memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}.")
-
-
-class ModelShape(Protocol):
-    """What the resolution reads of a model description."""
-
-    @property
-    def num_hidden_layers(self) -> int: ...
-    @property
-    def num_key_value_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def max_position_embeddings(self) -> int | None: ...
-    @property
-    def torch_dtype(self) -> str | None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,12 +105,12 @@ def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform) ->
     return "bfloat16" if platform.native_bf16 else "float32"
 
 
-def resolve_max_model_len(requested: int | None, model: ModelShape) -> int:
+def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     limit = model.max_position_embeddings
     if limit is None:
         raise ValueError("config.json has no max_position_embeddings: pass max_model_len.")
     if requested is None:
-        window = getattr(model, "sliding_window", None)
+        window = model.sliding_window
         if window is not None and window < limit:
             # Attention is full attention here: within the window it is exact.
             logger.warning("max_model_len capped from %d to the model's sliding_window %d "
@@ -141,7 +125,7 @@ def resolve_max_model_len(requested: int | None, model: ModelShape) -> int:
     return requested
 
 
-def kv_block_bytes(model: ModelShape, block_size: int, dtype: str,
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
                    tensor_parallel_size: int = 1) -> int:
     """Keys and values of one block across all layers, on one rank (KV heads are split across
     ranks and replicated when there are fewer of them than ranks)."""
@@ -158,7 +142,7 @@ def kv_cache_budget(args: EngineArgs, platform: Platform, non_kv_bytes: int) -> 
     return int(platform.memory_bytes * args.gpu_memory_utilization) - non_kv_bytes
 
 
-def resolve_engine_config(args: EngineArgs, model: ModelShape, platform: Platform,
+def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platform,
                           usage_context: str = "llm", non_kv_bytes: int = 0) -> EngineConfig:
     """Resolves ``args`` for ``model`` on ``platform``. Raises ValueError for a configuration
     that cannot run (saying what to change)."""
@@ -176,9 +160,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelShape, platform: Platfor
         raise _no_room(platform, args, non_kv_bytes)
     kv_tokens = num_blocks * args.block_size
     max_len = _fit_max_model_len(args, max_len, kv_tokens)
-    check = getattr(model, "check_servable", None)  # what the model's attention can honour
-    if check is not None:
-        check(max_len)
+    model.check_servable(max_len)  # what the model's attention can honour
     if not args.enable_chunked_prefill:
         max_batched = max(max_batched, max_len)
     max_seqs = args.max_num_seqs or seqs

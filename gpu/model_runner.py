@@ -41,7 +41,6 @@ class ModelRunner:
         resolved = resolve_engine_config(args, self.config, platform, usage_context)
         self.dtype = TORCH_DTYPES[resolved.dtype]
         self.max_model_len = resolved.max_model_len
-        self.config.check_servable(self.max_model_len)
         self.vocab_size = self.config.vocab_size
         self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
         if self.device.type == "cuda" and args.kv_cache_memory_bytes is None \

@@ -26,6 +26,8 @@ class SchedulerConfig:
     # raises core.errors.EngineOverloaded.
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    # Distinct LoRA adapters per step (device slots); 0: LoRA disabled.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -33,7 +35,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        for name in ("long_prefill_token_threshold", "num_cpu_blocks"):
+        for name in ("long_prefill_token_threshold", "num_cpu_blocks", "max_loras"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinserve.core.lora import LoRAConfig
+
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -22,8 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # vLLM engine arguments twinserve does not implement (yet), each with the value that means
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
-    "quantization": None, "kv_cache_dtype": "auto", "enable_lora": False, "max_loras": None,
-    "max_lora_rank": None, "max_cpu_loras": None, "lora_modules": None,
+    "quantization": None, "kv_cache_dtype": "auto", "lora_modules": None,
     "pipeline_parallel_size": 1, "data_parallel_size": 1, "distributed_executor_backend": None,
     "speculative_config": None, "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
@@ -64,13 +65,25 @@ class EngineArgs:
     max_waiting_tokens: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    # LoRA (vLLM's names): adapters per step, largest rank, adapters held in host memory
+    # (None: max_loras). Set without enable_lora they are refused, not ignored.
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _hints()[f.name])
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size",
-                  "max_waiting_requests", "max_waiting_tokens")
+                  "max_waiting_requests", "max_waiting_tokens", "max_loras", "max_lora_rank",
+                  "max_cpu_loras")
+        if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is set but enable_lora is not: set enable_lora=True "
+                                     "(--enable-lora) to serve LoRA adapters.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}.")
@@ -111,6 +124,13 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits (vLLM's defaults: 1 adapter, rank 16), or None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        max_loras = self.max_loras or 1
+        return LoRAConfig(max_loras, self.max_lora_rank or 16, self.max_cpu_loras or max_loras)
 
 
 def check_not_implemented(name: str, value: Any, source: str = "engine arguments") -> None:

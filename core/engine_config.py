@@ -76,7 +76,10 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, for a run folder's ``config.json``: the arguments with their resolved values."""
-        return {**asdict(self.args), **asdict(self.scheduler), "usage_context": self.usage_context,
+        scheduler = asdict(self.scheduler)
+        if not self.args.enable_lora:  # 0 slots is how the scheduler says "no LoRA"
+            del scheduler["max_loras"]
+        return {**asdict(self.args), **scheduler, "usage_context": self.usage_context,
                 "device_type": self.device_type, "device_name": self.device_name,
                 "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
                 "block_bytes": self.block_bytes}
@@ -147,6 +150,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     """Resolves ``args`` for ``model`` on ``platform``. Raises ValueError for a configuration
     that cannot run (saying what to change)."""
     tp = args.tensor_parallel_size
+    lora = args.lora_config()
     batched, seqs = default_batch_limits(platform, usage_context, tp)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
     max_len = resolve_max_model_len(args.max_model_len, model)
@@ -176,7 +180,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode,
         num_cpu_blocks=int(args.swap_space * GIB) // block_bytes,
-        max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens)
+        max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens,
+        max_loras=lora.max_loras if lora is not None else 0)
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
                         num_blocks * block_bytes, block_bytes, scheduler)
 

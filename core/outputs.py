@@ -74,6 +74,9 @@ class SchedulerOutput:
     blocks_to_swap_out: Sequence[tuple[int, int]] = ()  # (device, host)
     blocks_to_swap_in: Sequence[tuple[int, int]] = ()   # (host, device)
     blocks_to_copy: Sequence[tuple[int, int]] = ()      # (src, dst) device
+    # LoRA adapters made resident this step, (adapter name, device slot), in order: a backend
+    # loads them before the forward pass (a later load into the same slot replaces an earlier).
+    lora_loads: Sequence[tuple[str, int]] = ()
 
 
 # The step totals the scheduler fills in every SchedulerOutput: what the simulator's cost model

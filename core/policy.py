@@ -15,9 +15,12 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from twinserve.core.request import Request
+
+if TYPE_CHECKING:
+    from twinserve.core.lora import LoRASlots
 
 
 class SchedulingPolicy(ABC):
@@ -28,6 +31,8 @@ class SchedulingPolicy(ABC):
     uses_priority: ClassVar[bool] = False
     # Whether ``on_output_tokens`` must be called (skipped otherwise, to save time per step).
     accounts_tokens: ClassVar[bool] = False
+    # Whether ``on_schedule(now)`` must be called at the start of every step.
+    wants_clock: ClassVar[bool] = False
 
     # ---- waiting queue -------------------------------------------------------------------
     @abstractmethod
@@ -54,6 +59,12 @@ class SchedulingPolicy(ABC):
         """A preempted request returns to the waiting queue (default: like an arrival)."""
         self.add(request)
 
+    def unpop(self, request: Request) -> None:
+        """Puts back a request ``pop`` returned that the scheduler passed over this step (its
+        LoRA adapter would have exceeded ``max_loras``); it should be where it was. Called in
+        reverse pop order. Default: ``requeue``."""
+        self.requeue(request)
+
     # ---- preemption ----------------------------------------------------------------------
     def select_victim(self, running: Sequence[Request]) -> Request:
         """Victim under memory pressure among ``running`` (admission order). Default: the most
@@ -63,6 +74,14 @@ class SchedulingPolicy(ABC):
     def should_preempt(self, waiting: Request, victim: Request) -> bool:
         """May ``waiting`` take the place of running ``victim``? Default: never."""
         return False
+
+    # ---- LoRA and the clock ----------------------------------------------------------------
+    def attach_lora_slots(self, slots: LoRASlots) -> None:
+        """With LoRA enabled, the scheduler's device slots (read-only for the policy): which
+        adapters are resident (``is_resident``) and which can be admitted (``can_acquire``)."""
+
+    def on_schedule(self, now: float) -> None:
+        """A step is being scheduled at ``now`` (only if ``wants_clock``)."""
 
     # ---- accounting ----------------------------------------------------------------------
     def on_admit(self, request: Request, now: float, first_time: bool) -> None:
@@ -92,6 +111,9 @@ class QueuePolicy(SchedulingPolicy):
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
+
+    def unpop(self, request: Request) -> None:
+        self._queue.add_front(request)
 
     def __len__(self) -> int:
         return self._queue.num_live  # not len(): one Python call instead of two, every step
@@ -156,16 +178,22 @@ class FifoQueue(_LazyQueue):
 class HeapQueue(_LazyQueue):
     """Queue ordered by ``key(request)`` (ties by insertion), lazy removal."""
 
-    __slots__ = ("_heap", "_key", "_counter")
+    __slots__ = ("_heap", "_key", "_counter", "_front")
 
     def __init__(self, key: Callable[[Request], tuple]) -> None:
         super().__init__()
         self._heap: list[tuple[tuple, int, Request]] = []
         self._key = key
         self._counter = itertools.count()
+        self._front = itertools.count(-1, -1)  # add_front's tie-breaks: ahead of every add
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
+        self.num_live += 1
+
+    def add_front(self, request: Request) -> None:
+        """In key order, but ahead of the requests with an equal key (a popped head put back)."""
+        heapq.heappush(self._heap, (self._key(request), next(self._front), request))
         self.num_live += 1
 
     def peek(self) -> Request | None:

@@ -30,6 +30,7 @@ from typing import Any
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_cache_manager import BlockTable, KVCacheManager
+from twinserve.core.lora import LoRASlots
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request, RequestStatus
@@ -83,6 +84,11 @@ class Scheduler:
         # Requests (and their prompt tokens) queued and never admitted: the admission bounds.
         self.num_queued = 0
         self.num_queued_tokens = 0
+        # The max_loras device slots (None: LoRA disabled); the policy may read them.
+        self.loras = LoRASlots(config.max_loras) if config.max_loras else None
+        if self.loras is not None:
+            policy.attach_lora_slots(self.loras)
+        self._on_schedule = policy.on_schedule if policy.wants_clock else None
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -100,6 +106,9 @@ class Scheduler:
             raise ValueError(
                 f"The prompt needs {needed} KV-cache blocks but the cache holds only "
                 f"{cfg.num_gpu_blocks}; it could never be scheduled.")
+        if request.lora is not None and self.loras is None:
+            raise ValueError(f"the request uses LoRA adapter {request.lora!r} but LoRA is not "
+                             "enabled (enable_lora / max_loras).")
         seats = request.sampling_params.n
         if seats > cfg.max_num_seqs:
             raise ValueError(f"n ({seats}) exceeds max_num_seqs ({cfg.max_num_seqs}).")
@@ -158,9 +167,13 @@ class Scheduler:
         # The ids finished so far leave with this step; ``out``'s fresh list collects the next.
         out.finished_request_ids, self._finished_ids = self._finished_ids, out.finished_request_ids
         cfg, kv = self.config, self.kv
+        if self._on_schedule is not None:
+            self._on_schedule(now)
         budget, preempted = self._schedule_running(out, cfg.max_num_batched_tokens, now)
         if not preempted and len(self.policy):
             self._schedule_waiting(out, budget, now)
+        if self.loras is not None and self.loras.loads:
+            out.lora_loads = self.loras.take_loads()
         if kv.block_ops is not None:
             ops = kv.take_block_ops()
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = (
@@ -274,33 +287,52 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         cfg = self.config
         policy = self.policy
+        loras = self.loras
         reserved = self._reserved_seats()
-        while budget > 0:
-            request = policy.peek()
-            if request is None:
-                return
-            seats = self._seats(request)
-            has_seat = len(self.running) + reserved + seats <= cfg.max_num_seqs
-            n = self._admit_blocks(request, budget) if has_seat else None
-            if n is None:  # no seat or no blocks: the policy may evict someone it outranks
-                freed = self._preempt_for(request, out, now)
-                if freed is None:
+        # Requests passed over because their adapter would exceed max_loras, as vLLM skips them;
+        # they go back in their places after the step (at most max_num_seqs are looked past).
+        skipped: list[Request] = []
+        try:
+            while budget > 0:
+                request = policy.peek()
+                if request is None:
                     return
-                budget += freed
-                reserved = self._reserved_seats()
-                continue
-            reserved += seats - 1
-            policy.pop()
-            first_time = request.first_scheduled_time is None
-            if first_time:
-                request.first_scheduled_time = now
-                self.num_queued -= 1
-                self.num_queued_tokens -= request.num_prompt_tokens
-            request.status = _RUNNING
-            self.running.append(request)
-            policy.on_admit(request, now, first_time)
-            self._add_scheduled(out, request, n, self.kv.block_ids(request))
-            budget -= n
+                lora = request.lora
+                if lora is not None and loras is not None and not loras.can_acquire(lora):
+                    if len(skipped) >= cfg.max_num_seqs:
+                        return
+                    skipped.append(policy.pop())
+                    continue
+                seats = self._seats(request)
+                has_seat = len(self.running) + reserved + seats <= cfg.max_num_seqs
+                n = self._admit_blocks(request, budget) if has_seat else None
+                if n is None:  # no seat or no blocks: the policy may evict someone it outranks
+                    freed = self._preempt_for(request, out, now)
+                    if freed is None:
+                        return
+                    budget += freed
+                    reserved = self._reserved_seats()
+                    continue
+                reserved += seats - 1
+                policy.pop()
+                self._admit(request, now)
+                self._add_scheduled(out, request, n, self.kv.block_ids(request))
+                budget -= n
+        finally:
+            for request in reversed(skipped):
+                policy.unpop(request)
+
+    def _admit(self, request: Request, now: float) -> None:
+        first_time = request.first_scheduled_time is None
+        if first_time:
+            request.first_scheduled_time = now
+            self.num_queued -= 1
+            self.num_queued_tokens -= request.num_prompt_tokens
+        request.status = _RUNNING
+        self.running.append(request)
+        if request.lora is not None and self.loras is not None:
+            self.loras.acquire(request.lora)
+        self.policy.on_admit(request, now, first_time)
 
     def _admit_blocks(self, request: Request, budget: int) -> int | None:
         """Secures blocks for a waiting request's next chunk; returns its size or None."""
@@ -364,6 +396,8 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(victim)
+        if victim.lora is not None and self.loras is not None:
+            self.loras.release(victim.lora)
         victim.decode_entry = None
         swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(victim)
         if not swapped:
@@ -529,6 +563,8 @@ class Scheduler:
             child.num_computed_tokens = parent.num_prompt_tokens - 1
             self.requests[child.request_id] = child
             self.running.append(child)
+            if child.lora is not None and self.loras is not None:
+                self.loras.acquire(child.lora)  # resident and pinned by the parent: no load
 
     def finish_requests(self, request_ids: list[str], now: float,
                         status: RequestStatus = RequestStatus.FINISHED_STOPPED,
@@ -554,6 +590,8 @@ class Scheduler:
         return outs
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        if request.lora is not None and self.loras is not None and request.status == _RUNNING:
+            self.loras.release(request.lora)
         request.status = status
         request.finish_time = now
         self.kv.free(request)

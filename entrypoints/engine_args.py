@@ -42,6 +42,10 @@ _HELP: dict[str, str] = {
                           "refused (server: 4 x the KV cache's tokens; offline: unbounded)",
     "tensor_parallel_size": "devices one replica is sharded over",
     "enforce_eager": "no CUDA graphs",
+    "enable_lora": "serve LoRA adapters (PEFT format) beside the base model",
+    "max_loras": "most distinct LoRA adapters in one step (device slots; default 1)",
+    "max_lora_rank": "largest LoRA rank an adapter may have (default 16)",
+    "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
 }
 _SHORT = {"tensor_parallel_size": ("-tp",), "scheduling_policy": ("--policy",)}
 

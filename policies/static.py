@@ -58,6 +58,10 @@ class StaticBatchingPolicy(SchedulingPolicy):
     def requeue(self, request: Request) -> None:
         self._requeued.add_front(request)
 
+    def unpop(self, request: Request) -> None:
+        admitted_before = request.first_scheduled_time is not None
+        (self._requeued if admitted_before else self._queue).add_front(request)
+
     def peek(self) -> Request | None:
         member = self._requeued.peek()
         if member is not None:

@@ -89,13 +89,17 @@ def test_bad_engine_arguments_name_the_field(field: str, value, match: str) -> N
 def test_unknown_and_unimplemented_arguments_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
         EngineArgs.from_mapping({"max_num_seq": 8}, "engine.yaml")
-    for name in ("quantization", "enable_lora", "kv_cache_dtype", "pipeline_parallel_size"):
-        value = {"quantization": "awq", "enable_lora": True, "kv_cache_dtype": "fp8",
+    for name in ("quantization", "speculative_config", "kv_cache_dtype", "pipeline_parallel_size"):
+        value = {"quantization": "awq", "speculative_config": {"num_speculative_tokens": 2},
+                 "kv_cache_dtype": "fp8",
                  "pipeline_parallel_size": 2}[name]
         with pytest.raises(ValueError, match=f"engine argument '{name}' is not implemented"):
             EngineArgs.from_mapping({name: value}, "engine.yaml")
     # vLLM's "not used" values are accepted: nothing is asked that twinserve lacks
-    assert EngineArgs.from_mapping({"enable_lora": False, "quantization": None}) == EngineArgs()
+    assert EngineArgs.from_mapping({"pipeline_parallel_size": 1, "quantization": None}) \
+        == EngineArgs()
+    with pytest.raises(ValueError, match="max_loras is set but enable_lora is not"):
+        EngineArgs.from_mapping({"max_loras": 4}, "engine.yaml")
     assert set(NOT_IMPLEMENTED).isdisjoint(EngineArgs.field_names())
 
 
@@ -232,8 +236,8 @@ def test_unimplemented_flags_are_refused_by_name(capsys) -> None:
 def test_llm_refuses_unimplemented_and_too_long(tiny_model_dirs) -> None:
     from twinserve.entrypoints.llm import LLM
     model = str(tiny_model_dirs["llama-tied"])
-    with pytest.raises(ValueError, match="'enable_lora' is not implemented"):
-        LLM(model, enable_lora=True)
+    with pytest.raises(ValueError, match="'kv_cache_dtype' is not implemented"):
+        LLM(model, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"User-specified max_model_len \(100000\)"):
         LLM(model, max_model_len=100000, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
@@ -266,7 +270,7 @@ def test_same_yaml_through_simulate_and_validate_gives_the_same_scheduler(
 
 @pytest.mark.parametrize("flags, match", [
     (["--quantization", "awq"], "'quantization' is not implemented"),
-    (["--enable-lora"], "'enable_lora' is not implemented"),
+    (["--kv-cache-dtype", "fp8"], "'kv_cache_dtype' is not implemented"),
     (["--max-model-len", "100000"], "User-specified max_model_len (100000)"),
 ])
 def test_serve_refuses_what_it_cannot_honour_before_it_listens(tiny_model_dirs, flags, match,

@@ -1,0 +1,126 @@
+"""LoRA adapters as the scheduler sees them: vLLM's ``LoRARequest``, the engine's LoRA limits, and
+the ``max_loras`` device slots (``LoRASlots``), shared by the real engine and the twin.
+
+A request names its adapter by ``Request.lora`` (the adapter's name, also part of its prefix-cache
+block hashes). The scheduler admits a waiting request only while the distinct adapters of the
+running requests stay within ``max_loras``, so no step ever mixes more. Each adapter in use holds
+one of ``max_loras`` device slots; an adapter no running request uses stays in its slot until the
+slot is needed (least recently used first), so a returning adapter is loaded again only when it
+was evicted. ``SchedulerOutput.lora_loads`` lists the loads of a step: the real engine copies the
+adapter's weights into that slot, the twin charges the host-to-device transfer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """An adapter for a request, as vLLM's: a unique name, a positive integer id and the PEFT
+    directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}.")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+                or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}.")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a non-empty path, got {self.lora_path!r}.")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """``max_loras`` adapters per step (device slots), ranks up to ``max_lora_rank``, and
+    ``max_cpu_loras`` adapters held in host memory (at least ``max_loras``)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}).")
+
+
+class LoRASlots:
+    """The ``max_loras`` device slots and the running requests' use of them.
+
+    ``acquire`` when a request with an adapter joins the running batch, ``release`` when it
+    leaves it (preempted or finished). An adapter with running requests is pinned to its slot; the
+    others stay resident until evicted, least recently released first. All operations are O(1).
+    """
+
+    __slots__ = ("max_loras", "users", "slot_of", "_idle", "_free", "loads", "num_loads")
+
+    def __init__(self, max_loras: int) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {max_loras}.")
+        self.max_loras = max_loras
+        self.users: dict[str, int] = {}  # adapter -> running requests using it (pinned)
+        self.slot_of: dict[str, int] = {}  # resident adapters
+        self._idle: OrderedDict[str, None] = OrderedDict()  # resident, unpinned, LRU first
+        self._free = list(range(max_loras - 1, -1, -1))
+        self.loads: list[tuple[str, int]] = []  # (adapter, slot) loaded since the last take
+        self.num_loads = 0
+
+    @property
+    def num_active(self) -> int:
+        """Distinct adapters of the running requests."""
+        return len(self.users)
+
+    def is_resident(self, lora: str) -> bool:
+        return lora in self.slot_of
+
+    def can_acquire(self, lora: str) -> bool:
+        """Whether one more running request may use ``lora`` without passing ``max_loras``."""
+        return lora in self.users or len(self.users) < self.max_loras
+
+    def acquire(self, lora: str) -> int:
+        """Pins ``lora`` for one more running request; loads it into a slot if not resident."""
+        count = self.users.get(lora)
+        if count is not None:
+            self.users[lora] = count + 1
+            return self.slot_of[lora]
+        if len(self.users) >= self.max_loras:
+            raise RuntimeError(f"adapter {lora!r} exceeds max_loras ({self.max_loras})")
+        self.users[lora] = 1
+        slot = self.slot_of.get(lora)
+        if slot is not None:
+            del self._idle[lora]
+            return slot
+        if self._free:
+            slot = self._free.pop()
+        else:  # every slot is resident and at most max_loras - 1 are pinned: evict the LRU idle one
+            evicted, _ = self._idle.popitem(last=False)
+            slot = self.slot_of.pop(evicted)
+        self.slot_of[lora] = slot
+        self.loads.append((lora, slot))
+        self.num_loads += 1
+        return slot
+
+    def release(self, lora: str) -> None:
+        """One running request of ``lora`` left the batch."""
+        count = self.users[lora] - 1
+        if count:
+            self.users[lora] = count
+            return
+        del self.users[lora]
+        self._idle[lora] = None
+
+    def take_loads(self) -> list[tuple[str, int]]:
+        loads, self.loads = self.loads, []
+        return loads

@@ -102,8 +102,9 @@ class StepDriver:
 
     def execute(self, backend: StepBackend, out: SchedulerOutput) -> ModelRunnerOutput:
         """The backend's part of a step, timed for the observers; a step with nothing for the
-        backend (no tokens, no block copies, no finished ids to forget) skips it."""
-        if not (out.scheduled or out.finished_request_ids or out.blocks_to_swap_out):
+        backend (no tokens, no block copies or adapter loads, no finished ids to forget) skips it."""
+        if not (out.scheduled or out.finished_request_ids or out.blocks_to_swap_out
+                or out.lora_loads):
             self._execute_s = float("nan")
             return ModelRunnerOutput()
         t0 = time.perf_counter()

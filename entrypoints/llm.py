@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.lora import LoRARequest
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.llm_engine import LLMEngine
@@ -49,15 +50,18 @@ class LLM:
     def generate(self, prompts: PromptLike | Sequence[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  priority: Sequence[int] | None = None, tenant: str | Sequence[str] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """``prompts``: a string, a list of token ids, vLLM's ``{"prompt": text}`` or
-        ``{"prompt_token_ids": [...]}``, or a list of any of those."""
+        ``{"prompt_token_ids": [...]}``, or a list of any of those. ``lora_request``: one
+        adapter for every prompt, or one (or None: the base model) per prompt."""
         batch, texts = _as_batch(prompts)
-        return self._run(batch, texts, sampling_params, priority, tenant, use_tqdm)
+        return self._run(batch, texts, sampling_params, priority, tenant, lora_request, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              priority: Sequence[int] | None = None, tenant: str | Sequence[str] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         tok = self.engine.tokenizer
@@ -68,22 +72,25 @@ class LLM:
                  for c in conversations]
         # The template already holds the special tokens: encode without adding more.
         batch: list[Prompt] = [tok.encode(t) for t in texts]
-        return self._run(batch, texts, sampling_params, priority, tenant, use_tqdm)
+        return self._run(batch, texts, sampling_params, priority, tenant, lora_request, use_tqdm)
 
     def _run(self, batch: list[Prompt], texts: list[str | None],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              priority: Sequence[int] | None, tenant: str | Sequence[str] | None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         n = len(batch)
         _check_sampling_params(sampling_params)
         params = _per_prompt("sampling_params", sampling_params or SamplingParams(), n)
         prios = _per_prompt("priority", 0 if priority is None else priority, n)
         tenants = _per_prompt("tenant", tenant or "default", n)
+        loras = _per_prompt("lora_request", lora_request, n)
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p, prio, ten in zip(batch, params, prios, tenants):
-                ids.append(engine.add_request(prompt, p, priority=prio, tenant=ten))
+            for prompt, p, prio, ten, lora in zip(batch, params, prios, tenants, loras):
+                ids.append(engine.add_request(prompt, p, priority=prio, tenant=ten,
+                                              lora_request=lora))
             return self._drain(ids, texts, use_tqdm)
         except BaseException:
             for rid in ids:

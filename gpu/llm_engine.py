@@ -14,6 +14,7 @@ import itertools
 import time
 
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.lora import LoRARequest
 from twinserve.core.request import Request
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class LLMEngine:
         self._t0 = time.monotonic()
         self._ids = itertools.count()
         self.num_steps = 0
+        self._lora_of: dict[str, str] = {}  # request id -> its adapter, pinned until it ends
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -52,9 +54,11 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0, tenant: str = "default", lora: str | None = None,
+                    priority: int = 0, tenant: str = "default",
+                    lora_request: LoRARequest | None = None,
                     hints: dict[str, float] | None = None, detokenize: bool = True) -> str:
-        """Queues a request; returns its id. Raises ValueError naming what is wrong."""
+        """Queues a request; returns its id. Raises ValueError naming what is wrong (an
+        adapter that cannot be loaded included), EngineOverloaded when it must wait."""
         params = params or SamplingParams()
         params.validate()  # attributes may have changed since construction
         if priority != 0 and not self.policy.uses_priority:
@@ -65,17 +69,40 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}.")
         rid = request_id or f"req-{next(self._ids)}"
-        request = Request(rid, token_ids, params,
-                          self.now() if arrival_time is None else arrival_time,
-                          eos_token_id=self.runner.eos_token_id, priority=priority,
-                          tenant=tenant, lora=lora, hints=dict(hints or {}))
-        self.driver.add_request(request)
+        lora = self._acquire_lora(lora_request)
+        try:
+            request = Request(rid, token_ids, params,
+                              self.now() if arrival_time is None else arrival_time,
+                              eos_token_id=self.runner.eos_token_id, priority=priority,
+                              tenant=tenant, lora=lora, hints=dict(hints or {}))
+            self.driver.add_request(request)
+        except BaseException:
+            self._release_lora_name(lora)
+            raise
+        if lora is not None:
+            self._lora_of[rid] = lora
         try:
             self.outputs.add(request, text, detokenize)
         except ValueError:
             self.driver.abort([rid], self.now())
+            self._release_lora(rid)
             raise
         return rid
+
+    def _acquire_lora(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} "
+                             "requested but LoRA is not enabled (enable_lora=True).")
+        return self.runner.lora.acquire(lora_request)
+
+    def _release_lora(self, request_id: str) -> None:
+        self._release_lora_name(self._lora_of.pop(request_id, None))
+
+    def _release_lora_name(self, name: str | None) -> None:
+        if name is not None and self.runner.lora is not None:
+            self.runner.lora.release(name)
 
     def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -96,6 +123,7 @@ class LLMEngine:
         """Ends a request and all its samples, freeing their KV blocks."""
         ids = self.outputs.sample_ids(request_id)
         self.driver.abort(ids, self.now())
+        self._release_lora(request_id)
         return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -112,6 +140,10 @@ class LLMEngine:
         results, stopped = self.outputs.process(driver.complete(out, result, start, end))
         if stopped:
             driver.finish(stopped, end)
+        if self._lora_of:
+            for output in results:
+                if output.finished:
+                    self._release_lora(output.request_id)
         self.num_steps += 1
         driver.end_step(out, time.perf_counter() - t0)
         return results

@@ -13,9 +13,10 @@ from twinserve.core.engine_config import resolve_engine_config
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
-from twinserve.gpu.batch import build_model_input
+from twinserve.gpu.batch import ModelInput, build_model_input
 from twinserve.gpu.default_model import resolve_model_path
 from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+from twinserve.gpu.lora_manager import LoRAManager
 from twinserve.gpu.model_loader import load_generation_config, load_model
 from twinserve.gpu.platform import TORCH_DTYPES, current_platform, resolve_device
 from twinserve.gpu.sampler import sample
@@ -62,6 +63,11 @@ class ModelRunner:
         self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device)
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
+        self.lora: LoRAManager | None = None
+        lora_config = args.lora_config()
+        if lora_config is not None:
+            self.lora = LoRAManager(self.model, self.config, lora_config,
+                                    use_triton=self.device.type == "cuda")
         self._graphs = None
         if self.device.type == "cuda" and not args.enforce_eager:
             from twinserve.gpu.cuda_graphs import DecodeGraphs
@@ -87,16 +93,20 @@ class ModelRunner:
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.kv_cache.copy_blocks(scheduler_output.blocks_to_copy)
+        lora = self.lora
+        if lora is not None:
+            lora.load_slots(scheduler_output.lora_loads)
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput()
         inputs = build_model_input(scheduled, self.block_size, self.max_model_len, self.device)
-        if self._graphs is not None and self._graphs.can_run(inputs):
-            hidden = self._graphs.run(inputs)
-        else:
-            self.model.backend.prepare(inputs.meta, self.block_size)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.gpu,
-                                inputs.meta)
+        if lora is not None:
+            lora.begin_step(scheduled)
+        try:
+            hidden = self._forward(inputs)
+        finally:
+            if lora is not None:
+                lora.end_step()
         if not inputs.sample_index:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -113,6 +123,14 @@ class ModelRunner:
             if logprobs is not None:
                 out.logprobs[request.request_id] = [logprobs]
         return out
+
+    def _forward(self, inputs: ModelInput) -> torch.Tensor:
+        # A step with adapter rows runs eagerly: the decode graphs hold the base product only.
+        graphs_ok = self.lora is None or self.lora.context.batch is None
+        if self._graphs is not None and graphs_ok and self._graphs.can_run(inputs):
+            return self._graphs.run(inputs)
+        self.model.backend.prepare(inputs.meta, self.block_size)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.gpu, inputs.meta)
 
     def _structured_outputs(self, requests: list[Request]) -> StructuredOutputs | None:
         """The runner's matchers, made when the first constrained request samples."""

@@ -1,0 +1,187 @@
+"""The batched LoRA product, Punica's way: one step mixes base-model rows and rows of up to
+``max_loras`` adapters, and each projection adds ``B (A x)`` for every adapter's rows at once.
+
+``LoRABatch`` is the step's grouping of the flattened rows by device slot (one segment per
+adapter; rows of base-model requests are in no segment). ``LinearLoRA`` holds one engine linear
+layer's adapter weights per slot and adds the deltas:
+
+- CPU (torch): per segment, one shrink ``x[rows] @ A_slot.T`` over all the projections the layer
+  fuses (q/k/v, gate/up: their A's stacked) and one expand per projection into its output
+  columns, with the adapter's own rank (no padding to ``max_lora_rank``);
+- CUDA: the Triton SGMV kernels (``gpu/triton_lora.py``) over slot-stacked weights padded to
+  ``max_lora_rank``, one shrink and one expand per projection for all segments.
+
+Weights are never merged into the base weight; the layer's ``quant_method`` is wrapped
+(``LoRALinearMethod``), so the base product is whatever it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from twinserve.gpu.linear import LinearBase, LinearMethodBase
+
+
+@dataclass(slots=True)
+class LoRASegment:
+    """The rows of one adapter in the flattened batch: ``rows`` (sorted indices) or, when they
+    are contiguous, ``[start, end)`` with ``rows`` None."""
+
+    slot: int
+    start: int
+    end: int
+    rows: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """A step's rows grouped by adapter slot, and the same as the kernels' segment arrays."""
+
+    segments: list[LoRASegment]
+    sorted_rows: torch.Tensor  # int32 [M]
+    seg_start: torch.Tensor  # int32 [L + 1]
+    seg_slot: torch.Tensor  # int32 [L]
+    max_seg_len: int
+
+    @classmethod
+    def build(cls, row_ranges: list[tuple[int, int, int]], device: torch.device) -> LoRABatch:
+        """``row_ranges``: ``(slot, start, end)`` per scheduled request with an adapter, in batch
+        order."""
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        for slot, start, end in row_ranges:
+            by_slot.setdefault(slot, []).append((start, end))
+        segments, flat, starts = [], [], [0]
+        for slot, ranges in by_slot.items():
+            rows = torch.cat([torch.arange(s, e) for s, e in ranges])
+            contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            first, last = ranges[0][0], ranges[-1][1]
+            segments.append(LoRASegment(slot, first, last,
+                                        None if contiguous else rows.to(device)))
+            flat.append(rows)
+            starts.append(starts[-1] + rows.numel())
+        sorted_rows = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
+        return cls(segments, sorted_rows.to(device=device, dtype=torch.int32),
+                   torch.tensor(starts, dtype=torch.int32, device=device),
+                   torch.tensor(list(by_slot), dtype=torch.int32, device=device),
+                   max((e - s for e, s in zip(starts[1:], starts)), default=0))
+
+
+@dataclass(slots=True)
+class LoRAContext:
+    """What every wrapped layer of one model reads: the current step's batch (None: no
+    adapter rows this step)."""
+
+    batch: LoRABatch | None = None
+
+
+@dataclass(slots=True)
+class _SlotWeights:
+    """One adapter's weights in one layer (CPU path): ``a`` stacks the A's of the targeted
+    projections ``[sum r, in]``; per projection ``(column offset, size, B [size, r])``."""
+
+    rank: int
+    a: torch.Tensor
+    b: list[tuple[int, int, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class LinearLoRA:
+    """Adapter weights of one engine linear layer, per device slot. ``shards``: the HF
+    projection names the layer fuses, with their output column offset and size."""
+
+    shards: list[tuple[str, int, int]]
+    input_size: int
+    max_loras: int
+    max_rank: int
+    dtype: torch.dtype
+    device: torch.device
+    use_triton: bool
+    slots: list[_SlotWeights | None] = field(default_factory=list)
+    stacked_a: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, R, in]
+    stacked_b: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, n, R]
+
+    def __post_init__(self) -> None:
+        self.slots = [None] * self.max_loras
+        if self.use_triton:
+            S, R = self.max_loras, self.max_rank
+            self.stacked_a = [torch.zeros(S, R, self.input_size, dtype=self.dtype,
+                                          device=self.device) for _ in self.shards]
+            self.stacked_b = [torch.zeros(S, size, R, dtype=self.dtype, device=self.device)
+                              for _, _, size in self.shards]
+
+    def set_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 rank: int) -> None:
+        """Loads one adapter's ``module -> (A, B scaled)`` for this layer into ``slot`` (an
+        adapter that targets none of the layer's projections leaves the slot empty)."""
+        targeted = [(k, name, off, size) for k, (name, off, size) in enumerate(self.shards)
+                    if name in pairs]
+        if self.use_triton:
+            for k in range(len(self.shards)):
+                self.stacked_a[k][slot].zero_()
+                self.stacked_b[k][slot].zero_()
+            for k, name, _, _ in targeted:
+                a, b = pairs[name]
+                self.stacked_a[k][slot, :rank].copy_(a)
+                self.stacked_b[k][slot, :, :rank].copy_(b)
+        if not targeted:
+            self.slots[slot] = None
+            return
+        to = {"dtype": self.dtype, "device": self.device}
+        a = torch.cat([pairs[name][0] for _, name, _, _ in targeted]).to(**to).contiguous()
+        b = [(off, size, pairs[name][1].to(**to).contiguous()) for _, name, off, size in targeted]
+        self.slots[slot] = _SlotWeights(rank, a, b)
+
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        """``out[t] += B_slot(A_slot x[t])`` for every row in a segment; ``out`` is ``[T, out]``
+        (a transposed view is fine)."""
+        if self.use_triton:
+            self._add_deltas_triton(x, out, batch)
+            return
+        for seg in batch.segments:
+            weights = self.slots[seg.slot]
+            if weights is None:
+                continue
+            rows = seg.rows
+            xs = x[seg.start:seg.end] if rows is None else x.index_select(0, rows)
+            h = xs @ weights.a.t()
+            r = weights.rank
+            for k, (off, size, b) in enumerate(weights.b):
+                delta = h[:, k * r:(k + 1) * r] @ b.t()
+                if rows is None:
+                    out[seg.start:seg.end, off:off + size].add_(delta)
+                else:
+                    out[:, off:off + size].index_add_(0, rows, delta)
+
+    def _add_deltas_triton(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        from twinserve.gpu.triton_lora import lora_expand, lora_shrink
+        seg = (batch.sorted_rows, batch.seg_start, batch.seg_slot, batch.max_seg_len)
+        for k, (_, off, size) in enumerate(self.shards):
+            h = lora_shrink(x, self.stacked_a[k], *seg)
+            lora_expand(h, self.stacked_b[k], *seg, out[:, off:off + size])
+
+
+class LoRALinearMethod(LinearMethodBase):
+    """``base`` (the layer's own method) plus the step's LoRA deltas."""
+
+    def __init__(self, base: LinearMethodBase, lora: LinearLoRA, context: LoRAContext) -> None:
+        self.base, self.lora, self.context = base, lora, context
+
+    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        self.base.create_weights(layer, input_size, output_size, bias, dtype, device)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        out = self.base.apply(layer, x)
+        batch = self.context.batch
+        if batch is not None:
+            self.lora.add_deltas(x, out, batch)
+        return out
+
+    def apply_feature_major(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        out = self.base.apply_feature_major(layer, x)
+        batch = self.context.batch
+        if batch is not None:
+            self.lora.add_deltas(x, out.t(), batch)
+        return out

@@ -1,0 +1,233 @@
+"""Multi-LoRA in the real engine: greedy tokens equal HF transformers + PEFT token for token, for
+batches that mix the base model and three adapters of different ranks and target modules, under
+prefix caching, chunked prefill and preemption, with fewer device slots than adapters; and the
+refusals of adapters that cannot be served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import TINY_VOCAB
+from lora_helpers import ADAPTERS, make_adapter, peft_greedy
+from safetensors.torch import load_file, save_file
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.errors import EngineOverloaded
+from twinserve.core.lora import LoRARequest
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu.llm_engine import LLMEngine
+
+MAX_TOKENS = 12
+MODELS = ("llama-untied-llama3rope", "qwen2-tied")
+REGIMES = {
+    "defaults": {},
+    "chunks-of-16": dict(max_num_batched_tokens=16),
+    "recompute-preemption": dict(num_gpu_blocks_override=14),
+    "swap-preemption": dict(num_gpu_blocks_override=14, preemption_mode="swap"),
+}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, TINY_VOCAB, (24,), generator=g).tolist()
+    own = [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 19, 33, 9, 2)]
+    return [*own, shared + own[0], shared + own[1]]
+
+
+# (prompt index, adapter or None): the same prompt under several adapters and the base model
+ASSIGNMENT = [(0, None), (0, "qv4"), (1, "all8"), (2, "mlp16"), (3, None), (4, "qv4"),
+              (5, "all8"), (6, "mlp16"), (5, None), (6, "qv4"), (1, "mlp16"), (3, "all8")]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dirs, tmp_path_factory) -> dict[str, dict[str, str]]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {model: {name: str(make_adapter(tiny_model_dirs[model], root / model / name, spec, k))
+                    for k, (name, spec) in enumerate(ADAPTERS.items())} for model in MODELS}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dirs, adapters) -> dict[str, dict[str | None, list[list[int]]]]:
+    prompts = _prompts()
+    return {model: {name: peft_greedy(tiny_model_dirs[model],
+                                      None if name is None else adapters[model][name],
+                                      prompts, MAX_TOKENS)
+                    for name in (None, *ADAPTERS)} for model in MODELS}
+
+
+def _engine(model_dir, **overrides) -> LLMEngine:
+    args = dict(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 22,
+                swap_space=0.01, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=3)
+    return LLMEngine(EngineArgs(**{**args, **overrides}))
+
+
+def _run(engine: LLMEngine, adapter_dirs: dict[str, str]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    ids_ = {name: k + 1 for k, name in enumerate(ADAPTERS)}
+    ids = []
+    for index, name in ASSIGNMENT:
+        lora = None if name is None else LoRARequest(name, ids_[name], adapter_dirs[name])
+        ids.append(engine.add_request(prompts[index], params, lora_request=lora))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("model", MODELS)
+def test_mixed_adapter_batches_give_peft_greedy_tokens(model, regime, tiny_model_dirs, adapters,
+                                                       expected):
+    engine = _engine(tiny_model_dirs[model], **REGIMES[regime])
+    counter = _AdapterCounter()
+    engine.driver.observers.append(counter)
+    got = _run(engine, adapters[model])
+    want = [expected[model][name][index] for index, name in ASSIGNMENT]
+    assert got == want
+    # the adapters change the tokens (the comparison would be weak otherwise)
+    assert expected[model]["qv4"][0] != expected[model][None][0]
+    sched = engine.scheduler
+    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    assert sched.loras.num_active == 0 and sched.loras.num_loads > 2  # 3 adapters, 2 slots
+    assert not any(engine.runner.lora.is_pinned(n) for n in ADAPTERS)
+    assert max(counter.per_step) == 2  # never more than max_loras, and the slots are used
+    if "preemption" in regime:
+        assert sched.num_preemptions > 0
+
+
+class _AdapterCounter:
+    """A step observer: the distinct adapters of each step."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+
+    def on_step(self, out, seconds: float, execute_seconds: float) -> None:
+        self.per_step.append(len({sr.request.lora for sr in out.scheduled} - {None}))
+
+
+def test_same_prompt_under_two_adapters_shares_no_blocks(tiny_model_dirs, adapters):
+    model = MODELS[0]
+    engine = _engine(tiny_model_dirs[model])
+    prompt = _prompts()[5]  # 29 tokens: one full block of 16 could be shared
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for k, name in enumerate(("qv4", "all8", "qv4")):
+        engine.add_request(prompt, params, lora_request=LoRARequest(name, k % 2 + 1,
+                                                                    adapters[model][name]))
+        while engine.has_unfinished_requests():
+            engine.step()
+    kv = engine.scheduler.kv
+    assert kv.prefix_hits == 16  # only the third (same adapter as the first) hit the cache
+
+
+def test_llm_generate_takes_one_lora_request_or_one_per_prompt(tiny_model_dirs, adapters,
+                                                               expected):
+    from twinserve.entrypoints.llm import LLM
+    model = MODELS[1]
+    llm = LLM(str(tiny_model_dirs[model]), dtype="float32", kv_cache_memory_bytes=1 << 22,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    one = LoRARequest("all8", 2, adapters[model]["all8"])
+    outs = llm.generate(prompts, params, lora_request=one, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected[model]["all8"][:3]
+    per = [None, one, LoRARequest("mlp16", 3, adapters[model]["mlp16"])]
+    outs = llm.generate(prompts, params, lora_request=per, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        expected[model][None][0], expected[model]["all8"][1], expected[model]["mlp16"][2]]
+
+
+def _bad_copy(src: str, dst, edit) -> str:
+    shutil.copytree(src, dst)
+    edit(dst)
+    return str(dst)
+
+
+def _edit_config(**changes):
+    def edit(path) -> None:
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg.update(changes)
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _edit_tensor(path) -> None:
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    key = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, file)
+
+
+def _pickled(path) -> None:
+    (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_edit_config(r=32), "rank 32 is above max_lora_rank 16"),
+    (_edit_config(target_modules=["q_proj", "embed_tokens"]), r"target_modules \['embed_tokens'\]"),
+    (_edit_config(use_dora=True), "use_dora=True is not supported"),
+    (_edit_config(modules_to_save=["lm_head"]), "modules_to_save"),
+    (_edit_tensor, "needs"),
+    (_pickled, "adapter_model.bin is a pickle"),
+])
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(tiny_model_dirs, adapters, tmp_path,
+                                                              edit, match):
+    model = MODELS[0]
+    engine = _engine(tiny_model_dirs[model])
+    bad = _bad_copy(adapters[model]["qv4"], tmp_path / "bad", edit)
+    if "32" in match:  # the tensors must agree with the rank the config claims
+        bad = _bad_copy(str(make_adapter(tiny_model_dirs[model], tmp_path / "r32",
+                                         ADAPTERS["qv4"].__class__(32, 8.0, ("q_proj",)), 9)),
+                        tmp_path / "bad32", lambda p: None)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2),
+                           lora_request=LoRARequest("bad", 9, bad))
+    # the engine goes on: nothing queued, nothing pinned, a good adapter still serves
+    assert not engine.has_unfinished_requests()
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2),
+                       lora_request=LoRARequest("qv4", 1, adapters[model]["qv4"]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.runner.lora.is_pinned("qv4")
+
+
+def test_missing_directory_disabled_lora_and_conflicting_names_are_refused(tiny_model_dirs,
+                                                                           adapters, tmp_path):
+    model = MODELS[0]
+    params = SamplingParams(max_tokens=2)
+    engine = _engine(tiny_model_dirs[model])
+    with pytest.raises(ValueError, match="no such directory"):
+        engine.add_request([5, 6], params, lora_request=LoRARequest("x", 1, str(tmp_path / "no")))
+    engine.add_request([5, 6], params, lora_request=LoRARequest("qv4", 1, adapters[model]["qv4"]))
+    with pytest.raises(ValueError, match="one name, one adapter"):
+        engine.add_request([5, 6], params,
+                           lora_request=LoRARequest("qv4", 2, adapters[model]["all8"]))
+    plain = LLMEngine(EngineArgs(model=str(tiny_model_dirs[model]), dtype="float32",
+                                 kv_cache_memory_bytes=1 << 22))
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.add_request([5, 6], params,
+                          lora_request=LoRARequest("qv4", 1, adapters[model]["qv4"]))
+
+
+def test_host_memory_full_of_adapters_in_use_is_an_overload(tiny_model_dirs, adapters):
+    model = MODELS[0]
+    engine = _engine(tiny_model_dirs[model], max_cpu_loras=2)
+    params = SamplingParams(max_tokens=2)
+    for k, name in enumerate(("qv4", "all8")):
+        engine.add_request([5, 6], params,
+                           lora_request=LoRARequest(name, k + 1, adapters[model][name]))
+    with pytest.raises(EngineOverloaded, match="max_cpu_loras"):
+        engine.add_request([5, 6], params,
+                           lora_request=LoRARequest("mlp16", 3, adapters[model]["mlp16"]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # once the others are done, their host entries make room
+    engine.add_request([5, 6], params,
+                       lora_request=LoRARequest("mlp16", 3, adapters[model]["mlp16"]))
+    assert [a.name for a in engine.runner.lora.loaded()] == ["all8", "mlp16"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from twinserve.gpu.linear import LinearBase, LinearMethodBase
 
@@ -101,9 +102,14 @@ class LinearLoRA:
     slots: list[_SlotWeights | None] = field(default_factory=list)
     stacked_a: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, R, in]
     stacked_b: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, n, R]
+    _compute_dtype: torch.dtype = field(init=False, default=torch.float32)
 
     def __post_init__(self) -> None:
         self.slots = [None] * self.max_loras
+        # CPU: the small LoRA products in float32 (torch's half matmuls on a CPU without native
+        # half units are several times slower than float32 ones; the rank keeps them small).
+        self._compute_dtype = (torch.float32 if self.device.type == "cpu" and not self.use_triton
+                               else self.dtype)
         if self.use_triton:
             S, R = self.max_loras, self.max_rank
             self.stacked_a = [torch.zeros(S, R, self.input_size, dtype=self.dtype,
@@ -128,7 +134,7 @@ class LinearLoRA:
         if not targeted:
             self.slots[slot] = None
             return
-        to = {"dtype": self.dtype, "device": self.device}
+        to = {"dtype": self._compute_dtype, "device": self.device}
         a = torch.cat([pairs[name][0] for _, name, _, _ in targeted]).to(**to).contiguous()
         b = [(off, size, pairs[name][1].to(**to).contiguous()) for _, name, off, size in targeted]
         self.slots[slot] = _SlotWeights(rank, a, b)
@@ -145,10 +151,10 @@ class LinearLoRA:
                 continue
             rows = seg.rows
             xs = x[seg.start:seg.end] if rows is None else x.index_select(0, rows)
-            h = xs @ weights.a.t()
+            h = F.linear(xs.to(self._compute_dtype), weights.a)
             r = weights.rank
             for k, (off, size, b) in enumerate(weights.b):
-                delta = h[:, k * r:(k + 1) * r] @ b.t()
+                delta = F.linear(h[:, k * r:(k + 1) * r], b).to(out.dtype)
                 if rows is None:
                     out[seg.start:seg.end, off:off + size].add_(delta)
                 else:

@@ -231,3 +231,31 @@ def test_host_memory_full_of_adapters_in_use_is_an_overload(tiny_model_dirs, ada
     engine.add_request([5, 6], params,
                        lora_request=LoRARequest("mlp16", 3, adapters[model]["mlp16"]))
     assert [a.name for a in engine.runner.lora.loaded()] == ["all8", "mlp16"]
+
+
+@pytest.mark.slow
+def test_bundled_model_with_two_adapters_gives_peft_greedy_tokens(default_model_dir, tmp_path):
+    """SmolLM2-135M with a rank-8 all-projection adapter and a rank-4 q/v adapter beside base
+    requests in one batch, fp32, against HF + PEFT."""
+    from lora_helpers import AdapterSpec
+    specs = {"all8": ADAPTERS["all8"], "qv4": AdapterSpec(4, 16.0, ("q_proj", "v_proj"))}
+    dirs = {name: str(make_adapter(default_model_dir, tmp_path / name, spec, k, scale=0.05))
+            for k, (name, spec) in enumerate(specs.items())}
+    prompts = [[1, 504, 3458, 314, 260, 1345, 282], [1, 10766, 17, 1218, 2442, 30, 33, 34, 35]]
+    want = {name: peft_greedy(default_model_dir, dirs.get(name), prompts, 16)
+            for name in (None, *specs)}
+    assert want["all8"] != want[None] and want["qv4"] != want[None]
+    engine = _engine(default_model_dir, kv_cache_memory_bytes=1 << 26)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids = {}
+    for k, name in enumerate((None, *specs)):
+        lora = None if name is None else LoRARequest(name, k, dirs[name])
+        for p, prompt in enumerate(prompts):
+            ids[engine.add_request(prompt, params, lora_request=lora)] = (name, p)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[ids[out.request_id]] = list(out.outputs[0].token_ids)
+    assert {key: got[key] for key in sorted(got, key=str)} == {
+        (name, p): want[name][p] for name in want for p in range(len(prompts))}

@@ -24,7 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # vLLM engine arguments twinserve does not implement (yet), each with the value that means
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
-    "quantization": None, "kv_cache_dtype": "auto", "lora_modules": None,
+    "quantization": None, "kv_cache_dtype": "auto",
     "pipeline_parallel_size": 1, "data_parallel_size": 1, "distributed_executor_backend": None,
     "speculative_config": None, "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,

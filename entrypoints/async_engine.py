@@ -14,6 +14,7 @@ its stream before it finished aborts it, wherever it is.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -172,6 +173,13 @@ class AsyncEngine:
         self._submit("call", fn, _Stream(loop, asyncio.Queue()), fut)
         return fut
 
+    def call_blocking(self, fn: Callable[[LLMEngine], Any], timeout_s: float | None = None) -> Any:
+        """``call`` for code outside an event loop (start-up): waits until ``fn(engine)`` ran
+        on the engine thread and returns its result or raises its exception."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._submit("call_blocking", fn, fut)
+        return fut.result(timeout_s)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -212,6 +220,8 @@ class AsyncEngine:
             elif command[0] == "call":
                 _, _, stream, fut = command
                 stream.loop.call_soon_threadsafe(_resolve, fut, None, error)
+            elif command[0] == "call_blocking":
+                command[2].set_exception(error)
 
     def _drain_commands(self) -> None:
         while True:
@@ -231,6 +241,12 @@ class AsyncEngine:
                     stream.loop.call_soon_threadsafe(_resolve, fut, result, None)
                 except Exception as exc:  # reported to the caller, the engine goes on
                     stream.loop.call_soon_threadsafe(_resolve, fut, None, exc)
+            elif kind == "call_blocking":
+                _, fn, blocking = command
+                try:
+                    blocking.set_result(fn(self.engine))
+                except Exception as exc:
+                    blocking.set_exception(exc)
 
     def _add(self, request_id: str, prompt: Any, params: SamplingParams, kwargs: dict,
              stream: _Stream) -> None:

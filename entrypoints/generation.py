@@ -36,6 +36,7 @@ from twinserve.entrypoints.protocol import (
     find_unimplemented,
 )
 from twinserve.entrypoints.server_state import MAX_TENANT_NAME_CHARS, ServerState
+from twinserve.entrypoints.serving_models import ServedLoRA, resolve_model
 
 logger = logging.getLogger("twinserve.server")
 
@@ -77,9 +78,9 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
     return requested
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
+def check_model(state: ServerState, model: str | None) -> ServedLoRA | None:
+    """The LoRA adapter ``model`` names (None: the base model); 404 for an unknown name."""
+    return resolve_model(state, model)
 
 
 def refuse_unimplemented(body: RequestModel, endpoint: str) -> None:
@@ -277,11 +278,12 @@ class Generation:
     ``start()`` submits them and returns once the engine accepted every one (so a refusal is a
     status code, and a stream's headers go out before the first token); ``close()`` (always
     reached: ``collect``, the end of ``deltas``, or the response's end) aborts what is
-    unfinished and releases the tenant's slots."""
+    unfinished and releases the tenant's slots and its hold on its LoRA adapter (``lora``:
+    None for the base model)."""
 
     def __init__(self, state: ServerState, request: Request, prompts: list[PromptInput],
                  params: list[SamplingParams], request_id: str, priority: int, tenant: str,
-                 echo: bool = False) -> None:
+                 echo: bool = False, lora: ServedLoRA | None = None) -> None:
         self.id = request_id
         self.state = state
         self.request = request
@@ -289,6 +291,8 @@ class Generation:
         self.params = params
         self.priority = priority
         self.tenant = tenant
+        self.lora = lora
+        self.model_name = state.model_name if lora is None else lora.name
         self.n = params[0].n
         self.want_logprobs = params[0].logprobs is not None
         self.last: list[RequestOutput | None] = [None] * len(prompts)
@@ -297,7 +301,12 @@ class Generation:
         self._streams: list[RequestStream] = []
         self._merged: AsyncIterator[tuple[int, RequestOutput]] | None = None
         self._holds_tenant = False
+        self._holds_lora = False
         self._closed = False
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts) * self.n
 
     async def start(self) -> None:
         """Submits every prompt and waits until the engine accepted them all. Raises what the
@@ -305,10 +314,15 @@ class Generation:
         self.state.tenants.acquire(self.tenant, len(self.prompts))
         self._holds_tenant = True
         try:
+            if self.lora is not None:
+                self.state.loras.hold(self.lora, self.num_seqs)
+                self._holds_lora = True
             engine = self.state.async_engine
+            extra = {} if self.lora is None else {"lora_request": self.lora.request}
             for i, (p, sp) in enumerate(zip(self.prompts, self.params)):
                 self._streams.append(engine.submit(p.token_ids, sp, f"{self.id}-{i}",
-                                                   priority=self.priority, tenant=self.tenant))
+                                                   priority=self.priority, tenant=self.tenant,
+                                                   **extra))
             await unless_disconnected(self.request, _all_accepted(self._streams))
             self._merged = merge_streams([s.outputs() for s in self._streams])
         except BaseException:
@@ -364,6 +378,9 @@ class Generation:
             if self._holds_tenant:
                 self._holds_tenant = False
                 self.state.tenants.release(self.tenant, len(self.prompts))
+            if self._holds_lora and self.lora is not None:
+                self._holds_lora = False
+                self.state.loras.release(self.lora, self.num_seqs)
 
     def final_completion(self, index: int) -> CompletionOutput | None:
         out = self.last[index // self.n]
@@ -388,13 +405,14 @@ async def _all_accepted(streams: list[RequestStream]) -> None:
 
 async def start_generation(gen: Generation) -> None:
     """``gen.start()`` with the engine's refusals mapped to status codes: 400 for a request that
-    can never run, 503 (``Retry-After``) when the engine's waiting queue is full, 429 for a
-    tenant's limit."""
+    can never run (an adapter that cannot be loaded included), 503 (``Retry-After``) when the
+    engine's waiting queue (or host memory for adapters) is full, 429 for a tenant's limit."""
+    public = gen.lora.public if gen.lora is not None else str
     try:
         await gen.start()
     except EngineOverloaded as exc:
         gen.state.metrics.observe_rejection(exc.reason)
-        raise APIError(503, f"The server is overloaded ({exc}); retry after "
+        raise APIError(503, f"The server is overloaded ({public(str(exc))}); retry after "
                             f"{exc.retry_after_s:.0f} s.", None,
                        retry_after(exc.retry_after_s)) from exc
     except APIError as exc:
@@ -403,7 +421,7 @@ async def start_generation(gen: Generation) -> None:
                 "max_tenants" if "--max-tenants" in exc.message else "max_requests_per_tenant")
         raise
     except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        raise APIError(400, public(str(exc))) from exc
 
 
 class SSEResponse(StreamingResponse):

@@ -392,6 +392,20 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): the adapter's name or its id."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
@@ -507,7 +521,9 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "return_token_strs": _U("token strings", (None, False), frozenset({TOKENIZE})),
     "request_id": _U("client-chosen request ids", (None,)),
     "cache_salt": _U("prefix-cache salts", (None,)),
-    "lora_request": _U("LoRA adapters", (None,)),
+    # vLLM takes no LoRARequest in the body either: the adapter is the request's `model`
+    "lora_request": _U("a LoRA adapter is chosen by its name as `model`, see /v1/models",
+                       (None,)),
     "kv_transfer_params": _U("KV transfer (disaggregated serving)", (None, {})),
     "ec_transfer_params": _U("encoder-cache transfer", (None, {})),
     "vllm_xargs": _U("extra arguments for custom extensions", (None, {})),

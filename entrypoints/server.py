@@ -5,7 +5,10 @@
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming, ``data: [DONE]``),
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus, vLLM's names), ``/tokenize``,
-``/detokenize``, ``/version``, ``POST /reset_prefix_cache``.
+``/detokenize``, ``/version``, ``POST /reset_prefix_cache``; with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``, ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``. LoRA adapters (``--enable-lora --lora-modules name=path ...``) are
+served under their names as ``model`` (``serving_models``).
 
 ``build_app(async_engine, args)`` builds one self-contained app: its state hangs off closures and
 ``app.state``, its metrics live in its own registry, so two apps in one process share nothing.
@@ -33,6 +36,7 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -54,9 +58,9 @@ from twinserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from twinserve.entrypoints.server_metrics import ServerMetrics
 from twinserve.entrypoints.server_state import (
@@ -69,6 +73,19 @@ from twinserve.entrypoints.server_state import (
 )
 from twinserve.entrypoints.serving_chat import create_chat_completion
 from twinserve.entrypoints.serving_completion import create_completion
+from twinserve.entrypoints.serving_models import (
+    RUNTIME_LORA_ENV,
+    LoRARegistry,
+    load_lora_adapter,
+    max_loras_of,
+    model_list,
+    parse_lora_module,
+    public_name,
+    register_static_loras,
+    runtime_lora_updating,
+    static_lora_modules,
+    unload_lora_adapter,
+)
 from twinserve.entrypoints.serving_tokenization import detokenize, tokenize
 
 logger = logging.getLogger("twinserve.server")
@@ -86,22 +103,27 @@ def _state(request: Request) -> ServerState:
 
 
 # ==== the small endpoints ========================================================================
+def _engine_snapshot(engine: Any) -> tuple[Any, Any, dict[str, int] | None]:
+    """On the engine thread: the scheduler's stats, the new finished-request records and the
+    running sequences per adapter (None without LoRA)."""
+    loras = getattr(engine.scheduler, "loras", None)
+    return (engine.scheduler.stats(), engine.metrics.take_requests(),
+            dict(loras.users) if loras is not None else None)
+
+
 async def render_metrics(state: ServerState) -> Response:
     metrics = state.metrics
     if state.async_engine.is_alive:
         try:
-            stats, records = await asyncio.wait_for(state.async_engine.call(
-                lambda e: (e.scheduler.stats(), e.metrics.take_requests())),
-                timeout=METRICS_SNAPSHOT_TIMEOUT_S)
+            stats, records, running = await asyncio.wait_for(
+                state.async_engine.call(_engine_snapshot), timeout=METRICS_SNAPSHOT_TIMEOUT_S)
             metrics.take_engine_snapshot(stats, records)
+            if running is not None:
+                metrics.take_lora_snapshot(sorted(public_name(k) for k in running),
+                                           state.loras.waiting(running))
         except (TimeoutError, EngineDeadError):
             pass  # the last snapshot stands
     return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def model_list(state: ServerState) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.model_name, root=state.model_root,
-                                     max_model_len=state.max_model_len)])
 
 
 # ==== the app ====================================================================================
@@ -110,11 +132,13 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     ``add_serve_args`` (missing attributes take their defaults)."""
     engine = async_engine.engine
     model_root = str(getattr(engine.runner, "model_dir", "") or "") or None
+    model_name = served_model_name(args, model_root)
     limits = server_limits(args)
-    state = ServerState(async_engine=async_engine,
-                        model_name=served_model_name(args, model_root),
+    loras = LoRARegistry(model_name)
+    register_static_loras(async_engine, loras, static_lora_modules(args, model_name))
+    state = ServerState(async_engine=async_engine, model_name=model_name,
                         model_root=model_root, max_model_len=int(engine.runner.max_model_len),
-                        metrics=ServerMetrics(served_model_name(args, model_root)),
+                        metrics=ServerMetrics(model_name, max_loras_of(engine)), loras=loras,
                         limits=limits,
                         tenants=TenantTracker(limits.max_tenants, limits.max_requests_per_tenant))
     app = FastAPI(title="twinserve", version=twinserve.__version__, docs_url=None,
@@ -122,6 +146,11 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     app.state.twinserve = state
     install_error_handlers(app)
     add_routes(app)
+    if runtime_lora_updating():
+        logger.warning("%s is set: LoRA adapters can be loaded and unloaded at runtime "
+                       "(/v1/load_lora_adapter, /v1/unload_lora_adapter); the server reads "
+                       "any adapter directory a client names.", RUNTIME_LORA_ENV)
+        add_lora_routes(app)
     # add_middleware wraps: the last added runs first (catch-all, Host, API key, body).
     timeout = getattr(args, "body_read_timeout_s", DEFAULT_BODY_READ_TIMEOUT_S)
     app.add_middleware(BodySizeLimitMiddleware,
@@ -218,6 +247,17 @@ def add_routes(app: FastAPI) -> None:
         return JSONResponse({"reset": bool(done)})
 
 
+def add_lora_routes(app: FastAPI) -> None:
+    """vLLM's runtime adapter endpoints (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+        return await load_lora_adapter(_state(request), body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+        return await unload_lora_adapter(_state(request), body)
+
+
 async def _guard(work: Awaitable[Response]) -> Response:
     """A client that left gets no answer (499 goes nowhere); the request was aborted."""
     try:
@@ -305,6 +345,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--sse-keepalive-s", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
                         help="a stream with nothing to send for this long sends a "
                              "': keep-alive' comment (default 5)")
+    server.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                        metavar="NAME=PATH",
+                        help="LoRA adapters to serve (with --enable-lora), each as name=path or "
+                             "vLLM's JSON '{\"name\": ..., \"path\": ..., "
+                             "\"base_model_name\": ...}'; a request picks one by its name as "
+                             "model. Each is loaded at start-up: a bad one stops the server")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -320,6 +366,10 @@ def build_async_engine(args: argparse.Namespace) -> AsyncEngine:
 def run_server(args: argparse.Namespace) -> None:
     """Builds the engine from ``args``, serves until SIGINT/SIGTERM, then stops the engine."""
     import uvicorn
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", None):
+        raise ValueError("--lora-modules needs --enable-lora (LoRA adapters are served only "
+                         "with LoRA enabled).")
+    static_lora_modules(args, served_model_name(args, None))  # a bad entry before the engine
     async_engine = build_async_engine(args)
     try:
         app = build_app(async_engine, args)
@@ -338,7 +388,11 @@ def main(argv: list[str] | None = None) -> None:
                                      description="OpenAI-compatible server")
     add_serve_args(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run_server(apply_config_file(parser, argv or sys.argv[1:]))
+    try:
+        run_server(apply_config_file(parser, argv or sys.argv[1:]))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"twinserve serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

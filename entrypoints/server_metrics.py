@@ -8,11 +8,16 @@ Three sources, each read where it is exact:
 - at scrape time, on the engine thread, a snapshot of ``scheduler.stats()`` (running, waiting,
   KV usage, prefix-cache queries/hits, preemptions);
 - at scrape time, the engine's finished ``RequestRecord``s not seen before feed the latency
-  histograms (TTFT, ITL, E2E, queue time) with the engine's own timestamps.
+  histograms (TTFT, ITL, E2E, queue time) with the engine's own timestamps;
+- with LoRA enabled, ``vllm:lora_requests_info`` as vLLM has it: one sample whose labels are
+  ``max_lora`` and the comma-separated ``running_lora_adapters`` (the scheduler's) and
+  ``waiting_lora_adapters`` (adapters with more sequences in flight than running), whose value
+  is the snapshot's time (Unix seconds).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,7 +29,7 @@ from twinserve.core.request_output import RequestOutput
 from twinserve.core.scheduler import SchedulerStats
 
 REJECT_REASONS = ("max_waiting_requests", "max_waiting_tokens", "max_tenants",
-                  "max_requests_per_tenant")
+                  "max_requests_per_tenant", "max_cpu_loras")
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -69,14 +74,35 @@ class SchedulerCollector(Collector):
             yield family
 
 
+class LoRAInfoCollector(Collector):
+    """``vllm:lora_requests_info`` from the latest snapshot (none before the first)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.snapshot: tuple[list[str], list[str], float] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.snapshot is None:
+            return
+        running, waiting, when = self.snapshot
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters",
+                                           "running_lora_adapters"])
+        family.add_metric([str(self.max_loras), ",".join(waiting), ",".join(running)], when)
+        yield family
+
+
 class ServerMetrics:
     """All metrics of one app; nothing is shared with another app in the same process."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerCollector(model_name)
         self.registry.register(self.scheduler)
+        self.lora_info = LoRAInfoCollector(max_loras) if max_loras else None
+        if self.lora_info is not None:
+            self.registry.register(self.lora_info)
         labels = ["model_name"]
         reg = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", labels,
@@ -127,6 +153,11 @@ class ServerMetrics:
         self.scheduler.stats = stats
         for record in records:
             self._observe_record(record)
+
+    def take_lora_snapshot(self, running: list[str], waiting: list[str]) -> None:
+        """The adapters' names, running and waiting, as of now."""
+        if self.lora_info is not None:
+            self.lora_info.snapshot = (running, waiting, time.time())
 
     def _observe_record(self, record: RequestRecord) -> None:
         if record.first_token_time == record.first_token_time:  # not NaN

@@ -1,5 +1,5 @@
-"""``ServerState``: what one app's handlers share (the engine, the served name, the metrics, the
-per-request limits and the active tenants)."""
+"""``ServerState``: what one app's handlers share (the engine, the served name and adapters, the
+metrics, the per-request limits and the active tenants)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from twinserve.entrypoints.async_engine import AsyncEngine
 from twinserve.entrypoints.http_errors import APIError
 from twinserve.entrypoints.server_metrics import ServerMetrics
+from twinserve.entrypoints.serving_models import LoRARegistry
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 DEFAULT_MAX_TENANTS = 1024
@@ -65,6 +66,7 @@ class ServerState:
     model_root: str | None
     max_model_len: int
     metrics: ServerMetrics
+    loras: LoRARegistry  # the served adapters (none without --enable-lora)
     limits: ServerLimits = field(default_factory=ServerLimits)
     tenants: TenantTracker = field(
         default_factory=lambda: TenantTracker(DEFAULT_MAX_TENANTS))

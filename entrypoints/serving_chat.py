@@ -78,7 +78,7 @@ def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatChoiceLogP
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
                                  request: Request) -> Response:
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     refuse_unimplemented(body, CHAT)
     check_priority(state, body.priority)
     check_request_limits(state, body)
@@ -94,7 +94,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise APIError(400, str(exc), "top_logprobs") from exc
     params = build_sampling_params(body, max_tokens, num_logprobs)
     gen = Generation(state, request, [prompt], [params], random_id("chatcmpl"), body.priority,
-                     tenant_of(state, request, body))
+                     tenant_of(state, request, body), lora=lora)
     await start_generation(gen)
     if body.stream:
         return sse_response(state, gen, chat_chunks(state, gen, body))
@@ -112,7 +112,7 @@ def chat_response(state: ServerState, gen: Generation,
             logprobs=chat_logprobs(state, choice.logprobs) if body.logprobs else None,
             finish_reason=comp.finish_reason if comp else "abort",
             stop_reason=comp.stop_reason if comp else None))
-    return ChatCompletionResponse(id=gen.id, model=state.model_name,
+    return ChatCompletionResponse(id=gen.id, model=gen.model_name,
                                   choices=choices, usage=gen.usage())
 
 
@@ -120,12 +120,12 @@ async def chat_chunks(state: ServerState, gen: Generation,
                       body: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
     rid = gen.id
     for index in range(len(gen.choices)):  # the role first, as OpenAI does
-        yield ChatCompletionChunk(id=rid, model=state.model_name, choices=[ChatStreamChoice(
+        yield ChatCompletionChunk(id=rid, model=gen.model_name, choices=[ChatStreamChoice(
             index=index, delta=DeltaMessage(role="assistant", content=""))])
     async for index, delta in gen.deltas():
         logprobs = chat_logprobs(state, delta.logprobs) if body.logprobs else None
-        yield ChatCompletionChunk(id=rid, model=state.model_name, choices=[ChatStreamChoice(
+        yield ChatCompletionChunk(id=rid, model=gen.model_name, choices=[ChatStreamChoice(
             index=index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
     if body.include_usage:
-        yield ChatCompletionChunk(id=rid, model=state.model_name, choices=[], usage=gen.usage())
+        yield ChatCompletionChunk(id=rid, model=gen.model_name, choices=[], usage=gen.usage())

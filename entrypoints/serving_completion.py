@@ -87,7 +87,7 @@ def completion_logprobs(state: ServerState, lps: list[TokenLogprob],
 
 async def create_completion(state: ServerState, body: CompletionRequest,
                             request: Request) -> Response:
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     refuse_unimplemented(body, COMPLETION)
     check_priority(state, body.priority)
     check_request_limits(state, body)
@@ -97,7 +97,7 @@ async def create_completion(state: ServerState, body: CompletionRequest,
                            "prompt"),
         body.logprobs) for p in prompts]
     gen = Generation(state, request, prompts, params, random_id("cmpl"), body.priority,
-                     tenant_of(state, request, body), echo=body.echo)
+                     tenant_of(state, request, body), echo=body.echo, lora=lora)
     await start_generation(gen)
     if body.stream:
         return sse_response(state, gen, completion_chunks(state, gen, body))
@@ -118,7 +118,7 @@ def completion_response(state: ServerState, gen: Generation,
             index=index, text=text, logprobs=logprobs,
             finish_reason=comp.finish_reason if comp else "abort",
             stop_reason=comp.stop_reason if comp else None))
-    return CompletionResponse(id=gen.id, model=state.model_name,
+    return CompletionResponse(id=gen.id, model=gen.model_name,
                               choices=choices, usage=gen.usage())
 
 
@@ -131,8 +131,8 @@ async def completion_chunks(state: ServerState, gen: Generation,
         if body.logprobs is not None:
             logprobs = completion_logprobs(state, delta.logprobs, offsets[index])
             offsets[index] += sum(len(t) for t in logprobs.tokens)
-        yield CompletionResponse(id=rid, model=state.model_name, choices=[CompletionChoice(
+        yield CompletionResponse(id=rid, model=gen.model_name, choices=[CompletionChoice(
             index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason)])
     if body.include_usage:
-        yield CompletionResponse(id=rid, model=state.model_name, choices=[], usage=gen.usage())
+        yield CompletionResponse(id=rid, model=gen.model_name, choices=[], usage=gen.usage())

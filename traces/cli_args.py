@@ -8,7 +8,8 @@
 2. ``--time-window START:END`` (seconds of the trace, re-based to 0);
 3. ``--num-requests N`` (the first N, for a real trace);
 4. ``--time-scale K`` (K times the rate);
-5. ``--tenants name=weight,...`` then ``--priorities prio=weight,...`` (seeded draws, ``--seed``);
+5. ``--tenants name=weight,...`` then ``--priorities prio=weight,...`` then ``--loras`` (seeded
+   draws, ``--seed``; ``--loras`` only where ``add_lora_args`` added it: see ``traces.lora``);
 6. ``--max-output-tokens`` and ``--max-model-len`` (``clip_lengths``: outputs capped first, then
    prompts shortened to leave room for them).
 """
@@ -23,6 +24,7 @@ from typing import TypeVar
 
 from twinserve.traces.errors import TraceError
 from twinserve.traces.loaders import BUNDLED_TRACES, load_trace
+from twinserve.traces.lora import AdapterShape, LoRAAdapters, assign_loras, parse_loras, parse_target_modules
 from twinserve.traces.synthetic import SyntheticConfig, synthetic_trace
 from twinserve.traces.trace_request import TraceRequest
 from twinserve.traces.transforms import (
@@ -64,6 +66,35 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
 
 
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--loras``, ``--lora-rank`` and ``--lora-target-modules`` (the simulated adapters)."""
+    g = parser.add_argument_group("LoRA adapters (serve them with --enable-lora --max-loras N)")
+    g.add_argument("--loras", metavar="NAME=W[:RANK],...|N",
+                   help="assign adapters with these weights (N: lora0..lora{N-1}, equal weights; "
+                        "base=W: share without adapter); a trace's lora column is kept otherwise")
+    g.add_argument("--lora-rank", type=int, default=None,
+                   help="rank of every simulated adapter without its own (default: max_lora_rank)")
+    g.add_argument("--lora-target-modules", default=None, metavar="all|q_proj,v_proj,...",
+                   help="PEFT modules the adapters adapt (default all: q,k,v,o,gate,up,down_proj)")
+
+
+def lora_adapters_from_args(args: argparse.Namespace,
+                            default_rank: int = 16) -> LoRAAdapters:
+    """The adapters' shapes from ``add_lora_args``' flags (``default_rank`` without
+    ``--lora-rank``: the engine's max_lora_rank)."""
+    with _flag("--lora-target-modules"):
+        modules = parse_target_modules(getattr(args, "lora_target_modules", None) or "all")
+    rank = getattr(args, "lora_rank", None)
+    with _flag("--lora-rank"):
+        default = AdapterShape(default_rank if rank is None else rank, modules)
+    ranks: dict[str, int] = {}
+    if getattr(args, "loras", None) is not None:
+        with _flag("--loras"):
+            ranks = parse_loras(args.loras)[1]
+    with _flag("--loras"):
+        return LoRAAdapters(default, tuple(ranks.items()))
+
+
 @contextlib.contextmanager
 def _flag(name: str) -> Iterator[None]:
     """Re-raises a ValueError from inside as one that names the flag (a TraceError passes unchanged)."""
@@ -78,7 +109,8 @@ def _flag(name: str) -> Iterator[None]:
 def trace_desc(args: argparse.Namespace) -> dict[str, object]:
     """The workload flags that were given, for a run folder's config (what reruns the workload)."""
     keys = ("trace", "num_requests", "time_window", "time_scale", *SYNTHETIC_FLAGS, "tenants",
-            "priorities", "max_model_len", "max_output_tokens", "seed")
+            "priorities", "loras", "lora_rank", "lora_target_modules", "max_model_len",
+            "max_output_tokens", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -102,6 +134,9 @@ def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
     if args.priorities is not None:
         with _flag("--priorities"):
             reqs = assign_priorities(reqs, parse_weights(args.priorities, int), seed=args.seed)
+    if getattr(args, "loras", None) is not None:
+        with _flag("--loras"):
+            reqs = assign_loras(reqs, parse_loras(args.loras)[0], seed=args.seed)
     if args.max_model_len is not None or args.max_output_tokens is not None:
         flag = "--max-model-len" if args.max_model_len is not None else "--max-output-tokens"
         with _flag(flag):

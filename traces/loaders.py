@@ -7,7 +7,7 @@ Formats, told apart by the file's columns (CSV header or the first JSONL object'
 - Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, optional ``hash_ids``
   (one id per 512-token prompt block; kept as prefix blocks of 512 tokens, see ``TraceRequest``).
 - twinserve's plain format, CSV or JSONL (see ``plain_format``): ``arrival_time_s, input_tokens,
-  output_tokens[, tenant, priority, prefix_group, prefix_tokens]``.
+  output_tokens[, tenant, priority, prefix_group, prefix_tokens, lora]``.
 
 Every loader returns requests sorted by arrival (stable: ties keep file order) and re-based so that the
 first arrives at 0.0. Request ids are ``<trace>-<row>``, the row counted from 0 in file order. Blank lines
@@ -101,7 +101,7 @@ def _csv_parser(path: Path, header: list[str]) -> RowParser:
         return parse_plain_row
     raise TraceError(f"{path}:1: unknown CSV header {header}; expected {list(AZURE_COLUMNS)} or "
                      f"arrival_time_s,input_tokens,output_tokens[,tenant,priority,prefix_group,"
-                     f"prefix_tokens].")
+                     f"prefix_tokens,lora].")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Parsed]]:

@@ -1,7 +1,8 @@
 """twinserve's plain trace format, one row per request (CSV with a header, or JSONL objects).
 
 Columns: ``arrival_time_s`` (seconds, any origin), ``input_tokens``, ``output_tokens`` and optionally
-``tenant`` (default ``"default"``), ``priority`` (default 0), ``prefix_group`` and ``prefix_tokens``.
+``tenant`` (default ``"default"``), ``priority`` (default 0), ``prefix_group`` and ``prefix_tokens``, and
+``lora`` (or ``adapter``: the LoRA adapter's name; empty: the base model).
 Requests with the same non-empty ``prefix_group`` share their first ``prefix_tokens`` prompt tokens
 (required with a group; ``1 <= prefix_tokens <= input_tokens``; a group's shorter prefixes are prefixes of
 its longer ones). An empty CSV cell, or a JSON ``null``, means the column's default.
@@ -17,6 +18,7 @@ from twinserve.traces.trace_request import MAX_BLOCK_ID, stable_seed
 # A parsed row: (arrival in seconds, keyword arguments of TraceRequest other than id and arrival).
 Parsed = tuple[float, dict]
 RowParser = Callable[[dict], Parsed]
+LORA_COLUMNS = ("lora", "adapter")  # the adapter's column, by either name
 
 
 def parse_plain_row(row: dict) -> Parsed:
@@ -28,6 +30,9 @@ def parse_plain_row(row: dict) -> Parsed:
         fields["tenant"] = str(row["tenant"])
     if _given(row, "priority"):
         fields["priority"] = int_field(row, "priority")
+    lora = _lora_field(row)
+    if lora is not None:
+        fields["lora"] = lora
     if _given(row, "prefix_group"):
         if not _given(row, "prefix_tokens"):
             raise ValueError("prefix_group needs prefix_tokens (how many prompt tokens the group shares).")
@@ -39,6 +44,13 @@ def parse_plain_row(row: dict) -> Parsed:
     elif _given(row, "prefix_tokens"):
         raise ValueError("prefix_tokens given without prefix_group.")
     return arrival, fields
+
+
+def _lora_field(row: dict) -> str | None:
+    given = [key for key in LORA_COLUMNS if _given(row, key)]
+    if len(given) > 1:
+        raise ValueError("give the adapter in one column, lora or adapter, not both.")
+    return str(row[given[0]]).strip() if given else None
 
 
 def group_block_id(group: str) -> int:

@@ -69,6 +69,7 @@ class TraceRequest:
     priority: int = 0
     prefix_blocks: tuple[int, ...] = ()  # shared prompt blocks, in prompt order
     prefix_block_tokens: int = 16  # tokens each prefix block id stands for
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -82,6 +83,8 @@ class TraceRequest:
         _check_count("prefix_block_tokens", self.prefix_block_tokens, 1)
         if not isinstance(self.tenant, str) or not self.tenant:
             raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}.")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be a non-empty adapter name or None, got {self.lora!r}.")
         self._check_prefix_blocks()
 
     def _check_prefix_blocks(self) -> None:

@@ -14,10 +14,11 @@ from twinserve.entrypoints.engine_args import add_engine_args, config_file_defau
 
 
 def _simulate_parser(sub) -> None:
-    from twinserve.traces import add_trace_args
+    from twinserve.traces import add_lora_args, add_trace_args
     p = sub.add_parser("simulate", help="replay a trace through the simulated engine",
                        description="Replay a trace through the SimPy twin of the engine.")
     add_trace_args(p)
+    add_lora_args(p)
     p.add_argument("--model", default=None,
                    help="bundled model name, config.json or model directory (default llama-3-8b)")
     p.add_argument("--hardware", default=None,
@@ -38,11 +39,13 @@ def _simulate_parser(sub) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     from twinserve.simulator import SimConfig, simulate, write_sim_run
     from twinserve.simulator.run import DEFAULT_SIM_MODEL, SIM_KEYS
-    from twinserve.traces import trace_desc, trace_from_args
+    from twinserve.traces import lora_adapters_from_args, trace_desc, trace_from_args
     sim = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k, None) is not None}
     cfg = SimConfig(engine_args_from(args, model=args.model or DEFAULT_SIM_MODEL), **sim)
     trace = trace_from_args(args)
-    result = simulate(cfg, trace, progress=not args.disable_tqdm)
+    lora = cfg.engine.lora_config()
+    adapters = lora_adapters_from_args(args, lora.max_lora_rank) if lora is not None else None
+    result = simulate(cfg, trace, progress=not args.disable_tqdm, adapters=adapters)
     out = Path(args.out or f"runs/sim-{cfg.scheduling_policy}")
     write_sim_run(result, out, trace_desc(args))
     _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "

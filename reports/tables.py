@@ -29,6 +29,8 @@ HEADLINE_COLUMNS = (
     "prefix_cache_hit_rate", "jain_index",
 )
 CONFIG_COLUMNS = ("request_rate", "model", "policy", "trace")
+# A LoRA run's figures (``simulator.lora_run``), shown only for runs that have them.
+LORA_COLUMNS = ("lora_loads", "lora_load_time_s", "num_lora_adapters", "lora_request_share")
 
 
 def summary_row(run: Run, slos_ms: dict[str, float] | None = None) -> dict[str, Any]:
@@ -39,6 +41,7 @@ def summary_row(run: Run, slos_ms: dict[str, float] | None = None) -> dict[str, 
     row.update({k: _number(merged.get(k)) for k in HEADLINE_COLUMNS})
     row["request_goodput"] = (
         goodput(run, slos_ms) if slos_ms else _number(run.summary.get("request_goodput")))
+    row.update({k: _number(merged[k]) for k in LORA_COLUMNS if k in merged})
     service = merged.get("tenant_service") or {}
     row.update({f"service_{t}": float(v) for t, v in sorted(service.items())})
     row.update(priority_stats(run))
@@ -72,7 +75,8 @@ def _number(value: Any) -> float:
 
 
 def _ordered_columns(columns: list[str]) -> list[str]:
-    fixed = [c for c in (*ID_COLUMNS, *CONFIG_COLUMNS, *HEADLINE_COLUMNS) if c in columns]
+    fixed = [c for c in (*ID_COLUMNS, *CONFIG_COLUMNS, *HEADLINE_COLUMNS, *LORA_COLUMNS)
+             if c in columns]
     service = sorted(c for c in columns if c.startswith("service_"))
     prio = sorted((c for c in columns if c.startswith("prio")), key=_priority_sort_key)
     rest = [c for c in columns if c not in fixed and c not in service and c not in prio]

@@ -37,6 +37,7 @@ from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples
 from twinserve.simulator.cost_model import (
     FEATURE_NAMES,
     CostModel,
+    fit_feature_names,
     fit_step_time,
     make_cost_model,
     nnls,
@@ -58,9 +59,26 @@ def features_of(aggregates: Mapping[str, int]) -> dict[str, float]:
     return step_features(output_of(aggregates))
 
 
+def sample_features(sample: StepSample) -> dict[str, float]:
+    """``features_of`` the sample's aggregates, plus its LoRA features (``LORA_FEATURE_NAMES``,
+    ``lora_cost.lora_step_features`` of the step) when the sample carries them as
+    ``lora_features``: fits over such samples hold LoRA coefficients (``fit_feature_names``)."""
+    features = features_of(sample.aggregates)
+    lora = getattr(sample, "lora_features", None)
+    return {**features, **lora} if lora else features
+
+
 def predict(params: FittedParams, aggregates: Mapping[str, int]) -> float:
     """The fitted step time (the forward-pass part of ``FittedCostModel.step_time``)."""
-    features = features_of(aggregates)
+    return _predicted(params, features_of(aggregates))
+
+
+def predict_sample(params: FittedParams, sample: StepSample) -> float:
+    """``predict`` of a sample, its LoRA features (if it carries them) included."""
+    return _predicted(params, sample_features(sample))
+
+
+def _predicted(params: FittedParams, features: Mapping[str, float]) -> float:
     return params.intercept_s + sum(params.coefficients.get(f, 0.0) * v for f, v in features.items())
 
 
@@ -74,19 +92,20 @@ def fit(samples: Sequence[StepSample], model: str | None = None, tensor_parallel
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}.")
-    rows = [(features_of(s.aggregates), getattr(s, target)) for s in samples
+    rows = [(sample_features(s), getattr(s, target)) for s in samples
             if s.aggregates.get("total_num_scheduled_tokens", 0) > 0
             and math.isfinite(getattr(s, target))]
     if not rows:
         raise ValueError(f"no sample with scheduled tokens and a finite {target} to fit.")
     if weighting == "absolute":
         return fit_step_time(rows, model, tensor_parallel_size)
-    x = np.array([[1.0, *(f.get(n, 0.0) for n in FEATURE_NAMES)] for f, _ in rows])
+    names = fit_feature_names(f for f, _ in rows)
+    x = np.array([[1.0, *(f.get(n, 0.0) for n in names)] for f, _ in rows])
     y = np.array([s for _, s in rows])
     w = 1.0 / np.maximum(y, 1e-6)
     coef = nnls(x * w[:, None], y * w)
     rmse = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
-    return FittedParams(float(coef[0]), dict(zip(FEATURE_NAMES, map(float, coef[1:]))), model,
+    return FittedParams(float(coef[0]), dict(zip(names, map(float, coef[1:]))), model,
                         tensor_parallel_size, len(rows), rmse)
 
 
@@ -117,7 +136,7 @@ def run_speed(params: FittedParams, samples: Iterable[StepSample]) -> float:
     for s in samples:
         if s.aggregates.get("total_num_scheduled_tokens", 0) > 0:
             measured += s.seconds
-            predicted += predict(params, s.aggregates)
+            predicted += predict_sample(params, s)
     return measured / predicted if predicted > 0 else math.nan
 
 
@@ -132,8 +151,9 @@ def fit_overhead(samples: Sequence[StepSample], model: str | None = None,
 
 def combine(forward: FittedParams, overhead: FittedParams) -> FittedParams:
     """The sum of two fits over the same features (forward pass + loop overhead)."""
+    names = dict.fromkeys((*FEATURE_NAMES, *forward.coefficients, *overhead.coefficients))
     coefficients = {n: forward.coefficients.get(n, 0.0) + overhead.coefficients.get(n, 0.0)
-                    for n in FEATURE_NAMES}
+                    for n in names}
     return FittedParams(forward.intercept_s + overhead.intercept_s, coefficients, forward.model,
                         forward.tensor_parallel_size, forward.num_samples + overhead.num_samples,
                         math.hypot(forward.rmse_s, overhead.rmse_s))
@@ -159,7 +179,7 @@ def fit_errors(params: FittedParams, samples: Iterable[StepSample], target: str 
         y = getattr(s, target)
         if s.kind == "swap" or not math.isfinite(y) or y <= 0:
             continue
-        p = predict(params, s.aggregates) + (predict(offset, s.aggregates) if offset else 0.0)
+        p = predict_sample(params, s) + (predict_sample(offset, s) if offset else 0.0)
         by_kind.setdefault(s.kind, []).append((y, p))
     out = []
     for kind in [k for k in STEP_KINDS if k in by_kind] + ["all"]:

@@ -22,8 +22,14 @@ prefill share is taken as that of prompt chunks without a cached prefix, ``P * (
 for P prefill tokens in k chunks (exact for fresh equal-length chunks, an over-estimate of the decode
 share for chunks continuing a long prompt), capped at ``max_position_embeddings`` per decode.
 
+LoRA (``lora``, a ``lora_cost.LoRACost``; ``None`` without LoRA, and then nothing is computed):
+a step adds the LoRA group of its distinct adapters and the host-to-device copy of the adapters it
+loads (``lora_cost`` has the formulas and the decisions behind them).
+
 Fitted (``FittedCostModel``): ``seconds = intercept + sum(c_f * feature_f)`` over ``FEATURE_NAMES``
-with non-negative coefficients (NNLS), swap copies still timed by the roofline's PCIe term. Besides
+with non-negative coefficients (NNLS), swap copies still timed by the roofline's PCIe term. A fit
+that holds coefficients of ``LORA_FEATURE_NAMES`` (fitted on samples that carried them) times the
+LoRA terms with them; any other fit keeps the roofline's LoRA terms. Besides
 the linear terms, the features split the token count over log-spaced spans (``TOKEN_SEGMENTS``),
 so the fit can follow the steps of tiled kernels while staying non-decreasing in tokens.
 """
@@ -31,8 +37,9 @@ so the fit can follow the steps of tiled kernels while staying non-decreasing in
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +47,7 @@ import numpy as np
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import FittedParams, HardwareProfile
+from twinserve.simulator.lora_cost import LORA_FEATURE_NAMES, LoRACost, LoRAWork, lora_step_features
 
 # Token counts where the fitted step time may change slope. GEMM kernels run in tiles and pad
 # their width, so time is not linear in the tokens of a step: on this CPU 5 to 16 decodes took
@@ -60,6 +68,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     *TOKEN_SEGMENTS,
 )
 _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
+KNOWN_FEATURES = frozenset((*FEATURE_NAMES, *LORA_FEATURE_NAMES))
 DEFAULT_BLOCK_SIZE = 16
 _NON_TORCH_RESERVE_BYTES = 512 * 2**20  # CUDA context, cuBLAS/NCCL workspaces, CUDA graphs
 
@@ -108,6 +117,8 @@ class StepCost:
     swap_s: float
     overhead_s: float
     total_s: float
+    lora_s: float = 0.0  # the adapters' products (their own roofline group)
+    lora_load_s: float = 0.0  # adapters copied host-to-device before the forward pass
 
     @property
     def is_compute_bound(self) -> bool:
@@ -118,13 +129,15 @@ class StepCost:
 class CostModel:
     """Roofline step time for ``model`` on ``tensor_parallel_size`` devices like ``hardware``.
 
-    ``block_size`` (tokens per KV block) sizes the swap and copy traffic of a step.
+    ``block_size`` (tokens per KV block) sizes the swap and copy traffic of a step; ``lora``
+    adds the LoRA terms (with LoRA enabled).
     """
 
     model: ModelConfig
     hardware: HardwareProfile
     tensor_parallel_size: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
+    lora: LoRACost | None = None
     _s_per_flop: float = field(init=False, repr=False)
     _s_per_byte: float = field(init=False, repr=False)
     _flops_per_token: float = field(init=False, repr=False)
@@ -185,15 +198,27 @@ class CostModel:
     def weight_bytes_per_gpu(self) -> int:
         return math.ceil(self.model.weight_bytes / self.tensor_parallel_size)
 
+    def with_lora(self, lora: LoRACost | None) -> CostModel:
+        """A copy with the LoRA terms ``lora`` (``None``: without)."""
+        return dataclasses.replace(self, lora=lora)
+
+    def lora_load_time(self, loads: Sequence[tuple[str, int]]) -> float:
+        """Seconds to copy a step's ``lora_loads`` host-to-device (0 without LoRA)."""
+        if self.lora is None or not loads:
+            return 0.0
+        return self.lora.load_bytes(loads) / self.hardware.pcie_bandwidth
+
     def block_bytes(self, block_size: int | None = None) -> int:
         """Bytes of one KV block on one GPU (all layers, K and V)."""
         return (block_size or self.block_size) * self.kv_bytes_per_token_per_gpu
 
     def step_time(self, out: SchedulerOutput) -> float:
-        """Seconds for one engine step (swaps, copies, then the forward pass). O(1); equals
-        ``breakdown(out).total_s`` without building it (this runs once per simulated step)."""
+        """Seconds for one engine step (swaps, copies, adapter loads, then the forward pass). O(1)
+        without LoRA (O(scheduled) with it); equals ``breakdown(out).total_s``, without building it
+        when there is no LoRA (this runs once per simulated step)."""
         tokens = out.total_num_scheduled_tokens
-        if tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+        if (tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
+                or self.lora is not None):
             return self.breakdown(out).total_s
         # ``_work``, ``_kv_tokens_read``, ``_allreduce_s`` and ``_overhead_s`` inlined, with the
         # same float operations in the same order (results are bit-identical to ``breakdown``).
@@ -220,7 +245,9 @@ class CostModel:
                 + (self._fixed_s + self._per_seq_s * seqs))
 
     def breakdown(self, out: SchedulerOutput) -> StepCost:
-        """``step_time`` term by term (for reports and tests)."""
+        """``step_time`` term by term (for reports and tests). ``flops``, ``nbytes``,
+        ``compute_s`` and ``memory_s`` are the base model's; the LoRA terms are ``lora_s`` and
+        ``lora_load_s``."""
         tokens = out.total_num_scheduled_tokens
         swap_s = self.copy_time(out)
         if tokens == 0:
@@ -233,8 +260,14 @@ class CostModel:
         allreduce_s, overhead_s = self._allreduce_s(tokens), self._overhead_s(seqs)
         flops, nbytes = linear_flops + attention_flops, self._weight_bytes + kv_bytes
         total = linear_s + attention_s + allreduce_s + swap_s + overhead_s
+        lora_s = load_s = 0.0
+        if self.lora is not None:
+            work = self.lora.work(out)
+            lora_s, load_s = self.lora.forward_time(work), self.lora.load_time(work)
+            total += lora_s + load_s
         return StepCost(flops, nbytes, flops * self._s_per_flop, nbytes * self._s_per_byte,
-                        linear_s, attention_s, allreduce_s, swap_s, overhead_s, total)
+                        linear_s, attention_s, allreduce_s, swap_s, overhead_s, total, lora_s,
+                        load_s)
 
     def _work(self, out: SchedulerOutput, tokens: int, seqs: int) -> tuple[float, float, float]:
         """Per-GPU GEMM FLOPs, attention FLOPs and KV bytes (read + written) of the forward pass."""
@@ -333,12 +366,16 @@ class FittedCostModel:
     _intercept: float = field(init=False, repr=False)
     _coefficients: tuple[float, ...] = field(init=False, repr=False)
     _token_curve: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+    # fitted LoRA coefficients (LORA_FEATURE_NAMES order) of the forward terms and of the loads;
+    # None: the roofline's LoRA terms
+    _lora_forward: tuple[float, ...] | None = field(init=False, repr=False)
+    _lora_load: float | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.params.coefficients) - set(FEATURE_NAMES))
+        unknown = sorted(set(self.params.coefficients) - KNOWN_FEATURES)
         if unknown:
             raise ValueError(f"fitted coefficients name unknown feature(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(FEATURE_NAMES)}.")
+                             f"known: {', '.join((*FEATURE_NAMES, *LORA_FEATURE_NAMES))}.")
         if not self.params.matches(self.base.model.name, self.base.tensor_parallel_size):
             raise ValueError(f"params were fitted for model {self.params.model!r} at tensor_parallel_size="
                              f"{self.params.tensor_parallel_size}, not {self.base.model.name!r} at "
@@ -352,6 +389,11 @@ class FittedCostModel:
         for lo, hi, slope in zip(TOKEN_KNOTS, TOKEN_KNOTS[1:], slopes):
             values.append(values[-1] + slope * (hi - lo))
         self._token_curve = tuple(zip(values, slopes))
+        fitted = self.params.coefficients
+        forward_names = LORA_FEATURE_NAMES[:-1]
+        self._lora_forward = (tuple(fitted.get(f, 0.0) for f in forward_names)
+                              if any(f in fitted for f in forward_names) else None)
+        self._lora_load = fitted.get(LORA_FEATURE_NAMES[-1])
 
     @property
     def model(self) -> ModelConfig:
@@ -370,8 +412,34 @@ class FittedCostModel:
         if out.total_num_scheduled_tokens == 0:
             return self.base.breakdown(out).total_s  # swaps only (or nothing): no forward pass
         x = _feature_vector(out, None)  # as ``step_features(out)`` recorded them
-        return (self._intercept + sum(c * v for c, v in zip(self._coefficients, x))
-                + self._token_time(out.total_num_scheduled_tokens) + self.base.copy_time(out))
+        seconds = (self._intercept + sum(c * v for c, v in zip(self._coefficients, x))
+                   + self._token_time(out.total_num_scheduled_tokens) + self.base.copy_time(out))
+        lora = self.base.lora
+        return seconds if lora is None else seconds + self.lora_time(lora.work(out))
+
+    def lora_time(self, work: LoRAWork) -> float:
+        """The LoRA terms of a step: fitted where the fit holds them, else the roofline's."""
+        lora = self.base.lora
+        if lora is None:
+            return 0.0
+        if self._lora_forward is None:
+            forward = lora.forward_time(work)
+        else:
+            features = lora_step_features(work)
+            forward = sum(c * features.get(f, 0.0)
+                          for c, f in zip(self._lora_forward, LORA_FEATURE_NAMES))
+        load = (lora.load_time(work) if self._lora_load is None
+                else self._lora_load * work.load_bytes)
+        return forward + load
+
+    def with_lora(self, lora: LoRACost | None) -> FittedCostModel:
+        return FittedCostModel(self.params, self.base.with_lora(lora))
+
+    def lora_load_time(self, loads: Sequence[tuple[str, int]]) -> float:
+        lora = self.base.lora
+        if self._lora_load is None or lora is None or not loads:
+            return self.base.lora_load_time(loads)
+        return self._lora_load * lora.load_bytes(loads)
 
     def _token_time(self, num_tokens: int) -> float:
         """``sum(c_j * token_segments(num_tokens)[j])``, from the knot at or below the count."""
@@ -394,41 +462,53 @@ class FittedCostModel:
 
 
 def make_cost_model(model: ModelConfig, hardware: HardwareProfile, tensor_parallel_size: int = 1,
-                    block_size: int = DEFAULT_BLOCK_SIZE) -> CostModel | FittedCostModel:
+                    block_size: int = DEFAULT_BLOCK_SIZE,
+                    lora: LoRACost | None = None) -> CostModel | FittedCostModel:
     """The fitted model when ``hardware`` holds a fit for this model and TP size, else the roofline."""
-    base = CostModel(model, hardware, tensor_parallel_size, block_size)
+    base = CostModel(model, hardware, tensor_parallel_size, block_size, lora)
     params = hardware.find_fitted(model.name, tensor_parallel_size)
     return FittedCostModel(params, base) if params is not None else base
 
 
 def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str | None = None,
                   tensor_parallel_size: int = 1) -> FittedParams:
-    """Non-negative least squares of seconds on ``[1, *FEATURE_NAMES]``.
+    """Non-negative least squares of seconds on ``[1, *fit_feature_names(samples)]``.
 
     Each sample is ``(features, seconds)``; a feature missing from the dict counts as 0, an unknown
     one raises ValueError. ``model`` ``None`` labels the fit as valid for any model.
     """
     if not samples:
         raise ValueError("samples must hold at least one (features, seconds) pair.")
-    x = np.ones((len(samples), len(FEATURE_NAMES) + 1))
+    names = fit_feature_names(f for f, _ in samples)
+    x = np.ones((len(samples), len(names) + 1))
     y = np.empty(len(samples))
     for i, (features, seconds) in enumerate(samples):
-        x[i, 1:] = _sample_row(features, i)
+        x[i, 1:] = _sample_row(features, i, names)
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"samples[{i}] seconds must be finite and >= 0, got {seconds!r}.")
         y[i] = seconds
     coef = nnls(x, y)
     rmse = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
-    return FittedParams(float(coef[0]), dict(zip(FEATURE_NAMES, map(float, coef[1:]))), model,
+    return FittedParams(float(coef[0]), dict(zip(names, map(float, coef[1:]))), model,
                         tensor_parallel_size, len(samples), rmse)
 
 
-def _sample_row(features: dict[str, float], index: int) -> list[float]:
-    unknown = sorted(set(features) - set(FEATURE_NAMES))
+def fit_feature_names(features: Iterable[dict[str, float]]) -> tuple[str, ...]:
+    """``FEATURE_NAMES``, plus ``LORA_FEATURE_NAMES`` when a sample carries any of them (LoRA
+    steps measured on the real engine): a fit without them keeps the roofline's LoRA terms."""
+    lora = set(LORA_FEATURE_NAMES)
+    if any(lora.intersection(f) for f in features):
+        return (*FEATURE_NAMES, *LORA_FEATURE_NAMES)
+    return FEATURE_NAMES
+
+
+def _sample_row(features: dict[str, float], index: int,
+                names: Sequence[str] = FEATURE_NAMES) -> list[float]:
+    unknown = sorted(set(features) - KNOWN_FEATURES)
     if unknown:
         raise ValueError(f"samples[{index}] has unknown feature(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(FEATURE_NAMES)}.")
-    return [float(features.get(name, 0.0)) for name in FEATURE_NAMES]
+                         f"known: {', '.join((*FEATURE_NAMES, *LORA_FEATURE_NAMES))}.")
+    return [float(features.get(name, 0.0)) for name in names]
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -87,6 +87,12 @@ class HardwareProfile:
     pcie_bandwidth: float  # host<->device copies (swap), bytes/s
     device_type: str = "cuda"  # "cpu": the engine runs on the host (KV budget as on a CPU)
     native_bf16: bool = True  # a CPU with avx512_bf16/AMX: dtype auto resolves to bfloat16
+    # LoRA kernels (see ``lora_cost``): their share of the achievable rates, and fixed costs per
+    # step with adapters and per distinct adapter. The defaults are the bare roofline;
+    # calibration measures them on the real engine.
+    lora_efficiency: float = 1.0
+    lora_step_overhead_s: float = 0.0
+    lora_per_adapter_s: float = 0.0
     notes: str = ""
     fitted: tuple[FittedParams, ...] = field(default_factory=tuple)
 
@@ -96,13 +102,13 @@ class HardwareProfile:
         for key in ("peak_flops", "mem_bandwidth", "mem_capacity", "interconnect_bandwidth",
                     "pcie_bandwidth"):
             _check_positive(key, getattr(self, key))
-        for key in ("eff_compute", "eff_memory"):
+        for key in ("eff_compute", "eff_memory", "lora_efficiency"):
             value = getattr(self, key)
             _check_positive(key, value)
             if value > 1.0:
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}.")
         for key in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s",
-                    "interconnect_latency_s"):
+                    "interconnect_latency_s", "lora_step_overhead_s", "lora_per_adapter_s"):
             _check_non_negative(key, getattr(self, key))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")

@@ -27,9 +27,10 @@ from twinserve.policies import get_policy
 from twinserve.simulator.cost_model import make_cost_model
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
+from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
-from twinserve.traces import TraceRequest
+from twinserve.traces import LoRAAdapters, TraceRequest
 from twinserve.traces.trace_request import iter_prompt_token_ids
 
 DEFAULT_SIM_MODEL = "llama-3-8b"
@@ -140,7 +141,7 @@ def to_request(tr: TraceRequest, vocab_size: int, block_size: int, prompt: list[
     if prompt is None:
         prompt = tr.prompt_token_ids(vocab_size, block_size)
     return Request(tr.request_id, prompt, params or _sampling_params(tr.output_tokens),
-                   tr.arrival_time, priority=tr.priority, tenant=tr.tenant,
+                   tr.arrival_time, priority=tr.priority, tenant=tr.tenant, lora=tr.lora,
                    hints={"output_len_hint": float(tr.output_tokens)})
 
 
@@ -160,10 +161,15 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int,
         yield to_request(tr, vocab_size, block_size, prompt, params)
 
 
-def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) -> SimResult:
-    """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines."""
+def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
+             adapters: LoRAAdapters | None = None) -> SimResult:
+    """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
+    ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``)."""
     t0 = time.perf_counter()
     engine_config, cost, spec = build_engine_config(cfg)
+    lora = lora_cost_for(cfg.engine, spec, cost.hardware, trace, adapters)
+    if lora is not None:
+        cost = cost.with_lora(lora)
     sched_cfg, vocab, block_size = (engine_config.scheduler, spec.vocab_size,
                                     cfg.engine.block_size)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
@@ -172,9 +178,12 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) 
     recorder.on_finish = bar.update if bar is not None else None
     with _cyclic_gc_paused():
         env = simpy.Environment()
+        # with LoRA each replica's step time also tallies its adapter loads
+        step_times = ([cost.step_time] * cfg.num_replicas if lora is None else
+                      [LoadTally(cost.step_time, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
-                                          recorder, i), cost.step_time)
-                    for i, policy in enumerate(_policies(cfg))]
+                                          recorder, i), step_time)
+                    for i, (policy, step_time) in enumerate(zip(_policies(cfg), step_times))]
         requests = _engine_requests(trace, vocab, block_size)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
         for replica in replicas:
@@ -185,6 +194,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False) 
     records = sorted(recorder.requests, key=lambda r: r.arrival_time)
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
+    if lora is not None:
+        summary.update(lora_summary(records, trace, step_times))  # type: ignore[arg-type]
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
                      time.perf_counter() - t0)
 

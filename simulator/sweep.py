@@ -43,10 +43,11 @@ from twinserve.simulator.sweep_spec import (
     base_trace,
     load_spec,
     mean_rate,
+    point_adapters,
     point_trace,
 )
 from twinserve.simulator.sweep_table import point_row
-from twinserve.traces import TraceRequest
+from twinserve.traces import LoRAAdapters, TraceRequest
 
 BACKENDS = ("local", "ray")
 POINTS_DIR = "points"
@@ -62,6 +63,7 @@ class PointTask:
     label: str
     trace: list[TraceRequest]
     trace_desc: dict[str, Any]
+    adapters: LoRAAdapters | None = None  # the shapes of the LoRA adapters the requests name
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,8 @@ class PointDone:
 
 def run_point(task: PointTask) -> PointDone:
     """Simulates one point and writes its run folder atomically (temporary folder, then rename)."""
-    result = simulate(SimConfig.from_flat({**task.sim, "label": task.label}), task.trace)
+    result = simulate(SimConfig.from_flat({**task.sim, "label": task.label}), task.trace,
+                      adapters=task.adapters)
     final = Path(task.folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
@@ -113,8 +116,9 @@ def build_tasks(spec: SweepSpec, points: Sequence[SweepPoint], points_dir: Path)
             trace = point_trace(point.workload, bases[trace_name])
         except ValueError as exc:
             raise ValueError(f"{spec.source}: point {point.name!r}: {exc}") from None
+        adapters = point_adapters(point.workload, point.sim_config().engine)
         tasks.append(PointTask(point.point_id, str(points_dir / point.folder), point.sim, point.name,
-                               trace, _trace_desc(point, trace)))
+                               trace, _trace_desc(point, trace), adapters))
     return tasks
 
 

@@ -13,6 +13,9 @@ seed = 0                              # every random draw (tenants, priorities, 
 tenants = { heavy = 0.8, light = 0.2 }        # tenant drawn per request with these weights
 priorities = { 0 = 0.2, 1 = 0.8 }             # or: priority class drawn per request ...
 tenant_priorities = { light = 0, heavy = 1 }  # ... or: priority given by the tenant
+loras = "32,base=8"                   # LoRA adapter per request, as --loras (or a count, or a
+lora_rank = 16                        #   table of weights); their rank (default max_lora_rank)
+lora_target_modules = "all"           #   and modules; serve them with enable_lora in [engine]
 clip_max_model_len = 4096             # clip prompt + output to fit (traces.clip_lengths)
 # synthetic only: burstiness, input_len, output_len, range_ratio, prefix_len, prefix_share
 
@@ -62,8 +65,11 @@ from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.run import SIM_KEYS, SimConfig, build_engine_config
 from twinserve.traces import (
+    AdapterShape,
+    LoRAAdapters,
     SyntheticConfig,
     TraceRequest,
+    assign_loras,
     assign_priorities,
     assign_tenants,
     clip_lengths,
@@ -73,12 +79,15 @@ from twinserve.traces import (
     synthetic_trace,
     time_window,
 )
+from twinserve.traces.lora import parse_loras, parse_target_modules
 
 SECTIONS = ("sweep", "workload", "engine", "grid", "slo", "policy_options")
 SYNTHETIC = "synthetic"
 SYNTHETIC_KEYS = ("burstiness", "input_len", "output_len", "range_ratio", "prefix_len", "prefix_share")
+LORA_KEYS = ("loras", "lora_rank", "lora_target_modules")  # in a point's workload only when set
 WORKLOAD_KEYS = ("trace", "num_requests", "time_window", "request_rate", "seed", "tenants",
-                 "priorities", "tenant_priorities", "clip_max_model_len", *SYNTHETIC_KEYS)
+                 "priorities", "tenant_priorities", "clip_max_model_len", *LORA_KEYS,
+                 *SYNTHETIC_KEYS)
 WORKLOAD_AXES = ("trace", "request_rate", "seed")
 NOT_ENGINE_KEYS = ("policy_options", "label")  # set through [policy_options.<name>] and the grid
 # Each [engine]/[grid] key with its type: EngineArgs' fields (as their annotations read) and the
@@ -362,11 +371,34 @@ def _synthetic_setting(key: str) -> Callable[[Any], Any]:
     return check
 
 
+def _loras(value: Any) -> str:
+    """``--loras`` text, from a count, that text, or a table of weights."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        text = str(value)
+    elif isinstance(value, str):
+        text = value
+    elif isinstance(value, dict):
+        text = ",".join(f"{name}={weight}" for name, weight in _weights(value).items())
+    else:
+        raise ValueError(f"expected a count, --loras text or a table of weights, got {value!r}.")
+    parse_loras(text)
+    return text
+
+
+def _target_modules(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected 'all' or a list of module names, got {value!r}.")
+    return ",".join(parse_target_modules(value))
+
+
 WORKLOAD_CHECKS: dict[str, Callable[[Any], Any]] = {
     "trace": _trace_name, "num_requests": _int_at_least(1), "time_window": _window,
     "request_rate": _rate, "seed": _int_at_least(0), "tenants": _weights,
     "priorities": _priority_weights, "tenant_priorities": _tenant_priorities,
-    "clip_max_model_len": _int_at_least(2),
+    "clip_max_model_len": _int_at_least(2), "loras": _loras, "lora_rank": _int_at_least(1),
+    "lora_target_modules": _target_modules,
 }
 
 
@@ -374,7 +406,8 @@ def resolve_workload(workload: dict[str, Any]) -> dict[str, Any]:
     """Every workload key with its value or ``None`` (synthetic keys only for a synthetic trace), so
     that a point's id does not depend on which defaults were written out."""
     trace = workload.get("trace", DEFAULT_TRACE)
-    keys = [k for k in WORKLOAD_KEYS if trace == SYNTHETIC or k not in SYNTHETIC_KEYS]
+    keys = [k for k in WORKLOAD_KEYS if (trace == SYNTHETIC or k not in SYNTHETIC_KEYS)
+            and (k not in LORA_KEYS or workload.get(k) is not None)]  # ids of LoRA-less points stay
     resolved = {k: workload.get(k) for k in keys}
     resolved["trace"] = trace
     resolved["seed"] = workload.get("seed", 0)
@@ -511,12 +544,26 @@ def _labelled(reqs: list[TraceRequest], workload: dict[str, Any]) -> list[TraceR
         reqs = assign_tenants(reqs, workload["tenants"], seed=seed)
     if workload["priorities"] is not None:
         reqs = assign_priorities(reqs, workload["priorities"], seed=seed)
+    if workload.get("loras") is not None:
+        reqs = assign_loras(reqs, parse_loras(workload["loras"])[0], seed=seed)
     by_tenant = workload["tenant_priorities"]
     if by_tenant is not None:
         reqs = [dataclasses.replace(r, priority=by_tenant.get(r.tenant, r.priority)) for r in reqs]
     if workload["clip_max_model_len"] is not None:
         reqs = clip_lengths(reqs, workload["clip_max_model_len"])
     return reqs
+
+
+def point_adapters(workload: dict[str, Any], engine: EngineArgs) -> LoRAAdapters | None:
+    """The shapes of a point's adapters (``None`` with LoRA disabled): ``lora_rank`` (default the
+    engine's max_lora_rank), ``lora_target_modules`` and the ranks ``loras`` gives."""
+    lora = engine.lora_config()
+    if lora is None:
+        return None
+    rank = workload.get("lora_rank") or lora.max_lora_rank
+    modules = parse_target_modules(workload.get("lora_target_modules") or "all")
+    ranks = parse_loras(workload["loras"])[1] if workload.get("loras") else {}
+    return LoRAAdapters(AdapterShape(rank, modules), tuple(ranks.items()))
 
 
 def mean_rate(reqs: list[TraceRequest]) -> float:

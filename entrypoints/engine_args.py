@@ -21,7 +21,7 @@ _HELP: dict[str, str] = {
              "bfloat16 only with native bf16, else float32)",
     "device": "auto (cuda when present), cpu or cuda; the twin's device is its hardware profile",
     "seed": "seed of the engine's sampler",
-    "scheduling_policy": "fcfs, priority, fair, sjf, static or a plugin",
+    "scheduling_policy": "fcfs, priority, fair, sjf, static, lora_affinity or a plugin",
     "policy_options": 'policy options as JSON, e.g. \'{"tenant_weights": {"gold": 2}}\'',
     "block_size": "tokens per KV block",
     "max_num_seqs": "most requests in one step (default: vLLM's for the device and usage)",

@@ -24,7 +24,7 @@ def test_simulate_writes_a_run_folder_and_report(tmp_path, capsys):
 
 def test_bad_names_exit_2_with_the_valid_ones(capsys):
     assert main(["simulate", "--num-requests", "5", "--policy", "nope"]) == 2
-    assert "valid: fair, fcfs, priority, sjf, static" in capsys.readouterr().err
+    assert "valid: fair, fcfs, lora_affinity, priority, sjf, static" in capsys.readouterr().err
     assert main(["simulate", "--num-requests", "5", "--hardware", "tpu"]) == 2
     assert "h100-sxm" in capsys.readouterr().err
     assert main(["simulate", "--num-requests", "5", "--model", "gpt-9"]) == 2

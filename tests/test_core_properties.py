@@ -17,7 +17,7 @@ op = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=60),
-       policy=st.sampled_from(["fcfs", "priority", "fair", "sjf"]),
+       policy=st.sampled_from(["fcfs", "priority", "fair", "sjf", "lora_affinity"]),
        mode=st.sampled_from(["recompute", "swap"]),
        caching=st.booleans(), chunked=st.booleans())
 def test_random_workloads_keep_invariants(ops, policy, mode, caching, chunked):

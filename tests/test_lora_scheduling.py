@@ -62,7 +62,7 @@ def _drain(policy):
     return taken
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "fair", "static"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "fair", "static", "lora_affinity"])
 def test_every_policy_puts_passed_over_requests_back_in_order(policy) -> None:
     s = make_scheduler(max_loras=1, policy=policy)
     for k in range(6):
@@ -85,7 +85,7 @@ op = st.one_of(
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=50), max_loras=st.integers(1, 3),
-       policy=st.sampled_from(["fcfs", "priority", "fair", "sjf"]),
+       policy=st.sampled_from(["fcfs", "priority", "fair", "sjf", "lora_affinity"]),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
 def test_random_workloads_never_exceed_max_loras(ops, max_loras, policy, mode, caching) -> None:
     s = make_scheduler(num_blocks=20, block_size=4, max_num_seqs=5, max_num_batched_tokens=40,

@@ -122,7 +122,7 @@ def test_tenant_weights_share_service_in_proportion():
 
 def test_registry_lists_valid_names_and_loads_entry_points(monkeypatch):
     assert {"fcfs", "priority", "fair", "sjf"} <= set(available_policies())
-    with pytest.raises(ValueError, match="valid: fair, fcfs, priority, sjf"):
+    with pytest.raises(ValueError, match="valid: fair, fcfs, lora_affinity, priority, sjf"):
         get_policy("nope")
     with pytest.raises(ValueError, match="bad options"):
         get_policy("fcfs", bogus=1)

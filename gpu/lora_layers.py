@@ -6,8 +6,8 @@ adapter; rows of base-model requests are in no segment). ``LinearLoRA`` holds on
 layer's adapter weights per slot and adds the deltas:
 
 - CPU (torch): per segment, one shrink ``x[rows] @ A_slot.T`` over all the projections the layer
-  fuses (q/k/v, gate/up: their A's stacked) and one expand per projection into its output
-  columns, with the adapter's own rank (no padding to ``max_lora_rank``);
+  fuses (q/k/v, gate/up: their A's stacked) and one expand by their B's block-diagonal, in
+  float32, with the adapter's own rank (no padding to ``max_lora_rank``);
 - CUDA: the Triton SGMV kernels (``gpu/triton_lora.py``) over slot-stacked weights padded to
   ``max_lora_rank``, one shrink and one expand per projection for all segments.
 
@@ -80,11 +80,11 @@ class LoRAContext:
 @dataclass(slots=True)
 class _SlotWeights:
     """One adapter's weights in one layer (CPU path): ``a`` stacks the A's of the targeted
-    projections ``[sum r, in]``; per projection ``(column offset, size, B [size, r])``."""
+    projections ``[n r, in]``; ``b`` is their B's block-diagonal ``[out, n r]`` (zero rows for
+    the projections it does not target), so a segment costs one shrink and one expand."""
 
-    rank: int
     a: torch.Tensor
-    b: list[tuple[int, int, torch.Tensor]]
+    b: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -136,14 +136,22 @@ class LinearLoRA:
             return
         to = {"dtype": self._compute_dtype, "device": self.device}
         a = torch.cat([pairs[name][0] for _, name, _, _ in targeted]).to(**to).contiguous()
-        b = [(off, size, pairs[name][1].to(**to).contiguous()) for _, name, off, size in targeted]
-        self.slots[slot] = _SlotWeights(rank, a, b)
+        out_size = sum(size for _, _, size in self.shards)
+        b = torch.zeros(out_size, len(targeted) * rank, **to)
+        for k, (_, name, off, size) in enumerate(targeted):
+            b[off:off + size, k * rank:(k + 1) * rank] = pairs[name][1]
+        self.slots[slot] = _SlotWeights(a, b)
 
-    def add_deltas(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch,
+                   feature_major: bool = False) -> None:
         """``out[t] += B_slot(A_slot x[t])`` for every row in a segment; ``out`` is ``[T, out]``
-        (a transposed view is fine)."""
+        (any strides), or ``[out, T]`` with ``feature_major`` (the CPU MLP layout: the deltas
+        are then computed feature-major too, so the adds run along contiguous rows)."""
         if self.use_triton:
-            self._add_deltas_triton(x, out, batch)
+            self._add_deltas_triton(x, out.t() if feature_major else out, batch)
+            return
+        if feature_major:
+            self._add_deltas_feature_major(x, out, batch)
             return
         for seg in batch.segments:
             weights = self.slots[seg.slot]
@@ -152,13 +160,28 @@ class LinearLoRA:
             rows = seg.rows
             xs = x[seg.start:seg.end] if rows is None else x.index_select(0, rows)
             h = F.linear(xs.to(self._compute_dtype), weights.a)
-            r = weights.rank
-            for k, (off, size, b) in enumerate(weights.b):
-                delta = F.linear(h[:, k * r:(k + 1) * r], b).to(out.dtype)
-                if rows is None:
-                    out[seg.start:seg.end, off:off + size].add_(delta)
-                else:
-                    out[:, off:off + size].index_add_(0, rows, delta)
+            # The expand's FLOPs are T x out x n r (n <= 3 projections): the block-diagonal
+            # product wastes a little of tiny work to save two calls per layer.
+            delta = F.linear(h, weights.b).to(out.dtype)
+            if rows is None:
+                out[seg.start:seg.end].add_(delta)
+            else:
+                out.index_add_(0, rows, delta)
+
+    def _add_deltas_feature_major(self, x: torch.Tensor, out: torch.Tensor,
+                                  batch: LoRABatch) -> None:
+        for seg in batch.segments:
+            weights = self.slots[seg.slot]
+            if weights is None:
+                continue
+            rows = seg.rows
+            xs = x[seg.start:seg.end] if rows is None else x.index_select(0, rows)
+            h = weights.a @ xs.to(self._compute_dtype).t()  # [n r, t]
+            delta = (weights.b @ h).to(out.dtype)  # [out, t]
+            if rows is None:
+                out[:, seg.start:seg.end].add_(delta)
+            else:
+                out.index_add_(1, rows, delta)
 
     def _add_deltas_triton(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         from twinserve.gpu.triton_lora import lora_expand, lora_shrink
@@ -189,5 +212,5 @@ class LoRALinearMethod(LinearMethodBase):
         out = self.base.apply_feature_major(layer, x)
         batch = self.context.batch
         if batch is not None:
-            self.lora.add_deltas(x, out.t(), batch)
+            self.lora.add_deltas(x, out, batch, feature_major=True)
         return out

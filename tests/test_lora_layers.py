@@ -80,19 +80,20 @@ def test_both_paths_equal_the_per_row_reference() -> None:
     assert errors["torch-bfloat16"] < 5e-2 and errors["triton-bfloat16"] < 5e-2, errors
 
 
-def test_a_transposed_output_view_is_updated_in_place() -> None:
-    """The CPU MLP path hands the layer its feature-major output transposed."""
+def test_feature_major_outputs_get_the_same_deltas() -> None:
+    """The CPU MLP path's outputs are ``[out, T]``: contiguous and scattered segments."""
     from twinserve.gpu.lora_layers import LinearLoRA, LoRABatch
     pairs, x, base = _case(torch.float32)
     layer = LinearLoRA(SHARDS, IN, 3, 8, torch.float32, torch.device("cpu"), False)
     layer.set_slot(1, pairs[1], 8)
-    batch = LoRABatch.build([(1, 0, 3), (1, 5, 7)], torch.device("cpu"))
-    row_major, feature_major = base.clone(), base.t().contiguous()
-    layer.add_deltas(x, row_major, batch)
-    layer.add_deltas(x, feature_major.t(), batch)
-    assert torch.equal(row_major, feature_major.t())
-    assert not torch.equal(row_major[:3], base[:3])
-    assert torch.equal(row_major[3:5], base[3:5])  # rows 3, 4 have no adapter
+    for ranges in ([(1, 0, 3)], [(1, 0, 3), (1, 5, 7)]):
+        batch = LoRABatch.build(ranges, torch.device("cpu"))
+        row_major, feature_major = base.clone(), base.t().contiguous()
+        layer.add_deltas(x, row_major, batch)
+        layer.add_deltas(x, feature_major, batch, feature_major=True)
+        torch.testing.assert_close(row_major, feature_major.t(), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(row_major[:3], base[:3])
+        assert torch.equal(row_major[3:5], base[3:5])  # rows 3, 4 have no adapter
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ simulation-only users never import torch.
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
         from twinserve.entrypoints.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from twinserve.core.lora import LoRARequest
+        return LoRARequest
     if name == "SamplingParams":
         from twinserve.core.sampling_params import SamplingParams
         return SamplingParams

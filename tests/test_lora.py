@@ -259,3 +259,30 @@ def test_bundled_model_with_two_adapters_gives_peft_greedy_tokens(default_model_
                 got[ids[out.request_id]] = list(out.outputs[0].token_ids)
     assert {key: got[key] for key in sorted(got, key=str)} == {
         (name, p): want[name][p] for name in want for p in range(len(prompts))}
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "llama-biases"])
+def test_every_family_with_adapters_gives_peft_greedy_tokens(family, tmp_path):
+    """Mistral, Qwen3 (q/k norms, head_dim != hidden / heads: q_proj's LoRA B is wider than the
+    hidden size) and Llama with biases, each with two adapters beside the base model."""
+    from test_architectures import _hf_model
+    base = tmp_path / family
+    _hf_model(family).save_pretrained(base, safe_serialization=True)
+    names = ("all8", "qv4")
+    dirs = {n: str(make_adapter(base, tmp_path / n, ADAPTERS[n], k)) for k, n in enumerate(names)}
+    prompts = [[3 + t % 150 for t in p] for p in _prompts()[:3]]  # the families' vocabulary: 160
+    want = {n: peft_greedy(base, dirs.get(n), prompts, MAX_TOKENS) for n in (None, *names)}
+    assert want["all8"] != want[None]
+    engine = _engine(base)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = {}
+    for k, name in enumerate((None, *names)):
+        lora = None if name is None else LoRARequest(name, k, dirs[name])
+        for p, prompt in enumerate(prompts):
+            ids[engine.add_request(prompt, params, lora_request=lora)] = (name, p)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[ids[out.request_id]] = list(out.outputs[0].token_ids)
+    assert got == {(n, p): want[n][p] for n in want for p in range(len(prompts))}

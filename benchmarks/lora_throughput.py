@@ -24,38 +24,16 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from twinserve.benchmarks.offline_throughput import VllmWorker
-from twinserve.core.lora import PEFT_TARGET_MODULES, LoRARequest
+from twinserve.core.lora import LoRARequest
 from twinserve.core.model_config import ModelConfig
+from twinserve.gpu.lora_weights import write_random_adapter
 
 NUM_REQUESTS = 64
 PROMPT_LEN = 32
 RANK = 16
 CONFIGS = ("base", "lora-1", "lora-4", "lora-8", "merged-8")
-
-
-def write_random_adapter(config: ModelConfig, out: Path, rank: int, seed: int,
-                         targets: tuple[str, ...] = PEFT_TARGET_MODULES) -> Path:
-    """A PEFT-format LoRA of ``config`` with random A and B (scaled so outputs change)."""
-    from twinserve.gpu.lora_weights import projection_shapes
-    shapes = projection_shapes(config)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for module in targets:
-            in_size, out_size = shapes[module]
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_size, generator=gen) * 0.02
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_size, rank, generator=gen) * 0.02
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
-    return out
 
 
 def assignment(config: str) -> list[int | None]:

@@ -13,9 +13,20 @@ adapter's weights into that slot, the twin charges the host-to-device transfer.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from twinserve.core.model_config import ModelConfig
 
 PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Step features of the LoRA terms, for calibration (``lora_step_features``): the roofline's FLOPs
+# and weight bytes, the distinct adapters, whether any ran, and the bytes loaded. The real
+# engine's profiler records them per measured step; the twin's cost model computes them.
+LORA_FEATURE_NAMES: tuple[str, ...] = (
+    "lora_flops", "lora_weight_bytes", "num_lora_adapters", "lora_steps", "lora_load_bytes")
+_ROW_PARALLEL = "row"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +135,50 @@ class LoRASlots:
     def take_loads(self) -> list[tuple[str, int]]:
         loads, self.loads = self.loads, []
         return loads
+
+
+# ---- the sizes of an adapter's work (shared by the twin's cost model and the profiler) ---------
+def lora_elements_per_rank(model: ModelConfig, target_modules: Sequence[str],
+                           tensor_parallel_size: int = 1) -> int:
+    """Elements of A and B per unit of rank, all layers, on one GPU, for the adapted projections
+    (tensor parallel as vLLM's layers: column-parallel ones split B, row-parallel ones A)."""
+    per_layer = 0
+    for spec in model.arch.linears(model):
+        for shard in spec.shards:
+            if shard.hf_name.rsplit(".", 1)[-1] not in target_modules:
+                continue
+            a, b = spec.input_size, shard.output_size
+            if spec.kind == _ROW_PARALLEL:
+                a = a // tensor_parallel_size
+            else:
+                b = b // tensor_parallel_size
+            per_layer += a + b
+    return per_layer * model.num_hidden_layers
+
+
+def adapter_terms(model: ModelConfig, rank: int, step_rank: int, target_modules: Sequence[str],
+                  tensor_parallel_size: int = 1) -> tuple[float, float, float]:
+    """An adapter's FLOPs per token and weight bytes per step (at ``step_rank``: the rank its
+    kernels run at), and the bytes of loading it (its own ``rank``)."""
+    per_rank = lora_elements_per_rank(model, target_modules, tensor_parallel_size)
+    return (2.0 * step_rank * per_rank, float(step_rank * per_rank * model.dtype_bytes),
+            float(rank * per_rank * model.dtype_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWork:
+    """One step's LoRA terms (per GPU)."""
+
+    flops: float = 0.0
+    weight_bytes: float = 0.0
+    num_adapters: int = 0
+    load_bytes: float = 0.0
+
+
+def lora_step_features(work: LoRAWork) -> dict[str, float]:
+    """A step's LoRA features, keyed by ``LORA_FEATURE_NAMES`` (empty for a step without LoRA:
+    calibration samples of base-only steps carry none)."""
+    if not (work.num_adapters or work.load_bytes):
+        return {}
+    return dict(zip(LORA_FEATURE_NAMES, (work.flops, work.weight_bytes, float(work.num_adapters),
+                                         1.0 if work.num_adapters else 0.0, work.load_bytes)))

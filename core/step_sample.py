@@ -5,10 +5,11 @@ simulator's cost model reads) and the seconds the step took. ``gpu.profiler`` me
 (hand-built steps, the steps of a live engine); ``simulator.calibration`` fits the cost model on
 them. The CSV has one row per sample::
 
-    kind, <AGGREGATE_FIELDS...>, seconds, execute_seconds
+    kind, <AGGREGATE_FIELDS...>, seconds, execute_seconds, <LORA_FEATURE_NAMES...>
 
-``execute_seconds`` is empty when the forward pass was not timed apart from the whole step; the
-repeats of a micro-benchmark are not written (``seconds`` is their median).
+``execute_seconds`` is empty when the forward pass was not timed apart from the whole step, the
+LoRA columns when the step ran no adapter; the repeats of a micro-benchmark are not written
+(``seconds`` is their median).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from twinserve.core.lora import LORA_FEATURE_NAMES
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 
 STEP_KINDS = ("prefill", "decode", "mixed", "swap")
-SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
+SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds", *LORA_FEATURE_NAMES)
 SAMPLES_FILE = "step_features.csv"
 
 
@@ -31,13 +33,15 @@ class StepSample:
     """One timed step. ``seconds`` is what the engine step (or, for a micro-benchmark, the forward
     pass) took; ``execute_seconds`` the forward pass alone (``nan`` when not timed apart);
     ``repeats`` the timings a median was taken of. ``kind`` (``prefill``, ``decode``, ``mixed`` or
-    ``swap``) is derived from the aggregates when not given."""
+    ``swap``) is derived from the aggregates when not given. ``lora_features`` are the step's
+    ``core.lora.lora_step_features`` (empty: no adapter ran or was loaded)."""
 
     aggregates: dict[str, int]
     seconds: float
     execute_seconds: float = math.nan
     kind: str = ""
     repeats: list[float] = field(default_factory=list)
+    lora_features: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.aggregates) - set(AGGREGATE_FIELDS))
@@ -48,6 +52,10 @@ class StepSample:
             raise ValueError(f"seconds must be finite and >= 0, got {self.seconds!r}.")
         if not math.isnan(self.execute_seconds) and not self.execute_seconds >= 0:
             raise ValueError(f"execute_seconds must be >= 0 or nan, got {self.execute_seconds!r}.")
+        unknown = sorted(set(self.lora_features) - set(LORA_FEATURE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown LoRA feature(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(LORA_FEATURE_NAMES)}.")
         if not self.kind:
             self.kind = step_kind(self.aggregates)
         elif self.kind not in STEP_KINDS:
@@ -83,7 +91,9 @@ def write_samples(path: str | Path, samples: Iterable[StepSample]) -> Path:
         for s in samples:
             w.writerow([s.kind, *(int(s.aggregates.get(k, 0)) for k in AGGREGATE_FIELDS),
                         repr(round(s.seconds, 9)),
-                        "" if math.isnan(s.execute_seconds) else repr(round(s.execute_seconds, 9))])
+                        "" if math.isnan(s.execute_seconds) else repr(round(s.execute_seconds, 9)),
+                        *(repr(s.lora_features[n]) if n in s.lora_features else ""
+                          for n in LORA_FEATURE_NAMES)])
     return path
 
 
@@ -102,7 +112,9 @@ def read_samples(path: str | Path) -> list[StepSample]:
             try:
                 counts = {k: int(row[k]) for k in AGGREGATE_FIELDS}
                 execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
-                out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or ""))
+                lora = {n: float(row[n]) for n in LORA_FEATURE_NAMES if row.get(n)}
+                out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or "",
+                                      lora_features=lora))
             except (KeyError, ValueError) as exc:
                 raise ValueError(f"{path}:{i}: bad step sample row ({exc}).") from None
     return out

@@ -55,7 +55,8 @@ def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: 
     from twinserve.gpu.profiler import measure_backend
     from twinserve.simulator.calibration import fit_backend
     measured = measure_backend(runner, engine_args, quick, warmup, repeats, engine_loop, log)
-    return fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block)
+    return fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
+                       measured.lora)
 
 
 def load_runner(args: argparse.Namespace) -> tuple[EngineArgs, ModelRunner]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from twinserve.core.lora import PEFT_TARGET_MODULES, LoRARequest
 from twinserve.core.model_config import ModelConfig
@@ -158,3 +159,24 @@ def _read_weights(path: Path, where: str, config: ModelConfig, rank: int,
                              "without its other half.")
         weights[target] = (pair["A"].contiguous(), (pair["B"] * scaling).contiguous())
     return weights
+
+
+def write_random_adapter(config: ModelConfig, out: Path, rank: int, seed: int,
+                         targets: tuple[str, ...] = PEFT_TARGET_MODULES) -> Path:
+    """A PEFT-format LoRA of ``config`` with random A and B (scaled so outputs change)."""
+    shapes = projection_shapes(config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module in targets:
+            in_size, out_size = shapes[module]
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_size, generator=gen) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_size, rank, generator=gen) * 0.02
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+    return out

@@ -20,10 +20,12 @@ nothing of the simulator (``gpu`` never imports ``simulator``): it produces samp
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -205,6 +207,69 @@ def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1,
     return statistics.median(times) / (2 * n)
 
 
+# ---- LoRA steps ----------------------------------------------------------------------------
+def lora_grid(max_num_seqs: int, max_loras: int, quick: bool = False
+              ) -> list[tuple[StepSpec, int]]:
+    """``(step, adapters)`` pairs: decode batches and a prefill chunk, each with 1, a few and
+    ``max_loras`` distinct adapters (round-robin over the step's requests)."""
+    batches = [b for b in ((1, 16) if quick else (1, 8, 32, 64)) if b <= max_num_seqs]
+    counts = sorted({1, min(4, max_loras), max_loras})
+    steps = [StepSpec(decodes=(128,) * b) for b in batches]
+    steps.append(StepSpec(prefills=((256, 0),)))
+    return [(spec, k) for spec in steps for k in counts if k <= max(1, len(spec.decodes))]
+
+
+def measure_lora(runner: ModelRunner, adapter_dir: str, quick: bool = False, warmup: int = 1,
+                 repeats: int = 3, progress: Log | None = None) -> list[StepSample]:
+    """Times steps whose requests use adapters (random ones of rank ``max_lora_rank`` on every
+    projection, written under ``adapter_dir``), each once with its adapters loaded in the step
+    (``lora_loads``) and once with them resident: samples with ``lora_features``, from which
+    the calibration fits the LoRA terms (products and loads) beside the base ones."""
+    from twinserve.core.lora import (
+        PEFT_TARGET_MODULES,
+        LoRARequest,
+        LoRAWork,
+        adapter_terms,
+        lora_step_features,
+    )
+    from twinserve.gpu.lora_weights import write_random_adapter
+    lora = runner.lora
+    if lora is None:
+        raise ValueError("measure_lora needs a runner built with enable_lora=True.")
+    cfg = lora.lora_config
+    rank = cfg.max_lora_rank
+    names = []
+    for i in range(cfg.max_loras):
+        path = write_random_adapter(runner.config, Path(adapter_dir) / f"profile-lora{i}", rank, i)
+        names.append(lora.acquire(LoRARequest(f"profile-lora{i}", i + 1, str(path))))
+    per_token, weights, load = adapter_terms(runner.config, rank, rank, PEFT_TARGET_MODULES)
+    samples, sync = [], _sync_for(runner.device)
+    try:
+        for spec, k in lora_grid(runner.engine_config.scheduler.max_num_seqs, cfg.max_loras, quick):
+            step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
+            for i, sr in enumerate(step.scheduled):
+                sr.request.lora = names[i % k]
+            step.lora_loads = [(names[i], i) for i in range(k)]
+            work = LoRAWork(per_token * step.total_num_scheduled_tokens, weights * k, k, load * k)
+            for loaded in (True, False):
+                if not loaded:
+                    step.lora_loads = ()
+                    work = LoRAWork(work.flops, work.weight_bytes, k)
+                times = time_call(partial(runner.execute, step), warmup, repeats, sync)
+                median = statistics.median(times)
+                sample = StepSample.of_step(step, median, median, times)
+                sample.lora_features = lora_step_features(work)
+                samples.append(sample)
+                if progress:
+                    what = "loaded in the step" if loaded else "resident"
+                    progress(f"LoRA {spec.label():<26} x {k} adapters, {what:<18} "
+                             f"{median * 1e3:8.1f} ms")
+    finally:
+        for name in names:
+            lora.release(name)
+    return samples
+
+
 # ---- steps of a live engine ----------------------------------------------------------------
 class StepRecorder:
     """Records every step of ``engine`` (an ``LLMEngine``) that scheduled work: its
@@ -278,10 +343,11 @@ class BackendMeasurement:
     micro: list[StepSample] = field(default_factory=list)
     loop: list[StepSample] = field(default_factory=list)
     seconds_per_swap_block: float | None = None
+    lora: list[StepSample] = field(default_factory=list)  # with LoRA enabled: adapters' steps
 
     @property
     def samples(self) -> list[StepSample]:
-        return self.micro + self.loop
+        return self.micro + self.lora + self.loop
 
 
 def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = False,
@@ -300,6 +366,9 @@ def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = 
     if measured.seconds_per_swap_block is not None:
         log(f"swap copies: {measured.seconds_per_swap_block * 1e6:.1f} us per KV block "
             "(out + in averaged)")
+    if runner.lora is not None:
+        with tempfile.TemporaryDirectory(prefix="twinserve-lora-") as adapter_dir:
+            measured.lora = measure_lora(runner, adapter_dir, quick, warmup, repeats, log)
     if engine_loop:
         scenarios = default_scenarios(limits.max_num_seqs, max_len, quick)
         log(f"engine loop: {len(scenarios)} synthetic workloads")

@@ -60,11 +60,10 @@ def features_of(aggregates: Mapping[str, int]) -> dict[str, float]:
 
 
 def sample_features(sample: StepSample) -> dict[str, float]:
-    """``features_of`` the sample's aggregates, plus its LoRA features (``LORA_FEATURE_NAMES``,
-    ``lora_cost.lora_step_features`` of the step) when the sample carries them as
-    ``lora_features``: fits over such samples hold LoRA coefficients (``fit_feature_names``)."""
+    """``features_of`` the sample's aggregates, plus its LoRA features (``LORA_FEATURE_NAMES``)
+    when it ran adapters: fits over such samples hold LoRA coefficients (``fit_feature_names``)."""
     features = features_of(sample.aggregates)
-    lora = getattr(sample, "lora_features", None)
+    lora = sample.lora_features
     return {**features, **lora} if lora else features
 
 
@@ -232,14 +231,19 @@ class Calibration:
 
 
 def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_name: str,
-                seconds_per_swap_block: float | None = None) -> Calibration:
+                seconds_per_swap_block: float | None = None,
+                lora: Sequence[StepSample] = ()) -> Calibration:
     """The forward pass fitted on every forward timing (relative error), the loop overhead (step
     minus forward) on the engine loop's steps; ``params`` is their sum (the forward pass alone
-    without loop steps)."""
-    samples = [*micro, *loop]
+    without loop steps). ``lora``: steps with adapters (``gpu.profiler.measure_lora``), whose
+    features give the fit its LoRA coefficients."""
+    samples = [*micro, *lora, *loop]
     forward = fit(samples, model_name, 1, "relative", target="execute_seconds")
     lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
                            "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
+    if lora:
+        lines.append(format_errors(fit_errors(forward, lora, "execute_seconds"),
+                                   "forward-pass fit on the LoRA steps (adapters loaded or resident)"))
     overhead = None
     params = forward
     if loop:

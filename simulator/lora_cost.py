@@ -32,43 +32,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from twinserve.core.lora import (
+    LORA_FEATURE_NAMES,
+    LoRAWork,
+    adapter_terms,
+    lora_elements_per_rank,
+    lora_step_features,
+)
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import HardwareProfile
 from twinserve.traces.lora import LoRAAdapters
-
-# Step features of the LoRA terms, for calibration (``lora_step_features``): the roofline's FLOPs
-# and weight bytes, the distinct adapters, whether any ran, and the bytes loaded.
-LORA_FEATURE_NAMES: tuple[str, ...] = (
-    "lora_flops", "lora_weight_bytes", "num_lora_adapters", "lora_steps", "lora_load_bytes")
-_ROW_PARALLEL = "row"
-
-
-def lora_elements_per_rank(model: ModelConfig, target_modules: Sequence[str],
-                           tensor_parallel_size: int = 1) -> int:
-    """Elements of A and B per unit of rank, all layers, on one GPU, for the adapted projections."""
-    per_layer = 0
-    for spec in model.arch.linears(model):
-        for shard in spec.shards:
-            if shard.hf_name.rsplit(".", 1)[-1] not in target_modules:
-                continue
-            a, b = spec.input_size, shard.output_size
-            if spec.kind == _ROW_PARALLEL:
-                a = a // tensor_parallel_size
-            else:
-                b = b // tensor_parallel_size
-            per_layer += a + b
-    return per_layer * model.num_hidden_layers
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAWork:
-    """One step's LoRA terms (per GPU)."""
-
-    flops: float = 0.0
-    weight_bytes: float = 0.0
-    num_adapters: int = 0
-    load_bytes: float = 0.0
 
 
 @dataclass(slots=True)
@@ -102,11 +76,9 @@ class LoRACost:
             if shape.rank > self.max_lora_rank:
                 raise ValueError(f"adapter {name!r} has rank {shape.rank}, above max_lora_rank "
                                  f"{self.max_lora_rank}: raise --max-lora-rank.")
-            m = self.model
-            per_rank = lora_elements_per_rank(m, shape.target_modules, self.tensor_parallel_size)
             step_rank = self.max_lora_rank if self.pad_to_max_rank else shape.rank
-            terms = (2.0 * step_rank * per_rank, float(step_rank * per_rank * m.dtype_bytes),
-                     float(shape.rank * per_rank * m.dtype_bytes))
+            terms = adapter_terms(self.model, shape.rank, step_rank, shape.target_modules,
+                                  self.tensor_parallel_size)
             self._terms[name] = terms
         return terms
 
@@ -150,10 +122,5 @@ class LoRACost:
         return work.load_bytes / self.hardware.pcie_bandwidth if work.load_bytes else 0.0
 
 
-def lora_step_features(work: LoRAWork) -> dict[str, float]:
-    """A step's LoRA features, keyed by ``LORA_FEATURE_NAMES`` (empty for a step without LoRA:
-    calibration samples of base-only steps carry none)."""
-    if not (work.num_adapters or work.load_bytes):
-        return {}
-    return dict(zip(LORA_FEATURE_NAMES, (work.flops, work.weight_bytes, float(work.num_adapters),
-                                         1.0 if work.num_adapters else 0.0, work.load_bytes)))
+__all__ = ["LORA_FEATURE_NAMES", "LoRACost", "LoRAWork", "lora_elements_per_rank",
+           "lora_step_features"]

@@ -286,3 +286,31 @@ def test_every_family_with_adapters_gives_peft_greedy_tokens(family, tmp_path):
             if out.finished:
                 got[ids[out.request_id]] = list(out.outputs[0].token_ids)
     assert got == {(n, p): want[n][p] for n in want for p in range(len(prompts))}
+
+
+def test_calibration_measures_adapter_steps_and_fits_their_terms(tiny_model_dirs, tmp_path):
+    """``measure_lora`` times steps with 1..max_loras adapters, loaded in the step or resident;
+    the fit over them and the base micro-benchmarks holds LoRA coefficients, and the samples'
+    LoRA features survive the CSV."""
+    from twinserve.core.lora import LORA_FEATURE_NAMES
+    from twinserve.core.step_sample import read_samples, write_samples
+    from twinserve.gpu.profiler import default_grid, measure_lora, run_micro_benchmarks
+    from twinserve.simulator.calibration import fit_backend
+    runner = _engine(tiny_model_dirs[MODELS[0]], max_num_seqs=16).runner
+    lora = measure_lora(runner, str(tmp_path), quick=True, repeats=2)
+    loaded = [s for s in lora if s.lora_features["lora_load_bytes"] > 0]
+    assert loaded and len(loaded) == len(lora) // 2
+    assert {s.lora_features["num_lora_adapters"] for s in lora} == {1.0, 2.0}
+    assert not any(runner.lora.is_pinned(a.name) for a in runner.lora.loaded())
+    micro = run_micro_benchmarks(runner, default_grid(256, 16, 256, quick=True), repeats=2)
+    cal = fit_backend(micro, [], "tiny", None, lora)
+    assert set(LORA_FEATURE_NAMES) <= set(cal.forward.coefficients)
+    assert "LoRA steps" in cal.report
+    # each loaded step is its resident twin plus the adapters' bytes (same products, same count)
+    resident = [s for s in lora if s.lora_features["lora_load_bytes"] == 0]
+    for a, b in zip(loaded, resident):
+        assert a.aggregates == b.aggregates
+        assert {k: v for k, v in a.lora_features.items() if k != "lora_load_bytes"} == \
+            {k: v for k, v in b.lora_features.items() if k != "lora_load_bytes"}
+    back = read_samples(write_samples(tmp_path / "s.csv", [*micro, *lora]))
+    assert [s.lora_features for s in back] == [s.lora_features for s in (*micro, *lora)]

@@ -5,11 +5,11 @@ simulator's cost model reads) and the seconds the step took. ``gpu.profiler`` me
 (hand-built steps, the steps of a live engine); ``simulator.calibration`` fits the cost model on
 them. The CSV has one row per sample::
 
-    kind, <AGGREGATE_FIELDS...>, seconds, execute_seconds, <LORA_FEATURE_NAMES...>
+    kind, <AGGREGATE_FIELDS...>, seconds, execute_seconds[, <LORA_FEATURE_NAMES...>]
 
-``execute_seconds`` is empty when the forward pass was not timed apart from the whole step, the
-LoRA columns when the step ran no adapter; the repeats of a micro-benchmark are not written
-(``seconds`` is their median).
+``execute_seconds`` is empty when the forward pass was not timed apart from the whole step; the
+LoRA columns are there when a sample ran adapters (empty in the rows of the others); the
+repeats of a micro-benchmark are not written (``seconds`` is their median).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from twinserve.core.lora import LORA_FEATURE_NAMES
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 
 STEP_KINDS = ("prefill", "decode", "mixed", "swap")
-SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds", *LORA_FEATURE_NAMES)
+SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
 SAMPLES_FILE = "step_features.csv"
 
 
@@ -85,15 +85,16 @@ def step_kind(aggregates: Mapping[str, int]) -> str:
 
 def write_samples(path: str | Path, samples: Iterable[StepSample]) -> Path:
     path = Path(path)
+    samples = list(samples)
+    lora = LORA_FEATURE_NAMES if any(s.lora_features for s in samples) else ()
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(SAMPLE_COLUMNS)
+        w.writerow((*SAMPLE_COLUMNS, *lora))
         for s in samples:
             w.writerow([s.kind, *(int(s.aggregates.get(k, 0)) for k in AGGREGATE_FIELDS),
                         repr(round(s.seconds, 9)),
                         "" if math.isnan(s.execute_seconds) else repr(round(s.execute_seconds, 9)),
-                        *(repr(s.lora_features[n]) if n in s.lora_features else ""
-                          for n in LORA_FEATURE_NAMES)])
+                        *(repr(s.lora_features[n]) if n in s.lora_features else "" for n in lora)])
     return path
 
 

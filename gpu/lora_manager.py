@@ -120,6 +120,15 @@ class LoRAManager:
         for name, slot in loads:
             self._load_slot(name, slot)
 
+    def group_by_adapter(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step's requests reordered so that each adapter's rows are contiguous (base-model
+        requests first; otherwise in scheduler order): every segment is then a slice, with no
+        gather and scatter per projection. Results are keyed by request id, so the order of
+        the flattened batch is the runner's to choose."""
+        slot_of = {name: slot for slot, name in enumerate(self.slot_names) if name is not None}
+        return sorted(scheduled, key=lambda sr: -1 if sr.request.lora is None
+                      else slot_of[sr.request.lora])
+
     def begin_step(self, scheduled: list[ScheduledRequest]) -> None:
         ranges, row = [], 0
         slot_of = {name: slot for slot, name in enumerate(self.slot_names) if name is not None}

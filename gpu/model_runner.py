@@ -99,6 +99,8 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput()
+        if lora is not None:
+            scheduled = lora.group_by_adapter(scheduled)
         inputs = build_model_input(scheduled, self.block_size, self.max_model_len, self.device)
         if lora is not None:
             lora.begin_step(scheduled)

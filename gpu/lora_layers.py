@@ -150,38 +150,24 @@ class LinearLoRA:
         if self.use_triton:
             self._add_deltas_triton(x, out.t() if feature_major else out, batch)
             return
-        if feature_major:
-            self._add_deltas_feature_major(x, out, batch)
-            return
+        dim = 1 if feature_major else 0  # the token dimension of ``out``
         for seg in batch.segments:
             weights = self.slots[seg.slot]
             if weights is None:
                 continue
             rows = seg.rows
             xs = x[seg.start:seg.end] if rows is None else x.index_select(0, rows)
-            h = F.linear(xs.to(self._compute_dtype), weights.a)
+            xs = xs.to(self._compute_dtype)
             # The expand's FLOPs are T x out x n r (n <= 3 projections): the block-diagonal
             # product wastes a little of tiny work to save two calls per layer.
-            delta = F.linear(h, weights.b).to(out.dtype)
-            if rows is None:
-                out[seg.start:seg.end].add_(delta)
+            if feature_major:
+                delta = (weights.b @ (weights.a @ xs.t())).to(out.dtype)  # [out, t]
             else:
-                out.index_add_(0, rows, delta)
-
-    def _add_deltas_feature_major(self, x: torch.Tensor, out: torch.Tensor,
-                                  batch: LoRABatch) -> None:
-        for seg in batch.segments:
-            weights = self.slots[seg.slot]
-            if weights is None:
-                continue
-            rows = seg.rows
-            xs = x[seg.start:seg.end] if rows is None else x.index_select(0, rows)
-            h = weights.a @ xs.to(self._compute_dtype).t()  # [n r, t]
-            delta = (weights.b @ h).to(out.dtype)  # [out, t]
+                delta = F.linear(F.linear(xs, weights.a), weights.b).to(out.dtype)  # [t, out]
             if rows is None:
-                out[:, seg.start:seg.end].add_(delta)
+                out.narrow(dim, seg.start, seg.end - seg.start).add_(delta)
             else:
-                out.index_add_(1, rows, delta)
+                out.index_add_(dim, rows, delta)
 
     def _add_deltas_triton(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         from twinserve.gpu.triton_lora import lora_expand, lora_shrink

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is an optional dependency (extra "cuda").
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from twinserve.gpu.triton_support import (
+    HAS_TRITON,
+    check_launchable,
+    kernel_is_interpreted,
+    next_pow2,
+    tl,
+    triton,
+)
 
 __all__ = [
     "HAS_TRITON",
@@ -281,20 +280,11 @@ if HAS_TRITON:
 
 def is_interpreted() -> bool:
     """True when the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return HAS_TRITON and type(_paged_decode_kernel).__name__ == "InterpretedFunction"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+    return HAS_TRITON and kernel_is_interpreted(_paged_decode_kernel)
 
 
 def _check_launchable(t: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("twinserve.gpu.triton_attention needs the `triton` package (extra 'cuda')")
-    if t.device.type != "cuda" and not is_interpreted():
-        raise RuntimeError(
-            f"Triton kernels need CUDA tensors (got device {t.device}); for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton / twinserve.gpu.triton_attention")
+    check_launchable(t, "triton_attention", HAS_TRITON, is_interpreted())
 
 
 def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -328,7 +318,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         num_kv_heads, head_dim, key_cache.shape[1],
-        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+        BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
     )
 
 
@@ -399,7 +389,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     # 64-position KV tiles: ptxas (sm_90, bf16, head_dim 128, unit last-dim strides) gives 96 registers,
     # no spills. Small tiles in the interpreter only keep the tests' tiles and splits numerous.
     block_n = block_n or (16 if is_interpreted() else 64)
-    block_d = _next_pow2(max(16, head_dim))
+    block_d = next_pow2(max(16, head_dim))
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
@@ -413,14 +403,14 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
         float(scale) * _LOG2E,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
         num_q_heads, key_cache.shape[1], head_dim,
-        GROUP=group, BLOCK_G=_next_pow2(max(16, group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group, BLOCK_G=next_pow2(max(16, group)), BLOCK_N=block_n, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(query, key_cache),
         num_warps=4,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             part_acc, part_ml, query_start_loc, out, *out.stride(), num_q_heads, head_dim,
-            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits), BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
         )
     return out
 
@@ -447,7 +437,7 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_len
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # 64 x 64 tiles; head_dim 128 uses 8 warps (ptxas sm_90 bf16: 162 registers, 191 at 4 warps).
-    block_m = _next_pow2(max(16, group, block_m or 64))
+    block_m = next_pow2(max(16, group, block_m or 64))
     block_q = block_m // group
     block_n = block_n or (32 if is_interpreted() else 64)
     grid = (num_seqs, triton.cdiv(max(1, max_query_len), block_q), num_kv_heads)
@@ -457,7 +447,7 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_len
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
         key_cache.shape[1], head_dim,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_next_pow2(max(16, head_dim)), DOT_FP32=_dot_fp32(query, key_cache),
+        BLOCK_D=next_pow2(max(16, head_dim)), DOT_FP32=_dot_fp32(query, key_cache),
         num_warps=8 if head_dim > 64 else 4,
     )
     return out

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is an optional dependency (extra "cuda").
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from twinserve.gpu.triton_support import (
+    HAS_TRITON,
+    check_launchable,
+    kernel_is_interpreted,
+    next_pow2,
+    tl,
+    triton,
+)
 
 __all__ = [
     "HAS_TRITON",
@@ -144,20 +143,11 @@ if HAS_TRITON:
 
 def is_interpreted() -> bool:
     """True when the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return HAS_TRITON and type(_lora_shrink_kernel).__name__ == "InterpretedFunction"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+    return HAS_TRITON and kernel_is_interpreted(_lora_shrink_kernel)
 
 
 def _check_launchable(t: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("twinserve.gpu.triton_lora needs the `triton` package (extra 'cuda')")
-    if t.device.type != "cuda" and not is_interpreted():
-        raise RuntimeError(
-            f"Triton kernels need CUDA tensors (got device {t.device}); for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton / twinserve.gpu.triton_lora")
+    check_launchable(t, "triton_lora", HAS_TRITON, is_interpreted())
 
 
 def _check_segments(num_rows: int, num_slots: int, sorted_rows: torch.Tensor, seg_start: torch.Tensor,
@@ -188,7 +178,7 @@ def _check_same_device(**tensors: torch.Tensor) -> None:
 def _block_m(max_seg_len: int) -> int:
     # tl.dot needs >= 16 rows; decode segments (1 row each) waste the rest of a 16-row tile, long prefill
     # segments use 64-row tiles so each weight tile is loaded for more rows.
-    return min(64, _next_pow2(max(16, max_seg_len)))
+    return min(64, next_pow2(max(16, max_seg_len)))
 
 
 def _shrink_split_k(num_programs: int, k: int, block_k: int, device: torch.device) -> int:
@@ -230,7 +220,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_rows: torch.Tensor
     if num_segments == 0 or max_seg_len == 0 or rank == 0 or num_rows == 0:
         return h
     block_m = _block_m(max_seg_len)
-    block_n = min(64, _next_pow2(max(16, rank)))
+    block_n = min(64, next_pow2(max(16, rank)))
     block_k = 32 if is_interpreted() else 128
     grid_mn = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(rank, block_n))
     if split_k is None:
@@ -278,7 +268,7 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, sorted_rows: torch.Tensor
         return
     block_m = _block_m(max_seg_len)
     block_n = 32 if is_interpreted() else 64
-    block_r = min(64, _next_pow2(max(16, rank)))
+    block_r = min(64, next_pow2(max(16, rank)))
     grid = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
     _lora_expand_kernel[grid](
         h, lora_b, out, sorted_rows, seg_start, seg_slot,

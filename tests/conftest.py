@@ -99,3 +99,25 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
                 tokens.append(int(out.logits[0, -1].argmax()))
             outs.append(tokens)
     return outs
+
+
+def with_trained_tokenizer(src: Path, dst: Path, corpus: list[str]) -> Path:
+    """A copy of tiny model ``src`` at ``dst`` with a byte-level BPE tokenizer trained on
+    ``corpus`` (``<unk>``, ``<s>``, ``</s>`` = ids 0, 1, 2) and a plain chat template."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    shutil.copytree(src, dst)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    assert tok.token_to_id("</s>") == 2 and tok.get_vocab_size() <= TINY_VOCAB
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}))
+    return dst

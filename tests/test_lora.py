@@ -246,19 +246,8 @@ def test_bundled_model_with_two_adapters_gives_peft_greedy_tokens(default_model_
             for name in (None, *specs)}
     assert want["all8"] != want[None] and want["qv4"] != want[None]
     engine = _engine(default_model_dir, kv_cache_memory_bytes=1 << 26)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ids = {}
-    for k, name in enumerate((None, *specs)):
-        lora = None if name is None else LoRARequest(name, k, dirs[name])
-        for p, prompt in enumerate(prompts):
-            ids[engine.add_request(prompt, params, lora_request=lora)] = (name, p)
-    got = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[ids[out.request_id]] = list(out.outputs[0].token_ids)
-    assert {key: got[key] for key in sorted(got, key=str)} == {
-        (name, p): want[name][p] for name in want for p in range(len(prompts))}
+    got = _greedy_by_adapter(engine, dirs, prompts, 16)
+    assert got == {(name, p): want[name][p] for name in want for p in range(len(prompts))}
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "llama-biases"])
@@ -273,10 +262,16 @@ def test_every_family_with_adapters_gives_peft_greedy_tokens(family, tmp_path):
     prompts = [[3 + t % 150 for t in p] for p in _prompts()[:3]]  # the families' vocabulary: 160
     want = {n: peft_greedy(base, dirs.get(n), prompts, MAX_TOKENS) for n in (None, *names)}
     assert want["all8"] != want[None]
-    engine = _engine(base)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = _greedy_by_adapter(_engine(base), dirs, prompts, MAX_TOKENS)
+    assert got == {(n, p): want[n][p] for n in want for p in range(len(prompts))}
+
+
+def _greedy_by_adapter(engine: LLMEngine, dirs: dict[str, str], prompts: list[list[int]],
+                       max_tokens: int) -> dict[tuple[str | None, int], list[int]]:
+    """Every prompt under the base model and under each adapter of ``dirs``, in one batch."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = {}
-    for k, name in enumerate((None, *names)):
+    for k, name in enumerate((None, *dirs)):
         lora = None if name is None else LoRARequest(name, k, dirs[name])
         for p, prompt in enumerate(prompts):
             ids[engine.add_request(prompt, params, lora_request=lora)] = (name, p)
@@ -285,7 +280,7 @@ def test_every_family_with_adapters_gives_peft_greedy_tokens(family, tmp_path):
         for out in engine.step():
             if out.finished:
                 got[ids[out.request_id]] = list(out.outputs[0].token_ids)
-    assert got == {(n, p): want[n][p] for n in want for p in range(len(prompts))}
+    return got
 
 
 def test_calibration_measures_adapter_steps_and_fits_their_terms(tiny_model_dirs, tmp_path):

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import TINY_VOCAB
+from conftest import with_trained_tokenizer
 from lora_helpers import ADAPTERS, AdapterSpec, make_adapter
 from stub_server import StubEngine, serve
 
@@ -48,20 +48,8 @@ EXTRA = {"ignore_eos": True}
 # ---- fixtures: a tiny model with a tokenizer, its adapters, the Python API's outputs ---------
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    path = tmp_path_factory.mktemp("lora_server") / "llama-tok"
-    shutil.copytree(tiny_model_dirs["llama-tied"], path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}))
-    return path
+    return with_trained_tokenizer(tiny_model_dirs["llama-tied"],
+                                  tmp_path_factory.mktemp("lora_server") / "llama-tok", CORPUS)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import pytest
-from conftest import TINY_VOCAB
+from conftest import with_trained_tokenizer
 
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.structured_outputs import StructuredOutputsParams
@@ -44,21 +43,8 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_dirs, tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    path = tmp_path_factory.mktemp("so") / "llama-tok"
-    shutil.copytree(tiny_model_dirs["llama-tied"], path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    assert tok.token_to_id("</s>") == 2 and tok.get_vocab_size() <= TINY_VOCAB
-    tok.save(str(path / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
-    return path
+    return with_trained_tokenizer(tiny_model_dirs["llama-tied"],
+                                  tmp_path_factory.mktemp("so") / "llama-tok", CORPUS)
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ import os
 if __name__ != "__main__":  # under pytest; a worker (this file run as a script) keeps its given environment
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see the module docstring)
 
-import json
-import subprocess
 import sys
 
 import pytest
 import torch
+from triton_worker import run, work, worker_results
 
 # ------------------------------------------------------------------------------------------ reference + cases
 
@@ -257,57 +256,13 @@ def _aot_compile(ta):
                                                    DOT_FP32=False), 4)
 
 
-def _run_checks(checks):
-    out = {}
-    for name, check in checks.items():
-        try:
-            err, tol = check()
-            out[name] = {"err": err, "tol": tol, "ok": err <= tol}
-        except Exception as exc:  # reported per check, so one failure does not hide the others
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return out
-
-
-def _worker(mode: str) -> None:
-    """Run one group of checks in this process and print the results as one JSON line.
-
-    interpret: the kernel comparisons (needs TRITON_INTERPRET=1); cuda: the same and larger ones on the GPU;
-    compile: the AOT compile of every kernel for sm_90.
-    """
-    from twinserve.gpu import triton_attention as ta
-
-    results = {"interpreted": ta.is_interpreted()}
-    if mode == "interpret":
-        results["checks"] = _run_checks(_checks(ta))
-    elif mode == "cuda":
-        results["checks"] = _run_checks(_cuda_checks(ta))
-    elif mode == "compile":
-        try:
-            _aot_compile(ta)
-            results["compile"] = "ok"
-        except (ImportError, FileNotFoundError, RuntimeError) as exc:
-            results["compile"] = f"unavailable: {type(exc).__name__}: {exc}"
-        except Exception as exc:  # a compile error in our kernels
-            results["compile"] = f"error: {type(exc).__name__}: {exc}"
-    print("RESULTS " + json.dumps(results))
-
-
 # ------------------------------------------------------------------------------------------------ the tests
 
 pytest.importorskip("triton")
 
 
-def _run(args, env_update, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(env_update)
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _worker_results(mode, env_update, timeout=240):
-    proc = _run([os.path.abspath(__file__), mode], env_update, timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return worker_results(__file__, mode, env_update, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +314,7 @@ def test_imports_without_interpreter_and_refuses_cpu_tensors():
         "    raise SystemExit('expected RuntimeError')\n"
         "print('OK')\n"
     )
-    proc = _run(["-c", code], {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    proc = run(["-c", code], {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -391,4 +346,6 @@ def test_reference_matches_sdpa_for_a_single_prefill():
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1] if len(sys.argv) > 1 else "interpret")
+    from twinserve.gpu import triton_attention as module
+    work(sys.argv[1] if len(sys.argv) > 1 else "interpret", module, _checks, _cuda_checks,
+         _aot_compile)

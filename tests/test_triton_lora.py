@@ -11,12 +11,11 @@ if __name__ != "__main__":  # under pytest; a worker (this file run as a script)
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see the module docstring)
 
 import importlib.util
-import json
-import subprocess
 import sys
 
 import pytest
 import torch
+from triton_worker import run, work, worker_results
 
 FP32_TOL, BF16_TOL = 1e-4, 2e-2  # on rel_err: max |out - ref| / (1 + |ref|), see there
 CUDA_BF16_TOL = 2e-2  # native bf16 dots in the shrink, tf32 in the expand
@@ -259,41 +258,6 @@ def _aot_compile(lora):
                     dict(stride_hr=1, stride_br=1, BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, DOT_IEEE=fp32))
 
 
-def _run_checks(checks):
-    out = {}
-    for name, check in checks.items():
-        try:
-            err, tol = check()
-            out[name] = {"err": err, "tol": tol, "ok": err <= tol}
-        except Exception as exc:  # reported per check, so one failure does not hide the others
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return out
-
-
-def _worker(mode: str) -> None:
-    """Run one group of checks in this process and print the results as one JSON line.
-
-    interpret: the kernel comparisons (needs TRITON_INTERPRET=1); cuda: the same and larger ones on the GPU;
-    compile: the AOT compile of both kernels for sm_90.
-    """
-    from twinserve.gpu import triton_lora as lora
-
-    results = {"interpreted": lora.is_interpreted()}
-    if mode == "interpret":
-        results["checks"] = _run_checks(_checks(lora))
-    elif mode == "cuda":
-        results["checks"] = _run_checks(_cuda_checks(lora))
-    elif mode == "compile":
-        try:
-            _aot_compile(lora)
-            results["compile"] = "ok"
-        except (ImportError, FileNotFoundError, RuntimeError) as exc:
-            results["compile"] = f"unavailable: {type(exc).__name__}: {exc}"
-        except Exception as exc:  # a compile error in our kernels
-            results["compile"] = f"error: {type(exc).__name__}: {exc}"
-    print("RESULTS " + json.dumps(results))
-
-
 # ------------------------------------------------------------------------------------------------ the tests
 
 
@@ -318,17 +282,8 @@ def test_reference_matches_per_row_loop():
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
-def _run(args, env_update, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(env_update)
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _worker_results(mode, env_update, timeout=240):
-    proc = _run([os.path.abspath(__file__), mode], env_update, timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return worker_results(__file__, mode, env_update, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -383,7 +338,7 @@ def test_imports_without_interpreter_and_refuses_cpu_tensors():
         "    raise SystemExit('expected RuntimeError')\n"
         "print('OK')\n"
     )
-    proc = _run(["-c", code], {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    proc = run(["-c", code], {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -414,4 +369,6 @@ def test_shape_errors_name_the_field():
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1] if len(sys.argv) > 1 else "interpret")
+    from twinserve.gpu import triton_lora as module
+    work(sys.argv[1] if len(sys.argv) > 1 else "interpret", module, _checks, _cuda_checks,
+         _aot_compile)

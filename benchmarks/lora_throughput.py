@@ -135,7 +135,8 @@ class VllmLoraWorker(VllmWorker):
         script = tmp / "vllm_lora_worker.py"
         script.write_text(VLLM_LORA_WORKER)
         self._log = tmp / "vllm_lora_worker.log"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+        # passive OpenMP waits: an idle worker must not spin on the cores twinserve's turn uses
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_WAIT_POLICY="PASSIVE")
         with open(self._log, "w") as log:
             self._proc = subprocess.Popen(
                 [python, str(script), model, dtype, json.dumps([str(p) for p in adapters])],

@@ -75,7 +75,8 @@ class LoRASlots:
     others stay resident until evicted, least recently released first. All operations are O(1).
     """
 
-    __slots__ = ("max_loras", "users", "slot_of", "_idle", "_free", "loads", "num_loads")
+    __slots__ = ("max_loras", "users", "slot_of", "_idle", "_free", "loads", "num_loads",
+                 "waiting", "num_base_waiting")
 
     def __init__(self, max_loras: int) -> None:
         if max_loras < 1:
@@ -87,6 +88,10 @@ class LoRASlots:
         self._free = list(range(max_loras - 1, -1, -1))
         self.loads: list[tuple[str, int]] = []  # (adapter, slot) loaded since the last take
         self.num_loads = 0
+        # Waiting requests per adapter (and of the base model): whether any waiting request
+        # could be admitted now is O(max_loras), so a step need not look past every blocked one.
+        self.waiting: dict[str, int] = {}
+        self.num_base_waiting = 0
 
     @property
     def num_active(self) -> int:
@@ -131,6 +136,30 @@ class LoRASlots:
             return
         del self.users[lora]
         self._idle[lora] = None
+
+    def add_waiting(self, lora: str | None) -> None:
+        if lora is None:
+            self.num_base_waiting += 1
+        else:
+            self.waiting[lora] = self.waiting.get(lora, 0) + 1
+
+    def remove_waiting(self, lora: str | None) -> None:
+        if lora is None:
+            self.num_base_waiting -= 1
+            return
+        count = self.waiting[lora] - 1
+        if count:
+            self.waiting[lora] = count
+        else:
+            del self.waiting[lora]
+
+    def any_admissible(self) -> bool:
+        """Whether a waiting request's adapter (or none) fits now: a free slot for a new adapter,
+        a waiting base-model request, or one of a running adapter."""
+        if self.num_base_waiting or len(self.users) < self.max_loras:
+            return True
+        waiting = self.waiting
+        return any(lora in waiting for lora in self.users)
 
     def take_loads(self) -> list[tuple[str, int]]:
         loads, self.loads = self.loads, []

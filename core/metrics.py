@@ -40,6 +40,7 @@ class RequestRecord:
     num_preemptions: int = 0
     tenant: str = "default"
     priority: int = 0
+    lora: str = ""  # the LoRA adapter's name ("": the base model)
     finish_reason: str = "length"
     success: bool = True
     error: str = ""
@@ -81,6 +82,7 @@ class RequestRecord:
             num_preemptions=req.num_preemptions,
             tenant=req.tenant,
             priority=req.priority,
+            lora=req.lora or "",
             finish_reason=req.finish_reason or "",
             success=req.first_token_time is not None,
             itls=_gaps(times),

@@ -20,8 +20,8 @@ from typing import Any
 from twinserve.core.metrics import RequestRecord, StepRecord
 
 REQUEST_COLUMNS = (
-    "request_id", "tenant", "priority", "arrival_time", "first_scheduled_time", "first_token_time",
-    "finish_time", "input_tokens", "output_tokens", "cached_tokens", "num_preemptions",
+    "request_id", "tenant", "priority", "lora", "arrival_time", "first_scheduled_time",
+    "first_token_time", "finish_time", "input_tokens", "output_tokens", "cached_tokens", "num_preemptions",
     "finish_reason", "success", "error", "ttft_ms", "tpot_ms", "e2el_ms", "queue_ms", "itls_ms",
 )
 STEP_COLUMNS = (
@@ -37,9 +37,10 @@ def _fmt(x: float) -> str:
 
 def _request_row(r: RequestRecord) -> list[Any]:
     return [
-        r.request_id, r.tenant, r.priority, _fmt(r.arrival_time), _fmt(r.first_scheduled_time),
-        _fmt(r.first_token_time), _fmt(r.finish_time), r.input_tokens, r.output_tokens,
-        r.cached_tokens, r.num_preemptions, r.finish_reason, int(r.success), r.error,
+        r.request_id, r.tenant, r.priority, r.lora, _fmt(r.arrival_time),
+        _fmt(r.first_scheduled_time), _fmt(r.first_token_time), _fmt(r.finish_time),
+        r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions, r.finish_reason,
+        int(r.success), r.error,
         _fmt(r.ttft * 1e3), _fmt(r.tpot * 1e3), _fmt(r.e2el * 1e3), _fmt(r.queue_time * 1e3),
         " ".join(f"{g * 1e3:.6g}" for g in r.itls),
     ]

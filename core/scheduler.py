@@ -127,6 +127,8 @@ class Scheduler:
         self.policy.add(request)
         self.num_queued += 1
         self.num_queued_tokens += request.num_prompt_tokens
+        if self.loras is not None:
+            self.loras.add_waiting(request.lora)
 
     def _check_admission(self, request: Request) -> None:
         """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound."""
@@ -299,7 +301,7 @@ class Scheduler:
                     return
                 lora = request.lora
                 if lora is not None and loras is not None and not loras.can_acquire(lora):
-                    if len(skipped) >= cfg.max_num_seqs:
+                    if len(skipped) >= cfg.max_num_seqs or not loras.any_admissible():
                         return
                     skipped.append(policy.pop())
                     continue
@@ -330,8 +332,10 @@ class Scheduler:
             self.num_queued_tokens -= request.num_prompt_tokens
         request.status = _RUNNING
         self.running.append(request)
-        if request.lora is not None and self.loras is not None:
-            self.loras.acquire(request.lora)
+        if self.loras is not None:
+            self.loras.remove_waiting(request.lora)
+            if request.lora is not None:
+                self.loras.acquire(request.lora)
         self.policy.on_admit(request, now, first_time)
 
     def _admit_blocks(self, request: Request, budget: int) -> int | None:
@@ -408,6 +412,8 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.requeue(victim)
+        if self.loras is not None:
+            self.loras.add_waiting(victim.lora)
         out.preempted_request_ids.append(victim.request_id)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, n: int,
@@ -582,6 +588,8 @@ class Scheduler:
             self._finish(request, status, now)
             if not was_running:
                 self.policy.remove(request)
+                if self.loras is not None:
+                    self.loras.remove_waiting(request.lora)
                 if request.first_scheduled_time is None:
                     self.num_queued -= 1
                     self.num_queued_tokens -= request.num_prompt_tokens

@@ -49,6 +49,11 @@ def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool
     vocab, block_size = engine.runner.vocab_size, engine.config.block_size
     uses_priority = engine.policy.uses_priority
     pending = deque(sorted(trace, key=lambda r: r.arrival_time))
+    with_adapter = next((tr for tr in pending if tr.lora is not None), None)
+    if with_adapter is not None:  # a name is not an adapter: the real engine needs its weights
+        raise ValueError(f"request {with_adapter.request_id!r} of the trace names LoRA adapter "
+                         f"{with_adapter.lora!r}: replaying adapters on the real engine is not "
+                         "implemented (the twin simulates them: twinserve simulate --enable-lora).")
     total = len(pending)
     requests: list[Request] = []
     failed: list[RequestRecord] = []
@@ -106,8 +111,8 @@ def rejected_record(tr: TraceRequest, error: str) -> RequestRecord:
     """The record of a trace request the engine refused (it can never run)."""
     nan = math.nan
     return RequestRecord(tr.request_id, tr.arrival_time, nan, nan, nan, tr.input_tokens, 0,
-                         tenant=tr.tenant, priority=tr.priority, finish_reason="", success=False,
-                         error=error)
+                         tenant=tr.tenant, priority=tr.priority, lora=tr.lora or "",
+                         finish_reason="", success=False, error=error)
 
 
 def write_real_run(replay: RealReplay, engine: LLMEngine, out_dir: Path,

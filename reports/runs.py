@@ -19,7 +19,9 @@ import pandas as pd
 from twinserve.core.run_dir import REQUEST_COLUMNS, read_config
 
 REQUIRED_FILES = ("summary.json", "requests.csv")
-_TEXT_COLUMNS = ("request_id", "tenant", "finish_reason", "error", "itls_ms")
+_TEXT_COLUMNS = ("request_id", "tenant", "lora", "finish_reason", "error", "itls_ms")
+# Columns that run folders written before them lack (read as their "absent" value).
+_OPTIONAL_COLUMNS = {"lora": ""}
 
 
 class NotARunFolderError(FileNotFoundError):
@@ -111,6 +113,9 @@ def read_requests(path: Path) -> pd.DataFrame:
     text = {c: str for c in _TEXT_COLUMNS}
     df = pd.read_csv(path, dtype=text, keep_default_na=False, na_values={
         c: [""] for c in REQUEST_COLUMNS if c not in _TEXT_COLUMNS})
+    for column, absent in _OPTIONAL_COLUMNS.items():
+        if column not in df.columns:
+            df[column] = absent
     missing = [c for c in REQUEST_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"{path}: columns {missing} missing; is it a twinserve requests.csv?")

@@ -141,4 +141,5 @@ def _rejected(request: Request, error: str) -> RequestRecord:
     nan = float("nan")
     return RequestRecord(request.request_id, request.arrival_time, nan, nan, nan,
                          request.num_prompt_tokens, 0, tenant=request.tenant,
-                         priority=request.priority, finish_reason="", success=False, error=error)
+                         priority=request.priority, lora=request.lora or "", finish_reason="",
+                         success=False, error=error)

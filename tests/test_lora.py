@@ -309,3 +309,15 @@ def test_calibration_measures_adapter_steps_and_fits_their_terms(tiny_model_dirs
             {k: v for k, v in b.lora_features.items() if k != "lora_load_bytes"}
     back = read_samples(write_samples(tmp_path / "s.csv", [*micro, *lora]))
     assert [s.lora_features for s in back] == [s.lora_features for s in (*micro, *lora)]
+
+
+def test_real_replay_of_a_trace_naming_adapters_is_refused(tiny_model_dirs):
+    """A trace's adapter names carry no weights: the real replay refuses them by name rather
+    than serve those requests with the base model."""
+    from twinserve.gpu.replay import replay_real
+    from twinserve.traces import TraceRequest
+    engine = _engine(tiny_model_dirs[MODELS[0]])
+    trace = [TraceRequest("r0", 0.0, 8, 2), TraceRequest("r1", 0.0, 8, 2, lora="sql")]
+    with pytest.raises(ValueError, match="'r1' of the trace names LoRA adapter 'sql'"):
+        replay_real(engine, trace, progress=False)
+    assert not engine.has_unfinished_requests()

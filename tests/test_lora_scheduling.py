@@ -2,12 +2,14 @@
 adapters' device slots are loaded and evicted as ``SchedulerOutput.lora_loads`` says, requests
 passed over keep their place, and nothing leaks."""
 
+from collections import Counter
+
 import pytest
 from core_helpers import make_req, make_scheduler, run_to_completion, step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from twinserve.core import ModelRunnerOutput, SamplingParams
+from twinserve.core import ModelRunnerOutput, RequestStatus, SamplingParams
 from twinserve.core.lora import LoRAConfig, LoRARequest, LoRASlots
 
 
@@ -105,6 +107,8 @@ def test_random_workloads_never_exceed_max_loras(ops, max_loras, policy, mode, c
         assert len(running) <= max_loras and set(s.loras.users) == running
         for lora in adapters:
             assert device[s.loras.slot_of[lora]] == lora  # the slot holds the right weights
+        waiting = Counter(r.lora for r in s.requests.values() if r.status != RequestStatus.RUNNING)
+        assert s.loras.num_base_waiting == waiting.pop(None, 0) and s.loras.waiting == waiting
         s.update_from_output(out, ModelRunnerOutput(
             {sr.request_id: [token] for sr in out.scheduled if sr.sample}), now + 0.01)
 
@@ -128,3 +132,4 @@ def test_random_workloads_never_exceed_max_loras(ops, max_loras, policy, mode, c
         now += 0.01
     assert not s.has_unfinished_requests()
     assert s.loras.num_active == 0 and s.kv.pool.free_queue.num_free == 20
+    assert not s.loras.waiting and s.loras.num_base_waiting == 0

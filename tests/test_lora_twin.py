@@ -319,6 +319,9 @@ def test_cli_simulates_adapters_and_reports_policies(tmp_path, capsys) -> None:
         summary = json.loads((out / "summary.json").read_text())
         assert summary["lora_loads"] >= 4 and summary["completed"] == 60
         assert json.loads((out / "config.json").read_text())["loras"] == "8,base=1"
+        from twinserve.reports.runs import read_requests
+        adapters = set(read_requests(out / "requests.csv")["lora"])  # "" for the base model
+        assert "" in adapters and {f"lora{k}" for k in range(8)} >= adapters - {""} != set()
         runs.append(str(out))
     html = tmp_path / "report.html"
     assert main(["report", *runs, "--out", str(html)]) == 0

@@ -226,7 +226,7 @@ def test_same_inputs_give_byte_identical_run_folders(tmp_path: Path) -> None:
 # printed values here, saying in the commit message what changed the numbers.
 GOLDEN = {"completed": 40, "total_input_tokens": 10381, "total_output_tokens": 751,
           "num_steps": 750, "num_preemptions": 0,
-          "requests_csv_sha256": "258f2bcbc570329b9ed46860e97e3b2bd24d1b04eb6765a0db6986a9ab7ea7f4"}
+          "requests_csv_sha256": "967850b0832d595144eea109dd5b1389663813556433370025cf797657bc1154"}
 
 
 def _golden(tmp_dir: Path | None = None) -> dict[str, object]:

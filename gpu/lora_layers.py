@@ -45,6 +45,7 @@ class LoRABatch:
     seg_start: torch.Tensor  # int32 [L + 1]
     seg_slot: torch.Tensor  # int32 [L]
     max_seg_len: int
+    stacked: StackedRows | None = None  # CPU, 3+ segments of similar lengths: batched products
 
     @classmethod
     def build(cls, row_ranges: list[tuple[int, int, int]], device: torch.device) -> LoRABatch:
@@ -63,10 +64,56 @@ class LoRABatch:
             flat.append(rows)
             starts.append(starts[-1] + rows.numel())
         sorted_rows = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
+        lengths = [e - s for e, s in zip(starts[1:], starts)]
         return cls(segments, sorted_rows.to(device=device, dtype=torch.int32),
                    torch.tensor(starts, dtype=torch.int32, device=device),
                    torch.tensor(list(by_slot), dtype=torch.int32, device=device),
-                   max((e - s for e, s in zip(starts[1:], starts)), default=0))
+                   max(lengths, default=0),
+                   StackedRows.build(flat, list(by_slot)) if device.type == "cpu" else None)
+
+
+@dataclass(slots=True)
+class StackedRows:
+    """The segments padded to one length ``m`` for batched (``torch.bmm``) products on a CPU:
+    one shrink and one expand per projection for all adapters, where a loop over segments costs
+    a handful of small calls per adapter. ``rows[L * m]`` are the rows of x (padding: row 0),
+    ``valid`` the positions holding real rows, ``slots`` the segments' slots (``first_slot`` when
+    they are consecutive: the weights are then a view). ``uniform``: the segments are
+    consecutive slices of equal length starting at row ``start`` (no gather, no scatter)."""
+
+    m: int
+    rows: torch.Tensor
+    valid: torch.Tensor
+    valid_rows: torch.Tensor
+    slots: torch.Tensor
+    first_slot: int | None
+    uniform: bool
+    start: int
+
+    MIN_SEGMENTS = 3
+
+    @classmethod
+    def build(cls, flat: list[torch.Tensor], slots: list[int]) -> StackedRows | None:
+        """None for fewer than ``MIN_SEGMENTS`` segments, or when padding would more than
+        double the rows (a prefill chunk among decodes: the loop is cheaper)."""
+        if len(flat) < cls.MIN_SEGMENTS:
+            return None
+        m = max(r.numel() for r in flat)
+        total = sum(r.numel() for r in flat)
+        if len(flat) * m > 2 * total:
+            return None
+        padded = torch.zeros(len(flat), m, dtype=torch.long)
+        mask = torch.zeros(len(flat), m, dtype=torch.bool)
+        for g, r in enumerate(flat):
+            padded[g, :r.numel()] = r
+            mask[g, :r.numel()] = True
+        rows, valid = padded.view(-1), mask.view(-1).nonzero().view(-1)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        start = int(flat[0][0])
+        uniform = total == len(flat) * m and bool(
+            (rows == torch.arange(start, start + total)).all())
+        return cls(m, rows, valid, rows[valid], torch.tensor(slots),
+                   slots[0] if consecutive else None, uniform, start)
 
 
 @dataclass(slots=True)
@@ -103,6 +150,10 @@ class LinearLoRA:
     stacked_a: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, R, in]
     stacked_b: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, n, R]
     _compute_dtype: torch.dtype = field(init=False, default=torch.float32)
+    # CPU, for StackedRows: every slot's ``a`` and block-diagonal ``b`` padded to the layer's
+    # widest stack (all shards at max_rank), zeros beyond an adapter's own
+    _cpu_a: torch.Tensor | None = field(init=False, default=None)  # [S, n R, in]
+    _cpu_b: torch.Tensor | None = field(init=False, default=None)  # [S, out, n R]
 
     def __post_init__(self) -> None:
         self.slots = [None] * self.max_loras
@@ -110,6 +161,12 @@ class LinearLoRA:
         # half units are several times slower than float32 ones; the rank keeps them small).
         self._compute_dtype = (torch.float32 if self.device.type == "cpu" and not self.use_triton
                                else self.dtype)
+        if not self.use_triton and self.max_loras >= StackedRows.MIN_SEGMENTS:
+            width = len(self.shards) * self.max_rank
+            out_size = sum(size for _, _, size in self.shards)
+            to = {"dtype": self._compute_dtype, "device": self.device}
+            self._cpu_a = torch.zeros(self.max_loras, width, self.input_size, **to)
+            self._cpu_b = torch.zeros(self.max_loras, out_size, width, **to)
         if self.use_triton:
             S, R = self.max_loras, self.max_rank
             self.stacked_a = [torch.zeros(S, R, self.input_size, dtype=self.dtype,
@@ -131,6 +188,9 @@ class LinearLoRA:
                 a, b = pairs[name]
                 self.stacked_a[k][slot, :rank].copy_(a)
                 self.stacked_b[k][slot, :, :rank].copy_(b)
+        if self._cpu_a is not None and self._cpu_b is not None:
+            self._cpu_a[slot].zero_()
+            self._cpu_b[slot].zero_()
         if not targeted:
             self.slots[slot] = None
             return
@@ -141,6 +201,9 @@ class LinearLoRA:
         for k, (_, name, off, size) in enumerate(targeted):
             b[off:off + size, k * rank:(k + 1) * rank] = pairs[name][1]
         self.slots[slot] = _SlotWeights(a, b)
+        if self._cpu_a is not None and self._cpu_b is not None:
+            self._cpu_a[slot, :a.shape[0]] = a
+            self._cpu_b[slot, :, :a.shape[0]] = b
 
     def add_deltas(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch,
                    feature_major: bool = False) -> None:
@@ -151,6 +214,9 @@ class LinearLoRA:
             self._add_deltas_triton(x, out.t() if feature_major else out, batch)
             return
         dim = 1 if feature_major else 0  # the token dimension of ``out``
+        if batch.stacked is not None and self._cpu_a is not None:
+            self._add_deltas_stacked(x, out, batch.stacked, dim)
+            return
         for seg in batch.segments:
             weights = self.slots[seg.slot]
             if weights is None:
@@ -168,6 +234,28 @@ class LinearLoRA:
                 out.narrow(dim, seg.start, seg.end - seg.start).add_(delta)
             else:
                 out.index_add_(dim, rows, delta)
+
+    def _add_deltas_stacked(self, x: torch.Tensor, out: torch.Tensor, st: StackedRows,
+                            dim: int) -> None:
+        assert self._cpu_a is not None and self._cpu_b is not None
+        num = st.slots.numel()
+        if st.first_slot is not None:
+            a, b = (w[st.first_slot:st.first_slot + num] for w in (self._cpu_a, self._cpu_b))
+        else:
+            a, b = self._cpu_a.index_select(0, st.slots), self._cpu_b.index_select(0, st.slots)
+        if st.uniform:
+            xs = x.narrow(0, st.start, num * st.m)
+        else:
+            xs = x.index_select(0, st.rows)
+        xs = xs.to(self._compute_dtype).reshape(num, st.m, -1)
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [L, m, out]
+        delta = delta.reshape(num * st.m, -1).to(out.dtype)
+        if dim == 1:
+            delta = delta.t()
+        if st.uniform:
+            out.narrow(dim, st.start, num * st.m).add_(delta)
+        else:
+            out.index_add_(dim, st.valid_rows, delta.index_select(dim, st.valid))
 
     def _add_deltas_triton(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         from twinserve.gpu.triton_lora import lora_expand, lora_shrink

@@ -321,3 +321,14 @@ def test_real_replay_of_a_trace_naming_adapters_is_refused(tiny_model_dirs):
     with pytest.raises(ValueError, match="'r1' of the trace names LoRA adapter 'sql'"):
         replay_real(engine, trace, progress=False)
     assert not engine.has_unfinished_requests()
+
+
+def test_three_adapters_in_one_step_take_the_batched_products(tiny_model_dirs, adapters, expected):
+    """With 3+ slots a step's adapters go through the stacked (bmm) products: same tokens."""
+    model = MODELS[0]
+    engine = _engine(tiny_model_dirs[model], max_loras=4, max_cpu_loras=4)
+    counter = _AdapterCounter()
+    engine.driver.observers.append(counter)
+    got = _run(engine, adapters[model])
+    assert got == [expected[model][name][index] for index, name in ASSIGNMENT]
+    assert max(counter.per_step) == 3

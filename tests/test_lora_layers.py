@@ -96,5 +96,32 @@ def test_feature_major_outputs_get_the_same_deltas() -> None:
         assert torch.equal(row_major[3:5], base[3:5])  # rows 3, 4 have no adapter
 
 
+def test_stacked_products_equal_the_loop_over_segments() -> None:
+    """3+ adapters of similar lengths go through torch.bmm (StackedRows): uniform consecutive
+    slices, scattered rows with padding, slots not consecutive; the loop is the reference."""
+    from twinserve.gpu.lora_layers import LinearLoRA, LoRABatch
+    pairs, x, base = _case(torch.float32)
+    layer = LinearLoRA(SHARDS, IN, 4, 8, torch.float32, torch.device("cpu"), False)
+    for slot, (rank, _) in ADAPTERS.items():
+        layer.set_slot(slot + 1 if slot else 0, pairs[slot], rank)  # slots 0, 2, 3
+    cases = {"uniform": [(0, 0, 4), (2, 4, 8), (3, 8, 12)],
+             "scattered": [(0, 0, 3), (2, 3, 6), (0, 7, 9), (3, 9, 13)],
+             "consecutive-slots": [(1, 0, 3), (2, 3, 6), (3, 7, 10)]}  # slot 1 holds nothing
+    for name, ranges in cases.items():
+        batch = LoRABatch.build(ranges, torch.device("cpu"))
+        assert batch.stacked is not None, name
+        assert batch.stacked.uniform == (name == "uniform"), name
+        assert (batch.stacked.first_slot is not None) == (name == "consecutive-slots"), name
+        for feature_major in (False, True):
+            got = base.t().contiguous() if feature_major else base.clone()
+            want = got.clone()
+            layer.add_deltas(x, got, batch, feature_major)
+            batch.stacked, stacked = None, batch.stacked
+            layer.add_deltas(x, want, batch, feature_major)
+            batch.stacked = stacked
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(got, base.t() if feature_major else base), name
+
+
 if __name__ == "__main__":
     print(json.dumps(_errors()))

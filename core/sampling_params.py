@@ -36,8 +36,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "output_kind": ("output kinds (generate returns final outputs)", (None,)),
     "stream_interval": ("stream intervals", (None, 1)),
     "guided_decoding": ("guided (constrained) decoding", (None,)),
-    "logit_bias": ("logit biases", (None, {})),
-    "allowed_token_ids": ("allowed token ids", (None,)),
     "bad_words": ("bad words", (None, [])),
     "extra_args": ("extra arguments for custom sampling extensions", (None, {})),
     "skip_reading_prefix_cache": ("skipping prefix-cache reads", (None, False)),
@@ -126,8 +124,7 @@ class SamplingParams:
                 self.prompt_logprobs, self.logprob_token_ids, self.flat_logprobs,
                 self.detokenize, self.spaces_between_special_tokens, self.logits_processors,
                 self.truncate_prompt_tokens, self.output_kind, self.stream_interval,
-                self.guided_decoding, self.logit_bias,
-                self.allowed_token_ids, self.extra_args, self.bad_words,
+                self.guided_decoding, self.extra_args, self.bad_words,
                 self.skip_reading_prefix_cache, self.thinking_token_budget,
                 self.repetition_detection) != _UNSUPPORTED_DEFAULTS:
             self._refuse_unsupported()
@@ -145,7 +142,40 @@ class SamplingParams:
                 raise ValueError(f"{name} is not supported by twinserve yet ({what}); got "
                                  f"{_short(value)}. Leave it at {shown}.")
 
+    def _validate_token_filters(self) -> None:
+        """``logit_bias`` {token id: bias in [-100, 100]} (JSON's string keys become ints, as
+        OpenAI's are) and ``allowed_token_ids`` (a non-empty list); the vocabulary bound is the
+        engine's check."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token ids to biases, got "
+                                 f"{_short(self.logit_bias)}.")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token = int(key)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {_short(key)}.") from None
+                _check_number(f"logit_bias[{token}]", value)
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}.")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                    isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{_short(ids)}.")
+            self.allowed_token_ids = list(ids)
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id the parameters name (stop, bias, allowed): the engine checks them
+        against its vocabulary."""
+        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
+
     def _validate(self) -> None:
+        self._validate_token_filters()
         _check_int("n", self.n, minimum=1)
         _check_number("temperature", self.temperature, minimum=0.0)
         _check_number("top_p", self.top_p)

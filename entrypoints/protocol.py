@@ -67,6 +67,9 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
+MAX_TOKEN_FILTER = 4096  # entries of logit_bias / allowed_token_ids a request may carry
+
+
 class RequestModel(OpenAIBaseModel):
     """A request body that keeps the JSON object it was parsed from (``raw``), so the fields it
     does not declare can be checked against ``UNIMPLEMENTED`` and the unknown ones logged.
@@ -148,6 +151,9 @@ class SamplingFields(RequestModel):
     # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs (one of them)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI's logit_bias ({"token id": bias}) and vLLM's allowed_token_ids
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_TOKEN_FILTER)
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_TOKEN_FILTER)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
@@ -161,7 +167,9 @@ class SamplingFields(RequestModel):
             stop=_stop_list(self.stop), stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids)
 
     @property
     def include_usage(self) -> bool:
@@ -470,7 +478,6 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "functions": _U("function calling", (None, []), _CHAT),
     "function_call": _U("function calling", (None, "none", "auto"), _CHAT),
     # OpenAI: output formats, modalities, hosted features
-    "logit_bias": _U("logit biases", (None, {})),
     "audio": _U("audio output", (None,), _CHAT),
     "modalities": _U("output modalities other than text", (None, ["text"]), _CHAT),
     "prediction": _U("predicted outputs", (None,), _CHAT),
@@ -487,7 +494,6 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "length_penalty": _U("beam search's length penalty", (None, 1.0)),
     "prompt_logprobs": _U("prompt logprobs", (None,)),
     "logprob_token_ids": _U("logprobs of chosen token ids", (None,)),
-    "allowed_token_ids": _U("allowed token ids", (None,)),
     "bad_words": _U("bad words", (None, [])),
     "logits_processors": _U("logits processors", (None, [])),
     "spaces_between_special_tokens": _U("spaces_between_special_tokens=false", (None, True)),

@@ -66,8 +66,11 @@ class LLMEngine:
                              "policy does not use priorities (use scheduling_policy='priority').")
         token_ids, text = self._prompt_tokens(prompt)
         vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}.")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or ()
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}), got "
+                                 f"{sorted(t for t in ids if not 0 <= t < vocab)[:8]}.")
         rid = request_id or f"req-{next(self._ids)}"
         lora = self._acquire_lora(lora_request)
         try:

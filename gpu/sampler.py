@@ -1,7 +1,8 @@
 """Token sampling with vLLM semantics, batched across requests.
 
-Order per row: the grammar's allowed tokens (constrained decoding, ``allowed``), min_tokens
-(stop tokens masked), penalties (repetition over prompt + output, frequency and presence over
+Order per row: the grammar's allowed tokens (constrained decoding, ``allowed``),
+``allowed_token_ids`` (the others masked) and ``logit_bias`` (added), min_tokens (stop tokens
+masked), penalties (repetition over prompt + output, frequency and presence over
 output), then greedy argmax, or temperature -> min_p -> top_k ->
 top_p -> a draw. Draws use the exponential-race trick ``argmax(p / q)``, ``q ~ Exp(1)``, with the
 request's own ``torch.Generator`` when it has a seed. Logprobs come from the raw logits (vLLM v1).
@@ -47,6 +48,7 @@ def sample(logits: torch.Tensor, requests: list[Request],
         if allowed is None:
             logits = logits.clone()
         for row, (p, r) in enumerate(zip(params, requests)):
+            _apply_token_filters(logits[row], p)
             _apply_min_tokens(logits[row], p, r, row in constrained)
             _apply_penalties(logits[row], p, r)
     tokens = logits.argmax(dim=-1)
@@ -62,7 +64,20 @@ def sample(logits: torch.Tensor, requests: list[Request],
 
 def _needs_processing(p: SamplingParams, r: Request) -> bool:
     return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens)
+            or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens
+            or p.logit_bias is not None or p.allowed_token_ids is not None)
+
+
+def _apply_token_filters(row: torch.Tensor, p: SamplingParams) -> None:
+    """vLLM's allowed-token-ids mask, then its logit bias, on one row in place."""
+    if p.allowed_token_ids is not None:
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[keep].clone()
+        row.fill_(float("-inf"))
+        row[keep] = kept
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
 
 
 def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: Request,

@@ -560,3 +560,23 @@ def test_two_apps_share_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     with _stub_app(_StubEngine(), served_model_name="first") as first, \
             _stub_app(_StubEngine(), served_model_name="second", api_key="other") as second:
         asyncio.run(run(first, second))
+
+
+def test_logit_bias_and_allowed_token_ids(server: LiveServer, client: openai.OpenAI) -> None:
+    """OpenAI's logit_bias (string token ids) and vLLM's allowed_token_ids reach the sampler;
+    out-of-range values are 400s naming the field."""
+    paris = post(server, "/tokenize", {"prompt": " Paris", "add_special_tokens": False}).json()
+    (token,) = paris["tokens"]
+    prompt = "The capital of France is"
+    forced = client.completions.create(model="smol", prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(token): 100})
+    assert forced.choices[0].text == " Paris" * 4
+    only = client.completions.create(model="smol", prompt="Hello", max_tokens=3, temperature=0,
+                                     extra_body={"allowed_token_ids": [token]})
+    assert only.choices[0].text == " Paris" * 3
+    for body, field in (({"logit_bias": {str(token): 101}}, "logit_bias"),
+                        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids")):
+        r = post(server, "/v1/completions", {"model": "smol", "prompt": "Hi", "max_tokens": 2,
+                                              **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

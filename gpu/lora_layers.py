@@ -146,6 +146,9 @@ class LinearLoRA:
     dtype: torch.dtype
     device: torch.device
     use_triton: bool
+    # CPU: keep slot-stacked copies for the batched products of 3+ adapters (the manager turns
+    # this off when those copies would be large: they duplicate every resident adapter, padded)
+    stacked: bool = True
     slots: list[_SlotWeights | None] = field(default_factory=list)
     stacked_a: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, R, in]
     stacked_b: list[torch.Tensor] = field(default_factory=list)  # Triton: per shard [S, n, R]
@@ -161,7 +164,7 @@ class LinearLoRA:
         # half units are several times slower than float32 ones; the rank keeps them small).
         self._compute_dtype = (torch.float32 if self.device.type == "cpu" and not self.use_triton
                                else self.dtype)
-        if not self.use_triton and self.max_loras >= StackedRows.MIN_SEGMENTS:
+        if self.stacked and not self.use_triton and self.max_loras >= StackedRows.MIN_SEGMENTS:
             width = len(self.shards) * self.max_rank
             out_size = sum(size for _, _, size in self.shards)
             to = {"dtype": self._compute_dtype, "device": self.device}

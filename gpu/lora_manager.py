@@ -31,6 +31,8 @@ from twinserve.gpu.lora_weights import LoRAAdapter, load_peft_adapter
 from twinserve.gpu.model import CausalLM
 
 LORA_RETRY_AFTER_S = 1.0
+# Host bytes the CPU's slot-stacked adapter copies (for batched products) may take in all.
+STACKED_BUDGET_BYTES = 512 << 20
 
 
 class LoRAManager:
@@ -42,6 +44,7 @@ class LoRAManager:
         self.context = LoRAContext()
         self.layers: list[list[LinearLoRA]] = []
         device = model.embed_tokens.device
+        stacked = self._stacked_bytes(config, lora) <= STACKED_BUDGET_BYTES
         for layer in model.layers:
             wrapped = []
             for spec in config.arch.linears(config):
@@ -51,7 +54,7 @@ class LoRAManager:
                     offsets.append((shard.hf_name.rpartition(".")[2], start, shard.output_size))
                     start += shard.output_size
                 weights = LinearLoRA(offsets, spec.input_size, lora.max_loras, lora.max_lora_rank,
-                                     model.embed_tokens.dtype, device, use_triton)
+                                     model.embed_tokens.dtype, device, use_triton, stacked)
                 linear.quant_method = LoRALinearMethod(linear.quant_method, weights, self.context)
                 wrapped.append(weights)
             self.layers.append(wrapped)
@@ -60,6 +63,13 @@ class LoRAManager:
         self.slot_names: list[str | None] = [None] * lora.max_loras
         self._device = device
         self.num_disk_loads = 0
+
+    @staticmethod
+    def _stacked_bytes(config: ModelConfig, lora: LoRAConfig) -> int:
+        """float32 bytes of every layer's slot-stacked A and B at ``max_lora_rank``."""
+        per_layer = sum(len(spec.shards) * lora.max_lora_rank * (spec.input_size + spec.output_size)
+                        for spec in config.arch.linears(config))
+        return 4 * lora.max_loras * per_layer * config.num_hidden_layers
 
     # ---- adapters in host memory -----------------------------------------------------------
     def acquire(self, request: LoRARequest) -> str:

@@ -332,3 +332,15 @@ def test_three_adapters_in_one_step_take_the_batched_products(tiny_model_dirs, a
     got = _run(engine, adapters[model])
     assert got == [expected[model][name][index] for index, name in ASSIGNMENT]
     assert max(counter.per_step) == 3
+
+
+def test_slot_stacked_copies_are_kept_only_within_their_budget(tiny_model_dirs):
+    """The CPU's padded copies for the batched products duplicate every slot: a large model
+    with many wide slots goes without them (the per-adapter loop), a small one keeps them."""
+    from twinserve.core.lora import LoRAConfig
+    from twinserve.gpu.lora_manager import STACKED_BUDGET_BYTES, LoRAManager
+    from twinserve.simulator.model_spec import load_model_spec
+    big = LoRAManager._stacked_bytes(load_model_spec("llama-3.1-8b"), LoRAConfig(8, 64, 8))
+    assert big > STACKED_BUDGET_BYTES
+    engine = _engine(tiny_model_dirs[MODELS[0]], max_loras=4, max_cpu_loras=4)
+    assert all(w.stacked and w._cpu_a is not None for w in engine.runner.lora.layers[0])

@@ -191,6 +191,7 @@ class LinearLoRA:
                 a, b = pairs[name]
                 self.stacked_a[k][slot, :rank].copy_(a)
                 self.stacked_b[k][slot, :, :rank].copy_(b)
+            return  # the kernels read only the stacked weights
         if self._cpu_a is not None and self._cpu_b is not None:
             self._cpu_a[slot].zero_()
             self._cpu_b[slot].zero_()

@@ -9,8 +9,9 @@ scaling is folded into B here, once.
 
 Anything the engine would not apply as PEFT does is refused with the reason: pickled weights
 (``adapter_model.bin``), DoRA, trained biases, ``modules_to_save``, per-module rank or alpha
-patterns, layer subsets, targets other than the decoder's seven projections, a rank above
-``max_lora_rank``, and tensors whose shapes do not fit the base model.
+patterns, layer subsets or replication, trained token embeddings, targets other than the
+decoder's seven projections, a rank above ``max_lora_rank``, and tensors whose shapes do not fit
+the base model.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\
 # adapter_config.json fields with the only value the engine implements.
 _MUST_BE = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
             "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
-            "alpha_pattern": {}, "lora_bias": False}
+            "alpha_pattern": {}, "lora_bias": False, "layer_replication": None,
+            "trainable_token_indices": None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,6 +173,7 @@ def _pickled(path) -> None:
     (_edit_config(target_modules=["q_proj", "embed_tokens"]), r"target_modules \['embed_tokens'\]"),
     (_edit_config(use_dora=True), "use_dora=True is not supported"),
     (_edit_config(modules_to_save=["lm_head"]), "modules_to_save"),
+    (_edit_config(layer_replication=[[0, 2]]), "layer_replication"),
     (_edit_tensor, "needs"),
     (_pickled, "adapter_model.bin is a pickle"),
 ])

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from twinserve.core import ModelRunnerOutput, SamplingParams, SchedulerConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
-from twinserve.core.scheduler import ReferenceScheduler, Scheduler
+from twinserve.core.scheduler import Scheduler
+from twinserve.core.scheduler_reference import ReferenceScheduler
 from twinserve.policies import get_policy
 
 EOS = 2

@@ -28,6 +28,9 @@ class SchedulerConfig:
     max_waiting_tokens: int | None = None
     # Distinct LoRA adapters per step (device slots); 0: LoRA disabled.
     max_loras: int = 0
+    # The model's attention window when every layer has one (None: some layer attends to the
+    # whole context); blocks wholly outside it are freed (KVCacheManager).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -39,7 +42,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
-        for name in ("max_waiting_requests", "max_waiting_tokens"):
+        for name in ("max_waiting_requests", "max_waiting_tokens", "sliding_window"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):

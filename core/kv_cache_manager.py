@@ -4,6 +4,18 @@ forked requests (n > 1) and swapping to a bounded host pool.
 The manager owns the blocks; the request owns its token state. Predicates (``can_swap_in``) stand
 apart from mutators (``allocate_slots``, ``free``, ``swap_out``, ``swap_in``). Block copies the
 backend must perform are queued in ``block_ops`` and drained once per step with ``take_block_ops``.
+
+Sliding-window attention (``sliding_window``: every layer attends to at most that many tokens,
+its own included) frees the blocks wholly outside the window, as vLLM's sliding-window manager
+does, so a long sequence holds about ``window / block_size + 1`` blocks::
+
+    positions   0..15   16..31   32..47   48..63 | next query at 60, window 24: keys 37..60
+    table       [null]  [null ]  [ b7  ]  [ b9  ]   blocks 0 and 1 freed, their slots -> null
+
+A freed block's place in the table holds the manager's ``null_block`` (one block taken from the
+pool at start, never written and never read: the kernels attend only inside the window), so a
+position's block is still ``table[pos // block_size]``. Freed blocks keep their prefix-cache hash
+until evicted; a lookup still needs every block of the prefix.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ class BlockTable:
     blocks: list[KVCacheBlock] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    num_dropped: int = 0  # leading blocks freed outside the sliding window (null_block there)
     host_blocks: list[KVCacheBlock] = field(default_factory=list)  # while swapped out
 
     def append(self, blocks: list[KVCacheBlock]) -> None:
@@ -43,14 +56,25 @@ class BlockOps:
 
 class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}.")
         if num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}.")
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not isinstance(sliding_window, int)
+                                           or sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or None, "
+                             f"got {sliding_window!r}.")
+        if sliding_window is not None and num_gpu_blocks < 2:
+            raise ValueError("sliding_window needs num_gpu_blocks >= 2 (one is the null block).")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        # Placeholder of freed out-of-window blocks; held by the manager (ref_cnt 1) for good.
+        self.null_block: KVCacheBlock | None = (self.pool.allocate(1)[0]
+                                                if sliding_window is not None else None)
         self.host_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         self.tables: dict[str, BlockTable] = {}
         # Copies queued for the backend since the last ``take_block_ops``; None while there are
@@ -109,6 +133,10 @@ class KVCacheManager:
         blocks = table.blocks
         hits = computed_blocks or ()
         num_computed = request.num_computed_tokens + len(hits) * bs
+        if self.sliding_window is not None:
+            # Blocks the coming queries cannot see are freed first, even if the allocation then
+            # fails: they are not needed either way.
+            self._drop_outside_window(table, request.num_computed_tokens)
         num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hits)
         write_idx = num_computed // bs
         cow = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
@@ -129,6 +157,8 @@ class KVCacheManager:
             self._copy_on_write(table, write_idx)
         if num_new_blocks > 0:
             table.append(self.pool.allocate(num_new_blocks))
+        if hits and self.sliding_window is not None:  # adopted hits may lie outside the window
+            self._drop_outside_window(table, num_computed)
         return table
 
     def append_slot(self, request: Request) -> BlockTable | None:
@@ -138,10 +168,29 @@ class KVCacheManager:
         num_new_blocks = request.num_computed_tokens // self.block_size + 1 - len(table.blocks)
         if num_new_blocks <= 0:
             return table
+        if self.sliding_window is not None:
+            self._drop_outside_window(table, request.num_computed_tokens)
         if num_new_blocks > self.pool.free_queue.num_free:
             return None
         table.append(self.pool.allocate(num_new_blocks))
         return table
+
+    def _drop_outside_window(self, table: BlockTable, num_computed: int) -> None:
+        """Frees the blocks no query from position ``num_computed`` on can see (it attends to
+        positions > its own - window) and puts ``null_block`` in their places."""
+        window, null = self.sliding_window, self.null_block
+        if window is None or null is None:
+            return
+        first_visible = num_computed - window + 1
+        end = min(first_visible // self.block_size, len(table.blocks))
+        start = table.num_dropped
+        if end <= start:
+            return
+        dropped = table.blocks[start:end]
+        table.blocks[start:end] = [null] * (end - start)
+        table.ids[start:end] = [null.block_id] * (end - start)
+        table.num_dropped = end
+        self.pool.free(reversed(dropped))
 
     def _copy_on_write(self, table: BlockTable, idx: int) -> None:
         old = table.blocks[idx]
@@ -159,7 +208,7 @@ class KVCacheManager:
         if not self.enable_caching or num_full <= table.num_cached_blocks:
             return
         hashes = update_block_hashes(request, self.block_size, num_full * self.block_size)
-        first = table.num_cached_blocks
+        first = max(table.num_cached_blocks, table.num_dropped)  # never cache the null block
         if first + 1 == num_full:  # one block (a decode crossed a boundary): no slices
             self.pool.cache(table.blocks[first], hashes[first])
         else:
@@ -171,27 +220,29 @@ class KVCacheManager:
         table = self.tables.pop(request.request_id, None)
         if table is None:
             return
-        self.pool.free(reversed(table.blocks))
+        self.pool.free(reversed(table.blocks[table.num_dropped:]))
         self.host_pool.free(table.host_blocks)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Child shares all of the parent's blocks; a later write into a shared block copies it."""
         src = self.tables[parent.request_id]
-        table = self.tables[child.request_id] = BlockTable(num_cached_blocks=src.num_cached_blocks)
-        self.pool.touch(src.blocks)
+        table = self.tables[child.request_id] = BlockTable(num_cached_blocks=src.num_cached_blocks,
+                                                           num_dropped=src.num_dropped)
+        self.pool.touch(src.blocks[src.num_dropped:])
         table.append(list(src.blocks))
 
     def swap_out(self, request: Request) -> bool:
         """Moves a request's blocks to the host pool; False (nothing changed) if it lacks room."""
         table = self.tables[request.request_id]
-        n = len(table.blocks)
+        dropped = table.num_dropped
+        n = len(table.blocks) - dropped
         if n == 0 or n > self.host_pool.num_free:
             return False
         host = self.host_pool.allocate(n)
-        self._queued_ops().swap_out.extend(zip(table.ids, (b.block_id for b in host)))
-        self.pool.free(reversed(table.blocks))
-        table.blocks, table.ids, table.host_blocks = [], [], host
-        table.num_cached_blocks = 0
+        self._queued_ops().swap_out.extend(zip(table.ids[dropped:], (b.block_id for b in host)))
+        self.pool.free(reversed(table.blocks[dropped:]))
+        table.blocks, table.ids, table.host_blocks = table.blocks[:dropped], table.ids[:dropped], host
+        table.num_cached_blocks = dropped  # the null places are never cached again
         return True
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
@@ -226,14 +277,18 @@ class KVCacheManager:
         """Full audit (O(blocks)), for tests: reference counts equal the table references, the
         free queue holds exactly the unreferenced blocks, and its counter is its length, on both
         pools; table ids mirror table blocks."""
+        null = self.null_block
         for table in self.tables.values():
             if table.ids != [b.block_id for b in table.blocks]:
                 raise AssertionError("a block table's ids differ from its blocks")
+            if any((b is null) != (i < table.num_dropped) for i, b in enumerate(table.blocks)):
+                raise AssertionError("the null block is not exactly the dropped prefix")
         for pool, attr in ((self.pool, "blocks"), (self.host_pool, "host_blocks")):
-            refs: dict[int, int] = {}
+            refs: dict[int, int] = {} if null is None or attr != "blocks" else {null.block_id: 1}
             for table in self.tables.values():
                 for b in getattr(table, attr):
-                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                    if b is not null:
+                        refs[b.block_id] = refs.get(b.block_id, 0) + 1
             queued = [b.block_id for b in pool.free_queue]
             free = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
             for b in pool.blocks:

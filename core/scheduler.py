@@ -44,6 +44,14 @@ _NEVER = 1 << 62  # a modulus above any token count
 ADMISSION_RETRY_AFTER_S = 1.0  # what an overloaded engine suggests to a client (Retry-After)
 
 
+def attach_prompt_results(output: EngineCoreOutput, result: ModelRunnerOutput) -> None:
+    """Copies a request's prompt logprobs and pooled state (the step that completed its
+    prompt) from the backend's result into its output."""
+    rid = output.request_id
+    output.prompt_logprobs = result.prompt_logprobs.get(rid)
+    output.pooled = result.pooled.get(rid)
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the ``index``-th sample of an n > 1 request (index 0 is the parent itself)."""
     return parent_id if index == 0 else f"{parent_id}#{index}"
@@ -68,7 +76,8 @@ class Scheduler:
         self.policy = policy
         self.stream_outputs = stream_outputs
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.num_cpu_blocks)
+                                 config.enable_prefix_caching, config.num_cpu_blocks,
+                                 config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
@@ -130,13 +139,22 @@ class Scheduler:
         if self.loras is not None:
             self.loras.add_waiting(request.lora)
 
+    def free_seats(self) -> int:
+        """Seats of the running batch (``max_num_seqs``) not taken: queued requests up to this
+        many start at the next step instead of waiting."""
+        return max(0, self.config.max_num_seqs - len(self.running))
+
     def _check_admission(self, request: Request) -> None:
-        """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound."""
+        """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound. The
+        request bound counts only the requests that will have to wait (those beyond the free
+        seats), so a burst gets the same answer whether or not a step ran while it arrived."""
         cfg = self.config
-        if cfg.max_waiting_requests is not None and self.num_queued >= cfg.max_waiting_requests:
+        if cfg.max_waiting_requests is not None and \
+                self.num_queued >= cfg.max_waiting_requests + self.free_seats():
             raise EngineOverloaded(
-                f"the engine is overloaded: {self.num_queued} requests are waiting "
-                f"(max_waiting_requests {cfg.max_waiting_requests}); retry later.",
+                f"the engine is overloaded: {self.num_queued} requests are queued for "
+                f"{self.free_seats()} free seats (max_waiting_requests "
+                f"{cfg.max_waiting_requests}); retry later.",
                 "max_waiting_requests", ADMISSION_RETRY_AFTER_S)
         tokens = self.num_queued_tokens + request.num_prompt_tokens
         if cfg.max_waiting_tokens is not None and self.num_queued and \
@@ -350,6 +368,8 @@ class Scheduler:
             kv.allocate_slots(request, n)  # cannot fail: can_swap_in counted these blocks
             return n
         hits, num_hit = kv.get_computed_blocks(request)
+        if num_hit and request.sampling_params.skip_reading_prefix_cache:
+            hits, num_hit = [], 0  # prompt_logprobs: every prompt position needs its logits
         n = request.num_tokens - request.num_computed_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
@@ -457,6 +477,7 @@ class Scheduler:
         cache_every = self._cache_every
         get_tokens = result.sampled_token_ids.get
         logprobs = result.logprobs
+        extras = result.prompt_logprobs or result.pooled  # prompt logprobs, pooled states
         stream = self.stream_outputs
         no_forks = not self._multi_sample
         on_tokens = self._on_tokens
@@ -517,6 +538,8 @@ class Scheduler:
                 None if status is None else request.finish_reason, request.stop_reason,
                 request.num_cached_tokens or 0,
                 logprobs.get(request.request_id) if logprobs else None))
+            if extras:
+                attach_prompt_results(outputs[-1], result)
         self.num_generation_tokens += len(scheduled) - num_others
         if any_finished:
             self.running = [r for r in self.running if r.status <= _PREEMPTED]

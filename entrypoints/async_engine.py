@@ -144,11 +144,13 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         bound = scheduler.config.max_waiting_requests
         waiting = scheduler.num_queued + self._adds_submitted - self._adds_taken
-        if bound is None or waiting < bound:
+        seats = scheduler.free_seats()
+        if bound is None or waiting < bound + seats:
             return None
         return EngineOverloaded(
-            f"the engine is overloaded: {waiting} requests are waiting (max_waiting_requests "
-            f"{bound}); retry later.", "max_waiting_requests", ADMISSION_RETRY_AFTER_S)
+            f"the engine is overloaded: {waiting} requests are queued for {seats} free seats "
+            f"(max_waiting_requests {bound}); retry later.", "max_waiting_requests",
+            ADMISSION_RETRY_AFTER_S)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:

@@ -36,8 +36,8 @@ _HELP: dict[str, str] = {
                              "gpu_memory_utilization leaves)",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "num_gpu_blocks_override": "number of KV blocks, instead of sizing them from memory",
-    "max_waiting_requests": "requests queued, not yet admitted, beyond which new ones are "
-                            "refused (server: 4 x max_num_seqs; offline: unbounded)",
+    "max_waiting_requests": "requests queued beyond the running batch's free seats, past which "
+                            "new ones are refused (server: 4 x max_num_seqs; offline: unbounded)",
     "max_waiting_tokens": "prompt tokens queued, not yet admitted, beyond which new requests are "
                           "refused (server: 4 x the KV cache's tokens; offline: unbounded)",
     "tensor_parallel_size": "devices one replica is sharded over",

@@ -41,7 +41,7 @@ class StubEngine:
         self.scheduler = SimpleNamespace(
             stats=lambda: SchedulerStats(len(self.live), 0, 0.0, 0, 0, 0, 0, 0),
             kv=SimpleNamespace(reset_prefix_cache=lambda: True), num_queued=0,
-            config=SimpleNamespace(max_waiting_requests=None))
+            free_seats=lambda: 0, config=SimpleNamespace(max_waiting_requests=None))
         self.metrics = RunRecorder()
         self.max_live = max_live
         self.start_after_s = start_after_s

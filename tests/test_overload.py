@@ -246,7 +246,8 @@ def test_a_full_queue_is_refused_before_the_engine_thread_takes_the_request() ->
     in_step, release = threading.Event(), threading.Event()
 
     class Busy:  # an engine thread held inside a long step for the whole burst
-        scheduler = SimpleNamespace(num_queued=1, config=SimpleNamespace(max_waiting_requests=3))
+        scheduler = SimpleNamespace(num_queued=1, free_seats=lambda: 0,
+                                    config=SimpleNamespace(max_waiting_requests=3))
 
         def has_unfinished_requests(self) -> bool:
             return not release.is_set()

@@ -431,7 +431,7 @@ class _StubEngine:
         self.scheduler = SimpleNamespace(
             stats=lambda: SchedulerStats(len(self.live), 0, 0.0, 0, 0, 0, 0, 0),
             kv=SimpleNamespace(reset_prefix_cache=lambda: True), num_queued=0,
-            config=SimpleNamespace(max_waiting_requests=None))
+            free_seats=lambda: 0, config=SimpleNamespace(max_waiting_requests=None))
         self.metrics = RunRecorder()
         self.fail_on_step = fail_on_step
         self.added: list[dict] = []

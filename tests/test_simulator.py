@@ -659,14 +659,15 @@ def test_engine_clock_running_ahead_of_simpy_matches_one_event_per_step(num_repl
 
 # ---- admission: a server's twin says "not now" -------------------------------------------------
 def test_a_flood_beyond_the_waiting_bounds_is_refused_and_counted() -> None:
-    """Everything arrives at once: the queue takes 4 x max_num_seqs (the server's default bound),
-    the rest fail at arrival with the overload error, and the summary counts them as failed."""
+    """Everything arrives at once: the free seats (max_num_seqs) and a queue of 4 x max_num_seqs
+    (the server's default bound) take 20, the rest fail at arrival with the overload error, and
+    the summary counts them as failed."""
     trace = [TraceRequest(f"r{i}", 0.0, 32, 4) for i in range(100)]
     result = simulate(SimConfig(**SMALL, max_num_seqs=4), trace)
     refused = [r for r in result.records if not r.success]
-    assert len(refused) == 100 - 4 * 4
+    assert len(refused) == 100 - 4 - 4 * 4
     assert all("overloaded" in r.error and "max_waiting_requests" in r.error for r in refused)
-    assert (result.summary["completed"], result.summary["failed"]) == (16, 84)
+    assert (result.summary["completed"], result.summary["failed"]) == (20, 80)
     offline = simulate(SimConfig(**SMALL, max_num_seqs=4, usage_context="llm"), trace)
     assert offline.summary["completed"] == 100  # offline use queues without bound
 

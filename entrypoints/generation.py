@@ -135,8 +135,11 @@ def build_sampling_params(body: SamplingFields, max_tokens: int,
 
 
 def tenant_of(state: ServerState, request: Request, body: SamplingFields) -> str:
-    """The fairness tenant: the ``X-Tenant`` header (set by a trusted gateway, honoured only
-    with ``--trust-tenant-header``) wins over ``user``; neither: ``default``."""
+    """The fairness tenant: with ``--tenant-from-api-key`` the name of the request's API key;
+    else the ``X-Tenant`` header (set by a trusted gateway, honoured only with
+    ``--trust-tenant-header``) wins over ``user``; neither: ``default``."""
+    if state.limits.tenant_from_api_key:
+        return str(request.state.api_key_name)
     header = request.headers.get("x-tenant") if state.limits.trust_tenant_header else None
     tenant = header or body.user or "default"
     if len(tenant) > MAX_TENANT_NAME_CHARS:

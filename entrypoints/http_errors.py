@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import math
 import secrets
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -206,22 +207,29 @@ class HostCheckMiddleware:
                                   "Host")
         await response(scope, receive, send)
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches (open paths excepted)."""
+    """401 unless ``Authorization: Bearer <key>`` matches one of ``api_keys`` (open paths
+    excepted). ``api_keys`` maps each key to its name, which the request then carries as
+    ``request.state.api_key_name`` (the tenant, with ``--tenant-from-api-key``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Mapping[str, str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), name) for key, name in api_keys.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
+        name = None
+        for expected, key_name in self.expected:  # every key compared: no early exit to time
+            if secrets.compare_digest(given, expected):
+                name = key_name
+        if name is None:
             response = error_response(401, "Unauthorized: a valid API key is required "
                                            "(Authorization: Bearer <key>).")
             await response(scope, receive, send)
             return
+        scope.setdefault("state", {})["api_key_name"] = name
         await self.app(scope, receive, send)
 
 

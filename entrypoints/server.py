@@ -94,6 +94,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 API_KEY_ENV_VARS = ("TWINSERVE_API_KEY", "VLLM_API_KEY")
+MAX_API_KEYS = 4096
 METRICS_SNAPSHOT_TIMEOUT_S = 30.0
 
 
@@ -157,10 +158,13 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
                        max_bytes=int(getattr(args, "max_request_body_bytes", None)
                                      or DEFAULT_MAX_REQUEST_BODY_BYTES),
                        read_timeout_s=float(timeout) if timeout and timeout > 0 else None)
-    api_key = resolve_api_key(args)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    hosts = allowed_hosts(args, api_key)
+    api_keys = resolve_api_keys(args)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    elif getattr(args, "tenant_from_api_key", False):
+        raise ValueError("--tenant-from-api-key needs API keys (--api-key, --api-key-file or "
+                         "$TWINSERVE_API_KEY).")
+    hosts = allowed_hosts(args, bool(api_keys))
     if hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=hosts[0], allow_ip_literals=hosts[1])
     app.add_middleware(CatchAllMiddleware)
@@ -185,11 +189,12 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         max_tenants=positive("max_tenants", DEFAULT_MAX_TENANTS),
         max_requests_per_tenant=per_tenant,
         trust_tenant_header=bool(getattr(args, "trust_tenant_header", False)),
+        tenant_from_api_key=bool(getattr(args, "tenant_from_api_key", False)),
         sse_keepalive_s=float(keepalive) if keepalive else DEFAULT_SSE_KEEPALIVE_S)
 
 
 def allowed_hosts(args: argparse.Namespace,
-                  api_key: str | None) -> tuple[frozenset[str], bool] | None:
+                  api_key: bool) -> tuple[frozenset[str], bool] | None:
     """``(names, allow IP literals)`` the Host header must match, or None for any. Default:
     with an API key any; without one the loopback names and ``--host`` (any IP address too when
     ``--host`` is a wildcard such as 0.0.0.0)."""
@@ -278,26 +283,49 @@ def served_model_name(args: argparse.Namespace, model_root: str | None) -> str:
     return MODEL_NAME
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else the first line of ``--api-key-file``, else ``$TWINSERVE_API_KEY``,
-    else ``$VLLM_API_KEY``; None: no key."""
-    key = getattr(args, "api_key", None)
-    if key:
-        return key
+def resolve_api_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The accepted API keys, each with its name: ``--api-key`` (named key1, key2, ...), else
+    the lines of ``--api-key-file`` (``KEY`` or ``NAME KEY``), else ``$TWINSERVE_API_KEY``,
+    else ``$VLLM_API_KEY``; empty: no key."""
+    given = getattr(args, "api_key", None)
+    if given:
+        keys = [given] if isinstance(given, str) else list(given)
+        return _named_keys([(f"key{i + 1}", key) for i, key in enumerate(keys)], "--api-key")
     path = getattr(args, "api_key_file", None)
     if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                key = f.readline().strip()
-        except OSError as exc:
-            raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from exc
-        if not key:
-            raise ValueError(f"--api-key-file {path} is empty.")
-        return key
+        return _named_keys(_read_key_file(path), f"--api-key-file {path}")
     for var in API_KEY_ENV_VARS:
         if os.environ.get(var):
-            return os.environ[var]
-    return None
+            return {os.environ[var]: "key1"}
+    return {}
+
+
+def _read_key_file(path: str) -> list[tuple[str, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.split() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file {path}: {getattr(exc, 'strerror', None) or exc}") \
+            from exc
+    if not lines:
+        raise ValueError(f"--api-key-file {path} is empty.")
+    if any(len(fields) > 2 for fields in lines):
+        raise ValueError(f"--api-key-file {path}: each line holds KEY or NAME KEY.")
+    return [(f[0], f[1]) if len(f) == 2 else (f"key{i + 1}", f[0]) for i, f in enumerate(lines)]
+
+
+def _named_keys(pairs: list[tuple[str, str]], source: str) -> dict[str, str]:
+    if len(pairs) > MAX_API_KEYS:
+        raise ValueError(f"{source}: at most {MAX_API_KEYS} API keys, got {len(pairs)}.")
+    keys: dict[str, str] = {}
+    for name, key in pairs:
+        if key in keys:
+            raise ValueError(f"{source}: the key named {name!r} repeats the key named "
+                             f"{keys[key]!r}.")
+        if name in keys.values():
+            raise ValueError(f"{source}: the key name {name!r} is used twice.")
+        keys[key] = name
+    return keys
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -312,12 +340,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the model id clients send (default: --model as given)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", default=None,
-                        help="require Authorization: Bearer KEY. A flag's value is visible to "
-                             "every user in the process list: prefer --api-key-file or the "
-                             "environment (default: $TWINSERVE_API_KEY, then $VLLM_API_KEY)")
+    server.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
+                        help="require Authorization: Bearer KEY, one of these keys. A flag's "
+                             "value is visible to every user in the process list: prefer "
+                             "--api-key-file or the environment (default: $TWINSERVE_API_KEY, "
+                             "then $VLLM_API_KEY)")
     server.add_argument("--api-key-file", default=None, metavar="PATH",
-                        help="read the API key from the first line of PATH")
+                        help="read the API keys from PATH, one per line as KEY or NAME KEY")
+    server.add_argument("--tenant-from-api-key", action="store_true",
+                        help="the fairness tenant is the name of the request's API key "
+                             "(key1, key2, ... or the file's NAME); 'user' and X-Tenant are "
+                             "ignored, so tenants are bounded by the keys")
     server.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                         help="comma-separated names the Host header may carry ('*': any). "
                              "Default: any with an API key; otherwise localhost, 127.0.0.1, "

@@ -25,6 +25,7 @@ class ServerLimits:
     max_tenants: int = DEFAULT_MAX_TENANTS
     max_requests_per_tenant: int = 0
     trust_tenant_header: bool = False
+    tenant_from_api_key: bool = False
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
 
 

@@ -303,33 +303,62 @@ def test_allowed_hosts_options() -> None:
 def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
     import argparse
 
-    from twinserve.entrypoints.server import add_serve_args, resolve_api_key
+    from twinserve.entrypoints.server import add_serve_args, resolve_api_keys
     parser = add_serve_args(argparse.ArgumentParser())
     help_text = " ".join(parser.format_help().split())
     for phrase in ("process list", "--api-key-file", "$TWINSERVE_API_KEY", "$VLLM_API_KEY",
                    "--allowed-hosts", "--max-tenants", "--trust-tenant-header",
-                   "--body-read-timeout-s", "--max-prompts-per-request"):
+                   "--tenant-from-api-key", "--body-read-timeout-s", "--max-prompts-per-request"):
         assert phrase in help_text, phrase
     monkeypatch.delenv("TWINSERVE_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    assert resolve_api_key(parser.parse_args([])) is None
+
+    def keys(*argv: str) -> dict[str, str]:
+        return resolve_api_keys(parser.parse_args(list(argv)))
+    assert keys() == {}
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
-    assert resolve_api_key(parser.parse_args(["--api-key-file", str(key_file)])) == "from-file"
+    assert keys("--api-key-file", str(key_file)) == {"from-file": "key1"}
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
-    assert resolve_api_key(parser.parse_args([])) == "from-vllm"
+    assert keys() == {"from-vllm": "key1"}
     monkeypatch.setenv("TWINSERVE_API_KEY", "from-twinserve")
-    assert resolve_api_key(parser.parse_args([])) == "from-twinserve"
-    assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
-    key_file.write_text("")
-    with pytest.raises(ValueError, match="is empty"):
-        resolve_api_key(parser.parse_args(["--api-key-file", str(key_file)]))
+    assert keys() == {"from-twinserve": "key1"}
+    assert keys("--api-key", "flag") == {"flag": "key1"}
+    assert keys("--api-key", "a", "b") == {"a": "key1", "b": "key2"}
+    key_file.write_text("alice k-a\n\nbob k-b\n")
+    assert keys("--api-key-file", str(key_file)) == {"k-a": "alice", "k-b": "bob"}
+    for text, message in (("", "is empty"), ("a b c\n", "NAME KEY"),
+                          ("x k\ny k\n", "repeats"), ("x k1\nx k2\n", "used twice")):
+        key_file.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            keys("--api-key-file", str(key_file))
     with pytest.raises(ValueError, match="--api-key-file"):
-        resolve_api_key(parser.parse_args(["--api-key-file", str(tmp_path / "missing")]))
-    key_file.write_text("sekret\n")
+        keys("--api-key-file", str(tmp_path / "missing"))
+    key_file.write_text("sekret\nother\n")
     with serve(StubEngine(), api_key_file=str(key_file)) as url:
         def post(headers: dict[str, str]) -> int:
             return httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
                               headers=headers, timeout=10).status_code
         assert post({}) == 401
         assert post({"Authorization": "Bearer sekret"}) == 200
+        assert post({"Authorization": "Bearer other"}) == 200
+        assert post({"Authorization": "Bearer sekretother"}) == 401
+
+
+def test_tenants_tied_to_api_keys(tmp_path) -> None:
+    """With --tenant-from-api-key the tenant is the key's name: a client cannot pick another
+    tenant (user, X-Tenant) or create new ones, and the per-tenant limit holds per key."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("alice ka\nbob kb\n")
+    engine = StubEngine()
+    with serve(engine, api_key_file=str(key_file), tenant_from_api_key=True,
+               trust_tenant_header=True) as url:
+        for key, user in (("ka", "mallory"), ("kb", None), ("ka", "x" * 10)):
+            body = {"prompt": [1], "max_tokens": 1, **({"user": user} if user else {})}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=10,
+                           headers={"Authorization": f"Bearer {key}", "X-Tenant": "eve"})
+            assert r.status_code == 200, r.text
+    assert [a["tenant"] for a in engine.added] == ["alice", "bob", "alice"]
+    with pytest.raises(ValueError, match="--tenant-from-api-key needs API keys"):
+        with serve(StubEngine(), tenant_from_api_key=True):
+            pass

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,8 @@ class AttentionMetadata:
     """One step's flattened batch layout (see ``attention.py``): ``slot_mapping[T]`` int64,
     ``block_tables[B, M]`` int32, ``seq_lens[B]`` int32 (context after this step),
     ``query_start_loc[B + 1]`` int32. ``max_query_len``/``max_seq_len`` are host copies (the
-    Triton path needs no device sync then); ``plan`` is the torch path's precomputed gather."""
+    Triton path needs no device sync then); ``plans`` are the torch path's precomputed gathers,
+    one per attention window of the model's layers (None: full attention)."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -24,17 +25,20 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int = 0
     max_seq_len: int = 0
-    plan: torch_attention.AttentionPlan | None = None
+    plans: dict[int | None, torch_attention.AttentionPlan] = field(default_factory=dict)
 
 
 class AttentionBackend:
-    """Writes KV and attends; one instance per model, chosen by device. No shared state."""
+    """Writes KV and attends; one instance per model, chosen by device. No shared state.
+    ``windows``: the attention windows of the model's layers (None: full attention)."""
 
-    __slots__ = ("write_kv_cache", "_paged_attention", "use_plan", "decode_kernel")
+    __slots__ = ("write_kv_cache", "_paged_attention", "use_plan", "decode_kernel", "windows")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device,
+                 windows: Iterable[int | None] = (None,)) -> None:
         self.write_kv_cache: Callable[..., None]
         self.decode_kernel: PagedDecode | None = None
+        self.windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
         if device.type == "cuda":
             from twinserve.gpu import triton_attention  # lazy: Triton only where it runs
             self.write_kv_cache = triton_attention.write_kv_cache
@@ -49,16 +53,24 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute what every layer reuses (the torch path's gather indices)."""
         if self.use_plan:
-            meta.plan = torch_attention.plan_attention(meta.block_tables, meta.seq_lens,
-                                                       meta.query_start_loc, block_size,
-                                                       self.decode_kernel)
+            meta.plans = {window: torch_attention.plan_attention(
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, block_size,
+                self.decode_kernel, window) for window in self.windows}
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.plan is not None:
-            return torch_attention.planned_attention(query, key_cache, value_cache, meta.plan,
-                                                     scale)
+               meta: AttentionMetadata, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        plan = meta.plans.get(window)
+        if plan is not None:
+            return torch_attention.planned_attention(query, key_cache, value_cache, plan,
+                                                     scale, softcap)
+        if window is None and softcap is None:
+            return self._paged_attention(query, key_cache, value_cache, meta.block_tables,
+                                         meta.seq_lens, meta.query_start_loc, scale,
+                                         max_query_len=meta.max_query_len,
+                                         max_seq_len=meta.max_seq_len)
         return self._paged_attention(query, key_cache, value_cache, meta.block_tables,
                                      meta.seq_lens, meta.query_start_loc, scale,
                                      max_query_len=meta.max_query_len,
-                                     max_seq_len=meta.max_seq_len)
+                                     max_seq_len=meta.max_seq_len, window=window,
+                                     softcap=softcap)

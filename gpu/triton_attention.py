@@ -18,6 +18,10 @@ Kernels (fp32 accumulation, fp32/bf16/fp16 inputs, any head_dim via masking, any
 ``paged_attention`` routes decode-only batches (every q_len == 1) to the decode kernel, the rest
 (prefills, chunked prefills / extends, mixed batches) to the prefill kernel.
 
+Sliding window (``window`` > 0): a query at position p sees positions ``(p - window, p]`` only, and
+the kernels start their walk at the first visible position (blocks before it may have been freed).
+Soft-capping (``softcap`` > 0, Gemma 2): scores ``s -> softcap * tanh(s / softcap)`` before softmax.
+
 The module imports without CUDA and without Triton (``HAS_TRITON`` is then False); kernels launch on CUDA
 tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module was imported.
 """
@@ -87,8 +91,8 @@ if HAS_TRITON:
         kvh, pos, valid,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
-        block_size, offs_d, d_mask, scale_log2,
-        DOT_FP32: tl.constexpr,
+        block_size, offs_d, d_mask, scale_log2, softcap,
+        DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         """One online-softmax step: rows of ``q`` [R, D] against cache positions ``pos`` [N].
 
@@ -108,7 +112,12 @@ if HAS_TRITON:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(valid, s * scale_log2, float("-inf"))
+        if SOFTCAP:  # cap the natural-unit score, then back to base 2; tanh(x) = 2 sigmoid(2x) - 1
+            x = s * (scale_log2 / 1.4426950408889634) / softcap
+            s = softcap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * 1.4426950408889634
+        else:
+            s = s * scale_log2
+        s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet: no NaN
         alpha = tl.math.exp2(m_i - m_safe)
@@ -125,7 +134,7 @@ if HAS_TRITON:
     def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         out_ptr, part_acc_ptr, part_ml_ptr,
-        scale_log2,
+        scale_log2, window, softcap,
         stride_qt, stride_qh, stride_qd,
         stride_ot, stride_oh, stride_od,
         stride_kb, stride_ks, stride_kh, stride_kd,
@@ -133,7 +142,7 @@ if HAS_TRITON:
         stride_btb, stride_btm,
         num_q_heads, block_size, head_dim,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -154,12 +163,15 @@ if HAS_TRITON:
         q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
+        lo = 0
+        if window > 0:  # sliding window: positions [seq_len - window, seq_len)
+            lo = tl.maximum(seq_len - window, 0)
         if NUM_SPLITS == 1:
-            start = 0
+            start = lo
             end = seq_len
         else:  # flash-decoding: split `split` covers a contiguous run of BLOCK_N tiles
-            tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-            start = split * tiles_per_split * BLOCK_N
+            tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), NUM_SPLITS)
+            start = lo + split * tiles_per_split * BLOCK_N
             end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -172,7 +184,7 @@ if HAS_TRITON:
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt, stride_btm, kvh, pos, valid,
                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                block_size, offs_d, d_mask, scale_log2, DOT_FP32)
+                block_size, offs_d, d_mask, scale_log2, softcap, DOT_FP32, SOFTCAP)
 
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -221,7 +233,7 @@ if HAS_TRITON:
     @triton.jit
     def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-        scale_log2,
+        scale_log2, window, softcap,
         stride_qt, stride_qh, stride_qd,
         stride_ot, stride_oh, stride_od,
         stride_kb, stride_ks, stride_kh, stride_kd,
@@ -229,7 +241,7 @@ if HAS_TRITON:
         stride_btb, stride_btm,
         block_size, head_dim,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         seq = tl.program_id(0)
         q_tile = tl.program_id(1)
@@ -261,13 +273,18 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = ctx_len + tl.minimum(tile_start + BLOCK_Q, q_len)  # last query of the tile sees < kv_end
         bt = block_tables_ptr + seq.to(tl.int64) * stride_btb
-        for n0 in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if window > 0:  # the tile's first query sees positions > its own - window
+            kv_start = tl.maximum(ctx_len + tile_start - window + 1, 0)
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             pos = n0 + offs_n
             valid = row_mask[:, None] & (pos[None, :] <= q_pos[:, None]) & (pos < kv_end)[None, :]
+            if window > 0:
+                valid = valid & (pos[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt, stride_btm, kvh, pos, valid,
                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                block_size, offs_d, d_mask, scale_log2, DOT_FP32)
+                block_size, offs_d, d_mask, scale_log2, softcap, DOT_FP32, SOFTCAP)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -366,7 +383,8 @@ def _default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, devi
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                            scale: float, *, num_splits: int | None = None, max_seq_len: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode attention (one query token per sequence) over the paged cache; returns [T, Hq, D].
 
     One program per (sequence, kv head) handles the GQA group's query heads as the rows of a tile;
@@ -383,6 +401,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
+        if window is not None:
+            max_seq_len = min(max_seq_len, window)
         num_splits = _default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -400,11 +420,11 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         out, part_acc, part_ml,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, _window_arg(window), float(softcap or 0.0),
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
         num_q_heads, key_cache.shape[1], head_dim,
         GROUP=group, BLOCK_G=next_pow2(max(16, group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(query, key_cache),
+        NUM_SPLITS=num_splits, DOT_FP32=_dot_fp32(query, key_cache), SOFTCAP=softcap is not None,
         num_warps=4,
     )
     if num_splits > 1:
@@ -417,7 +437,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                             scale: float, *, max_query_len: int | None = None, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention for a varlen batch (prefills, extends, decodes) over the paged cache.
 
     Grid (sequence, query tile, kv head). A tile's BLOCK_M rows are BLOCK_Q = BLOCK_M // GROUP query tokens
@@ -443,11 +464,12 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_len
     grid = (num_seqs, triton.cdiv(max(1, max_query_len), block_q), num_kv_heads)
     _paged_prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, _window_arg(window), float(softcap or 0.0),
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
         key_cache.shape[1], head_dim,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=next_pow2(max(16, head_dim)), DOT_FP32=_dot_fp32(query, key_cache),
+        SOFTCAP=softcap is not None,
         num_warps=8 if head_dim > 64 else 4,
     )
     return out
@@ -456,7 +478,8 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_len
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, *, max_query_len: int | None = None,
-                    max_seq_len: int | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention for a flattened varlen batch over the paged KV cache; returns [T, Hq, D].
 
     query [T, Hq, D]; block_tables [B, M] int32; seq_lens [B] int32 (tokens in the cache, this step's
@@ -467,6 +490,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if seq_lens.numel() else 0
     if max_query_len <= 1:
         return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                      scale, max_seq_len=max_seq_len)
+                                      scale, max_seq_len=max_seq_len, window=window, softcap=softcap)
     return paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, max_query_len=max_query_len)
+                                   scale, max_query_len=max_query_len, window=window, softcap=softcap)
+
+
+def _window_arg(window: int | None) -> int:
+    """The kernels' window argument: 0 for full attention."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    return window

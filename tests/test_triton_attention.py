@@ -15,63 +15,10 @@ import sys
 
 import pytest
 import torch
+from attention_reference import make_batch, ref_paged_attention
 from triton_worker import run, work, worker_results
 
-# ------------------------------------------------------------------------------------------ reference + cases
-
-
-def ref_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
-    """Dense fp32 reference: gather each sequence's K/V via its block table, causal mask, softmax."""
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    group = query.shape[1] // num_kv_heads
-    out = torch.empty(query.shape, dtype=torch.float32)
-    for b in range(seq_lens.shape[0]):
-        seq_len = int(seq_lens[b])
-        q0, q1 = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        n_pages = -(-seq_len // block_size)
-        pages = block_tables[b, :n_pages].long()
-        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        q = query[q0:q1].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = seq_len - (q1 - q0) + torch.arange(q1 - q0)
-        causal = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~causal[None], float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
-    return out
-
-
-def make_batch(seq_lens, query_lens, *, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-               dtype=torch.float32, extra_blocks=5, seed=0, device="cpu"):
-    """Random caches with every sequence's pages drawn from a shuffled pool (non-contiguous block tables)."""
-    g = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(pages_per_seq) + extra_blocks
-    perm = torch.randperm(num_blocks, generator=g)
-    max_pages = max(pages_per_seq) + 1
-    block_tables = torch.zeros((len(seq_lens), max_pages), dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(pages_per_seq):
-        block_tables[b, :n] = perm[start:start + n].int()
-        block_tables[b, n:] = perm[-1].int()  # padding entries point at an unused block
-        start += n
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=g).to(dtype)
-    value_cache = torch.randn(shape, generator=g).to(dtype)
-    num_tokens = sum(query_lens)
-    query = torch.randn((num_tokens, num_q_heads, head_dim), generator=g).to(dtype)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    batch = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                 query_start_loc=torch.tensor(qsl, dtype=torch.int32))
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["scale"] = head_dim ** -0.5
-    return batch
-
+# ------------------------------------------------------------------------------------------ cases
 
 DECODE = dict(seq_lens=[7, 33, 50], query_lens=[1, 1, 1])
 MIXED = dict(seq_lens=[5, 23, 40, 17], query_lens=[5, 3, 1, 1])  # prefill 5, extend 3 on 20, two decodes
@@ -80,7 +27,9 @@ FP32_TOL, BF16_TOL = 1e-4, 1e-2  # on max |out - ref| / (1 + |ref|)
 
 def _compare(fn, batch, tol, **kwargs):
     out = fn(**batch, **kwargs).cpu()
-    ref = ref_paged_attention(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()})
+    masking = {k: kwargs[k] for k in ("window", "softcap") if k in kwargs}
+    ref = ref_paged_attention(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()},
+                              **masking)
     assert out.shape == batch["query"].shape and out.dtype == batch["query"].dtype
     return float(((out.float() - ref).abs() / (1.0 + ref.abs())).max()), tol
 
@@ -187,10 +136,26 @@ def _checks(ta, device="cpu"):
             batch(seq_lens=[12, 26], query_lens=[12, 6], num_q_heads=6, num_kv_heads=2, head_dim=48,
                   block_size=8, seed=6),
             FP32_TOL),
+        # sliding window (Mistral, Gemma's local layers): windows shorter and longer than the sequences,
+        # with split-K decode; soft-capping (Gemma 2)
+        "decode_window5_fp32": lambda: _compare(ta.paged_decode_attention, batch(**DECODE), FP32_TOL,
+                                                num_splits=1, window=5),
+        "decode_window20_splitk3_fp32": lambda: _compare(ta.paged_decode_attention, batch(**DECODE), FP32_TOL,
+                                                         num_splits=3, block_n=16, window=20),
+        "mixed_window6_fp32": lambda: _compare(ta.paged_attention, batch(**MIXED), FP32_TOL, window=6),
+        "prefill_window9_small_tiles_fp32": lambda: _compare(
+            ta.paged_prefill_attention, batch(seq_lens=[21, 30, 9], query_lens=[21, 10, 1], seed=5),
+            FP32_TOL, block_m=16, block_n=16, window=9),
+        "mixed_softcap_window_fp32": lambda: _compare(ta.paged_attention, batch(**MIXED), FP32_TOL,
+                                                      window=6, softcap=0.5),
+        "decode_softcap_bf16": lambda: _compare(ta.paged_decode_attention, batch(**DECODE, dtype=bf16),
+                                                BF16_TOL, softcap=0.5),
     }
 
 
 CHECK_NAMES = [
+    "decode_window5_fp32", "decode_window20_splitk3_fp32", "mixed_window6_fp32",
+    "prefill_window9_small_tiles_fp32", "mixed_softcap_window_fp32", "decode_softcap_bf16",
     "write_kv_cache_fp32", "write_kv_cache_bf16", "write_then_attend_mixed_fp32",
     "decode_fp32_d64", "dispatch_decode_fp32_d64", "decode_fp32_d32", "decode_bf16_d64", "decode_fp16_d64",
     "decode_splitk3_fp32_d64", "decode_splitk5_bf16_d32", "decode_mqa_block8",
@@ -239,7 +204,8 @@ def _aot_compile(ta):
     def compile_one(fn, ptrs, constexprs, num_warps):
         constexprs = dict(constexprs)
         constexprs.update({n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")})
-        sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "fp32" if n == "scale_log2" else "i32")
+        sig = {n: "constexpr" if n in constexprs else ptrs.get(
+            n, "fp32" if n in ("scale_log2", "softcap") else "i32")
                for n in fn.arg_names}
         src = ASTSource(fn, sig, constexprs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -250,10 +216,10 @@ def _aot_compile(ta):
               part_acc_ptr="*fp32", part_ml_ptr="*fp32")
     compile_one(ta._write_kv_cache_kernel, io, dict(BLOCK_H=8, BLOCK_D=128), 4)
     compile_one(ta._paged_decode_kernel, io, dict(GROUP=3, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, NUM_SPLITS=4,
-                                                  DOT_FP32=False), 4)
+                                                  DOT_FP32=False, SOFTCAP=False), 4)
     compile_one(ta._decode_reduce_kernel, io, dict(NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=64), 4)
     compile_one(ta._paged_prefill_kernel, io, dict(GROUP=3, BLOCK_Q=21, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
-                                                   DOT_FP32=False), 4)
+                                                   DOT_FP32=False, SOFTCAP=True), 4)
 
 
 # ------------------------------------------------------------------------------------------------ the tests

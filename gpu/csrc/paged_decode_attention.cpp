@@ -5,6 +5,9 @@
 // Layout (gpu/kv_cache.py): key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim];
 // query, out [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
 // seq_lens [num_seqs] int32. Query heads are grouped by KV head (GQA).
+// Sliding window (window > 0): a sequence of length L attends to positions [max(0, L - window), L)
+// only; blocks before them may be freed (their table entries are never read). Soft-capping
+// (softcap > 0, Gemma 2): each score s becomes softcap * tanh(s / softcap) before the softmax.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -94,8 +97,9 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 // (a 1/num_kv_heads strided read) did not: that ran at ~1.2 GB/s here.
 template <typename T>
 void attend(const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
-            int64_t context, const Shape& s, int64_t h0, int64_t h1, float scale, T* out,
-            std::vector<float>& scratch) {
+            int64_t seq_len, int64_t first, const Shape& s, int64_t h0, int64_t h1, float scale,
+            float softcap, T* out, std::vector<float>& scratch) {
+  const int64_t context = seq_len - first;  // positions first .. seq_len - 1
   const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
   const int64_t q0 = h0 * group, nq = (h1 - h0) * group, row_len = s.num_kv_heads * d;
   scratch.resize(nq * d * 2 + nq * context + row_len + nq);
@@ -107,7 +111,8 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
   const GroupDots dots = group_dots_for(group, d);
   for (int64_t i = 0; i < nq * d; ++i) q[i] = static_cast<float>(query[q0 * d + i]);
   for (int64_t t = 0; t < context; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
+    const int64_t p = first + t;
+    const int64_t slot = static_cast<int64_t>(table[p / s.block_size]) * s.block_size + p % s.block_size;
     const float* k = as_float(key_cache + slot * row_len, row, row_len);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t j = (h - h0) * group;
@@ -118,6 +123,9 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
           scores[(j + g) * context + t] = dot(q + (j + g) * d, k + h * d, d) * scale;
       }
     }
+  }
+  if (softcap > 0.f) {
+    for (int64_t i = 0; i < nq * context; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   }
   for (int64_t j = 0; j < nq; ++j) {
     float* sc = scores + j * context;
@@ -132,7 +140,8 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
   }
   std::fill(acc, acc + nq * d, 0.f);
   for (int64_t t = 0; t < context; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
+    const int64_t p = first + t;
+    const int64_t slot = static_cast<int64_t>(table[p / s.block_size]) * s.block_size + p % s.block_size;
     const float* v = as_float(value_cache + slot * row_len, row, row_len);
     for (int64_t j = 0; j < nq; ++j) axpy(scores[j * context + t], v + (h0 + j / group) * d, acc + j * d, d);
   }
@@ -142,7 +151,9 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D], caches [N, bs, Hkv, D]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -177,8 +188,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
       std::vector<float> scratch;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / split, h0 = (item % split) * heads;
-        attend<scalar_t>(qp + b * seq_stride, kp, vp, tp + b * s.max_blocks, lp[b], s, h0,
-                         h0 + heads, static_cast<float>(scale), op + b * seq_stride, scratch);
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;
+        attend<scalar_t>(qp + b * seq_stride, kp, vp, tp + b * s.max_blocks, lp[b], first, s, h0,
+                         h0 + heads, static_cast<float>(scale), static_cast<float>(softcap),
+                         op + b * seq_stride, scratch);
       }
     });
   });
@@ -189,7 +202,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 TORCH_LIBRARY(twinserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(twinserve_cpu, CPU, m) {

@@ -50,6 +50,7 @@ def _simulate(args: argparse.Namespace) -> int:
     write_sim_run(result, out, trace_desc(args))
     _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "
                                     f"{cfg.scheduling_policy})")
+    print(f"step times: {result.cost_model}")
     print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
     return 0
 

@@ -470,6 +470,14 @@ def make_cost_model(model: ModelConfig, hardware: HardwareProfile, tensor_parall
     return FittedCostModel(params, base) if params is not None else base
 
 
+def describe_cost_model(cost: CostModel | FittedCostModel) -> str:
+    """Which profile and which data the step times of ``cost`` rest on (for run folders)."""
+    hw = cost.hardware
+    if isinstance(cost, FittedCostModel):
+        return f"{hw.name}: {cost.params.describe()}"
+    return f"{hw.name}: {hw.describe_roofline()}"
+
+
 def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str | None = None,
                   tensor_parallel_size: int = 1) -> FittedParams:
     """Non-negative least squares of seconds on ``[1, *fit_feature_names(samples)]``.

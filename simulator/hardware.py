@@ -40,6 +40,12 @@ class FittedParams:
     tensor_parallel_size: int = 1
     num_samples: int = 0
     rmse_s: float = 0.0
+    # what the fit rests on (e.g. "vidur:a100/meta-llama/Meta-Llama-3-8B@<commit>"); "" for a fit
+    # of this machine's own steps
+    source: str = ""
+    # the stated fit error on the data it was fitted to, in percent: "<kind>_mape" and
+    # "<kind>_max" per step kind (prefill, decode, mixed, all)
+    fit_error: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("intercept_s", self.intercept_s)
@@ -48,6 +54,12 @@ class FittedParams:
         for key, value in coefficients.items():
             _check_non_negative(f"coefficients[{key!r}]", value)
         object.__setattr__(self, "coefficients", MappingProxyType(coefficients))
+        if not isinstance(self.source, str):
+            raise ValueError(f"source must be a string, got {self.source!r}.")
+        errors = dict(self.fit_error)
+        for key, value in errors.items():
+            _check_non_negative(f"fit_error[{key!r}]", value)
+        object.__setattr__(self, "fit_error", MappingProxyType(errors))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}.")
@@ -58,10 +70,22 @@ class FittedParams:
         same_model = self.model is None or self.model.lower() == model_name.lower()
         return same_model and self.tensor_parallel_size == tensor_parallel_size
 
+    def describe(self) -> str:
+        """One line naming what the fit rests on (for run folders and reports)."""
+        what = self.source or "steps measured on the machine (twinserve calibrate)"
+        error = self.fit_error.get("all_mape")
+        stated = f", fit error {error:.1f}% mean" if error is not None else ""
+        return f"fitted to {what} ({self.num_samples} samples{stated})"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "tensor_parallel_size": self.tensor_parallel_size,
+        data = {"model": self.model, "tensor_parallel_size": self.tensor_parallel_size,
                 "intercept_s": self.intercept_s, "coefficients": dict(self.coefficients),
                 "num_samples": self.num_samples, "rmse_s": self.rmse_s}
+        if self.source:
+            data["source"] = self.source
+        if self.fit_error:
+            data["fit_error"] = dict(self.fit_error)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FittedParams:
@@ -94,6 +118,8 @@ class HardwareProfile:
     lora_step_overhead_s: float = 0.0
     lora_per_adapter_s: float = 0.0
     notes: str = ""
+    # what the roofline numbers (efficiencies, overheads) rest on; "" means assumed, not measured
+    roofline_source: str = ""
     fitted: tuple[FittedParams, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -117,6 +143,13 @@ class HardwareProfile:
     def platform(self) -> Platform:
         """The device as the engine configuration sees it (``core.engine_config``)."""
         return Platform(self.device_type, self.name, int(self.mem_capacity), self.native_bf16)
+
+    def describe_roofline(self) -> str:
+        """How far the roofline numbers are measured (for run folders and reports)."""
+        if self.roofline_source:
+            return f"roofline calibrated on {self.roofline_source}"
+        return (f"roofline (uncalibrated: assumed eff_compute={self.eff_compute:g}, "
+                f"eff_memory={self.eff_memory:g})")
 
     def find_fitted(self, model_name: str, tensor_parallel_size: int = 1) -> FittedParams | None:
         """The fit for this model and TP size: an exact model match first, then an unlabelled one."""

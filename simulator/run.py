@@ -24,7 +24,7 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
-from twinserve.simulator.cost_model import make_cost_model
+from twinserve.simulator.cost_model import describe_cost_model, make_cost_model
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
@@ -105,6 +105,7 @@ class SimResult:
     steps: StepLog  # a Sequence[StepRecord]
     summary: dict[str, Any]
     wall_time_s: float
+    cost_model: str = ""  # which profile and data the step times rest on (describe_cost_model)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -197,7 +198,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     if lora is not None:
         summary.update(lora_summary(records, trace, step_times))  # type: ignore[arg-type]
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, describe_cost_model(cost))
 
 
 @contextmanager
@@ -235,4 +236,6 @@ def write_sim_run(result: SimResult, out_dir: str | Path, trace_desc: dict[str, 
               **{k: getattr(result.config, k) for k in SIM_KEYS}, **trace_desc}
     if not config.get("label"):
         config["label"] = f"sim {result.config.scheduling_policy}"
+    if result.cost_model:
+        config["cost_model"] = result.cost_model
     return write_run(out_dir, config, result.records, result.summary, list(result.steps))

@@ -1,0 +1,317 @@
+"""GPU step times from Vidur's public operator profiles, and the fitted profiles built on them.
+
+Vidur (microsoft/vidur, MIT) measured every operator of a decoder layer on real GPUs: the GEMMs,
+norms, rope, activation and residual add per token count (``mlp.csv``) and paged attention per
+prefill chunk / decode batch and KV length (``attention.csv``). Its simulator times a step as the
+sum of its operators over the layers (``ExecutionTime.model_time``); embedding, ``lm_head``,
+sampling and CPU overheads are not counted (``skip_cpu_overhead_modeling`` is its default).
+``simulator/data/profiles/vidur/`` holds the part of those measurements used here (see
+``PROVENANCE.md`` there) and this module composes them the way Vidur does::
+
+    step_ms = L * ( ops(T_rounded)                            # mlp.csv, T = scheduled tokens
+                    + kv_cache_save(T)                        # attention.csv
+                    + decode_attention(b, kv) * (1.1 if b > 1)   # mean decode KV length
+                    + prefill_attention(chunk, kv) )          # one chunk per step here
+
+where Vidur rounds T up to a multiple of 8 and adds its default 10% decode batching overhead.
+``operator_samples`` turns each measured point (and decode + prefill pairs of them) into a
+``StepSample`` with the aggregates the scheduler would report for that step; ``fit_dataset`` fits
+the cost model's ``FittedParams`` on them (relative NNLS, ``calibration.fit``), and
+``write_profiles`` stores the fits in the bundled hardware profiles, so the simulator needs
+neither this data nor scipy at run time. Regenerate with
+``python -m twinserve.simulator.vidur_profiles --write``; report with
+``python -m twinserve.benchmarks.gpu_profiles``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import csv
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from twinserve.core.step_sample import StepSample
+from twinserve.simulator.calibration import fit, fit_errors
+from twinserve.simulator.hardware import FittedParams, load_hardware
+
+VIDUR_DIR = Path(__file__).parent / "data" / "profiles" / "vidur"
+HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
+VIDUR_COMMIT = "7d47513363ec447a741ac5e47241580b47724fbf"
+LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+             "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+DECODE_BATCHING_OVERHEAD = 0.1  # Vidur's attention_decode_batching_overhead_fraction default
+TOKEN_ROUNDING = 8  # Vidur's _total_num_tokens_rounded
+BATCH_BUCKETS = ((1, 1), (2, 8), (9, 32), (33, 64), (65, 128), (129, 256), (257, 1024))
+
+
+@dataclass(slots=True, frozen=True)
+class VidurDataset:
+    """One SKU x model of Vidur's profiles: its files here and the twinserve names it serves
+    (``models``: spec names with the very layer shapes measured)."""
+
+    sku: str
+    vidur_model: str
+    models: tuple[str, ...]
+    hardware: str
+    num_layers: int
+    mlp_file: str
+    attention_file: str
+
+    @property
+    def source(self) -> str:
+        return (f"vidur:{self.sku}/{self.vidur_model} (microsoft/vidur@{VIDUR_COMMIT[:7]}, "
+                f"data/profiling/compute/{self.sku}/{self.vidur_model}/mlp.csv + attention.csv)")
+
+
+DATASETS: tuple[VidurDataset, ...] = (
+    VidurDataset("a100", "meta-llama/Meta-Llama-3-8B", ("llama-3-8b", "llama-3.1-8b"), "a100-80gb",
+                 32, "a100_meta-llama-3-8b_mlp.csv", "a100_meta-llama-3-8b_attention_subset.csv"),
+)
+
+
+# ---- the measurements ------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class MlpTable:
+    """Per-layer milliseconds of the token-wise operators (``LAYER_OPS`` summed) by token count,
+    at one tensor-parallel size; linear between measured counts (they are 8 to 512 apart)."""
+
+    tokens: tuple[int, ...]
+    layer_ms: tuple[float, ...]
+
+    def at(self, num_tokens: int) -> float:
+        if not self.tokens[0] <= num_tokens <= self.tokens[-1]:
+            raise ValueError(f"num_tokens {num_tokens} outside the measured "
+                             f"{self.tokens[0]}..{self.tokens[-1]}.")
+        j = bisect.bisect_left(self.tokens, num_tokens)
+        if self.tokens[j] == num_tokens:
+            return self.layer_ms[j]
+        (t0, t1), (y0, y1) = self.tokens[j - 1:j + 1], self.layer_ms[j - 1:j + 1]
+        return y0 + (y1 - y0) * (num_tokens - t0) / (t1 - t0)
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionPoint:
+    """One measured attention row: milliseconds of the KV-cache write and of the kernel."""
+
+    kv_save_ms: float
+    attention_ms: float
+
+
+@dataclass(slots=True)
+class AttentionTable:
+    """Measured prefill points keyed ``(chunk, kv)`` and decode points keyed ``(batch, kv)``."""
+
+    prefill: dict[tuple[int, int], AttentionPoint] = field(default_factory=dict)
+    decode: dict[tuple[int, int], AttentionPoint] = field(default_factory=dict)
+
+
+def load_mlp(path: Path, tensor_parallel_size: int = 1) -> MlpTable:
+    rows = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            if int(r["num_tensor_parallel_workers"]) == tensor_parallel_size:
+                rows.append((int(r["num_tokens"]), sum(float(r[f"{op}_ms"]) for op in LAYER_OPS)))
+    if not rows:
+        raise ValueError(f"{path} has no rows at tensor_parallel_size={tensor_parallel_size}.")
+    rows.sort()
+    return MlpTable(tuple(t for t, _ in rows), tuple(y for _, y in rows))
+
+
+def load_attention(path: Path) -> AttentionTable:
+    table = AttentionTable()
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            kv, save = int(r["kv_cache_size"]), float(r["attn_kv_cache_save_ms"])
+            if r["is_prefill"] == "True":
+                key = (int(r["prefill_chunk_size"]), kv)
+                table.prefill[key] = AttentionPoint(save, float(r["attn_prefill_ms"]))
+            else:
+                table.decode[(int(r["batch_size"]), kv)] = AttentionPoint(save, float(r["attn_decode_ms"]))
+    return table
+
+
+# ---- a step as Vidur times it ----------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class OperatorStep:
+    """A step made of measured points: ``decode`` = (batch, kv) or None; ``prefill`` = (chunk,
+    kv) or None. ``kv`` is the tokens already in the cache (Vidur's ``kv_cache_size``)."""
+
+    decode: tuple[int, int] | None = None
+    prefill: tuple[int, int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.decode[0] if self.decode else 0) + (self.prefill[0] if self.prefill else 0)
+
+    @property
+    def num_seqs(self) -> int:
+        return (self.decode[0] if self.decode else 0) + (1 if self.prefill else 0)
+
+    @property
+    def kind(self) -> str:
+        if self.decode and self.prefill:
+            return "mixed"
+        return "decode" if self.decode else "prefill"
+
+    def aggregates(self) -> dict[str, int]:
+        """The scheduler's aggregate fields of this step (``core.outputs.AGGREGATE_FIELDS``):
+        each decode attends to its kv + 1 positions; a chunk of c after kv to kv + 1 .. kv + c."""
+        agg = dict.fromkeys(("num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
+                             "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens",
+                             "max_decode_context"), 0)
+        if self.decode:
+            b, kv = self.decode
+            agg.update(num_decode_tokens=b, num_decode_seqs=b, sum_decode_context_tokens=b * (kv + 1),
+                       max_decode_context=kv + 1)
+            agg["sum_context_tokens"] += b * (kv + 1)
+        if self.prefill:
+            c, kv = self.prefill
+            agg.update(num_prefill_tokens=c, num_prefill_seqs=1)
+            agg["sum_context_tokens"] += c * kv + c * (c + 1) // 2
+        agg["total_num_scheduled_tokens"] = self.num_tokens
+        return agg
+
+
+def vidur_step_seconds(step: OperatorStep, mlp: MlpTable, attention: AttentionTable,
+                       num_layers: int) -> float:
+    """Vidur's model time of ``step`` from the measurements (see the module docstring). Raises
+    KeyError when an attention point of the step was not measured."""
+    tokens = step.num_tokens
+    rounded = -(-tokens // TOKEN_ROUNDING) * TOKEN_ROUNDING if tokens > 4 else tokens
+    layer_ms = mlp.at(rounded)
+    save = 0.0
+    if step.decode:
+        point = attention.decode[step.decode]
+        overhead = 1 + DECODE_BATCHING_OVERHEAD * (step.decode[0] > 1)
+        layer_ms += point.attention_ms * overhead
+        save = point.kv_save_ms
+    if step.prefill:
+        point = attention.prefill[step.prefill]
+        layer_ms += point.attention_ms
+        save = max(save, point.kv_save_ms)  # the chunk's write dominates a mixed step's
+    return num_layers * (layer_ms + save) * 1e-3
+
+
+def operator_steps(attention: AttentionTable, mixed_decodes: int = 6,
+                   mixed_prefills: int = 6) -> list[OperatorStep]:
+    """Every measured point as a step, plus decode + prefill pairs spread over the measurements."""
+    decodes = sorted(attention.decode)
+    prefills = sorted(attention.prefill)
+    steps = [OperatorStep(decode=d) for d in decodes] + [OperatorStep(prefill=p) for p in prefills]
+    some_d = decodes[:: max(1, len(decodes) // mixed_decodes)]
+    some_p = [p for p in prefills if p[0] <= 1024][:: max(1, len(prefills) // mixed_prefills // 2)]
+    steps += [OperatorStep(decode=d, prefill=p) for d in some_d for p in some_p]
+    return steps
+
+
+@dataclass(slots=True)
+class DatasetSamples:
+    """The steps of one dataset and their samples (Vidur's seconds), index for index."""
+
+    dataset: VidurDataset
+    steps: list[OperatorStep]
+    samples: list[StepSample]
+
+
+def operator_samples(ds: VidurDataset, tensor_parallel_size: int = 1) -> DatasetSamples:
+    mlp = load_mlp(VIDUR_DIR / ds.mlp_file, tensor_parallel_size)
+    attention = load_attention(VIDUR_DIR / ds.attention_file)
+    steps = operator_steps(attention)
+    samples = [StepSample(s.aggregates(), vidur_step_seconds(s, mlp, attention, ds.num_layers),
+                          kind=s.kind) for s in steps]
+    return DatasetSamples(ds, steps, samples)
+
+
+# ---- the fit and its error -------------------------------------------------------------------
+def fit_dataset(data: DatasetSamples, model: str) -> FittedParams:
+    """``FittedParams`` for ``model`` at TP 1 fitted on the dataset (relative error), carrying its
+    source and its error by step kind."""
+    params = fit(data.samples, model, 1, "relative")
+    errors = {}
+    for e in fit_errors(params, data.samples):
+        errors[f"{e.kind}_mape"], errors[f"{e.kind}_max"] = round(e.mape, 2), round(e.max_ape, 2)
+    return FittedParams(params.intercept_s, params.coefficients, model, 1, params.num_samples,
+                        params.rmse_s, data.dataset.source, errors)
+
+
+def batch_bucket(num_seqs: int) -> str:
+    for lo, hi in BATCH_BUCKETS:
+        if lo <= num_seqs <= hi:
+            return f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return f">{BATCH_BUCKETS[-1][1]}"
+
+
+@dataclass(slots=True, frozen=True)
+class BucketError:
+    kind: str
+    bucket: str
+    count: int
+    mape: float
+    max_ape: float
+
+
+def errors_by_batch(params: FittedParams, data: DatasetSamples) -> list[BucketError]:
+    """Fit error per step kind and batch-size bucket (sequences in the step)."""
+    from twinserve.simulator.calibration import predict
+    groups: dict[tuple[str, str], list[float]] = {}
+    for step, sample in zip(data.steps, data.samples):
+        ape = abs(predict(params, sample.aggregates) - sample.seconds) / sample.seconds
+        groups.setdefault((step.kind, batch_bucket(step.num_seqs)), []).append(100 * ape)
+    order = {b: i for i, b in enumerate(batch_bucket(lo) for lo, _ in BATCH_BUCKETS)}
+    keys = sorted(groups, key=lambda k: (k[0], order.get(k[1], 99)))
+    return [BucketError(k, b, len(groups[(k, b)]), sum(groups[(k, b)]) / len(groups[(k, b)]),
+                        max(groups[(k, b)])) for k, b in keys]
+
+
+# ---- the bundled profiles --------------------------------------------------------------------
+def write_profiles(datasets: Sequence[VidurDataset] = DATASETS,
+                   hardware_dir: Path = HARDWARE_DIR) -> list[Path]:
+    """Fits every dataset and stores the fits in its bundled hardware profile (replacing a fit
+    for the same model and TP size)."""
+    written = []
+    for ds in datasets:
+        data = operator_samples(ds)
+        profile = load_hardware(hardware_dir / f"{ds.hardware}.json")
+        for model in ds.models:
+            profile = profile.with_fitted(fit_dataset(data, model))
+        written.append(profile.save(hardware_dir / f"{ds.hardware}.json"))
+    return written
+
+
+def format_fit(params: FittedParams, data: DatasetSamples) -> str:
+    lines = [f"{data.dataset.hardware} / {params.model}: {params.describe()}",
+             f"  {'kind':<8} {'batch':>8} {'steps':>6} {'MAPE %':>8} {'max %':>8}"]
+    for e in errors_by_batch(params, data):
+        lines.append(f"  {e.kind:<8} {e.bucket:>8} {e.count:>6} {e.mape:>8.1f} {e.max_ape:>8.1f}")
+    for kind in ("prefill", "decode", "mixed", "all"):
+        if f"{kind}_mape" in params.fit_error:
+            lines.append(f"  {kind:<8} {'all':>8} {'':>6} {params.fit_error[f'{kind}_mape']:>8.1f} "
+                         f"{params.fit_error[f'{kind}_max']:>8.1f}")
+    return "\n".join(lines)
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m twinserve.simulator.vidur_profiles",
+                                description="Fit the bundled GPU profiles to Vidur's operator data.")
+    p.add_argument("--write", action="store_true",
+                   help="store the fits in simulator/data/hardware/<profile>.json")
+    args = p.parse_args(argv)
+    for ds in DATASETS:
+        data = operator_samples(ds)
+        print(format_fit(fit_dataset(data, ds.models[0]), data))
+    if args.write:
+        for path in write_profiles():
+            print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

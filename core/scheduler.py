@@ -44,14 +44,6 @@ _NEVER = 1 << 62  # a modulus above any token count
 ADMISSION_RETRY_AFTER_S = 1.0  # what an overloaded engine suggests to a client (Retry-After)
 
 
-def attach_prompt_results(output: EngineCoreOutput, result: ModelRunnerOutput) -> None:
-    """Copies a request's prompt logprobs and pooled state (the step that completed its
-    prompt) from the backend's result into its output."""
-    rid = output.request_id
-    output.prompt_logprobs = result.prompt_logprobs.get(rid)
-    output.pooled = result.pooled.get(rid)
-
-
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the ``index``-th sample of an n > 1 request (index 0 is the parent itself)."""
     return parent_id if index == 0 else f"{parent_id}#{index}"
@@ -368,8 +360,6 @@ class Scheduler:
             kv.allocate_slots(request, n)  # cannot fail: can_swap_in counted these blocks
             return n
         hits, num_hit = kv.get_computed_blocks(request)
-        if num_hit and request.sampling_params.skip_reading_prefix_cache:
-            hits, num_hit = [], 0  # prompt_logprobs: every prompt position needs its logits
         n = request.num_tokens - request.num_computed_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
@@ -477,7 +467,6 @@ class Scheduler:
         cache_every = self._cache_every
         get_tokens = result.sampled_token_ids.get
         logprobs = result.logprobs
-        extras = result.prompt_logprobs or result.pooled  # prompt logprobs, pooled states
         stream = self.stream_outputs
         no_forks = not self._multi_sample
         on_tokens = self._on_tokens
@@ -538,8 +527,6 @@ class Scheduler:
                 None if status is None else request.finish_reason, request.stop_reason,
                 request.num_cached_tokens or 0,
                 logprobs.get(request.request_id) if logprobs else None))
-            if extras:
-                attach_prompt_results(outputs[-1], result)
         self.num_generation_tokens += len(scheduled) - num_others
         if any_finished:
             self.running = [r for r in self.running if r.status <= _PREEMPTED]

@@ -7,7 +7,7 @@ simulation-only users never import torch.
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Logprob", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,6 +17,12 @@ def __getattr__(name: str) -> Any:
     if name == "LoRARequest":
         from twinserve.core.lora import LoRARequest
         return LoRARequest
+    if name == "Logprob":
+        from twinserve.core.logprobs import Logprob
+        return Logprob
+    if name == "PoolingParams":
+        from twinserve.core.pooling_params import PoolingParams
+        return PoolingParams
     if name == "SamplingParams":
         from twinserve.core.sampling_params import SamplingParams
         return SamplingParams

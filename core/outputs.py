@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from twinserve.core.logprobs import TokenLogprobs
 from twinserve.core.request import Request
 
 
@@ -90,11 +91,15 @@ AGGREGATE_FIELDS: tuple[str, ...] = (
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Tokens sampled by the backend, keyed by request id, for entries with ``sample`` set.
-    ``logprobs`` maps request id to a list (one per sampled token) of
-    ``(token_logprob, {token_id: logprob} of the top candidates)``."""
+    ``logprobs`` maps request id to one ``TokenLogprobs`` per sampled token (requests that asked
+    for logprobs). In the step that completes a prompt: ``prompt_logprobs`` (requests with
+    ``prompt_logprobs``) holds one entry per prompt token after the first, and ``pooled``
+    (requests with ``pooling_params``) the prompt's pooled, normalised hidden state."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -108,5 +113,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    pooled: list[float] | None = None

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class Request:
     # n > 1: children are forked from the parent after its prefill (see KVCacheManager.fork).
     parent_id: str | None = None
     index: int = 0
+    # An embedding request: the backend returns the prompt's pooled hidden state.
+    pooling_params: PoolingParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

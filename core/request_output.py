@@ -1,21 +1,24 @@
 """What the front-ends return for a request, in vLLM's shape (``RequestOutput`` with one
-``CompletionOutput`` per sample)."""
+``CompletionOutput`` per sample; ``EmbeddingRequestOutput`` for an embedding request)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from twinserve.core.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. ``text``/``token_ids`` are cumulative; ``delta_*`` hold what is
-    new since the previous ``RequestOutput`` for this request (for streaming)."""
+    new since the previous ``RequestOutput`` for this request (for streaming). ``logprobs``:
+    one ``{token_id: Logprob}`` per generated token, holding the sampled token and the top-k."""
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     delta_text: str = ""
@@ -28,6 +31,9 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """``prompt_logprobs``: one entry per prompt token (None for the first), once the prompt
+    has been computed, when the request asked for them."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -35,3 +41,25 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput``: ``outputs.embedding`` is the pooled state."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None

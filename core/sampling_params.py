@@ -7,6 +7,7 @@ sampled without them; see ``UNSUPPORTED``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,19 +27,14 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "use_beam_search": ("beam search", (False,)),
     "length_penalty": ("beam search's length penalty", (1.0,)),
     "early_stopping": ("beam search's early stopping", (False,)),
-    "prompt_logprobs": ("prompt logprobs", (None,)),
     "logprob_token_ids": ("logprobs of chosen token ids", (None,)),
     "flat_logprobs": ("flat logprobs", (False,)),
     "detokenize": ("token-id-only outputs (detokenize=False)", (True,)),
     "spaces_between_special_tokens": ("spaces_between_special_tokens=False", (True,)),
-    "logits_processors": ("logits processors", (None, [])),
-    "truncate_prompt_tokens": ("prompt truncation", (None,)),
     "output_kind": ("output kinds (generate returns final outputs)", (None,)),
     "stream_interval": ("stream intervals", (None, 1)),
     "guided_decoding": ("guided (constrained) decoding", (None,)),
-    "bad_words": ("bad words", (None, [])),
     "extra_args": ("extra arguments for custom sampling extensions", (None, {})),
-    "skip_reading_prefix_cache": ("skipping prefix-cache reads", (None, False)),
     "thinking_token_budget": ("thinking token budgets", (None, -1)),
     "repetition_detection": ("repetition detection", (None,)),
 }
@@ -69,6 +65,18 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # The logprobs of each prompt token (top-k plus the prompt's own token; the first is None).
+    prompt_logprobs: int | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len - 1).
+    truncate_prompt_tokens: int | None = None
+    # Strings whose token sequences may not be generated (vLLM's: the last token of a bad word
+    # is masked when the tokens before it were just generated); tokenized by the engine.
+    bad_words: list[str] | None = None
+    # Python callables (output_token_ids, logits[V]) -> logits[V], or (prompt_token_ids,
+    # output_token_ids, logits[V]) -> logits[V] (vLLM v0's), applied before everything else.
+    logits_processors: list[Any] | None = field(default=None, repr=False)
+    # None: True when prompt_logprobs is set (the cached prompt positions have no logits).
+    skip_reading_prefix_cache: bool | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Constrained decoding (core/structured_outputs.py); a dict of its fields is accepted.
@@ -78,23 +86,20 @@ class SamplingParams:
     use_beam_search: bool = field(default=False, repr=False)
     length_penalty: float = field(default=1.0, repr=False)
     early_stopping: bool = field(default=False, repr=False)
-    prompt_logprobs: int | None = field(default=None, repr=False)
     logprob_token_ids: list[int] | None = field(default=None, repr=False)
     flat_logprobs: bool = field(default=False, repr=False)
     detokenize: bool = field(default=True, repr=False)
     spaces_between_special_tokens: bool = field(default=True, repr=False)
-    logits_processors: list[Any] | None = field(default=None, repr=False)
-    truncate_prompt_tokens: int | None = field(default=None, repr=False)
     output_kind: Any = field(default=None, repr=False)
     stream_interval: int | None = field(default=None, repr=False)
     guided_decoding: Any = field(default=None, repr=False)
     logit_bias: dict[int, float] | None = field(default=None, repr=False)
     allowed_token_ids: list[int] | None = field(default=None, repr=False)
     extra_args: dict[str, Any] | None = field(default=None, repr=False)
-    bad_words: list[str] | None = field(default=None, repr=False)
-    skip_reading_prefix_cache: bool | None = field(default=None, repr=False)
     thinking_token_budget: int | None = field(default=None, repr=False)
     repetition_detection: Any = field(default=None, repr=False)
+    # bad_words as token id sequences, set by the engine (update_from_tokenizer).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,11 +126,10 @@ class SamplingParams:
             self.top_k = 0
         # One tuple comparison on the hot path; the field-by-field check only when it differs.
         if (self.best_of, self.use_beam_search, self.length_penalty, self.early_stopping,
-                self.prompt_logprobs, self.logprob_token_ids, self.flat_logprobs,
-                self.detokenize, self.spaces_between_special_tokens, self.logits_processors,
-                self.truncate_prompt_tokens, self.output_kind, self.stream_interval,
-                self.guided_decoding, self.extra_args, self.bad_words,
-                self.skip_reading_prefix_cache, self.thinking_token_budget,
+                self.logprob_token_ids, self.flat_logprobs,
+                self.detokenize, self.spaces_between_special_tokens,
+                self.output_kind, self.stream_interval,
+                self.guided_decoding, self.extra_args, self.thinking_token_budget,
                 self.repetition_detection) != _UNSUPPORTED_DEFAULTS:
             self._refuse_unsupported()
         if self.structured_outputs is not None:
@@ -174,7 +178,69 @@ class SamplingParams:
         against its vocabulary."""
         return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
 
+    def _validate_extras(self) -> None:
+        """``prompt_logprobs``, ``truncate_prompt_tokens``, ``bad_words``, ``logits_processors``
+        and ``skip_reading_prefix_cache``; only called when one of them is set."""
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got "
+                                 f"{self.prompt_logprobs}.")
+            if self.skip_reading_prefix_cache is False:
+                raise ValueError("skip_reading_prefix_cache=False cannot be combined with "
+                                 "prompt_logprobs: prefix-cache hits have no logits to give.")
+            self.skip_reading_prefix_cache = True
+        if self.skip_reading_prefix_cache is not None and not isinstance(
+                self.skip_reading_prefix_cache, bool):
+            raise ValueError("skip_reading_prefix_cache must be a boolean or None, got "
+                             f"{_short(self.skip_reading_prefix_cache)}.")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be at least 1 (or -1 for "
+                                 "max_model_len), got 0.")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, (list, tuple)) or any(
+                    not isinstance(w, str) or not w.strip() for w in words):
+                raise ValueError("bad_words must be a list of non-empty strings, got "
+                                 f"{_short(words)}.")
+            if len(words) > MAX_STOP_STRINGS:
+                raise ValueError(f"bad_words may hold at most {MAX_STOP_STRINGS} strings, got "
+                                 f"{len(words)}.")
+            self.bad_words = list(words) or None
+        if self.logits_processors is not None:
+            procs = self.logits_processors
+            if not isinstance(procs, (list, tuple)) or any(not callable(f) for f in procs):
+                raise ValueError("logits_processors must be a list of callables "
+                                 "(output_token_ids, logits) -> logits, got "
+                                 f"{_short(procs)}.")
+            self.logits_processors = list(procs) or None
+
+    def update_from_tokenizer(self, encode: Callable[[str], list[int]]) -> None:
+        """Tokenizes ``bad_words`` as vLLM does: each word as given (left-stripped) and with
+        a leading space, the latter kept only when it tokenizes to as many tokens with another
+        first token (a word-initial variant). ``encode`` adds no special tokens."""
+        if not self.bad_words:
+            self.bad_words_token_ids = None
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            for ids in (plain, spaced):
+                if not ids:
+                    continue
+                if ids is spaced and plain and (ids[0] == plain[0] or len(ids) != len(plain)):
+                    continue
+                sequences.append(list(ids))
+        self.bad_words_token_ids = sequences or None
+
     def _validate(self) -> None:
+        if (self.prompt_logprobs is not None or self.truncate_prompt_tokens is not None
+                or self.bad_words is not None or self.logits_processors is not None
+                or self.skip_reading_prefix_cache is not None):
+            self._validate_extras()
         self._validate_token_filters()
         _check_int("n", self.n, minimum=1)
         _check_number("temperature", self.temperature, minimum=0.0)

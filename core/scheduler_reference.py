@@ -4,7 +4,7 @@ fast one is tested against (``tests/test_scheduler_reference.py``)."""
 from __future__ import annotations
 
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from twinserve.core.scheduler import Scheduler
+from twinserve.core.scheduler import Scheduler, attach_prompt_results
 
 
 class ReferenceScheduler(Scheduler):
@@ -61,6 +61,7 @@ class ReferenceScheduler(Scheduler):
                 None if status is None else request.finish_reason, request.stop_reason,
                 request.num_cached_tokens or 0,
                 result.logprobs.get(request.request_id) if result.logprobs else None))
+            attach_prompt_results(outputs[-1], result)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from twinserve.core.errors import EngineOverloaded
+from twinserve.core.logprobs import Logprob
 from twinserve.core.request_output import CompletionOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.async_engine import EngineDeadError, RequestStream
@@ -229,38 +230,43 @@ class ChoiceState:
     """What one choice (sample) has received so far."""
 
     prefix: str = ""  # echo: the prompt text, sent before the first delta
-    prev_cumulative: float = 0.0
     finished: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def update(self, comp: CompletionOutput, want_logprobs: bool) -> ChoiceDelta | None:
-        """The delta of ``comp``; None once the choice has finished (or nothing is new)."""
+    def update(self, comp: CompletionOutput, num_logprobs: int | None) -> ChoiceDelta | None:
+        """The delta of ``comp``; None once the choice has finished (or nothing is new).
+        ``num_logprobs``: the request's top-k (None: no logprobs)."""
         if self.finished:
             return None
-        lps = self._new_logprobs(comp) if want_logprobs else []
+        lps = self._new_logprobs(comp, num_logprobs) if num_logprobs is not None else []
         text, self.prefix = self.prefix + comp.delta_text, ""
         self.finished = comp.finish_reason is not None
         if not text and not lps and not self.finished:
             return None
         return ChoiceDelta(text, lps, comp.finish_reason, comp.stop_reason)
 
-    def _new_logprobs(self, comp: CompletionOutput) -> list[TokenLogprob]:
+    def _new_logprobs(self, comp: CompletionOutput, k: int) -> list[TokenLogprob]:
         delta = comp.delta_token_ids
         if not delta or comp.logprobs is None:
             return []
         start = len(comp.token_ids) - len(delta)
-        tops = comp.logprobs[start:start + len(delta)]  # by index: the list grows on the engine
-        cumulative = comp.cumulative_logprob or 0.0
-        step_total, self.prev_cumulative = cumulative - self.prev_cumulative, cumulative
+        entries = comp.logprobs[start:start + len(delta)]  # by index: the list grows
         out = []
         for j, token in enumerate(delta):
-            top = tops[j] if j < len(tops) else {}
-            # The engine keeps only the running sum of the sampled tokens' logprobs; one token
-            # per step (the norm) makes the step's sum that token's logprob.
-            lp = top.get(token, step_total if len(delta) == 1 else LOGPROB_FLOOR)
-            out.append(TokenLogprob(token, finite_logprob(lp), top))
+            entry = entries[j] if j < len(entries) else {}
+            sampled = entry.get(token)  # always there: Logprob dicts hold the sampled token
+            lp = sampled.logprob if sampled is not None else LOGPROB_FLOOR
+            out.append(TokenLogprob(token, finite_logprob(lp), top_k_logprobs(entry, k)))
         self.logprobs.extend(out)
         return out
+
+
+def top_k_logprobs(entry: dict[int, Logprob] | None, k: int) -> dict[int, float]:
+    """The top-k of a ``{token_id: Logprob}`` entry (the sampled token is there too, after
+    them, when it is not one of them: OpenAI's ``top_logprobs`` holds the k alone)."""
+    if not entry:
+        return {}
+    return {t: v.logprob for t, v in entry.items() if v.rank is not None and v.rank <= k}
 
 
 def finite_logprob(x: float) -> float:
@@ -297,7 +303,7 @@ class Generation:
         self.lora = lora
         self.model_name = state.model_name if lora is None else lora.name
         self.n = params[0].n
-        self.want_logprobs = params[0].logprobs is not None
+        self.num_logprobs = params[0].logprobs
         self.last: list[RequestOutput | None] = [None] * len(prompts)
         self.choices = [ChoiceState(prefix=echo_text(state, p) if echo else "")
                         for p in prompts for _ in range(self.n)]
@@ -358,7 +364,7 @@ class Generation:
         result = []
         for comp in out.outputs:
             index = prompt_idx * self.n + comp.index
-            delta = self.choices[index].update(comp, self.want_logprobs)
+            delta = self.choices[index].update(comp, self.num_logprobs)
             if delta is not None:
                 result.append((index, delta))
         return result

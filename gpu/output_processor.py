@@ -3,11 +3,18 @@ strings, logprobs, and the n > 1 samples of one request gathered under its id.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from twinserve.core.logprobs import PromptLogprobs
 from twinserve.core.outputs import EngineCoreOutput
 from twinserve.core.request import Request
-from twinserve.core.request_output import CompletionOutput, RequestOutput
+from twinserve.core.request_output import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from twinserve.core.scheduler import child_request_id
 from twinserve.gpu.detokenizer import IncrementalDetokenizer, StopAutomaton
 from twinserve.gpu.structured_outputs import compile_grammar
@@ -20,6 +27,9 @@ class RequestState:
     prompt: str | None
     completions: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer | None]
+    decode: Callable[[int], str] | None = None  # a token as text, for Logprob.decoded_token
+    prompt_logprobs: PromptLogprobs | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,11 +65,16 @@ class OutputProcessor:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 stop_automaton=stops)
 
+        decode = None
+        if tokenizer is not None and detokenize:
+            def decode(token_id: int) -> str:
+                return tokenizer.decode([token_id], skip_special_tokens=False)
         self.states[request.request_id] = RequestState(
             request, prompt, [CompletionOutput(i) for i in range(params.n)],
-            [detok() for _ in range(params.n)])
+            [detok() for _ in range(params.n)], decode)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput],
+                ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the updated requests and the sample ids a stop string ended (the engine
         finishes those in the scheduler)."""
         touched: dict[str, RequestState] = {}
@@ -89,9 +104,13 @@ class OutputProcessor:
         comp.delta_token_ids.extend(o.new_token_ids)
         if o.new_logprobs:
             comp.logprobs = comp.logprobs or []
-            for lp, top in o.new_logprobs:
-                comp.logprobs.append(top)
-                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp
+            for entry in o.new_logprobs:
+                comp.logprobs.append(entry.as_dict(state.decode))
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + entry.logprob
+        if o.prompt_logprobs is not None:
+            state.prompt_logprobs = [None, *(e.as_dict(state.decode) for e in o.prompt_logprobs)]
+        if o.pooled is not None:
+            state.pooled = o.pooled
         detok = state.detokenizers[idx]
         hit = detok.add_tokens(o.new_token_ids) if detok is not None else None
         if hit is not None and not o.finished:
@@ -102,7 +121,12 @@ class OutputProcessor:
             comp.stop_reason = hit if hit is not None else o.stop_reason
         return False
 
-    def _snapshot(self, state: RequestState) -> RequestOutput:
+    def _snapshot(self, state: RequestState) -> RequestOutput | EmbeddingRequestOutput:
+        req = state.request
+        if req.pooling_params is not None and state.finished and state.pooled is not None:
+            return EmbeddingRequestOutput(
+                req.request_id, EmbeddingOutput(state.pooled or []), req.prompt_token_ids,
+                True, req.num_cached_tokens or 0, state.prompt)
         outs = []
         for comp, detok in zip(state.completions, state.detokenizers):
             if detok is not None:
@@ -114,11 +138,12 @@ class OutputProcessor:
                                          comp.finish_reason, comp.stop_reason, comp.delta_text,
                                          comp.delta_token_ids))
             comp.delta_text, comp.delta_token_ids = "", []
-        req = state.request
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, outs,
-                             state.finished, req.num_cached_tokens or 0)
+                             state.finished, req.num_cached_tokens or 0,
+                             prompt_logprobs=state.prompt_logprobs)
 
-    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+    def abort(self, request_id: str,
+              reason: str = "abort") -> RequestOutput | EmbeddingRequestOutput | None:
         """Ends every sample of a request (client gone, engine stopping)."""
         state = self.states.pop(request_id, None)
         if state is None:

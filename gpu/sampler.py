@@ -4,26 +4,29 @@ Order per row: the grammar's allowed tokens (constrained decoding, ``allowed``),
 ``allowed_token_ids`` (the others masked) and ``logit_bias`` (added), min_tokens (stop tokens
 masked), penalties (repetition over prompt + output, frequency and presence over
 output), then greedy argmax, or temperature -> min_p -> top_k ->
-top_p -> a draw. Draws use the exponential-race trick ``argmax(p / q)``, ``q ~ Exp(1)``, with the
+top_p -> a draw. Rows with ``logits_processors`` run them first, on the raw logits; rows
+with ``bad_words`` mask each bad word's last token when the output ends with the rest of it.
+Draws use the exponential-race trick ``argmax(p / q)``, ``q ~ Exp(1)``, with the
 request's own ``torch.Generator`` when it has a seed. Logprobs come from the raw logits (vLLM v1).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
+from twinserve.core.logprobs import TokenLogprobs
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
-
-Logprobs = tuple[float, dict[int, float]]
+from twinserve.gpu.logprobs import token_logprobs
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[Logprobs | None]
+    logprobs: list[TokenLogprobs | None]
 
 
 def sample(logits: torch.Tensor, requests: list[Request],
@@ -48,7 +51,11 @@ def sample(logits: torch.Tensor, requests: list[Request],
         if allowed is None:
             logits = logits.clone()
         for row, (p, r) in enumerate(zip(params, requests)):
+            if p.logits_processors:
+                _apply_logits_processors(logits, row, p, r)
             _apply_token_filters(logits[row], p)
+            if p.bad_words_token_ids:
+                _apply_bad_words(logits[row], p.bad_words_token_ids, r.output_token_ids)
             _apply_min_tokens(logits[row], p, r, row in constrained)
             _apply_penalties(logits[row], p, r)
     tokens = logits.argmax(dim=-1)
@@ -65,7 +72,46 @@ def sample(logits: torch.Tensor, requests: list[Request],
 def _needs_processing(p: SamplingParams, r: Request) -> bool:
     return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens
-            or p.logit_bias is not None or p.allowed_token_ids is not None)
+            or p.logit_bias is not None or p.allowed_token_ids is not None
+            or p.bad_words_token_ids is not None or p.logits_processors is not None)
+
+
+def _apply_logits_processors(logits: torch.Tensor, row: int, p: SamplingParams,
+                             r: Request) -> None:
+    """vLLM v0's logits processors on one row: ``fn(output_ids, logits)`` or ``fn(prompt_ids,
+    output_ids, logits)`` (by the number of parameters), each returning the new row."""
+    for fn in p.logits_processors or ():
+        output = list(r.output_token_ids)
+        if _num_params(fn) == 3:
+            new = fn(list(r.prompt_token_ids), output, logits[row])
+        else:
+            new = fn(output, logits[row])
+        if not isinstance(new, torch.Tensor) or new.shape != logits[row].shape:
+            raise ValueError(f"logits processor {fn!r} must return a tensor of shape "
+                             f"{tuple(logits[row].shape)}, got {type(new).__name__}.")
+        logits[row] = new
+
+
+def _num_params(fn: object) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 2
+
+
+def _apply_bad_words(row: torch.Tensor, bad_words: list[list[int]], output: list[int]) -> None:
+    """vLLM's ``apply_bad_words``: a bad word's last token is masked when the tokens before it
+    are the output's last tokens (a one-token bad word is always masked)."""
+    banned = []
+    num_out = len(output)
+    for ids in bad_words:
+        prefix = len(ids) - 1
+        if prefix > num_out:
+            continue
+        if prefix == 0 or output[num_out - prefix:] == ids[:prefix]:
+            banned.append(ids[-1])
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
 
 
 def _apply_token_filters(row: torch.Tensor, p: SamplingParams) -> None:
@@ -144,15 +190,14 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 def _logprobs(raw: torch.Tensor, params: list[SamplingParams],
-              token_ids: list[int]) -> list[Logprobs | None]:
+              token_ids: list[int]) -> list[TokenLogprobs | None]:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    result: list[Logprobs | None] = [None] * len(params)
+    result: list[TokenLogprobs | None] = [None] * len(params)
     if not rows:
         return result
-    logprobs = torch.log_softmax(raw[rows], dim=-1)
-    for j, i in enumerate(rows):
-        k = params[i].logprobs or 0
-        top_vals, top_ids = logprobs[j].topk(k) if k else (logprobs[j][:0], logprobs[j][:0])
-        top = dict(zip(top_ids.tolist(), top_vals.tolist()))
-        result[i] = (float(logprobs[j, token_ids[i]]), {int(t): v for t, v in top.items()})
+    idx = torch.tensor(rows, dtype=torch.long, device=raw.device)
+    computed = token_logprobs(raw[idx], [token_ids[i] for i in rows],
+                              [params[i].logprobs or 0 for i in rows])
+    for i, entry in zip(rows, computed):
+        result[i] = entry
     return result

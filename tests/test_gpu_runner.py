@@ -83,9 +83,11 @@ def test_logprobs_returned(tiny_runners, drive):
     from twinserve.core.outputs import ScheduledRequest
     out = runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(req, 0, 3, [0], True)]))
     token = out.sampled_token_ids["lp"][0]
-    token_logprob, top = out.logprobs["lp"][0]
-    assert len(top) == 3 and token in top and top[token] == pytest.approx(token_logprob)
-    assert max(top.values()) == pytest.approx(token_logprob)
+    entry = out.logprobs["lp"][0]
+    top = dict(zip(entry.top_ids, entry.top_logprobs))
+    assert entry.token_id == token and entry.rank == 1
+    assert len(top) == 3 and token in top and top[token] == pytest.approx(entry.logprob)
+    assert max(top.values()) == pytest.approx(entry.logprob)
 
 
 def test_runner_attributes(tiny_runners):

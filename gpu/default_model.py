@@ -17,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from twinserve.gpu.gguf_convert import convert_gguf
@@ -66,20 +67,39 @@ def resolve_model_path(model: str | Path | None) -> Path:
                      "is reachable; pass a local HF directory or .gguf file.")
 
 
-def gguf_model_path(gguf_file: Path) -> Path:
-    """The HF directory converted from ``gguf_file`` (the bundled file maps to the default
-    model's directory, so its conversion is shared)."""
+def resolve_model_source(model: str | Path | None) -> tuple[Path, Path | None]:
+    """``(directory, gguf_file)`` for running ``model``: a ``.gguf`` file runs as it is
+    (``quantization="gguf"``), from a directory of its config and tokenizer; anything else is
+    ``(resolve_model_path(model), None)``."""
+    if model is not None:
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return gguf_metadata_path(path), path
+    return resolve_model_path(model), None
+
+
+def gguf_metadata_path(gguf_file: Path) -> Path:
+    """A directory with ``gguf_file``'s config.json and tokenizer files but no weights, for
+    running the file natively (``quantization="gguf"``); the bundled file maps to the default
+    model's directory."""
     source = gguf_file.resolve()
     try:
         if source == gguf_path().resolve():
             return default_model_path()
     except FileNotFoundError:
         pass
+    target = cache_root() / "models" / "gguf-meta" / f"{source.stem}-{_file_key(source)}"
+    return _cannot_convert(gguf_file, lambda: _converted(source, target, weights=False))
+
+
+def _file_key(source: Path) -> str:
     stat = source.stat()
-    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "models" / "gguf" / f"{source.stem}-{key}"
+    return hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _cannot_convert(gguf_file: Path, convert: Callable[[], Path]) -> Path:
     try:
-        return _converted(source, target)
+        return convert()
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ValueError(
             f"model {str(gguf_file)!r}: this GGUF file cannot be converted ({exc}). twinserve "
@@ -90,19 +110,33 @@ def gguf_model_path(gguf_file: Path) -> Path:
             "directory.") from exc
 
 
-def _converted(gguf_file: Path, target: Path) -> Path:
+def gguf_model_path(gguf_file: Path) -> Path:
+    """The HF directory converted from ``gguf_file`` (the bundled file maps to the default
+    model's directory, so its conversion is shared)."""
+    source = gguf_file.resolve()
+    try:
+        if source == gguf_path().resolve():
+            return default_model_path()
+    except FileNotFoundError:
+        pass
+    target = cache_root() / "models" / "gguf" / f"{source.stem}-{_file_key(source)}"
+    return _cannot_convert(gguf_file, lambda: _converted(source, target))
+
+
+def _converted(gguf_file: Path, target: Path, weights: bool = True) -> Path:
     """``target``, converting ``gguf_file`` into it first unless it is complete already."""
-    if all((target / name).is_file() for name in _REQUIRED):
+    required = _REQUIRED if weights else tuple(n for n in _REQUIRED if n != "model.safetensors")
+    if all((target / name).is_file() for name in required):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        convert_gguf(gguf_file, tmp)
+        convert_gguf(gguf_file, tmp, weights=weights)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, target)
         except OSError:
-            if not all((target / name).is_file() for name in _REQUIRED):
+            if not all((target / name).is_file() for name in required):
                 raise  # not a lost race with another converter
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,7 @@
 Weights are dequantized with ``gguf.quants.dequantize`` and stored as float32 safetensors: the
 dequantized values ``d * q + m`` are exact in float32, so the HF directory is the GGUF model, bit
 for bit (bfloat16 would round them; ``dtype="bfloat16"`` at load time casts once in memory).
-llama.cpp stores Q and K rows permuted for its interleaved RoPE; ``_unpermute`` restores HF's
+llama.cpp stores Q and K rows permuted for its interleaved RoPE; ``unpermute`` restores HF's
 rotate_half layout (the inverse of ``permute`` in llama.cpp's ``convert_hf_to_gguf.py``).
 """
 
@@ -28,9 +28,10 @@ _LAYER_NAMES = {
 _CONTROL = 3  # gguf.TokenType.CONTROL
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
-    generation_config.json for ``gguf_path`` into ``out_dir`` (which must exist)."""
+    generation_config.json for ``gguf_path`` into ``out_dir`` (which must exist); without
+    ``weights`` everything but model.safetensors (what running the GGUF natively needs)."""
     reader = gguf.GGUFReader(str(gguf_path))
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith("tokenizer.ggml.")}
@@ -40,9 +41,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     ids = {k: int(reader.fields[f"tokenizer.ggml.{k}_token_id"].contents())
            for k in ("bos", "eos", "padding") if f"tokenizer.ggml.{k}_token_id" in reader.fields}
     config = {**_config(meta), "bos_token_id": ids.get("bos"), "eos_token_id": ids.get("eos")}
-    weights = _weights(reader, config)  # may untie the embeddings: write config.json after
+    if any(t.name == "output.weight" for t in reader.tensors):
+        config["tie_word_embeddings"] = False
+    for tensor in reader.tensors:
+        hf_name(tensor.name)  # every tensor must have a counterpart, weights written or not
     _write_json(out_dir / "config.json", config)
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        save_file(_weights(reader, config), str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
     tokenizer, special = _tokenizer(reader)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
@@ -77,32 +83,42 @@ def _config(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def hf_name(gguf_name: str) -> str:
+    """The HF tensor name of a GGUF tensor (ValueError when it has none)."""
+    parts = gguf_name.split(".")
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart.")
+
+
+def permuted_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
+    """The head count whose llama.cpp row permutation ``gguf_name`` carries (q, k), else None."""
+    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if kind == "attn_q":
+        return int(config["num_attention_heads"])
+    if kind == "attn_k":
+        return int(config["num_key_value_heads"])
+    return None
+
+
 def _weights(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        parts = tensor.name.split(".")
-        if tensor.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif tensor.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif tensor.name == "output.weight":
-            name = "lm_head.weight"
-            config["tie_word_embeddings"] = False
-        elif parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-            if parts[2] == "attn_q":
-                array = _unpermute(array, heads)
-            elif parts[2] == "attn_k":
-                array = _unpermute(array, kv_heads)
-        else:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has no HF counterpart.")
-        out[name] = torch.from_numpy(np.ascontiguousarray(array))
+        heads = permuted_heads(tensor.name, config)
+        if heads is not None:
+            array = unpermute(array, heads)
+        out[hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
     return out
 
 
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate_half halves)."""
     half = weight.shape[0] // num_heads // 2
     return (weight.reshape(num_heads, half, 2, *weight.shape[1:])

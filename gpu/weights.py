@@ -42,6 +42,13 @@ class SafetensorsWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as stored (KeyError when absent): quantized checkpoints' packed
+        tensors, whose shapes the loader checks."""
+        if name not in self._where:
+            raise KeyError(name)
+        return self._files[self._where[name]].get_tensor(name)
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor ``name``, checked against the ``shape`` the config implies."""
         if name not in self._where:

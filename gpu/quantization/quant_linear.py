@@ -1,0 +1,85 @@
+"""The linear-layer method for quantized weights (``gpu/linear.py``'s ``quant_method``).
+
+A layer's weight is a list of ``QuantTensor`` parts stacked along the output rows: one part when
+every shard of a fused projection has the same format (q, k, v of a Q4_1 file), several when a
+GGUF file mixes formats (Q4_K_M stores some v/down projections as Q6_K). Activations are
+multiplied in fp32 and the result cast back to the layer's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from twinserve.gpu.linear import LinearBase, LinearMethodBase, ShardId
+from twinserve.gpu.quantization.quant_tensor import QuantTensor, concat_rows
+
+
+class QuantizedLinearMethod(LinearMethodBase):
+    """Weights as ``layer.quant_parts``: ``(first_row, QuantTensor)`` in row order, set by
+    ``load_part`` (shard by shard) and merged by ``finish``."""
+
+    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        layer.quant_parts = []  # type: ignore[attr-defined]
+        layer.out_dtype = dtype  # type: ignore[attr-defined]
+        layer.register_parameter("bias", nn.Parameter(
+            torch.zeros(output_size, dtype=dtype, device=device), requires_grad=False)
+            if bias else None)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        parts: list[tuple[int, QuantTensor]] = layer.quant_parts  # type: ignore[attr-defined]
+        if len(parts) == 1:
+            out = parts[0][1].matmul(x)
+        else:
+            out = x.new_empty(x.shape[0], layer.output_size, dtype=torch.float32)
+            for start, part in parts:
+                out[:, start:start + part.rows] = part.matmul(x)
+        out = out.to(layer.out_dtype)  # type: ignore[attr-defined]
+        bias = layer._parameters["bias"]
+        return out if bias is None else out.add_(bias)
+
+    def apply_feature_major(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(layer, x).t()
+
+    @staticmethod
+    def load_part(layer: LinearBase, part: QuantTensor, shard_id: ShardId = None) -> None:
+        """Place one HF tensor's quantized rows (shard ``shard_id`` of a fused layer)."""
+        offsets = getattr(layer, "shard_offsets", {None: (0, layer.output_size)})
+        if shard_id not in offsets:
+            raise ValueError(f"{type(layer).__name__}: unknown shard {shard_id!r}; shards: "
+                             f"{list(offsets)}.")
+        start, size = offsets[shard_id]
+        if part.rows != size or part.in_features != layer.input_size:
+            raise ValueError(f"quantized weight [{part.rows}, {part.in_features}] does not fit "
+                             f"shard {shard_id!r} of shape [{size}, {layer.input_size}].")
+        parts = layer.quant_parts  # type: ignore[attr-defined]
+        parts.append((start, part))
+        parts.sort(key=lambda p: p[0])
+
+    @staticmethod
+    def finish(layer: LinearBase) -> None:
+        """Check every row is loaded once and merge neighbouring parts of one format."""
+        parts: list[tuple[int, QuantTensor]] = layer.quant_parts  # type: ignore[attr-defined]
+        row = 0
+        for start, part in parts:
+            if start != row:
+                raise ValueError(f"{type(layer).__name__}: output rows {row}..{start} have no "
+                                 "quantized weight.")
+            row += part.rows
+        if row != layer.output_size:
+            raise ValueError(f"{type(layer).__name__}: {layer.output_size - row} output rows "
+                             "have no quantized weight.")
+        merged: list[tuple[int, QuantTensor]] = []
+        for start, part in parts:
+            if merged and merged[-1][1].fmt == part.fmt:
+                merged[-1] = (merged[-1][0], concat_rows([merged[-1][1], part]))
+            else:
+                merged.append((start, part))
+        layer.quant_parts = merged  # type: ignore[attr-defined]
+
+
+def quantized_weight_bytes(module: nn.Module) -> int:
+    """Bytes the quantized parts of every layer of ``module`` hold."""
+    return sum(part.nbytes for layer in module.modules()
+               for _, part in getattr(layer, "quant_parts", ()))

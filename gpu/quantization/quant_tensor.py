@@ -1,0 +1,152 @@
+"""One quantized weight matrix ``[rows, in_features]`` and its products.
+
+``matmul`` picks the fast path: the C++ kernel's direct product for up to ``DIRECT_MAX_TOKENS``
+tokens (each block decoded in registers once per call), above it the weight dequantized
+``TILE_ROWS`` rows at a time into fp32 and multiplied by torch's GEMM (the decode is then paid once
+per tile, and the GEMM runs at its own rate). ``reference_matmul`` is the plain version beside
+it: the whole weight dequantized by ``reference_dequantize`` (the ``gguf`` package for GGUF
+blocks, torch for the others), then ``x @ W.T`` in fp32; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from twinserve.gpu.quantization import cpu_kernel
+from twinserve.gpu.quantization.formats import GGUF_FORMATS, QuantFormat
+
+DIRECT_MAX_TOKENS = 8
+TILE_ROWS = 1024
+_EMPTY = torch.empty(0)
+
+
+@dataclass(slots=True)
+class QuantTensor:
+    """``data``: ``[rows, fmt.row_bytes(in_features)]`` uint8 blocks (``fmt`` None: a dense fp32
+    ``[rows, in_features]`` weight, for tensors a GGUF file leaves unquantized); ``row_scale``:
+    fp32 ``[rows]`` for row-scaled formats, else empty."""
+
+    fmt: QuantFormat | None
+    data: torch.Tensor
+    in_features: int
+    row_scale: torch.Tensor = _EMPTY
+
+    def __post_init__(self) -> None:
+        if self.fmt is None:
+            if self.data.dim() != 2 or self.data.shape[1] != self.in_features:
+                raise ValueError(f"dense weight of shape {tuple(self.data.shape)} does not have "
+                                 f"{self.in_features} inputs.")
+            return
+        row_bytes = self.fmt.row_bytes(self.in_features)
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 \
+                or self.data.shape[1] != row_bytes:
+            raise ValueError(f"{self.fmt.name} weight must be uint8 [rows, {row_bytes}] for "
+                             f"{self.in_features} inputs, got {self.data.dtype} "
+                             f"{tuple(self.data.shape)}.")
+        if self.fmt.row_scaled != (self.row_scale.numel() > 0):
+            raise ValueError(f"{self.fmt.name}: row_scale must be given exactly for row-scaled "
+                             "formats.")
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.row_scale.numel() * 4
+
+    @property
+    def group(self) -> int:
+        return self.fmt.values if self.fmt is not None and self.fmt.fmt_id == 7 else 0
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[T, in] @ W.T`` in fp32: ``[T, rows]``."""
+        x = x.float().contiguous()
+        if self.fmt is None:
+            return x @ self.data.t()
+        if not cpu_kernel.kernel_available():
+            return reference_matmul(x, self)
+        if x.shape[0] <= DIRECT_MAX_TOKENS:
+            return cpu_kernel.quant_matmul(x, self.data, self.row_scale, self.fmt.fmt_id,
+                                           self.group)
+        out = x.new_empty(x.shape[0], self.rows)
+        for start in range(0, self.rows, TILE_ROWS):
+            tile = self.dequantize(torch.arange(start, min(start + TILE_ROWS, self.rows)))
+            torch.mm(x, tile.t(), out=out[:, start:start + tile.shape[0]])
+        return out
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 ``[len(rows), in_features]`` (all rows when None), by the kernel's decoders."""
+        if rows is None:
+            rows = torch.arange(self.rows)
+        if self.fmt is None:
+            return self.data[rows]
+        if not cpu_kernel.kernel_available():
+            return reference_dequantize(self)[rows]
+        return cpu_kernel.quant_dequantize(self.data, self.row_scale, rows.contiguous(),
+                                           self.fmt.fmt_id, self.group, self.in_features)
+
+    def select_rows(self, rows: torch.Tensor) -> QuantTensor:
+        """The same weight with its output rows reordered/selected (blocks untouched)."""
+        scale = self.row_scale[rows] if self.row_scale.numel() else self.row_scale
+        return QuantTensor(self.fmt, self.data[rows].contiguous(), self.in_features, scale)
+
+
+def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
+    """Stack same-format weights' rows (a fused projection)."""
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.in_features != first.in_features for p in parts):
+        raise ValueError("concat_rows: the parts differ in format or input size.")
+    scale = (torch.cat([p.row_scale for p in parts]) if first.row_scale.numel() else _EMPTY)
+    return QuantTensor(first.fmt, torch.cat([p.data for p in parts]), first.in_features, scale)
+
+
+def reference_dequantize(qt: QuantTensor) -> torch.Tensor:
+    """The whole weight in fp32 without the C++ kernel: GGUF blocks by the ``gguf`` package
+    (the same values ``gguf_convert`` writes), int8/fp8/4-bit by torch."""
+    fmt, k = qt.fmt, qt.in_features
+    if fmt is None:
+        return qt.data.float()
+    if fmt.name in GGUF_FORMATS:
+        import gguf
+        kind = gguf.GGMLQuantizationType[fmt.name]
+        return torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.dequantize(qt.data.numpy(), kind).astype(np.float32)))
+    if fmt.name == "int8":
+        return qt.data.view(torch.int8).float() * qt.row_scale[:, None]
+    if fmt.name == "fp8_e4m3":
+        return qt.data.view(torch.float8_e4m3fn).float() * qt.row_scale[:, None]
+    return _u4_reference(qt.data, fmt.values, k)
+
+
+def _u4_reference(data: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    blocks = data.view(data.shape[0], k // group, 8 + group // 2)
+    head = blocks[:, :, :8].contiguous().view(torch.float32)  # [rows, groups, 2]: d, m
+    qs = blocks[:, :, 8:].reshape(data.shape[0], k // group, group // 32, 16).long()
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(data.shape[0], k // group, group)
+    return (q.float() * head[:, :, :1] + head[:, :, 1:]).reshape(data.shape[0], k)
+
+
+def reference_matmul(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    return x.float() @ reference_dequantize(qt).t()
+
+
+def pack_u4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> QuantTensor:
+    """GPTQ/AWQ-style 4-bit weights ``W = scale * (q - zero)`` (``q`` [rows, in] in 0..15,
+    ``scale``/``zero`` [rows, in / group]) in the kernels' U4 layout: per group fp32 ``d = scale``
+    and ``m = -scale * zero``, then the nibbles as Q4_1's."""
+    from twinserve.gpu.quantization.formats import u4
+    fmt = u4(group)
+    rows, k = q.shape
+    if k % group:
+        raise ValueError(f"input size {k} is not a multiple of group_size {group}.")
+    d = scale.float().contiguous()
+    m = (-d * zero.float()).contiguous()
+    head = torch.stack([d, m], dim=-1).view(torch.uint8).reshape(rows, k // group, 8)
+    sub = q.to(torch.uint8).reshape(rows, k // group, group // 32, 2, 16)
+    nibbles = (sub[:, :, :, 0] | (sub[:, :, :, 1] << 4)).reshape(rows, k // group, group // 2)
+    data = torch.cat([head, nibbles], dim=-1).reshape(rows, fmt.row_bytes(k))
+    return QuantTensor(fmt, data.contiguous(), k)

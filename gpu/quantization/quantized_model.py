@@ -1,0 +1,58 @@
+"""``CausalLM`` with quantized projections and (optionally) a quantized embedding / LM head.
+
+The dense ``embed_tokens`` / ``lm_head`` parameters are kept as empty ``[0, hidden]`` tensors (their
+dtype and device still describe the model to the code that asks) and the lookups and the LM-head
+product go to ``QuantizedEmbedding``."""
+
+from __future__ import annotations
+
+import torch
+
+from twinserve.core.model_config import ModelConfig
+from twinserve.gpu.linear import LinearBase
+from twinserve.gpu.model import CausalLM
+from twinserve.gpu.quantization.embedding import QuantizedEmbedding
+from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod
+from twinserve.gpu.quantization.quant_tensor import QuantTensor
+
+
+class QuantizedCausalLM(CausalLM):
+    """Projections by ``QuantizedLinearMethod``; ``set_embedding`` / ``set_lm_head`` replace the
+    dense tables (until then the dense ones serve, filled by the caller)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(config, max_positions, dtype, device,
+                         quant_method=QuantizedLinearMethod())
+        self.quant_embed: QuantizedEmbedding | None = None
+        self.quant_head: QuantizedEmbedding | None = None
+
+    def set_embedding(self, weight: QuantTensor) -> None:
+        self.quant_embed = QuantizedEmbedding(weight, self.embed_tokens.dtype)
+        self.embed_tokens = _empty_like_table(self.embed_tokens)
+        if self.lm_head is None:  # tied: one table
+            self.quant_head = self.quant_embed
+
+    def set_lm_head(self, weight: QuantTensor) -> None:
+        self.quant_head = QuantizedEmbedding(weight, self.embed_tokens.dtype)
+        if self.lm_head is not None:
+            self.lm_head = _empty_like_table(self.lm_head)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_embed is None:
+            return super().embed(input_ids)
+        return self.quant_embed.embed(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant_head is None:
+            return super().compute_logits(hidden)
+        return self.quant_head.logits(hidden)
+
+    def finish_linears(self) -> None:
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                QuantizedLinearMethod.finish(module)
+
+
+def _empty_like_table(table: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(table.new_empty(0, table.shape[1]), requires_grad=False)

@@ -1,0 +1,134 @@
+"""Rank 0 of a tensor-parallel group: the engine process itself, which also computes.
+
+The driver computes (as vLLM's ``mp`` executor does) rather than only coordinating: the scheduler,
+the sampler and every per-request state (generators, grammars, LoRA slots) then stay in the engine
+process exactly as without TP, and only the forward pass is replicated across processes. The cost is
+that the driver blocks inside a collective when a worker fails; the group's timeout and the gloo /
+NCCL errors on a dead peer bound that wait, and ``guard`` turns it into a ``WorkerFailure`` naming
+the rank, after which every worker is ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.model_config import ModelConfig
+from twinserve.core.outputs import SchedulerOutput
+from twinserve.gpu.batch import ModelInput, build_model_input
+from twinserve.gpu.distributed.parallel_state import (
+    GroupAddress,
+    TPGroup,
+    backend_for,
+    destroy_tp_group,
+    host_store,
+    init_tp_group,
+)
+from twinserve.gpu.executor.executor_base import Executor, WorkerFailure, make_executor
+from twinserve.gpu.executor.shard_worker import (
+    TIMEOUT_ENV,
+    ShardSpec,
+    ShardStep,
+    inputs_to,
+    threads_per_rank,
+    tp_timeout_s,
+)
+from twinserve.gpu.linear import check_heads_divisible
+
+START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes minutes
+
+
+def check_tensor_parallel(args: EngineArgs, config: ModelConfig,
+                          quantization: str | None = None) -> None:
+    """What tensor parallelism cannot serve, refused before any worker starts."""
+    tp = args.tensor_parallel_size
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} with tensor_parallel_size > 1 is not "
+                         "implemented (the quantized layers hold whole weights).")
+    check_heads_divisible(config.num_attention_heads, config.num_key_value_heads, tp)
+    for name, size in (("intermediate_size", config.intermediate_size),
+                       ("hidden_size", config.hidden_size)):
+        if size % tp:
+            raise ValueError(f"{name} ({size}) must be divisible by tensor parallel size ({tp}).")
+    if args.enable_lora:
+        raise ValueError("enable_lora with tensor_parallel_size > 1 is not implemented "
+                         "(LoRA runs on one rank only).")
+
+
+class TPDriver:
+    """Starts the workers, joins the group as rank 0, and sends them every step."""
+
+    def __init__(self, args: EngineArgs, model_dir: str, dtype: str, device: torch.device,
+                 max_model_len: int, profile_tokens: int = 0) -> None:
+        tp = args.tensor_parallel_size
+        timeout = self.timeout_s = tp_timeout_s()
+        torch.set_num_threads(threads_per_rank(tp))
+        self.device = device
+        self._store = host_store(tp, START_TIMEOUT_S)
+        address = GroupAddress("127.0.0.1", self._store.port, tp, backend_for(device), timeout)
+        spec = ShardSpec(model_dir, dtype, device.type, max_model_len, args.block_size, address,
+                         threads_per_rank(tp), args.enforce_eager, profile_tokens)
+        self.executor: Executor = make_executor(args.distributed_executor_backend or "mp", spec)
+        self.group: TPGroup | None = None
+        self.error: str | None = None
+        try:
+            self.executor.wait_joining(START_TIMEOUT_S)
+            self.group = init_tp_group(address, 0, device, self._store)
+        except RuntimeError as exc:  # a worker that failed between "joining" and joining
+            reason = None if isinstance(exc, WorkerFailure) else self.executor.failure(2.0)
+            self.shutdown()
+            if reason is not None:
+                raise WorkerFailure(reason) from exc
+            raise
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self) -> None:
+        self.executor.wait_ready(START_TIMEOUT_S)
+
+    def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.executor.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def send_step(self, out: SchedulerOutput, block_size: int,
+                  max_model_len: int) -> ModelInput | None:
+        """The step to every worker; returns the inputs, on the driver's device."""
+        if self.error is not None:
+            raise WorkerFailure(f"the tensor-parallel group is down: {self.error}")
+        host = torch.device("cpu")
+        inputs = (build_model_input(out.scheduled, block_size, max_model_len, host)
+                  if out.scheduled else None)
+        step = ShardStep(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, inputs)
+        if inputs is not None or step.blocks_to_swap_out or step.blocks_to_swap_in \
+                or step.blocks_to_copy:
+            self.executor.send_step(step)
+        return None if inputs is None else inputs_to(inputs, self.device)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """A collective's error (a dead or hung peer) becomes a WorkerFailure naming the rank;
+        the group is then ended, so every later step fails at once."""
+        try:
+            yield
+        except WorkerFailure:
+            raise
+        except RuntimeError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            reason = self.executor.failure(timeout_s=2.0) or (
+                f"tensor-parallel workers {self.executor.worker_pids()} are alive but a "
+                f"collective failed within the {self.timeout_s:.0f} s timeout "
+                f"({TIMEOUT_ENV}): a rank is hung ({first})")
+            self.error = reason
+            self.shutdown()
+            raise WorkerFailure(reason) from exc
+
+    def worker_pids(self) -> list[int]:
+        return self.executor.worker_pids()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            destroy_tp_group(self.group)
+        self.executor.shutdown()

@@ -238,10 +238,11 @@ def test_merged_row_and_replicated_weight_loaders() -> None:
     torch.testing.assert_close(gate_up, (x @ merged.weight.t()).t())
 
 
-def test_tensor_parallel_layers_are_refused_for_now() -> None:
-    for tp_size, tp_rank in ((2, 0), (1, 1)):
+def test_a_tensor_parallel_rank_outside_the_group_is_refused() -> None:
+    # (the sharded layers themselves: tests/test_tensor_parallel.py)
+    for tp_size, tp_rank in ((2, 2), (1, 1), (2, -1)):
         options = LinearOptions(OPTIONS.gemm, torch.float32, tp_rank=tp_rank, tp_size=tp_size)
-        with pytest.raises(ValueError, match="tensor_parallel_size=2 is not implemented|tp_rank"):
+        with pytest.raises(ValueError, match="tp_rank must be in"):
             RowParallelLinear(8, 8, False, options)
 
 

@@ -267,6 +267,12 @@ class StepLog(Sequence[StepRecord]):
                            out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
                            usage, len(out.preempted_request_ids), replica))
 
+    def raw(self) -> tuple[list[tuple[float, float, int, int, int, int, int, float, int, int]],
+                           dict[int, dict[str, tuple[int, int]]]]:
+        """The rows (``StepRecord``'s fields but ``tenant_tokens``, in order) and the tenant
+        tokens of the steps that have any, by row index: read-only views for fast writers."""
+        return self._rows, self._tenants
+
     def column(self, name: str) -> list[float] | list[int]:
         """One numeric field of every step, e.g. ``log.column("num_seqs")``."""
         k = _STEP_COLUMNS.index(name)

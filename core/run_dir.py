@@ -14,10 +14,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from twinserve.core.metrics import RequestRecord, StepRecord
+from twinserve.core.metrics import RequestRecord, StepLog, StepRecord
 
 REQUEST_COLUMNS = (
     "request_id", "tenant", "priority", "lora", "arrival_time", "first_scheduled_time",
@@ -32,10 +33,35 @@ TENANT_COLUMNS = ("time", "tenant", "prefill_tokens", "output_tokens")
 
 
 def _fmt(x: float) -> str:
+    """The plain float format of the run folder (``fmt`` is the fast one the writer uses)."""
     return "" if math.isnan(x) else repr(round(x, 9))
 
 
+def fmt(x: float) -> str:
+    """``_fmt(x)``, twice as fast where it matters (a whole trace writes millions of floats).
+
+    ``f"{x:.9f}"`` holds the digits ``round(x, 9)`` rounds to (both are CPython's correctly
+    rounded dtoa at 9 decimals); without its trailing zeros it is ``repr`` of that float as
+    long as no shorter decimal lies within half an ulp of it, i.e. while the ulp is below 1e-9
+    (``|x| < 1e6``), and as long as ``repr`` writes no exponent (``|x| >= 1e-4``). Elsewhere
+    (and for nan, negatives, zero, ints) the plain format runs."""
+    if 1e-4 <= x < 1e6 and type(x) is float:  # an int keeps repr's "5", not "5.0"
+        s = f"{x:.9f}".rstrip("0")
+        return s + "0" if s[-1] == "." else s
+    return _fmt(x)
+
+
+class _ItlText(dict):
+    """ITL gap -> its text in ms (``f"{g * 1e3:.6g}"``), memoised: in a simulation the requests
+    decoding in one step share that step's gap, so most gaps repeat."""
+
+    def __missing__(self, gap: float) -> str:
+        text = self[gap] = f"{gap * 1e3:.6g}"
+        return text
+
+
 def _request_row(r: RequestRecord) -> list[Any]:
+    """The plain requests.csv row (``_write_requests`` writes the same, faster)."""
     return [
         r.request_id, r.tenant, r.priority, r.lora, _fmt(r.arrival_time),
         _fmt(r.first_scheduled_time), _fmt(r.first_token_time), _fmt(r.finish_time),
@@ -46,12 +72,27 @@ def _request_row(r: RequestRecord) -> list[Any]:
     ]
 
 
+def _write_requests(f: TextIO, records: list[RequestRecord]) -> None:
+    """requests.csv's rows as ``_request_row`` and csv.writer write them; the ITL column (digits,
+    dots, signs, spaces: never quoted) is appended without csv's scan of every character."""
+    w = csv.writer(f, lineterminator="")
+    text = _ItlText()
+    for r in records:
+        w.writerow((
+            r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
+            fmt(r.first_scheduled_time), fmt(r.first_token_time), fmt(r.finish_time),
+            r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions, r.finish_reason,
+            int(r.success), r.error,
+            fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
+        f.write("," + " ".join(map(text.__getitem__, r.itls)) + "\n")
+
+
 def write_run(
     out_dir: str | Path,
     config: dict[str, Any],
     records: list[RequestRecord],
     summary: dict[str, Any],
-    steps: list[StepRecord] | None = None,
+    steps: Sequence[StepRecord] | None = None,
 ) -> Path:
     """Writes a run folder (creating it) and returns its path. Output is byte-identical for
     identical inputs (sorted keys, fixed float formatting)."""
@@ -60,15 +101,31 @@ def write_run(
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     (out / "summary.json").write_text(json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n")
     with open(out / "requests.csv", "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(REQUEST_COLUMNS)
-        w.writerows(_request_row(r) for r in records)
+        csv.writer(f, lineterminator="\n").writerow(REQUEST_COLUMNS)
+        _write_requests(f, records)
     if steps is not None:
         _write_steps(out, steps)
     return out
 
 
-def _write_steps(out: Path, steps: list[StepRecord]) -> None:
+def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
+    with open(out / "steps.csv", "w", newline="") as f, \
+            open(out / "tenants.csv", "w", newline="") as g:
+        ws = csv.writer(f, lineterminator="\n")
+        wt = csv.writer(g, lineterminator="\n")
+        ws.writerow(STEP_COLUMNS)
+        wt.writerow(TENANT_COLUMNS)
+        rows, tenants = (steps if isinstance(steps, StepLog) else StepLog(steps)).raw()
+        # all numbers: the text csv.writer writes, without its per-field quoting checks
+        f.write("".join([f"{fmt(t)},{fmt(d)},{n},{p},{dec},{run},{wait},{kv:.6f},{pre},{rep}\n"
+                         for t, d, n, p, dec, run, wait, kv, pre, rep in rows]))
+        for i in sorted(tenants):
+            time, per_tenant = fmt(rows[i][0]), tenants[i]
+            wt.writerows([(time, tenant, *per_tenant[tenant]) for tenant in sorted(per_tenant)])
+
+
+def _write_steps_reference(out: Path, steps: list[StepRecord]) -> None:
+    """The plain steps.csv / tenants.csv writer (``_write_steps`` writes the same, faster)."""
     with open(out / "steps.csv", "w", newline="") as f, \
             open(out / "tenants.csv", "w", newline="") as g:
         ws = csv.writer(f, lineterminator="\n")

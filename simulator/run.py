@@ -238,4 +238,4 @@ def write_sim_run(result: SimResult, out_dir: str | Path, trace_desc: dict[str, 
         config["label"] = f"sim {result.config.scheduling_policy}"
     if result.cost_model:
         config["cost_model"] = result.cost_model
-    return write_run(out_dir, config, result.records, result.summary, list(result.steps))
+    return write_run(out_dir, config, result.records, result.summary, result.steps)

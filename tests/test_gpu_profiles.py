@@ -1,0 +1,152 @@
+"""GPU profiles fitted to Vidur's public operator measurements, the run folder saying which
+profile and data a run used, and the run-folder writer's fast path against its plain version."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from twinserve.core import run_dir
+from twinserve.simulator import SimConfig, simulate, write_sim_run
+from twinserve.simulator.calibration import output_of
+from twinserve.simulator.cost_model import FittedCostModel, make_cost_model
+from twinserve.simulator.hardware import load_hardware
+from twinserve.simulator.model_spec import load_model_spec
+from twinserve.simulator.vidur_profiles import (
+    DATASETS,
+    VIDUR_DIR,
+    OperatorStep,
+    fit_dataset,
+    load_mlp,
+    operator_samples,
+)
+from twinserve.traces import SyntheticConfig, synthetic_trace
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    return [operator_samples(ds) for ds in DATASETS]
+
+
+def test_each_calibrated_profile_loads_with_its_source_and_stated_error() -> None:
+    assert DATASETS
+    for ds in DATASETS:
+        hardware = load_hardware(ds.hardware)
+        for model in ds.models:
+            params = hardware.find_fitted(model, 1)
+            assert params is not None, (ds.hardware, model)
+            assert params.source.startswith(f"vidur:{ds.sku}/{ds.vidur_model}")
+            assert {"prefill_max", "decode_max", "mixed_max", "all_mape"} <= set(params.fit_error)
+            cost = make_cost_model(load_model_spec(model), hardware)
+            assert isinstance(cost, FittedCostModel)
+    assert (VIDUR_DIR / "LICENSE").read_text().lstrip().startswith("MIT License")
+    assert "7d47513363ec447a741ac5e47241580b47724fbf" in (VIDUR_DIR / "PROVENANCE.md").read_text()
+
+
+def test_the_twin_lands_on_the_measured_operators_within_the_stated_fit_error(datasets) -> None:
+    for data in datasets:
+        ds = data.dataset
+        hardware = load_hardware(ds.hardware)
+        cost = make_cost_model(load_model_spec(ds.models[0]), hardware)
+        stated = hardware.find_fitted(ds.models[0], 1).fit_error
+        measured = dict(zip(data.steps, data.samples))
+        points = [OperatorStep(decode=(1, 1728)), OperatorStep(decode=(64, 672)),
+                  OperatorStep(decode=(344, 1664)), OperatorStep(prefill=(448, 4032)),
+                  OperatorStep(prefill=(4736, 0))]
+        for step in points + [s for s in data.steps if s.kind == "mixed"][:3]:
+            sample = measured[step]
+            predicted = cost.step_time(output_of(sample.aggregates))
+            error = 100 * abs(predicted - sample.seconds) / sample.seconds
+            assert error <= stated[f"{step.kind}_max"] + 1e-6, (step, error)
+        errors = [abs(cost.step_time(output_of(s.aggregates)) - s.seconds) / s.seconds
+                  for s in data.samples]
+        assert 100 * sum(errors) / len(errors) == pytest.approx(stated["all_mape"], abs=0.01)
+
+
+def test_the_stored_fit_is_the_fit_of_the_bundled_data(datasets) -> None:
+    for data in datasets:
+        refit = fit_dataset(data, data.dataset.models[0])
+        stored = load_hardware(data.dataset.hardware).find_fitted(data.dataset.models[0], 1)
+        assert refit.fit_error == stored.fit_error
+        for name, value in stored.coefficients.items():
+            assert refit.coefficients[name] == pytest.approx(value, rel=1e-6, abs=1e-15)
+
+
+def test_vidur_composition_sums_the_measured_operators() -> None:
+    ds = DATASETS[0]
+    mlp = load_mlp(VIDUR_DIR / ds.mlp_file)
+    with (VIDUR_DIR / ds.mlp_file).open() as f:
+        row = next(r for r in csv.DictReader(f)
+                   if r["num_tensor_parallel_workers"] == "1" and r["num_tokens"] == "64")
+    by_hand = sum(float(v) for k, v in row.items() if k.endswith("_ms") and k != "emb_ms")
+    assert mlp.at(64) == pytest.approx(by_hand)
+    assert mlp.tokens[0] <= 60 <= mlp.tokens[-1] and mlp.at(56) < mlp.at(60) < mlp.at(64)
+    with pytest.raises(ValueError, match="outside"):
+        mlp.at(10**7)
+
+
+def test_a_run_says_which_profile_and_data_its_step_times_rest_on(tmp_path: Path) -> None:
+    trace = synthetic_trace(SyntheticConfig(num_requests=12, input_len=200, output_len=8, seed=3))
+    calibrated = simulate(SimConfig(hardware="a100-80gb", model="llama-3-8b"), trace)
+    assert "vidur:a100/meta-llama/Meta-Llama-3-8B" in calibrated.cost_model
+    folder = write_sim_run(calibrated, tmp_path / "a100", {"trace": "synthetic"})
+    assert json.loads((folder / "config.json").read_text())["cost_model"] == calibrated.cost_model
+    roofline = simulate(SimConfig(hardware="h100", model="llama-3-8b"), trace)
+    assert "roofline (uncalibrated" in roofline.cost_model
+
+
+REFUSE_TORCH = """
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "triton", "scipy"):
+            raise ImportError(name + " imported by a simulation")
+sys.meta_path.insert(0, Refuse())
+from twinserve.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_calibrated_twin_runs_where_torch_and_scipy_cannot_be_imported(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", REFUSE_TORCH, "simulate", "--num-requests", "30",
+                           "--hardware", "a100-80gb", "--model", "llama-3-8b", "--disable-tqdm",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "step times: A100-80GB: fitted to vidur:a100" in proc.stdout
+    assert "vidur" in json.loads((tmp_path / "run" / "config.json").read_text())["cost_model"]
+
+
+# ---- the run folder's fast writer against the plain one -------------------------------------
+def test_fast_float_format_equals_the_plain_one() -> None:
+    rng = random.Random(5)
+    values = [rng.uniform(0, 5000) for _ in range(20000)]
+    values += [rng.expovariate(50) for _ in range(20000)]
+    values += [rng.random() * 10.0 ** rng.randint(-12, 8) for _ in range(20000)]
+    values += [0, 5, 0.0, -0.0, -1.5, 1e-4, 9.99999999e-5, 5e-10, 999999.9999999999, 1e6,
+               math.nan, math.inf, 12.5, 3.0]
+    assert [run_dir.fmt(v) for v in values] == [run_dir._fmt(v) for v in values]
+
+
+def test_the_run_folder_writer_equals_its_plain_reference(tmp_path: Path) -> None:
+    wl = SyntheticConfig(num_requests=120, input_len=300, output_len=30, range_ratio=0.8,
+                         tenant_rates={"a,b": 20.0, "c": 10.0}, seed=4)
+    result = simulate(SimConfig(max_num_seqs=16, num_gpu_blocks_override=200), synthetic_trace(wl))
+    fast = write_sim_run(result, tmp_path / "fast", {"trace": "synthetic"})
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with open(plain / "requests.csv", "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(run_dir.REQUEST_COLUMNS)
+        w.writerows(run_dir._request_row(r) for r in result.records)
+    run_dir._write_steps_reference(plain, list(result.steps))
+    for name in ("requests.csv", "steps.csv", "tenants.csv"):
+        assert (fast / name).read_bytes() == (plain / name).read_bytes(), name
+    assert (fast / "tenants.csv").read_text().count('"a,b"') > 5  # quoted where csv quotes

@@ -30,6 +30,9 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--router", default=None,
                    help="round-robin, least-outstanding or prefix-affinity")
     add_engine_args(p)
+    p.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
+                   help="share of requests decoding under a grammar (JSON mode), charged the "
+                        "profile's mask time (simulator/structured_cost.py); default 0")
     p.add_argument("--label", default=None, help="name of the run in reports")
     p.add_argument("--out", default=None, help="run folder (default runs/sim-<policy>)")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -45,9 +48,16 @@ def _simulate(args: argparse.Namespace) -> int:
     trace = trace_from_args(args)
     lora = cfg.engine.lora_config()
     adapters = lora_adapters_from_args(args, lora.max_lora_rank) if lora is not None else None
-    result = simulate(cfg, trace, progress=not args.disable_tqdm, adapters=adapters)
+    from twinserve.simulator.structured_cost import StructuredWorkload
+    fraction = getattr(args, "structured_fraction", 0.0) or 0.0
+    structured = StructuredWorkload(fraction, cfg.engine.seed or 0) if fraction else None
+    result = simulate(cfg, trace, progress=not args.disable_tqdm, adapters=adapters,
+                      structured=structured)
     out = Path(args.out or f"runs/sim-{cfg.scheduling_policy}")
-    write_sim_run(result, out, trace_desc(args))
+    desc = trace_desc(args)
+    if structured is not None:
+        desc = {**desc, "structured_fraction": fraction}
+    write_sim_run(result, out, desc)
     _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "
                                     f"{cfg.scheduling_policy})")
     print(f"step times: {result.cost_model}")

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from twinserve.core.engine_config import Platform
+from twinserve.simulator.structured_cost import DEFAULT_MASK_S_PER_ROW, DEFAULT_MASK_S_PER_STEP
 
 _HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
 _ALIASES = MappingProxyType({"h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100": "a100-80gb",
@@ -117,6 +118,10 @@ class HardwareProfile:
     lora_efficiency: float = 1.0
     lora_step_overhead_s: float = 0.0
     lora_per_adapter_s: float = 0.0
+    # Constrained decoding's grammar masks (``structured_cost``): per constrained row and per
+    # step with any; defaults measured on the development CPU, calibration measures them.
+    structured_mask_s_per_row: float = DEFAULT_MASK_S_PER_ROW
+    structured_mask_s_per_step: float = DEFAULT_MASK_S_PER_STEP
     notes: str = ""
     # what the roofline numbers (efficiencies, overheads) rest on; "" means assumed, not measured
     roofline_source: str = ""
@@ -134,7 +139,8 @@ class HardwareProfile:
             if value > 1.0:
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}.")
         for key in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s",
-                    "interconnect_latency_s", "lora_step_overhead_s", "lora_per_adapter_s"):
+                    "interconnect_latency_s", "lora_step_overhead_s", "lora_per_adapter_s",
+                    "structured_mask_s_per_row", "structured_mask_s_per_step"):
             _check_non_negative(key, getattr(self, key))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
@@ -195,6 +201,21 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
     if not isinstance(data, Mapping):
         raise ValueError(f"hardware profile {str(path)!r} must hold a JSON object.")
     return HardwareProfile.from_dict(data)
+
+
+# (words in the name torch reports, bundled profile); the first match wins
+_DEVICE_PROFILES = ((("H200",), "h200"), (("H100",), "h100-sxm"), (("A100", "80GB"), "a100-80gb"),
+                    (("A100",), "a100-40gb"))
+
+
+def bundled_profile_for_device(device_name: str) -> str | None:
+    """The bundled profile of a GPU by the name torch reports (``NVIDIA H200``,
+    ``NVIDIA A100-SXM4-80GB``), or None when none matches."""
+    upper = device_name.upper()
+    for words, profile in _DEVICE_PROFILES:
+        if all(w in upper for w in words):
+            return profile
+    return None
 
 
 def bundled_hardware_names() -> list[str]:

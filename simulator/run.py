@@ -30,6 +30,7 @@ from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
+from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
 from twinserve.traces.trace_request import iter_prompt_token_ids
 
@@ -150,22 +151,27 @@ def _sampling_params(output_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_tokens, ignore_eos=True)
 
 
-def _engine_requests(trace: list[TraceRequest], vocab_size: int,
-                     block_size: int) -> Iterator[Request]:
+def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int,
+                     structured: StructuredWorkload | None = None) -> Iterator[Request]:
     """``to_request`` of each row, made as the replay reaches it: prompts in batches, and one
-    SamplingParams per output length (the engine only reads them, as forked samples share theirs)."""
+    SamplingParams per output length (the engine only reads them, as forked samples share theirs).
+    ``structured``: which requests decode under a grammar (``structured_cost``)."""
     shared: dict[int, SamplingParams] = {}
     for tr, prompt in zip(trace, iter_prompt_token_ids(trace, vocab_size)):
         params = shared.get(tr.output_tokens)
         if params is None:
             params = shared[tr.output_tokens] = _sampling_params(tr.output_tokens)
+        if structured is not None:
+            params = structured.params(params, tr.request_id)
         yield to_request(tr, vocab_size, block_size, prompt, params)
 
 
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
-             adapters: LoRAAdapters | None = None) -> SimResult:
+             adapters: LoRAAdapters | None = None,
+             structured: StructuredWorkload | None = None) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
-    ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``)."""
+    ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
+    ``structured``: the requests that decode under a grammar, charged its mask time."""
     t0 = time.perf_counter()
     engine_config, cost, spec = build_engine_config(cfg)
     lora = lora_cost_for(cfg.engine, spec, cost.hardware, trace, adapters)
@@ -180,12 +186,14 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     with _cyclic_gc_paused():
         env = simpy.Environment()
         # with LoRA each replica's step time also tallies its adapter loads
-        step_times = ([cost.step_time] * cfg.num_replicas if lora is None else
-                      [LoadTally(cost.step_time, cost.lora_load_time) for _ in range(cfg.num_replicas)])
+        step = cost.step_time if structured is None else \
+            structured_cost_of(cost.hardware).wrap(cost.step_time)
+        step_times = ([step] * cfg.num_replicas if lora is None else
+                      [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
                                           recorder, i), step_time)
                     for i, (policy, step_time) in enumerate(zip(_policies(cfg), step_times))]
-        requests = _engine_requests(trace, vocab, block_size)
+        requests = _engine_requests(trace, vocab, block_size, structured)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
         for replica in replicas:
             env.process(engine_process(env, replica))

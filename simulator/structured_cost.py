@@ -1,0 +1,95 @@
+"""What constrained decoding (JSON mode, JSON schemas, forced tool calls) adds to a simulated
+step: the real engine fills one grammar mask per constrained row on the host and applies it to
+the logits before sampling, inside the step, so a step with ``r`` constrained rows takes
+
+    mask_s = structured_mask_s_per_step + structured_mask_s_per_row * r        (r > 0; else 0)
+
+longer. ``r`` counts the step's scheduled entries that sample (``sample``) and whose request
+carries ``structured_outputs``. The two coefficients are fields of the hardware profile;
+``twinserve calibrate`` measures them on the real engine (``gpu/structured_mask_profile.py``).
+Their defaults are what that measurement gave on the 2-core AVX2 development machine with the
+bundled model's 49,152-token vocabulary (median of 3 runs: 0.97 ms per row, 4.3 ms per step); a
+vocabulary of another size scales the per-row cost roughly in proportion.
+
+Which requests are constrained: a trace row marked so, or ``structured_fraction`` of the
+requests, drawn by a seeded hash of the request id (the same requests in every run and policy).
+A constrained twin request carries ``STRUCTURED_MARK`` (JSON mode); the twin compiles nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from twinserve.core.outputs import SchedulerOutput
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.structured_outputs import StructuredOutputsParams
+from twinserve.traces.trace_request import stable_seed
+
+DEFAULT_MASK_S_PER_ROW = 0.97e-3
+DEFAULT_MASK_S_PER_STEP = 4.3e-3
+STRUCTURED_MARK = StructuredOutputsParams(json_object=True)
+_HASH_SPAN = float(1 << 64)
+
+
+def constrained_rows(out: SchedulerOutput) -> int:
+    """The step's sampling entries whose request decodes under a grammar."""
+    return sum(1 for s in out.scheduled
+               if s.sample and s.request.sampling_params.structured_outputs is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredCost:
+    """The mask time of a step (see the module doc)."""
+
+    mask_s_per_row: float = DEFAULT_MASK_S_PER_ROW
+    mask_s_per_step: float = DEFAULT_MASK_S_PER_STEP
+
+    def __post_init__(self) -> None:
+        for name in ("mask_s_per_row", "mask_s_per_step"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+
+    def mask_time(self, out: SchedulerOutput) -> float:
+        rows = constrained_rows(out)
+        return self.mask_s_per_step + self.mask_s_per_row * rows if rows else 0.0
+
+    def wrap(self, step_time: Callable[[SchedulerOutput], float]
+             ) -> Callable[[SchedulerOutput], float]:
+        """``step_time`` plus this mask time."""
+        def with_masks(out: SchedulerOutput) -> float:
+            return step_time(out) + self.mask_time(out)
+        return with_masks
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredWorkload:
+    """Which requests of a replay are constrained: ``fraction`` of them, by a seeded hash."""
+
+    fraction: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
+                or not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"structured_fraction must be in [0, 1], got {self.fraction!r}.")
+
+    def is_constrained(self, request_id: str) -> bool:
+        if self.fraction <= 0.0:
+            return False
+        return stable_seed(f"{self.seed}:{request_id}") / _HASH_SPAN < self.fraction
+
+    def params(self, params: SamplingParams, request_id: str) -> SamplingParams:
+        """``params``, or a copy with ``STRUCTURED_MARK`` when the request is constrained."""
+        if not self.is_constrained(request_id):
+            return params
+        return SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                              structured_outputs=STRUCTURED_MARK)
+
+
+def structured_cost_of(hardware: object) -> StructuredCost:
+    """The profile's mask coefficients (its defaults where it has none)."""
+    return StructuredCost(
+        float(getattr(hardware, "structured_mask_s_per_row", DEFAULT_MASK_S_PER_ROW)),
+        float(getattr(hardware, "structured_mask_s_per_step", DEFAULT_MASK_S_PER_STEP)))

@@ -23,7 +23,8 @@ def profile_peak_memory(model: CausalLM, num_tokens: int, block_size: int) -> in
     device = next(model.parameters()).device
     config = model.config
     num_blocks = -(-num_tokens // block_size)
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    kv_heads = model.layers[0].num_kv_heads  # this rank's, under tensor parallelism
+    shape = (num_blocks, block_size, kv_heads, config.head_dim)
     dtype = model.embed_tokens.dtype
     caches = [(torch.empty(shape, dtype=dtype, device=device),
                torch.empty(shape, dtype=dtype, device=device))

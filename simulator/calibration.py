@@ -232,13 +232,14 @@ class Calibration:
 
 def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_name: str,
                 seconds_per_swap_block: float | None = None,
-                lora: Sequence[StepSample] = ()) -> Calibration:
+                lora: Sequence[StepSample] = (), tensor_parallel_size: int = 1) -> Calibration:
     """The forward pass fitted on every forward timing (relative error), the loop overhead (step
     minus forward) on the engine loop's steps; ``params`` is their sum (the forward pass alone
     without loop steps). ``lora``: steps with adapters (``gpu.profiler.measure_lora``), whose
     features give the fit its LoRA coefficients."""
     samples = [*micro, *lora, *loop]
-    forward = fit(samples, model_name, 1, "relative", target="execute_seconds")
+    forward = fit(samples, model_name, tensor_parallel_size, "relative",
+                  target="execute_seconds")
     lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
                            "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
     if lora:
@@ -247,7 +248,7 @@ def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_n
     overhead = None
     params = forward
     if loop:
-        overhead = fit_overhead(loop, model_name, 1)
+        overhead = fit_overhead(loop, model_name, tensor_parallel_size)
         params = combine(forward, overhead)
         lines.append(format_errors(fit_errors(params, loop, "seconds"),
                                    "step fit on the engine-loop steps (whole engine.step)"))
@@ -270,17 +271,22 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str) -> Cali
 
 
 def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
-                 block_size: int = 16, note: str = "", platform: Platform | None = None) -> Path:
+                 block_size: int = 16, note: str = "", platform: Platform | None = None,
+                 interconnect: tuple[float, float] | None = None) -> Path:
     """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``.
     ``platform``: the measured device, whose type and bf16 support the profile then records,
     so the twin resolves the engine arguments as the real engine did there."""
     base = load_hardware(base_hardware)
     if platform is not None:
         base = replace(base, device_type=platform.device_type, native_bf16=platform.native_bf16)
+    if interconnect is not None:  # the measured all-reduce (bandwidth B/s, latency s)
+        base = replace(base, interconnect_bandwidth=interconnect[0],
+                       interconnect_latency_s=interconnect[1])
     pcie = None
     if cal.seconds_per_swap_block:
         # the simulator times a swap as spec block bytes / pcie_bandwidth: match the measurement
-        block_bytes = CostModel(load_model_spec(model), base, 1, block_size).block_bytes()
+        block_bytes = CostModel(load_model_spec(model), base, cal.params.tensor_parallel_size,
+                                block_size).block_bytes()
         pcie = block_bytes / cal.seconds_per_swap_block
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -290,8 +296,9 @@ def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Pa
 
 
 def predicted_seconds(samples: Iterable[StepSample], model: str, profile: str | Path,
-                      block_size: int) -> float:
+                      block_size: int, tensor_parallel_size: int = 1) -> float:
     """The total seconds the profile's cost model gives the very steps of ``samples`` (what
     ``validate`` sets against their measured total)."""
-    cost = make_cost_model(load_model_spec(model), load_hardware(profile), 1, block_size)
+    cost = make_cost_model(load_model_spec(model), load_hardware(profile), tensor_parallel_size,
+                           block_size)
     return sum(cost.step_time(output_of(s.aggregates)) for s in samples)

@@ -126,6 +126,19 @@ def test_sizes_tensor_parallelism_cannot_split_are_refused_with_the_reason(
     assert kv_block_bytes(config, 16, "float32", 2) * 2 == kv_block_bytes(config, 16, "float32")
 
 
+def test_fit_interconnect_recovers_the_ring_bandwidth_and_latency() -> None:
+    from twinserve.gpu.distributed.allreduce_benchmark import AllReduceSample, fit_interconnect
+    bandwidth, latency = 2e9, 40e-6
+    samples = [AllReduceSample(p, n, latency + 2 * (p - 1) / p * n / bandwidth)
+               for p in (2, 3) for n in (2304, 36864, 589824, 2359296)]
+    fit = fit_interconnect(samples)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fit.latency_s == pytest.approx(latency, rel=1e-6) and fit.max_relative_error < 1e-6
+    with pytest.raises(ValueError, match="does not grow with its size"):
+        fit_interconnect([AllReduceSample(2, n, 1e-3) for n in (10, 20)] +
+                         [AllReduceSample(2, 30, 5e-4)])
+
+
 # --- TP=2 engines ------------------------------------------------------------------------------
 
 def _prompts() -> list[list[int]]:
@@ -310,3 +323,23 @@ def test_ray_executor_in_local_mode_equals_tp1(llama_kv1, llama_expected) -> Non
         assert _gone(pids)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_bundled_model_tp3_equals_tp1_and_tp2_is_refused_with_the_reason(
+        default_model_dir) -> None:
+    config = ModelConfig.from_dir(default_model_dir)  # SmolLM2-135M: 9 heads, 3 KV heads
+    with pytest.raises(ValueError, match=r"attention heads \(9\) must be divisible by tensor "
+                                         r"parallel size \(2\)"):
+        check_tensor_parallel(EngineArgs(tensor_parallel_size=2), config)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 17036, 28, 905, 253, 1165, 30, 2]]
+    tokens = {}
+    for tp in (1, 3):
+        engine = LLMEngine(EngineArgs(model=str(default_model_dir), dtype="float32",
+                                      tensor_parallel_size=tp, max_model_len=64,
+                                      max_num_batched_tokens=8))
+        try:
+            tokens[tp] = _run(engine, prompts)
+        finally:
+            engine.shutdown()
+    assert tokens[3] == tokens[1]

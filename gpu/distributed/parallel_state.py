@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,7 @@ def init_tp_group(address: GroupAddress, rank: int, device: torch.device,
     if store is None:
         store = dist.TCPStore(address.host, address.port, address.world_size, False,
                               timeout=timeout)
-    pg: dist.ProcessGroup
+    pg: Any
     if address.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

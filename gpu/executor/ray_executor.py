@@ -70,7 +70,7 @@ class RayExecutor(Executor):
         self._last: list[Any] = []
         self._ready: list[Any] = []
         actor_cls = ray.remote(RayShardWorker)
-        self._actors = [
+        self._actors: list[Any] = [
             actor_cls.options(
                 num_cpus=per_rank.get("CPU", 0), num_gpus=per_rank.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),

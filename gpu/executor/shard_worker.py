@@ -11,7 +11,9 @@ slice of the logits, because the all-gather needs them, and drops the result.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,9 +71,9 @@ class ShardStep:
     """One step as every rank sees it: block moves, then (if any token is scheduled) the
     prepared inputs, on the CPU. Built once by the driver and sent to every worker."""
 
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: Sequence[tuple[int, int]] = ()
+    blocks_to_swap_in: Sequence[tuple[int, int]] = ()
+    blocks_to_copy: Sequence[tuple[int, int]] = ()
     inputs: ModelInput | None = None
 
 
@@ -112,7 +114,7 @@ class ShardWorker:
             from twinserve.gpu.cuda_graphs import profile_peak_memory
             profile_peak_memory(self.model, spec.profile_tokens, spec.block_size)
         self.kv_cache: KVCache | None = None
-        self._graphs = None
+        self._graphs: Any = None  # gpu.cuda_graphs.DecodeGraphs on CUDA
 
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The driver's block counts (every rank the same); then the decode graphs on CUDA."""
@@ -129,9 +131,9 @@ class ShardWorker:
         kv = self.kv_cache
         if kv is None:
             raise RuntimeError(f"rank {self.rank}: a step arrived before the KV cache.")
-        kv.swap_out(step.blocks_to_swap_out)
-        kv.swap_in(step.blocks_to_swap_in)
-        kv.copy_blocks(step.blocks_to_copy)
+        kv.swap_out(list(step.blocks_to_swap_out))
+        kv.swap_in(list(step.blocks_to_swap_in))
+        kv.copy_blocks(list(step.blocks_to_copy))
         if step.inputs is None:
             return
         inputs = inputs_to(step.inputs, self.device)

@@ -9,7 +9,9 @@
 #    on CUDA (every scheduling regime, CUDA graphs against eager) against HF transformers;
 # 3. a random-weight Llama-3-8B-shaped model in bf16 (benchmarks/random_model.py), then the
 #    offline benchmark on it: 64 x 128 and batch 1 x 128 generated tokens, with CUDA graphs and
-#    eager, next to HF transformers `generate`, and the batch-1 decode floor of an H200.
+#    eager, next to HF transformers `generate`, and the batch-1 decode floor of an H200;
+# 4. `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
+#    ($OUT/gpu-calibrated.json, the CPU calibration's format), then a simulation that loads it.
 #
 # The machine may be offline: it needs torch, triton, safetensors, tokenizers, numpy, pytest and
 # transformers installed. Other packages travel as wheels in .whl/ (installed to /tmp/site when
@@ -55,6 +57,13 @@ python3 -m twinserve.benchmarks.offline_throughput --model "$MODEL" --device cud
 echo "== offline throughput, eager (no HF rerun)"
 python3 -m twinserve.benchmarks.offline_throughput --model "$MODEL" --device cuda --dtype bfloat16 \
     --workloads batch single --repeats 3 --enforce-eager --skip-hf
+
+echo "== GPU calibration: the twin's profile of this GPU for Llama-3-8B (twinserve calibrate)"
+python3 -m twinserve.entrypoints.cli calibrate --device cuda --dtype bfloat16 --model "$MODEL" \
+    --profile-model llama-3-8b --quick --max-model-len 8192 --max-num-batched-tokens 8192 \
+    --out "$OUT/gpu-calibrated.json" --samples-out "$OUT/gpu-calibration-samples.csv"
+python3 -m twinserve.entrypoints.cli simulate --hardware "$OUT/gpu-calibrated.json" \
+    --model llama-3-8b --num-requests 200 --disable-tqdm --out "$OUT/sim-gpu-calibrated" | tail -3
 
 echo "== CUDA tests exit status: $tests_rc"
 exit $tests_rc

@@ -16,6 +16,10 @@ def resolve_device(device: str) -> torch.device:
     """``auto``: the CUDA device when there is one, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA (a CPU build)"
+        raise ValueError(f"device {device!r}: no CUDA device is available here (torch "
+                         f"{torch.__version__} built {built}); use --device cpu or auto.")
     return torch.device(device)
 
 

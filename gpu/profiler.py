@@ -135,20 +135,25 @@ def _sync_for(device: torch.device) -> Callable[[], None] | None:
 
 
 def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
-                 max_model_len: int = 2048, quick: bool = False) -> list[StepSpec]:
+                 max_model_len: int = 2048, quick: bool = False,
+                 gpu: bool = False) -> list[StepSpec]:
     """Prefill chunks (16..max tokens) after cached prefixes, decode batches (1..max_num_seqs) at
     several contexts (equal, and spread up to the context), and decode batches with one prefill
     chunk; all within the given limits."""
-    tokens = [t for t in (16, 64, 256, 1024, 2048) if t <= max_num_batched_tokens] if quick else \
-        [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048) if t <= max_num_batched_tokens]
-    if not tokens or tokens[-1] < max_num_batched_tokens <= 2048:
+    # a GPU runs prefill chunks up to 8k tokens and decodes at 4k contexts in milliseconds
+    longest = 8192 if gpu else 2048
+    tokens = [t for t in (16, 64, 256, 1024, 2048, 4096, 8192)
+              if t <= min(max_num_batched_tokens, longest)] if quick else \
+        [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+         if t <= min(max_num_batched_tokens, longest)]
+    if not tokens or tokens[-1] < max_num_batched_tokens <= longest:
         tokens.append(max_num_batched_tokens)
     cached = (0, 512) if quick else (0, 128, 512, 1536)
     batches = [b for b in ((1, 4, 16, 64, 128) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256))
                if b <= max_num_seqs]
     if batches[-1] < max_num_seqs <= 256:
         batches.append(max_num_seqs)
-    contexts = (64, 512) if quick else (32, 128, 512, 1536)
+    contexts = ((64, 512) if quick else (32, 128, 512, 1536)) + ((4096,) if gpu else ())
     specs: list[StepSpec] = []
     for n in tokens:
         for s in cached:
@@ -359,7 +364,8 @@ def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = 
     log = log or (lambda msg: None)
     max_len = runner.max_model_len
     limits = runner.engine_config.scheduler
-    specs = default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len, quick)
+    specs = default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len, quick,
+                         gpu=runner.device.type == "cuda")
     log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
     measured = BackendMeasurement(run_micro_benchmarks(runner, specs, warmup, repeats, log))
     measured.seconds_per_swap_block = measure_swap(runner, warmup=warmup, repeats=repeats)

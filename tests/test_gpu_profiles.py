@@ -150,3 +150,48 @@ def test_the_run_folder_writer_equals_its_plain_reference(tmp_path: Path) -> Non
     for name in ("requests.csv", "steps.csv", "tenants.csv"):
         assert (fast / name).read_bytes() == (plain / name).read_bytes(), name
     assert (fast / "tenants.csv").read_text().count('"a,b"') > 5  # quoted where csv quotes
+
+
+# ---- the GPU calibration path (argument handling here; the measurement in cuda_check.sh) -----
+def test_the_bundled_profile_of_a_gpu_is_found_by_its_name() -> None:
+    from twinserve.simulator.hardware import bundled_profile_for_device
+    assert bundled_profile_for_device("NVIDIA H200") == "h200"
+    assert bundled_profile_for_device("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert bundled_profile_for_device("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert bundled_profile_for_device("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert bundled_profile_for_device("NVIDIA L4") is None
+
+
+def test_calibrate_on_cuda_without_a_gpu_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    import torch
+
+    from twinserve.entrypoints.cli import main
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: benchmarks/cuda_check.sh calibrates it")
+    rc = main(["calibrate", "--device", "cuda", "--quick", "--out", str(tmp_path / "p.json")])
+    assert rc == 2
+    assert "device 'cuda': no CUDA device is available" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_calibration_writes_the_format_the_simulator_loads(tmp_path: Path, datasets) -> None:
+    """GPU-shaped steps (Vidur's A100 samples standing for recorded steps) through
+    ``calibrate --from-run``, stored under another model name on another base: the profile
+    loads, names its source, and a simulation of that model runs on its fit."""
+    from twinserve.core.step_sample import SAMPLES_FILE, write_samples
+    from twinserve.entrypoints.cli import main
+    run = tmp_path / "recorded"
+    run.mkdir()
+    write_samples(run / SAMPLES_FILE, datasets[0].samples)
+    out = tmp_path / "h200-calibrated.json"
+    rc = main(["calibrate", "--from-run", str(run), "--model", "llama-3-8b", "--profile-model",
+               "llama-3.1-8b", "--base-hardware", "h200", "--out", str(out)])
+    assert rc == 0
+    profile = load_hardware(out)
+    params = profile.find_fitted("llama-3.1-8b", 1)
+    assert profile.name == "H200-calibrated" and params is not None
+    assert params.source.startswith("twinserve calibrate --from-run")
+    trace = synthetic_trace(SyntheticConfig(num_requests=8, input_len=100, output_len=5, seed=2))
+    result = simulate(SimConfig(hardware=str(out), model="llama-3.1-8b"), trace)
+    assert "twinserve calibrate --from-run" in result.cost_model
+    assert result.summary["completed"] == 8

@@ -29,6 +29,7 @@ from typing import Any
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.model_config import DTYPE_BYTES, ModelConfig
+from twinserve.core.quantization import kv_value_bytes
 
 GIB = 1 << 30
 USAGE_CONTEXTS = ("llm", "server")
@@ -113,12 +114,6 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     if limit is None:
         raise ValueError("config.json has no max_position_embeddings: pass max_model_len.")
     if requested is None:
-        window = model.sliding_window
-        if window is not None and window < limit:
-            # Attention is full attention here: within the window it is exact.
-            logger.warning("max_model_len capped from %d to the model's sliding_window %d "
-                           "(sliding-window attention is not implemented).", limit, window)
-            return window
         return limit
     if requested > limit:
         raise ValueError(f"User-specified max_model_len ({requested}) is greater than the derived "
@@ -129,11 +124,13 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
-                   tensor_parallel_size: int = 1) -> int:
+                   tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> int:
     """Keys and values of one block across all layers, on one rank (KV heads are split across
-    ranks and replicated when there are fewer of them than ranks)."""
+    ranks and replicated when there are fewer of them than ranks); an fp8 cache stores one byte
+    per value."""
     heads = max(1, model.num_key_value_heads // tensor_parallel_size)
-    return 2 * model.num_hidden_layers * block_size * heads * model.head_dim * DTYPE_BYTES[dtype]
+    value_bytes = kv_value_bytes(kv_cache_dtype, DTYPE_BYTES[dtype])
+    return 2 * model.num_hidden_layers * block_size * heads * model.head_dim * value_bytes
 
 
 def kv_cache_budget(args: EngineArgs, platform: Platform, non_kv_bytes: int) -> int:
@@ -155,7 +152,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
     max_len = resolve_max_model_len(args.max_model_len, model)
     max_batched = args.max_num_batched_tokens or batched
-    block_bytes = kv_block_bytes(model, args.block_size, dtype, tp)
+    block_bytes = kv_block_bytes(model, args.block_size, dtype, tp, args.kv_cache_dtype)
     budget = kv_cache_budget(args, platform, non_kv_bytes)
     num_blocks = budget // block_bytes if budget > 0 else 0
     if args.num_gpu_blocks_override is not None:
@@ -181,7 +178,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         preemption_mode=args.preemption_mode,
         num_cpu_blocks=int(args.swap_space * GIB) // block_bytes,
         max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens,
-        max_loras=lora.max_loras if lora is not None else 0)
+        max_loras=lora.max_loras if lora is not None else 0,
+        sliding_window=model.kv_sliding_window)
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
                         num_blocks * block_bytes, block_bytes, scheduler)
 

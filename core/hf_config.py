@@ -18,6 +18,9 @@ ROPE_TYPES: Mapping[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
+    "yarn": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 
 
@@ -78,6 +81,15 @@ def rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params.pop("rope_theta", None)
     theta = DEFAULT_ROPE_THETA if theta is None else float(theta)
     rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type == "su":  # Phi-3's early name of longrope
+        rope_type = "longrope"
+    # yarn and longrope read these from the top level of config.json (Phi-3), as HF does
+    for key in ("original_max_position_embeddings", "max_position_embeddings"):
+        if rope_type in ("yarn", "longrope") and key not in params and raw.get(key):
+            params[key] = raw[key]
+    if rope_type == "yarn" and "original_max_position_embeddings" not in params \
+            and "max_position_embeddings" in params:
+        params["original_max_position_embeddings"] = params["max_position_embeddings"]
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not implemented "
                          f"(supported: {', '.join(ROPE_TYPES)}).")

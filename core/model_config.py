@@ -15,7 +15,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from twinserve.core.architectures import DenseDecoder, architecture_name, get_architecture
+from twinserve.core.architectures import (
+    DenseDecoder,
+    MoEFields,
+    architecture_name,
+    get_architecture,
+)
 from twinserve.core.hf_config import (
     DEFAULT_ROPE_THETA,
     ROPE_TYPES,
@@ -27,6 +32,12 @@ from twinserve.core.hf_config import (
     required_positive_int,
     rope,
 )
+from twinserve.core.quantization import (
+    check_kv_cache_dtype,
+    check_quantization,
+    kv_value_bytes,
+    weight_bytes_per_param,
+)
 
 DEFAULT_RMS_NORM_EPS = 1e-6
 DEFAULT_DTYPE = "bfloat16"
@@ -37,7 +48,10 @@ _DTYPE_ALIASES: Mapping[str, str] = MappingProxyType({
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
     "float": "float32", "fp8": "float8_e4m3fn",
 })
-_SILU = ("silu", "swish")
+# config.json activation -> the engine's (gpu/model.py implements these two)
+ACTIVATIONS: Mapping[str, str] = MappingProxyType({
+    "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"})
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                         "num_attention_heads", "num_key_value_heads", "head_dim",
                         "max_position_embeddings")
@@ -68,11 +82,24 @@ class ModelConfig:
     o_proj_bias: bool = False  # a bias on o (Llama's ``attention_bias``)
     mlp_bias: bool = False  # biases on gate/up/down (Llama's ``mlp_bias``)
     sliding_window: int | None = None  # attention window in tokens; None: full attention
+    # per layer "sliding_attention" (window) or "full_attention"; None: all alike
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"  # the engine's name: silu or gelu_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    local_rope_theta: float | None = None  # the sliding layers' RoPE theta (Gemma 3)
+    moe: MoEFields | None = None  # a mixture-of-experts MLP in every layer
     torch_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str | None = None  # None: the checkpoint's; always a canonical name after __init__
+    # how the weights and the KV cache are stored (core/quantization.py): bytes per weight/value
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}.")
         self._entry()  # an unknown architecture is refused here
@@ -95,6 +122,17 @@ class ModelConfig:
                                  f"(supported: {', '.join(ROPE_TYPES)}).")
         if self.sliding_window is not None:
             check_positive_int("sliding_window", self.sliding_window)
+        self._check_layer_types()
+        if self.hidden_act not in ACTIVATIONS.values():
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented "
+                             f"(supported: {', '.join(ACTIVATIONS)}).")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise ValueError(f"config.json: {name} must be a positive number or null, "
+                                 f"got {value!r}.")
         if self.torch_dtype is not None and not isinstance(self.torch_dtype, str):
             raise ValueError(
                 f"config.json: torch_dtype must be a string, got {self.torch_dtype!r}.")
@@ -118,12 +156,20 @@ class ModelConfig:
             required(raw, field_name)
         arch_name = architecture_name(raw)
         entry = _entry_for(arch_name)
-        act = raw.get("hidden_act", "silu")
-        if act not in _SILU:
-            raise ValueError(f"config.json: hidden_act {act!r} is not implemented "
-                             "(the engine's MLP is SiLU-gated).")
-        rope_theta, rope_scaling = rope(raw)
         family = entry.read_fields(raw)
+        act = family.hidden_act or raw.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"config.json: hidden_act {act!r} is not implemented "
+                             f"(supported: {', '.join(ACTIVATIONS)}).")
+        rotary = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", 1.0))
+        if rotary not in (None, 1, 1.0):
+            raise ValueError(f"config.json: partial_rotary_factor={rotary} is not implemented "
+                             "(RoPE on the whole head only).")
+        rope_theta, rope_scaling = family.rope if family.rope is not None else rope(raw)
+        layer_types = family.layer_types
+        if layer_types is None and family.sliding_window is not None and raw.get("layer_types"):
+            layer_types = tuple(raw["layer_types"])
         model_type = raw.get("model_type")
         eps = raw.get("rms_norm_eps")
         return cls(
@@ -147,6 +193,13 @@ class ModelConfig:
             o_proj_bias=family.o_proj_bias,
             mlp_bias=family.mlp_bias,
             sliding_window=family.sliding_window,
+            layer_types=layer_types,
+            hidden_act=ACTIVATIONS[act],
+            query_pre_attn_scalar=family.query_pre_attn_scalar,
+            attn_logit_softcapping=family.attn_logit_softcapping,
+            final_logit_softcapping=family.final_logit_softcapping,
+            local_rope_theta=family.local_rope_theta,
+            moe=family.moe,
             torch_dtype=checkpoint_dtype(raw),
             eos_token_ids=eos_ids(raw.get("eos_token_id")),
         )
@@ -169,12 +222,47 @@ class ModelConfig:
 
     def check_servable(self, max_model_len: int) -> None:
         """Raise ValueError when the engine cannot run this model at ``max_model_len`` tokens
-        (it implements full attention only, so a shorter sliding window would be wrong)."""
-        window = self.sliding_window
-        if window is not None and window < max_model_len:
-            raise ValueError(
-                f"sliding-window attention is not implemented: sliding_window={window} < "
-                f"max_model_len={max_model_len}; pass max_model_len <= {window}.")
+        (every architecture and feature the config names is refused earlier, when it is read;
+        nothing depends on the length now that sliding windows are implemented)."""
+        check_positive_int("max_model_len", max_model_len)
+
+    def _check_layer_types(self) -> None:
+        types = self.layer_types
+        if types is None:
+            return
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(f"config.json: layer_types has {len(types)} entries for "
+                             f"{self.num_hidden_layers} layers.")
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"config.json: layer_types {unknown} are not implemented "
+                             f"(supported: {', '.join(LAYER_TYPES)}).")
+
+    # --- per layer ------------------------------------------------------------------------------
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer ``layer`` (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """RoPE (theta, scaling) of layer ``layer``: Gemma 3's sliding layers have their own
+        theta and no scaling."""
+        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window every layer attends within (None when some layer sees everything): the
+        KV manager frees blocks outside it."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        if None in windows:
+            return None
+        return max(w for w in windows if w is not None)
 
     # --- derived sizes --------------------------------------------------------------------------
 
@@ -210,12 +298,30 @@ class ModelConfig:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        """The loaded tensors' bytes: projections at the quantization's bytes per weight, the
+        embedding (and untied LM head) at its own."""
+        proj, embed = weight_bytes_per_param(self.quantization, self.dtype_bytes)
+        tables = self.embedding_params * (1 if self.tie_word_embeddings else 2)
+        return int((self.num_params - tables) * proj + tables * embed)
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        """Average bytes per parameter (the twin scales the weights a step streams by it)."""
+        return self.weight_bytes / self.num_params
+
+    @property
+    def kv_value_bytes(self) -> int:
+        """Bytes per cached K or V value (1 for an fp8 cache)."""
+        return kv_value_bytes(self.kv_cache_dtype, self.dtype_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V for one token over all layers."""
-        return self.arch.kv_elements_per_token(self) * self.dtype_bytes
+        return self.arch.kv_elements_per_token(self) * self.kv_value_bytes
+
+    def with_quantization(self, quantization: str | None, kv_cache_dtype: str) -> ModelConfig:
+        """The same model with its weights and KV cache stored as given."""
+        return dataclasses.replace(self, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 
     def _entry(self) -> DenseDecoder:
         return _entry_for(self.architecture)

@@ -68,12 +68,12 @@ def test_transformers_5_rope_and_dtype_spelling() -> None:
     assert (both.rope_theta, both.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 2.0})
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0},
-                                     {"type": "dynamic", "factor": 2.0}])
+@pytest.mark.parametrize("scaling", [{"rope_type": "mrope", "factor": 4.0},
+                                     {"type": "proportional", "factor": 2.0}])
 def test_unknown_rope_scaling_type_is_refused_when_read(scaling: dict[str, Any]) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     with pytest.raises(ValueError, match=rf"rope_scaling type '{kind}' is not implemented.*"
-                                         r"default, linear, llama3"):
+                                         r"default, linear, llama3, dynamic, yarn, longrope"):
         _parse(rope_scaling=scaling)
     with pytest.raises(ValueError, match="not implemented"):
         _parse(rope_parameters={**scaling, "rope_theta": 1e4})
@@ -107,16 +107,12 @@ def test_sliding_window_per_family() -> None:
         _parse(**mistral, sliding_window=0)
 
 
-def test_check_servable_refuses_a_window_shorter_than_max_model_len() -> None:
+def test_a_sliding_window_serves_past_its_length() -> None:
     config = _parse(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16)
-    config.check_servable(16)
-    config.check_servable(8)
-    message = ("sliding-window attention is not implemented: sliding_window=16 < "
-               "max_model_len=17; pass max_model_len <= 16.")
-    with pytest.raises(ValueError) as excinfo:
-        config.check_servable(17)
-    assert str(excinfo.value) == message
-    _parse().check_servable(10**6)  # full attention: any length
+    for length in (8, 16, 17, 10**6):
+        config.check_servable(length)
+    assert (config.kv_sliding_window, config.layer_window(0)) == (16, 16)
+    assert _parse().kv_sliding_window is None
 
 
 def test_activation_other_than_silu_is_refused() -> None:
@@ -142,7 +138,8 @@ def test_missing_required_field_is_named(field: str) -> None:
     ({"torch_dtype": "int4"}, r"torch_dtype 'int4' is not supported"),
     ({"eos_token_id": "2"}, r"eos_token_id must be an integer"),
     ({"architectures": ["GPT2LMHeadModel"]},
-     r"unknown architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, "
+     r"unknown architecture 'GPT2LMHeadModel'; supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+     r"LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
      r"Qwen2ForCausalLM"),
 ])
 def test_bad_field_is_named(overrides: dict[str, Any], match: str) -> None:

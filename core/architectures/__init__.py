@@ -17,6 +17,7 @@ from twinserve.core.architectures.base import (
     DenseDecoder,
     FamilyFields,
     LinearSpec,
+    MoEFields,
     WeightShard,
     WeightTarget,
 )
@@ -69,14 +70,14 @@ def architecture_name(raw: Mapping[str, Any]) -> str:
 
 
 def _import_families() -> None:
-    """Every module of this package but ``base`` is a family that registers itself on import,
-    so adding one is adding its file."""
+    """Every module of this package but the shared bases (``base``, ``*_base``) is a family that
+    registers itself on import, so adding one is adding its file."""
     for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if module.name != "base":
+        if module.name != "base" and not module.name.endswith("_base"):
             importlib.import_module(f"{__name__}.{module.name}")
 
 
 _import_families()
 
-__all__ = ["DenseDecoder", "FamilyFields", "LinearSpec", "WeightShard", "WeightTarget",
+__all__ = ["DenseDecoder", "FamilyFields", "LinearSpec", "MoEFields", "WeightShard", "WeightTarget",
            "architecture_name", "get_architecture", "register", "supported_architectures"]

@@ -41,13 +41,16 @@ class WeightShard:
 
 @dataclass(frozen=True, slots=True)
 class LinearSpec:
-    """One engine linear layer of a decoder layer (``qkv_proj``) and the HF tensors it holds."""
+    """One engine linear layer of a decoder layer (``qkv_proj``) and the HF tensors it holds.
+    ``fused_hf_name``: the checkpoint stores the shards already stacked in one tensor of that
+    name (Phi-3's ``self_attn.qkv_proj``); the layer's loader splits it into its shards."""
 
     name: str
     kind: LinearKind
     input_size: int
     shards: tuple[WeightShard, ...]
     bias: bool
+    fused_hf_name: str | None = None
 
     @property
     def output_size(self) -> int:
@@ -72,13 +75,52 @@ class WeightTarget:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEFields:
+    """A mixture-of-experts MLP (every decoder layer): ``num_experts`` SiLU-gated experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` chosen per token by a softmax router
+    (their weights renormalised to sum 1 when ``norm_topk_prob``), plus, when
+    ``shared_expert_intermediate_size`` > 0, a shared expert scaled by a sigmoid gate (Qwen2-MoE)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}.")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"the {self.num_experts} experts.")
+        size = self.shared_expert_intermediate_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError("config.json: shared_expert_intermediate_size must be a non-negative "
+                             f"integer, got {size!r}.")
+
+
+@dataclass(frozen=True, slots=True)
 class FamilyFields:
-    """The fields a family reads its own way (e.g. Qwen2's q/k/v bias, Mistral's window)."""
+    """The fields a family reads its own way (e.g. Qwen2's q/k/v bias, Mistral's window, Gemma's
+    soft-capping). ``rope`` (theta, scaling), when set, replaces the generic reading of
+    ``rope_theta``/``rope_scaling``; ``local_rope_theta`` is the sliding layers' own theta (Gemma 3).
+    ``layer_types`` names each layer ``sliding_attention`` or ``full_attention`` (None: every
+    layer uses ``sliding_window`` when there is one)."""
 
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str | None = None  # None: config.json's ``hidden_act`` (SiLU by default)
+    query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope: tuple[float, dict[str, Any] | None] | None = None
+    local_rope_theta: float | None = None
+    moe: MoEFields | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +135,11 @@ class DenseDecoder:
     # per-head RMSNorm on q and k before RoPE (Qwen3): engine parameters ``q_norm`` and
     # ``k_norm`` of a decoder layer, shape [head_dim], eps ``rms_norm_eps``
     qk_norm: ClassVar[bool] = False
+    # Gemma: RMSNorm scales by (1 + weight); norms after attention and around the MLP too
+    # (``norms`` then names four); the embedding is scaled by sqrt(hidden_size)
+    norm_plus_one: ClassVar[bool] = False
+    sandwich_norms: ClassVar[bool] = False
+    embed_scale: ClassVar[bool] = False
 
     def read_fields(self, raw: Mapping[str, Any]) -> FamilyFields:
         """Biases and the sliding window from the family's own config fields."""
@@ -131,11 +178,19 @@ class DenseDecoder:
             for norm in self.norms:
                 out[f"{hf}{norm}.weight"] = WeightTarget(ours + norm, None, (h,))
             for spec in linears:  # weights, then biases (the order random_model draws them in)
+                if spec.fused_hf_name is not None:
+                    out[f"{hf}{spec.fused_hf_name}.weight"] = WeightTarget(
+                        f"{ours}{spec.name}.weight", None, (spec.output_size, spec.input_size))
+                    continue
                 for shard in spec.shards:
                     out[f"{hf}{shard.hf_name}.weight"] = WeightTarget(
                         f"{ours}{spec.name}.weight", shard.shard_id,
                         (shard.output_size, spec.input_size))
             for spec in (s for s in linears if s.bias):
+                if spec.fused_hf_name is not None:
+                    out[f"{hf}{spec.fused_hf_name}.bias"] = WeightTarget(
+                        f"{ours}{spec.name}.bias", None, (spec.output_size,))
+                    continue
                 for shard in spec.shards:
                     out[f"{hf}{shard.hf_name}.bias"] = WeightTarget(
                         f"{ours}{spec.name}.bias", shard.shard_id, (shard.output_size,))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import signal
 import sys
 import time
@@ -81,6 +82,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="/v1/completions (token-id prompts, default) or /v1/chat/completions "
                         "(approximate 'hi hi ...' text prompts)")
     g.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY; never "
+                        "written to the run folder)")
     g.add_argument("--backend-label", default="twinserve",
                    help="what serves the requests, written as config 'backend' (twinserve, vllm, ...)")
     g.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -147,18 +151,29 @@ def check_options(endpoint: str, max_concurrency: int | None, vocab_size: int,
 # ------------------------------------------------------------------------------------ the server
 
 
-async def resolve_model(base_url: str, model: str | None) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` for ``api_key``, else for ``$OPENAI_API_KEY`` (as vLLM's
+    benchmark and the openai client do); none without either."""
+    key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def resolve_model(base_url: str, model: str | None, api_key: str | None = None) -> str:
     """``model``, or the first id of ``GET /v1/models``; that request also checks the server is up."""
     url = f"{base_url}/v1/models"
     timeout = httpx.Timeout(MODELS_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with httpx.AsyncClient(timeout=timeout, headers=auth_headers(api_key)) as client:
             response = await client.get(url)
     except httpx.HTTPError as exc:
         reason = one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         raise ServerUnavailableError(
             f"cannot reach the server at {base_url} (GET /v1/models: {reason}). "
             f"Is it running? Check --base-url.") from None
+    if response.status_code == 401:
+        raise ServerUnavailableError(
+            f"GET {url} answered {http_error_message(401, response.content)}: the server "
+            "wants an API key (--api-key, or $OPENAI_API_KEY).")
     if model:
         return model
     if response.status_code != 200:
@@ -232,6 +247,7 @@ async def benchmark(
     send_priority: bool = False,
     request_timeout_s: float = DEFAULT_TIMEOUT_S,
     disable_tqdm: bool = True,
+    api_key: str | None = None,
     collected: list[RequestRecord] | None = None,
     stop: asyncio.Event | None = None,
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
@@ -242,13 +258,14 @@ async def benchmark(
     cannot be reached at the start."""
     base_url = check_base_url(base_url)
     check_options(endpoint, max_concurrency, vocab_size, request_timeout_s)
-    model = await resolve_model(base_url, model)
+    model = await resolve_model(base_url, model, api_key)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
     bar = tqdm(total=len(ordered), unit="req", desc="bench serve", disable=disable_tqdm)
     try:
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout,
+                                     headers=auth_headers(api_key)) as client:
             start = time.perf_counter()
             sender = _Sender(client, base_url + endpoint, endpoint, model, vocab_size, send_priority,
                              lambda: time.perf_counter() - start,
@@ -312,12 +329,13 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     collected: list[RequestRecord] = []
     stop = asyncio.Event()
     try:
-        model = asyncio.run(resolve_model(base_url, args.model))
+        model = asyncio.run(resolve_model(base_url, args.model, args.api_key))
         records, summary = asyncio.run(_until_ctrl_c(benchmark(
             base_url, requests, model=model, endpoint=args.endpoint,
             max_concurrency=args.max_concurrency, goodput_slos_ms=slos, vocab_size=args.vocab_size,
             send_priority=args.send_priority, request_timeout_s=args.request_timeout,
-            disable_tqdm=args.disable_tqdm, collected=collected, stop=stop), stop))
+            disable_tqdm=args.disable_tqdm, api_key=args.api_key, collected=collected,
+            stop=stop), stop))
     except ServerUnavailableError as exc:
         raise SystemExit(f"twinserve bench serve: error: {exc}") from None
     except (KeyboardInterrupt, BenchmarkInterrupted):

@@ -9,6 +9,10 @@ Three sources, each read where it is exact:
   KV usage, prefix-cache queries/hits, preemptions);
 - at scrape time, the engine's finished ``RequestRecord``s not seen before feed the latency
   histograms (TTFT, ITL, E2E, queue time) with the engine's own timestamps;
+- the same records feed vLLM's per-request histograms (prefill time, decode time, mean time
+  per output token, prompt and generation token counts); an observer of the engine's steps
+  counts ``vllm:iteration_tokens_total`` (the tokens each step computed) on the engine thread;
+- ``vllm:cache_config_info``: the KV cache's configuration as labels (value 1), as vLLM has it;
 - with LoRA enabled, ``vllm:lora_requests_info`` as vLLM has it: one sample whose labels are
   ``max_lora`` and the comma-separated ``running_lora_adapters`` (the scheduler's) and
   ``waiting_lora_adapters`` (adapters with more sequences in flight than running), whose value
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from twinserve.core.metrics import RequestRecord
+from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.scheduler import SchedulerStats
 
@@ -38,6 +44,49 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+# vLLM's: tokens per engine step (its CUDA-graph sizes)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+def cache_config_labels(engine: Any) -> dict[str, str] | None:
+    """``vllm:cache_config_info``'s labels (vLLM's CacheConfig names) from a running engine."""
+    config = getattr(engine, "engine_config", None)
+    if config is None:
+        return None
+    args, sched = config.args, config.scheduler
+    values = {"block_size": sched.block_size, "cache_dtype": args.kv_cache_dtype,
+              "enable_prefix_caching": sched.enable_prefix_caching,
+              "gpu_memory_utilization": args.gpu_memory_utilization,
+              "num_gpu_blocks": sched.num_gpu_blocks, "num_cpu_blocks": sched.num_cpu_blocks,
+              "swap_space": args.swap_space, "kv_cache_memory_bytes": config.kv_cache_bytes}
+    return {k: str(v) for k, v in values.items()}
+
+
+class InfoCollector(Collector):
+    """A gauge of value 1 whose labels describe a configuration (vLLM's ``*_config_info``)."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str]) -> None:
+        self.name, self.doc, self.labels = name, doc, dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), 1.0)
+        yield family
 
 
 class SchedulerCollector(Collector):
@@ -95,7 +144,8 @@ class LoRAInfoCollector(Collector):
 class ServerMetrics:
     """All metrics of one app; nothing is shared with another app in the same process."""
 
-    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None, max_model_len: int = 0,
+                 cache_config: dict[str, str] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerCollector(model_name)
@@ -120,6 +170,11 @@ class ServerMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Time from arrival to first scheduling.", labels,
                                     buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self._add_request_histograms(max_model_len)
+        if cache_config is not None:
+            self.registry.register(InfoCollector(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                {**cache_config, "engine": "0"}))
         self.request_rejected = Counter(
             "twinserve:request_rejected", "Requests refused for overload (503/429).",
             labels + ["reason"], registry=reg)
@@ -127,6 +182,32 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         for reason in REJECT_REASONS:
             self.request_rejected.labels(model_name, reason)
+
+    def _add_request_histograms(self, max_model_len: int) -> None:
+        labels, reg, name = ["model_name"], self.registry, self.model_name
+        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
+            "for request.", labels, buckets=LATENCY_BUCKETS, registry=reg).labels(name)
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+            "request.", labels, buckets=LATENCY_BUCKETS, registry=reg).labels(name)
+        self.time_per_output_token = Histogram(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_"
+            "seconds per request.", labels, buckets=ITL_BUCKETS, registry=reg).labels(name)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+            buckets=token_buckets, registry=reg).labels(name)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            labels, buckets=token_buckets, registry=reg).labels(name)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            labels, buckets=ITERATION_TOKEN_BUCKETS, registry=reg).labels(name)
+
+    def on_step(self, out: SchedulerOutput, seconds: float, execute_seconds: float) -> None:
+        """A step observer (engine thread): the tokens the step computed."""
+        self.iteration_tokens.observe(out.total_num_scheduled_tokens)
 
     # ---- the HTTP layer ------------------------------------------------------------------
     def observe_request_end(self, last: RequestOutput | None, num_samples: int = 0) -> None:
@@ -142,6 +223,11 @@ class ServerMetrics:
             self.generation_tokens.inc(len(comp.token_ids))
             reason = comp.finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
+
+    def observe_embeddings(self, num_prompt_tokens: int, num_requests: int) -> None:
+        """Embedding requests the server answered (each prefilled its prompt, then stopped)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_success.labels(self.model_name, "stop").inc(num_requests)
 
     def observe_rejection(self, reason: str) -> None:
         self.request_rejected.labels(self.model_name, reason).inc()
@@ -168,6 +254,17 @@ class ServerMetrics:
             self.e2e.observe(max(record.e2el, 0.0))
         for gap in record.itls:
             self.itl.observe(max(gap, 0.0))
+        self.request_prompt_tokens.observe(record.input_tokens)
+        self.request_generation_tokens.observe(record.output_tokens)
+        first, scheduled, end = (record.first_token_time, record.first_scheduled_time,
+                                 record.finish_time)
+        if first == first and scheduled == scheduled:  # neither NaN
+            self.prefill_time.observe(max(first - scheduled, 0.0))
+        if first == first and end == end:
+            decode = max(end - first, 0.0)
+            self.decode_time.observe(decode)
+            if record.output_tokens > 1:
+                self.time_per_output_token.observe(decode / (record.output_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

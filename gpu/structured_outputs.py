@@ -9,12 +9,18 @@ output tokens: before a step's mask it consumes the tokens it has not seen (afte
 that is none; after a recompute preemption the output is kept, so none either) and rebuilds it
 when the output is shorter than what it consumed. Once the grammar is complete the mask allows
 only the EOS token, so the request ends the way the scheduler already knows: EOS -> "stop".
+
+Compilation off the step: ``prefetch`` (called when a request is added) compiles a spec not yet
+cached on one background thread, so the step that first masks the request usually finds it
+ready (llguidance compiles outside the GIL while the step's forward pass runs); if not, that
+step waits for it. The scheduler does not hold a request back until its grammar is ready.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
@@ -71,6 +77,8 @@ class StructuredOutputs:
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.3 s)
         self._executor: llguidance.LLExecutor | None = None
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future[llguidance.LLMatcher]] = {}
+        self._pool: ThreadPoolExecutor | None = None  # started by the first prefetch
         self._states: dict[str, _State] = {}
         self._words = (vocab_size + 31) // 32
 
@@ -87,21 +95,56 @@ class StructuredOutputs:
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 
+    def _compile(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
+        compiled = llguidance.LLMatcher(self._llg_tokenizer(), compile_grammar(so), log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"structured_outputs.{so.kind} is invalid: "
+                             f"{compiled.get_error()}")
+        return compiled
+
+    def prefetch(self, so: StructuredOutputsParams) -> None:
+        """Starts compiling ``so`` in the background unless it is cached or under way."""
+        key = so.key
+        self._collect_done()
+        if key in self._compiled or key in self._pending or \
+                len(self._pending) >= MATCHER_CACHE_SIZE:
+            return
+        self._llg_tokenizer()  # built here, once, not on the worker
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pending[key] = self._pool.submit(self._compile, so)
+
+    def _collect_done(self) -> None:
+        """Finished compilations into the cache (failed ones are dropped: the request's own
+        mask compiles again and raises), so abandoned prefetches do not pile up."""
+        for key, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[key]
+                if future.exception() is None:
+                    self._remember(key, future.result())
+
+    def _remember(self, key: tuple[str, str], compiled: llguidance.LLMatcher) -> None:
+        self._compiled[key] = compiled
+        if len(self._compiled) > MATCHER_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+
     def _fresh_matcher(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
         key = so.key
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._llg_tokenizer(), compile_grammar(so),
-                                            log_level=0)
-            if compiled.is_error():
-                raise ValueError(f"structured_outputs.{so.kind} is invalid: "
-                                 f"{compiled.get_error()}")
-            self._compiled[key] = compiled
-            if len(self._compiled) > MATCHER_CACHE_SIZE:
-                self._compiled.popitem(last=False)
+            pending = self._pending.pop(key, None)
+            compiled = pending.result() if pending is not None else self._compile(so)
+            self._remember(key, compiled)
         else:
             self._compiled.move_to_end(key)
         return compiled.deep_copy()
+
+    def close(self) -> None:
+        """Stops the compiling thread (pending compilations are dropped)."""
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _synced(self, request: Request) -> _State:
         """The request's matcher, having consumed exactly its output tokens so far."""

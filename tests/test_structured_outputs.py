@@ -232,3 +232,27 @@ def test_server_json_schema_json_object_and_structured_outputs(client):
         client.chat.completions.create(model=model, messages=messages, max_tokens=4,
                                        extra_body={"guided_regex": "a+"})
     assert err.value.body["param"] == "guided_regex"
+
+
+def test_prefetched_grammar_gives_the_same_masks_and_stays_bounded(tiny_dir):
+    from twinserve.core.request import Request
+    from twinserve.gpu.structured_outputs import MATCHER_CACHE_SIZE, StructuredOutputs
+    cold = StructuredOutputs(tiny_dir / "tokenizer.json", 320, 2)
+    warm = StructuredOutputs(tiny_dir / "tokenizer.json", 320, 2)
+    params = _so(json=SCHEMAS[1])
+    warm.prefetch(params.structured_outputs)
+    assert len(warm._pending) == 1
+    request = Request("r", [1, 5], params, 0.0, eos_token_id=2)
+    _, first = warm.bitmask([request])
+    assert not warm._pending and len(warm._compiled) == 1   # taken from the background job
+    _, reference = cold.bitmask([Request("r", [1, 5], params, 0.0, eos_token_id=2)])
+    assert (first == reference).all()
+    bad = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/x"}}})
+    warm.prefetch(bad)   # a failing compile surfaces on the request's own mask, not here
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        warm.bitmask([Request("b", [1], SamplingParams(structured_outputs=bad), 0.0,
+                              eos_token_id=2)])
+    for i in range(MATCHER_CACHE_SIZE + 20):   # abandoned prefetches do not pile up
+        warm.prefetch(StructuredOutputsParams(regex=f"a{{{i + 1}}}"))
+    assert len(warm._pending) <= MATCHER_CACHE_SIZE
+    warm.close()

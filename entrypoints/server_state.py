@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinserve.entrypoints.async_engine import AsyncEngine
+from twinserve.entrypoints.chat_server_options import ChatServerOptions
 from twinserve.entrypoints.http_errors import APIError
 from twinserve.entrypoints.server_metrics import ServerMetrics
 from twinserve.entrypoints.serving_models import LoRARegistry
@@ -71,6 +72,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     tenants: TenantTracker = field(
         default_factory=lambda: TenantTracker(DEFAULT_MAX_TENANTS))
+    chat: ChatServerOptions = field(default_factory=ChatServerOptions)
 
     @property
     def engine(self) -> Any:

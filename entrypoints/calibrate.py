@@ -1,7 +1,7 @@
 """``twinserve calibrate``: measure the real backend, fit the simulator's step time, write a profile.
 
     twinserve calibrate --model DIR [--device cpu|cuda] [--dtype D] --out PROFILE.json \\
-        [--base-hardware cpu] [--quick] [--max-num-batched-tokens N] [--max-num-seqs N]
+        [--base-hardware NAME] [--profile-model NAME] [--quick] [--max-num-batched-tokens N]
     twinserve calibrate --from-run RUN_DIR [RUN_DIR ...] --out PROFILE.json [--model DIR]
 
 From the backend (default): micro-benchmarks of ``ModelRunner.execute`` on hand-built steps
@@ -20,13 +20,20 @@ To refine a backend calibration, pass it as the base: ``--from-run RUN --base-ha
 keeps its measured swap bandwidth and other fits and replaces this model's fit.
 
 The profile is the base profile's roofline numbers with a ``fitted`` entry for this model (its
-directory name, as ``load_model_spec`` names it) at TP 1; ``twinserve simulate --hardware
-PROFILE.json --model DIR`` picks it up.
+directory name, as ``load_model_spec`` names it, or ``--profile-model``) at TP 1; ``twinserve
+simulate --hardware PROFILE.json --model DIR`` picks it up. The format is the same on every
+device. On a GPU (``--device cuda``) the base is the bundled profile of the GPU's name (h200,
+h100-sxm, a100-80gb, a100-40gb) and the grid reaches 8k-token prefill chunks and 4k-token decode
+contexts; a random-weight model of a bundled shape stands for the real one, e.g.
+``python -m twinserve.benchmarks.random_model --config llama-3-8b --device cuda --out DIR`` then
+``twinserve calibrate --device cuda --dtype bfloat16 --model DIR --profile-model llama-3-8b
+--out h200-calibrated.json`` (``benchmarks/cuda_check.sh`` runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -56,7 +63,24 @@ def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: 
     from twinserve.simulator.calibration import fit_backend
     measured = measure_backend(runner, engine_args, quick, warmup, repeats, engine_loop, log)
     return fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
-                       measured.lora)
+                       measured.lora, engine_args.tensor_parallel_size)
+
+
+def measure_interconnect(runner: ModelRunner, engine_args: EngineArgs,
+                         log: Log | None = None) -> tuple[float, float] | None:
+    """With tensor parallelism: the all-reduce timed on this backend at the runner's ranks and
+    hidden size, fitted to the profile's (interconnect_bandwidth, interconnect_latency_s)."""
+    tp = engine_args.tensor_parallel_size
+    if tp < 2 or runner.device.type != "cpu":  # (NCCL across GPUs: not measured here)
+        return None
+    from twinserve.gpu.distributed.allreduce_benchmark import fit_interconnect, measure_all_reduce
+    samples = measure_all_reduce(tp, runner.config.hidden_size, dtype=runner.dtype)
+    fit = fit_interconnect(samples)
+    if log is not None:
+        log(f"all-reduce on {tp} ranks ({len(samples)} sizes): bus bandwidth "
+            f"{fit.bandwidth / 1e9:.2f} GB/s, latency {fit.latency_s * 1e6:.0f} us "
+            f"(max error {fit.max_relative_error:.0%})")
+    return fit.bandwidth, fit.latency_s
 
 
 def load_runner(args: argparse.Namespace) -> tuple[EngineArgs, ModelRunner]:
@@ -83,14 +107,19 @@ def model_dir_or_default(model: str | None) -> str:
 
 def add_calibration_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("calibration")
-    g.add_argument("--base-hardware", default="cpu",
-                   help="profile whose roofline numbers the calibrated profile keeps (default cpu)")
+    g.add_argument("--base-hardware", default=None,
+                   help="profile whose roofline numbers the calibrated profile keeps (default: cpu "
+                        "on the CPU, the bundled profile of the GPU's name on CUDA, e.g. h200)")
+    g.add_argument("--profile-model", default=None, metavar="NAME",
+                   help="the model name the fit is stored under (default: the model directory's "
+                        "name); e.g. llama-3-8b for a random-weight model of that shape")
     g.add_argument("--quick", action="store_true", help="a smaller grid and fewer workloads")
     g.add_argument("--warmup", type=int, default=1, help="untimed runs per benchmark step")
     g.add_argument("--repeats", type=int, default=3, help="timed runs per step (median)")
     g.add_argument("--no-engine-loop", dest="engine_loop", action="store_false",
                    help="micro-benchmarks only (no scheduling/sampling overhead measured)")
-    g.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    g.add_argument("--threads", type=int, default=2,
+                   help="torch CPU threads (default 2; the CPU only)")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -107,6 +136,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_calibrate)
+
+
+def base_hardware_for(device: str | None) -> str:
+    """The bundled profile a calibration on ``device`` keeps the roofline numbers of: ``cpu``, or
+    on CUDA the profile of the GPU's name (ValueError when none matches: pass --base-hardware)."""
+    from twinserve.gpu.platform import current_platform
+    from twinserve.simulator.hardware import bundled_profile_for_device
+    platform = current_platform(device or "auto")
+    if platform.device_type == "cpu":
+        return "cpu"
+    name = bundled_profile_for_device(platform.device_name)
+    if name is None:
+        raise ValueError(f"no bundled profile matches the GPU {platform.device_name!r}: pass "
+                         "--base-hardware (a bundled name or a profile file) for its peaks.")
+    return name
 
 
 def _model_from_runs(run_dirs: list[str]) -> str | None:
@@ -126,15 +170,19 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from twinserve.simulator.model_spec import load_model_spec
     if args.from_run:
         model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)
-        name = load_model_spec(model).name
+        name = args.profile_model or load_model_spec(model).name
         cal = calibrate_from_runs(args.from_run, name)
         block_size = args.block_size or 16
         note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
-        platform = None
+        platform = interconnect = None
+        source = f"twinserve calibrate --from-run ({len(args.from_run)} recorded run(s))"
+        base = args.base_hardware or "cpu"
     else:
-        set_threads(args.threads)
         model = args.model = model_dir_or_default(args.model)
-        name = load_model_spec(model).name
+        name = args.profile_model or load_model_spec(model).name
+        base = args.base_hardware or base_hardware_for(args.device)
+        if args.device != "cuda":
+            set_threads(args.threads)
         eargs, runner = load_runner(args)
         _log_stderr(f"calibrating {name} on {runner.device} ({runner.dtype}), "
                     f"{runner.num_gpu_blocks} KV blocks")
@@ -142,9 +190,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
                                 args.engine_loop, _log_stderr)
         block_size = eargs.block_size
         platform = current_platform(runner.device)
-        note = (f"Calibrated for {name} on {runner.device} {str(runner.dtype).removeprefix('torch.')}"
-                f"{' (quick)' if args.quick else ''}.")
-    path = save_profile(cal, model, args.base_hardware, args.out, block_size, note, platform)
+        interconnect = measure_interconnect(runner, eargs, _log_stderr)
+        dtype = str(runner.dtype).removeprefix("torch.")
+        device = platform.device_name
+        note = f"Calibrated for {name} on {device} {dtype}{' (quick)' if args.quick else ''}."
+        source = f"twinserve calibrate on {device} ({dtype}, {len(cal.samples)} steps)"
+    cal.params = dataclasses.replace(cal.params, source=source)
+    path = save_profile(cal, model, base, args.out, block_size, note, platform, interconnect)
+    if not args.from_run:  # constrained decoding's masks (simulator/structured_cost.py)
+        from twinserve.entrypoints.structured_calibration import add_mask_timing
+        path = add_mask_timing(path, runner, _log_stderr)
     if args.samples_out:
         write_samples(args.samples_out, cal.samples)
     print(cal.report)

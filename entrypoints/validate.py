@@ -40,8 +40,10 @@ from twinserve.core.step_sample import read_recorded_samples
 from twinserve.entrypoints.calibrate import (
     Log,
     add_calibration_flags,
+    base_hardware_for,
     calibrate_backend,
     load_runner,
+    measure_interconnect,
     model_dir_or_default,
     set_threads,
 )
@@ -105,9 +107,11 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
         cal = calibrate_backend(runner, eargs, load_model_spec(model).name, quick=True,
                                 warmup=args.warmup, repeats=args.repeats,
                                 engine_loop=args.engine_loop, log=log)
-        profile = save_profile(cal, model, args.base_hardware, out / "profile.json",
+        base = args.base_hardware or base_hardware_for(args.device)
+        profile = save_profile(cal, model, base, out / "profile.json",
                                eargs.block_size, "Calibrated by validate (quick).",
-                               current_platform(runner.device))
+                               current_platform(runner.device),
+                               measure_interconnect(runner, eargs, log))
         log(cal.report)
     dirs = []
     for i in range(args.real_repeats):
@@ -151,7 +155,8 @@ def run_validate(args: argparse.Namespace) -> int:
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc, log)
     rows = error_rows(summaries, sim.summary)
     samples = read_recorded_samples(real_dirs)
-    predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]))
+    predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]),
+                                  int(real_config.get("tensor_parallel_size", 1)))
     rows.append(step_time_row(sum(s.seconds for s in samples), predicted,
                               len(real_dirs) if samples else 0))
     rows += tenant_ttft_rows(real_dirs, out / "sim")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 from twinserve.core.engine_config import Platform
 from twinserve.simulator.structured_cost import DEFAULT_MASK_S_PER_ROW, DEFAULT_MASK_S_PER_STEP
@@ -251,6 +251,6 @@ def _check_non_negative(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a non-negative finite number, got {value!r}.")
 
 
-def _is_finite_number(value: object) -> bool:
+def _is_finite_number(value: object) -> TypeGuard[float]:
     return (not isinstance(value, bool) and isinstance(value, (int, float))
             and math.isfinite(value))

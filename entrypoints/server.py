@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 
 import twinserve
 from twinserve.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from twinserve.entrypoints.chat_server_options import add_chat_args, checked_chat_options
 from twinserve.entrypoints.engine_args import add_engine_args, apply_config_file, engine_args_from
 from twinserve.entrypoints.http_errors import (
     APIKeyMiddleware,
@@ -62,7 +63,14 @@ from twinserve.entrypoints.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from twinserve.entrypoints.server_metrics import ServerMetrics
+from twinserve.entrypoints.server_cors import (
+    add_cors_args,
+    add_model_tag_arg,
+    cors_options,
+    install_cors,
+    resolve_model_tag,
+)
+from twinserve.entrypoints.server_metrics import ServerMetrics, cache_config_labels
 from twinserve.entrypoints.server_state import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_TENANTS,
@@ -73,6 +81,7 @@ from twinserve.entrypoints.server_state import (
 )
 from twinserve.entrypoints.serving_chat import create_chat_completion
 from twinserve.entrypoints.serving_completion import create_completion
+from twinserve.entrypoints.serving_embedding import EmbeddingRequest, create_embedding
 from twinserve.entrypoints.serving_models import (
     RUNTIME_LORA_ENV,
     LoRARegistry,
@@ -139,9 +148,14 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     register_static_loras(async_engine, loras, static_lora_modules(args, model_name))
     state = ServerState(async_engine=async_engine, model_name=model_name,
                         model_root=model_root, max_model_len=int(engine.runner.max_model_len),
-                        metrics=ServerMetrics(model_name, max_loras_of(engine)), loras=loras,
+                        metrics=ServerMetrics(model_name, max_loras_of(engine),
+                                              int(engine.runner.max_model_len),
+                                              cache_config_labels(engine)), loras=loras,
                         limits=limits,
-                        tenants=TenantTracker(limits.max_tenants, limits.max_requests_per_tenant))
+                        tenants=TenantTracker(limits.max_tenants, limits.max_requests_per_tenant),
+                        chat=checked_chat_options(args, getattr(engine, "tokenizer", None)))
+    if hasattr(engine, "driver"):  # vllm:iteration_tokens_total, on the engine thread
+        engine.driver.observers.append(state.metrics)
     app = FastAPI(title="twinserve", version=twinserve.__version__, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.twinserve = state
@@ -152,7 +166,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
                        "(/v1/load_lora_adapter, /v1/unload_lora_adapter); the server reads "
                        "any adapter directory a client names.", RUNTIME_LORA_ENV)
         add_lora_routes(app)
-    # add_middleware wraps: the last added runs first (catch-all, Host, API key, body).
+    # add_middleware wraps: the last added runs first (catch-all, Host, CORS, API key, body).
     timeout = getattr(args, "body_read_timeout_s", DEFAULT_BODY_READ_TIMEOUT_S)
     app.add_middleware(BodySizeLimitMiddleware,
                        max_bytes=int(getattr(args, "max_request_body_bytes", None)
@@ -164,6 +178,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     elif getattr(args, "tenant_from_api_key", False):
         raise ValueError("--tenant-from-api-key needs API keys (--api-key, --api-key-file or "
                          "$TWINSERVE_API_KEY).")
+    install_cors(app, cors_options(args))  # before the key check: preflights carry none
     hosts = allowed_hosts(args, bool(api_keys))
     if hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=hosts[0], allow_ip_literals=hosts[1])
@@ -218,6 +233,10 @@ def add_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _guard(create_chat_completion(_state(request), body, request))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _guard(create_embedding(_state(request), body, request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -332,6 +351,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds ``twinserve serve``'s flags to ``parser``: ``--model``, the real engine's knobs
     (``engine_args.add_engine_args``, vLLM's names, shared with the other subcommands) and the
     server's own."""
+    add_model_tag_arg(parser)
     parser.add_argument("--model", default=None,
                         help="HF model directory (default: the bundled SmolLM2-135M-Instruct)")
     add_engine_args(parser)
@@ -384,6 +404,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "vLLM's JSON '{\"name\": ..., \"path\": ..., "
                              "\"base_model_name\": ...}'; a request picks one by its name as "
                              "model. Each is loaded at start-up: a bad one stops the server")
+    add_chat_args(server)
+    add_cors_args(server)
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -391,6 +413,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_async_engine(args: argparse.Namespace) -> AsyncEngine:
     from twinserve.gpu.llm_engine import LLMEngine
+    resolve_model_tag(args)
     engine = LLMEngine(engine_args_from(args, model=args.model), usage_context="server")
     engine.metrics.record_steps = False  # a server runs for days: keep no per-step rows
     return AsyncEngine(engine)
@@ -399,6 +422,8 @@ def build_async_engine(args: argparse.Namespace) -> AsyncEngine:
 def run_server(args: argparse.Namespace) -> None:
     """Builds the engine from ``args``, serves until SIGINT/SIGTERM, then stops the engine."""
     import uvicorn
+    resolve_model_tag(args)
+    cors_options(args)  # a bad combination before the engine loads
     if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", None):
         raise ValueError("--lora-modules needs --enable-lora (LoRA adapters are served only "
                          "with LoRA enabled).")

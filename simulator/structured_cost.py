@@ -8,8 +8,10 @@ longer. ``r`` counts the step's scheduled entries that sample (``sample``) and w
 carries ``structured_outputs``. The two coefficients are fields of the hardware profile;
 ``twinserve calibrate`` measures them on the real engine (``gpu/structured_mask_profile.py``).
 Their defaults are what that measurement gave on the 2-core AVX2 development machine with the
-bundled model's 49,152-token vocabulary (median of 3 runs: 0.97 ms per row, 4.3 ms per step); a
-vocabulary of another size scales the per-row cost roughly in proportion.
+bundled model's 49,152-token vocabulary (``python -m twinserve.benchmarks.structured_mask_time``,
+medians of 6 rounds on a busy machine: 1.02 ms per row, 1.7 ms per step; the per-step term is
+the noisier, 0 to 6 ms between rounds); a vocabulary of another size scales the per-row cost
+roughly in proportion.
 
 Which requests are constrained: a trace row marked so, or ``structured_fraction`` of the
 requests, drawn by a seeded hash of the request id (the same requests in every run and policy).
@@ -26,8 +28,8 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.structured_outputs import StructuredOutputsParams
 from twinserve.traces.trace_request import stable_seed
 
-DEFAULT_MASK_S_PER_ROW = 0.97e-3
-DEFAULT_MASK_S_PER_STEP = 4.3e-3
+DEFAULT_MASK_S_PER_ROW = 1.02e-3
+DEFAULT_MASK_S_PER_STEP = 1.7e-3
 STRUCTURED_MARK = StructuredOutputsParams(json_object=True)
 _HASH_SPAN = float(1 << 64)
 

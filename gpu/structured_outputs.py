@@ -40,17 +40,17 @@ def compile_grammar(so: StructuredOutputsParams) -> str:
     try:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                so.json, defaults={"whitespace_flexible": False})
+                so.json if so.json is not None else {}, defaults={"whitespace_flexible": False})
         elif kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults={"whitespace_flexible": False})
         elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(so.regex)
+            grammar = llguidance.LLMatcher.grammar_from_regex(so.regex or "")
         elif kind == "choice":
             grammar = llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in so.choice))
+                "start: " + " | ".join(json.dumps(c) for c in so.choice or ()))
         else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(so.grammar)
+            grammar = llguidance.LLMatcher.grammar_from_lark(so.grammar or "")
     except (ValueError, TypeError) as e:
         raise ValueError(f"{field} is invalid: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -151,7 +151,9 @@ class StructuredOutputs:
         state = self._states.get(request.request_id)
         output = request.output_token_ids
         if state is None or state.num_consumed > len(output):
-            state = _State(self._fresh_matcher(request.sampling_params.structured_outputs))
+            so = request.sampling_params.structured_outputs
+            assert so is not None  # bitmask passes constrained rows only
+            state = _State(self._fresh_matcher(so))
             self._states[request.request_id] = state
         if state.num_consumed < len(output):
             m = state.matcher

@@ -121,7 +121,9 @@ def test_sizes_tensor_parallelism_cannot_split_are_refused_with_the_reason(
         check_tensor_parallel(EngineArgs(tensor_parallel_size=2, enable_lora=True), config)
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, ray"):
         EngineArgs(distributed_executor_backend="threads")
-    assert EngineArgs(distributed_executor_backend="ray").distributed_executor_backend == "ray"
+    from_file = EngineArgs.from_mapping({"tensor-parallel-size": 2,
+                                         "distributed-executor-backend": "ray"}, "tp.yaml")
+    assert (from_file.tensor_parallel_size, from_file.distributed_executor_backend) == (2, "ray")
     # each rank's cache holds half the KV heads: twice the blocks in the same bytes per rank
     assert kv_block_bytes(config, 16, "float32", 2) * 2 == kv_block_bytes(config, 16, "float32")
 

@@ -115,6 +115,10 @@ class TPDriver:
             yield
         except WorkerFailure:
             raise
+        except KeyboardInterrupt:  # the ranks may stand at different collectives now
+            self.error = "a step was interrupted (Ctrl-C); the workers were ended"
+            self.shutdown()
+            raise
         except RuntimeError as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             reason = self.executor.failure(timeout_s=2.0) or (

@@ -154,6 +154,7 @@ class SamplingFields(RequestModel):
     # OpenAI's logit_bias ({"token id": bias}) and vLLM's allowed_token_ids
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_TOKEN_FILTER)
     allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_TOKEN_FILTER)
+    bad_words: list[str] | None = None  # vLLM's
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
@@ -169,7 +170,7 @@ class SamplingFields(RequestModel):
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
 
     @property
     def include_usage(self) -> bool:
@@ -240,6 +241,26 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     add_special_tokens: bool = True  # vLLM's: BOS etc. added to text prompts
+    # vLLM's: the prompt tokens' logprobs (also implied by echo with logprobs), and keeping
+    # only the prompt's last k tokens (-1: as many as max_model_len leaves room for)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's: ``prompt_logprobs``, or with ``echo`` the ``logprobs`` count."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available when stream=true (as in vLLM; "
+                             "echo with logprobs streams them in the first chunk).")
+        params = super().sampling_params(max_tokens, logprobs)
+        params.prompt_logprobs = self.num_prompt_logprobs
+        params.validate()
+        return params
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -252,22 +273,42 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (chat_tools checks)
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it (text parts joined)."""
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" for p in content):
                 raise ValueError("messages: only text content parts are supported.")
             content = "".join(p.text or "" for p in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+MAX_TOOLS = 128  # OpenAI's limit on functions per request
+
+
+class ChatTemplateFields(RequestModel):
+    """What the chat template renders besides the messages (chat and /tokenize)."""
+
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -315,6 +356,8 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: with prompt_logprobs, {token id: {logprob, rank, decoded_token}} per prompt token
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -340,14 +383,41 @@ class ChatChoiceLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed call: ``id``, ``type`` and ``function.name`` in its first delta only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class AssistantMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -414,7 +484,7 @@ class UnloadLoRAAdapterRequest(RequestModel):
     lora_int_id: int | None = None
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -471,10 +541,7 @@ _U = Unimplemented
 # Every field of OpenAI's /v1/completions and /v1/chat/completions schemas and of vLLM's extra
 # request fields that twinserve does not implement. A dotted name is a field inside an object.
 UNIMPLEMENTED: dict[str, Unimplemented] = {
-    # OpenAI: tool and function calling
-    "tools": _U("tool calling", (None, []), _CHAT_TEMPLATE),
-    "tool_choice": _U("tool calling", (None, "none", "auto"), _CHAT),
-    "parallel_tool_calls": _U("tool calling", (None, True), _CHAT),
+    # OpenAI: the deprecated function calling (tools, tool_choice are implemented)
     "functions": _U("function calling", (None, []), _CHAT),
     "function_call": _U("function calling", (None, "none", "auto"), _CHAT),
     # OpenAI: output formats, modalities, hosted features
@@ -492,13 +559,17 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     # vLLM: sampling extras
     "use_beam_search": _U("beam search", (None, False)),
     "length_penalty": _U("beam search's length penalty", (None, 1.0)),
-    "prompt_logprobs": _U("prompt logprobs", (None,)),
+    # (prompt_logprobs and truncate_prompt_tokens are implemented on /v1/completions)
+    "prompt_logprobs": _U("prompt logprobs on chat (use /v1/completions)", (None,), _CHAT),
     "logprob_token_ids": _U("logprobs of chosen token ids", (None,)),
-    "bad_words": _U("bad words", (None, [])),
-    "logits_processors": _U("logits processors", (None, [])),
+    "logits_processors": _U("logits processors by name (a Python API feature: "
+                            "SamplingParams(logits_processors=[...]) in LLM.generate)",
+                            (None, [])),
     "spaces_between_special_tokens": _U("spaces_between_special_tokens=false", (None, True)),
-    "truncate_prompt_tokens": _U("prompt truncation", (None,)),
-    "truncation_side": _U("prompt truncation", (None,)),
+    "truncate_prompt_tokens": _U("prompt truncation on chat (use /v1/completions)", (None,),
+                                 _CHAT),
+    "truncation_side": _U("truncating the prompt's right side (it keeps the last tokens)",
+                          (None, "left")),
     "thinking_token_budget": _U("thinking token budgets", (None, -1)),
     "include_reasoning": _U("reasoning parsers", (None, True), _CHAT),
     "repetition_detection": _U("repetition detection", (None,)),
@@ -512,11 +583,7 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     "guided_decoding_backend": _U("structured outputs", (None,)),
     "guided_whitespace_pattern": _U("structured outputs", (None,)),
     # vLLM: chat templates and multimodal inputs
-    "chat_template": _U("per-request chat templates", (None,), _CHAT_TEMPLATE),
-    "chat_template_kwargs": _U("chat template arguments", (None, {}), _CHAT_TEMPLATE),
     "documents": _U("documents for the chat template (RAG)", (None, []), _CHAT),
-    "continue_final_message": _U("continuing the final message", (None, False),
-                                 _CHAT_TEMPLATE),
     "echo": _U("echoing the last message into the reply", (None, False), _CHAT),
     "mm_processor_kwargs": _U("multimodal inputs", (None, {}), _CHAT_TEMPLATE),
     "media_io_kwargs": _U("multimodal inputs", (None, {}), _CHAT_TEMPLATE),
@@ -541,16 +608,14 @@ NO_EFFECT_FIELDS = frozenset({"metadata", "prompt_cache_key", "safety_identifier
 
 # Inside each chat message: what the template rendering here does not carry.
 UNIMPLEMENTED_MESSAGE_FIELDS: dict[str, Unimplemented] = {
-    "tool_calls": _U("tool calling", (None, [])),
-    "tool_call_id": _U("tool calling", (None,)),
     "function_call": _U("function calling", (None,)),
     "audio": _U("audio", (None,)),
     "refusal": _U("assistant refusals", (None,)),
     "reasoning": _U("reasoning content", (None, "")),
     "reasoning_content": _U("reasoning content", (None, "")),
 }
-UNIMPLEMENTED_ROLES = {"tool": "tool calling", "function": "function calling"}
-KNOWN_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+UNIMPLEMENTED_ROLES = {"function": "function calling (use tools)"}
+KNOWN_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,9 @@ from twinserve.entrypoints.tool_parsers.forced import NamedToolParser, RequiredT
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# Omitted parameters: a function that takes no arguments (so a forced call is "{}").
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                    "additionalProperties": False}
 ToolMode = Literal["none", "auto", "required", "named"]
 
 

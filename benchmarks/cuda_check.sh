@@ -6,7 +6,8 @@
 # 1. the environment (GPU, torch, triton);
 # 2. the CUDA tests: Triton kernels (paged attention, multi-LoRA shrink/expand, quantized matvec) against their torch
 #    references, and the engine's greedy tokens
-#    on CUDA (every scheduling regime, CUDA graphs against eager) against HF transformers;
+#    on CUDA (every scheduling regime, CUDA graphs against eager) against HF transformers (they run
+#    through the tensor-parallel layers at TP=1; TP>1 needs one GPU per rank: simulated only);
 # 3. a random-weight Llama-3-8B-shaped model in bf16 (benchmarks/random_model.py), then the
 #    offline benchmark on it: 64 x 128 and batch 1 x 128 generated tokens, with CUDA graphs and
 #    eager, next to HF transformers `generate`, and the batch-1 decode floor of an H200;

@@ -231,8 +231,9 @@ def fit_dataset(data: DatasetSamples, model: str) -> FittedParams:
     source and its error by step kind."""
     params = fit(data.samples, model, 1, "relative")
     errors = {}
-    for e in fit_errors(params, data.samples):
-        errors[f"{e.kind}_mape"], errors[f"{e.kind}_max"] = round(e.mape, 2), round(e.max_ape, 2)
+    for e in fit_errors(params, data.samples):  # the max rounded up: a bound the data keep
+        errors[f"{e.kind}_mape"] = round(e.mape, 2)
+        errors[f"{e.kind}_max"] = math.ceil(e.max_ape * 100) / 100
     return FittedParams(params.intercept_s, params.coefficients, model, 1, params.num_samples,
                         params.rmse_s, data.dataset.source, errors)
 

@@ -172,6 +172,20 @@ def test_forced_formats_and_the_registry() -> None:
         get_tool_parser("mistral")
 
 
+def test_fast_string_scan_equals_the_plain_one() -> None:
+    import random
+
+    from twinserve.entrypoints.tool_parsers.json_scan import scan_string, scan_string_plain
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = '"' + "".join(rng.choice('ab"\\\\ {}') for _ in range(rng.randrange(12)))
+        assert scan_string(text, 0) == scan_string_plain(text, 0), text
+    long = '{"s": "' + "x\\\"" * 5000 + '"}'   # 20k characters, found without a char loop
+    assert get_tool_parser("hermes")().parse_final(f"<tool_call>{{\"name\": \"f\", "
+                                                   f"\"arguments\": {long}}}</tool_call>"
+                                                   ).calls[0].arguments == long
+
+
 # ---- the request's tools and tool_choice ---------------------------------------------------
 def _tool(name: str = "f", parameters: Any = None, **extra: Any) -> dict[str, Any]:
     function = {"name": name, **({} if parameters is None else {"parameters": parameters})}

@@ -39,7 +39,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
@@ -154,12 +154,18 @@ def base_hardware_for(device: str | None) -> str:
 
 
 def _model_from_runs(run_dirs: list[str]) -> str | None:
+    model = _from_runs(run_dirs, "model")
+    return None if model is None else str(model)
+
+
+def _from_runs(run_dirs: list[str], key: str) -> Any:
+    """``key`` of the first run folder's ``config.json`` that has it."""
     for d in run_dirs:
         path = Path(d) / "config.json"
         if path.is_file():
-            model = json.loads(path.read_text()).get("model")
-            if model:
-                return str(model)
+            value = json.loads(path.read_text()).get(key)
+            if value:
+                return value
     return None
 
 
@@ -171,7 +177,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.from_run:
         model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)
         name = args.profile_model or load_model_spec(model).name
-        cal = calibrate_from_runs(args.from_run, name)
+        tp = args.tensor_parallel_size or _from_runs(args.from_run, "tensor_parallel_size") or 1
+        cal = calibrate_from_runs(args.from_run, name, int(tp))
         block_size = args.block_size or 16
         note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
         platform = interconnect = None

@@ -256,11 +256,12 @@ def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_n
                        "\n".join(lines))
 
 
-def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str) -> Calibration:
+def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str,
+                        tensor_parallel_size: int = 1) -> Calibration:
     """Absolute least squares over the recorded steps of real runs, at the median run's speed
-    (``fit_runs``)."""
+    (``fit_runs``), stored for the runs' ``tensor_parallel_size``."""
     runs = [read_samples(d) for d in run_dirs]
-    params, speeds = fit_runs(runs, model_name, 1)
+    params, speeds = fit_runs(runs, model_name, tensor_parallel_size)
     samples = [s for run in runs for s in run]
     report = format_errors(fit_errors(params, samples, "seconds"),
                            f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")

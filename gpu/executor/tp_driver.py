@@ -53,6 +53,9 @@ def check_tensor_parallel(args: EngineArgs, config: ModelConfig,
                        ("hidden_size", config.hidden_size)):
         if size % tp:
             raise ValueError(f"{name} ({size}) must be divisible by tensor parallel size ({tp}).")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} with tensor_parallel_size > 1 "
+                         "is not implemented.")
     if args.enable_lora:
         raise ValueError("enable_lora with tensor_parallel_size > 1 is not implemented "
                          "(LoRA runs on one rank only).")

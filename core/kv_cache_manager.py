@@ -98,6 +98,21 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """The blocks requests can hold (all but the null block)."""
+        return self.pool.num_blocks - (self.null_block is not None)
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once when each step computes at
+        most ``max_chunk`` of its tokens: all of them, or, with a sliding window, the window's
+        and one chunk's (a step from position c keeps blocks from (c - window + 1) // block_size
+        up to the one holding c + chunk - 1)."""
+        full = self.num_blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return full
+        return min(full, self.num_blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request with no computed tokens, in whole blocks. The last
         token is always recomputed so the backend has logits to sample from."""
@@ -145,21 +160,35 @@ class KVCacheManager:
                 return table
             num_new_blocks = 0
         needed = num_new_blocks + cow
-        if hits:
-            needed += sum(1 for b in hits if not b.ref_cnt)  # free cached blocks to revive
+        if hits:  # free cached blocks to revive (those the window keeps)
+            needed += sum(1 for b in hits[self._num_outside(num_computed, len(hits)):]
+                          if not b.ref_cnt)
         if needed > self.pool.free_queue.num_free:
             return None
         if hits:
-            self.pool.touch(hits)
-            table.append(list(hits))
-            table.num_cached_blocks = len(table.blocks)
+            self._adopt(table, list(hits), num_computed)
         if cow:
             self._copy_on_write(table, write_idx)
         if num_new_blocks > 0:
             table.append(self.pool.allocate(num_new_blocks))
-        if hits and self.sliding_window is not None:  # adopted hits may lie outside the window
-            self._drop_outside_window(table, num_computed)
         return table
+
+    def _num_outside(self, num_computed: int, num_blocks: int) -> int:
+        """Leading blocks (of ``num_blocks``) that no query from ``num_computed`` on can see."""
+        if self.sliding_window is None:
+            return 0
+        return min(num_blocks, max(0, num_computed - self.sliding_window + 1) // self.block_size)
+
+    def _adopt(self, table: BlockTable, hits: list[KVCacheBlock], num_computed: int) -> None:
+        """Prefix-cache hits into a new request's table; with a window, the hits outside it are
+        not revived: their places hold the null block."""
+        skip = self._num_outside(num_computed, len(hits))
+        if skip and self.null_block is not None:
+            hits[:skip] = [self.null_block] * skip
+        self.pool.touch(hits[skip:])
+        table.append(hits)
+        table.num_dropped = skip
+        table.num_cached_blocks = len(table.blocks)
 
     def append_slot(self, request: Request) -> BlockTable | None:
         """``allocate_slots(request, 1)`` for a running request none of whose blocks is shared
@@ -178,11 +207,10 @@ class KVCacheManager:
     def _drop_outside_window(self, table: BlockTable, num_computed: int) -> None:
         """Frees the blocks no query from position ``num_computed`` on can see (it attends to
         positions > its own - window) and puts ``null_block`` in their places."""
-        window, null = self.sliding_window, self.null_block
-        if window is None or null is None:
+        null = self.null_block
+        if null is None:
             return
-        first_visible = num_computed - window + 1
-        end = min(first_visible // self.block_size, len(table.blocks))
+        end = self._num_outside(num_computed, len(table.blocks))
         start = table.num_dropped
         if end <= start:
             return
@@ -247,9 +275,11 @@ class KVCacheManager:
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
         """Room for the swapped blocks and for ``num_new_tokens`` more tokens after them."""
-        num_host = len(self.tables[request.request_id].host_blocks)
+        table = self.tables[request.request_id]
+        num_host = len(table.host_blocks)
         total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-        return max(num_host, total) <= self.pool.num_free
+        # the table keeps its dropped (null) places while swapped out
+        return num_host + max(0, total - table.num_dropped - num_host) <= self.pool.num_free
 
     def swap_in(self, request: Request) -> None:
         table = self.tables[request.request_id]

@@ -48,6 +48,12 @@ from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import FittedParams, HardwareProfile
 from twinserve.simulator.lora_cost import LORA_FEATURE_NAMES, LoRACost, LoRAWork, lora_step_features
+from twinserve.simulator.moe_cost import (
+    ExpertWeights,
+    WindowedAttention,
+    expert_weights,
+    windowed_attention,
+)
 
 # Token counts where the fitted step time may change slope. GEMM kernels run in tiles and pad
 # their width, so time is not linear in the tokens of a step: on this CPU 5 to 16 decodes took
@@ -148,6 +154,9 @@ class CostModel:
     _fixed_s: float = field(init=False, repr=False)
     _per_seq_s: float = field(init=False, repr=False)
     _max_context: int = field(init=False, repr=False)
+    # mixtures of experts / sliding windows (simulator/moe_cost.py); None for dense, full attention
+    _experts: ExpertWeights | None = field(init=False, repr=False)
+    _window: WindowedAttention | None = field(init=False, repr=False)
     _allreduce_s_per_token: float = field(init=False, repr=False)
     _allreduce_latency_s: float = field(init=False, repr=False)
 
@@ -160,7 +169,7 @@ class CostModel:
         self._flops_per_token = arch.linear_flops_per_token(m) / tp
         self._flops_per_seq = arch.lm_head_flops_per_seq(m) / tp  # lm_head on the sampled position
         self._flops_per_context = arch.attention_flops_per_context_token(m) / tp
-        self._weight_bytes = arch.streamed_params(m) * m.dtype_bytes / tp
+        self._weight_bytes = arch.streamed_params(m) * m.weight_bytes_per_param / tp  # quantized
         self._kv_bytes = self.kv_bytes_per_token_per_gpu
         ring = 2.0 * (tp - 1) / tp
         self._allreduce_s_per_token = (arch.allreduce_elements_per_token(m) * ring * m.dtype_bytes
@@ -170,6 +179,8 @@ class CostModel:
         self._fixed_s = hw.step_overhead_s + hw.per_layer_overhead_s * layers
         self._per_seq_s = hw.per_seq_overhead_s
         self._max_context = m.max_position_embeddings
+        self._experts = expert_weights(m, m.weight_bytes_per_param, tp)
+        self._window = windowed_attention(m)
 
     def _validate(self) -> None:
         tp = self.tensor_parallel_size
@@ -192,7 +203,7 @@ class CostModel:
     @property
     def kv_bytes_per_token_per_gpu(self) -> int:
         m = self.model
-        return m.arch.kv_elements_per_token(m, self.kv_heads_per_gpu) * m.dtype_bytes
+        return m.arch.kv_elements_per_token(m, self.kv_heads_per_gpu) * m.kv_value_bytes
 
     @property
     def weight_bytes_per_gpu(self) -> int:
@@ -218,7 +229,7 @@ class CostModel:
         when there is no LoRA (this runs once per simulated step)."""
         tokens = out.total_num_scheduled_tokens
         if (tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
-                or self.lora is not None):
+                or self.lora is not None or self._experts is not None or self._window is not None):
             return self.breakdown(out).total_s
         # ``_work``, ``_kv_tokens_read``, ``_allreduce_s`` and ``_overhead_s`` inlined, with the
         # same float operations in the same order (results are bit-identical to ``breakdown``).
@@ -255,10 +266,12 @@ class CostModel:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, swap_s, overhead, swap_s + overhead)
         seqs = out.num_prefill_seqs + out.num_decode_seqs
         linear_flops, attention_flops, kv_bytes = self._work(out, tokens, seqs)
-        linear_s = max(linear_flops * self._s_per_flop, self._weight_bytes * self._s_per_byte)
+        weight_bytes = (self._weight_bytes if self._experts is None  # MoE: the experts touched
+                        else self._experts.step_bytes(tokens))
+        linear_s = max(linear_flops * self._s_per_flop, weight_bytes * self._s_per_byte)
         attention_s = max(attention_flops * self._s_per_flop, kv_bytes * self._s_per_byte)
         allreduce_s, overhead_s = self._allreduce_s(tokens), self._overhead_s(seqs)
-        flops, nbytes = linear_flops + attention_flops, self._weight_bytes + kv_bytes
+        flops, nbytes = linear_flops + attention_flops, weight_bytes + kv_bytes
         total = linear_s + attention_s + allreduce_s + swap_s + overhead_s
         lora_s = load_s = 0.0
         if self.lora is not None:
@@ -272,8 +285,13 @@ class CostModel:
     def _work(self, out: SchedulerOutput, tokens: int, seqs: int) -> tuple[float, float, float]:
         """Per-GPU GEMM FLOPs, attention FLOPs and KV bytes (read + written) of the forward pass."""
         linear_flops = self._flops_per_token * tokens + self._flops_per_seq * seqs
-        attention_flops = self._flops_per_context * out.sum_context_tokens
-        return linear_flops, attention_flops, self._kv_bytes * (self._kv_tokens_read(out) + tokens)
+        window = self._window
+        if window is None:
+            attention_flops = self._flops_per_context * out.sum_context_tokens
+            return linear_flops, attention_flops, self._kv_bytes * (self._kv_tokens_read(out) + tokens)
+        attention_flops = self._flops_per_context * window.context_tokens(out)
+        kv_read = window.kv_read(out, self._kv_tokens_read(out))
+        return linear_flops, attention_flops, self._kv_bytes * (kv_read + tokens)
 
     def _allreduce_s(self, tokens: int) -> float:
         """Two ring all-reduces of the hidden states per layer (zero without tensor parallelism)."""

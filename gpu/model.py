@@ -1,15 +1,21 @@
-"""The dense decoder of the registered families (Llama, Mistral, Qwen2, Qwen3) over a flattened
-batch.
+"""The decoder of the registered families (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the
+mixtures of experts Mixtral, Qwen2/3-MoE) over a flattened batch.
 
 One forward serves prefills, chunked prefills and decodes together: ``input_ids[T]`` and
 ``positions[T]`` concatenate every scheduled sequence's new tokens, ``AttentionMetadata`` says where
 each sequence's rows are and where its KV lives. A decoder layer's projections are the linear
 layers (``gpu/linear.py``) its architecture entry names (``core/architectures``): q/k/v fused in
 one ``qkv_proj`` and gate/up in one ``gate_up_proj`` (one product each instead of three and two).
-An entry with ``qk_norm`` (Qwen3) adds a per-head RMSNorm on q and k before RoPE.
+An entry with ``qk_norm`` (Qwen3) adds a per-head RMSNorm on q and k before RoPE. Gemma's entries
+add (1 + w) norms, norms after attention and around the MLP, a scaled embedding and GeGLU; the
+config gives each layer its attention window, RoPE and soft-capping; an MoE config replaces the
+MLP by ``gpu/moe.py``'s experts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -18,17 +24,23 @@ from torch import nn
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.attention_backend import AttentionBackend, AttentionMetadata
 from twinserve.gpu.cpu_gemm import Gemm
-from twinserve.gpu.linear import LinearBase, LinearOptions, linear_from_spec
+from twinserve.gpu.distributed.parallel_state import TPGroup
+from twinserve.gpu.linear import LinearBase, LinearMethodBase, LinearOptions, linear_from_spec
+from twinserve.gpu.moe import SparseMoE
 from twinserve.gpu.rope import RotaryEmbedding, apply_rope
+from twinserve.gpu.vocab_parallel_embedding import VocabParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and SiLU-gated MLP; the projections ``qkv_proj``, ``o_proj``,
+    """Pre-norm attention and gated MLP; the projections ``qkv_proj``, ``o_proj``,
     ``gate_up_proj`` and ``down_proj`` are built from the architecture entry's ``linears``;
-    ``q_norm`` / ``k_norm`` ([head_dim]) exist only when the entry has ``qk_norm``."""
+    ``q_norm`` / ``k_norm`` ([head_dim]) exist only when the entry has ``qk_norm``; ``moe``
+    (and a shared expert's ``shared_gate_up_proj``, ``shared_down_proj``,
+    ``shared_expert_gate``) only in a mixture of experts. ``rope_index`` picks the model's RoPE
+    table this layer uses."""
 
     input_layernorm: nn.Parameter
     post_attention_layernorm: nn.Parameter
@@ -39,14 +51,22 @@ class DecoderLayer(nn.Module):
     q_norm: nn.Parameter | None
     k_norm: nn.Parameter | None
 
-    def __init__(self, config: ModelConfig, options: LinearOptions) -> None:
+    def __init__(self, config: ModelConfig, options: LinearOptions, layer: int = 0,
+                 rope_index: int = 0) -> None:
         super().__init__()
         self.gemm = options.gemm
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads (tensor parallelism: KV heads replicated when fewer than ranks)
+        self.num_heads = config.num_attention_heads // options.tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // options.tp_size)
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcapping
+        self.rope_index = rope_index
+        self.norm_fn = gemma_rms_norm if config.arch.norm_plus_one else rms_norm
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.sandwich = config.arch.sandwich_norms
         for norm in config.arch.norms:
             setattr(self, norm, _parameter(torch.ones(config.hidden_size, dtype=options.dtype,
                                                       device=options.device)))
@@ -58,26 +78,47 @@ class DecoderLayer(nn.Module):
             self.k_norm = _parameter(torch.ones(head, dtype=options.dtype, device=options.device))
         else:
             self.q_norm = self.k_norm = None
+        moe = config.moe
+        self.moe = None if moe is None else SparseMoE(moe, config.hidden_size, options.dtype,
+                                                      options.device)
+        self.shared_expert_gate = (None if moe is None or not moe.shared_expert_intermediate_size
+                                   else _parameter(torch.empty(1, config.hidden_size,
+                                                               dtype=options.dtype,
+                                                               device=options.device)))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden if residual is None else residual + hidden
-        x = rms_norm(residual, self.input_layernorm, self.eps)
+        x = self.norm_fn(residual, self.input_layernorm, self.eps)
         x = self._attention(x, rope, kv_cache, meta, backend)
+        if self.sandwich:  # Gemma: norms after attention and around the MLP
+            residual = residual + self.norm_fn(x, self.post_attention_layernorm, self.eps)
+            x = self._mlp(self.norm_fn(residual, self.pre_feedforward_layernorm, self.eps))
+            return self.norm_fn(x, self.post_feedforward_layernorm, self.eps), residual
         residual = residual + x
-        x = rms_norm(residual, self.post_attention_layernorm, self.eps)
+        x = self.norm_fn(residual, self.post_attention_layernorm, self.eps)
         return self._mlp(x), residual
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is None:
+            return self._gated(x, self.gate_up_proj, self.down_proj)
+        out = self.moe.forward(x)
+        if self.shared_expert_gate is not None:  # Qwen2-MoE's shared expert, sigmoid-gated
+            shared = self._gated(x, self.shared_gate_up_proj, self.shared_down_proj)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return out
+
+    def _gated(self, x: torch.Tensor, gate_up_proj: LinearBase,
+               down_proj: LinearBase) -> torch.Tensor:
         # ``forward`` directly: nn.Module.__call__'s hook dispatch, four times a layer, is
         # measurable at batch-1 decode on a 2-core CPU.
         if self.gemm.plain(x.shape[0]):
-            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-            return self.down_proj.forward(F.silu(gate) * up)
-        gate_up = self.gate_up_proj.forward_feature_major(x)  # [2 * intermediate, T]
+            gate, up = gate_up_proj.forward(x).chunk(2, dim=-1)
+            return down_proj.forward(self.act(gate) * up)
+        gate_up = gate_up_proj.forward_feature_major(x)  # [2 * intermediate, T]
         gate, up = gate_up.chunk(2, dim=0)
-        return self.down_proj.forward(F.silu(gate).mul_(up).t())
+        return down_proj.forward(self.act(gate).mul_(up).t())
 
     def _attention(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                    meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -86,14 +127,16 @@ class DecoderLayer(nn.Module):
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = qkv[:, :self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
-            qk = torch.cat((rms_norm(qk[:, :self.num_heads], self.q_norm, self.eps),
-                            rms_norm(qk[:, self.num_heads:], self.k_norm, self.eps)), dim=1)
+            norm = self.norm_fn
+            qk = torch.cat((norm(qk[:, :self.num_heads], self.q_norm, self.eps),
+                            norm(qk[:, self.num_heads:], self.k_norm, self.eps)), dim=1)
         qk = apply_rope(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         key_cache, value_cache = kv_cache
         backend.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = backend.attend(q, key_cache, value_cache, meta, self.scale)
+        out = backend.attend(q, key_cache, value_cache, meta, self.scale, self.window,
+                             self.softcap)
         return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
@@ -102,21 +145,37 @@ class CausalLM(nn.Module):
     allocated (uninitialised) in ``dtype`` on ``device``; ``model_loader`` fills them."""
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp_group: TPGroup | None = None,
+                 quant_method: LinearMethodBase | None = None) -> None:
         super().__init__()
         self.config = config
         self.gemm = Gemm.for_device(device, dtype)
-        options = LinearOptions(self.gemm, dtype, device)
-        embedding = (config.vocab_size, config.hidden_size)
+        tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.world_size)
+        options = LinearOptions(self.gemm, dtype, device, quant_method=quant_method,
+                                tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.vocab = VocabParallel(config.vocab_size, tp_group)  # embedding and LM head rows
+        embedding = (self.vocab.rows_per_rank, config.hidden_size)
         self.embed_tokens = _parameter(torch.empty(embedding, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(DecoderLayer(config, options)
-                                    for _ in range(config.num_hidden_layers))
+        ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
+        distinct = list(dict.fromkeys(repr(r) for r in ropes))  # theta + scaling, in layer order
+        self.layers = nn.ModuleList(DecoderLayer(config, options, i, distinct.index(repr(r)))
+                                    for i, r in enumerate(ropes))
         self.norm = _parameter(torch.ones(config.hidden_size, dtype=dtype, device=device))
         self.lm_head = (None if config.tie_word_embeddings else
                         _parameter(torch.empty(embedding, dtype=dtype, device=device)))
-        self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                    config.rope_scaling, dtype, device)
-        self.backend = AttentionBackend(device)
+        for head in (self.embed_tokens, self.lm_head):
+            if head is not None and tp_size > 1:
+                head.weight_loader = self.vocab.weight_loader  # type: ignore[attr-defined]
+        by_key = {repr(r): r for r in ropes}
+        self.ropes = [RotaryEmbedding(config.head_dim, max_positions, *by_key[key], dtype, device)
+                      for key in distinct]
+        self.rope = self.ropes[0]
+        self.backend = AttentionBackend(device, (config.layer_window(i)
+                                                 for i in range(config.num_hidden_layers)))
+        self.norm_fn = gemma_rms_norm if config.arch.norm_plus_one else rms_norm
+        # Gemma scales the embedding by sqrt(hidden_size), rounded to the model's dtype
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
+                            if config.arch.embed_scale else None)
 
     def set_gemm(self, gemm: Gemm) -> None:
         """Run every weight product (layers' projections, LM head) through ``gemm``."""
@@ -128,19 +187,30 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` (normed) for every scheduled token."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
-        rope = self.rope.lookup(positions)
+        ropes = [rope.lookup(positions) for rope in self.ropes]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, meta, self.backend)
-        return rms_norm(residual + hidden, self.norm, self.config.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, ropes[layer.rope_index], kv_cache, meta,
+                                     self.backend)
+        return self.norm_fn(residual + hidden, self.norm, self.config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` (a quantized model reads them from its blocks)."""
+        return self.vocab.embed(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows that sample."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.gemm.plain(hidden.shape[0]):
-            return F.linear(hidden, head).float()
-        return self.gemm.feature_major(hidden, head).t().contiguous().float()
+            logits = self.vocab.gather_logits(F.linear(hidden, head).float())
+        else:
+            logits = self.vocab.gather_logits(
+                self.gemm.feature_major(hidden, head).t().contiguous().float())
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _parameter(tensor: torch.Tensor) -> nn.Parameter:
@@ -152,3 +222,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and scale by (1 + weight) in float32, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType({
+    "silu": F.silu, "gelu_tanh": _gelu_tanh})

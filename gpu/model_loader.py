@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from twinserve.core.model_config import ModelConfig
+from twinserve.gpu.distributed.parallel_state import TPGroup
 from twinserve.gpu.linear import LinearBase
 from twinserve.gpu.model import CausalLM
 from twinserve.gpu.weights import SafetensorsWeights
@@ -25,16 +26,39 @@ def load_generation_config(model_dir: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def quantization_config(model_dir: Path) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` (GPTQ/AWQ checkpoints), or None."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f).get("quantization_config")
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{path}: quantization_config must be a mapping.")
+    return value
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
+               max_positions: int, tp_group: TPGroup | None = None,
+               quantization: str | None = None, gguf_file: Path | None = None) -> CausalLM:
     """Build the model's (uninitialised) parameters in ``dtype`` on ``device``, then place every
-    checkpoint tensor through its layer's ``weight_loader``, by the architecture's weight map."""
+    checkpoint tensor through its layer's ``weight_loader``, by the architecture's weight map
+    (with ``tp_group``: this tensor-parallel rank's shard of each). ``quantization`` (resolved:
+    gguf, int8, fp8, gptq, awq) loads through ``gpu/quantization/loader.py``; ``gguf_file`` is the
+    file a ``gguf`` model runs from (``model_dir`` then holds its config and tokenizer)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory does not exist.")
     config = ModelConfig.from_dir(model_dir)
+    if quantization is not None:
+        if tp_group is not None and tp_group.world_size > 1:
+            raise ValueError(f"quantization={quantization!r} with tensor_parallel_size > 1 is "
+                             "not implemented.")
+        from twinserve.gpu.quantization.loader import load_quantized_model
+        return load_quantized_model(model_dir, config, quantization, dtype, device,
+                                    max_positions, gguf_file, quantization_config(model_dir))
     weights = SafetensorsWeights(model_dir)
-    model = CausalLM(config, max_positions, dtype, device)
+    model = CausalLM(config, max_positions, dtype, device, tp_group)
     load_weights(model, weights)
     model.requires_grad_(False)
     return model.eval()
@@ -52,6 +76,11 @@ def load_weights(model: CausalLM, weights: SafetensorsWeights) -> None:
         owner = model.get_submodule(module_name) if module_name else model
         if isinstance(owner, LinearBase):
             owner.weight_loader(param, tensor, target.shard_id)
+        elif hasattr(param, "weight_loader"):  # a vocab-parallel embedding / LM head shard
+            if target.shard_id is None:
+                param.weight_loader(param, tensor)
+            else:  # one expert's tensor of an MoE layer's stacked experts (gpu/moe.py)
+                param.weight_loader(param, tensor, target.shard_id)
         else:
             param.data.copy_(tensor)
         loaded.add(target.param)

@@ -89,11 +89,13 @@ def test_each_family_resolves(name: str, family: str) -> None:
 
 
 def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
-    assert supported_architectures() == ("LlamaForCausalLM", "MistralForCausalLM",
-                                         "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert supported_architectures() == (
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+        "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     with pytest.raises(ValueError, match=r"unknown architecture 'GPT2LMHeadModel'; supported: "
-                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                         r"Qwen3ForCausalLM"):
+                                         r"Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                         r"LlamaForCausalLM, MistralForCausalLM, "):
         get_architecture("GPT2LMHeadModel")
 
 
@@ -257,22 +259,19 @@ def _with_config(src: Path, dst: Path, **overrides: Any) -> Path:
     return dst
 
 
-def test_a_sliding_window_shorter_than_max_model_len_is_refused_at_load(
+def test_a_sliding_window_model_loads_at_its_full_length(
         family_dirs: dict[str, Path], tmp_path: Path) -> None:
     windowed = _with_config(family_dirs["mistral"], tmp_path / "windowed", sliding_window=16)
     args = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 22, swap_space=0.001)
-    with pytest.raises(ValueError, match=r"sliding-window attention is not implemented: "
-                                         r"sliding_window=16 < max_model_len=128; pass "
-                                         r"max_model_len <= 16"):
-        ModelRunner(EngineArgs(str(windowed), max_model_len=128, **args))
-    for max_model_len in (None, 16):  # unset, the length is capped to the window
+    for max_model_len in (None, 128):  # no longer capped to the window
         runner = ModelRunner(EngineArgs(str(windowed), max_model_len=max_model_len, **args))
-        assert (runner.max_model_len, runner.config.sliding_window) == (16, 16)
+        assert (runner.max_model_len, runner.config.sliding_window) == (128, 16)
+        assert [layer.window for layer in runner.model.layers] == [16, 16]
 
 
 def test_an_unknown_rope_scaling_type_is_refused_at_load(family_dirs: dict[str, Path],
                                                         tmp_path: Path) -> None:
-    yarn = _with_config(family_dirs["llama"], tmp_path / "yarn",
-                        rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not implemented"):
-        load_model(yarn, torch.float32, CPU, 64)
+    mrope = _with_config(family_dirs["llama"], tmp_path / "mrope",
+                         rope_scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'mrope' is not implemented"):
+        load_model(mrope, torch.float32, CPU, 64)

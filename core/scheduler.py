@@ -44,6 +44,14 @@ _NEVER = 1 << 62  # a modulus above any token count
 ADMISSION_RETRY_AFTER_S = 1.0  # what an overloaded engine suggests to a client (Retry-After)
 
 
+def attach_prompt_results(output: EngineCoreOutput, result: ModelRunnerOutput) -> None:
+    """Copies a request's prompt logprobs and pooled state (the step that completed its
+    prompt) from the backend's result into its output."""
+    rid = output.request_id
+    output.prompt_logprobs = result.prompt_logprobs.get(rid)
+    output.pooled = result.pooled.get(rid)
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the ``index``-th sample of an n > 1 request (index 0 is the parent itself)."""
     return parent_id if index == 0 else f"{parent_id}#{index}"
@@ -102,8 +110,10 @@ class Scheduler:
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
                 f"your request has {request.num_prompt_tokens} input tokens. Please reduce the "
                 "length of the input messages.")
-        needed = self.kv.num_blocks_needed(request.num_prompt_tokens + 1)
-        if needed > cfg.num_gpu_blocks:
+        # a sliding window bounds the blocks held at once to its own and one chunk's
+        chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else cfg.max_model_len
+        needed = self.kv.max_blocks_held(request.num_prompt_tokens + 1, chunk)
+        if needed > self.kv.num_usable_blocks:
             raise ValueError(
                 f"The prompt needs {needed} KV-cache blocks but the cache holds only "
                 f"{cfg.num_gpu_blocks}; it could never be scheduled.")
@@ -118,8 +128,9 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
         # The last token's KV is never written, so prompt + max_output - 1 tokens must fit.
-        longest = self.kv.num_blocks_needed(request.num_prompt_tokens + request.max_output_tokens - 1)
-        if longest > cfg.num_gpu_blocks:
+        longest = self.kv.max_blocks_held(
+            request.num_prompt_tokens + request.max_output_tokens - 1, chunk)
+        if longest > self.kv.num_usable_blocks:
             raise ValueError(
                 f"prompt + max_tokens need up to {longest} KV-cache blocks but the cache holds "
                 f"only {cfg.num_gpu_blocks}; the request could never finish. Lower max_tokens.")
@@ -360,6 +371,8 @@ class Scheduler:
             kv.allocate_slots(request, n)  # cannot fail: can_swap_in counted these blocks
             return n
         hits, num_hit = kv.get_computed_blocks(request)
+        if num_hit and request.sampling_params.skip_reading_prefix_cache:
+            hits, num_hit = [], 0  # prompt_logprobs: every prompt position needs its logits
         n = request.num_tokens - request.num_computed_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
@@ -467,6 +480,7 @@ class Scheduler:
         cache_every = self._cache_every
         get_tokens = result.sampled_token_ids.get
         logprobs = result.logprobs
+        extras = result.prompt_logprobs or result.pooled  # prompt logprobs, pooled states
         stream = self.stream_outputs
         no_forks = not self._multi_sample
         on_tokens = self._on_tokens
@@ -527,6 +541,8 @@ class Scheduler:
                 None if status is None else request.finish_reason, request.stop_reason,
                 request.num_cached_tokens or 0,
                 logprobs.get(request.request_id) if logprobs else None))
+            if extras:
+                attach_prompt_results(outputs[-1], result)
         self.num_generation_tokens += len(scheduled) - num_others
         if any_finished:
             self.running = [r for r in self.running if r.status <= _PREEMPTED]

@@ -157,3 +157,42 @@ def _step(s, window: int, now: float) -> None:
     s.kv.check_consistency()
     s.update_from_output(out, ModelRunnerOutput(
         {sr.request_id: [9] for sr in out.scheduled if sr.sample}), now + 0.5)
+
+
+def test_hits_outside_the_window_are_not_revived() -> None:
+    kv = KVCacheManager(num_gpu_blocks=16, block_size=4, sliding_window=4)
+    shared = list(range(100, 116))
+    first = make_req("a", 17, prefix=shared)
+    compute(kv, first, 17)
+    kv.free(first)
+    free_before = kv.num_free_blocks
+    second = make_req("b", 17, prefix=shared)
+    hits, n = kv.get_computed_blocks(second)
+    assert n == 16
+    compute(kv, second, 1, hits)
+    table = kv.tables["b"]
+    assert table.num_dropped == 3 and table.blocks[3] is hits[3]  # position 16 sees 13..16
+    assert all(b.ref_cnt == 0 for b in hits[:3])  # still cache entries, never revived
+    assert kv.num_free_blocks == free_before - 2  # hit 3 revived, one new block
+    kv.check_consistency()
+
+
+def test_admission_counts_the_window_not_the_whole_sequence() -> None:
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4, sliding_window=6)
+    assert kv.num_usable_blocks == 7
+    assert kv.max_blocks_held(1000, max_chunk=1) == 3  # ceil(6 / 4) + 1
+    assert kv.max_blocks_held(1000, max_chunk=16) == 7  # ceil(21 / 4) + 1
+    assert kv.max_blocks_held(5, max_chunk=16) == 2
+    assert KVCacheManager(8, 4).max_blocks_held(1000, 1) == 250
+    s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8, max_model_len=400,
+                       sliding_window=6)
+    req = make_req("long", 300, max_tokens=50)
+    s.add_request(req)  # 350 tokens through 7 usable blocks: only with the window
+    for step in range(200):
+        out = s.schedule(float(step))
+        s.update_from_output(out, ModelRunnerOutput(
+            {sr.request_id: [9] for sr in out.scheduled if sr.sample}), step + 0.5)
+        s.kv.check_consistency()
+        if not s.has_unfinished_requests():
+            break
+    assert req.num_output_tokens == 50 and s.kv.num_free_blocks == 7

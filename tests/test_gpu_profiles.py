@@ -195,3 +195,14 @@ def test_a_calibration_writes_the_format_the_simulator_loads(tmp_path: Path, dat
     result = simulate(SimConfig(hardware=str(out), model="llama-3.1-8b"), trace)
     assert "twinserve calibrate --from-run" in result.cost_model
     assert result.summary["completed"] == 8
+
+
+def test_the_gpu_grid_reaches_long_chunks_and_contexts_and_the_cpu_grid_is_unchanged() -> None:
+    from twinserve.gpu.profiler import default_grid
+    gpu = default_grid(8192, 256, 8192, quick=True, gpu=True)
+    assert max(s.num_tokens for s in gpu if s.kind == "prefill") == 8192
+    assert max(max(s.decodes) for s in gpu if s.kind == "decode") == 4096
+    cpu = default_grid(8192, 256, 8192, quick=True)
+    assert max(s.num_tokens for s in cpu if s.kind == "prefill") == 2048
+    assert max(max(s.decodes) for s in cpu if s.kind == "decode") == 512
+    assert cpu == [s for s in gpu if s.num_tokens <= 2048 and max(s.decodes, default=0) <= 512]

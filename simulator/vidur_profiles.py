@@ -59,6 +59,7 @@ class VidurDataset:
     num_layers: int
     mlp_file: str
     attention_file: str
+    max_context: int  # the model's context length: points past it never occur and are left out
 
     @property
     def source(self) -> str:
@@ -68,7 +69,8 @@ class VidurDataset:
 
 DATASETS: tuple[VidurDataset, ...] = (
     VidurDataset("a100", "meta-llama/Meta-Llama-3-8B", ("llama-3-8b", "llama-3.1-8b"), "a100-80gb",
-                 32, "a100_meta-llama-3-8b_mlp.csv", "a100_meta-llama-3-8b_attention_subset.csv"),
+                 32, "a100_meta-llama-3-8b_mlp.csv", "a100_meta-llama-3-8b_attention_subset.csv",
+                 8192),
 )
 
 
@@ -195,11 +197,12 @@ def vidur_step_seconds(step: OperatorStep, mlp: MlpTable, attention: AttentionTa
     return num_layers * (layer_ms + save) * 1e-3
 
 
-def operator_steps(attention: AttentionTable, mixed_decodes: int = 6,
+def operator_steps(attention: AttentionTable, max_context: int, mixed_decodes: int = 6,
                    mixed_prefills: int = 6) -> list[OperatorStep]:
-    """Every measured point as a step, plus decode + prefill pairs spread over the measurements."""
-    decodes = sorted(attention.decode)
-    prefills = sorted(attention.prefill)
+    """Every measured point within ``max_context`` positions as a step, plus decode + prefill
+    pairs spread over them."""
+    decodes = sorted(d for d in attention.decode if d[1] + 1 <= max_context)
+    prefills = sorted(p for p in attention.prefill if p[0] + p[1] <= max_context)
     steps = [OperatorStep(decode=d) for d in decodes] + [OperatorStep(prefill=p) for p in prefills]
     some_d = decodes[:: max(1, len(decodes) // mixed_decodes)]
     some_p = [p for p in prefills if p[0] <= 1024][:: max(1, len(prefills) // mixed_prefills // 2)]
@@ -219,7 +222,7 @@ class DatasetSamples:
 def operator_samples(ds: VidurDataset, tensor_parallel_size: int = 1) -> DatasetSamples:
     mlp = load_mlp(VIDUR_DIR / ds.mlp_file, tensor_parallel_size)
     attention = load_attention(VIDUR_DIR / ds.attention_file)
-    steps = operator_steps(attention)
+    steps = operator_steps(attention, ds.max_context)
     samples = [StepSample(s.aggregates(), vidur_step_seconds(s, mlp, attention, ds.num_layers),
                           kind=s.kind) for s in steps]
     return DatasetSamples(ds, steps, samples)

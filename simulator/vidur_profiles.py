@@ -15,7 +15,8 @@ sampling and CPU overheads are not counted (``skip_cpu_overhead_modeling`` is it
 
 where Vidur rounds T up to a multiple of 8 and adds its default 10% decode batching overhead.
 ``operator_samples`` turns each measured point (and decode + prefill pairs of them) into a
-``StepSample`` with the aggregates the scheduler would report for that step; ``fit_dataset`` fits
+``StepSample`` with the aggregates the scheduler would report for that step (points past the
+model's context length, which never occur, are left out); ``fit_dataset`` fits
 the cost model's ``FittedParams`` on them (relative NNLS, ``calibration.fit``), and
 ``write_profiles`` stores the fits in the bundled hardware profiles, so the simulator needs
 neither this data nor scipy at run time. Regenerate with

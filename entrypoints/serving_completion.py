@@ -10,7 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from twinserve.core.logprobs import PromptLogprobs
 from twinserve.entrypoints.generation import (
+    LOGPROB_FLOOR,
     Generation,
     PromptInput,
     TokenLogprob,
@@ -27,6 +29,7 @@ from twinserve.entrypoints.generation import (
     start_generation,
     tenant_of,
     token_decoder,
+    top_k_logprobs,
 )
 from twinserve.entrypoints.http_errors import APIError
 from twinserve.entrypoints.protocol import (
@@ -38,6 +41,7 @@ from twinserve.entrypoints.protocol import (
     random_id,
 )
 from twinserve.entrypoints.server_state import ServerState
+from twinserve.gpu.request_surface import truncate_prompt
 
 
 # ==== /v1/completions ============================================================================
@@ -71,15 +75,70 @@ def _one_prompt(state: ServerState, prompt: str | list[int],
     return PromptInput(list(prompt), None)
 
 
-def completion_logprobs(state: ServerState, lps: list[TokenLogprob],
+def truncate_prompts(state: ServerState, prompts: list[PromptInput],
+                     keep: int | None) -> list[PromptInput]:
+    """``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (before the length check,
+    so a long prompt that fits once truncated is served)."""
+    if keep is None:
+        return prompts
+    try:
+        return [PromptInput(truncate_prompt(p.token_ids, keep, state.max_model_len,
+                                            "truncate_prompt_tokens"), p.text)
+                for p in prompts]
+    except ValueError as exc:
+        raise APIError(400, str(exc), "truncate_prompt_tokens") from None
+
+
+def prompt_logprob_entries(state: ServerState, prompt_ids: list[int],
+                           prompt_logprobs: PromptLogprobs | None,
+                           k: int) -> list[TokenLogprob | int]:
+    """Echo's part of ``logprobs``: one entry per prompt token (the first, which nothing
+    predicts, as its bare token id), each with the prompt token's logprob and the top-k."""
+    if prompt_logprobs is None:
+        return []
+    entries: list[TokenLogprob | int] = []
+    for token, entry in zip(prompt_ids, prompt_logprobs):
+        if entry is None:
+            entries.append(token)
+            continue
+        chosen = entry.get(token)
+        lp = chosen.logprob if chosen is not None else LOGPROB_FLOOR
+        entries.append(TokenLogprob(token, finite_logprob(lp), top_k_logprobs(entry, k)))
+    return entries
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None,
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: {token id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": finite_logprob(v.logprob), "rank": v.rank,
+                      "decoded_token": v.decoded_token} for t, v in entry.items()}
+            for entry in prompt_logprobs]
+
+
+def completion_logprobs(state: ServerState, lps: list[TokenLogprob | int],
                         offset: int) -> CompletionLogProbs:
+    """OpenAI's ``logprobs``; a bare token id (echo's first prompt token) has none (null)."""
     decode = token_decoder(state)
     result = CompletionLogProbs()
     for lp in lps:
+        if isinstance(lp, int):
+            token = decode(lp)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(offset)
+            offset += len(token)
+            continue
         token = decode(lp.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(lp.logprob)
-        result.top_logprobs.append({decode(t): finite_logprob(v) for t, v in lp.top.items()})
+        top: dict[str, float] = {}
+        for t, v in lp.top.items():  # in rank order: tokens that decode alike keep the best
+            top.setdefault(decode(t), finite_logprob(v))
+        result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(token)
     return result
@@ -91,7 +150,9 @@ async def create_completion(state: ServerState, body: CompletionRequest,
     refuse_unimplemented(body, COMPLETION)
     check_priority(state, body.priority)
     check_request_limits(state, body)
-    prompts = completion_prompts(state, body.prompt, body.add_special_tokens, body.n)
+    prompts = truncate_prompts(
+        state, completion_prompts(state, body.prompt, body.add_special_tokens, body.n),
+        body.truncate_prompt_tokens)
     params = [build_sampling_params(
         body, resolve_max_tokens(state, len(p.token_ids), body.max_tokens, "max_tokens",
                            "prompt"),
@@ -112,12 +173,19 @@ def completion_response(state: ServerState, gen: Generation,
         comp = gen.final_completion(index)
         text = (echo_text(state, gen.prompts[index // gen.n]) if body.echo else "") + \
             (comp.text if comp else "")
-        logprobs = (completion_logprobs(state, choice.logprobs, 0)
-                    if body.logprobs is not None else None)
+        last = gen.last[index // gen.n]
+        prompt_lps = last.prompt_logprobs if last is not None else None
+        logprobs = None
+        if body.logprobs is not None:
+            echoed = (prompt_logprob_entries(state, gen.prompts[index // gen.n].token_ids,
+                                             prompt_lps, body.logprobs) if body.echo else [])
+            logprobs = completion_logprobs(state, [*echoed, *choice.logprobs], 0)
         choices.append(CompletionChoice(
             index=index, text=text, logprobs=logprobs,
             finish_reason=comp.finish_reason if comp else "abort",
-            stop_reason=comp.stop_reason if comp else None))
+            stop_reason=comp.stop_reason if comp else None,
+            prompt_logprobs=(prompt_logprobs_json(prompt_lps)
+                             if body.prompt_logprobs is not None else None)))
     return CompletionResponse(id=gen.id, model=gen.model_name,
                               choices=choices, usage=gen.usage())
 
@@ -126,10 +194,17 @@ async def completion_chunks(state: ServerState, gen: Generation,
                             body: CompletionRequest) -> AsyncIterator[BaseModel]:
     rid = gen.id
     offsets = [0] * len(gen.choices)
+    echo_pending = [body.echo and body.logprobs is not None] * len(gen.choices)
     async for index, delta in gen.deltas():
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(state, delta.logprobs, offsets[index])
+            lps: list[TokenLogprob | int] = list(delta.logprobs)
+            last = gen.last[index // gen.n]
+            if echo_pending[index] and last is not None and last.prompt_logprobs is not None:
+                echo_pending[index] = False  # the prompt's logprobs go with its text
+                lps[:0] = prompt_logprob_entries(state, gen.prompts[index // gen.n].token_ids,
+                                                 last.prompt_logprobs, body.logprobs)
+            logprobs = completion_logprobs(state, lps, offsets[index])
             offsets[index] += sum(len(t) for t in logprobs.tokens)
         yield CompletionResponse(id=rid, model=gen.model_name, choices=[CompletionChoice(
             index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason,

@@ -148,8 +148,10 @@ def test_chat_logprobs_and_completion_extras(server: LiveServer, client: openai.
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["choices"][0]["text"].startswith("Hello world")  # token ids, decoded for echo
     assert body["choices"][1]["text"].startswith("Hello")
-    for choice in body["choices"]:
-        assert len(choice["logprobs"]["tokens"]) == 3
+    for choice, prompt_len in zip(body["choices"], (2, 1)):  # echo: the prompt's tokens first
+        assert len(choice["logprobs"]["tokens"]) == prompt_len + 3
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["logprobs"]["tokens"][0] == "Hello"
         assert choice["logprobs"]["text_offset"][0] == 0
     assert body["usage"]["completion_tokens"] == 6
     assert body["usage"]["prompt_tokens"] == 2 + 1

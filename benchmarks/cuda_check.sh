@@ -43,7 +43,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "== CUDA tests"
 python3 -m pytest -q -p no:cacheprovider -m cuda --junitxml="$OUT/cuda_tests.xml" \
     tests/test_triton_attention.py tests/test_triton_lora.py tests/test_engine_equivalence.py \
-    tests/test_triton_quant.py
+    tests/test_triton_quant.py tests/test_triton_moe.py
 tests_rc=$?
 
 echo "== random-weight Llama-3-8B (bf16)"

@@ -37,6 +37,7 @@ class AttentionBackend:
     def __init__(self, device: torch.device,
                  windows: Iterable[int | None] = (None,)) -> None:
         self.write_kv_cache: Callable[..., None]
+        self._paged_attention: Callable[..., torch.Tensor]
         self.decode_kernel: PagedDecode | None = None
         self.windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
         if device.type == "cuda":

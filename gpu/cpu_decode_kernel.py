@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
 CHOICES = ("native", "torch")
 
-# (query[B, Hq, D], key_cache, value_cache, block_tables[B, M] int32, seq_lens[B] int32, scale)
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                        float], torch.Tensor]
+# (query[B, Hq, D], key_cache, value_cache, block_tables[B, M] int32, seq_lens[B] int32, scale
+#  [, window, softcap]: 0 for none)
+PagedDecode = Callable[..., torch.Tensor]
 
 
 def requested_backend() -> str:

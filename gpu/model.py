@@ -44,12 +44,17 @@ class DecoderLayer(nn.Module):
 
     input_layernorm: nn.Parameter
     post_attention_layernorm: nn.Parameter
+    pre_feedforward_layernorm: nn.Parameter  # Gemma (sandwich norms) only
+    post_feedforward_layernorm: nn.Parameter
     qkv_proj: LinearBase
     o_proj: LinearBase
     gate_up_proj: LinearBase
     down_proj: LinearBase
     q_norm: nn.Parameter | None
     k_norm: nn.Parameter | None
+    shared_gate_up_proj: LinearBase  # a shared expert (Qwen2-MoE) only
+    shared_down_proj: LinearBase
+    rope_index: int
 
     def __init__(self, config: ModelConfig, options: LinearOptions, layer: int = 0,
                  rope_index: int = 0) -> None:
@@ -193,8 +198,8 @@ class CausalLM(nn.Module):
         residual = None
         ropes = [rope.lookup(positions) for rope in self.ropes]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, ropes[layer.rope_index], kv_cache, meta,
-                                     self.backend)
+            index: int = layer.rope_index  # type: ignore[assignment]
+            hidden, residual = layer(hidden, residual, ropes[index], kv_cache, meta, self.backend)
         return self.norm_fn(residual + hidden, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -88,3 +88,13 @@ def test_gemma3_global_layers_still_read_the_whole_context() -> None:
     globals_share = sum(gemma.layer_window(i) is None for i in range(62)) / 62
     expected = kv * (globals_share * 60000 + (1 - globals_share) * 1024)
     assert read == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b-128k", "qwen3-30b-a3b-128k", "llama-3.1-8b",
+                                  "gemma-3-27b"])
+def test_long_context_specs_serve_128k(name: str) -> None:
+    spec = load_model_spec(name)
+    assert spec.max_position_embeddings == 131072
+    if name.startswith("qwen3"):  # YaRN over the 32K the model was trained at
+        assert spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "yarn"
+        assert spec.num_params == load_model_spec(name.removesuffix("-128k")).num_params

@@ -173,6 +173,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from twinserve.core.step_sample import write_samples
     from twinserve.gpu.platform import current_platform
     from twinserve.simulator.calibration import calibrate_from_runs, save_profile
+    from twinserve.simulator.hardware import load_hardware
     from twinserve.simulator.model_spec import load_model_spec
     if args.from_run:
         model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)
@@ -188,6 +189,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         model = args.model = model_dir_or_default(args.model)
         name = args.profile_model or load_model_spec(model).name
         base = args.base_hardware or base_hardware_for(args.device)
+        load_hardware(base)  # a bad --base-hardware fails now, not after the measurement
         if args.device != "cuda":
             set_threads(args.threads)
         eargs, runner = load_runner(args)

@@ -206,3 +206,11 @@ def test_the_gpu_grid_reaches_long_chunks_and_contexts_and_the_cpu_grid_is_uncha
     assert max(s.num_tokens for s in cpu if s.kind == "prefill") == 2048
     assert max(max(s.decodes) for s in cpu if s.kind == "decode") == 512
     assert cpu == [s for s in gpu if s.num_tokens <= 2048 and max(s.decodes, default=0) <= 512]
+
+
+def test_a_bad_base_profile_is_refused_before_anything_is_measured(tmp_path: Path, capsys) -> None:
+    from twinserve.entrypoints.cli import main
+    rc = main(["calibrate", "--model", "llama-3-8b", "--base-hardware", "tpu-v9",
+               "--out", str(tmp_path / "p.json")])
+    assert rc == 2
+    assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err

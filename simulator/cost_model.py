@@ -426,7 +426,27 @@ class FittedCostModel:
         return self.base.tensor_parallel_size
 
     def step_time(self, out: SchedulerOutput) -> float:
-        """The fitted forward pass plus the roofline's swap and copy time. O(1)."""
+        """The fitted forward pass plus the roofline's swap and copy time. O(1); equals
+        ``step_time_reference`` bit for bit (the same products summed in the same order,
+        inlined: this runs once per simulated step)."""
+        tokens = out.total_num_scheduled_tokens
+        if (tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
+                or self.base.lora is not None):
+            return self.step_time_reference(out)
+        c0, c1, c2, c3, c4, c5, c6 = self._coefficients
+        decodes = out.num_decode_seqs
+        linear = 0
+        linear += c0 * tokens
+        linear += c1 * out.num_prefill_tokens
+        linear += c2 * out.num_prefill_seqs
+        linear += c3 * decodes
+        linear += c4 * out.sum_context_tokens
+        linear += c5 * out.sum_decode_context_tokens
+        linear += c6 * (decodes * out.max_decode_context)
+        return self._intercept + linear + self._token_time(tokens)
+
+    def step_time_reference(self, out: SchedulerOutput) -> float:
+        """The plain version of ``step_time``."""
         if out.total_num_scheduled_tokens == 0:
             return self.base.breakdown(out).total_s  # swaps only (or nothing): no forward pass
         x = _feature_vector(out, None)  # as ``step_features(out)`` recorded them

@@ -214,3 +214,27 @@ def test_a_bad_base_profile_is_refused_before_anything_is_measured(tmp_path: Pat
                "--out", str(tmp_path / "p.json")])
     assert rc == 2
     assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+
+
+def test_the_fitted_step_time_fast_path_equals_its_reference() -> None:
+    from twinserve.core.outputs import SchedulerOutput
+    cost = make_cost_model(load_model_spec("llama-3-8b"), load_hardware("a100-80gb"))
+    assert isinstance(cost, FittedCostModel)
+    rng = random.Random(9)
+    for _ in range(3000):
+        decodes, chunks = rng.randint(0, 256), rng.randint(0, 3)
+        prefill = sum(rng.randint(1, 2048) for _ in range(chunks))
+        ctx = [rng.randint(2, 8192) for _ in range(decodes)]
+        out = SchedulerOutput(
+            total_num_scheduled_tokens=decodes + prefill, num_prefill_tokens=prefill,
+            num_decode_tokens=decodes, num_prefill_seqs=chunks, num_decode_seqs=decodes,
+            sum_context_tokens=sum(ctx) + prefill * rng.randint(1, 4096),
+            sum_decode_context_tokens=sum(ctx), max_decode_context=max(ctx, default=0))
+        assert cost.step_time(out) == cost.step_time_reference(out)
+    swap = SchedulerOutput(total_num_scheduled_tokens=4, num_decode_tokens=4, num_decode_seqs=4,
+                           sum_context_tokens=400, sum_decode_context_tokens=400,
+                           max_decode_context=100, blocks_to_swap_out=[(1, 2)])
+    assert cost.step_time(swap) == cost.step_time_reference(swap) > cost.step_time_reference(
+        SchedulerOutput(total_num_scheduled_tokens=4, num_decode_tokens=4, num_decode_seqs=4,
+                        sum_context_tokens=400, sum_decode_context_tokens=400,
+                        max_decode_context=100))

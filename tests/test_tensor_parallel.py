@@ -345,3 +345,19 @@ def test_bundled_model_tp3_equals_tp1_and_tp2_is_refused_with_the_reason(
         finally:
             engine.shutdown()
     assert tokens[3] == tokens[1]
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_engine_process_is_killed(llama_kv1) -> None:
+    import subprocess
+    import sys
+    code = ("import os, sys; from twinserve.core.engine_args import EngineArgs; "
+            "from twinserve.gpu.llm_engine import LLMEngine; "
+            f"e = LLMEngine(EngineArgs(model={str(llama_kv1)!r}, dtype='float32', "
+            "tensor_parallel_size=2, max_model_len=64)); "
+            "print(*e.runner.tp.worker_pids(), flush=True); os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1 and _gone(pids, timeout_s=30)  # the pipe's end-of-file ends it

@@ -86,6 +86,10 @@ def _generate_parser(sub) -> None:
         p.add_argument("--n", type=int, default=1)
         p.add_argument("--stop", action="append", default=None)
         p.add_argument("--sampling-seed", type=int, default=None)
+        if name == "chat":
+            p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                           help="the chat template (a jinja2 file, or the template itself) "
+                                "used instead of the model's")
         add_engine_args(p)
         p.set_defaults(handler=_generate, chat=name == "chat")
 
@@ -101,7 +105,10 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.sampling_seed)
     llm = LLM.from_engine_args(engine_args_from(args, model=args.model))
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        from twinserve.entrypoints.chat_server_options import load_chat_template
+        template = load_chat_template(args.chat_template)
+        extra = {"chat_template": template} if template is not None else {}
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, **extra)
     else:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):

@@ -352,6 +352,16 @@ def test_llm_chat_takes_tools_and_a_chat_template(tiny_llm) -> None:
         tiny_llm.chat([{"role": "user", "content": "yes"}], params, tools=TOOLS * 2)
 
 
+def test_chat_cli_takes_a_chat_template(tiny_dir, capsys) -> None:
+    from twinserve.entrypoints.cli import main
+    assert main(["chat", "yes", "--model", str(tiny_dir), "--max-tokens", "2", "--dtype",
+                 "float32", "--kv-cache-memory-bytes", str(8 << 20), "--chat-template",
+                 "Q: {{ messages[0].content }} A:"]) == 0
+    assert "### 'yes' [length]" in capsys.readouterr().out
+    assert main(["chat", "yes", "--model", str(tiny_dir), "--chat-template", "missing.jinja"]) \
+        == 2
+
+
 # ---- the server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base_url(tiny_dir) -> Iterator[str]:
@@ -446,6 +456,18 @@ def test_auto_tool_choice_parses_the_output_streaming_or_not(client) -> None:
     noise = _create(client, tools=TOOLS, max_tokens=8)   # free text: no calls in it
     assert noise.choices[0].finish_reason != "tool_calls"
     assert noise.choices[0].message.content is not None
+
+
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call(client) -> None:
+    two = HERMES_OUTPUT + '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    force = {"structured_outputs": {"choice": [two]}}
+    both = _create(client, tools=TOOLS, extra_body=force)
+    assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_weather", "add"]
+    first = _create(client, tools=TOOLS, parallel_tool_calls=False, extra_body=force)
+    assert [c.function.name for c in first.choices[0].message.tool_calls] == ["get_weather"]
+    _, streamed, finish = _stream(client, tools=TOOLS, parallel_tool_calls=False,
+                                  extra_body=force)
+    assert [n for _, n, _ in streamed] == ["get_weather"] and finish == "tool_calls"
 
 
 def test_history_with_tool_calls_and_a_request_template(client, base_url) -> None:

@@ -33,6 +33,9 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in ran
 # name -> (HF config class, overrides)
 FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 8}),
+    # Qwen2's window on the layers from max_window_layers on (layer 1 of 2)
+    "qwen2-window": (transformers.Qwen2Config, {"use_sliding_window": True, "sliding_window": 8,
+                                                "max_window_layers": 1}),
     "gemma2": (transformers.Gemma2Config, {**GEMMA, "attn_logit_softcapping": 0.3,
                                            "final_logit_softcapping": 3.0}),
     "gemma3": (transformers.Gemma3TextConfig, {

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from twinserve.core.architectures import register
 from twinserve.core.architectures.base import DenseDecoder, FamilyFields, WeightTarget
-from twinserve.core.architectures.qwen2 import HF_DEFAULT_SLIDING_WINDOW
+from twinserve.core.architectures.qwen2 import qwen_sliding
 
 if TYPE_CHECKING:
     from twinserve.core.model_config import ModelConfig
@@ -30,11 +30,9 @@ class Qwen3(DenseDecoder):
 
     def read_fields(self, raw: Mapping[str, Any]) -> FamilyFields:
         attention_bias = bool(raw.get("attention_bias") or False)
-        sliding = bool(raw.get("use_sliding_window")) or "sliding_attention" in (
-            raw.get("layer_types") or ())
-        window = (raw.get("sliding_window") or HF_DEFAULT_SLIDING_WINDOW) if sliding else None
+        window, layer_types = qwen_sliding(raw)
         return FamilyFields(qkv_bias=attention_bias, o_proj_bias=attention_bias,
-                            sliding_window=window)
+                            sliding_window=window, layer_types=layer_types)
 
     def weight_map(self, config: ModelConfig) -> dict[str, WeightTarget]:
         out = DenseDecoder.weight_map(self, config)

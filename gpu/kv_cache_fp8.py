@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from twinserve.gpu.attention_backend import AttentionBackend, AttentionMetadata
+from twinserve.gpu.model import CausalLM
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -81,7 +82,7 @@ def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
     return out.to(dtype)
 
 
-def use_fp8_kv_cache(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+def use_fp8_kv_cache(model: CausalLM, dtype: torch.dtype, device: torch.device,
                      tensor_parallel: bool) -> torch.dtype:
     """Switch ``model``'s attention to an fp8 cache; the cache's dtype. Refused where the
     kernels would read the bytes as another dtype (CUDA's Triton kernels, the TP workers)."""
@@ -91,5 +92,5 @@ def use_fp8_kv_cache(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
     if tensor_parallel:
         raise ValueError("kv_cache_dtype='fp8' with tensor_parallel_size > 1 is not "
                          "implemented.")
-    model.backend = Fp8KVBackend(model.backend, dtype)
+    model.backend = Fp8KVBackend(model.backend, dtype)  # type: ignore[assignment]  # same interface
     return FP8_DTYPE

@@ -110,7 +110,8 @@ def test_mixed_format_gguf_matches_its_fp32_conversion(tmp_path: Path,
     model = llm.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj if hasattr(model.layers[0], "self_attn") \
         else model.layers[0].qkv_proj
-    assert [p.fmt.name for _, p in qkv.quant_parts] == ["Q4_K", "Q6_K", "Q8_0"]
+    from twinserve.gpu.quantization.quant_linear import quant_state
+    assert [p.fmt.name for _, p in quant_state(qkv).parts] == ["Q4_K", "Q6_K", "Q8_0"]
     assert model.embed_tokens.numel() == 0 and model.quant_head is not model.quant_embed
     with pytest.raises(ValueError, match="does not match the model, which is 'gguf'"):
         LLM(str(gguf_file), quantization="int8")

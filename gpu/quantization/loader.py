@@ -20,7 +20,11 @@ from twinserve.gpu.cpu_gemm import Gemm
 from twinserve.gpu.linear import LinearBase, UnquantizedLinearMethod
 from twinserve.gpu.model import CausalLM
 from twinserve.gpu.quantization.gguf import load_gguf_model
-from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod
+from twinserve.gpu.quantization.quant_linear import (
+    QuantizedLinearMethod,
+    QuantState,
+    set_quant_state,
+)
 from twinserve.gpu.quantization.quant_tensor import QuantTensor
 from twinserve.gpu.quantization.quantized_model import QuantizedCausalLM
 from twinserve.gpu.quantization.registry import CHECKPOINT, CHECKPOINT_CHECKS, LOAD_TIME, method_kind
@@ -66,8 +70,7 @@ def quantize_linears(model: CausalLM, quantize: Callable[[torch.Tensor], QuantTe
             weight = module._parameters.pop("weight")
             assert weight is not None
             module.quant_method = QuantizedLinearMethod()
-            module.quant_parts = [(0, quantize(weight.data))]  # type: ignore[attr-defined]
-            module.out_dtype = dtype  # type: ignore[attr-defined]
+            set_quant_state(module, QuantState(dtype, [(0, quantize(weight.data))]))
 
 
 def _load_checkpoint(model_dir: Path, config: ModelConfig, quantization: str,

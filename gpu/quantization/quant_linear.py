@@ -8,6 +8,9 @@ multiplied in fp32 and the result cast back to the layer's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -15,27 +18,44 @@ from twinserve.gpu.linear import LinearBase, LinearMethodBase, ShardId
 from twinserve.gpu.quantization.quant_tensor import QuantTensor, concat_rows
 
 
+@dataclass(slots=True)
+class QuantState:
+    """A quantized layer's weight: ``(first_row, QuantTensor)`` parts in row order, and the
+    dtype its outputs are cast to."""
+
+    out_dtype: torch.dtype
+    parts: list[tuple[int, QuantTensor]] = field(default_factory=list)
+
+
+def quant_state(layer: nn.Module) -> QuantState:
+    return cast(QuantState, layer.__dict__["quant_state"])
+
+
+def set_quant_state(layer: nn.Module, state: QuantState) -> None:
+    layer.__dict__["quant_state"] = state  # a plain attribute, not a parameter or submodule
+
+
 class QuantizedLinearMethod(LinearMethodBase):
-    """Weights as ``layer.quant_parts``: ``(first_row, QuantTensor)`` in row order, set by
-    ``load_part`` (shard by shard) and merged by ``finish``."""
+    """Weights as the layer's ``QuantState``, set by ``load_part`` (shard by shard) and merged
+    by ``finish``."""
 
     def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
-        layer.quant_parts = []  # type: ignore[attr-defined]
-        layer.out_dtype = dtype  # type: ignore[attr-defined]
+        set_quant_state(layer, QuantState(dtype))
         layer.register_parameter("bias", nn.Parameter(
             torch.zeros(output_size, dtype=dtype, device=device), requires_grad=False)
             if bias else None)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        parts: list[tuple[int, QuantTensor]] = layer.quant_parts  # type: ignore[attr-defined]
+        state = quant_state(layer)
+        parts = state.parts
         if len(parts) == 1:
             out = parts[0][1].matmul(x)
         else:
             out = x.new_empty(x.shape[0], layer.output_size, dtype=torch.float32)
             for start, part in parts:
                 out[:, start:start + part.rows] = part.matmul(x)
-        out = out.to(layer.out_dtype)  # type: ignore[attr-defined]
+        out = out.to(state.out_dtype)
         bias = layer._parameters["bias"]
         return out if bias is None else out.add_(bias)
 
@@ -53,14 +73,15 @@ class QuantizedLinearMethod(LinearMethodBase):
         if part.rows != size or part.in_features != layer.input_size:
             raise ValueError(f"quantized weight [{part.rows}, {part.in_features}] does not fit "
                              f"shard {shard_id!r} of shape [{size}, {layer.input_size}].")
-        parts = layer.quant_parts  # type: ignore[attr-defined]
+        parts = quant_state(layer).parts
         parts.append((start, part))
         parts.sort(key=lambda p: p[0])
 
     @staticmethod
     def finish(layer: LinearBase) -> None:
         """Check every row is loaded once and merge neighbouring parts of one format."""
-        parts: list[tuple[int, QuantTensor]] = layer.quant_parts  # type: ignore[attr-defined]
+        state = quant_state(layer)
+        parts = state.parts
         row = 0
         for start, part in parts:
             if start != row:
@@ -76,10 +97,10 @@ class QuantizedLinearMethod(LinearMethodBase):
                 merged[-1] = (merged[-1][0], concat_rows([merged[-1][1], part]))
             else:
                 merged.append((start, part))
-        layer.quant_parts = merged  # type: ignore[attr-defined]
+        state.parts = merged
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:
     """Bytes the quantized parts of every layer of ``module`` hold."""
-    return sum(part.nbytes for layer in module.modules()
-               for _, part in getattr(layer, "quant_parts", ()))
+    return sum(part.nbytes for layer in module.modules() if "quant_state" in layer.__dict__
+               for _, part in quant_state(layer).parts)

@@ -46,7 +46,9 @@ class QuantizedCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_head is None:
             return super().compute_logits(hidden)
-        return self.quant_head.logits(hidden)
+        logits = self.quant_head.logits(hidden)
+        cap = self.config.final_logit_softcapping  # Gemma 2
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def finish_linears(self) -> None:
         for module in self.modules():

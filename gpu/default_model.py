@@ -88,11 +88,11 @@ def gguf_metadata_path(gguf_file: Path) -> Path:
             return default_model_path()
     except FileNotFoundError:
         pass
-    target = cache_root() / "models" / "gguf-meta" / f"{source.stem}-{_file_key(source)}"
+    target = cache_root() / "models" / "gguf-meta" / f"{source.stem}-{file_key(source)}"
     return _cannot_convert(gguf_file, lambda: _converted(source, target, weights=False))
 
 
-def _file_key(source: Path) -> str:
+def file_key(source: Path) -> str:
     stat = source.stat()
     return hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
@@ -119,7 +119,7 @@ def gguf_model_path(gguf_file: Path) -> Path:
             return default_model_path()
     except FileNotFoundError:
         pass
-    target = cache_root() / "models" / "gguf" / f"{source.stem}-{_file_key(source)}"
+    target = cache_root() / "models" / "gguf" / f"{source.stem}-{file_key(source)}"
     return _cannot_convert(gguf_file, lambda: _converted(source, target))
 
 

@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
             self.q_norm = self.k_norm = None
         moe = config.moe
         self.moe = None if moe is None else SparseMoE(moe, config.hidden_size, options.dtype,
-                                                      options.device)
+                                                      options.device, options.gemm)
         self.shared_expert_gate = (None if moe is None or not moe.shared_expert_intermediate_size
                                    else _parameter(torch.empty(1, config.hidden_size,
                                                                dtype=options.dtype,
@@ -186,7 +186,7 @@ class CausalLM(nn.Module):
         """Run every weight product (layers' projections, LM head) through ``gemm``."""
         self.gemm = gemm
         for module in self.modules():
-            if isinstance(module, (DecoderLayer, LinearBase)):
+            if isinstance(module, (DecoderLayer, LinearBase, SparseMoE)):
                 module.gemm = gemm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

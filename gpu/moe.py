@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinserve.core.architectures import MoEFields
+from twinserve.gpu.cpu_gemm import Gemm
 
 
 class SparseMoE(nn.Module):
@@ -22,8 +23,11 @@ class SparseMoE(nn.Module):
     + 1``: expert e's gate / up rows of ``w13``; shard ``e``: its ``w2``)."""
 
     def __init__(self, moe: MoEFields, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, gemm: Gemm | None = None) -> None:
         super().__init__()
+        # the experts' products take the model's CPU GEMM paths (gpu/cpu_gemm.py), as its
+        # dense projections do
+        self.gemm = Gemm.for_device(device, dtype) if gemm is None else gemm
         experts, inter = moe.num_experts, moe.moe_intermediate_size
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
@@ -52,8 +56,8 @@ class SparseMoE(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` (SiLU-gated) on rows ``x [n, hidden]``."""
-        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2[e])
+        gate, up = self.gemm.linear(x, self.w13[e]).chunk(2, dim=-1)
+        return self.gemm.linear(F.silu(gate) * up, self.w2[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Grouped by expert: one product per expert the batch touches (on CUDA: the Triton

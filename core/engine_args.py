@@ -16,16 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinserve.core.lora import LoRAConfig
+from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+EXECUTOR_BACKENDS = ("mp", "ray")  # tensor parallelism's workers: local processes or Ray actors
 
 # vLLM engine arguments twinserve does not implement (yet), each with the value that means
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
-    "quantization": None, "kv_cache_dtype": "auto",
-    "pipeline_parallel_size": 1, "data_parallel_size": 1, "distributed_executor_backend": None,
+    "pipeline_parallel_size": 1, "data_parallel_size": 1,
     "speculative_config": None, "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
     "tokenizer_revision": None, "download_dir": None, "load_format": "auto",
@@ -64,7 +65,12 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1
     enforce_eager: bool = False
+    # Weights (core/quantization.py): None, or gguf (a .gguf model), int8/fp8 (quantized at load
+    # time), gptq/awq (named by the checkpoint); KV cache: auto (the model's dtype) or fp8.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # LoRA (vLLM's names): adapters per step, largest rank, adapters held in host memory
     # (None: max_loras). Set without enable_lora they are refused, not ignored.
     enable_lora: bool = False
@@ -87,9 +93,14 @@ class EngineArgs:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}.")
+        check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if self.distributed_executor_backend is not None:
+            _one_of("distributed_executor_backend", self.distributed_executor_backend,
+                    EXECUTOR_BACKENDS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}.")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from twinserve.core.engine_args import NOT_IMPLEMENTED, EngineArgs, check_not_implemented
+from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
 
 _HELP: dict[str, str] = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: the checkpoint's on CUDA; on a CPU "
@@ -40,8 +41,16 @@ _HELP: dict[str, str] = {
                             "new ones are refused (server: 4 x max_num_seqs; offline: unbounded)",
     "max_waiting_tokens": "prompt tokens queued, not yet admitted, beyond which new requests are "
                           "refused (server: 4 x the KV cache's tokens; offline: unbounded)",
-    "tensor_parallel_size": "devices one replica is sharded over",
+    "tensor_parallel_size": "devices one replica is sharded over (on a CPU: processes, the "
+                            "cores split between them)",
+    "distributed_executor_backend": "tensor parallelism's workers: mp (local processes) or ray "
+                                    "(Ray actors) (default: mp)",
     "enforce_eager": "no CUDA graphs",
+    "quantization": "weights: gguf (a .gguf model, run as it is), int8 or fp8 (weight-only, "
+                    "quantized at load), gptq or awq (4-bit checkpoints; named by their "
+                    "config.json)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (e4m3, one byte per value: twice the "
+                      "tokens in the same memory)",
     "enable_lora": "serve LoRA adapters (PEFT format) beside the base model",
     "max_loras": "most distinct LoRA adapters in one step (device slots; default 1)",
     "max_lora_rank": "largest LoRA rank an adapter may have (default 16)",
@@ -88,6 +97,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _field_type(name: str) -> type:
     value = {"dtype": str, "device": str, "scheduling_policy": str, "preemption_mode": str,
+             "distributed_executor_backend": str, "quantization": str, "kv_cache_dtype": str,
              "gpu_memory_utilization": float, "swap_space": float}
     return value.get(name, int)
 
@@ -145,7 +155,15 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[st
             raise ValueError(f"{path}: unknown key {raw_key!r} for this command; valid keys: "
                              f"{', '.join(valid)}.")
         out[action.dest] = _config_value(action, value, f"{path}: key {raw_key!r}")
+        if key in _VALUE_CHECKS and isinstance(value, str):  # named with the file
+            try:
+                _VALUE_CHECKS[key](value)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
     return out
+
+
+_VALUE_CHECKS = {"quantization": check_quantization, "kv_cache_dtype": check_kv_cache_dtype}
 
 
 def _config_value(action: argparse.Action, value: Any, where: str) -> Any:

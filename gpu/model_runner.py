@@ -9,16 +9,22 @@ from __future__ import annotations
 import torch
 
 from twinserve.core.engine_args import EngineArgs
-from twinserve.core.engine_config import resolve_engine_config
+from twinserve.core.engine_config import EngineConfig, Platform, resolve_engine_config
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from twinserve.core.quantization import resolve_quantization
 from twinserve.core.request import Request
 from twinserve.gpu.batch import ModelInput, build_model_input
-from twinserve.gpu.default_model import resolve_model_path
-from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+from twinserve.gpu.default_model import resolve_model_source
+from twinserve.gpu.executor.shard_worker import kv_cache_spec
+from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
+from twinserve.gpu.kv_cache import KVCache
+from twinserve.gpu.kv_cache_fp8 import use_fp8_kv_cache
 from twinserve.gpu.lora_manager import LoRAManager
-from twinserve.gpu.model_loader import load_generation_config, load_model
+from twinserve.gpu.model_loader import load_generation_config, load_model, quantization_config
 from twinserve.gpu.platform import TORCH_DTYPES, current_platform, resolve_device
+from twinserve.gpu.pooler import pooled_state
+from twinserve.gpu.prompt_logprobs import PromptLogprobsCollector
 from twinserve.gpu.sampler import sample
 from twinserve.gpu.structured_outputs import StructuredOutputs
 from twinserve.gpu.tokenizer import Tokenizer
@@ -33,7 +39,9 @@ class ModelRunner:
     ``max_num_batched_tokens``, so the arguments are resolved again once that is measured."""
 
     def __init__(self, args: EngineArgs, usage_context: str = "llm") -> None:
-        self.model_dir = resolve_model_path(args.model)
+        self.model_dir, self.gguf_file = resolve_model_source(args.model)
+        self.quantization = resolve_quantization(args.quantization, args.model,
+                                                 quantization_config(self.model_dir))
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(args.device)
         self.block_size = args.block_size
@@ -43,13 +51,34 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[resolved.dtype]
         self.max_model_len = resolved.max_model_len
         self.vocab_size = self.config.vocab_size
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
-        if self.device.type == "cuda" and args.kv_cache_memory_bytes is None \
-                and args.num_gpu_blocks_override is None:
+        profile = (self.device.type == "cuda" and args.kv_cache_memory_bytes is None
+                   and args.num_gpu_blocks_override is None)
+        # tensor parallelism: workers (ranks 1..) start first, load beside the driver (rank 0)
+        self.tp: TPDriver | None = None
+        if args.tensor_parallel_size > 1:
+            check_tensor_parallel(args, self.config, self.quantization)
+            self.tp = TPDriver(args, str(self.model_dir), resolved.dtype, self.device,
+                               self.max_model_len,
+                               resolved.scheduler.max_num_batched_tokens if profile else 0)
+        try:
+            self._load(args, resolved, platform, usage_context, profile)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+
+    def _load(self, args: EngineArgs, resolved: EngineConfig, platform: Platform,
+              usage_context: str, profile: bool) -> None:
+        tp_group = None if self.tp is None else self.tp.group
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len,
+                                tp_group, self.quantization, self.gguf_file)
+        if profile:
             from twinserve.gpu.cuda_graphs import profile_peak_memory
             peak = profile_peak_memory(self.model, resolved.scheduler.max_num_batched_tokens,
                                        self.block_size)
             resolved = resolve_engine_config(args, self.config, platform, usage_context, peak)
+        if self.tp is not None:
+            self.tp.wait_ready()
         self.engine_config = resolved
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tokenizer.json").is_file() else None)
@@ -57,10 +86,15 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(args.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._structured: StructuredOutputs | None = None  # made for the first constrained one
-        spec = KVCacheSpec(self.config.num_hidden_layers, self.block_size,
-                           self.config.num_key_value_heads, self.config.head_dim, self.dtype)
+        self._prompt_logprobs = PromptLogprobsCollector()
+        kv_dtype = self.dtype
+        if args.kv_cache_dtype != "auto":  # fp8 (e4m3): the backend quantizes and widens
+            kv_dtype = use_fp8_kv_cache(self.model, self.dtype, self.device, self.tp is not None)
+        spec = kv_cache_spec(self.config, self.block_size, kv_dtype, args.tensor_parallel_size)
         sched = resolved.scheduler
         self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device)
+        if self.tp is not None:
+            self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self.lora: LoRAManager | None = None
@@ -84,12 +118,26 @@ class ModelRunner:
             eos = self.tokenizer.eos_token_id
         return eos
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.tp is None:
+            return self._execute(scheduler_output, None)
+        with self.tp.guard():  # a dead or hung rank: WorkerFailure naming it
+            inputs = self.tp.send_step(scheduler_output, self.block_size, self.max_model_len)
+            return self._execute(scheduler_output, inputs)
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 prepared: ModelInput | None) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if self._structured is not None:
             self._structured.free(scheduler_output.finished_request_ids)
+        self._prompt_logprobs.free(scheduler_output.finished_request_ids)
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.kv_cache.copy_blocks(scheduler_output.blocks_to_copy)
@@ -101,7 +149,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         if lora is not None:
             scheduled = lora.group_by_adapter(scheduled)
-        inputs = build_model_input(scheduled, self.block_size, self.max_model_len, self.device)
+        inputs = prepared or build_model_input(scheduled, self.block_size, self.max_model_len,
+                                               self.device)
         if lora is not None:
             lora.begin_step(scheduled)
         try:
@@ -109,9 +158,15 @@ class ModelRunner:
         finally:
             if lora is not None:
                 lora.end_step()
+        out = ModelRunnerOutput()
+        if scheduler_output.num_prefill_tokens and any(
+                sr.request.sampling_params.prompt_logprobs is not None for sr in scheduled):
+            out.prompt_logprobs = self._prompt_logprobs.collect(scheduled, hidden,
+                                                                self.model.compute_logits)
         if not inputs.sample_index:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            return out
+        last_hidden = hidden[inputs.sample_rows]
+        logits = self.model.compute_logits(last_hidden)
         requests = [scheduled[i].request for i in inputs.sample_index]
         structured = self._structured_outputs(requests)
         allowed = structured.bitmask(requests) if structured is not None else None
@@ -119,11 +174,14 @@ class ModelRunner:
                         self.generator, allowed)
         if allowed is not None:
             structured.advance(requests, result.token_ids)
-        out = ModelRunnerOutput()
-        for request, token, logprobs in zip(requests, result.token_ids, result.logprobs):
+        for row, (request, token, logprobs) in enumerate(
+                zip(requests, result.token_ids, result.logprobs)):
             out.sampled_token_ids[request.request_id] = [token]
             if logprobs is not None:
                 out.logprobs[request.request_id] = [logprobs]
+            if request.pooling_params is not None:  # an embedding: its last prompt position
+                out.pooled[request.request_id] = pooled_state(last_hidden[row],
+                                                              request.pooling_params)
         return out
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
@@ -143,6 +201,13 @@ class ModelRunner:
             self._structured = StructuredOutputs(self.model_dir / "tokenizer.json",
                                                  self.vocab_size, self.eos_token_id)
         return self._structured
+
+    def prefetch_grammar(self, request: Request) -> None:
+        """Starts compiling a new request's grammar off the step (``StructuredOutputs``)."""
+        so = request.sampling_params.structured_outputs
+        structured = self._structured_outputs([request]) if so is not None else None
+        if so is not None and structured is not None:
+            structured.prefetch(so)
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         """A seeded request's own generator (seed + child index for n > 1), made on first use."""

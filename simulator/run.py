@@ -124,7 +124,7 @@ def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]
                          f"{hardware.name!r}, a {platform.device_type} device: the twin's device "
                          "is its profile (leave device at auto).")
     first = resolve_engine_config(args, spec, platform, cfg.usage_context)
-    spec = spec.with_dtype(first.dtype)
+    spec = spec.with_dtype(first.dtype).with_quantization(args.quantization, args.kv_cache_dtype)
     cost = make_cost_model(spec, hardware, tp, args.block_size)
     if platform.device_type == "cpu":
         return first, cost, spec

@@ -89,9 +89,8 @@ def test_bad_engine_arguments_name_the_field(field: str, value, match: str) -> N
 def test_unknown_and_unimplemented_arguments_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
         EngineArgs.from_mapping({"max_num_seq": 8}, "engine.yaml")
-    for name in ("quantization", "speculative_config", "kv_cache_dtype", "pipeline_parallel_size"):
-        value = {"quantization": "awq", "speculative_config": {"num_speculative_tokens": 2},
-                 "kv_cache_dtype": "fp8",
+    for name in ("speculative_config", "pipeline_parallel_size"):
+        value = {"speculative_config": {"num_speculative_tokens": 2},
                  "pipeline_parallel_size": 2}[name]
         with pytest.raises(ValueError, match=f"engine argument '{name}' is not implemented"):
             EngineArgs.from_mapping({name: value}, "engine.yaml")
@@ -207,7 +206,8 @@ def test_config_file_keys_are_the_llm_api_keys(tmp_path: Path) -> None:
     ({"max-num-seq": 8}, "unknown key 'max-num-seq' for this command"),
     ({"max_num_seqs": "many"}, "key 'max_num_seqs' must be an integer"),
     ({"enable-prefix-caching": "yes"}, "key 'enable-prefix-caching' must be true or false"),
-    ({"quantization": "awq"}, "engine argument 'quantization' is not implemented"),
+    ({"quantization": "bitsandbytes"}, "quantization 'bitsandbytes' is not supported by "
+                                       "twinserve; supported: gguf, int8, fp8, gptq, awq"),
     ({"swap_space": [1]}, "key 'swap_space' must be a number"),
 ])
 def test_bad_config_files_name_the_key_and_the_file(tmp_path: Path, data: dict, match: str,
@@ -229,15 +229,20 @@ def test_a_file_that_is_not_a_mapping_is_refused(tmp_path: Path, capsys) -> None
 
 def test_unimplemented_flags_are_refused_by_name(capsys) -> None:
     from twinserve.entrypoints.cli import main
-    assert main(["simulate", "--quantization", "awq", "--num-requests", "2"]) == 2
-    assert "'quantization' is not implemented" in capsys.readouterr().err
+    assert main(["simulate", "--speculative-config", "x", "--num-requests", "2"]) == 2
+    assert "'speculative_config' is not implemented" in capsys.readouterr().err
+    assert main(["simulate", "--quantization", "bitsandbytes", "--num-requests", "2"]) == 2
+    assert "supported: gguf, int8, fp8, gptq, awq" in capsys.readouterr().err
 
 
 def test_llm_refuses_unimplemented_and_too_long(tiny_model_dirs) -> None:
     from twinserve.entrypoints.llm import LLM
     model = str(tiny_model_dirs["llama-tied"])
-    with pytest.raises(ValueError, match="'kv_cache_dtype' is not implemented"):
-        LLM(model, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported"):
+        LLM(model, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint whose "
+                                         "config.json has a quantization_config"):
+        LLM(model, quantization="gptq")
     with pytest.raises(ValueError, match=r"User-specified max_model_len \(100000\)"):
         LLM(model, max_model_len=100000, kv_cache_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
@@ -269,8 +274,8 @@ def test_same_yaml_through_simulate_and_validate_gives_the_same_scheduler(
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--quantization", "awq"], "'quantization' is not implemented"),
-    (["--kv-cache-dtype", "fp8"], "'kv_cache_dtype' is not implemented"),
+    (["--quantization", "awq"], "needs a checkpoint whose config.json has a quantization_config"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype 'fp8_e5m2' is not supported"),
     (["--max-model-len", "100000"], "User-specified max_model_len (100000)"),
 ])
 def test_serve_refuses_what_it_cannot_honour_before_it_listens(tiny_model_dirs, flags, match,
@@ -282,8 +287,10 @@ def test_serve_refuses_what_it_cannot_honour_before_it_listens(tiny_model_dirs, 
     assert match in capsys.readouterr().err
 
 
-def test_a_sliding_window_caps_the_default_length_and_refuses_a_longer_one() -> None:
+def test_a_sliding_window_serves_the_whole_length_and_bounds_the_kv() -> None:
     spec = load_model_spec("mistral-7b-v0.1")  # sliding_window 4096, 32768 positions
-    assert resolve_engine_config(EngineArgs(), spec, H100).max_model_len == 4096
-    with pytest.raises(ValueError, match="sliding-window attention is not implemented"):
-        resolve_engine_config(EngineArgs(max_model_len=8192), spec, H100)
+    config = resolve_engine_config(EngineArgs(), spec, H100)
+    assert config.max_model_len == 32768 and config.scheduler.sliding_window == 4096
+    assert resolve_engine_config(EngineArgs(max_model_len=8192), spec, H100).max_model_len == 8192
+    llama = resolve_engine_config(EngineArgs(), load_model_spec("llama-3.1-8b"), H100)
+    assert llama.scheduler.sliding_window is None

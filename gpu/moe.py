@@ -66,6 +66,12 @@ class SparseMoE(nn.Module):
         if x.is_cuda:
             from twinserve.gpu.triton_moe import fused_moe  # lazy: Triton only where it runs
             return fused_moe(x, self.w13, self.w2, weights, ids)
+        if x.shape[0] == 1:  # one token: its k experts directly (sorting costs more than it saves)
+            chosen = ids[0].tolist()
+            out = self.expert(chosen[0], x).mul_(weights[0, 0])
+            for j in range(1, self.top_k):
+                out.add_(self.expert(chosen[j], x), alpha=float(weights[0, j]))
+            return out
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()

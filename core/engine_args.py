@@ -31,7 +31,7 @@ NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
     "tokenizer_revision": None, "download_dir": None, "load_format": "auto",
     "hf_overrides": None, "rope_scaling": None, "rope_theta": None, "max_logprobs": 20,
-    "disable_sliding_window": False, "enable_expert_parallel": False,
+    "enable_expert_parallel": False,
     "structured_outputs_config": None, "guided_decoding_backend": None,
     "enable_prompt_embeds": False, "limit_mm_per_prompt": None, "mm_processor_kwargs": None,
     "max_num_partial_prefills": 1, "scheduler_cls": None, "compilation_config": None,
@@ -67,6 +67,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1
     enforce_eager: bool = False
+    # vLLM's: serve a sliding-window model as full attention, max_model_len capped to the window
+    disable_sliding_window: bool = False
     # Weights (core/quantization.py): None, or gguf (a .gguf model), int8/fp8 (quantized at load
     # time), gptq/awq (named by the checkpoint); KV cache: auto (the model's dtype) or fp8.
     quantization: str | None = None

@@ -109,10 +109,19 @@ def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform) ->
     return "bfloat16" if platform.native_bf16 else "float32"
 
 
-def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
+def resolve_max_model_len(requested: int | None, model: ModelConfig,
+                          disable_sliding_window: bool = False) -> int:
     limit = model.max_position_embeddings
     if limit is None:
         raise ValueError("config.json has no max_position_embeddings: pass max_model_len.")
+    windows = [w for w in (model.layer_window(i) for i in range(model.num_hidden_layers))
+               if w is not None]
+    if disable_sliding_window and windows and min(windows) < limit:
+        # as vLLM: within the smallest window full attention is exact
+        if requested is not None and requested > min(windows):
+            raise ValueError(f"max_model_len={requested} exceeds the sliding window "
+                             f"({min(windows)}) that disable_sliding_window caps it to.")
+        limit = min(windows)
     if requested is None:
         return limit
     if requested > limit:
@@ -150,7 +159,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     lora = args.lora_config()
     batched, seqs = default_batch_limits(platform, usage_context, tp)
     dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
-    max_len = resolve_max_model_len(args.max_model_len, model)
+    max_len = resolve_max_model_len(args.max_model_len, model, args.disable_sliding_window)
     max_batched = args.max_num_batched_tokens or batched
     block_bytes = kv_block_bytes(model, args.block_size, dtype, tp, args.kv_cache_dtype)
     budget = kv_cache_budget(args, platform, non_kv_bytes)
@@ -179,7 +188,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         num_cpu_blocks=int(args.swap_space * GIB) // block_bytes,
         max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens,
         max_loras=lora.max_loras if lora is not None else 0,
-        sliding_window=model.kv_sliding_window)
+        sliding_window=None if args.disable_sliding_window else model.kv_sliding_window)
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
                         num_blocks * block_bytes, block_bytes, scheduler)
 

@@ -46,6 +46,8 @@ _HELP: dict[str, str] = {
     "distributed_executor_backend": "tensor parallelism's workers: mp (local processes) or ray "
                                     "(Ray actors) (default: mp)",
     "enforce_eager": "no CUDA graphs",
+    "disable_sliding_window": "serve a sliding-window model as full attention, max_model_len "
+                              "capped to its window (vLLM's)",
     "quantization": "weights: gguf (a .gguf model, run as it is), int8 or fp8 (weight-only, "
                     "quantized at load), gptq or awq (4-bit checkpoints; named by their "
                     "config.json)",

@@ -294,3 +294,15 @@ def test_a_sliding_window_serves_the_whole_length_and_bounds_the_kv() -> None:
     assert resolve_engine_config(EngineArgs(max_model_len=8192), spec, H100).max_model_len == 8192
     llama = resolve_engine_config(EngineArgs(), load_model_spec("llama-3.1-8b"), H100)
     assert llama.scheduler.sliding_window is None
+
+
+def test_disable_sliding_window_caps_the_length_to_the_window_as_vllm() -> None:
+    spec = load_model_spec("mistral-7b-v0.1")
+    config = resolve_engine_config(EngineArgs(disable_sliding_window=True), spec, H100)
+    assert config.max_model_len == 4096 and config.scheduler.sliding_window is None
+    with pytest.raises(ValueError, match=r"max_model_len=8192 exceeds the sliding window \(4096\)"):
+        resolve_engine_config(EngineArgs(disable_sliding_window=True, max_model_len=8192), spec,
+                              H100)
+    llama = load_model_spec("llama-3.1-8b")  # no window: nothing changes
+    assert resolve_engine_config(EngineArgs(disable_sliding_window=True), llama,
+                                 H100).max_model_len == 131072

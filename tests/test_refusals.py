@@ -55,11 +55,8 @@ def test_sampling_params_refuses_what_vllm_has_and_twinserve_does_not(name: str)
 
 
 def test_sampling_params_explicit_refusals_and_their_absent_values() -> None:
-    for kwargs, field in [({"bad_words": ["Paris"]}, "bad_words"),
-                          ({"prompt_logprobs": 0}, "prompt_logprobs"),
-                          ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
-                          ({"logits_processors": [lambda ids, logits: logits]},
-                           "logits_processors"),
+    for kwargs, field in [({"logprob_token_ids": [3]}, "logprob_token_ids"),
+                          ({"extra_args": {"a": 1}}, "extra_args"),
                           ({"guided_decoding": {"regex": "a+"}}, "guided_decoding"),
                           ({"detokenize": False}, "detokenize"),
                           ({"flat_logprobs": True}, "flat_logprobs"),
@@ -168,10 +165,11 @@ def test_absent_values_are_accepted(server: LiveServer, endpoint: str) -> None:
 def test_openai_client_tools_response_format_logit_bias(client: openai.OpenAI) -> None:
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.BadRequestError) as err:  # "auto" (the default) needs the flags
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=USER,
-                                       tools=[tool], tool_choice="required", max_tokens=4)
-    assert err.value.status_code == 400 and err.value.body["param"] == "tools"
+                                       tools=[tool], max_tokens=4)
+    assert err.value.status_code == 400 and err.value.body["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:  # no tools, yet a tool is required
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=USER,
                                        tool_choice="required", max_tokens=4)
@@ -187,8 +185,8 @@ def test_openai_client_tools_response_format_logit_bias(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=USER,
                                        logit_bias={"7042": -100}, max_tokens=4,
-                                       extra_body={"bad_words": ["Paris"]})
-    assert err.value.body["param"] == "bad_words"
+                                       extra_body={"logits_processors": ["my.Proc"]})
+    assert err.value.body["param"] == "logits_processors"
     assert err.value.body["type"] == "BadRequestError" and err.value.body["code"] == 400
     with pytest.raises(openai.BadRequestError) as err:  # vLLM's fields go in extra_body
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=USER,
@@ -219,10 +217,8 @@ def test_openai_client_tools_response_format_logit_bias(client: openai.OpenAI) -
 
 
 @pytest.mark.parametrize("messages, param", [
-    ([*USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-      {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "messages[1].tool_calls"),
-    ([*USER, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "messages[1].role"),
+    ([*USER, {"role": "assistant", "content": None,
+              "function_call": {"name": "f", "arguments": "{}"}}], "messages[1].function_call"),
     ([{"role": "function", "name": "f", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
@@ -426,22 +422,25 @@ def test_a_gguf_file_is_converted_once_and_loads(tmp_path: Path,
     conversions: list[Path] = []
     convert = dm.convert_gguf
 
-    def counting(src: Path, out: Path) -> None:
+    def counting(src: Path, out: Path, weights: bool = True) -> None:
         conversions.append(src)
-        convert(src, out)
+        convert(src, out, weights)
     monkeypatch.setattr(dm, "convert_gguf", counting)
     first = dm.resolve_model_path(str(gguf_file))
     assert first.parent == tmp_path / "cache" / "models" / "gguf"
     assert first.name.startswith("tiny-") and (first / "config.json").is_file()
     assert dm.resolve_model_path(gguf_file) == first and len(conversions) == 1  # cached
-    llm = _small_llm(str(gguf_file), max_model_len=64)
-    assert Path(llm.engine.runner.model_dir) == first and len(conversions) == 1
+    llm = _small_llm(str(gguf_file), max_model_len=64)  # runs the file itself (quantization gguf)
+    meta = Path(llm.engine.runner.model_dir)
+    assert meta.parent == tmp_path / "cache" / "models" / "gguf-meta" and len(conversions) == 2
+    assert (meta / "config.json").is_file() and not (meta / "model.safetensors").exists()
+    assert llm.engine.runner.quantization == "gguf"
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4,
                                                    ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     stat = gguf_file.stat()  # a new version of the file (its mtime): a new key
     os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert dm.resolve_model_path(gguf_file) != first and len(conversions) == 2
+    assert dm.resolve_model_path(gguf_file) != first and len(conversions) == 3
 
 
 def test_an_unconvertible_gguf_says_what_to_do(tmp_path: Path,

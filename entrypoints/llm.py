@@ -9,20 +9,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.lora import LoRARequest
-from twinserve.core.request_output import RequestOutput
+from twinserve.core.pooling_params import PoolingParams
+from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.llm_engine import LLMEngine
 
 Prompt = str | list[int]
 PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids"}
 PromptLike = Prompt | PromptDict
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -62,23 +63,58 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              priority: Sequence[int] | None = None, tenant: str | Sequence[str] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+             use_tqdm: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Applies the chat template (the model's, or ``chat_template``) to each conversation,
+        then generates. ``tools`` (OpenAI's function tools) go to the template as HF's
+        ``apply_chat_template(tools=...)`` passes them; the output is text (parse tool calls
+        with a parser of ``twinserve.entrypoints.tool_parsers``)."""
+        from twinserve.entrypoints.chat_template import ChatTemplateOptions, render_chat
+        from twinserve.entrypoints.chat_tools import check_history, parse_tools
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template.")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [tok.apply_chat_template(list(c), add_generation_prompt=True)
-                 for c in conversations]
+        conversations = cast(Sequence[Messages], [messages] if messages and isinstance(
+            messages[0], dict) else messages)
+        definitions = [t.definition for t in parse_tools(tools)] or None
+        options = ChatTemplateOptions(chat_template, chat_template_kwargs,
+                                      add_generation_prompt, continue_final_message,
+                                      definitions)
+        rendered = []
+        for conversation in conversations:
+            check_history(list(conversation))
+            rendered.append(render_chat(tok, list(conversation), options))
         # The template already holds the special tokens: encode without adding more.
-        batch: list[Prompt] = [tok.encode(t) for t in texts]
+        batch: list[Prompt] = [tok.encode(t) for t in rendered]
+        texts: list[str | None] = list(rendered)
         return self._run(batch, texts, sampling_params, priority, tenant, lora_request, use_tqdm)
+
+    def embed(self, prompts: PromptLike | Sequence[PromptLike],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's embed task on this decoder model: each prompt's last-token final hidden
+        state, L2-normalised (``outputs.embedding``). Runs through the engine (scheduler and
+        KV cache, prefill only)."""
+        batch, texts = _as_batch(prompts)
+        pooling = _per_prompt("pooling_params", pooling_params, len(batch))
+        pooling = [PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens) if p is None
+                   else p for p in pooling]
+        if any(not isinstance(p, PoolingParams) for p in pooling):
+            raise ValueError("pooling_params must be a PoolingParams or a list of them.")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        return self._run(batch, texts, params, None, None, lora_request, use_tqdm,
+                         pooling)  # type: ignore[return-value]
 
     def _run(self, batch: list[Prompt], texts: list[str | None],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              priority: Sequence[int] | None, tenant: str | Sequence[str] | None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool,
+             pooling: list[PoolingParams] | None = None) -> list[RequestOutput]:
         n = len(batch)
         _check_sampling_params(sampling_params)
         params = _per_prompt("sampling_params", sampling_params or SamplingParams(), n)
@@ -88,9 +124,11 @@ class LLM:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, p, prio, ten, lora in zip(batch, params, prios, tenants, loras):
+            for i, (prompt, p, prio, ten, lora) in enumerate(
+                    zip(batch, params, prios, tenants, loras)):
                 ids.append(engine.add_request(prompt, p, priority=prio, tenant=ten,
-                                              lora_request=lora))
+                                              lora_request=lora,
+                                              pooling_params=pooling[i] if pooling else None))
             return self._drain(ids, texts, use_tqdm)
         except BaseException:
             for rid in ids:

@@ -2,7 +2,8 @@
 
 Requests accept vLLM's extra sampling fields at the top level (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``priority``, ``add_special_tokens``). Value ranges are checked
+``include_stop_str_in_output``, ``priority``, ``add_special_tokens``, ``bad_words``; on completions
+``prompt_logprobs`` and ``truncate_prompt_tokens``). Value ranges are checked
 by ``SamplingParams`` (its ``ValueError`` names the field); pydantic checks only types and
 presence.
 

@@ -15,6 +15,7 @@ import time
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.lora import LoRARequest
+from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request import Request
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import StepDriver
 from twinserve.gpu.model_runner import ModelRunner
 from twinserve.gpu.output_processor import OutputProcessor
+from twinserve.gpu.request_surface import RequestSurface
 from twinserve.policies import get_policy
 
 
@@ -43,6 +45,8 @@ class LLMEngine:
         self.metrics = self.driver.recorder
         self.tokenizer = self.runner.tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
+        self.request_surface = RequestSurface(self.tokenizer, self.runner.max_model_len,
+                                              self.runner.config.hidden_size)
         self._t0 = time.monotonic()
         self._ids = itertools.count()
         self.num_steps = 0
@@ -56,15 +60,21 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0, tenant: str = "default",
                     lora_request: LoRARequest | None = None,
-                    hints: dict[str, float] | None = None, detokenize: bool = True) -> str:
+                    hints: dict[str, float] | None = None, detokenize: bool = True,
+                    pooling_params: PoolingParams | None = None) -> str:
         """Queues a request; returns its id. Raises ValueError naming what is wrong (an
-        adapter that cannot be loaded included), EngineOverloaded when it must wait."""
+        adapter that cannot be loaded included), EngineOverloaded when it must wait.
+        ``pooling_params``: an embedding request (prefill only; its output is an
+        ``EmbeddingRequestOutput``)."""
         params = params or SamplingParams()
         params.validate()  # attributes may have changed since construction
+        if self.runner.tp is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs with tensor_parallel_size > 1 is not implemented.")
         if priority != 0 and not self.policy.uses_priority:
             raise ValueError(f"Got priority {priority} but the {self.policy.name!r} scheduling "
                              "policy does not use priorities (use scheduling_policy='priority').")
         token_ids, text = self._prompt_tokens(prompt)
+        token_ids = self.request_surface.prepare(token_ids, params, pooling_params)
         vocab = self.runner.vocab_size
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             ids = getattr(params, name) or ()
@@ -77,7 +87,8 @@ class LLMEngine:
             request = Request(rid, token_ids, params,
                               self.now() if arrival_time is None else arrival_time,
                               eos_token_id=self.runner.eos_token_id, priority=priority,
-                              tenant=tenant, lora=lora, hints=dict(hints or {}))
+                              tenant=tenant, lora=lora, hints=dict(hints or {}),
+                              pooling_params=pooling_params)
             self.driver.add_request(request)
         except BaseException:
             self._release_lora_name(lora)
@@ -90,6 +101,7 @@ class LLMEngine:
             self.driver.abort([rid], self.now())
             self._release_lora(rid)
             raise
+        self.runner.prefetch_grammar(request)  # checked above; compiled while steps run
         return rid
 
     def _acquire_lora(self, lora_request: LoRARequest | None) -> str | None:
@@ -128,6 +140,10 @@ class LLMEngine:
         self.driver.abort(ids, self.now())
         self._release_lora(request_id)
         return self.outputs.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers, if any (also done at exit and on garbage collection)."""
+        self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

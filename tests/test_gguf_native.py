@@ -147,3 +147,22 @@ def _fp32_rows(model_dir: Path, ids: torch.Tensor) -> np.ndarray:
     from safetensors import safe_open
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         return f.get_slice("model.embed_tokens.weight")[:][ids].numpy()
+
+
+@pytest.mark.slow
+def test_serve_runs_a_gguf_file(tmp_path: Path) -> None:
+    """``twinserve serve FILE.gguf`` (the HTTP server) answers from the file's blocks: the same
+    greedy completion as ``LLM`` on the fp32 conversion."""
+    import httpx
+
+    from tests.server_fixture import live_server
+    from twinserve.gpu.default_model import gguf_path
+    prompt = "The capital of France is"
+    with live_server(["--model", str(gguf_path())]) as srv:
+        reply = httpx.post(srv.url("/v1/completions"), headers=srv.headers, timeout=120, json={
+            "model": str(gguf_path()), "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        text = reply.json()["choices"][0]["text"]
+    expected = LLM(max_model_len=64, kv_cache_memory_bytes=16 << 20).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert text == expected

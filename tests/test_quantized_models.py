@@ -99,7 +99,7 @@ def _pair(src: Path, method: str, root: Path) -> tuple[Path, Path, str | None]:
 def _greedy(model: str, quantization: str | None, **kwargs) -> list:
     llm = LLM(model, quantization=quantization, max_num_seqs=8, max_num_batched_tokens=256,
               kv_cache_memory_bytes=16 << 20, max_model_len=128, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
@@ -112,7 +112,7 @@ def _assert_close_runs(a: list, b: list) -> None:
 
 
 @pytest.mark.parametrize("method, arch", [("int8", "llama"), ("fp8", "qwen2"), ("gptq", "llama"),
-                                          ("gptq", "qwen2"), ("awq", "qwen2")])
+                                          ("awq", "qwen2")])
 def test_quantized_checkpoint_matches_its_dequantized_twin(base_dirs, tmp_path: Path,
                                                            method: str, arch: str) -> None:
     quantized, twin, quantization = _pair(base_dirs[arch], method, tmp_path)

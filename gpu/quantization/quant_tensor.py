@@ -3,7 +3,10 @@
 ``matmul`` picks the fast path: the C++ kernel's direct product for up to ``DIRECT_MAX_TOKENS``
 tokens (each block decoded in registers once per call), above it the weight dequantized
 ``TILE_ROWS`` rows at a time into fp32 and multiplied by torch's GEMM (the decode is then paid once
-per tile, and the GEMM runs at its own rate). ``reference_matmul`` is the plain version beside
+per tile, and the GEMM runs at its own rate). Measured here (Q4_1 3072 x 576, one thread, CPU
+ms per product, direct / tiled): 1 token 0.39 / 1.60, 8: 0.77 / 2.60, 16: 1.53 / 3.66,
+32: 2.98 / 4.16, 64: 5.88 / 5.89 (the direct kernel passes over the weights once per 4 tokens;
+its decode stops paying for itself near 64). ``reference_matmul`` is the plain version beside
 it: the whole weight dequantized by ``reference_dequantize`` (the ``gguf`` package for GGUF
 blocks, torch for the others), then ``x @ W.T`` in fp32; the tests compare the two.
 """
@@ -18,7 +21,7 @@ import torch
 from twinserve.gpu.quantization import cpu_kernel
 from twinserve.gpu.quantization.formats import GGUF_FORMATS, QuantFormat
 
-DIRECT_MAX_TOKENS = 8
+DIRECT_MAX_TOKENS = 32
 TILE_ROWS = 1024
 _EMPTY = torch.empty(0)
 

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import twinserve.gpu.model as model_module
 import twinserve.gpu.model_runner as runner_module
 from twinserve.benchmarks.offline_throughput import decode_floor, greedy_params, workloads
 from twinserve.core import Scheduler
@@ -45,27 +44,28 @@ TIMED = [
     ("attention_block", DecoderLayer, "_attention"),
     ("attend", AttentionBackend, "attend"),
     ("mlp", DecoderLayer, "_mlp"),
-    ("norms", model_module, "rms_norm"),
     ("lm_head", CausalLM, "compute_logits"),
     ("sampling", runner_module, "sample"),
 ]
 
 
 @contextlib.contextmanager
-def timers(backend: AttentionBackend) -> Iterator[dict[str, float]]:
-    """Seconds spent in each ``TIMED`` scope (and the KV write) while the block runs."""
+def timers(model: CausalLM) -> Iterator[dict[str, float]]:
+    """Seconds spent in each ``TIMED`` scope, the KV write and the norms (each module's own
+    ``norm_fn``) while the block runs."""
     totals: dict[str, float] = collections.defaultdict(float)
-    originals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in TIMED]
-    write_kv = backend.write_kv_cache
+    backend = model.backend
+    scoped = [(scope, owner, attr) for scope, owner, attr in TIMED]
+    scoped.append(("kv_write", backend, "write_kv_cache"))
+    scoped += [("norms", m, "norm_fn") for m in model.modules() if "norm_fn" in vars(m)]
+    originals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in scoped]
     try:
-        for (scope, owner, attr), (_, _, fn) in zip(TIMED, originals):
+        for (scope, owner, attr), (_, _, fn) in zip(scoped, originals):
             setattr(owner, attr, _timed(fn, scope, totals))
-        backend.write_kv_cache = _timed(write_kv, "kv_write", totals)
         yield totals
     finally:
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
-        backend.write_kv_cache = write_kv
 
 
 def _timed(fn: Callable, scope: str, totals: dict[str, float]) -> Callable:
@@ -108,7 +108,7 @@ def profile(llm, prompts: list[list[int]], lengths: list[int]) -> tuple[dict[str
     engine = llm.engine
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     steps = engine.num_steps
-    with timers(engine.runner.model.backend) as totals:
+    with timers(engine.runner.model) as totals:
         llm.generate(prompts, params, use_tqdm=False)
     return breakdown(totals), engine.num_steps - steps
 

@@ -164,9 +164,10 @@ def _tool_call_id() -> str:
     return random_id("chatcmpl-tool")
 
 
-def _finish_reason(finish: str | None, calls: list[ParsedCall]) -> str | None:
-    """A choice that ended in tool calls ends with ``tool_calls`` (a length cut stays)."""
-    return "tool_calls" if calls and finish == "stop" else finish
+def _finish_reason(finish: str | None, calls: list[ParsedCall], tools: ToolRequest) -> str | None:
+    """A choice that ended in tool calls ends with ``tool_calls`` (a length cut stays), except
+    under a named tool_choice, where OpenAI and vLLM answer ``stop``."""
+    return "tool_calls" if calls and finish == "stop" and tools.mode != "named" else finish
 
 
 def assistant_message(text: str, parser: ToolParser | None,
@@ -193,7 +194,7 @@ def chat_response(state: ServerState, gen: Generation, body: ChatCompletionReque
         choices.append(ChatCompletionChoice(
             index=index, message=message,
             logprobs=chat_logprobs(state, choice.logprobs) if body.logprobs else None,
-            finish_reason=_finish_reason(comp.finish_reason, calls) if comp else "abort",
+            finish_reason=_finish_reason(comp.finish_reason, calls, tools) if comp else "abort",
             stop_reason=comp.stop_reason if comp else None))
     return ChatCompletionResponse(id=gen.id, model=gen.model_name,
                                   choices=choices, usage=gen.usage())
@@ -213,7 +214,7 @@ def _stream_delta(streamer: ToolCallStreamer | None, tools: ToolRequest, text: s
     deltas = [d for d in out.tool_calls if tools.parallel or d.index == 0]
     message = DeltaMessage(content=out.content or (None if deltas or calls else ""),
                            tool_calls=deltas or None)
-    return message, _finish_reason(finish, calls)
+    return message, _finish_reason(finish, calls, tools)
 
 
 async def chat_chunks(state: ServerState, gen: Generation, body: ChatCompletionRequest,

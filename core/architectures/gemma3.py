@@ -18,7 +18,7 @@ from twinserve.core.architectures.gemma2 import (
     alternating_layer_types,
     gemma_activation,
 )
-from twinserve.core.architectures.qwen3 import QK_NORMS
+from twinserve.core.architectures.qwen3 import qk_norm_params, qk_norm_weights
 from twinserve.core.hf_config import rope
 
 if TYPE_CHECKING:
@@ -74,12 +74,7 @@ class Gemma3(DenseDecoder):
             rope=global_rope, local_rope_theta=local_theta)
 
     def weight_map(self, config: ModelConfig) -> dict[str, WeightTarget]:
-        out = DenseDecoder.weight_map(self, config)
-        for i in range(config.num_hidden_layers):
-            for hf_name, ours in QK_NORMS:
-                out[f"model.layers.{i}.{hf_name}.weight"] = WeightTarget(
-                    f"layers.{i}.{ours}", None, (config.head_dim,))
-        return out
+        return DenseDecoder.weight_map(self, config) | qk_norm_weights(config)
 
     def params_per_layer(self, config: ModelConfig) -> int:
-        return DenseDecoder.params_per_layer(self, config) + len(QK_NORMS) * config.head_dim
+        return DenseDecoder.params_per_layer(self, config) + qk_norm_params(config)

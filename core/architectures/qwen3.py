@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 QK_NORMS = (("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm"))  # HF name, ours
 
 
+def qk_norm_weights(config: ModelConfig) -> dict[str, WeightTarget]:
+    """The per-head q/k RMSNorm weights of every layer (Qwen3, Qwen3-MoE, Gemma 3)."""
+    return {f"model.layers.{i}.{hf_name}.weight": WeightTarget(f"layers.{i}.{ours}", None,
+                                                               (config.head_dim,))
+            for i in range(config.num_hidden_layers) for hf_name, ours in QK_NORMS}
+
+
+def qk_norm_params(config: ModelConfig) -> int:
+    return len(QK_NORMS) * config.head_dim
+
+
 @register
 @dataclass(frozen=True, slots=True)
 class Qwen3(DenseDecoder):
@@ -35,12 +46,7 @@ class Qwen3(DenseDecoder):
                             sliding_window=window, layer_types=layer_types)
 
     def weight_map(self, config: ModelConfig) -> dict[str, WeightTarget]:
-        out = DenseDecoder.weight_map(self, config)
-        for i in range(config.num_hidden_layers):
-            for hf_name, ours in QK_NORMS:
-                out[f"model.layers.{i}.{hf_name}.weight"] = WeightTarget(
-                    f"layers.{i}.{ours}", None, (config.head_dim,))
-        return out
+        return DenseDecoder.weight_map(self, config) | qk_norm_weights(config)
 
     def params_per_layer(self, config: ModelConfig) -> int:
-        return DenseDecoder.params_per_layer(self, config) + len(QK_NORMS) * config.head_dim
+        return DenseDecoder.params_per_layer(self, config) + qk_norm_params(config)

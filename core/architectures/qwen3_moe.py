@@ -12,7 +12,7 @@ from twinserve.core.architectures import register
 from twinserve.core.architectures.base import FamilyFields, WeightTarget
 from twinserve.core.architectures.moe_base import MoEDecoder, read_moe
 from twinserve.core.architectures.qwen2_moe import qwen_window
-from twinserve.core.architectures.qwen3 import QK_NORMS
+from twinserve.core.architectures.qwen3 import qk_norm_params, qk_norm_weights
 
 if TYPE_CHECKING:
     from twinserve.core.model_config import ModelConfig
@@ -33,12 +33,7 @@ class Qwen3Moe(MoEDecoder):
                             moe=read_moe(raw, "num_experts", None, shared=False))
 
     def weight_map(self, config: ModelConfig) -> dict[str, WeightTarget]:
-        out = MoEDecoder.weight_map(self, config)
-        for i in range(config.num_hidden_layers):
-            for hf_name, ours in QK_NORMS:
-                out[f"model.layers.{i}.{hf_name}.weight"] = WeightTarget(
-                    f"layers.{i}.{ours}", None, (config.head_dim,))
-        return out
+        return MoEDecoder.weight_map(self, config) | qk_norm_weights(config)
 
     def dense_params_per_layer(self, config: ModelConfig) -> int:
-        return MoEDecoder.dense_params_per_layer(self, config) + len(QK_NORMS) * config.head_dim
+        return MoEDecoder.dense_params_per_layer(self, config) + qk_norm_params(config)

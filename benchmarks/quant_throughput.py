@@ -106,7 +106,10 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="gguf,fp32,llama.cpp")
+    ap.add_argument("--workloads", default="single,batch",
+                    help="comma-separated, of: " + ", ".join(WORKLOADS))
     args = ap.parse_args()
+    workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
     torch.set_num_threads(args.threads)
     from twinserve.gpu.default_model import default_model_path, gguf_path
     names = args.engines.split(",")
@@ -125,7 +128,7 @@ def main() -> None:
     first_token: dict[str, list[float]] = {}
     firsts: dict[str, list[int]] = {}
     for _ in range(args.rounds):
-        for workload, n in WORKLOADS.items():
+        for workload, n in workloads.items():
             for name, engine in engines.items():
                 engine.run(data[:n], 2)  # warm
                 seconds, first = engine.run(data[:n], MAX_TOKENS)
@@ -134,7 +137,7 @@ def main() -> None:
                 if workload == "single":
                     first_token.setdefault(name, []).append(engine.run(data[:1], 1)[0])
     report(engines, times, first_token, firsts)
-    if "gguf" in engines:
+    if "gguf" in engines and "single" in workloads:
         floor(engines["gguf"], times[("gguf", "single")], first_token["gguf"])
     for engine in engines.values():
         if isinstance(engine, LlamaCpp):
@@ -150,7 +153,7 @@ def report(engines: dict, times: dict, first_token: dict, firsts: dict) -> None:
     for other in engines:
         if other == "gguf" or "gguf" not in engines:
             continue
-        for workload in WORKLOADS:
+        for workload in sorted({w for _, w in times}, key=list(WORKLOADS).index):
             ratios = [b / a for a, b in zip(times[("gguf", workload)], times[(other, workload)])]
             print(f"twinserve gguf / {other} ({workload}): {statistics.median(ratios):.2f}x "
                   f"(per round: {' '.join(f'{r:.2f}' for r in ratios)})")

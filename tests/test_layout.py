@@ -83,3 +83,14 @@ def test_update_from_output_is_called_only_by_the_step_driver() -> None:
                     if isinstance(node, ast.Attribute) and node.attr == "update_from_output"
                     and not isinstance(getattr(node, "ctx", None), ast.Store)]
     assert callers == [], callers
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    """An installed wheel holds only the packages pyproject.toml lists."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(("twinserve", *p.parent.relative_to(ROOT).parts))
+             for folder in PROJECT_FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
+    assert found - listed == set()
+    assert "twinserve" in listed and listed - found == {"twinserve"}

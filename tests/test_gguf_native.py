@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quant_helpers import assert_close_runs
 
 from twinserve import LLM, SamplingParams
 from twinserve.gpu.quantization.cpu_kernel import kernel_available
 
 pytestmark = pytest.mark.skipif(not kernel_available(),
                                 reason="the C++ quantized kernel cannot be built (no g++?)")
-LOGPROB_TOL = 2e-3
 
 
 def _run(model: str, prompts: list, max_tokens: int, **kwargs) -> list:
@@ -23,14 +23,6 @@ def _run(model: str, prompts: list, max_tokens: int, **kwargs) -> list:
               max_model_len=256, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _assert_close_runs(a: list, b: list) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        lp_x = [next(iter(step.values())).logprob for step in x.logprobs]
-        lp_y = [next(iter(step.values())).logprob for step in y.logprobs]
-        assert np.allclose(lp_x, lp_y, atol=LOGPROB_TOL, rtol=0)
 
 
 def _k_quant_blocks(rng: np.random.Generator, kind, rows: int, k: int) -> np.ndarray:
@@ -105,7 +97,7 @@ def test_mixed_format_gguf_matches_its_fp32_conversion(tmp_path: Path,
     gguf_file = write_mixed_gguf(tmp_path / "mixed.gguf")
     prompts = [[5, 6, 7], [100, 3, 99, 42, 8, 120, 17, 64, 65, 66], [200] * 20]
     native = _run(str(gguf_file), prompts, 24)
-    _assert_close_runs(native, _run(str(resolve_model_path(gguf_file)), prompts, 24))
+    assert_close_runs(native, _run(str(resolve_model_path(gguf_file)), prompts, 24))
     llm = LLM(str(gguf_file), kv_cache_memory_bytes=16 << 20, max_model_len=64)
     model = llm.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj if hasattr(model.layers[0], "self_attn") \
@@ -126,7 +118,7 @@ def test_bundled_q4_1_gguf_matches_the_fp32_directory(default_model_dir: Path) -
                "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
                "1, 1, 2, 3, 5, 8,"]
     native = _run(str(gguf_path()), prompts, 32)
-    _assert_close_runs(native, _run(str(default_model_dir), prompts, 32))
+    assert_close_runs(native, _run(str(default_model_dir), prompts, 32))
 
 
 def test_gguf_weights_stay_quantized(default_model_dir: Path) -> None:

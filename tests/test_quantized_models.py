@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from quant_helpers import assert_close_runs
 from safetensors.torch import load_file, save_file
 
 from twinserve import LLM, SamplingParams
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.skipif(not kernel_available(),
                                 reason="the C++ quantized kernel cannot be built (no g++?)")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 6, 7], [11, 3, 99, 42, 8, 120, 17], [200] * 12, [1, 2]]
-LOGPROB_TOL = 2e-3
 
 
 def _build(path: Path, arch: str) -> Path:
@@ -103,21 +102,13 @@ def _greedy(model: str, quantization: str | None, **kwargs) -> list:
     return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def _assert_close_runs(a: list, b: list) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        lp_x = [next(iter(step.values())).logprob for step in x.logprobs]
-        lp_y = [next(iter(step.values())).logprob for step in y.logprobs]
-        assert np.allclose(lp_x, lp_y, atol=LOGPROB_TOL, rtol=0)
-
-
 @pytest.mark.parametrize("method, arch", [("int8", "llama"), ("fp8", "qwen2"), ("gptq", "llama"),
                                           ("awq", "qwen2")])
 def test_quantized_checkpoint_matches_its_dequantized_twin(base_dirs, tmp_path: Path,
                                                            method: str, arch: str) -> None:
     quantized, twin, quantization = _pair(base_dirs[arch], method, tmp_path)
     runs = _greedy(str(quantized), quantization)
-    _assert_close_runs(runs, _greedy(str(twin), None))
+    assert_close_runs(runs, _greedy(str(twin), None))
     if method in ("int8", "fp8"):  # and quantizing changed the original model's weights
         original = _greedy(str(base_dirs[arch]), None)
         assert any(r.logprobs != o.logprobs for r, o in zip(runs, original))

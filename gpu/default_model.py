@@ -82,14 +82,7 @@ def gguf_metadata_path(gguf_file: Path) -> Path:
     """A directory with ``gguf_file``'s config.json and tokenizer files but no weights, for
     running the file natively (``quantization="gguf"``); the bundled file maps to the default
     model's directory."""
-    source = gguf_file.resolve()
-    try:
-        if source == gguf_path().resolve():
-            return default_model_path()
-    except FileNotFoundError:
-        pass
-    target = cache_root() / "models" / "gguf-meta" / f"{source.stem}-{file_key(source)}"
-    return _cannot_convert(gguf_file, lambda: _converted(source, target, weights=False))
+    return _gguf_directory(gguf_file, "gguf-meta", weights=False)
 
 
 def file_key(source: Path) -> str:
@@ -113,14 +106,20 @@ def _cannot_convert(gguf_file: Path, convert: Callable[[], Path]) -> Path:
 def gguf_model_path(gguf_file: Path) -> Path:
     """The HF directory converted from ``gguf_file`` (the bundled file maps to the default
     model's directory, so its conversion is shared)."""
+    return _gguf_directory(gguf_file, "gguf", weights=True)
+
+
+def _gguf_directory(gguf_file: Path, kind: str, weights: bool) -> Path:
+    """The cached directory of ``kind`` converted from ``gguf_file``; the default model's for
+    the bundled file."""
     source = gguf_file.resolve()
     try:
         if source == gguf_path().resolve():
             return default_model_path()
     except FileNotFoundError:
         pass
-    target = cache_root() / "models" / "gguf" / f"{source.stem}-{file_key(source)}"
-    return _cannot_convert(gguf_file, lambda: _converted(source, target))
+    target = cache_root() / "models" / kind / f"{source.stem}-{file_key(source)}"
+    return _cannot_convert(gguf_file, lambda: _converted(source, target, weights=weights))
 
 
 def _converted(gguf_file: Path, target: Path, weights: bool = True) -> Path:

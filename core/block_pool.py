@@ -197,9 +197,10 @@ class BlockPool:
                 block.block_hash = block_hash
                 cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached hash; refused (False) while any block is in use, as in vLLM."""
-        if self.free_queue.num_free != len(self.blocks):
+    def reset_prefix_cache(self, num_reserved: int = 0) -> bool:
+        """Forgets every cached hash; refused (False) while any block is in use, as in vLLM
+        (``num_reserved``: blocks the owner holds for good, such as a null block)."""
+        if self.free_queue.num_free + num_reserved != len(self.blocks):
             return False
         for block in self.cached.values():
             block.block_hash = None

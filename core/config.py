@@ -31,6 +31,9 @@ class SchedulerConfig:
     # The model's attention window when every layer has one (None: some layer attends to the
     # whole context); blocks wholly outside it are freed (KVCacheManager).
     sliding_window: int | None = None
+    # A hybrid layout's KV cache groups, each one's window (None: full attention), when the
+    # model mixes layers (Gemma 2/3); empty for one group (core/kv_cache_groups.py).
+    kv_cache_group_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -47,6 +50,13 @@ class SchedulerConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
+        for value in self.kv_cache_group_windows:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"kv_cache_group_windows must hold positive integers or None, "
+                                 f"got {value!r}.")
+        if self.kv_cache_group_windows and self.sliding_window is not None:
+            raise ValueError("sliding_window and kv_cache_group_windows exclude each other.")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}.")

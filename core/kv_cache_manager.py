@@ -20,6 +20,7 @@ until evicted; a lookup still needs every block of the prefix.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -28,6 +29,17 @@ from twinserve.core.block_pool import BlockPool, KVCacheBlock
 from twinserve.core.request import Request
 
 _block_id = attrgetter("block_id")
+
+
+def check_window(window: int | None, name: str = "sliding_window") -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise ValueError(f"{name} must be a positive integer or None, got {window!r}.")
+
+
+def group_key(block_hash: int, salt: int | None) -> int:
+    """A block hash as a group's prefix-cache key (groups share one pool's index)."""
+    return block_hash if salt is None else hash((block_hash, salt))
 
 
 @dataclass(slots=True)
@@ -39,6 +51,9 @@ class BlockTable:
     num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
     num_dropped: int = 0  # leading blocks freed outside the sliding window (null_block there)
     host_blocks: list[KVCacheBlock] = field(default_factory=list)  # while swapped out
+    # Hybrid layouts (several KV cache groups): on group 0's table, every group's live ``ids``
+    # (``group_ids[0] is ids``); empty with one group.
+    group_ids: tuple[list[int], ...] = ()
 
     def append(self, blocks: list[KVCacheBlock]) -> None:
         self.blocks += blocks
@@ -61,27 +76,45 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}.")
         if num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}.")
-        if sliding_window is not None and (isinstance(sliding_window, bool)
-                                           or not isinstance(sliding_window, int)
-                                           or sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive integer or None, "
-                             f"got {sliding_window!r}.")
+        check_window(sliding_window)
         if sliding_window is not None and num_gpu_blocks < 2:
             raise ValueError("sliding_window needs num_gpu_blocks >= 2 (one is the null block).")
+        pool = BlockPool(num_gpu_blocks, enable_caching)
+        # Placeholder of freed out-of-window blocks; held by the manager (ref_cnt 1) for good.
+        null_block = pool.allocate(1)[0] if sliding_window is not None else None
+        self._setup(block_size, enable_caching, sliding_window, pool, null_block,
+                    BlockPool(num_cpu_blocks, enable_caching=False), None)
+
+    def _setup(self, block_size: int, enable_caching: bool, sliding_window: int | None,
+               pool: BlockPool, null_block: KVCacheBlock | None, host_pool: BlockPool,
+               key_salt: int | None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_gpu_blocks, enable_caching)
-        # Placeholder of freed out-of-window blocks; held by the manager (ref_cnt 1) for good.
-        self.null_block: KVCacheBlock | None = (self.pool.allocate(1)[0]
-                                                if sliding_window is not None else None)
-        self.host_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.pool = pool
+        self.null_block = null_block
+        self.host_pool = host_pool
+        # A hybrid layout's groups share the pool: each keys its prefix-cache entries apart
+        # (None: the plain block hashes, group 0's and a one-group manager's).
+        self.key_salt = key_salt
         self.tables: dict[str, BlockTable] = {}
         # Copies queued for the backend since the last ``take_block_ops``; None while there are
-        # none (the scheduler tests this attribute every step).
+        # none (the scheduler tests this attribute every step). A group queues on its owner's.
         self.block_ops: BlockOps | None = None
+        self.ops_owner: KVCacheManager = self
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0     # tokens found
+
+    @classmethod
+    def group_of(cls, owner: KVCacheManager, sliding_window: int | None,
+                 key_salt: int | None) -> KVCacheManager:
+        """One KV cache group of a hybrid ``owner``: its own tables over the owner's pools,
+        null block and queued copies."""
+        group = cls.__new__(cls)
+        group._setup(owner.block_size, owner.enable_caching, sliding_window, owner.pool,
+                     owner.null_block, owner.host_pool, key_salt)
+        group.ops_owner = owner
+        return group
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -97,6 +130,11 @@ class KVCacheManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: a decode that starts a block takes this many (one per group)."""
+        return 1
 
     @property
     def num_usable_blocks(self) -> int:
@@ -122,8 +160,9 @@ class KVCacheManager:
         hashes = update_block_hashes(request, self.block_size, max_hit_tokens)
         hits: list[KVCacheBlock] = []
         lookup = self.pool.cached.get
+        salt = self.key_salt
         for h in hashes:
-            block = lookup(h)
+            block = lookup(h if salt is None else group_key(h, salt))
             if block is None:
                 break
             hits.append(block)
@@ -141,37 +180,58 @@ class KVCacheManager:
         """Makes room for ``num_new_tokens`` more tokens after the computed ones (and after
         ``computed_blocks``, prefix-cache hits being adopted). Returns None, changing nothing,
         when the free blocks do not suffice; the scheduler then preempts."""
-        table = self.tables.get(request.request_id)
-        if table is None:
-            table = self.tables[request.request_id] = BlockTable()
-        bs = self.block_size
-        blocks = table.blocks
+        table = self.table_for(request)
         hits = computed_blocks or ()
-        num_computed = request.num_computed_tokens + len(hits) * bs
         if self.sliding_window is not None:
             # Blocks the coming queries cannot see are freed first, even if the allocation then
             # fails: they are not needed either way.
             self._drop_outside_window(table, request.num_computed_tokens)
+        plan = self.plan_slots(table, request, num_new_tokens, hits)
+        if plan is None:  # e.g. a decode whose slot lies in its own last block
+            return table
+        needed, num_new_blocks, cow = plan
+        if needed > self.pool.free_queue.num_free:
+            return None
+        if hits:
+            self.adopt(table, list(hits), request.num_computed_tokens + len(hits) * self.block_size)
+        self.grow(table, request, len(hits), num_new_blocks, cow)
+        return table
+
+    def table_for(self, request: Request) -> BlockTable:
+        table = self.tables.get(request.request_id)
+        if table is None:
+            table = self.tables[request.request_id] = BlockTable()
+        return table
+
+    def plan_slots(self, table: BlockTable, request: Request, num_new_tokens: int,
+                   hits: Sequence[KVCacheBlock]) -> tuple[int, int, bool] | None:
+        """What ``allocate_slots`` takes from the free queue, changing nothing: ``(blocks
+        needed, new blocks, copy-on-write)``; None when it needs nothing at all."""
+        bs = self.block_size
+        blocks = table.blocks
+        num_computed = request.num_computed_tokens + len(hits) * bs
         num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - len(blocks) - len(hits)
         write_idx = num_computed // bs
         cow = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
         if num_new_blocks <= 0:
-            if not cow and not hits:  # e.g. a decode whose slot lies in its own last block
-                return table
+            if not cow and not hits:
+                return None
             num_new_blocks = 0
         needed = num_new_blocks + cow
         if hits:  # free cached blocks to revive (those the window keeps)
             needed += sum(1 for b in hits[self._num_outside(num_computed, len(hits)):]
                           if not b.ref_cnt)
-        if needed > self.pool.free_queue.num_free:
-            return None
-        if hits:
-            self._adopt(table, list(hits), num_computed)
+        return needed, num_new_blocks, cow
+
+    def grow(self, table: BlockTable, request: Request, num_hits: int, num_new_blocks: int,
+             cow: bool) -> None:
+        """The second half of ``allocate_slots`` once the hits are adopted: the copy of a
+        shared block about to be written, then the new blocks."""
         if cow:
-            self._copy_on_write(table, write_idx)
+            self._copy_on_write(table, (request.num_computed_tokens + num_hits * self.block_size)
+                                // self.block_size)
         if num_new_blocks > 0:
             table.append(self.pool.allocate(num_new_blocks))
-        return table
 
     def _num_outside(self, num_computed: int, num_blocks: int) -> int:
         """Leading blocks (of ``num_blocks``) that no query from ``num_computed`` on can see."""
@@ -179,7 +239,7 @@ class KVCacheManager:
             return 0
         return min(num_blocks, max(0, num_computed - self.sliding_window + 1) // self.block_size)
 
-    def _adopt(self, table: BlockTable, hits: list[KVCacheBlock], num_computed: int) -> None:
+    def adopt(self, table: BlockTable, hits: list[KVCacheBlock], num_computed: int) -> None:
         """Prefix-cache hits into a new request's table; with a window, the hits outside it are
         not revived: their places hold the null block."""
         skip = self._num_outside(num_computed, len(hits))
@@ -237,6 +297,9 @@ class KVCacheManager:
             return
         hashes = update_block_hashes(request, self.block_size, num_full * self.block_size)
         first = max(table.num_cached_blocks, table.num_dropped)  # never cache the null block
+        if self.key_salt is not None:
+            salt = self.key_salt
+            hashes = [0] * first + [group_key(h, salt) for h in hashes[first:num_full]]
         if first + 1 == num_full:  # one block (a decode crossed a boundary): no slices
             self.pool.cache(table.blocks[first], hashes[first])
         else:
@@ -269,7 +332,8 @@ class KVCacheManager:
         host = self.host_pool.allocate(n)
         self._queued_ops().swap_out.extend(zip(table.ids[dropped:], (b.block_id for b in host)))
         self.pool.free(reversed(table.blocks[dropped:]))
-        table.blocks, table.ids, table.host_blocks = table.blocks[:dropped], table.ids[:dropped], host
+        del table.blocks[dropped:], table.ids[dropped:]  # in place: ``group_ids`` holds ids
+        table.host_blocks = host
         table.num_cached_blocks = dropped  # the null places are never cached again
         return True
 
@@ -291,31 +355,37 @@ class KVCacheManager:
         table.append(device)
 
     def _queued_ops(self) -> BlockOps:
-        if self.block_ops is None:
-            self.block_ops = BlockOps()
-        return self.block_ops
+        owner = self.ops_owner
+        if owner.block_ops is None:
+            owner.block_ops = BlockOps()
+        return owner.block_ops
 
     def take_block_ops(self) -> BlockOps:
         ops, self.block_ops = self.block_ops, None
         return BlockOps() if ops is None else ops
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        return self.pool.reset_prefix_cache(self.null_block is not None)
 
     # ---- checks --------------------------------------------------------------------------
+    def all_tables(self) -> Iterable[BlockTable]:
+        """Every request's table of every group."""
+        return self.tables.values()
+
     def check_consistency(self) -> None:
         """Full audit (O(blocks)), for tests: reference counts equal the table references, the
         free queue holds exactly the unreferenced blocks, and its counter is its length, on both
         pools; table ids mirror table blocks."""
         null = self.null_block
-        for table in self.tables.values():
+        tables = list(self.all_tables())
+        for table in tables:
             if table.ids != [b.block_id for b in table.blocks]:
                 raise AssertionError("a block table's ids differ from its blocks")
             if any((b is null) != (i < table.num_dropped) for i, b in enumerate(table.blocks)):
                 raise AssertionError("the null block is not exactly the dropped prefix")
         for pool, attr in ((self.pool, "blocks"), (self.host_pool, "host_blocks")):
             refs: dict[int, int] = {} if null is None or attr != "blocks" else {null.block_id: 1}
-            for table in self.tables.values():
+            for table in tables:
                 for b in getattr(table, attr):
                     if b is not null:
                         refs[b.block_id] = refs.get(b.block_id, 0) + 1

@@ -25,7 +25,9 @@ class ScheduledRequest:
 
     ``block_ids`` is the request's live block table (read-only for the backend, valid until
     ``update_from_output``). ``sample`` is true when this chunk reaches the end of the known tokens,
-    so the backend must sample the next token from the logits of the last position.
+    so the backend must sample the next token from the logits of the last position. A hybrid KV
+    layout (several KV cache groups) adds every group's live table in ``group_block_ids``
+    (``group_block_ids[0] is block_ids``); with one group it is empty.
 
     An entry is valid until the next ``schedule``: the scheduler updates a running decode's entry
     in place from step to step instead of building a new one (copy it to keep it longer).
@@ -36,6 +38,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     sample: bool
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def request_id(self) -> str:

@@ -29,7 +29,8 @@ from typing import Any
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.errors import EngineOverloaded
-from twinserve.core.kv_cache_manager import BlockTable, KVCacheManager
+from twinserve.core.kv_cache_coordinator import make_kv_cache_manager
+from twinserve.core.kv_cache_manager import BlockTable
 from twinserve.core.lora import LoRASlots
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.policy import SchedulingPolicy
@@ -75,9 +76,9 @@ class Scheduler:
         self.config = config
         self.policy = policy
         self.stream_outputs = stream_outputs
-        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.num_cpu_blocks,
-                                 config.sliding_window)
+        self.kv = make_kv_cache_manager(config.num_gpu_blocks, config.block_size,
+                                        config.enable_prefix_caching, config.num_cpu_blocks,
+                                        config.sliding_window, config.kv_cache_group_windows)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
@@ -271,16 +272,17 @@ class Scheduler:
                 entry = request.decode_entry
                 if entry is None:
                     entry = request.decode_entry = ScheduledRequest(request, start, 1, table.ids,
-                                                                    True)
+                                                                    True, table.group_ids)
                 else:  # a decode that needed a block (or a copy): same entry, same live table
                     entry.start = start
                     entry.block_ids = table.ids
+                    entry.group_block_ids = table.group_ids
                 append(entry)
                 decode_starts += start
                 if start > max_start:
                     max_start = start
             else:
-                self._add_scheduled(out, request, n, table.ids)
+                self._add_scheduled(out, request, n, table)
                 num_others += 1
         num_decodes = len(scheduled) - num_others
         if num_decodes:  # the decode-only totals are still zero: no decode was counted yet
@@ -339,7 +341,7 @@ class Scheduler:
                 reserved += seats - 1
                 policy.pop()
                 self._admit(request, now)
-                self._add_scheduled(out, request, n, self.kv.block_ids(request))
+                self._add_scheduled(out, request, n, self.kv.tables[request.request_id])
                 budget -= n
         finally:
             for request in reversed(skipped):
@@ -440,9 +442,10 @@ class Scheduler:
         out.preempted_request_ids.append(victim.request_id)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, n: int,
-                       block_ids: list[int]) -> None:
+                       table: BlockTable) -> None:
         start = request.num_computed_tokens
-        sr = ScheduledRequest(request, start, n, block_ids, start + n == len(request.all_token_ids))
+        sr = ScheduledRequest(request, start, n, table.ids, start + n == len(request.all_token_ids),
+                              table.group_ids)
         out.scheduled.append(sr)
         self._count(out, sr, 1)
 

@@ -27,7 +27,7 @@ class ReferenceScheduler(Scheduler):
                 if table is None:
                     break
             budget -= n
-            self._add_scheduled(out, request, n, table.ids)
+            self._add_scheduled(out, request, n, table)
         return budget, preempted
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,

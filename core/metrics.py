@@ -267,6 +267,21 @@ class StepLog(Sequence[StepRecord]):
                            out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
                            usage, len(out.preempted_request_ids), replica))
 
+    def record_decode_run(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
+                          ends: list[float], free_after: list[int], replica: int = 0,
+                          with_tenants: bool = True) -> None:
+        """The rows of a run of decode-only steps (``core.decode_run``) from ``start``: the rows
+        ``record_step`` would have appended for each (``free_after``: free blocks after each)."""
+        tenants = _tenant_tokens(out) if with_tenants else None
+        total = len(scheduler.kv.pool.blocks)
+        n, waiting, rows = len(out.scheduled), len(scheduler.policy), self._rows
+        for end, free in zip(ends, free_after):
+            if tenants:
+                self._tenants[len(rows)] = tenants  # one dict shared by the run's rows
+            usage = 1.0 - free / total if total else 0.0
+            rows.append((start, end - start, n, 0, n, n, waiting, usage, 0, replica))
+            start = end
+
     def raw(self) -> tuple[list[tuple[float, float, int, int, int, int, int, float, int, int]],
                            dict[int, dict[str, tuple[int, int]]]]:
         """The rows (``StepRecord``'s fields but ``tenant_tokens``, in order) and the tenant

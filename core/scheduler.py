@@ -148,6 +148,17 @@ class Scheduler:
         many start at the next step instead of waiting."""
         return max(0, self.config.max_num_seqs - len(self.running))
 
+    @property
+    def is_plain_decoding(self) -> bool:
+        """No n > 1 request seen and no policy watching the clock: a decode-only step changes
+        nothing but tokens and blocks (``core.decode_run`` may then advance several at once)."""
+        return not self._multi_sample and self._on_schedule is None
+
+    def drop_finished_ids(self) -> None:
+        """Forgets the ids finished since the last step, as a step whose output nobody reads
+        would have handed them out (``core.decode_run``)."""
+        self._finished_ids = []
+
     def _check_admission(self, request: Request) -> None:
         """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound. The
         request bound counts only the requests that will have to wait (those beyond the free

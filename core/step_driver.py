@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from twinserve.core.decode_run import DecodeRun
 from twinserve.core.metrics import RequestRecord, StepLog
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
@@ -139,6 +140,15 @@ class StepDriver:
             return outputs
 
         return complete
+
+    def complete_decode_run(self, run: DecodeRun, start: float, ends: list[float]) -> None:
+        """Applies a run of decode-only steps from ``start`` to ``ends[-1]`` and records its
+        steps (the twin's fast path, ``core.decode_run``; no request finishes in a run)."""
+        free_after = run.apply(ends)
+        rec = self.recorder
+        if rec.record_steps:
+            rec.steps.record_decode_run(run.out, self.scheduler, start, ends, free_after,
+                                        self.replica, rec.record_tenants)
 
     def end_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Tells the observers about a step that scheduled work."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from twinserve.core.decode_run import plan_decode_run as plan
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.metrics import RequestRecord
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -64,6 +65,9 @@ class Replica:
     step_time: Callable[[SchedulerOutput], float]
     tokens: SyntheticTokens = field(default_factory=SyntheticTokens)
     wakeup: simpy.Event | None = None
+    # Advance runs of decode-only steps in one call (core.decode_run); False: step by step, the
+    # reference. Only for step times that read the step's aggregates, not its entries' contexts.
+    decode_runs: bool = True
 
     def __post_init__(self) -> None:
         self.driver.on_release = self.tokens.release
@@ -111,6 +115,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
     step_time, timeout, peek = replica.step_time, env.timeout, env.peek
     # driver.schedule and driver.complete with their lookups done once (this runs every step)
     schedule, complete = sched.schedule, driver.completer()
+    complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     # Only other processes schedule events, and they run only while this one waits: the next
     # event's time is read once per resumption.
@@ -135,6 +140,18 @@ def engine_process(env: simpy.Environment, replica: Replica):
             horizon = peek()
         complete(out, sampled, now, end)
         now = end
+        run = plan(sched, SIMULATED_TOKEN) if decode_runs else None
+        if run is not None:
+            run_start, ends = now, []
+            for _ in range(run.max_steps):  # the steps that end before anything else is due
+                end = now + step_time(run.out)
+                if end >= horizon or base + (end - base) != end:
+                    break
+                ends.append(end)
+                now = end
+                run.next_step()
+            if ends:
+                complete_run(run, run_start, ends)
 
 
 def _rejected(request: Request, error: str) -> RequestRecord:

@@ -168,10 +168,13 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
 
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              adapters: LoRAAdapters | None = None,
-             structured: StructuredWorkload | None = None) -> SimResult:
+             structured: StructuredWorkload | None = None,
+             decode_runs: bool = True) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
-    ``structured``: the requests that decode under a grammar, charged its mask time."""
+    ``structured``: the requests that decode under a grammar, charged its mask time;
+    ``decode_runs``: advance runs of decode-only steps at once (``core.decode_run``; False
+    steps one at a time, the reference, with the same results)."""
     t0 = time.perf_counter()
     engine_config, cost, spec = build_engine_config(cfg)
     lora = lora_cost_for(cfg.engine, spec, cost.hardware, trace, adapters)
@@ -191,7 +194,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         step_times = ([step] * cfg.num_replicas if lora is None else
                       [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
-                                          recorder, i), step_time)
+                                          recorder, i), step_time,
+                            decode_runs=decode_runs)
                     for i, (policy, step_time) in enumerate(zip(_policies(cfg), step_times))]
         requests = _engine_requests(trace, vocab, block_size, structured)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))

@@ -1,0 +1,161 @@
+"""Runs of decode-only steps, advanced in one call: the twin's fast path.
+
+Between two events (an arrival, a finish, a step that would fail to get a block) a batch that only
+decodes repeats the same step: every running request gets one token, the waiting queue stays
+empty, nothing is preempted. The scheduler's per-step work is then predictable, so the twin
+(``simulator.engine``) advances ``k`` such steps at once instead of calling ``schedule`` and
+``update_from_output`` ``k`` times::
+
+    run = plan_decode_run(scheduler, token)        # None unless the next steps are such a run
+    for each step the twin's clock allows (at most run.max_steps):
+        duration = step_time(run.out)              # the cost model reads the step's aggregates
+        run.next_step()                            # aggregates of the step after
+    run.apply(ends)                                # the k steps' effects, in the same order
+
+``apply`` makes exactly the calls the step-by-step path would make, in the same order: the
+``append_slot`` of each decode that starts a block (at schedule time) and the
+``cache_full_blocks`` of each that fills one (at update time), step by step, so block ids,
+prefix-cache hashes, evictions and the free count after each step are the same. The per-token work
+(appending the token and its time) is one ``extend`` per request. The plain reference is the
+step-by-step loop itself; ``tests/test_decode_run.py`` compares the two run for run.
+
+The real engine never uses this: its tokens come from the model, one step at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinserve.core.outputs import SchedulerOutput
+from twinserve.core.request import RequestStatus
+from twinserve.core.scheduler import Scheduler
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """The next steps of ``scheduler``, all decode-only. ``out`` holds the aggregates of the step
+    about to be timed (the cost model's input; its entries are the running decodes)."""
+
+    scheduler: Scheduler
+    token: int
+    max_steps: int
+    out: SchedulerOutput
+    starts: list[int]  # each running request's num_computed_tokens before the run
+
+    def next_step(self) -> None:
+        """Moves ``out`` to the following step: every context one token longer."""
+        out, n = self.out, self.out.num_decode_seqs
+        out.sum_context_tokens += n
+        out.sum_decode_context_tokens += n
+        out.max_decode_context += 1
+
+    def apply(self, ends: list[float]) -> list[int]:
+        """Applies ``len(ends)`` steps (``ends``: their end times), as ``schedule`` and
+        ``update_from_output`` would have, one step after the other. Returns the free device
+        blocks after each step (its step row's KV usage)."""
+        k = len(ends)
+        if not 0 < k <= self.max_steps:
+            raise ValueError(f"a decode run of {self.max_steps} steps cannot apply {k}.")
+        sched = self.scheduler
+        running, starts, token = sched.running, self.starts, self.token
+        tokens = [token] * k
+        for request in running:
+            request.output_token_ids += tokens
+            request.all_token_ids += tokens
+            request.token_times += ends
+        free_after = self._block_events(k)
+        for request, start in zip(running, starts):
+            request.num_computed_tokens = start + k
+            request.decode_entry.start = start + k - 1  # type: ignore[union-attr]
+        on_tokens = sched.policy.on_output_tokens if sched.policy.accounts_tokens else None
+        if on_tokens is not None:  # one token at a time: the policy's float sums stay the same
+            for _ in range(k):
+                for request in running:
+                    on_tokens(request, 1)
+        sched.num_generation_tokens += k * len(running)
+        sched.drop_finished_ids()  # what the run's first step would have handed the backend
+        return free_after
+
+    def _block_events(self, k: int) -> list[int]:
+        """The block-table calls of ``k`` steps in the order the step-by-step path makes them:
+        step by step, a step's new blocks (running order) before its newly full blocks. Returns
+        the free blocks after each step."""
+        sched = self.scheduler
+        kv, bs = sched.kv, sched.kv.block_size
+        caching = sched.kv.enable_caching
+        events: list[tuple[int, int, int]] = []
+        for i, start in enumerate(self.starts):
+            events.extend((j, 0, i) for j in range((-start) % bs, k, bs))
+            if caching:
+                events.extend((j, 1, i) for j in range((-start - 1) % bs, k, bs))
+        free_queue = kv.pool.free_queue
+        if not events:
+            return [free_queue.num_free] * k
+        events.sort()
+        events.append((k, 0, 0))  # a sentinel past the last step
+        running, starts = sched.running, self.starts
+        free_after: list[int] = []
+        e = 0
+        for step in range(k):
+            j, phase, i = events[e]
+            while j == step:
+                request = running[i]
+                request.num_computed_tokens = starts[i] + j + phase
+                if phase == 0:
+                    if kv.append_slot(request) is None:
+                        raise RuntimeError(f"decode run: no block for {request.request_id!r} "
+                                           "(plan_decode_run counted the free blocks)")
+                else:
+                    kv.cache_full_blocks(request)
+                e += 1
+                j, phase, i = events[e]
+            free_after.append(free_queue.num_free)
+        return free_after
+
+
+def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
+    """The run of decode-only steps ``sched`` would schedule next, each request sampling
+    ``token``; None unless at least one such step precedes the next finish. Ineligible: waiting
+    requests, LoRA, n > 1 samples, policies that watch the clock, pending block copies, a budget
+    below the batch, a request whose stop ids hold ``token``."""
+    running = sched.running
+    n = len(running)
+    if (not n or len(sched.policy) or sched.loras is not None or not sched.is_plain_decoding
+            or sched.kv.block_ops is not None or n > sched.config.max_num_batched_tokens):
+        return None
+    max_steps = 1 << 62
+    starts: list[int] = []
+    for request in running:
+        start = request.num_computed_tokens
+        if (request.decode_entry is None or request.status != _RUNNING
+                or len(request.all_token_ids) - start != 1
+                or start < request.num_prompt_tokens or token in request.stop_ids):
+            return None
+        # the step producing the last token is left to the step-by-step path (it finishes)
+        left = request.max_output_tokens - len(request.output_token_ids) - 1
+        if left < max_steps:
+            max_steps = left
+        starts.append(start)
+    if max_steps <= 0:
+        return None
+    max_steps = _steps_with_blocks(sched, starts, max_steps)
+    if max_steps <= 0:
+        return None
+    out = SchedulerOutput()
+    out.scheduled = [r.decode_entry for r in running]  # type: ignore[misc]
+    out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
+    out.sum_context_tokens = out.sum_decode_context_tokens = sum(starts) + n
+    out.max_decode_context = max(starts) + 1
+    return DecodeRun(sched, token, max_steps, out, starts)
+
+
+def _steps_with_blocks(sched: Scheduler, starts: list[int], max_steps: int) -> int:
+    """The most of ``max_steps`` steps whose new blocks the free blocks cover (counting one per
+    decode that starts a block; a sliding window's freed blocks only add to that)."""
+    free, bs = sched.kv.pool.free_queue.num_free, sched.kv.block_size
+    if len(starts) * (max_steps // bs + 1) <= free:
+        return max_steps
+    steps = sorted(j for start in starts for j in range((-start) % bs, max_steps, bs))
+    return max_steps if len(steps) <= free else steps[free]

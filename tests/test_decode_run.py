@@ -1,0 +1,185 @@
+"""The twin's fast path (``core.decode_run``: runs of decode-only steps advanced in one call)
+against its reference, the step-by-step loop: the same request records and step rows, float for
+float, across the features a run must respect (prefix caching, sliding windows, preemption by
+recompute and swap, tenants, priorities, replicas, structured-output costs), and runs that do
+happen (a fast path never taken would pass any comparison)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from core_helpers import fake_execute, make_req, make_scheduler, step
+
+from twinserve.core import decode_run
+from twinserve.core.decode_run import DecodeRun, plan_decode_run
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.simulator import SimConfig, SimResult, simulate
+from twinserve.simulator.structured_cost import StructuredWorkload
+from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace
+
+SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
+TOKEN = 17
+
+
+def _rows(result: SimResult) -> tuple[list, list]:
+    """Request records (nan as a marker: nan != nan) and step rows."""
+    def marked(value):
+        return "nan" if isinstance(value, float) and math.isnan(value) else value
+    records = [tuple(map(marked, dataclasses.astuple(r))) for r in result.records]
+    return records, [dataclasses.astuple(s) for s in result.steps]
+
+
+def _assert_same(monkeypatch: pytest.MonkeyPatch, cfg: SimConfig, trace: list[TraceRequest],
+                 min_share: float, **kw) -> None:
+    """The fast path's results equal the reference's, and at least ``min_share`` of the steps
+    were advanced inside decode runs."""
+    reference = _rows(simulate(cfg, trace, decode_runs=False, **kw))
+    in_runs = [0]
+    apply = DecodeRun.apply
+
+    def counting_apply(self: DecodeRun, ends: list[float]) -> list[int]:
+        in_runs[0] += len(ends)
+        return apply(self, ends)
+
+    monkeypatch.setattr(decode_run.DecodeRun, "apply", counting_apply)
+    fast = simulate(cfg, trace, **kw)
+    assert _rows(fast) == reference
+    assert in_runs[0] >= min_share * len(fast.steps), (in_runs[0], len(fast.steps))
+
+
+@pytest.fixture(scope="module")
+def azure_slice() -> list[TraceRequest]:
+    return first_n(load_trace("azure-conv"), 300)
+
+
+def test_default_replay_of_an_azure_slice(monkeypatch, azure_slice) -> None:
+    _assert_same(monkeypatch, SimConfig(), azure_slice, 0.5)
+
+
+@pytest.mark.parametrize("changes", [
+    {"enable_prefix_caching": False},
+    {"num_gpu_blocks_override": 400, "preemption_mode": "recompute"},
+    {"num_gpu_blocks_override": 400, "preemption_mode": "swap", "swap_space": 1},
+    {"max_num_seqs": 8, "max_num_batched_tokens": 512},
+    {"num_replicas": 3, "router": "least-outstanding"},
+], ids=["no-prefix-cache", "recompute", "swap", "small-batches", "replicas"])
+def test_engine_settings(monkeypatch, azure_slice, changes) -> None:
+    _assert_same(monkeypatch, SimConfig(**SMALL).replace(**changes), azure_slice[:120], 0.3)
+
+
+def test_sliding_window_model_frees_blocks_inside_runs(monkeypatch) -> None:
+    # Mistral's 4,096-token window, outputs long enough to cross it: blocks are dropped in runs
+    trace = [TraceRequest(f"r{i}", 0.5 * i, 3000 + 97 * i, 1500) for i in range(6)]
+    _assert_same(monkeypatch, SimConfig(model="mistral-7b-v0.1", hardware="h100-sxm"), trace, 0.9)
+
+
+def test_two_tenants_under_fair_and_priorities_under_priority(monkeypatch) -> None:
+    tenants = synthetic_trace(SyntheticConfig(num_requests=100, input_len=300, output_len=120,
+                                              range_ratio=0.5,
+                                              tenant_rates={"heavy": 30.0, "light": 10.0}))
+    _assert_same(monkeypatch, SimConfig(scheduling_policy="fair", **SMALL), tenants, 0.3)
+    ranked = synthetic_trace(SyntheticConfig(num_requests=100, request_rate=40.0, input_len=300,
+                                             output_len=120, range_ratio=0.5,
+                                             priorities={0: 1.0, 1: 2.0}))
+    _assert_same(monkeypatch, SimConfig(scheduling_policy="priority", **SMALL), ranked, 0.3)
+
+
+def test_structured_output_mask_costs(monkeypatch, azure_slice) -> None:
+    _assert_same(monkeypatch, SimConfig(), azure_slice[:120], 0.5,
+                 structured=StructuredWorkload(0.5))
+
+
+# ---- when a run may start, and how far it goes --------------------------------------------
+def _decoding(num: int = 2, max_tokens: int = 10, num_blocks: int = 64,
+              stop_token_ids: tuple[int, ...] = ()):
+    """``num`` requests of 20 prompt tokens in 4-token blocks, after their prefill and first
+    decode: every running request has its decode entry, 21 tokens computed, 2 out."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            stop_token_ids=list(stop_token_ids),
+                            min_tokens=3 if stop_token_ids else 0)
+    for i in range(num):
+        sched.add_request(make_req(f"r{i}", 20, params=params))
+    step(sched, 0.0, TOKEN)
+    step(sched, 0.01, TOKEN)
+    return sched
+
+
+def test_a_run_covers_the_steps_before_the_first_finish() -> None:
+    sched = _decoding(max_tokens=10)
+    run = plan_decode_run(sched, TOKEN)
+    assert run is not None and run.max_steps == 10 - 2 - 1  # the finishing step is left out
+    assert (run.out.num_decode_seqs, run.out.total_num_scheduled_tokens) == (2, 2)
+    assert run.out.sum_decode_context_tokens == 2 * 22  # each decode attends to 21 + 1 positions
+    run.next_step()
+    assert (run.out.sum_context_tokens, run.out.max_decode_context) == (2 * 23, 23)
+
+
+@pytest.mark.parametrize("blocker", ["waiting", "stop-token", "multi-sample", "last-token"])
+def test_no_run_when_the_next_step_may_differ(blocker: str) -> None:
+    sched = _decoding(max_tokens=3 if blocker == "last-token" else 10,
+                      stop_token_ids=(TOKEN,) if blocker == "stop-token" else ())
+    token = TOKEN
+    if blocker == "waiting":
+        sched.add_request(make_req("late", 20))
+    elif blocker == "multi-sample":
+        sched.add_request(make_req("forked", 20, params=SamplingParams(n=2)))
+        sched.finish_requests(["forked"], 0.02)  # gone, but an n > 1 request was seen
+    assert plan_decode_run(sched, token) is None
+
+
+def test_a_run_stops_where_the_free_blocks_end() -> None:
+    sched = _decoding(max_tokens=40, num_blocks=16)
+    free = sched.kv.num_free_blocks
+    assert free == 16 - 2 * 6  # 5 prompt blocks and the block of position 20 each
+    run = plan_decode_run(sched, TOKEN)
+    assert run is not None
+    # both start a block when position 24, 28, ... comes (steps 3, 7, ...): 2 blocks per 4 steps
+    assert run.max_steps == 3 + 4 * (free // 2) < 40 - 3
+    run.apply([0.02 + 0.01 * k for k in range(run.max_steps)])
+    sched.kv.check_consistency()
+    assert sched.kv.num_free_blocks == 0
+    assert all(r.num_computed_tokens == 21 + run.max_steps
+               and len(r.all_token_ids) == 22 + run.max_steps for r in sched.running)
+    assert plan_decode_run(sched, TOKEN) is None  # the next step needs a block: no run
+
+
+def _kv_state(sched) -> tuple:
+    """Everything a later step could observe of the KV cache and the requests."""
+    pool = sched.kv.pool
+    return (sorted((h, b.block_id) for h, b in pool.cached.items()),
+            [b.block_id for b in pool.free_queue],
+            {rid: list(t.ids) for rid, t in sched.kv.tables.items()},
+            [(r.request_id, r.num_computed_tokens, list(r.all_token_ids), list(r.token_times),
+              list(r.block_hashes), r.decode_entry.start) for r in sched.running],
+            sched.num_generation_tokens)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_apply_leaves_the_scheduler_as_the_steps_would(caching: bool) -> None:
+    # mixed positions in 4-token blocks, a cache with cached-but-free blocks to evict
+    def build():
+        sched = make_scheduler(num_blocks=60, block_size=4, enable_prefix_caching=caching)
+        for i, (prompt, out) in enumerate([(13, 3), (21, 40), (18, 35), (30, 50), (9, 44)]):
+            sched.add_request(make_req(f"r{i}", prompt, out))
+        now = 0.0
+        while len(sched.running) != 4 or any(r.decode_entry is None for r in sched.running):
+            step(sched, now, TOKEN)
+            now += 0.01
+        return sched, now
+
+    reference, now = build()
+    fast, _ = build()
+    run = plan_decode_run(fast, TOKEN)
+    assert run is not None and run.max_steps >= 12
+    ends = [now + 0.01 * (k + 1) for k in range(12)]
+    free_after = run.apply(ends)
+    for end in ends:
+        out = reference.schedule(end - 0.01)
+        assert out.num_decode_seqs == out.total_num_scheduled_tokens == 4
+        reference.update_from_output(out, fake_execute(out, TOKEN), end)
+        assert reference.kv.num_free_blocks == free_after[ends.index(end)]
+    assert _kv_state(fast) == _kv_state(reference)
+    fast.kv.check_consistency()

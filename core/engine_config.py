@@ -10,7 +10,9 @@ both get the same scheduler settings, block counts and dtype, by construction:
 - dtype: ``auto`` is the checkpoint's half dtype on CUDA; on a CPU bfloat16 only where the
   processor has native bf16 matmuls, else float32 (exact to the checkpoint);
 - ``max_model_len``: the model's limit unless lower; above it is an error, worded as vLLM's;
-- KV blocks: the KV byte budget over one block's bytes (per tensor-parallel rank). On a CPU the
+- KV blocks: the KV byte budget over one block's bytes (per tensor-parallel rank; a block spans
+  the layers of one KV cache group, all of them unless the model mixes sliding and full layers:
+  ``core/kv_cache_groups.py``). On a CPU the
   budget is ``kv_cache_memory_bytes`` (default 2 GiB) within half the memory available; on a GPU
   ``total * gpu_memory_utilization`` minus what weights and activations take (``non_kv_bytes``:
   measured by the real engine, estimated by the twin). Host blocks come from ``swap_space``.
@@ -28,6 +30,7 @@ from typing import Any
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.kv_cache_groups import KVCacheLayout, layout_for_model
 from twinserve.core.model_config import DTYPE_BYTES, ModelConfig
 from twinserve.core.quantization import kv_value_bytes
 
@@ -133,13 +136,38 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig,
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
-                   tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> int:
-    """Keys and values of one block across all layers, on one rank (KV heads are split across
+                   tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                   num_layers: int | None = None) -> int:
+    """Keys and values of one block across ``num_layers`` layers (all by default; a hybrid
+    layout's block spans one group's ``slots_per_block``), on one rank (KV heads are split across
     ranks and replicated when there are fewer of them than ranks); an fp8 cache stores one byte
     per value."""
     heads = max(1, model.num_key_value_heads // tensor_parallel_size)
     value_bytes = kv_value_bytes(kv_cache_dtype, DTYPE_BYTES[dtype])
-    return 2 * model.num_hidden_layers * block_size * heads * model.head_dim * value_bytes
+    layers = model.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * heads * model.head_dim * value_bytes
+
+
+def kv_cache_layout_of(model: ModelConfig, disable_sliding_window: bool = False) -> KVCacheLayout:
+    """The model's KV cache groups (one unless it mixes sliding-window and full layers)."""
+    return layout_for_model(model.num_hidden_layers, model.layer_window, disable_sliding_window)
+
+
+def sequence_kv_tokens(layout: KVCacheLayout, num_blocks: int, block_size: int,
+                       max_chunk: int) -> int:
+    """The longest sequence ``num_blocks`` hold. One group: every block's tokens. Hybrid: the
+    full groups hold the sequence, each sliding group its window and one chunk
+    (``KVCacheManager.max_blocks_held``), one block is the null block."""
+    if layout.num_groups == 1:
+        return num_blocks * block_size
+    usable = num_blocks - 1
+    caps = [-(-(w - 1 + max_chunk) // block_size) + 1
+            for w in layout.group_windows if w is not None]
+    every = usable // layout.num_groups  # while every group holds the whole sequence
+    if every <= min(caps):
+        return every * block_size
+    full = layout.num_groups - len(caps)
+    return max(0, (usable - sum(caps)) // full) * block_size
 
 
 def kv_cache_budget(args: EngineArgs, platform: Platform, non_kv_bytes: int) -> int:
@@ -161,14 +189,17 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
     max_len = resolve_max_model_len(args.max_model_len, model, args.disable_sliding_window)
     max_batched = args.max_num_batched_tokens or batched
-    block_bytes = kv_block_bytes(model, args.block_size, dtype, tp, args.kv_cache_dtype)
+    layout = kv_cache_layout_of(model, args.disable_sliding_window)
+    block_bytes = kv_block_bytes(model, args.block_size, dtype, tp, args.kv_cache_dtype,
+                                 layout.slots_per_block)
     budget = kv_cache_budget(args, platform, non_kv_bytes)
     num_blocks = budget // block_bytes if budget > 0 else 0
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     if num_blocks <= 0:
         raise _no_room(platform, args, non_kv_bytes)
-    kv_tokens = num_blocks * args.block_size
+    chunk = max_batched if args.enable_chunked_prefill else max_len
+    kv_tokens = sequence_kv_tokens(layout, num_blocks, args.block_size, chunk)
     max_len = _fit_max_model_len(args, max_len, kv_tokens)
     model.check_servable(max_len)  # what the model's attention can honour
     if not args.enable_chunked_prefill:
@@ -188,7 +219,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         num_cpu_blocks=int(args.swap_space * GIB) // block_bytes,
         max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens,
         max_loras=lora.max_loras if lora is not None else 0,
-        sliding_window=None if args.disable_sliding_window else model.kv_sliding_window)
+        sliding_window=None if args.disable_sliding_window else model.kv_sliding_window,
+        kv_cache_group_windows=layout.group_windows if layout.num_groups > 1 else ())
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
                         num_blocks * block_bytes, block_bytes, scheduler)
 

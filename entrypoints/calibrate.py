@@ -11,11 +11,23 @@ repeats) plus synthetic workloads through the real engine loop, which time the w
 every forward timing (relative error), the loop overhead (step minus forward) on the loop's steps;
 the profile holds their sum. Swap copies are timed too and set the profile's ``pcie_bandwidth``.
 
+The default grid covers the engine's space: prefill chunks of 16 tokens up to the batch budget
+(several prompts' chunks where the budget exceeds the model length), after cached prefixes;
+decode batches of 1 to ``max_num_seqs`` at contexts up to the model length (2k on the CPU, 4k on
+a GPU), equal and spread; decodes with a prefill chunk. Timed in a shuffled order, and fitted
+with outliers left out, so that a burst of other work on a shared host does not bend the fit.
+The report gives the fit's error per region of that space (decode batch x context, prefill
+tokens fresh or after a cached prefix, mixed steps), the profile is good for any workload.
+
 From runs (``--from-run``): the per-step samples ``validate`` records in ``RUN/step_features.csv``
-(every real step's aggregates and measured seconds), fitted by absolute least squares so the
-predicted total of the run's step times equals the measured one. This is the most faithful data.
-Several runs are fitted at the median run's speed: on a shared host whole runs go faster or
-slower, and the report lists each run's speed against the fit.
+(every real step's aggregates and measured seconds). With ``--backend-samples CSV`` (the
+``--samples-out`` of a backend calibration) they join the micro-benchmarks and engine-loop steps
+in one fit, each source weighing the same: the runs correct the machine's speed and loop costs,
+the grid keeps the regions the runs never reached. Without, they are fitted alone by absolute
+least squares so the predicted total of the run's step times equals the measured one: the most
+faithful on those runs' own steps, extrapolated elsewhere (the report says so). Several runs
+are fitted at the median run's speed: on a shared host whole runs go faster or slower, and the
+report lists each run's speed against the fit.
 To refine a backend calibration, pass it as the base: ``--from-run RUN --base-hardware OLD.json``
 keeps its measured swap bandwidth and other fits and replaces this model's fit.
 
@@ -133,6 +145,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
                    help="fit from the steps recorded by validate in these real run folders")
     p.add_argument("--samples-out", default=None, help="also write the samples as CSV")
+    p.add_argument("--backend-samples", default=None, metavar="CSV",
+                   help="with --from-run: a backend calibration's --samples-out, fitted jointly "
+                        "with the runs' steps (a profile good for any workload, not only theirs)")
     add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_calibrate)
@@ -170,7 +185,10 @@ def _from_runs(run_dirs: list[str], key: str) -> Any:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from twinserve.core.step_sample import write_samples
+    if args.backend_samples and not args.from_run:
+        raise ValueError("--backend-samples joins a backend calibration's samples to --from-run "
+                         "runs: give --from-run too.")
+    from twinserve.core.step_sample import read_samples, write_samples
     from twinserve.gpu.platform import current_platform
     from twinserve.simulator.calibration import calibrate_from_runs, save_profile
     from twinserve.simulator.hardware import load_hardware
@@ -179,7 +197,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)
         name = args.profile_model or load_model_spec(model).name
         tp = args.tensor_parallel_size or _from_runs(args.from_run, "tensor_parallel_size") or 1
-        cal = calibrate_from_runs(args.from_run, name, int(tp))
+        backend = read_samples(args.backend_samples) if args.backend_samples else []
+        cal = calibrate_from_runs(args.from_run, name, int(tp), backend)
         block_size = args.block_size or 16
         note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
         platform = interconnect = None

@@ -2,8 +2,9 @@
 
 1. Simulates a slice of the bundled Azure conv trace on a Llama-3-8B / H100 twin under fcfs,
    priority and fair, with a heavy and a light tenant and two priority classes.
-2. Replays a short slice through the real engine on the bundled SmolLM2-135M model (CPU), and the
-   same slice through the twin calibrated on it, so the report shows simulation against reality.
+2. Calibrates the twin of the bundled SmolLM2-135M model (CPU) with ``twinserve calibrate``'s
+   defaults, then replays a short slice through the real engine and through that twin, so the
+   report shows simulation against reality.
 3. Writes one HTML report comparing every run.
 """
 
@@ -66,15 +67,23 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _real_vs_sim(out: Path, num_requests: int, seed: int) -> list[Path]:
-    """The real engine on the bundled model (CPU) and its twin, calibrated first, on one short
-    slice of the same trace: lengths clipped so a 2-core CPU replays it in a minute or two, and
-    slowed down (time scale 0.2) so the small engine runs near saturation."""
+    """The real engine on the bundled model (CPU) and its twin on one short slice of the same
+    trace: lengths clipped so a 2-core CPU replays it in a minute or two, and slowed down (time
+    scale 0.2) so the small engine runs near saturation. The twin's profile comes from
+    ``twinserve calibrate`` with its defaults at the same engine limits (the whole step space,
+    no trace), as a user would calibrate once for every workload."""
     from twinserve.entrypoints.cli import build_parser
     folder = out / "real-vs-sim"
-    args = build_parser().parse_args([
+    engine = ["--max-model-len", "128", "--max-num-seqs", "64",
+              "--max-num-batched-tokens", "256"]
+    profile = folder / "profile.json"
+    parser = build_parser()
+    calibrate = parser.parse_args(["calibrate", *engine, "--out", str(profile)])
+    calibrate.handler(calibrate)
+    args = parser.parse_args([
         "validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
-        "--max-model-len", "128", "--max-output-tokens", "32", "--time-scale", "0.2",
-        "--tenants", "heavy=4,light=1", "--seed", str(seed), "--policy", "fcfs",
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--out", str(folder)])
+        "--max-output-tokens", "32", "--time-scale", "0.2", "--tenants", "heavy=4,light=1",
+        "--seed", str(seed), "--policy", "fcfs", *engine, "--profile", str(profile),
+        "--out", str(folder)])
     args.handler(args)
     return [folder / "real", folder / "sim"]

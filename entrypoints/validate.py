@@ -23,9 +23,10 @@ measure how far the twin lands.
    steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
-Without ``--profile`` the backend is calibrated first (quick mode) and the profile saved as
-``OUT/profile.json``. ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares
-against real run folders written before (same workload flags): handy to try another profile.
+Without ``--profile`` the backend is calibrated first (``twinserve calibrate``'s grid; ``--quick``
+for a smaller one) and the profile saved as ``OUT/profile.json``. ``--reuse-real RUN_DIR
+[RUN_DIR ...]`` skips the real replay and compares against real run folders written before (same
+workload flags): handy to try another profile.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_trace_args(p)
     p.add_argument("--model", default=None, help="HF model directory (default: bundled model)")
     p.add_argument("--profile", default=None,
-                   help="calibrated hardware profile (default: calibrate first, quick)")
+                   help="calibrated hardware profile (default: calibrate first)")
     p.add_argument("--reuse-real", nargs="+", default=None, metavar="RUN_DIR",
                    help="compare against these real run folders instead of replaying again")
     p.add_argument("--real-repeats", type=_positive_int, default=1, metavar="N",
@@ -104,12 +105,13 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
     profile = args.profile
     if profile is None:
         from twinserve.simulator.model_spec import load_model_spec
-        cal = calibrate_backend(runner, eargs, load_model_spec(model).name, quick=True,
+        cal = calibrate_backend(runner, eargs, load_model_spec(model).name, quick=args.quick,
                                 warmup=args.warmup, repeats=args.repeats,
                                 engine_loop=args.engine_loop, log=log)
         base = args.base_hardware or base_hardware_for(args.device)
         profile = save_profile(cal, model, base, out / "profile.json",
-                               eargs.block_size, "Calibrated by validate (quick).",
+                               eargs.block_size,
+                               f"Calibrated by validate{' (quick)' if args.quick else ''}.",
                                current_platform(runner.device),
                                measure_interconnect(runner, eargs, log))
         log(cal.report)

@@ -19,6 +19,7 @@ nothing of the simulator (``gpu`` never imports ``simulator``): it produces samp
 
 from __future__ import annotations
 
+import random
 import statistics
 import tempfile
 import time
@@ -154,11 +155,19 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
     if batches[-1] < max_num_seqs <= 256:
         batches.append(max_num_seqs)
     contexts = ((64, 512) if quick else (32, 128, 512, 1536)) + ((4096,) if gpu else ())
+    if not quick:  # decode contexts reach the model length (up to the longest profiled)
+        reach = min(max_model_len - 1, 4096 if gpu else 2048)
+        contexts = tuple(sorted({c for c in contexts if c < reach} | {reach}))
     specs: list[StepSpec] = []
     for n in tokens:
         for s in cached:
             if n + s <= max_model_len and (s == 0 or n <= 512):
                 specs.append(StepSpec(prefills=((n, s),)))
+    # a budget above the model length is filled by several prompts' chunks in one step
+    chunk = min(max_model_len, 512)
+    for k in () if quick else (2, 4):
+        if k * chunk <= min(max_num_batched_tokens, longest) and k <= max_num_seqs:
+            specs.append(StepSpec(prefills=((chunk, 0),) * k))
     for b in batches:
         for c in contexts:
             if c < max_model_len:
@@ -175,12 +184,19 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
 
 
 def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup: int = 1,
-                         repeats: int = 3, progress: Log | None = None) -> list[StepSample]:
+                         repeats: int = 3, progress: Log | None = None,
+                         seed: int = 0) -> list[StepSample]:
     """Times ``runner.execute`` on each hand-built step; ``seconds`` is the median of repeats.
     Steps whose blocks do not fit the runner's cache are skipped (reported through ``progress``)."""
-    out = []
+    timed: dict[int, StepSample] = {}
     sync = _sync_for(runner.device)
-    for k, spec in enumerate(specs):
+    # timed in a shuffled (seeded) order, returned in the grid's: a burst of other work on the
+    # host then slows steps scattered over the space, which the fit can tell for outliers,
+    # instead of a whole region of it
+    order = list(range(len(specs)))
+    random.Random(seed).shuffle(order)
+    for k, i in enumerate(order):
+        spec = specs[i]
         try:
             step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
         except ValueError as exc:
@@ -189,10 +205,10 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
             continue
         times = time_call(partial(runner.execute, step), warmup, repeats, sync)
         median = statistics.median(times)
-        out.append(StepSample.of_step(step, median, median, times))
+        timed[i] = StepSample.of_step(step, median, median, times)
         if progress:
             progress(f"[{k + 1}/{len(specs)}] {spec.label():<40} {median * 1e3:9.1f} ms")
-    return out
+    return [timed[i] for i in sorted(timed)]
 
 
 def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1,

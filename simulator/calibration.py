@@ -33,7 +33,7 @@ import numpy as np
 
 from twinserve.core.engine_config import Platform
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
-from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples
+from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples, step_kind
 from twinserve.simulator.cost_model import (
     FEATURE_NAMES,
     CostModel,
@@ -81,27 +81,39 @@ def _predicted(params: FittedParams, features: Mapping[str, float]) -> float:
     return params.intercept_s + sum(params.coefficients.get(f, 0.0) * v for f, v in features.items())
 
 
+def _fittable(s: StepSample, target: str) -> bool:
+    return (s.aggregates.get("total_num_scheduled_tokens", 0) > 0
+            and math.isfinite(getattr(s, target)))
+
+
 def fit(samples: Sequence[StepSample], model: str | None = None, tensor_parallel_size: int = 1,
-        weighting: str = "absolute", target: str = "seconds") -> FittedParams:
-    """NNLS fit of ``target`` (``seconds`` or ``execute_seconds``) on ``[1, *FEATURE_NAMES]``.
+        weighting: str = "absolute", target: str = "seconds", kernel: bool = False,
+        weights: Sequence[float] | None = None) -> FittedParams:
+    """NNLS fit of ``target`` (``seconds`` or ``execute_seconds``) on ``[1, *FEATURE_NAMES]``
+    (``kernel``: the backend's kernel terms too, ``KERNEL_FEATURE_NAMES``).
 
     ``absolute`` is ``cost_model.fit_step_time``; ``relative`` divides each row by its target, so
-    a 5 ms decode weighs as much as a 2 s prefill. Swap-only samples (no tokens) are left out: the
-    fitted model times swaps with the roofline's copy term.
+    a 5 ms decode weighs as much as a 2 s prefill. ``weights`` (one per sample, relative only)
+    multiply the rows: ``fit_joint`` gives each source of samples the same total weight.
+    Swap-only samples (no tokens) are left out: the fitted model times swaps with the roofline's
+    copy term.
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}.")
-    rows = [(sample_features(s), getattr(s, target)) for s in samples
-            if s.aggregates.get("total_num_scheduled_tokens", 0) > 0
-            and math.isfinite(getattr(s, target))]
+    if weights is not None and (len(weights) != len(samples) or weighting != "relative"):
+        raise ValueError("weights must hold one value per sample, with relative weighting.")
+    keep = [i for i, s in enumerate(samples) if _fittable(s, target)]
+    rows = [(sample_features(samples[i]), getattr(samples[i], target)) for i in keep]
     if not rows:
         raise ValueError(f"no sample with scheduled tokens and a finite {target} to fit.")
     if weighting == "absolute":
-        return fit_step_time(rows, model, tensor_parallel_size)
-    names = fit_feature_names(f for f, _ in rows)
+        return fit_step_time(rows, model, tensor_parallel_size, kernel)
+    names = fit_feature_names((f for f, _ in rows), kernel)
     x = np.array([[1.0, *(f.get(n, 0.0) for n in names)] for f, _ in rows])
     y = np.array([s for _, s in rows])
     w = 1.0 / np.maximum(y, 1e-6)
+    if weights is not None:
+        w = w * np.sqrt(np.array([weights[i] for i in keep], dtype=float))
     coef = nnls(x * w[:, None], y * w)
     rmse = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
     return FittedParams(float(coef[0]), dict(zip(names, map(float, coef[1:]))), model,
@@ -122,7 +134,7 @@ def fit_runs(runs: Sequence[Sequence[StepSample]], model: str | None = None,
     for _ in range(rounds):
         pooled = [StepSample(s.aggregates, s.seconds / k, s.execute_seconds / k, s.kind)
                   for run, k in zip(runs, scales) for s in run]
-        params = fit(pooled, model, tensor_parallel_size, "absolute")
+        params = fit(pooled, model, tensor_parallel_size, "absolute", kernel=True)
         speeds = [run_speed(params, run) for run in runs]
         middle = statistics.median(v for v in speeds if math.isfinite(v))
         scales = [v / middle if math.isfinite(v) else 1.0 for v in speeds]
@@ -191,13 +203,16 @@ def fit_errors(params: FittedParams, samples: Iterable[StepSample], target: str 
     return out
 
 
-def format_errors(errors: Sequence[KindError], title: str = "fit error") -> str:
-    header = (f"  {'kind':<8} {'steps':>6} {'MAPE %':>8} {'max %':>8} "
-              f"{'measured s':>11} {'predicted s':>12}")
+def format_errors(errors: Sequence[KindError], title: str = "fit error",
+                  what: str = "kind") -> str:
+    width = max([8, *(len(e.kind) for e in errors)])
+    header = (f"  {what:<{width}} {'steps':>6} {'MAPE %':>8} {'max %':>8} "
+              f"{'measured s':>11} {'predicted s':>12} {'total %':>8}")
     lines = [f"{title}:", header]
     for e in errors:
-        lines.append(f"  {e.kind:<8} {e.count:>6} {e.mape:>8.1f} {e.max_ape:>8.1f} "
-                     f"{e.measured_s:>11.3f} {e.predicted_s:>12.3f}")
+        total = 100 * (e.predicted_s / e.measured_s - 1) if e.measured_s > 0 else math.nan
+        lines.append(f"  {e.kind:<{width}} {e.count:>6} {e.mape:>8.1f} {e.max_ape:>8.1f} "
+                     f"{e.measured_s:>11.3f} {e.predicted_s:>12.3f} {total:>+8.1f}")
     return "\n".join(lines)
 
 
@@ -216,6 +231,96 @@ def calibrated_profile(base: HardwareProfile, params: FittedParams,
     return replace(base, **changes).with_fitted(params)
 
 
+# ---- regions of the step space, and a fit that shrugs off a shared host's outliers --------
+BATCH_EDGES = (1, 4, 16, 64)  # decode batch bands: 1, 2-4, 5-16, 17-64, 65+
+CONTEXT_EDGES = (128, 512, 2048)  # mean decode context bands
+CHUNK_EDGES = (32, 128, 512)  # prefill tokens of a step
+
+
+def _band(value: float, edges: Sequence[int]) -> str:
+    lo = 1
+    for edge in edges:
+        if value <= edge:
+            return f"{edge}" if lo == edge else f"{lo}-{edge}"
+        lo = edge + 1
+    return f"{lo}+"
+
+
+def region_of(aggregates: Mapping[str, int]) -> str:
+    """The region of the step space a step lies in: decodes by batch and mean context, prefills
+    by tokens and whether they follow a cached prefix, mixed steps by batch and prefill tokens."""
+    kind = step_kind(aggregates)
+    batch, prefill = aggregates.get("num_decode_seqs", 0), aggregates.get("num_prefill_tokens", 0)
+    decode_ctx = aggregates.get("sum_decode_context_tokens", 0)
+    if kind == "decode":
+        return f"decode b{_band(batch, BATCH_EDGES)} ctx{_band(decode_ctx / batch, CONTEXT_EDGES)}"
+    if kind == "prefill":
+        chunks = aggregates.get("num_prefill_seqs", 1)
+        fresh = prefill * (prefill / chunks + 1) / 2  # the context of chunks without a prefix
+        cached = aggregates.get("sum_context_tokens", 0) - decode_ctx > fresh + 0.5
+        return f"prefill t{_band(prefill, CHUNK_EDGES)} {'cached' if cached else 'fresh'}"
+    if kind == "mixed":
+        return f"mixed b{_band(batch, BATCH_EDGES)} t{_band(prefill, CHUNK_EDGES)}"
+    return kind
+
+
+def region_errors(params: FittedParams, samples: Iterable[StepSample], target: str = "seconds",
+                  offset: FittedParams | None = None) -> list[KindError]:
+    """``fit_errors`` per ``region_of`` the steps (in name order), then ``all``."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for s in samples:
+        y = getattr(s, target)
+        if s.kind == "swap" or not math.isfinite(y) or y <= 0:
+            continue
+        p = predict_sample(params, s) + (predict_sample(offset, s) if offset else 0.0)
+        groups.setdefault(region_of(s.aggregates), []).append((y, p))
+    groups["all"] = [yp for pairs in list(groups.values()) for yp in pairs]
+    return [_error(name, groups[name]) for name in (*sorted(set(groups) - {"all"}), "all")
+            if groups[name]]
+
+
+def _error(name: str, pairs: Sequence[tuple[float, float]]) -> KindError:
+    ape = [abs(p - y) / y for y, p in pairs]
+    return KindError(name, len(pairs), 100 * sum(ape) / len(ape), 100 * max(ape),
+                     sum(y for y, _ in pairs), sum(p for _, p in pairs))
+
+
+def fit_trimmed(samples: Sequence[StepSample], weights: Sequence[float], model: str | None,
+                tensor_parallel_size: int = 1, target: str = "execute_seconds", cut: float = 4.0,
+                floor: float = 0.15, rounds: int = 3) -> tuple[FittedParams, list[StepSample]]:
+    """Relative fit (kernel terms included) that drops outliers and refits: a sample whose
+    relative residual exceeds ``cut`` robust standard deviations (1.4826 x the median absolute
+    deviation), and at least ``floor``, is taken for a step that another process slowed down
+    (on a shared host one timing in twenty can be several times the others). Returns the fit and
+    the samples dropped."""
+    pairs = [(s, w) for s, w in zip(samples, weights) if _fittable(s, target)]
+    dropped: list[StepSample] = []
+    for _ in range(rounds):
+        params = fit([s for s, _ in pairs], model, tensor_parallel_size, "relative", target,
+                     kernel=True, weights=[w for _, w in pairs])
+        residuals = [(predict_sample(params, s) - getattr(s, target)) / getattr(s, target)
+                     for s, _ in pairs]
+        middle = statistics.median(residuals)
+        scale = 1.4826 * statistics.median(abs(r - middle) for r in residuals)
+        limit = max(cut * scale, floor)
+        kept = [(pw, r) for pw, r in zip(pairs, residuals) if abs(r) <= limit]
+        if len(kept) == len(pairs) or len(kept) < len(pairs) // 2:
+            break
+        dropped += [s for (s, _), r in zip(pairs, residuals) if abs(r) > limit]
+        pairs = [pw for pw, _ in kept]
+    return params, dropped
+
+
+def split_backend_samples(samples: Iterable[StepSample]) -> tuple[list[StepSample],
+                                                                   list[StepSample]]:
+    """A backend calibration's samples (``--samples-out``) back into its micro-benchmarks
+    (forward pass only: ``seconds == execute_seconds``) and its engine-loop steps."""
+    micro, loop = [], []
+    for s in samples:
+        (micro if s.seconds == s.execute_seconds else loop).append(s)
+    return micro, loop
+
+
 # ---- a calibration: its fit, its samples and the report of its errors ----------------------
 @dataclass(slots=True)
 class Calibration:
@@ -230,44 +335,112 @@ class Calibration:
     report: str = ""
 
 
-def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_name: str,
-                seconds_per_swap_block: float | None = None,
-                lora: Sequence[StepSample] = (), tensor_parallel_size: int = 1) -> Calibration:
-    """The forward pass fitted on every forward timing (relative error), the loop overhead (step
-    minus forward) on the engine loop's steps; ``params`` is their sum (the forward pass alone
-    without loop steps). ``lora``: steps with adapters (``gpu.profiler.measure_lora``), whose
-    features give the fit its LoRA coefficients."""
-    samples = [*micro, *lora, *loop]
-    forward = fit(samples, model_name, tensor_parallel_size, "relative",
-                  target="execute_seconds")
-    lines = [format_errors(fit_errors(forward, micro, "execute_seconds"),
-                           "forward-pass fit on the micro-benchmarks (ModelRunner.execute)")]
-    if lora:
-        lines.append(format_errors(fit_errors(forward, lora, "execute_seconds"),
-                                   "forward-pass fit on the LoRA steps (adapters loaded or resident)"))
-    overhead = None
-    params = forward
-    if loop:
-        overhead = fit_overhead(loop, model_name, tensor_parallel_size)
+def fit_joint(sources: Mapping[str, Sequence[StepSample]], model_name: str,
+              micro_sources: Iterable[str] = ("micro",), tensor_parallel_size: int = 1,
+              seconds_per_swap_block: float | None = None) -> Calibration:
+    """One fit over every source of measured steps: micro-benchmarks (forward pass alone, the
+    sources named in ``micro_sources``), the engine loop's synthetic workloads and real runs
+    (whole steps with their forward pass timed apart).
+
+    The forward pass is fitted on every forward timing, relative error, each source weighing the
+    same in total (a replay's thousand steps do not drown the grid that covers the space), with
+    outliers dropped (``fit_trimmed``); the loop overhead (step minus forward pass) on the whole
+    steps, absolute. ``params`` is their sum; the report gives the error per region of the step
+    space (``region_of``) and per source, and the fit carries its per-kind error."""
+    micro_names = set(micro_sources)
+    live = {name: list(samples) for name, samples in sources.items() if samples}
+    if not live:
+        raise ValueError("fit_joint needs at least one non-empty source of samples.")
+    pooled = [s for samples in live.values() for s in samples]
+    weights = [1.0 / len(samples) for samples in live.values() for _ in samples]
+    forward, dropped = fit_trimmed(pooled, weights, model_name, tensor_parallel_size)
+    micro = [s for name, samples in live.items() if name in micro_names for s in samples]
+    steps = [s for name, samples in live.items() if name not in micro_names for s in samples]
+    lines = []
+    if micro:
+        lines.append(format_errors(region_errors(forward, micro, "execute_seconds"),
+                                   "forward-pass fit on the micro-benchmarks, per region "
+                                   "(ModelRunner.execute)", "region"))
+    params, overhead = forward, None
+    if any(math.isfinite(s.execute_seconds) for s in steps):
+        overhead = fit_overhead(steps, model_name, tensor_parallel_size)
         params = combine(forward, overhead)
-        lines.append(format_errors(fit_errors(params, loop, "seconds"),
-                                   "step fit on the engine-loop steps (whole engine.step)"))
-    return Calibration(params, samples, forward, overhead, seconds_per_swap_block,
+        lines.append(format_errors(region_errors(params, steps, "seconds"),
+                                   "step fit on the whole engine steps, per region", "region"))
+    for name, samples in live.items():
+        target = "execute_seconds" if name in micro_names else "seconds"
+        error = fit_errors(params if target == "seconds" else forward, samples, target)[-1]
+        lines.append(f"  {name}: {error.count} steps, MAPE {error.mape:.1f}%, total "
+                     f"{100 * (error.predicted_s / error.measured_s - 1):+.1f}%")
+    if dropped:
+        lines.append(f"  {len(dropped)} outlier timing(s) left out of the forward fit (slowed "
+                     "down by other work on the host)")
+    params = replace(params, fit_error=_fit_error_of(params, forward, micro, steps))
+    return Calibration(params, pooled, forward, overhead, seconds_per_swap_block,
                        "\n".join(lines))
 
 
+def _fit_error_of(params: FittedParams, forward: FittedParams, micro: Sequence[StepSample],
+                  steps: Sequence[StepSample]) -> dict[str, float]:
+    """The stated error (``FittedParams.fit_error``): per step kind, of the whole-step fit on
+    the whole steps where there are any, else of the forward fit on the micro-benchmarks."""
+    errors = (fit_errors(params, steps, "seconds") if steps
+              else fit_errors(forward, micro, "execute_seconds"))
+    out: dict[str, float] = {}
+    for e in errors:
+        out[f"{e.kind}_mape"] = round(e.mape, 2)
+        out[f"{e.kind}_max"] = round(e.max_ape, 2)
+    return out
+
+
+def fit_backend(micro: Sequence[StepSample], loop: Sequence[StepSample], model_name: str,
+                seconds_per_swap_block: float | None = None,
+                lora: Sequence[StepSample] = (), tensor_parallel_size: int = 1,
+                runs: Mapping[str, Sequence[StepSample]] | None = None) -> Calibration:
+    """``fit_joint`` of a backend measurement: the micro-benchmarks, the LoRA steps
+    (``gpu.profiler.measure_lora``, whose features give the fit its LoRA coefficients), the
+    engine loop's steps and, when given, the steps of real runs (by name)."""
+    sources: dict[str, Sequence[StepSample]] = {"micro": micro, "lora": lora, "loop": loop}
+    sources.update(runs or {})
+    cal = fit_joint(sources, model_name, ("micro", "lora"), tensor_parallel_size,
+                    seconds_per_swap_block)
+    if lora:
+        cal.report += "\n" + format_errors(
+            fit_errors(cal.forward or cal.params, lora, "execute_seconds"),
+            "forward-pass fit on the LoRA steps (adapters loaded or resident)")
+    return cal
+
+
 def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str,
-                        tensor_parallel_size: int = 1) -> Calibration:
-    """Absolute least squares over the recorded steps of real runs, at the median run's speed
-    (``fit_runs``), stored for the runs' ``tensor_parallel_size``."""
+                        tensor_parallel_size: int = 1,
+                        backend_samples: Sequence[StepSample] = ()) -> Calibration:
+    """A fit on the recorded steps of real runs.
+
+    With ``backend_samples`` (a backend calibration's ``--samples-out``: micro-benchmarks and
+    engine-loop steps over the whole step space) the runs join them in one ``fit_backend``, so
+    the profile stays good for workloads unlike the runs. Without, absolute least squares over
+    the runs' steps alone, at the median run's speed (``fit_runs``): the most faithful on those
+    runs' own batch sizes and contexts, but extrapolated anywhere else."""
     runs = [read_samples(d) for d in run_dirs]
-    params, speeds = fit_runs(runs, model_name, tensor_parallel_size)
     samples = [s for run in runs for s in run]
-    report = format_errors(fit_errors(params, samples, "seconds"),
-                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s)")
+    if backend_samples:
+        micro, loop = split_backend_samples(backend_samples)
+        named = {f"run {Path(d).name or d}": run for d, run in zip(run_dirs, runs)}
+        cal = fit_backend(micro, loop, model_name, tensor_parallel_size=tensor_parallel_size,
+                          runs=named)
+        speeds = [run_speed(cal.params, run) for run in runs]
+        cal.report += ("\nrun speed, measured over fitted step time: "
+                       + " ".join(f"{v:.2f}" for v in speeds))
+        return cal
+    params, speeds = fit_runs(runs, model_name, tensor_parallel_size)
+    report = format_errors(region_errors(params, samples, "seconds"),
+                           f"step fit on {len(samples)} recorded steps of {len(run_dirs)} run(s), "
+                           "per region", "region")
     if len(runs) > 1:
         report += ("\nrun speed, measured over fitted step time (the fit is at the median run's): "
                    + " ".join(f"{v:.2f}" for v in speeds))
+    report += ("\nfitted on the runs' steps alone: regions the runs never reached are "
+               "extrapolated (pass --backend-samples for a profile good for any workload)")
     return Calibration(params, samples, report=report)
 
 

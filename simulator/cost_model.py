@@ -74,7 +74,13 @@ FEATURE_NAMES: tuple[str, ...] = (
     *TOKEN_SEGMENTS,
 )
 _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
-KNOWN_FEATURES = frozenset((*FEATURE_NAMES, *LORA_FEATURE_NAMES))
+# Terms that follow the CPU engine's own kernels, fitted by the backend calibrations of this
+# machine (``calibration.fit_backend``/``fit_joint``; generic fits such as the Vidur one keep
+# ``FEATURE_NAMES``). The native decode kernel splits a batch of fewer than 4 x threads decodes
+# over KV heads, so each thread walks whole contexts: the longest one is its critical path.
+KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context",)
+ALL_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, *KERNEL_FEATURE_NAMES)
+KNOWN_FEATURES = frozenset((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))
 DEFAULT_BLOCK_SIZE = 16
 _NON_TORCH_RESERVE_BYTES = 512 * 2**20  # CUDA context, cuBLAS/NCCL workspaces, CUDA graphs
 
@@ -88,12 +94,13 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
-    """The linear features (``FEATURE_NAMES`` before the token segments)."""
+    """The linear features (``FEATURE_NAMES`` before the token segments, then
+    ``KERNEL_FEATURE_NAMES``)."""
     longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
                                                                       max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
             out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context),
-            out.num_decode_seqs * longest)
+            out.num_decode_seqs * longest, longest)
 
 
 def token_segments(num_tokens: int) -> tuple[int, ...]:
@@ -104,9 +111,11 @@ def token_segments(num_tokens: int) -> tuple[int, ...]:
 
 
 def step_features(out: SchedulerOutput, max_context: int | None = None) -> dict[str, float]:
-    """The features of one step, keyed by ``FEATURE_NAMES`` (what calibration records)."""
-    return dict(zip(FEATURE_NAMES, (*_feature_vector(out, max_context),
-                                    *token_segments(out.total_num_scheduled_tokens))))
+    """The features of one step, keyed by ``ALL_FEATURE_NAMES`` (what calibration records)."""
+    linear = _feature_vector(out, max_context)
+    return dict(zip(ALL_FEATURE_NAMES, (*linear[:_NUM_LINEAR],
+                                        *token_segments(out.total_num_scheduled_tokens),
+                                        *linear[_NUM_LINEAR:])))
 
 
 @dataclass(slots=True, frozen=True)
@@ -393,14 +402,15 @@ class FittedCostModel:
         unknown = sorted(set(self.params.coefficients) - KNOWN_FEATURES)
         if unknown:
             raise ValueError(f"fitted coefficients name unknown feature(s) {', '.join(unknown)}; "
-                             f"known: {', '.join((*FEATURE_NAMES, *LORA_FEATURE_NAMES))}.")
+                             f"known: {', '.join((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))}.")
         if not self.params.matches(self.base.model.name, self.base.tensor_parallel_size):
             raise ValueError(f"params were fitted for model {self.params.model!r} at tensor_parallel_size="
                              f"{self.params.tensor_parallel_size}, not {self.base.model.name!r} at "
                              f"{self.base.tensor_parallel_size}.")
         self._intercept = self.params.intercept_s
         coefficients = [self.params.coefficients.get(f, 0.0) for f in FEATURE_NAMES]
-        self._coefficients = tuple(coefficients[:_NUM_LINEAR])
+        kernel = tuple(self.params.coefficients.get(f, 0.0) for f in KERNEL_FEATURE_NAMES)
+        self._coefficients = (*coefficients[:_NUM_LINEAR], *kernel)
         # the segments' sum at each knot and the slope after it: a lookup instead of 11 products
         slopes = coefficients[_NUM_LINEAR:]
         values = [0.0]
@@ -433,8 +443,8 @@ class FittedCostModel:
         if (tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
                 or self.base.lora is not None):
             return self.step_time_reference(out)
-        c0, c1, c2, c3, c4, c5, c6 = self._coefficients
-        decodes = out.num_decode_seqs
+        c0, c1, c2, c3, c4, c5, c6, c7 = self._coefficients
+        decodes, longest = out.num_decode_seqs, out.max_decode_context
         linear = 0
         linear += c0 * tokens
         linear += c1 * out.num_prefill_tokens
@@ -442,7 +452,8 @@ class FittedCostModel:
         linear += c3 * decodes
         linear += c4 * out.sum_context_tokens
         linear += c5 * out.sum_decode_context_tokens
-        linear += c6 * (decodes * out.max_decode_context)
+        linear += c6 * (decodes * longest)
+        linear += c7 * longest
         return self._intercept + linear + self._token_time(tokens)
 
     def step_time_reference(self, out: SchedulerOutput) -> float:
@@ -517,15 +528,15 @@ def describe_cost_model(cost: CostModel | FittedCostModel) -> str:
 
 
 def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str | None = None,
-                  tensor_parallel_size: int = 1) -> FittedParams:
-    """Non-negative least squares of seconds on ``[1, *fit_feature_names(samples)]``.
+                  tensor_parallel_size: int = 1, kernel: bool = False) -> FittedParams:
+    """Non-negative least squares of seconds on ``[1, *fit_feature_names(samples, kernel)]``.
 
     Each sample is ``(features, seconds)``; a feature missing from the dict counts as 0, an unknown
     one raises ValueError. ``model`` ``None`` labels the fit as valid for any model.
     """
     if not samples:
         raise ValueError("samples must hold at least one (features, seconds) pair.")
-    names = fit_feature_names(f for f, _ in samples)
+    names = fit_feature_names((f for f, _ in samples), kernel)
     x = np.ones((len(samples), len(names) + 1))
     y = np.empty(len(samples))
     for i, (features, seconds) in enumerate(samples):
@@ -539,13 +550,15 @@ def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str 
                         tensor_parallel_size, len(samples), rmse)
 
 
-def fit_feature_names(features: Iterable[dict[str, float]]) -> tuple[str, ...]:
-    """``FEATURE_NAMES``, plus ``LORA_FEATURE_NAMES`` when a sample carries any of them (LoRA
-    steps measured on the real engine): a fit without them keeps the roofline's LoRA terms."""
+def fit_feature_names(features: Iterable[dict[str, float]], kernel: bool = False) -> tuple[str, ...]:
+    """``FEATURE_NAMES`` (with ``kernel``: ``ALL_FEATURE_NAMES``, the backend's kernel terms
+    too), plus ``LORA_FEATURE_NAMES`` when a sample carries any of them (LoRA steps measured on
+    the real engine): a fit without them keeps the roofline's LoRA terms."""
+    base = ALL_FEATURE_NAMES if kernel else FEATURE_NAMES
     lora = set(LORA_FEATURE_NAMES)
     if any(lora.intersection(f) for f in features):
-        return (*FEATURE_NAMES, *LORA_FEATURE_NAMES)
-    return FEATURE_NAMES
+        return (*base, *LORA_FEATURE_NAMES)
+    return base
 
 
 def _sample_row(features: dict[str, float], index: int,
@@ -553,7 +566,7 @@ def _sample_row(features: dict[str, float], index: int,
     unknown = sorted(set(features) - KNOWN_FEATURES)
     if unknown:
         raise ValueError(f"samples[{index}] has unknown feature(s) {', '.join(unknown)}; "
-                         f"known: {', '.join((*FEATURE_NAMES, *LORA_FEATURE_NAMES))}.")
+                         f"known: {', '.join((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))}.")
     return [float(features.get(name, 0.0)) for name in names]
 
 

@@ -21,7 +21,7 @@ from twinserve.simulator.calibration import (
     fit_errors,
     predict,
 )
-from twinserve.simulator.cost_model import FEATURE_NAMES, make_cost_model
+from twinserve.simulator.cost_model import ALL_FEATURE_NAMES, make_cost_model
 from twinserve.simulator.hardware import FittedParams, load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 
@@ -137,7 +137,7 @@ def test_combine_adds_and_features_match_cost_model(tmp_path: Path) -> None:
     both = combine(a, b)
     agg = _random_aggregates(np.random.default_rng(3))
     assert predict(both, agg) == pytest.approx(predict(a, agg) + predict(b, agg))
-    assert set(features_of(agg)) == set(FEATURE_NAMES)
+    assert set(features_of(agg)) == set(ALL_FEATURE_NAMES)
     assert step_kind({"num_prefill_seqs": 1, "num_decode_seqs": 2}) == "mixed"
     samples = _synthetic_samples(5, 0.0)
     samples[0].execute_seconds = 0.5

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.cost_model import (
+    ALL_FEATURE_NAMES,
     FEATURE_NAMES,
     TOKEN_KNOTS,
     TOKEN_SEGMENTS,
@@ -336,7 +337,7 @@ TRUTH = {"num_tokens": 2e-5, "num_prefill_tokens": 0.0, "num_prefill_seqs": 1e-4
 
 
 def _predict(params: FittedParams, features: dict[str, float]) -> float:
-    return params.intercept_s + sum(params.coefficients[f] * v for f, v in features.items())
+    return params.intercept_s + sum(params.coefficients.get(f, 0.0) * v for f, v in features.items())
 
 
 # identifiable: the token count is num_prefill_tokens + num_decode_seqs and the token segments
@@ -386,7 +387,7 @@ def test_fitted_step_time_follows_a_plateau_and_never_decreases() -> None:
 
 def test_fitted_step_time_equals_the_sum_over_its_features() -> None:
     rng = np.random.default_rng(11)
-    coefficients = {name: float(rng.uniform(0, 1e-4)) for name in FEATURE_NAMES}
+    coefficients = {name: float(rng.uniform(0, 1e-4)) for name in ALL_FEATURE_NAMES}
     params = FittedParams(2e-3, coefficients, "llama-3-8b")
     cost = FittedCostModel(params, CostModel(load_model_spec("llama-3-8b"), load_hardware("h100")))
     for tokens in (1, 2, 3, 17, 1024, 1500, 5000):  # at, between and past the knots

@@ -1,0 +1,230 @@
+"""Fidelity of the twin on workloads its calibration never saw (issue 27).
+
+    python -m twinserve.benchmarks.fidelity_study [--out runs/fidelity-study] [--rounds 3] \\
+        [--workloads conv-600,code,...] [--profile PROFILE.json] [--model DIR] [--threads 2]
+
+1. One profile from ``twinserve calibrate`` with its defaults (micro-benchmarks over the engine's
+   whole space plus synthetic engine-loop workloads: no trace), at the study's engine limits;
+   ``--profile`` uses a given one instead. No workload below is used to fit it.
+2. Each workload replayed ``--rounds`` times on the real engine, in interleaved rounds (round r
+   replays every workload once), so the machine's drift falls on all of them alike:
+   ``OUT/real/<workload>-<r>``.
+3. Each workload simulated with the profile against its replays (``validate --reuse-real``):
+   per metric the twin's error against the median of the replays, beside the replays' own spread
+   (half their range over the median, in %). A metric passes when its error is within its target
+   (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%) or within the spread
+   where the spread is larger (marked ``~``). ``OUT/fidelity_study.csv`` holds every row.
+
+The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
+time-scaled near the engine's saturation) so that the whole study, calibration included, runs in
+about 20 minutes on a quiet 2-core machine with the bundled SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from twinserve.entrypoints.cli import main as cli
+from twinserve.reports.fidelity import TARGETS
+
+# The study's engine (every workload and the calibration): long enough for Azure code and
+# Mooncake prompts clipped to 512 tokens, small enough to calibrate in minutes.
+ENGINE = ("--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+          "--enable-prefix-caching", "--enable-chunked-prefill")
+TABLE_METRICS = ("request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms",
+                 "p90_e2el_ms")
+_TARGET = dict(TARGETS)
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    """One held-out workload: trace and policy flags for ``twinserve validate``."""
+
+    name: str
+    what: str
+    flags: tuple[str, ...]
+
+
+def _conv(window: str, n: int, scale: float) -> tuple[str, ...]:
+    return ("--trace", "azure-conv", "--time-window", window, "--num-requests", str(n),
+            "--time-scale", f"{scale:g}", "--max-output-tokens", "32")
+
+
+# KV blocks of the overloads: 6 requests of 256 tokens (block size 16), so a burst preempts
+_OVERLOAD_BLOCKS = ("--num-gpu-blocks-override", "96")
+WORKLOADS: tuple[Workload, ...] = (
+    Workload("conv-600", "Azure conv from 600 s, fcfs",
+             (*_conv("600:", 32, 0.5), "--policy", "fcfs")),
+    Workload("conv-2400", "Azure conv from 2400 s, fcfs",
+             (*_conv("2400:", 32, 0.5), "--policy", "fcfs")),
+    Workload("code", "Azure code (long prompts, clipped to 512), fcfs",
+             ("--trace", "azure-code", "--num-requests", "20", "--time-scale", "0.25",
+              "--max-output-tokens", "24", "--policy", "fcfs")),
+    Workload("mooncake", "Mooncake conversation (prefix hits), fcfs",
+             ("--trace", "mooncake", "--num-requests", "24", "--time-scale", "0.5",
+              "--max-output-tokens", "24", "--policy", "fcfs")),
+    Workload("sys-prompt", "synthetic, 192-token system prompt shared by 90%, fcfs",
+             ("--trace", "synthetic", "--num-requests", "32", "--request-rate", "3",
+              "--input-len", "64", "--output-len", "24", "--range-ratio", "0.5",
+              "--prefix-len", "192", "--prefix-share", "0.9", "--policy", "fcfs")),
+    Workload("recompute", "overload burst, 96 KV blocks, preemption by recompute",
+             (*_conv("1200:", 24, 4.0), "--policy", "fcfs", *_OVERLOAD_BLOCKS,
+              "--preemption-mode", "recompute")),
+    Workload("swap", "overload burst, 96 KV blocks, preemption by swap",
+             (*_conv("1200:", 24, 4.0), "--policy", "fcfs", *_OVERLOAD_BLOCKS,
+              "--preemption-mode", "swap", "--swap-space", "0.5")),
+    Workload("fair", "Azure conv from 3600 s, tenants heavy=3 light=1, fair",
+             (*_conv("3600:", 32, 0.5), "--policy", "fair", "--tenants", "heavy=3,light=1")),
+    Workload("priority", "Azure conv from 1800 s, priorities 0 (1/4) and 1, priority",
+             (*_conv("1800:", 32, 0.5), "--policy", "priority", "--priorities", "0=1,1=3")),
+)
+_BY_NAME = {w.name: w for w in WORKLOADS}
+
+
+def spread_pct(values: list[float]) -> float:
+    """Half the range of the real runs over their median, in % (0 for one run)."""
+    if len(values) < 2:
+        return 0.0
+    middle = statistics.median(values)
+    if middle == 0:
+        return 0.0 if max(values) == min(values) else math.inf
+    return 100.0 * (max(values) - min(values)) / 2 / abs(middle)
+
+
+def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
+    """``ok`` within the target, ``~`` within the real runs' larger spread, ``MISS`` outside
+    both, ``""`` without a target."""
+    if target_pct is None or math.isnan(error_pct):
+        return ""
+    if abs(error_pct) <= target_pct:
+        return "ok"
+    return "~" if abs(error_pct) <= spread else "MISS"
+
+
+def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path]) -> list[dict[str, object]]:
+    """The table metrics of one workload: real median, sim, error, target, spread, verdict."""
+    with open(errors_csv) as f:
+        errors = {r["metric"]: r for r in csv.DictReader(f)}
+    summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
+    rows: list[dict[str, object]] = []
+    for metric in (*TABLE_METRICS, "num_preemptions", "prefix_cache_hit_rate",
+                   "replayed_step_time_s"):
+        row = errors.get(metric)
+        if row is None:
+            continue
+        err = float(row["rel_error_pct"]) if row["rel_error_pct"] not in ("", "nan") else math.nan
+        values = [float(s[metric]) for s in summaries if s.get(metric) is not None]
+        spread = spread_pct(values)
+        target = _TARGET.get(metric)
+        rows.append({"workload": workload, "metric": metric, "real": float(row["real"]),
+                     "sim": float(row["sim"]) if row["sim"] else math.nan, "error_pct": err,
+                     "target_pct": "" if target is None else target, "spread_pct": spread,
+                     "verdict": verdict(err, target, spread), "real_runs": len(real_dirs)})
+    return rows
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    """The issue's table: per workload and metric, real median, twin, error, spread, target."""
+    head = (f"{'workload':<11} {'metric':<19} {'real (median)':>14} {'twin':>11} {'error':>8} "
+            f"{'spread':>7} {'target':>7}  verdict")
+    lines = ["twin vs real on held-out workloads (error against the median of the replays; "
+             "spread: half their range)", head]
+    for r in rows:
+        target = r["target_pct"]
+        lines.append(f"{r['workload']!s:<11} {r['metric']!s:<19} {float(r['real']):>14.4g} "  # type: ignore[arg-type]
+                     f"{float(r['sim']):>11.4g} {float(r['error_pct']):>+7.1f}% "  # type: ignore[arg-type]
+                     f"{float(r['spread_pct']):>6.1f}% "  # type: ignore[arg-type]
+                     f"{(f'{target:g}%' if target != '' else ''):>7}  {r['verdict']}")
+    judged = [r for r in rows if r["verdict"]]
+    passed = sum(r["verdict"] in ("ok", "~") for r in judged)
+    lines.append(f"{passed}/{len(judged)} targeted metrics within target (or spread, ~)")
+    return "\n".join(lines)
+
+
+def _run(argv: list[str]) -> None:
+    print("+ twinserve " + " ".join(argv), file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    rc = cli(argv)
+    if rc != 0:
+        raise SystemExit(f"twinserve {argv[0]} failed with exit status {rc}")
+    print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    model = ["--model", args.model] if args.model else []
+    return [*model, *ENGINE, "--threads", str(args.threads), "--dtype", args.dtype]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--out", default="runs/fidelity-study")
+    p.add_argument("--model", default=None, help="HF model directory (default: bundled SmolLM2)")
+    p.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS),
+                   help=f"comma-separated subset of: {', '.join(_BY_NAME)}")
+    p.add_argument("--rounds", type=int, default=3, help="real replays per workload (median)")
+    p.add_argument("--profile", default=None, help="use this profile instead of calibrating")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="override every workload's request count (quick runs)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="keep replays and profile found in OUT")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _BY_NAME]
+    if unknown or not names:
+        p.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; "
+                f"known: {', '.join(_BY_NAME)}")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    engine = _engine_flags(args)
+    profile = args.profile or str(out / "profile.json")
+    if not args.profile and not (args.resume and Path(profile).is_file()):
+        _run(["calibrate", *engine, "--out", profile, "--samples-out",
+              str(out / "profile-samples.csv")])
+    runs: dict[str, list[Path]] = {n: [] for n in names}
+    for round_ in range(1, args.rounds + 1):
+        for name in names:
+            folder = out / "real" / f"{name}-{round_}"
+            if not (args.resume and (folder / "real" / "summary.json").is_file()):
+                _run(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
+                      "--out", str(folder), "--quiet"])
+            runs[name].append(folder / "real")
+    rows: list[dict[str, object]] = []
+    for name in names:
+        folder = out / name
+        _run(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", profile,
+              "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
+        rows += study_rows(name, folder / "errors.csv", runs[name])
+    with open(out / "fidelity_study.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    print(format_table(rows))
+    print(f"table: {out / 'fidelity_study.csv'} ({time.perf_counter() - t_start:.0f} s, "
+          f"profile {profile})")
+    return 0
+
+
+def _flags(workload: Workload, args: argparse.Namespace) -> list[str]:
+    flags = list(workload.flags)
+    if args.num_requests is not None:
+        i = flags.index("--num-requests")
+        flags[i + 1] = str(args.num_requests)
+    return flags
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,7 +24,7 @@ try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
     rc = exc.code
-heavy = [m for m in ("torch", "scipy", "pandas", "fastapi", "simpy") if m in sys.modules]
+heavy = [m for m in ("torch", "scipy", "pandas", "fastapi", "simpy", "numpy") if m in sys.modules]
 print("HEAVY", ",".join(heavy))
 sys.exit(rc)
 """
@@ -52,7 +52,22 @@ def test_a_simulation_runs_where_torch_cannot_be_imported(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run" / "summary.json").is_file()
     heavy = _heavy(proc.stdout)
-    assert heavy <= {"simpy"}, heavy  # no torch, no scipy (fitting only), no pandas
+    assert heavy <= {"simpy", "numpy"}, heavy  # no torch, no scipy (fitting only), no pandas
+
+
+def test_simulate_help_loads_neither_numpy_nor_the_trace_readers(tmp_path: Path) -> None:
+    proc = _run("simulate", "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "--trace" in proc.stdout and _heavy(proc.stdout) == set()
+
+
+def test_the_lazy_trace_package_exports_every_name_it_lists() -> None:
+    import twinserve.traces as traces
+    assert sorted(traces.__all__) == sorted(traces._SOURCES)
+    for name in traces.__all__:
+        assert getattr(traces, name) is not None
+    with pytest.raises(AttributeError, match="no_such_name"):
+        traces.no_such_name  # noqa: B018
 
 
 def test_the_command_list_uses_each_commands_own_help() -> None:

@@ -23,16 +23,11 @@ from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 
+from twinserve.traces.bundled import BUNDLED_TRACES
 from twinserve.traces.errors import TraceError
 from twinserve.traces.plain_format import Parsed, RowParser, int_field, parse_plain_row
 from twinserve.traces.trace_request import TraceRequest
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
-BUNDLED_TRACES: dict[str, Path] = {
-    "azure-conv": DATA_DIR / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
-    "azure-code": DATA_DIR / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv",
-    "mooncake": DATA_DIR / "mooncake" / "conversation_trace.jsonl",
-}
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")

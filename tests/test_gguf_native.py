@@ -1,10 +1,14 @@
 """GGUF files run as they are (quantization="gguf") against the fp32 directory converted from the
 same file (the same weights after dequantization): greedy tokens equal and the chosen tokens'
-log-probabilities within 2e-3 (fp32 accumulation in another order)."""
+log-probabilities within 2e-3 (fp32 accumulation in another order). These runs keep fp32
+activations (``TWINSERVE_QUANT_ACTIVATIONS=fp32``, the exact path); the default int8 activations
+are compared with them in tests/test_fused_decode.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -38,9 +42,20 @@ def _k_quant_blocks(rng: np.random.Generator, kind, rows: int, k: int) -> np.nda
     return data.reshape(rows, -1)
 
 
-def write_mixed_gguf(path: Path) -> Path:
-    """A 2-layer Llama GGUF whose projections mix Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 (q/k/v fused
-    from three formats), an untied Q4_K LM head and a Q8_0 embedding."""
+MIXED = MappingProxyType({"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0",
+                          "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "F32",
+                          "ffn_down": "Q6_K"})
+
+
+@pytest.fixture(autouse=True)
+def _fp32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "fp32")
+
+
+def write_mixed_gguf(path: Path, kinds: Mapping[str, str] = MIXED) -> Path:
+    """A 2-layer Llama GGUF whose projections have the formats ``kinds`` names (by default they
+    mix Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1, q/k/v fused from three formats), an untied Q4_K LM head
+    and a Q8_0 embedding."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -76,13 +91,11 @@ def write_mixed_gguf(path: Path) -> Path:
     for i in range(2):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        add_tensor(f"blk.{i}.attn_q.weight", heads * head_dim, hidden, Q.Q4_K)
-        add_tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, Q.Q6_K)
-        add_tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, Q.Q8_0)
-        add_tensor(f"blk.{i}.attn_output.weight", hidden, hidden, Q.Q4_0)
-        add_tensor(f"blk.{i}.ffn_gate.weight", ffn, hidden, Q.Q4_1)
-        add_tensor(f"blk.{i}.ffn_up.weight", ffn, hidden, Q.F32)
-        add_tensor(f"blk.{i}.ffn_down.weight", hidden, ffn, Q.Q6_K)
+        shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+                  "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+                  "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+        for name, (rows, k) in shapes.items():
+            add_tensor(f"blk.{i}.{name}.weight", rows, k, Q[kinds[name]])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

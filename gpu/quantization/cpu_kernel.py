@@ -1,6 +1,8 @@
 """Build (once per machine, into torch's extension cache) and load the CPU quantized-product
-kernel ``gpu/csrc/quant_matmul.cpp``; ``scripts/setup.sh`` builds it ahead, as the decode-attention
-kernel. ``-march=native``: it runs where it is built."""
+kernels: ``gpu/csrc/quant_matmul.cpp`` (the products, fp32 and int8 activations) and
+``gpu/csrc/fused_decode.cpp`` (a whole decode step in one call), one extension;
+``scripts/setup.sh`` builds it ahead, as the decode-attention kernel. ``-march=native``: it runs
+where it is built."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "quant_matmul.cpp"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (CSRC / "quant_matmul.cpp", CSRC / "fused_decode.cpp")
 
 # (x[T, K] fp32, qweight[N, row_bytes] bytes, row_scale[N] or [0] fp32, fmt, group) -> [T, N]
 QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
@@ -20,14 +23,28 @@ QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], tor
 def build_quant_kernel() -> None:
     """Compile (or load the cached build of) the kernel; raises when it cannot be built."""
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
-    load(name="twinserve_quant_matmul", sources=[str(SOURCE)], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"])
+    load(name="twinserve_quant_matmul", sources=[str(s) for s in SOURCES], is_python_module=False,
+         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd"])
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scale: torch.Tensor, fmt: int,
                  group: int) -> torch.Tensor:
     build_quant_kernel()
     return torch.ops.twinserve_quant.quant_matmul(x, qweight, row_scale, fmt, group)
+
+
+def quant_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The integer product (``x`` quantized per 32 values to int8, as llama.cpp): Q8_0, Q4_0,
+    Q4_1 only."""
+    build_quant_kernel()
+    return torch.ops.twinserve_quant.quant_matmul_q8(x, qweight, fmt)
+
+
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """``x[T, K]`` fp32 as the kernel's activation blocks: bytes ``[T, K / 32 * 40]``, each
+    block fp32 ``d``, fp32 ``s = d * sum(q)``, int8 ``q[32]``."""
+    build_quant_kernel()
+    return torch.ops.twinserve_quant.quantize_q8(x)
 
 
 def quant_dequantize(qweight: torch.Tensor, row_scale: torch.Tensor, rows: torch.Tensor,

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from twinserve.core.model_config import ModelConfig
+from twinserve.gpu import fused_decode
+from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.linear import LinearBase
-from twinserve.gpu.model import CausalLM
+from twinserve.gpu.model import CausalLM, KVCache
 from twinserve.gpu.quantization.embedding import QuantizedEmbedding
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod
 from twinserve.gpu.quantization.quant_tensor import QuantTensor
@@ -26,6 +28,27 @@ class QuantizedCausalLM(CausalLM):
                          quant_method=QuantizedLinearMethod())
         self.quant_embed: QuantizedEmbedding | None = None
         self.quant_head: QuantizedEmbedding | None = None
+        # made at the first decode step (after loading and any LoRA wrapping); None: not valid
+        self._fused: fused_decode.FusedDecode | None = None
+        self._fused_checked = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """A decode step by the fused kernel where it applies, else the per-op path."""
+        if fused_decode.can_run(input_ids, kv_caches, meta):
+            fused = self.fused_step()
+            if fused is not None:
+                return fused.run(self.embed(input_ids), positions, kv_caches, meta)
+        return super().forward(input_ids, positions, kv_caches, meta)
+
+    def fused_step(self) -> fused_decode.FusedDecode | None:
+        """The fused decode step for this model, or None where it does not apply
+        (``fused_decode.unsupported_reason``)."""
+        if not self._fused_checked:
+            self._fused_checked = True
+            if fused_decode.unsupported_reason(self) is None:
+                self._fused = fused_decode.FusedDecode.for_model(self)
+        return self._fused
 
     def set_embedding(self, weight: QuantTensor) -> None:
         self.quant_embed = QuantizedEmbedding(weight, self.embed_tokens.dtype)

@@ -1,0 +1,250 @@
+// A whole decode step of a dense Llama-family model in one call: for every layer RMSNorm, the
+// fused q/k/v product, RoPE, the K/V write into the paged cache, paged attention, o-proj +
+// residual, RMSNorm, gate/up, SiLU * up, down (+ residual at the next layer), then the final norm.
+// The per-op path (gpu/model.py with gpu/quantization/quant_linear.py) is its plain reference and
+// computes the same values with the same kernels; here the ~20 torch ops a layer cost at batch 1
+// (dispatch and allocation dominate: the products themselves take a few microseconds) become loops
+// over small fp32 buffers. Threads: the products split rows, the attention splits sequences and KV
+// heads (at::parallel_for, OpenMP); the norms, RoPE and SiLU are too small to share out.
+//
+// Every token is a sequence of its own in its decode step (query length 1). Weights, per layer:
+//   weights[10 l + 0..9] = input_norm, qkv, qkv_scale, o, o_scale, post_norm, gate_up, gate_up_scale,
+//                          down, down_scale; weights[10 L] = the final norm
+//   formats[8 l + 0..7]  = (format id, group) of qkv, o, gate_up, down
+// A product takes the integer path (quant_q8.h) when `q8` is set and its format has one, else the
+// fp32-activation path (quant_blocks.h): the reference path makes the same choice.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "paged_attention.h"
+#include "quant_blocks.h"
+#include "quant_q8.h"
+
+namespace {
+
+using namespace twinserve_quant;
+
+struct Linear {
+  const uint8_t* data;
+  const float* scale;  // nullptr: no row scale
+  int64_t rows, fmt, group;
+};
+
+struct Layer {
+  const float* input_norm;
+  const float* post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+struct Dims {
+  int64_t tokens, hidden, heads, kv_heads, head_dim, inter;
+};
+
+Linear linear_at(const std::vector<at::Tensor>& w, const std::vector<int64_t>& f, size_t wi, size_t fi,
+                 int64_t in_features) {
+  const at::Tensor& data = w[wi];
+  const at::Tensor& scale = w[wi + 1];
+  const int64_t fmt = f[fi], group = f[fi + 1];
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2 && data.element_size() == 1,
+              "fused_decode_step: weight ", wi, " must be a contiguous 2-d byte tensor");
+  dispatch(fmt, group, [&](auto fmt_tag) {
+    TORCH_CHECK(data.size(1) == row_bytes_of<decltype(fmt_tag)>(in_features), "fused_decode_step: weight ",
+                wi, " does not have ", in_features, " inputs");
+  });
+  TORCH_CHECK(scale.numel() == 0 || (scale.scalar_type() == at::kFloat && scale.numel() == data.size(0)),
+              "fused_decode_step: row scale ", wi + 1, " must be fp32 [rows] or empty");
+  return {static_cast<const uint8_t*>(data.data_ptr()), scale.numel() ? scale.data_ptr<float>() : nullptr,
+          data.size(0), fmt, group};
+}
+
+const float* vector_at(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, "fused_decode_step: ",
+              what, " must be fp32 [", n, "]");
+  return t.data_ptr<float>();
+}
+
+// out[t] = w * x[t] / rms(x[t]) (HF's RMSNorm in fp32).
+void rms_norm(const float* x, const float* w, int64_t tokens, int64_t n, float eps, float* out) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* xt = x + t * n;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += xt[i] * xt[i];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[t * n + i] = w[i] * (xt[i] * r);
+  }
+}
+
+// The scratch one step's products reuse: the quantized activations, where a product has them.
+struct Product {
+  bool q8;
+  std::vector<XBlock> xq;
+
+  void operator()(const float* x, int64_t tokens, int64_t k, const Linear& w, float* out) {
+    if (q8 && has_q8_dot(w.fmt)) {
+      xq.resize(tokens * k / 32);
+      for (int64_t t = 0; t < tokens; ++t) quantize_row_q8(x + t * k, k, xq.data() + t * (k / 32));
+      matmul_q8(xq.data(), tokens, k, w.data, w.rows, out, w.fmt);
+    } else {
+      matmul_f32(x, tokens, k, w.data, w.scale, w.rows, out, w.fmt, w.group);
+    }
+  }
+};
+
+// Rotates the first `heads` heads of each token's row (HF rotate_half layout).
+void rope(float* qkv, int64_t tokens, int64_t row, int64_t heads, int64_t d, const float* cos,
+          const float* sin, const int64_t* positions) {
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + positions[t] * half;
+    const float* s = sin + positions[t] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = qkv + t * row + h * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+  }
+}
+
+struct Attention {
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  const int32_t* tables;
+  const int32_t* lens;
+  const int64_t* slots;
+  int64_t max_blocks;
+  float scale;
+};
+
+// K and V of each token into the cache, then each token's query over its sequence's context.
+void attention(const float* qkv, const Dims& dm, const Attention& a, float* out) {
+  const int64_t row = (dm.heads + 2 * dm.kv_heads) * dm.head_dim, kv = dm.kv_heads * dm.head_dim;
+  float* kc = a.key_cache.data_ptr<float>();
+  float* vc = a.value_cache.data_ptr<float>();
+  for (int64_t t = 0; t < dm.tokens; ++t) {
+    const float* k = qkv + t * row + dm.heads * dm.head_dim;
+    std::memcpy(kc + a.slots[t] * kv, k, kv * sizeof(float));
+    std::memcpy(vc + a.slots[t] * kv, k + kv, kv * sizeof(float));
+  }
+  const twinserve_attention::Shape s{dm.heads, dm.kv_heads, dm.head_dim, a.key_cache.size(1), a.max_blocks};
+  const int64_t split = dm.tokens >= 4 * at::get_num_threads() ? 1 : dm.kv_heads;
+  const int64_t per = dm.kv_heads / split, q_row = dm.heads * dm.head_dim;
+  std::vector<float> query(dm.tokens * q_row);
+  for (int64_t t = 0; t < dm.tokens; ++t) std::memcpy(&query[t * q_row], qkv + t * row, q_row * sizeof(float));
+  at::parallel_for(0, dm.tokens * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / split, h0 = (item % split) * per;
+      twinserve_attention::attend<float>(&query[t * q_row], kc, vc, a.tables + t * a.max_blocks, a.lens[t], 0, s,
+                                         h0, h0 + per, a.scale, 0.f, out + t * q_row, scratch);
+    }
+  });
+}
+
+void layer_step(const Layer& ly, const Dims& dm, float eps, const Attention& attn, const float* cos,
+                const float* sin, const int64_t* positions, Product& product, float* residual,
+                float* hidden) {
+  const int64_t t = dm.tokens, h = dm.hidden, row = (dm.heads + 2 * dm.kv_heads) * dm.head_dim;
+  std::vector<float> x(t * h), qkv(t * row), att(t * dm.heads * dm.head_dim), gu(t * 2 * dm.inter),
+      act(t * dm.inter);
+  rms_norm(residual, ly.input_norm, t, h, eps, x.data());
+  product(x.data(), t, h, ly.qkv, qkv.data());
+  rope(qkv.data(), t, row, dm.heads + dm.kv_heads, dm.head_dim, cos, sin, positions);
+  attention(qkv.data(), dm, attn, att.data());
+  product(att.data(), t, dm.heads * dm.head_dim, ly.o, hidden);
+  for (int64_t i = 0; i < t * h; ++i) residual[i] += hidden[i];
+  rms_norm(residual, ly.post_norm, t, h, eps, x.data());
+  product(x.data(), t, h, ly.gate_up, gu.data());
+  for (int64_t r = 0; r < t; ++r) {
+    const float* g = gu.data() + r * 2 * dm.inter;
+    for (int64_t i = 0; i < dm.inter; ++i)
+      act[r * dm.inter + i] = g[i] / (1.f + std::exp(-g[i])) * g[i + dm.inter];
+  }
+  product(act.data(), t, dm.inter, ly.down, hidden);
+}
+
+at::Tensor fused_decode_step(const at::Tensor& embedded, at::TensorList weights, at::IntArrayRef formats,
+                             at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                             int64_t num_kv_heads, double eps, double scale, bool q8) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers + 1 && static_cast<int64_t>(formats.size()) == 8 * layers &&
+                  static_cast<int64_t>(value_caches.size()) == layers,
+              "fused_decode_step: 10 weights and 8 formats per layer, one cache pair per layer, then the final norm");
+  TORCH_CHECK(embedded.scalar_type() == at::kFloat && embedded.dim() == 2, "fused_decode_step: hidden [T, H] fp32");
+  const int64_t tokens = embedded.size(0), hidden = embedded.size(1);
+  TORCH_CHECK(layers > 0 && key_caches[0].dim() == 4, "fused_decode_step: caches [N, block, Hkv, D]");
+  const int64_t head_dim = key_caches[0].size(3);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.numel() == tokens && slot_mapping.numel() == tokens,
+              "fused_decode_step: positions and slot_mapping int64 [T]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.dim() == 2 && block_tables.size(0) == tokens && seq_lens.numel() == tokens,
+              "fused_decode_step: one sequence per token (block_tables [T, M], seq_lens [T] int32)");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(1) == head_dim / 2 && sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "fused_decode_step: cos/sin fp32 [positions, head_dim / 2]");
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const at::Tensor pos = positions.contiguous(), slots = slot_mapping.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int64_t block_size = key_caches[0].size(1), cache_slots = key_caches[0].size(0) * block_size;
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0) && pp[t] == lp[t] - 1 && sp[t] >= 0 && sp[t] < cache_slots &&
+                    lp[t] <= tables.size(1) * block_size,
+                "fused_decode_step: token ", t, " is not a decode (position ", pp[t], ", length ", lp[t], ")");
+  const std::vector<at::Tensor> w(weights.begin(), weights.end());
+  const std::vector<int64_t> f(formats.begin(), formats.end());
+  const int64_t qkv_rows = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t inter = w[6].size(0) / 2;
+  const Dims dm{tokens, hidden, num_heads, num_kv_heads, head_dim, inter};
+  at::Tensor residual = embedded.contiguous().clone();
+  at::Tensor out = at::empty({tokens, hidden}, embedded.options());
+  std::vector<float> layer_out(tokens * hidden);
+  Product product{q8, {}};
+  for (int64_t l = 0; l < layers; ++l) {
+    const size_t wi = 10 * l, fi = 8 * l;
+    const Layer ly{vector_at(w[wi], hidden, "input norm"), vector_at(w[wi + 5], hidden, "post-attention norm"),
+                   linear_at(w, f, wi + 1, fi, hidden), linear_at(w, f, wi + 3, fi + 2, num_heads * head_dim),
+                   linear_at(w, f, wi + 6, fi + 4, hidden), linear_at(w, f, wi + 8, fi + 6, inter)};
+    TORCH_CHECK(ly.qkv.rows == qkv_rows && ly.o.rows == hidden && ly.gate_up.rows == 2 * inter &&
+                    ly.down.rows == hidden, "fused_decode_step: layer ", l, " has other shapes than layer 0");
+    const at::Tensor& kc = key_caches[l];
+    const at::Tensor& vc = value_caches[l];
+    TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.sizes() == kc.sizes() &&
+                    vc.scalar_type() == at::kFloat && vc.is_contiguous() && kc.size(0) * kc.size(1) == cache_slots &&
+                    kc.size(2) == num_kv_heads && kc.size(3) == head_dim,
+                "fused_decode_step: layer ", l, "'s caches must be fp32 [N, block, Hkv, D] like layer 0's");
+    if (l > 0)
+      for (int64_t i = 0; i < tokens * hidden; ++i) residual.data_ptr<float>()[i] += layer_out[i];
+    const Attention attn{kc, vc, tables.data_ptr<int32_t>(), lp, sp, tables.size(1), static_cast<float>(scale)};
+    layer_step(ly, dm, static_cast<float>(eps), attn, cos.data_ptr<float>(), sin.data_ptr<float>(), pp, product,
+               residual.data_ptr<float>(), layer_out.data());
+  }
+  for (int64_t i = 0; i < tokens * hidden; ++i) residual.data_ptr<float>()[i] += layer_out[i];
+  rms_norm(residual.data_ptr<float>(), vector_at(w[10 * layers], hidden, "final norm"), tokens, hidden,
+           static_cast<float>(eps), out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(twinserve_quant, m) {
+  m.def("fused_decode_step(Tensor hidden, Tensor[] weights, int[] formats, Tensor[] key_caches, "
+        "Tensor[] value_caches, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, "
+        "bool q8) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(twinserve_quant, CPU, m) {
+  m.impl("fused_decode_step", &fused_decode_step);
+}

@@ -187,28 +187,39 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
                          repeats: int = 3, progress: Log | None = None,
                          seed: int = 0) -> list[StepSample]:
     """Times ``runner.execute`` on each hand-built step; ``seconds`` is the median of repeats.
-    Steps whose blocks do not fit the runner's cache are skipped (reported through ``progress``)."""
-    timed: dict[int, StepSample] = {}
-    sync = _sync_for(runner.device)
-    # timed in a shuffled (seeded) order, returned in the grid's: a burst of other work on the
-    # host then slows steps scattered over the space, which the fit can tell for outliers,
-    # instead of a whole region of it
-    order = list(range(len(specs)))
-    random.Random(seed).shuffle(order)
-    for k, i in enumerate(order):
-        spec = specs[i]
+    Steps whose blocks do not fit the runner's cache are skipped (reported through ``progress``).
+
+    The grid is timed in passes, each in its own shuffled (seeded) order: ``warmup`` untimed
+    passes, then ``repeats`` timed ones. A burst of other work on a shared host then slows one
+    repeat of steps scattered over the space (the median drops it) instead of every repeat of
+    one region of it."""
+    steps: dict[int, SchedulerOutput] = {}
+    for i, spec in enumerate(specs):
         try:
-            step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
+            steps[i] = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
         except ValueError as exc:
             if progress:
                 progress(f"skipped: {exc}")
-            continue
-        times = time_call(partial(runner.execute, step), warmup, repeats, sync)
-        median = statistics.median(times)
-        timed[i] = StepSample.of_step(step, median, median, times)
+    sync = _sync_for(runner.device)
+    rng = random.Random(seed)
+    times: dict[int, list[float]] = {i: [] for i in steps}
+    for pass_ in range(warmup + repeats):
+        order = list(steps)
+        rng.shuffle(order)
+        for i in order:
+            seconds = time_call(partial(runner.execute, steps[i]), 0, 1, sync)[0]
+            if pass_ >= warmup:
+                times[i].append(seconds)
         if progress:
-            progress(f"[{k + 1}/{len(specs)}] {spec.label():<40} {median * 1e3:9.1f} ms")
-    return [timed[i] for i in sorted(timed)]
+            what = "warm-up" if pass_ < warmup else f"timed {pass_ - warmup + 1}/{repeats}"
+            progress(f"micro-benchmarks: pass {pass_ + 1} ({what}) of {len(steps)} steps done")
+    out = []
+    for i, step in steps.items():
+        median = statistics.median(times[i])
+        out.append(StepSample.of_step(step, median, median, times[i]))
+        if progress:
+            progress(f"  {specs[i].label():<48} {median * 1e3:9.1f} ms")
+    return out
 
 
 def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1,

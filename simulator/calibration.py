@@ -151,13 +151,31 @@ def run_speed(params: FittedParams, samples: Iterable[StepSample]) -> float:
     return measured / predicted if predicted > 0 else math.nan
 
 
+# The engine loop's work beyond the forward pass (scheduling, sampling, output processing) is
+# Python per sequence and per token: it reads no KV, so its fit has no context term (one would
+# only pick up noise, and carry it to longer contexts than were measured).
+OVERHEAD_FEATURES = ("num_tokens", "num_prefill_seqs", "num_decode_seqs")
+
+
 def fit_overhead(samples: Sequence[StepSample], model: str | None = None,
-                 tensor_parallel_size: int = 1) -> FittedParams:
+                 tensor_parallel_size: int = 1, cut: float = 4.0) -> FittedParams:
     """The engine loop's cost beyond the forward pass (``seconds - execute_seconds``), fitted on
-    the steps that timed both; absolute weighting (it is a small additive term)."""
-    rows = [StepSample(s.aggregates, max(0.0, s.seconds - s.execute_seconds), kind=s.kind)
-            for s in samples if math.isfinite(s.execute_seconds)]
-    return fit(rows, model, tensor_parallel_size, "absolute")
+    the steps that timed both on ``OVERHEAD_FEATURES``; absolute weighting (it is a small
+    additive term), refitted once without the steps more than ``cut`` robust standard
+    deviations off (a step another process interrupted)."""
+    rows = [({k: v for k, v in sample_features(s).items() if k in OVERHEAD_FEATURES},
+             max(0.0, s.seconds - s.execute_seconds))
+            for s in samples if math.isfinite(s.execute_seconds) and _fittable(s, "seconds")]
+    if not rows:
+        raise ValueError("no step with scheduled tokens and a timed forward pass to fit.")
+    params = fit_step_time(rows, model, tensor_parallel_size)
+    residuals = [_predicted(params, f) - y for f, y in rows]
+    middle = statistics.median(residuals)
+    scale = 1.4826 * statistics.median(abs(r - middle) for r in residuals)
+    kept = [row for row, r in zip(rows, residuals) if abs(r - middle) <= cut * scale]
+    if scale > 0 and len(rows) // 2 <= len(kept) < len(rows):
+        params = replace(fit_step_time(kept, model, tensor_parallel_size), num_samples=len(rows))
+    return params
 
 
 def combine(forward: FittedParams, overhead: FittedParams) -> FittedParams:
@@ -383,9 +401,12 @@ def fit_joint(sources: Mapping[str, Sequence[StepSample]], model_name: str,
 def _fit_error_of(params: FittedParams, forward: FittedParams, micro: Sequence[StepSample],
                   steps: Sequence[StepSample]) -> dict[str, float]:
     """The stated error (``FittedParams.fit_error``): per step kind, of the whole-step fit on
-    the whole steps where there are any, else of the forward fit on the micro-benchmarks."""
+    the whole steps where there are any, else of the forward fit on the micro-benchmarks; and
+    ``micro_mape``/``micro_max``, the forward fit's on the micro-benchmarks."""
     errors = (fit_errors(params, steps, "seconds") if steps
               else fit_errors(forward, micro, "execute_seconds"))
+    if micro:
+        errors.append(replace(fit_errors(forward, micro, "execute_seconds")[-1], kind="micro"))
     out: dict[str, float] = {}
     for e in errors:
         out[f"{e.kind}_mape"] = round(e.mape, 2)

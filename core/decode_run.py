@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from twinserve.core.outputs import SchedulerOutput
+from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import RequestStatus
 from twinserve.core.scheduler import Scheduler
 
@@ -66,9 +66,12 @@ class DecodeRun:
             request.all_token_ids += tokens
             request.token_times += ends
         free_after = self._block_events(k)
+        tables = sched.kv.tables
         for request, start in zip(running, starts):
             request.num_computed_tokens = start + k
-            request.decode_entry.start = start + k - 1  # type: ignore[union-attr]
+            entry, table = request.decode_entry, tables[request.request_id]
+            entry.start = start + k - 1  # type: ignore[union-attr]
+            entry.block_ids, entry.group_block_ids = table.ids, table.group_ids  # type: ignore[union-attr]
         on_tokens = sched.policy.on_output_tokens if sched.policy.accounts_tokens else None
         if on_tokens is not None:  # one token at a time: the policy's float sums stay the same
             for _ in range(k):
@@ -120,7 +123,7 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     ``token``; None unless at least one such step precedes the next finish. Ineligible: waiting
     requests, LoRA, n > 1 samples, policies that watch the clock, pending block copies, a budget
     below the batch, a request whose stop ids hold ``token``."""
-    running = sched.running
+    running, bs = sched.running, sched.kv.block_size
     n = len(running)
     if (not n or len(sched.policy) or sched.loras is not None or not sched.is_plain_decoding
             or sched.kv.block_ops is not None or n > sched.config.max_num_batched_tokens):
@@ -129,10 +132,10 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     starts: list[int] = []
     for request in running:
         start = request.num_computed_tokens
-        if (request.decode_entry is None or request.status != _RUNNING
-                or len(request.all_token_ids) - start != 1
-                or start < request.num_prompt_tokens or token in request.stop_ids):
-            return None
+        if (request.status != _RUNNING or len(request.all_token_ids) - start != 1
+                or start < request.num_prompt_tokens or token in request.stop_ids
+                or (request.decode_entry is None and not start % bs)):
+            return None  # (a first decode that starts a block takes the step's own path)
         # the step producing the last token is left to the step-by-step path (it finishes)
         left = request.max_output_tokens - len(request.output_token_ids) - 1
         if left < max_steps:
@@ -143,6 +146,12 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     max_steps = _steps_with_blocks(sched, starts, max_steps)
     if max_steps <= 0:
         return None
+    for request, start in zip(running, starts):
+        if request.decode_entry is None:  # its first decode: the entry that step would make
+            # (its slot lies in its last block: the step would have read the table as it is)
+            table = sched.kv.tables[request.request_id]
+            request.decode_entry = ScheduledRequest(request, start, 1, table.ids, True,
+                                                    table.group_ids)
     out = SchedulerOutput()
     out.scheduled = [r.decode_entry for r in running]  # type: ignore[misc]
     out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n

@@ -158,27 +158,34 @@ def _kv_state(sched) -> tuple:
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_apply_leaves_the_scheduler_as_the_steps_would(caching: bool) -> None:
-    # mixed positions in 4-token blocks, a cache with cached-but-free blocks to evict
+@pytest.mark.parametrize("first_decode", [True, False], ids=["first-decode", "decoding"])
+def test_apply_leaves_the_scheduler_as_the_steps_would(caching: bool, first_decode: bool) -> None:
+    # mixed positions in 4-token blocks, a cache with cached-but-free blocks to evict; the run
+    # starts right after the prefills (making the decode entries) or after a decode step
     def build():
-        sched = make_scheduler(num_blocks=60, block_size=4, enable_prefix_caching=caching)
-        for i, (prompt, out) in enumerate([(13, 3), (21, 40), (18, 35), (30, 50), (9, 44)]):
+        sched = make_scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=128,
+                               enable_prefix_caching=caching)
+        lengths = [(13, 45 if first_decode else 3), (21, 40), (18, 35), (30, 50), (9, 44)]
+        for i, (prompt, out) in enumerate(lengths):
             sched.add_request(make_req(f"r{i}", prompt, out))
-        now = 0.0
-        while len(sched.running) != 4 or any(r.decode_entry is None for r in sched.running):
-            step(sched, now, TOKEN)
-            now += 0.01
+        step(sched, 0.0, TOKEN)  # every prefill at once: 4 decodes ahead, none with an entry
+        now = 0.01
+        if not first_decode:
+            while len(sched.running) != 4:  # r0 finishes after its third token
+                step(sched, now, TOKEN)
+                now += 0.01
+        assert all((r.decode_entry is None) == first_decode for r in sched.running)
         return sched, now
 
     reference, now = build()
     fast, _ = build()
     run = plan_decode_run(fast, TOKEN)
-    assert run is not None and run.max_steps >= 12
+    assert run is not None and run.max_steps >= 12 and len(fast.running) == 4 + first_decode
     ends = [now + 0.01 * (k + 1) for k in range(12)]
     free_after = run.apply(ends)
     for end in ends:
         out = reference.schedule(end - 0.01)
-        assert out.num_decode_seqs == out.total_num_scheduled_tokens == 4
+        assert out.num_decode_seqs == out.total_num_scheduled_tokens == len(reference.running)
         reference.update_from_output(out, fake_execute(out, TOKEN), end)
         assert reference.kv.num_free_blocks == free_after[ends.index(end)]
     assert _kv_state(fast) == _kv_state(reference)

@@ -148,9 +148,22 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
     return 2 * layers * block_size * heads * model.head_dim * value_bytes
 
 
-def kv_cache_layout_of(model: ModelConfig, disable_sliding_window: bool = False) -> KVCacheLayout:
-    """The model's KV cache groups (one unless it mixes sliding-window and full layers)."""
-    return layout_for_model(model.num_hidden_layers, model.layer_window, disable_sliding_window)
+def kv_cache_layout_of(model: ModelConfig, disable_sliding_window: bool = False,
+                       hybrid: bool = True) -> KVCacheLayout:
+    """The model's KV cache groups: one unless it mixes sliding-window and full layers (then
+    vLLM's hybrid groups, unless ``hybrid`` is off: one group in which every layer keeps every
+    block, attention unchanged, as vLLM's ``disable_hybrid_kv_cache_manager``)."""
+    layout = layout_for_model(model.num_hidden_layers, model.layer_window, disable_sliding_window)
+    if layout.num_groups > 1 and not hybrid:
+        return layout_for_model(model.num_hidden_layers, model.layer_window, True)
+    return layout
+
+
+def hybrid_kv_cache_supported(args: EngineArgs) -> bool:
+    """Where the engine runs the hybrid layout: not yet with tensor parallelism (the workers'
+    caches and step inputs carry one block table) nor with an fp8 cache (its compacted tables);
+    there a mixed model keeps every block in every layer, as before the hybrid layout."""
+    return args.tensor_parallel_size == 1 and args.kv_cache_dtype == "auto"
 
 
 def sequence_kv_tokens(layout: KVCacheLayout, num_blocks: int, block_size: int,
@@ -189,7 +202,12 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
     max_len = resolve_max_model_len(args.max_model_len, model, args.disable_sliding_window)
     max_batched = args.max_num_batched_tokens or batched
-    layout = kv_cache_layout_of(model, args.disable_sliding_window)
+    hybrid = hybrid_kv_cache_supported(args)
+    layout = kv_cache_layout_of(model, args.disable_sliding_window, hybrid)
+    if not hybrid and kv_cache_layout_of(model, args.disable_sliding_window).num_groups > 1:
+        logger.warning("%s mixes sliding-window and full layers; with tensor parallelism or an "
+                       "fp8 KV cache every layer keeps every block (no hybrid KV cache).",
+                       model.name)
     block_bytes = kv_block_bytes(model, args.block_size, dtype, tp, args.kv_cache_dtype,
                                  layout.slots_per_block)
     budget = kv_cache_budget(args, platform, non_kv_bytes)

@@ -17,7 +17,12 @@ class AttentionMetadata:
     ``block_tables[B, M]`` int32, ``seq_lens[B]`` int32 (context after this step),
     ``query_start_loc[B + 1]`` int32. ``max_query_len``/``max_seq_len`` are host copies (the
     Triton path needs no device sync then); ``plans`` are the torch path's precomputed gathers,
-    one per attention window of the model's layers (None: full attention)."""
+    one per attention window of the model's layers (None: full attention).
+
+    A hybrid KV layout (``core/kv_cache_groups.py``) gives each KV cache group its own block
+    table, hence its own slot mapping: ``groups[g]`` is group g's metadata (sharing ``seq_lens``
+    and ``query_start_loc``), ``group_windows[g]`` its window, ``layer_groups[i]`` decoder layer
+    i's group; this object's own tables are group 0's. One group: all three empty."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -26,6 +31,13 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_seq_len: int = 0
     plans: dict[int | None, torch_attention.AttentionPlan] = field(default_factory=dict)
+    groups: tuple[AttentionMetadata, ...] = ()
+    group_windows: tuple[int | None, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata decoder layer ``layer`` attends with (its group's)."""
+        return self.groups[self.layer_groups[layer]] if self.groups else self
 
 
 class AttentionBackend:
@@ -52,11 +64,21 @@ class AttentionBackend:
             self.decode_kernel = load_paged_decode()
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Precompute what every layer reuses (the torch path's gather indices)."""
-        if self.use_plan:
-            meta.plans = {window: torch_attention.plan_attention(
-                meta.block_tables, meta.seq_lens, meta.query_start_loc, block_size,
-                self.decode_kernel, window) for window in self.windows}
+        """Precompute what every layer reuses (the torch path's gather indices): one plan per
+        window, or with KV cache groups one per group, for its window."""
+        if not self.use_plan:
+            return
+        if not meta.groups:
+            meta.plans = {window: self._plan(meta, block_size, window) for window in self.windows}
+            return
+        for group, window in zip(meta.groups, meta.group_windows):
+            group.plans = {window: self._plan(group, block_size, window)}
+
+    def _plan(self, meta: AttentionMetadata, block_size: int,
+              window: int | None) -> torch_attention.AttentionPlan:
+        return torch_attention.plan_attention(meta.block_tables, meta.seq_lens,
+                                              meta.query_start_loc, block_size,
+                                              self.decode_kernel, window)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from twinserve.core.kv_cache_groups import KVCacheLayout
 from twinserve.core.outputs import ScheduledRequest
 from twinserve.gpu.attention_backend import AttentionMetadata
 
@@ -25,7 +26,10 @@ class ModelInput:
 
 
 def build_model_input(scheduled: list[ScheduledRequest], block_size: int,
-                      max_positions: int, device: torch.device) -> ModelInput:
+                      max_positions: int, device: torch.device,
+                      layout: KVCacheLayout | None = None) -> ModelInput:
+    """The step's inputs; with a hybrid ``layout`` (several KV cache groups) every group's
+    block table and slot mapping (``AttentionMetadata.groups``)."""
     num_seqs = len(scheduled)
     q_lens = np.fromiter((sr.num_new_tokens for sr in scheduled), np.int64, num_seqs)
     starts = np.fromiter((sr.start for sr in scheduled), np.int64, num_seqs)
@@ -55,6 +59,8 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int,
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
         query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
+    if layout is not None and layout.num_groups > 1:
+        meta = _with_groups(meta, scheduled, seq_lens, seq_of_row, positions, block_size, layout)
     return ModelInput(
         input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
         positions=torch.from_numpy(positions).to(device),
@@ -63,15 +69,42 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int,
         sample_index=sample_index)
 
 
+def _with_groups(meta: AttentionMetadata, scheduled: list[ScheduledRequest],
+                 seq_lens: np.ndarray, seq_of_row: np.ndarray, positions: np.ndarray,
+                 block_size: int, layout: KVCacheLayout) -> AttentionMetadata:
+    """``meta`` with one metadata per KV cache group (its block table and slot mapping); a
+    sliding group's table holds the null block where its window no longer looks."""
+    device = meta.seq_lens.device
+    groups = [meta]
+    for g in range(1, layout.num_groups):
+        tables = _block_tables(scheduled, seq_lens, block_size, g)
+        slots = (tables[seq_of_row, positions // block_size].astype(np.int64) * block_size
+                 + positions % block_size)
+        groups.append(AttentionMetadata(
+            torch.from_numpy(slots).to(device), torch.from_numpy(tables).to(device),
+            meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len))
+    return replace(meta, groups=tuple(groups), group_windows=layout.group_windows,
+                   layer_groups=layout.layer_group)
+
+
 def _block_tables(scheduled: list[ScheduledRequest], seq_lens: np.ndarray,
-                  block_size: int) -> np.ndarray:
-    """``[B, max_blocks]`` int32, padded with block 0 (never read: masked by ``seq_lens``)."""
+                  block_size: int, group: int = 0) -> np.ndarray:
+    """``[B, max_blocks]`` int32 (of KV cache group ``group``), padded with block 0 (never
+    read: masked by ``seq_lens``)."""
     needed = (seq_lens + block_size - 1) // block_size
     table = np.zeros((len(scheduled), int(needed.max())), np.int32)
     for b, sr in enumerate(scheduled):
         n = int(needed[b])
-        if len(sr.block_ids) < n:
-            raise ValueError(f"request {sr.request_id!r}: {len(sr.block_ids)} blocks cannot hold "
+        ids = sr.block_ids if group == 0 else _group_ids(sr, group)
+        if len(ids) < n:
+            raise ValueError(f"request {sr.request_id!r}: {len(ids)} blocks cannot hold "
                              f"{int(seq_lens[b])} tokens at block_size={block_size}.")
-        table[b, :n] = sr.block_ids[:n]
+        table[b, :n] = ids[:n]
     return table
+
+
+def _group_ids(sr: ScheduledRequest, group: int) -> list[int]:
+    if len(sr.group_block_ids) <= group:
+        raise ValueError(f"request {sr.request_id!r} has no block table for KV cache group "
+                         f"{group}: the scheduler's KV layout differs from the runner's.")
+    return sr.group_block_ids[group]

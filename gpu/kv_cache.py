@@ -1,6 +1,12 @@
 """The paged KV cache: per-layer device tensors sized from a byte budget, plus a host pool for
 swap preemption. Layout per layer (shared with the Triton kernels):
-``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and again for values."""
+``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and again for values.
+
+With a hybrid layout (``core/kv_cache_groups.py``: Gemma's mixed sliding and full layers) a block
+spans one group's ``slots_per_block`` layers: there are that many tensor pairs ("slots"), and
+layer i uses slot ``layout.layer_slot[i]``, shared with the layers of the same place in the other
+groups. The groups' block tables never hold the same block at once (one pool), so they never
+write the same rows. One group: one slot per layer, as without a layout."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from twinserve.core.kv_cache_groups import KVCacheLayout
 
 GiB = 1 << 30
 
@@ -43,23 +51,32 @@ def host_memory_available() -> int:
 
 
 class KVCache:
-    """Device blocks ``gpu[layer] = (key_cache, value_cache)`` and host blocks ``cpu[layer]``."""
+    """Device blocks ``gpu[layer] = (key_cache, value_cache)`` and host blocks ``cpu[layer]``
+    (layers of one slot share their tensors); ``gpu_slots`` / ``cpu_slots``: each tensor pair
+    once."""
 
-    __slots__ = ("spec", "gpu", "cpu")
+    __slots__ = ("spec", "gpu", "cpu", "gpu_slots", "cpu_slots")
 
     def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, layout: KVCacheLayout | None = None) -> None:
         if num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}: the KV "
                              "cache budget is smaller than one block.")
+        if layout is not None and layout.num_layers != spec.num_layers:
+            raise ValueError(f"the KV cache layout has {layout.num_layers} layers, the model "
+                             f"{spec.num_layers}.")
         self.spec = spec
-        self.gpu = [self._alloc(num_gpu_blocks, device, False, torch.zeros)
-                    for _ in range(spec.num_layers)]
+        num_slots = spec.num_layers if layout is None else layout.slots_per_block
+        slot_of = range(spec.num_layers) if layout is None else layout.layer_slot
+        self.gpu_slots = [self._alloc(num_gpu_blocks, device, False, torch.zeros)
+                          for _ in range(num_slots)]
         pin = device.type == "cuda"
         # The host pool is only read where a swap-out wrote: left unfilled, its pages are not
         # touched (nor resident, on a CPU host) until a swap uses them.
-        self.cpu = [self._alloc(num_cpu_blocks, torch.device("cpu"), pin, torch.empty)
-                    for _ in range(spec.num_layers)]
+        self.cpu_slots = [self._alloc(num_cpu_blocks, torch.device("cpu"), pin, torch.empty)
+                          for _ in range(num_slots)]
+        self.gpu = [self.gpu_slots[slot] for slot in slot_of]
+        self.cpu = [self.cpu_slots[slot] for slot in slot_of]
 
     def _alloc(self, num_blocks: int, device: torch.device, pin: bool,
                make=torch.zeros) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +94,15 @@ class KVCache:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: ``(device_block, host_block)`` pairs."""
-        _copy(self.gpu, self.cpu, pairs)
+        _copy(self.gpu_slots, self.cpu_slots, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks: ``(host_block, device_block)`` pairs."""
-        _copy(self.cpu, self.gpu, pairs)
+        _copy(self.cpu_slots, self.gpu_slots, pairs)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write inside the device pool: ``(src_block, dst_block)`` pairs."""
-        _copy(self.gpu, self.gpu, pairs)
+        _copy(self.gpu_slots, self.gpu_slots, pairs)
 
 
 def _copy(src: list[tuple[torch.Tensor, torch.Tensor]],

@@ -197,9 +197,10 @@ class CausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         residual = None
         ropes = [rope.lookup(positions) for rope in self.ropes]
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             index: int = layer.rope_index  # type: ignore[assignment]
-            hidden, residual = layer(hidden, residual, ropes[index], kv_cache, meta, self.backend)
+            hidden, residual = layer(hidden, residual, ropes[index], kv_cache, meta.for_layer(i),
+                                     self.backend)
         return self.norm_fn(residual + hidden, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from twinserve.core.engine_args import EngineArgs
-from twinserve.core.engine_config import EngineConfig, Platform, resolve_engine_config
+from twinserve.core.engine_config import (
+    EngineConfig,
+    Platform,
+    kv_cache_layout_of,
+    resolve_engine_config,
+)
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.quantization import resolve_quantization
@@ -92,7 +97,11 @@ class ModelRunner:
             kv_dtype = use_fp8_kv_cache(self.model, self.dtype, self.device, self.tp is not None)
         spec = kv_cache_spec(self.config, self.block_size, kv_dtype, args.tensor_parallel_size)
         sched = resolved.scheduler
-        self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device)
+        # the scheduler's KV cache groups (one unless a mixed model runs the hybrid layout)
+        self.kv_layout = kv_cache_layout_of(self.config, args.disable_sliding_window,
+                                            bool(sched.kv_cache_group_windows))
+        self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device,
+                                self.kv_layout)
         if self.tp is not None:
             self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
@@ -103,7 +112,9 @@ class ModelRunner:
             self.lora = LoRAManager(self.model, self.config, lora_config,
                                     use_triton=self.device.type == "cuda")
         self._graphs = None
-        if self.device.type == "cuda" and not args.enforce_eager:
+        # the decode graphs capture one block table: hybrid layouts run eagerly
+        if self.device.type == "cuda" and not args.enforce_eager and \
+                self.kv_layout.num_groups == 1:
             from twinserve.gpu.cuda_graphs import DecodeGraphs
             self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.block_size,
                                         self.max_model_len)
@@ -150,7 +161,7 @@ class ModelRunner:
         if lora is not None:
             scheduled = lora.group_by_adapter(scheduled)
         inputs = prepared or build_model_input(scheduled, self.block_size, self.max_model_len,
-                                               self.device)
+                                               self.device, self.kv_layout)
         if lora is not None:
             lora.begin_step(scheduled)
         try:

@@ -196,6 +196,9 @@ E2E_REGIMES: dict[str, dict[str, Any]] = {
 # the windowed model holds few blocks: a smaller cache (10, with 16-token chunks) preempts it,
 # though its longest request alone would need 17 blocks without the window
 WINDOW_PRESSURE = dict(num_gpu_blocks_override=10, max_num_batched_tokens=16)
+# Gemma 2's hybrid cache: its longest request holds 17 full blocks and, with 16-token chunks,
+# 7 in its sliding group (a whole-prompt chunk would hold 17 there too: more than 24 blocks)
+HYBRID_PRESSURE = dict(num_gpu_blocks_override=28, max_num_batched_tokens=16)
 
 
 def _e2e_prompts() -> list[list[int]]:
@@ -205,8 +208,10 @@ def _e2e_prompts() -> list[list[int]]:
     return own[:3] + [shared + own[3][:6], shared + own[4]] + own[3:]
 
 
-def _run_engine(model_dir: Path, regime: dict[str, Any]) -> tuple[list[list[int]], int, Any]:
-    """Greedy tokens of every prompt, the most blocks a request held at once, and the engine."""
+def _run_engine(model_dir: Path, regime: dict[str, Any]
+                ) -> tuple[list[list[int]], int, Any, int]:
+    """Greedy tokens of every prompt, the most blocks a request held at once (in group 0), the
+    engine, and the most blocks a request's sliding group freed (hybrid layouts; else 0)."""
     from twinserve.core.engine_args import EngineArgs
     from twinserve.core.sampling_params import SamplingParams
     from twinserve.gpu.llm_engine import LLMEngine
@@ -216,7 +221,7 @@ def _run_engine(model_dir: Path, regime: dict[str, Any]) -> tuple[list[list[int]
     prompts = _e2e_prompts()
     ids = [engine.add_request(p, params) for p in prompts[:4]]  # one with the shared prefix
     tokens: dict[str, list[int]] = {}
-    peak = steps = 0
+    peak = steps = dropped = 0
     while engine.has_unfinished_requests() or len(ids) < len(prompts):
         if steps == 3:  # the rest later: the shared prefix is in the cache by then
             ids += [engine.add_request(p, params) for p in prompts[4:]]
@@ -226,7 +231,9 @@ def _run_engine(model_dir: Path, regime: dict[str, Any]) -> tuple[list[list[int]
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
         kv = engine.scheduler.kv
         peak = max([peak, *(len(t.blocks) - t.num_dropped for t in kv.tables.values())])
-    return [tokens[i] for i in ids], peak, engine
+        for group in getattr(kv, "sliding_groups", ()):
+            dropped = max([dropped, *(t.num_dropped for t in group.tables.values())])
+    return [tokens[i] for i in ids], peak, engine, dropped
 
 
 @pytest.mark.slow
@@ -237,7 +244,9 @@ def test_the_engine_gives_hf_greedy_tokens_in_every_regime(
     settings = E2E_REGIMES[regime]
     if name == "mistral-window" and "preemption" in regime:
         settings = {**settings, **WINDOW_PRESSURE}
-    got, peak, engine = _run_engine(family_dirs[name], settings)
+    if name == "gemma2" and "preemption" in regime:
+        settings = {**settings, **HYBRID_PRESSURE}
+    got, peak, engine, dropped = _run_engine(family_dirs[name], settings)
     assert got == hf_greedy(family_dirs[name], _e2e_prompts(), E2E_TOKENS)
     kv = engine.scheduler.kv
     reserved = 0 if kv.null_block is None else 1
@@ -251,5 +260,7 @@ def test_the_engine_gives_hf_greedy_tokens_in_every_regime(
     if name == "mistral-window":  # window 8, blocks of 4: the window's blocks and a chunk's
         chunked = regime != "defaults"
         assert kv.sliding_window == 8 and peak <= (7 if chunked else longest)
-    else:  # a global layer (Gemma 2) or no window: every block is kept
+    else:  # the full group (Gemma 2's, group 0: kv.tables) or no window: every block is kept
         assert kv.sliding_window is None and peak == longest
+        if name == "gemma2":  # the sliding group freed what its window left behind
+            assert kv.num_groups == 2 and dropped >= 10  # the 50-token prompt decodes past 48

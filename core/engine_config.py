@@ -125,6 +125,7 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig,
             raise ValueError(f"max_model_len={requested} exceeds the sliding window "
                              f"({min(windows)}) that disable_sliding_window caps it to.")
         limit = min(windows)
+    limit = _longrope_limit(requested, model, limit)
     if requested is None:
         return limit
     if requested > limit:
@@ -133,6 +134,33 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig,
                          "config.json). twinserve does not serve past the model's trained "
                          "length: pass max_model_len <= " f"{limit}.")
     return requested
+
+
+def _longrope_limit(requested: int | None, model: ModelConfig, limit: int) -> int:
+    """longrope (Phi-3) is served within ``original_max_position_embeddings``, where HF's
+    frequencies are the short factors for every sequence. Past it HF switches per forward pass
+    by the sequence's length (a prompt longer than that is rotated with the long factors
+    throughout; a shorter one switches at that position while its cached keys keep the short
+    rotation), which one table per engine (vLLM's choice: the long factors whenever
+    max_model_len exceeds the original length) does not reproduce for shorter sequences; so a
+    longer max_model_len is refused, naming the setting."""
+    scaling = model.rope_scaling
+    if scaling is None or scaling.get("rope_type") != "longrope":
+        return limit
+    original = int(scaling["original_max_position_embeddings"])
+    if original >= limit:
+        return limit
+    if requested is not None and requested > original:
+        raise ValueError(
+            f"max_model_len={requested} exceeds longrope's original_max_position_embeddings "
+            f"({original}): past it HF rotates each sequence by its own length (short or long "
+            "factors), which twinserve does not reproduce; serve with max_model_len <= "
+            f"{original}.")
+    if requested is None:
+        logger.warning("max_model_len capped from %d to %d: longrope is served within its "
+                       "original_max_position_embeddings (the short factors, as HF there).",
+                       limit, original)
+    return original
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
@@ -231,7 +259,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         num_gpu_blocks=num_blocks, block_size=args.block_size,
         max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, prefill_first=args.prefill_first,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode,
         num_cpu_blocks=int(args.swap_space * GIB) // block_bytes,

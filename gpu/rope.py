@@ -7,9 +7,11 @@ sin by an attention factor. Two of them depend in HF on the length of the sequen
 - dynamic NTK recomputes its base only past ``max_position_embeddings``, a length the engine never
   serves (``max_model_len`` is capped there), so within it the frequencies are plain RoPE's;
 - longrope uses ``short_factor`` while the sequence is within ``original_max_position_embeddings``
-  and ``long_factor`` beyond: the engine picks one set for the whole table by ``max_positions``
-  (its ``max_model_len``), which equals HF for every sequence when the model is served within the
-  original length, and for long sequences otherwise (vLLM switches per batch instead).
+  and ``long_factor`` beyond: the table holds one set, chosen by ``max_positions``. The engine
+  serves longrope within the original length only (``core.engine_config``: the default
+  ``max_model_len`` is capped there, a longer one refused by name), where HF uses the short
+  factors for every sequence, so it matches HF exactly; past it HF switches per forward pass by
+  the sequence's length, which one table per engine (vLLM's long factors throughout) would not.
 """
 
 from __future__ import annotations

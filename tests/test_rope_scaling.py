@@ -11,6 +11,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from twinserve.core.engine_config import resolve_max_model_len
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.rope import RotaryEmbedding, rope_parameters
 
@@ -65,6 +66,22 @@ def test_longrope_uses_the_long_factors_past_the_original_length() -> None:
     torch.testing.assert_close(long, ref_long.float(), rtol=1e-6, atol=0)
     torch.testing.assert_close(short, _hf("longrope", 1024)[0].float(), rtol=1e-6, atol=0)
     assert not torch.equal(short, long) and factor == pytest.approx(ref_factor)
+
+
+def test_longrope_is_served_within_the_original_length_only() -> None:
+    """Past original_max_position_embeddings HF picks the factors by each sequence's length
+    (above: short at 1024, long at 1025), so a shorter sequence under a longer max_model_len
+    would differ from HF: the default is capped, a longer max_model_len refused by name."""
+    config = ModelConfig.from_hf_dict({**BASE, "architectures": ["Phi3ForCausalLM"],
+                                       "rope_scaling": SCALINGS["longrope"]}, "m")
+    assert config.max_position_embeddings == 4096
+    assert resolve_max_model_len(None, config) == 1024
+    assert resolve_max_model_len(512, config) == 512
+    with pytest.raises(ValueError, match="longrope's original_max_position_embeddings"):
+        resolve_max_model_len(1025, config)
+    yarn = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"],
+                                     "rope_scaling": SCALINGS["yarn"]}, "m")
+    assert resolve_max_model_len(None, yarn) == 4096  # other scalings keep the model's limit
 
 
 def test_dynamic_ntk_is_plain_rope_within_the_trained_length() -> None:

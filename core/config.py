@@ -19,6 +19,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # vLLM v0's scheduler without chunked prefill: a step that admits waiting prompts runs only
+    # them; decodes run in the steps that admit none (Scheduler.schedule).
+    prefill_first: bool = False
     long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
     num_cpu_blocks: int = 0
@@ -60,6 +63,9 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}.")
+        if self.prefill_first and self.enable_chunked_prefill:
+            raise ValueError("prefill_first is vLLM v0's scheduler without chunked prefill: "
+                             "set enable_chunked_prefill=False (--no-enable-chunked-prefill).")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "

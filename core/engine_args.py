@@ -56,6 +56,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    prefill_first: bool = False  # vLLM v0's scheduling (needs enable_chunked_prefill=False)
     long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
     gpu_memory_utilization: float = 0.9
@@ -92,6 +93,9 @@ class EngineArgs:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is set but enable_lora is not: set enable_lora=True "
                                      "(--enable-lora) to serve LoRA adapters.")
+        if self.prefill_first and self.enable_chunked_prefill:
+            raise ValueError("prefill_first is vLLM v0's scheduler without chunked prefill: "
+                             "set enable_chunked_prefill=False (--no-enable-chunked-prefill).")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}.")

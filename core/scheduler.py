@@ -204,9 +204,12 @@ class Scheduler:
         cfg, kv = self.config, self.kv
         if self._on_schedule is not None:
             self._on_schedule(now)
-        budget, preempted = self._schedule_running(out, cfg.max_num_batched_tokens, now)
-        if not preempted and len(self.policy):
-            self._schedule_waiting(out, budget, now)
+        if cfg.prefill_first and len(self.policy):  # vLLM v0: prompts first, alone
+            self._schedule_waiting(out, cfg.max_num_batched_tokens, now)
+        if not out.scheduled:
+            budget, preempted = self._schedule_running(out, cfg.max_num_batched_tokens, now)
+            if not preempted and len(self.policy) and not cfg.prefill_first:
+                self._schedule_waiting(out, budget, now)
         if self.loras is not None and self.loras.loads:
             out.lora_loads = self.loras.take_loads()
         if kv.block_ops is not None:

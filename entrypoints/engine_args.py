@@ -30,6 +30,8 @@ _HELP: dict[str, str] = {
     "max_model_len": "longest prompt + output (default and limit: the model's)",
     "enable_chunked_prefill": "split long prompts across steps",
     "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "prefill_first": "vLLM v0's scheduler (with --no-enable-chunked-prefill): steps that admit "
+                     "prompts run only prefills, decodes wait for the others",
     "long_prefill_token_threshold": "cap on one request's prefill chunk (0: none)",
     "preemption_mode": "recompute or swap",
     "gpu_memory_utilization": "share of device memory the engine may use",

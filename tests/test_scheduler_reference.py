@@ -51,14 +51,14 @@ def _state(s: Scheduler) -> tuple:
        policy=st.sampled_from(["fcfs", "priority", "fair"]),
        mode=st.sampled_from(["recompute", "swap"]),
        caching=st.booleans(), chunked=st.booleans(), stream=st.booleans(),
-       threshold=st.sampled_from([0, 8]))
+       threshold=st.sampled_from([0, 8]), first=st.booleans())
 def test_fast_scheduler_equals_the_reference(ops, policy, mode, caching, chunked, stream,
-                                             threshold) -> None:
+                                             threshold, first) -> None:
     config = SchedulerConfig(num_gpu_blocks=24, block_size=4, max_num_seqs=5,
                              max_num_batched_tokens=48, max_model_len=48,
                              enable_prefix_caching=caching, enable_chunked_prefill=chunked,
                              long_prefill_token_threshold=threshold, preemption_mode=mode,
-                             num_cpu_blocks=10)
+                             num_cpu_blocks=10, prefill_first=first and not chunked)
     pair = [cls(config, get_policy(policy), stream_outputs=stream)
             for cls in (Scheduler, ReferenceScheduler)]
     shared = list(range(300, 316))

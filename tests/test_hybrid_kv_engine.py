@@ -115,5 +115,70 @@ def test_hybrid_groups_give_hf_greedy_tokens(name: str, regime: str,
     assert all(not g.tables for g in kv.groups) and kv.host_pool.num_free == kv.host_pool.num_blocks
     if "preemption" in regime:
         assert engine.scheduler.num_preemptions > 0
+        # the same bytes as blocks of every layer (one group) hold fewer tokens than the
+        # longest conversation (41 + 12), which the hybrid cache served
+        layout = engine.runner.kv_layout
+        full_tokens = PRESSURE[name] * layout.slots_per_block // layout.num_layers * BLOCK
+        assert full_tokens < 41 + TOKENS
     else:
         assert kv.prefix_hits > 0
+
+
+# --- the backend's pieces, fast -------------------------------------------------------------
+
+def _scheduled(kv, prompts: list[int]):
+    """One step's entries for fresh requests of the given prompt lengths."""
+    from core_helpers import make_req
+
+    from twinserve.core.outputs import ScheduledRequest
+    out = []
+    for i, n in enumerate(prompts):
+        req = make_req(f"r{i}", n)
+        table = kv.allocate_slots(req, n)
+        out.append(ScheduledRequest(req, 0, n, table.ids, True, table.group_ids))
+    return out
+
+
+def test_one_group_tables_and_caches_are_as_without_a_layout() -> None:
+    from twinserve.core.kv_cache_groups import kv_cache_layout
+    from twinserve.core.kv_cache_manager import KVCacheManager
+    from twinserve.gpu.batch import build_model_input
+    from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+    cpu = torch.device("cpu")
+    scheduled = _scheduled(KVCacheManager(32, 4), [5, 9])
+    layout = kv_cache_layout([None] * 3)
+    plain = build_model_input(scheduled, 4, 64, cpu)
+    laid = build_model_input(scheduled, 4, 64, cpu, layout)
+    assert not laid.meta.groups and laid.meta.for_layer(2) is laid.meta
+    assert torch.equal(plain.meta.block_tables, laid.meta.block_tables)
+    assert torch.equal(plain.meta.slot_mapping, laid.meta.slot_mapping)
+    spec = KVCacheSpec(3, 4, 2, 8, torch.float32)
+    cache = KVCache(spec, 8, 2, cpu, layout)
+    assert len({id(k) for k, _ in cache.gpu}) == 3 and len(cache.gpu_slots) == 3
+
+
+def test_hybrid_groups_get_their_own_tables_slots_and_shared_tensors() -> None:
+    from twinserve.core.kv_cache_groups import kv_cache_layout
+    from twinserve.gpu.batch import build_model_input
+    from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
+    cpu = torch.device("cpu")
+    layout = kv_cache_layout([8, None, 8, None])  # 2 groups of 2 layers
+    kv = HybridKVCacheManager(32, 4, num_cpu_blocks=8, group_windows=layout.group_windows)
+    scheduled = _scheduled(kv, [5, 9])
+    inputs = build_model_input(scheduled, 4, 64, cpu, layout)
+    meta = inputs.meta
+    assert len(meta.groups) == 2 and meta.layer_groups == (1, 0, 1, 0)
+    for g, group_meta in enumerate(meta.groups):
+        assert meta.for_layer(layout.group_layers[g][0]) is group_meta
+        ids = [sr.group_block_ids[g] for sr in scheduled]
+        assert group_meta.block_tables[1, :3].tolist() == ids[1][:3]
+        assert group_meta.slot_mapping[5].item() == ids[1][0] * 4  # row 5: r1's position 0
+    assert set(meta.groups[0].block_tables.flatten().tolist()).isdisjoint(
+        meta.groups[1].block_tables[meta.groups[1].block_tables > 0].tolist())
+    cache = KVCache(KVCacheSpec(4, 4, 1, 2, torch.float32), 32, 8, cpu, layout)
+    assert len(cache.gpu_slots) == 2 and cache.gpu[1] is cache.gpu[0]  # slot 0 of each group
+    key, value = cache.gpu[0]
+    key[5].fill_(3.0)
+    cache.swap_out([(5, 1)])
+    cache.swap_in([(1, 6)])
+    assert torch.equal(cache.gpu[1][0][6], key[5]) and cache.cpu[0] is cache.cpu[1]

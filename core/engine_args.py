@@ -70,6 +70,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # vLLM's: serve a sliding-window model as full attention, max_model_len capped to the window
     disable_sliding_window: bool = False
+    # vLLM's: a model mixing sliding-window and full layers keeps every block in every layer
+    # (one KV cache group) instead of the hybrid groups (core/kv_cache_groups.py)
+    disable_hybrid_kv_cache_manager: bool = False
     # Weights (core/quantization.py): None, or gguf (a .gguf model), int8/fp8 (quantized at load
     # time), gptq/awq (named by the checkpoint); KV cache: auto (the model's dtype) or fp8.
     quantization: str | None = None

@@ -188,10 +188,11 @@ def kv_cache_layout_of(model: ModelConfig, disable_sliding_window: bool = False,
 
 
 def hybrid_kv_cache_supported(args: EngineArgs) -> bool:
-    """Where the engine runs the hybrid layout: not yet with tensor parallelism (the workers'
-    caches and step inputs carry one block table) nor with an fp8 cache (its compacted tables);
-    there a mixed model keeps every block in every layer, as before the hybrid layout."""
-    return args.tensor_parallel_size == 1 and args.kv_cache_dtype == "auto"
+    """Where the engine runs the hybrid layout: unless disabled, and not yet with tensor
+    parallelism (the workers' caches and step inputs carry one block table) nor with an fp8
+    cache (its compacted tables); there a mixed model keeps every block in every layer."""
+    return (not args.disable_hybrid_kv_cache_manager and args.tensor_parallel_size == 1
+            and args.kv_cache_dtype == "auto")
 
 
 def sequence_kv_tokens(layout: KVCacheLayout, num_blocks: int, block_size: int,
@@ -232,7 +233,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     max_batched = args.max_num_batched_tokens or batched
     hybrid = hybrid_kv_cache_supported(args)
     layout = kv_cache_layout_of(model, args.disable_sliding_window, hybrid)
-    if not hybrid and kv_cache_layout_of(model, args.disable_sliding_window).num_groups > 1:
+    if not hybrid and not args.disable_hybrid_kv_cache_manager and \
+            kv_cache_layout_of(model, args.disable_sliding_window).num_groups > 1:
         logger.warning("%s mixes sliding-window and full layers; with tensor parallelism or an "
                        "fp8 KV cache every layer keeps every block (no hybrid KV cache).",
                        model.name)

@@ -50,6 +50,9 @@ _HELP: dict[str, str] = {
     "enforce_eager": "no CUDA graphs",
     "disable_sliding_window": "serve a sliding-window model as full attention, max_model_len "
                               "capped to its window (vLLM's)",
+    "disable_hybrid_kv_cache_manager": "a model mixing sliding-window and full layers (Gemma "
+                                       "2/3) keeps every block in every layer instead of "
+                                       "freeing its sliding layers' (vLLM's)",
     "quantization": "weights: gguf (a .gguf model, run as it is), int8 or fp8 (weight-only, "
                     "quantized at load), gptq or awq (4-bit checkpoints; named by their "
                     "config.json)",

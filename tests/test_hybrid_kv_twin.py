@@ -46,3 +46,17 @@ def test_a_conversation_beyond_full_attention_capacity_completes_in_the_twin() -
     blocks = result.num_gpu_blocks
     # 24K tokens in the full group (1500 blocks) + 6 windows, within the 3200 blocks
     assert 1500 + 6 * 65 <= peak * blocks <= 1500 + 6 * 193 + 40
+
+
+def test_disabling_the_hybrid_manager_sizes_blocks_of_every_layer() -> None:
+    per_layer_block = 2 * 16 * 16 * 128 * 2
+    on, off = (simulate(SimConfig(model="gemma-3-27b", hardware="h200",
+                                  kv_cache_memory_bytes=8 * GIB, max_num_batched_tokens=2048,
+                                  disable_hybrid_kv_cache_manager=flag),
+                        [TraceRequest("one", 0.0, 100, 2)]) for flag in (False, True))
+    assert off.engine_config.block_bytes == 62 * per_layer_block
+    assert off.engine_config.scheduler.kv_cache_group_windows == ()
+    assert off.num_gpu_blocks == 8 * GIB // (62 * per_layer_block)
+    assert on.num_gpu_blocks == 8 * GIB // (10 * per_layer_block)
+    # and in it a 24K conversation cannot fit (max_model_len is capped to the cache's tokens)
+    assert off.engine_config.max_model_len < 24000 < on.engine_config.max_model_len

@@ -1,0 +1,99 @@
+"""The hybrid KV cache (Gemma's mixed sliding/full layers) against one block table for every
+layer (``disable_hybrid_kv_cache_manager``), in the twin, side by side.
+
+    python -m twinserve.benchmarks.hybrid_kv                          # capacity + Mooncake slice
+    python -m twinserve.benchmarks.hybrid_kv --num-requests 0         # capacity only (seconds)
+    python -m twinserve.benchmarks.hybrid_kv --num-requests 2000 --rounds 3
+
+1. Capacity of Gemma 3 27B on each bundled GPU profile: KV blocks, bytes per block, and the
+   longest sequence the cache holds (``core.engine_config.sequence_kv_tokens``), both layouts.
+2. The first ``--num-requests`` of the Mooncake conversation trace (prompts up to tens of
+   thousands of tokens) on one H200: completed share, throughput, median TTFT, peak KV usage,
+   and the twin's wall and CPU seconds (the hybrid manager's extra bookkeeping: seven block
+   tables per request instead of one), both layouts in interleaved rounds, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from twinserve.core.engine_config import kv_cache_layout_of, sequence_kv_tokens
+from twinserve.simulator import SimConfig, simulate
+from twinserve.simulator.run import build_engine_config
+from twinserve.traces import first_n, load_trace
+
+MODEL = "gemma-3-27b"
+HARDWARE = ("a100-80gb", "h100-sxm", "h200")
+LAYOUTS = {"hybrid": False, "one group": True}  # name -> disable_hybrid_kv_cache_manager
+
+
+def capacity_rows(hardware: str) -> list[str]:
+    rows = []
+    for name, disabled in LAYOUTS.items():
+        engine, _, spec = build_engine_config(SimConfig(
+            model=MODEL, hardware=hardware, max_model_len=32768,
+            disable_hybrid_kv_cache_manager=disabled))
+        sched = engine.scheduler
+        layout = kv_cache_layout_of(spec, hybrid=not disabled)
+        longest = sequence_kv_tokens(layout, sched.num_gpu_blocks, sched.block_size,
+                                     sched.max_num_batched_tokens)
+        rows.append(f"{hardware:10s} {name:10s} {layout.num_groups:7d} "
+                    f"{engine.block_bytes / 2**20:9.2f} {sched.num_gpu_blocks:9d} "
+                    f"{longest:14,d}")
+    return rows
+
+
+def replay(num_requests: int, disabled: bool) -> tuple[dict[str, float], float, float]:
+    trace = first_n(load_trace("mooncake"), num_requests)
+    cfg = SimConfig(model=MODEL, hardware="h200", max_model_len=131072,
+                    disable_hybrid_kv_cache_manager=disabled)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    result = simulate(cfg, trace)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    summary = result.summary
+    figures = {"completed": summary["completed"] / len(trace),
+               "output_throughput": float(summary["output_throughput"]),
+               "median_ttft_ms": float(summary["median_ttft_ms"]),
+               "peak_kv_usage": max(step.kv_usage for step in result.steps),
+               "request_steps": float(sum(result.steps.column("num_seqs")))}
+    return figures, wall, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=400,
+                        help="Mooncake requests to replay (0: capacity only)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(f"{MODEL}: KV capacity (max_model_len 32768, the profile's default batch limits)")
+    print(f"{'hardware':10s} {'layout':10s} {'groups':>7s} {'MiB/block':>9s} {'blocks':>9s} "
+          f"{'longest seq':>14s}")
+    for hardware in HARDWARE:
+        print("\n".join(capacity_rows(hardware)))
+    if args.num_requests <= 0:
+        return
+    runs: dict[str, list[tuple[dict[str, float], float, float]]] = {n: [] for n in LAYOUTS}
+    for _ in range(args.rounds):  # interleaved: both layouts see the same machine load
+        for name, disabled in LAYOUTS.items():
+            runs[name].append(replay(args.num_requests, disabled))
+    print(f"\nMooncake conversation trace, first {args.num_requests} requests, {MODEL} on one "
+          f"H200 (medians of {args.rounds} rounds)")
+    print(f"{'layout':10s} {'completed':>9s} {'out tok/s':>10s} {'p50 TTFT ms':>12s} "
+          f"{'peak KV':>8s} {'wall s':>8s} {'cpu s':>8s} {'us/req-step':>12s}")
+    per_step = {}
+    for name, rounds in runs.items():
+        figures = rounds[-1][0]  # the twin is deterministic: every round's figures agree
+        cpu = statistics.median(c for _, _, c in rounds)
+        per_step[name] = cpu / max(figures["request_steps"], 1.0) * 1e6
+        print(f"{name:10s} {figures['completed']:9.1%} {figures['output_throughput']:10.1f} "
+              f"{figures['median_ttft_ms']:12.1f} {figures['peak_kv_usage']:8.1%} "
+              f"{statistics.median(w for _, w, _ in rounds):8.2f} {cpu:8.2f} "
+              f"{per_step[name]:12.2f}")
+    print("twin CPU per request-step, hybrid / one group: "
+          f"{per_step['hybrid'] / per_step['one group']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -35,10 +35,12 @@ from pathlib import Path
 from twinserve.entrypoints.cli import main as cli
 from twinserve.reports.fidelity import TARGETS
 
-# The study's engine (every workload and the calibration): long enough for Azure code and
-# Mooncake prompts clipped to 512 tokens, small enough to calibrate in minutes.
-ENGINE = ("--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
-          "--enable-prefix-caching", "--enable-chunked-prefill")
+# The study's engine (every workload and the calibration): batch limits shared; the calibration
+# runs at the longest model length (512, for Azure code and Mooncake prompts clipped to it),
+# which covers the conv workloads' 128 too.
+ENGINE = ("--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--enable-prefix-caching",
+          "--enable-chunked-prefill")
+CALIBRATION_MODEL_LEN = 512
 TABLE_METRICS = ("request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms",
                  "p90_e2el_ms")
 _TARGET = dict(TARGETS)
@@ -46,7 +48,7 @@ _TARGET = dict(TARGETS)
 
 @dataclass(slots=True, frozen=True)
 class Workload:
-    """One held-out workload: trace and policy flags for ``twinserve validate``."""
+    """One held-out workload: trace, policy and engine flags for ``twinserve validate``."""
 
     name: str
     what: str
@@ -54,37 +56,42 @@ class Workload:
 
 
 def _conv(window: str, n: int, scale: float) -> tuple[str, ...]:
+    """Azure conv requests from ``window`` at 128 tokens (32 out), ``scale`` times the rate."""
     return ("--trace", "azure-conv", "--time-window", window, "--num-requests", str(n),
-            "--time-scale", f"{scale:g}", "--max-output-tokens", "32")
+            "--time-scale", f"{scale:g}", "--max-output-tokens", "32", "--max-model-len", "128")
 
 
-# KV blocks of the overloads: 6 requests of 256 tokens (block size 16), so a burst preempts
-_OVERLOAD_BLOCKS = ("--num-gpu-blocks-override", "96")
+def _long(trace: str, n: int, scale: float) -> tuple[str, ...]:
+    """A long-prompt trace clipped to 512 tokens (24 out)."""
+    return ("--trace", trace, "--num-requests", str(n), "--time-scale", f"{scale:g}",
+            "--max-output-tokens", "24", "--max-model-len", "512")
+
+
+# KV blocks of the overloads: 6 requests of 128 tokens (block size 16), so a burst preempts
+_OVERLOAD = ("--policy", "fcfs", "--num-gpu-blocks-override", "48")
 WORKLOADS: tuple[Workload, ...] = (
     Workload("conv-600", "Azure conv from 600 s, fcfs",
-             (*_conv("600:", 32, 0.5), "--policy", "fcfs")),
+             (*_conv("600:", 32, 0.35), "--policy", "fcfs")),
     Workload("conv-2400", "Azure conv from 2400 s, fcfs",
-             (*_conv("2400:", 32, 0.5), "--policy", "fcfs")),
+             (*_conv("2400:", 32, 0.35), "--policy", "fcfs")),
     Workload("code", "Azure code (long prompts, clipped to 512), fcfs",
-             ("--trace", "azure-code", "--num-requests", "20", "--time-scale", "0.25",
-              "--max-output-tokens", "24", "--policy", "fcfs")),
-    Workload("mooncake", "Mooncake conversation (prefix hits), fcfs",
-             ("--trace", "mooncake", "--num-requests", "24", "--time-scale", "0.5",
-              "--max-output-tokens", "24", "--policy", "fcfs")),
+             (*_long("azure-code", 20, 0.3), "--policy", "fcfs")),
+    Workload("mooncake", "Mooncake conversation (prefix hits, clipped to 512), fcfs",
+             (*_long("mooncake", 20, 0.25), "--policy", "fcfs")),
     Workload("sys-prompt", "synthetic, 192-token system prompt shared by 90%, fcfs",
-             ("--trace", "synthetic", "--num-requests", "32", "--request-rate", "3",
+             ("--trace", "synthetic", "--num-requests", "32", "--request-rate", "2.5",
               "--input-len", "64", "--output-len", "24", "--range-ratio", "0.5",
-              "--prefix-len", "192", "--prefix-share", "0.9", "--policy", "fcfs")),
-    Workload("recompute", "overload burst, 96 KV blocks, preemption by recompute",
-             (*_conv("1200:", 24, 4.0), "--policy", "fcfs", *_OVERLOAD_BLOCKS,
-              "--preemption-mode", "recompute")),
-    Workload("swap", "overload burst, 96 KV blocks, preemption by swap",
-             (*_conv("1200:", 24, 4.0), "--policy", "fcfs", *_OVERLOAD_BLOCKS,
-              "--preemption-mode", "swap", "--swap-space", "0.5")),
-    Workload("fair", "Azure conv from 3600 s, tenants heavy=3 light=1, fair",
-             (*_conv("3600:", 32, 0.5), "--policy", "fair", "--tenants", "heavy=3,light=1")),
+              "--prefix-len", "192", "--prefix-share", "0.9", "--max-model-len", "512",
+              "--policy", "fcfs")),
+    Workload("recompute", "overload burst, 48 KV blocks, preemption by recompute",
+             (*_conv("1200:", 24, 4.0), *_OVERLOAD, "--preemption-mode", "recompute")),
+    Workload("swap", "overload burst, 48 KV blocks, preemption by swap",
+             (*_conv("1200:", 24, 4.0), *_OVERLOAD, "--preemption-mode", "swap",
+              "--swap-space", "0.5")),
+    Workload("fair", "Azure conv from 3000 s, tenants heavy=3 light=1, fair",
+             (*_conv("3000:", 32, 0.35), "--policy", "fair", "--tenants", "heavy=3,light=1")),
     Workload("priority", "Azure conv from 1800 s, priorities 0 (1/4) and 1, priority",
-             (*_conv("1800:", 32, 0.5), "--policy", "priority", "--priorities", "0=1,1=3")),
+             (*_conv("1800:", 32, 0.35), "--policy", "priority", "--priorities", "0=1,1=3")),
 )
 _BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -192,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = _engine_flags(args)
     profile = args.profile or str(out / "profile.json")
     if not args.profile and not (args.resume and Path(profile).is_file()):
-        _run(["calibrate", *engine, "--out", profile, "--samples-out",
-              str(out / "profile-samples.csv")])
+        _run(["calibrate", *engine, "--max-model-len", str(CALIBRATION_MODEL_LEN),
+              "--out", profile, "--samples-out", str(out / "profile-samples.csv")])
     runs: dict[str, list[Path]] = {n: [] for n in names}
     for round_ in range(1, args.rounds + 1):
         for name in names:

@@ -17,8 +17,13 @@ Two sources of samples, two weightings:
   (what throughput and latency of a replay depend on).
 
 A forward-pass fit and a loop-overhead fit (scheduling, sampling, output processing: the engine
-step minus ``ModelRunner.execute``) are both linear in the same features; ``combine`` adds them
-(``fit_backend``). ``calibrate_from_runs`` fits recorded runs; ``save_profile`` writes the result.
+step minus ``ModelRunner.execute``; batch and token counts only, ``OVERHEAD_FEATURES``) are both
+linear in the same features; ``combine`` adds them. ``fit_joint`` (``fit_backend``) fits every
+source at once, micro-benchmarks, engine-loop steps and real runs, each source weighing the same
+in total, the forward fit refitted without outliers (``fit_trimmed``: a shared host slows one
+timing in twenty several-fold), and reports the error per region of the step space
+(``region_of``). ``calibrate_from_runs`` fits recorded runs (jointly with a backend calibration's
+samples when given); ``save_profile`` writes the result.
 """
 
 from __future__ import annotations

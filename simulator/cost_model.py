@@ -32,6 +32,16 @@ that holds coefficients of ``LORA_FEATURE_NAMES`` (fitted on samples that carrie
 LoRA terms with them; any other fit keeps the roofline's LoRA terms. Besides
 the linear terms, the features split the token count over log-spaced spans (``TOKEN_SEGMENTS``),
 so the fit can follow the steps of tiled kernels while staying non-decreasing in tokens.
+
+The terms follow the real engine's kernels, so that a fit over a grid of the step space holds for
+workloads it never saw: the weight products by token count (``num_tokens`` and the segments),
+``lm_head`` and sampling by sequences (``num_decode_seqs``, ``num_prefill_seqs``), decode
+attention by the summed contexts and, for a backend that pads, by batch x longest context; prefill
+attention by tokens x context (``sum_context_tokens``). Backend fits of this machine also carry
+``KERNEL_FEATURE_NAMES``: the CPU decode kernel's longest context, its critical path when a small
+batch is split over KV heads. Every coefficient is non-negative and every feature non-decreasing
+in tokens and contexts, so the fitted time is monotone in both; all are per-step aggregates of the
+``SchedulerOutput`` (``step_time`` stays O(1)).
 """
 
 from __future__ import annotations

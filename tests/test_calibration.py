@@ -576,3 +576,68 @@ def test_a_fit_on_one_family_predicts_a_held_back_one_kernel_shaped() -> None:
                       for s, t in zip(held_back, truth))
     assert worst_alone > 2 * worst
 
+
+
+def test_from_run_with_backend_samples_fits_the_runs_and_the_grid_jointly(tmp_path: Path) -> None:
+    from twinserve.core.step_sample import SAMPLES_FILE
+    from twinserve.simulator.calibration import calibrate_from_runs
+    micro = _synthetic_samples(60, 0.0, seed=16)
+    for s in micro:
+        s.execute_seconds = s.seconds
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = _synthetic_samples(300, 0.0, seed=17)
+    for s in steps:
+        s.execute_seconds, s.seconds = s.seconds, s.seconds + 2e-3
+    write_samples(run / SAMPLES_FILE, steps)
+    alone = calibrate_from_runs([run], "m")
+    assert "extrapolated" in alone.report and alone.overhead is None
+    joint = calibrate_from_runs([run], "m", backend_samples=micro)
+    assert joint.overhead is not None and joint.overhead.intercept_s == pytest.approx(2e-3)
+    assert "run run" in joint.report and "run speed" in joint.report
+    assert joint.params.fit_error["micro_mape"] < 1.0
+
+
+def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypatch) -> None:
+    """Every workload of the study parses as ``validate`` flags at the study's engine limits and
+    selects requests that fit the model length; the table marks targets, spreads and misses."""
+    import functools
+
+    from twinserve.traces import cli_args
+    monkeypatch.setattr(cli_args, "load_trace", functools.cache(cli_args.load_trace))
+    from twinserve.benchmarks.fidelity_study import (
+        ENGINE,
+        WORKLOADS,
+        format_table,
+        spread_pct,
+        study_rows,
+        verdict,
+    )
+    from twinserve.entrypoints.cli import build_parser
+    from twinserve.entrypoints.validate import load_workload
+    policies, traces = set(), set()
+    parser = build_parser()
+    for w in WORKLOADS:
+        args = parser.parse_args(["validate", *w.flags, *ENGINE, "--out", str(tmp_path)])
+        trace = load_workload(args)
+        assert 10 <= len(trace) <= 40, w.name
+        assert all(r.input_tokens + r.output_tokens <= args.max_model_len <= 512
+                   for r in trace), w.name
+        policies.add(args.scheduling_policy)
+        traces.add(args.trace)
+    assert policies == {"fcfs", "fair", "priority"}
+    assert traces == {"azure-conv", "azure-code", "mooncake", "synthetic"}
+    assert spread_pct([100.0, 104.0, 96.0]) == pytest.approx(4.0) and spread_pct([5.0]) == 0.0
+    assert (verdict(4.0, 5.0, 1.0), verdict(7.0, 5.0, 8.0), verdict(7.0, 5.0, 1.0),
+            verdict(7.0, None, 1.0)) == ("ok", "~", "MISS", "")
+    runs = []
+    for i, tput in enumerate((2.0, 2.1, 1.9)):
+        runs.append(tmp_path / f"r{i}")
+        runs[-1].mkdir()
+        (runs[-1] / "summary.json").write_text(json.dumps({"request_throughput": tput}))
+    errors = tmp_path / "errors.csv"
+    errors.write_text("metric,real,sim,rel_error_pct,target_pct,within_target,real_min,real_max,"
+                      "real_runs\nrequest_throughput,2.0,2.14,7.0,5.0,false,1.9,2.1,3\n")
+    rows = study_rows("conv", errors, runs)
+    assert rows[0]["spread_pct"] == pytest.approx(5.0) and rows[0]["verdict"] == "MISS"
+    assert "0/1 targeted metrics" in format_table(rows)

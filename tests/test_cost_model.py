@@ -15,7 +15,6 @@ from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.cost_model import (
     ALL_FEATURE_NAMES,
-    FEATURE_NAMES,
     TOKEN_KNOTS,
     TOKEN_SEGMENTS,
     CostModel,
@@ -442,3 +441,24 @@ def test_unlabelled_fit_applies_to_any_model() -> None:
         FittedParams(1e-3, {"num_tokens": -1.0})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         FittedCostModel(FittedParams(1e-3, {}, "llama-3-8b", 2), cost("llama-3-8b", "h100"))
+
+
+def test_fitted_fast_path_equals_its_reference_with_every_term() -> None:
+    """``step_time`` (inlined) against ``step_time_reference`` bit for bit, with a coefficient on
+    every feature, the CPU kernel's longest-context term included."""
+    rng = np.random.default_rng(12)
+    coefficients = {name: float(rng.uniform(0, 1e-4)) for name in ALL_FEATURE_NAMES}
+    params = FittedParams(2e-3, coefficients, "llama-3-8b")
+    cost = FittedCostModel(params, CostModel(load_model_spec("llama-3-8b"), load_hardware("h100")))
+    for _ in range(500):
+        decodes, chunks = int(rng.integers(0, 64)), int(rng.integers(0, 3))
+        prefill = sum(int(rng.integers(1, 1024)) for _ in range(chunks))
+        ctx = [int(rng.integers(2, 4096)) for _ in range(decodes)]
+        if decodes + prefill == 0:
+            continue
+        out = SchedulerOutput(
+            total_num_scheduled_tokens=decodes + prefill, num_prefill_tokens=prefill,
+            num_decode_tokens=decodes, num_prefill_seqs=chunks, num_decode_seqs=decodes,
+            sum_context_tokens=sum(ctx) + prefill * int(rng.integers(1, 2048)),
+            sum_decode_context_tokens=sum(ctx), max_decode_context=max(ctx, default=0))
+        assert cost.step_time(out) == cost.step_time_reference(out)

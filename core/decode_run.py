@@ -162,8 +162,10 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
 
 def _steps_with_blocks(sched: Scheduler, starts: list[int], max_steps: int) -> int:
     """The most of ``max_steps`` steps whose new blocks the free blocks cover (counting one per
-    decode that starts a block; a sliding window's freed blocks only add to that)."""
-    free, bs = sched.kv.pool.free_queue.num_free, sched.kv.block_size
+    decode that starts a block and KV cache group; a sliding window's freed blocks only add to
+    that)."""
+    kv = sched.kv
+    free, bs = kv.pool.free_queue.num_free // kv.num_groups, kv.block_size
     if len(starts) * (max_steps // bs + 1) <= free:
         return max_steps
     steps = sorted(j for start in starts for j in range((-start) % bs, max_steps, bs))

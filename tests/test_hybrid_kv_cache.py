@@ -237,3 +237,21 @@ def _step(s, windows, now: float) -> None:
     s.kv.check_consistency()
     s.update_from_output(out, ModelRunnerOutput(
         {sr.request_id: [9] for sr in out.scheduled if sr.sample}), now + 0.5)
+
+
+def test_a_twin_decode_run_counts_a_block_per_group() -> None:
+    """core.decode_run plans runs of decode-only steps by the free blocks: with several groups
+    a decode that starts a block takes one in each."""
+    from core_helpers import step
+
+    from twinserve.core.decode_run import plan_decode_run
+    s = make_scheduler(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_model_len=200,
+                       kv_cache_group_windows=(None, 100, 100))
+    for i in range(2):
+        s.add_request(make_req(f"r{i}", 8, max_tokens=40))
+    for now in range(3):
+        step(s, float(now))
+    run = plan_decode_run(s, 7)
+    assert run is not None and run.max_steps < 36  # 21 free blocks: 7 block starts, not 21
+    run.apply([3.0 + i for i in range(run.max_steps)])
+    s.kv.check_consistency()

@@ -7,6 +7,11 @@ round's ratio.
 Workloads (the same prompt token ids for every engine, 32 tokens each, greedy, no early stop):
 ``single``: batch 1 x 128 tokens; ``batch``: 64 parallel sequences x 128 tokens.
 
+Engines (``--engines``): ``gguf`` twinserve on the file's blocks as it runs by default (the fused
+decode step, int8 activations); ``gguf-fp32act`` the same with fp32 activations (the exact path);
+``gguf-perop`` without the fused step (the per-op reference path, int8 activations); ``fp32`` the
+converted fp32 directory; ``llama.cpp`` llama-cpp-python in its own venv on the same file.
+
 Then the batch-1 decode step against the physical limit: the bytes a step streams (the
 projections' blocks, the Q8_0 LM-head table, the norms) over the streaming-read bandwidth
 measured here (``torch.sum`` over a 512 MiB buffer, the best of several passes), as a
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -38,14 +44,27 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(64)]
 
 
+# engine name -> (label, environment it runs under: the fused step and the activations' dtype)
+VARIANTS = {
+    "gguf": ("twinserve gguf (fused, int8 act.)", {}),
+    "gguf-fp32act": ("twinserve gguf (fused, fp32 act.)",
+                     {"TWINSERVE_QUANT_ACTIVATIONS": "fp32"}),
+    "gguf-perop": ("twinserve gguf (per-op, int8 act.)", {"TWINSERVE_FUSED_DECODE": "0"}),
+}
+DEFAULT_ENV = {"TWINSERVE_QUANT_ACTIVATIONS": "int8", "TWINSERVE_FUSED_DECODE": "1"}
+
+
 class Twinserve:
-    def __init__(self, model: str, label: str) -> None:
+    def __init__(self, model: str, label: str, env: dict[str, str] | None = None) -> None:
         from twinserve import LLM
         self.label = label
+        self.env = {**DEFAULT_ENV, **(env or {})}
+        os.environ.update(self.env)  # read when the model is built and at each product
         self.llm = LLM(model, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048)
 
     def run(self, batch: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
         from twinserve import SamplingParams
+        os.environ.update(self.env)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         out = self.llm.generate(batch, params, use_tqdm=False)
@@ -114,8 +133,9 @@ def main() -> None:
     from twinserve.gpu.default_model import default_model_path, gguf_path
     names = args.engines.split(",")
     engines: dict = {}
-    if "gguf" in names:
-        engines["gguf"] = Twinserve(str(gguf_path()), "twinserve gguf (Q4_1 blocks)")
+    for name in names:
+        if name in VARIANTS:
+            engines[name] = Twinserve(str(gguf_path()), *VARIANTS[name])
     if "fp32" in names:
         engines["fp32"] = Twinserve(str(default_model_path()), "twinserve fp32 dir")
     if "llama.cpp" in names:
@@ -157,8 +177,12 @@ def report(engines: dict, times: dict, first_token: dict, firsts: dict) -> None:
             ratios = [b / a for a, b in zip(times[("gguf", workload)], times[(other, workload)])]
             print(f"twinserve gguf / {other} ({workload}): {statistics.median(ratios):.2f}x "
                   f"(per round: {' '.join(f'{r:.2f}' for r in ratios)})")
-    if "gguf" in firsts and "fp32" in firsts:
-        print(f"batch-1 greedy tokens gguf == fp32: {firsts['gguf'] == firsts['fp32']}")
+    for name in firsts:
+        if name != "fp32" and "fp32" in firsts and name in VARIANTS:
+            same = next((i for i, (a, b) in enumerate(zip(firsts[name], firsts["fp32"]))
+                         if a != b), len(firsts[name]))
+            print(f"greedy tokens of the last run, {name} == fp32 for the first {same} of "
+                  f"{len(firsts[name])}")
 
 
 def floor(engine: Twinserve, full: list[float], first: list[float]) -> None:

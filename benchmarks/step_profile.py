@@ -7,6 +7,10 @@ per step and share of the step. On the CPU every torch op is synchronous, so the
 the work itself. The timers cost about a microsecond per call (a few hundred calls a step).
 
     python -m twinserve.benchmarks.step_profile [--workloads batch single] [--dtype bfloat16]
+    python -m twinserve.benchmarks.step_profile --model FILE.gguf --dtype float32   # quantized
+
+With a GGUF file the decode steps that the fused kernel serves (``gpu/fused_decode.py``) show as
+one part, "fused decode step (all layers)"; the others split as above.
 
 The last line is the physical limit of a batch-1 decode step: the weight bytes it must read,
 over the memory bandwidth of the ``--hardware`` profile.
@@ -22,12 +26,12 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import twinserve.gpu.model_runner as runner_module
 from twinserve.benchmarks.offline_throughput import decode_floor, greedy_params, workloads
 from twinserve.core import Scheduler
 from twinserve.gpu.attention_backend import AttentionBackend
+from twinserve.gpu.fused_decode import FusedDecode
 from twinserve.gpu.llm_engine import LLMEngine
 from twinserve.gpu.model import CausalLM, DecoderLayer
 from twinserve.gpu.model_runner import ModelRunner
@@ -41,6 +45,7 @@ TIMED = [
     ("inputs", runner_module, "build_model_input"),
     ("prepare", AttentionBackend, "prepare"),
     ("forward", CausalLM, "forward"),
+    ("fused", FusedDecode, "run"),
     ("attention_block", DecoderLayer, "_attention"),
     ("attend", AttentionBackend, "attend"),
     ("mlp", DecoderLayer, "_mlp"),
@@ -91,12 +96,14 @@ def breakdown(totals: dict[str, float]) -> dict[str, float]:
         "attention over the paged KV": t["attend"],
         "KV cache write": t["kv_write"],
         "RMSNorm": t["norms"],
+        "fused decode step (all layers)": t["fused"],
         "embedding, residual adds, rope table": (t["forward"] - t["attention_block"] - t["mlp"]
                                                  - t["norms"]),
         "LM head": t["lm_head"],
         "sampling": t["sampling"],
-        "runner's rest (swaps, output)": (t["execute"] - t["inputs"] - t["prepare"]
-                                          - t["forward"] - t["lm_head"] - t["sampling"]),
+        "runner's rest (swaps, output, a quantized model's embedding)": (
+            t["execute"] - t["inputs"] - t["prepare"] - t["forward"] - t["fused"]
+            - t["lm_head"] - t["sampling"]),
         "output processing (detokenize, stop checks)": (t["step"] - t["schedule"] - t["update"]
                                                         - t["execute"]),
     }
@@ -137,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     from twinserve import LLM
     from twinserve.gpu.default_model import default_model_path
     torch.set_num_threads(args.threads)
+    from twinserve.gpu.default_model import resolve_model_source
     model = args.model or str(default_model_path())
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    model_dir, gguf_file = resolve_model_source(model)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     llm = LLM(model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
               max_model_len=1024)
     data = workloads(vocab)
@@ -146,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts, lengths = data[name]
         parts, steps = profile(llm, prompts, lengths)
         print(format_breakdown(name, parts, steps, sum(lengths)))
-    print(decode_floor(model, args.dtype, args.hardware))
+    if gguf_file is None:  # a GGUF's floor: benchmarks/quant_throughput.py measures it
+        print(decode_floor(model, args.dtype, args.hardware))
     return 0
 
 

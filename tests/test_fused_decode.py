@@ -205,3 +205,27 @@ def test_bundled_gguf_fused_and_int8_runs(bundled_gguf: str,
         assert np.abs(np.subtract(*lp)).max(initial=0.0) < 0.3
         agreeing += same >= 8
     assert agreeing >= 3
+
+
+def test_fp8_kv_cache_takes_the_per_op_path(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf_file = write_mixed_gguf(tmp_path / "q4_0.gguf", dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q4_0"))
+    calls = _count_fused_steps(monkeypatch)
+    monkeypatch.setenv(fused_decode.ENV, "1")
+    llm = LLM(str(gguf_file), kv_cache_dtype="fp8", kv_cache_memory_bytes=16 << 20,
+              max_model_len=256)
+    assert len(_greedy(llm, PROMPTS[:1], 4)[0].token_ids) == 4
+    assert calls[0] == 0 and llm.engine.runner.model.fused_step() is not None
+
+
+def test_step_profile_shows_the_fused_step(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from twinserve.benchmarks.step_profile import profile
+    gguf_file = write_mixed_gguf(tmp_path / "q4_1.gguf", dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q4_1"))
+    llm = _llm(str(gguf_file), monkeypatch, True, "int8")
+    parts, steps = profile(llm, PROMPTS, [6, 6, 6])
+    assert steps >= 6 and parts["fused decode step (all layers)"] > 0
+    assert parts["weight products: MLP (+ SiLU)"] > 0  # the prefill's, by the per-op path
+    assert min(parts.values()) > -1e-3

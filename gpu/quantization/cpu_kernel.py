@@ -7,11 +7,13 @@ where it is built."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (CSRC / "quant_matmul.cpp", CSRC / "fused_decode.cpp")
 
@@ -60,6 +62,9 @@ def kernel_available() -> bool:
     path (dequantize, then torch), correct but several times slower."""
     try:
         build_quant_kernel()
-    except (OSError, RuntimeError, ImportError):
+    except (OSError, RuntimeError, ImportError) as exc:
+        logger.warning("CPU quantized-product kernel unavailable (%s); quantized weights use the "
+                       "reference path (dequantize, then torch) and no fused decode step, "
+                       "correct but several times slower. scripts/setup.sh builds it.", exc)
         return False
     return True

@@ -60,7 +60,9 @@ def timers(model: CausalLM) -> Iterator[dict[str, float]]:
     ``norm_fn``) while the block runs."""
     totals: dict[str, float] = collections.defaultdict(float)
     backend = model.backend
-    scoped = [(scope, owner, attr) for scope, owner, attr in TIMED]
+    # the LM head of the model's own class (a quantized model overrides it)
+    scoped = [(scope, type(model) if scope == "lm_head" else owner, attr)
+              for scope, owner, attr in TIMED]
     scoped.append(("kv_write", backend, "write_kv_cache"))
     scoped += [("norms", m, "norm_fn") for m in model.modules() if "norm_fn" in vars(m)]
     originals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in scoped]

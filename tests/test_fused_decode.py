@@ -182,6 +182,10 @@ def test_fused_step_applies_only_where_valid(tmp_path: Path, bundled_gguf: str,
     assert fused_decode.unsupported_reason(off.engine.runner.model) == "TWINSERVE_FUSED_DECODE=0"
     with pytest.raises(ValueError, match="does not apply: TWINSERVE_FUSED_DECODE=0"):
         fused_decode.FusedDecode.for_model(off.engine.runner.model)
+    monkeypatch.setattr(cpu_kernel, "kernel_available", lambda: False)  # no g++: reference path
+    monkeypatch.setenv(fused_decode.ENV, "1")
+    assert fused_decode.unsupported_reason(off.engine.runner.model) == \
+        "the C++ quantized kernel is not built"
     monkeypatch.setenv(fused_decode.ENV, "yes")
     with pytest.raises(ValueError, match="TWINSERVE_FUSED_DECODE must be 0 or 1"):
         fused_decode.fused_enabled()
@@ -227,5 +231,6 @@ def test_step_profile_shows_the_fused_step(tmp_path: Path,
     llm = _llm(str(gguf_file), monkeypatch, True, "int8")
     parts, steps = profile(llm, PROMPTS, [6, 6, 6])
     assert steps >= 6 and parts["fused decode step (all layers)"] > 0
+    assert parts["LM head"] > 0  # the quantized head (QuantizedCausalLM's own compute_logits)
     assert parts["weight products: MLP (+ SiLU)"] > 0  # the prefill's, by the per-op path
     assert min(parts.values()) > -1e-3

@@ -74,9 +74,11 @@ def _prompt(seed: int, length: int, vocab_size: int) -> list[int]:
     return [_FIRST_TOKEN_ID + (seed * 7919 + 31 * i) % span for i in range(length)]
 
 
-def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int) -> SchedulerOutput:
-    """A ``SchedulerOutput`` for ``spec`` with disjoint block ids and the aggregates the scheduler
-    would fill (``Scheduler._count``). Raises ValueError when the blocks do not fit."""
+def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int,
+               num_groups: int = 1) -> SchedulerOutput:
+    """A ``SchedulerOutput`` for ``spec`` with disjoint block ids (one table per KV cache group
+    when there are several) and the aggregates the scheduler would fill (``Scheduler._count``).
+    Raises ValueError when the blocks do not fit."""
     out = SchedulerOutput()
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=0.0)
     next_block = 0
@@ -91,12 +93,17 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         next_block += n
         return ids
 
+    def tables_for(tokens: int) -> tuple[list[int], tuple[list[int], ...]]:
+        tables = tuple(blocks_for(tokens) for _ in range(num_groups))
+        return tables[0], tables if num_groups > 1 else ()
+
     for i, ctx in enumerate(spec.decodes):
         if ctx < 2:
             raise ValueError(f"a decode needs a context of at least 2 tokens, got {ctx}.")
         req = Request(f"profile-d{i}", _prompt(i, ctx - 1, vocab_size), params, 0.0)
         req.append_output_token(_FIRST_TOKEN_ID, 0.0)
-        out.scheduled.append(ScheduledRequest(req, ctx - 1, 1, blocks_for(ctx), True))
+        ids, groups = tables_for(ctx)
+        out.scheduled.append(ScheduledRequest(req, ctx - 1, 1, ids, True, groups))
         out.num_decode_seqs += 1
         out.num_decode_tokens += 1
         out.sum_decode_context_tokens += ctx
@@ -106,7 +113,8 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         if n < 1 or cached < 0:
             raise ValueError(f"a prefill chunk needs n >= 1 and cached >= 0, got {n}, {cached}.")
         req = Request(f"profile-p{j}", _prompt(1000 + j, cached + n, vocab_size), params, 0.0)
-        out.scheduled.append(ScheduledRequest(req, cached, n, blocks_for(cached + n), True))
+        ids, groups = tables_for(cached + n)
+        out.scheduled.append(ScheduledRequest(req, cached, n, ids, True, groups))
         out.num_prefill_seqs += 1
         out.num_prefill_tokens += n
         out.sum_context_tokens += n * cached + n * (n + 1) // 2
@@ -196,7 +204,8 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
     steps: dict[int, SchedulerOutput] = {}
     for i, spec in enumerate(specs):
         try:
-            steps[i] = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
+            steps[i] = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size,
+                              runner.kv_layout.num_groups)
         except ValueError as exc:
             if progress:
                 progress(f"skipped: {exc}")
@@ -278,7 +287,8 @@ def measure_lora(runner: ModelRunner, adapter_dir: str, quick: bool = False, war
     samples, sync = [], _sync_for(runner.device)
     try:
         for spec, k in lora_grid(runner.engine_config.scheduler.max_num_seqs, cfg.max_loras, quick):
-            step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size)
+            step = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size,
+                              runner.kv_layout.num_groups)
             for i, sr in enumerate(step.scheduled):
                 sr.request.lora = names[i % k]
             step.lora_loads = [(names[i], i) for i in range(k)]

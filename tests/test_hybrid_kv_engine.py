@@ -182,3 +182,15 @@ def test_hybrid_groups_get_their_own_tables_slots_and_shared_tensors() -> None:
     cache.swap_out([(5, 1)])
     cache.swap_in([(1, 6)])
     assert torch.equal(cache.gpu[1][0][6], key[5]) and cache.cpu[0] is cache.cpu[1]
+
+
+def test_the_profiler_steps_a_hybrid_runner(gemma_dirs: dict[str, Path]) -> None:
+    from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.gpu.profiler import StepSpec, build_step
+    runner = ModelRunner(EngineArgs(model=str(gemma_dirs["gemma3-6"]), dtype="float32",
+                                    block_size=BLOCK, num_gpu_blocks_override=64))
+    groups = runner.kv_layout.num_groups
+    step = build_step(StepSpec(decodes=(20,), prefills=((9, 0),)), BLOCK, 64,
+                      runner.vocab_size, groups)
+    assert groups == 6 and all(len(sr.group_block_ids) == groups for sr in step.scheduled)
+    assert len(runner.execute(step).sampled_token_ids) == 2

@@ -363,20 +363,25 @@ def fit_joint(sources: Mapping[str, Sequence[StepSample]], model_name: str,
               seconds_per_swap_block: float | None = None) -> Calibration:
     """One fit over every source of measured steps: micro-benchmarks (forward pass alone, the
     sources named in ``micro_sources``), the engine loop's synthetic workloads and real runs
-    (whole steps with their forward pass timed apart).
+    (whole steps with their forward pass timed apart). ``Calibration.forward`` is the forward
+    fit at the micro-benchmarks' speed (what reproduces them); ``params`` holds it at a live
+    engine's speed plus the loop overhead.
 
     The forward pass is fitted on every forward timing, relative error, each source weighing the
     same in total (a replay's thousand steps do not drown the grid that covers the space), with
-    outliers dropped (``fit_trimmed``); the loop overhead (step minus forward pass) on the whole
-    steps, absolute. ``params`` is their sum; the report gives the error per region of the step
-    space (``region_of``) and per source, and the fit carries its per-kind error."""
+    outliers dropped (``fit_trimmed``), then scaled to the speed of the forward passes inside
+    the engine loop and the runs (``forward_level``, the median over those sources: a live
+    engine's forward pass runs slower than the same step timed back to back, its threads woken
+    between steps); the loop overhead (step minus forward pass) on the whole steps, absolute.
+    ``params`` is their sum; the report gives the error per region of the step space
+    (``region_of``) and per source, and the fit carries its per-kind error."""
     micro_names = set(micro_sources)
     live = {name: list(samples) for name, samples in sources.items() if samples}
     if not live:
         raise ValueError("fit_joint needs at least one non-empty source of samples.")
-    pooled = [s for samples in live.values() for s in samples]
     weights = [1.0 / len(samples) for samples in live.values() for _ in samples]
-    forward, dropped = fit_trimmed(pooled, weights, model_name, tensor_parallel_size)
+    forward, dropped, levels = _fit_at_one_speed(live, weights, micro_names, model_name,
+                                                 tensor_parallel_size)
     micro = [s for name, samples in live.items() if name in micro_names for s in samples]
     steps = [s for name, samples in live.items() if name not in micro_names for s in samples]
     lines = []
@@ -384,10 +389,18 @@ def fit_joint(sources: Mapping[str, Sequence[StepSample]], model_name: str,
         lines.append(format_errors(region_errors(forward, micro, "execute_seconds"),
                                    "forward-pass fit on the micro-benchmarks, per region "
                                    "(ModelRunner.execute)", "region"))
-    params, overhead = forward, None
+    whole = [v for name, v in levels.items() if name not in micro_names]
+    live_forward = forward  # at the speed of a live engine's forward passes
+    if micro and whole:
+        level = statistics.median(whole)
+        live_forward = scaled(forward, level)
+        lines.append(f"  forward passes inside the engine loop ran at {level:.3f}x the grid's "
+                     f"time (median over {len(whole)} source(s) of whole steps): the profile "
+                     "is scaled to them, the grid keeping its shape")
+    params, overhead = live_forward, None
     if any(math.isfinite(s.execute_seconds) for s in steps):
         overhead = fit_overhead(steps, model_name, tensor_parallel_size)
-        params = combine(forward, overhead)
+        params = combine(live_forward, overhead)
         lines.append(format_errors(region_errors(params, steps, "seconds"),
                                    "step fit on the whole engine steps, per region", "region"))
     for name, samples in live.items():
@@ -399,8 +412,47 @@ def fit_joint(sources: Mapping[str, Sequence[StepSample]], model_name: str,
         lines.append(f"  {len(dropped)} outlier timing(s) left out of the forward fit (slowed "
                      "down by other work on the host)")
     params = replace(params, fit_error=_fit_error_of(params, forward, micro, steps))
-    return Calibration(params, pooled, forward, overhead, seconds_per_swap_block,
+    return Calibration(params, [*micro, *steps], forward, overhead, seconds_per_swap_block,
                        "\n".join(lines))
+
+
+def _fit_at_one_speed(live: Mapping[str, Sequence[StepSample]], weights: Sequence[float],
+                      micro_names: set[str], model: str, tensor_parallel_size: int,
+                      rounds: int = 4) -> tuple[FittedParams, list[StepSample], dict[str, float]]:
+    """``fit_trimmed`` over every source brought to one speed: each source of whole steps is
+    divided by its ``forward_level`` against the fit (the micro-benchmarks, when there are any,
+    set the speed; else the median source), and the fit repeated. Returns the fit at that speed,
+    the outliers and each source's level."""
+    levels = dict.fromkeys(live, 1.0)
+    for _ in range(rounds):
+        pooled = [StepSample(s.aggregates, s.seconds / levels[name], s.execute_seconds / levels[name],
+                             s.kind, lora_features=s.lora_features)
+                  for name, samples in live.items() for s in samples]
+        forward, dropped = fit_trimmed(pooled, weights, model, tensor_parallel_size)
+        measured = {name: forward_level(forward, samples) for name, samples in live.items()}
+        grid = [s for name, samples in live.items() if name in micro_names for s in samples]
+        reference = (forward_level(forward, grid) if grid else
+                     statistics.median(v for v in measured.values() if math.isfinite(v)))
+        levels = {name: 1.0 if name in micro_names or not math.isfinite(v) else v / reference
+                  for name, v in measured.items()}
+    return forward, dropped, levels
+
+
+def forward_level(params: FittedParams, samples: Iterable[StepSample]) -> float:
+    """Measured over predicted forward-pass seconds of the steps that timed it (``nan`` when
+    none did): how much slower a live engine's forward passes run than back-to-back ones."""
+    measured = predicted = 0.0
+    for s in samples:
+        if math.isfinite(s.execute_seconds) and _fittable(s, "execute_seconds"):
+            measured += s.execute_seconds
+            predicted += predict_sample(params, s)
+    return measured / predicted if predicted > 0 else math.nan
+
+
+def scaled(params: FittedParams, factor: float) -> FittedParams:
+    """``params`` with its intercept and every coefficient multiplied by ``factor``."""
+    return replace(params, intercept_s=params.intercept_s * factor,
+                   coefficients={k: v * factor for k, v in params.coefficients.items()})
 
 
 def _fit_error_of(params: FittedParams, forward: FittedParams, micro: Sequence[StepSample],

@@ -297,10 +297,11 @@ class KVCacheManager:
             return
         hashes = update_block_hashes(request, self.block_size, num_full * self.block_size)
         first = max(table.num_cached_blocks, table.num_dropped)  # never cache the null block
-        if self.key_salt is not None:
-            salt = self.key_salt
-            hashes = [0] * first + [group_key(h, salt) for h in hashes[first:num_full]]
-        if first + 1 == num_full:  # one block (a decode crossed a boundary): no slices
+        salt = self.key_salt
+        if salt is not None:  # a hybrid layout's group: its own keys for the new blocks only
+            self.pool.cache_all(table.blocks[first:num_full],
+                                [hash((h, salt)) for h in hashes[first:num_full]])
+        elif first + 1 == num_full:  # one block (a decode crossed a boundary): no slices
             self.pool.cache(table.blocks[first], hashes[first])
         else:
             self.pool.cache_all(table.blocks[first:num_full], hashes[first:num_full])

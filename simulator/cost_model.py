@@ -534,7 +534,7 @@ def describe_cost_model(cost: CostModel | FittedCostModel) -> str:
     hw = cost.hardware
     if isinstance(cost, FittedCostModel):
         return f"{hw.name}: {cost.params.describe()}"
-    return f"{hw.name}: {hw.describe_roofline()}"
+    return f"{hw.name}: {hw.describe_roofline(cost.model.name, cost.tensor_parallel_size)}"
 
 
 def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str | None = None,

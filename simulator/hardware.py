@@ -125,6 +125,10 @@ class HardwareProfile:
     notes: str = ""
     # what the roofline numbers (efficiencies, overheads) rest on; "" means assumed, not measured
     roofline_source: str = ""
+    # what interconnect_latency_s and interconnect_bandwidth rest on ("" means assumed) and their
+    # stated error on that data, in percent ("<size band>_mape" / "<size band>_max", "all_*")
+    interconnect_source: str = ""
+    interconnect_fit_error: Mapping[str, float] = field(default_factory=dict)
     fitted: tuple[FittedParams, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -144,18 +148,33 @@ class HardwareProfile:
             _check_non_negative(key, getattr(self, key))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
+        errors = dict(self.interconnect_fit_error)
+        for key, value in errors.items():
+            _check_non_negative(f"interconnect_fit_error[{key!r}]", value)
+        object.__setattr__(self, "interconnect_fit_error", MappingProxyType(errors))
         object.__setattr__(self, "fitted", tuple(self.fitted))
 
     def platform(self) -> Platform:
         """The device as the engine configuration sees it (``core.engine_config``)."""
         return Platform(self.device_type, self.name, int(self.mem_capacity), self.native_bf16)
 
-    def describe_roofline(self) -> str:
-        """How far the roofline numbers are measured (for run folders and reports)."""
+    def describe_roofline(self, model_name: str | None = None, tensor_parallel_size: int = 1) -> str:
+        """How far the roofline numbers are measured (for run folders and reports); given the
+        run's model and TP size, also which fits the profile holds instead, and the links."""
         if self.roofline_source:
-            return f"roofline calibrated on {self.roofline_source}"
-        return (f"roofline (uncalibrated: assumed eff_compute={self.eff_compute:g}, "
-                f"eff_memory={self.eff_memory:g})")
+            text = f"roofline calibrated on {self.roofline_source}"
+        else:
+            text = (f"roofline (uncalibrated: assumed eff_compute={self.eff_compute:g}, "
+                    f"eff_memory={self.eff_memory:g})")
+        if model_name is not None and self.fitted:
+            sizes: dict[str, list[str]] = {}
+            for f in self.fitted:
+                sizes.setdefault(f.model or "any model", []).append(str(f.tensor_parallel_size))
+            held = "; ".join(f"{m} at TP {', '.join(tps)}" for m, tps in sizes.items())
+            text += f"; no fit for {model_name} at TP {tensor_parallel_size} (fits: {held})"
+        if tensor_parallel_size > 1:
+            text += f"; all-reduce {self.interconnect_source or 'assumed (not measured)'}"
+        return text
 
     def find_fitted(self, model_name: str, tensor_parallel_size: int = 1) -> FittedParams | None:
         """The fit for this model and TP size: an exact model match first, then an unlabelled one."""
@@ -171,6 +190,7 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fitted"}
+        data["interconnect_fit_error"] = dict(self.interconnect_fit_error)
         data["fitted"] = [f.to_dict() for f in self.fitted]
         return data
 

@@ -2,11 +2,15 @@
 
     python -m twinserve.benchmarks.gpu_profiles
 
-For each calibrated profile (``simulator.vidur_profiles.DATASETS``): the fit error by step kind and
-batch size over every measured step, then a table of step times at representative measured points:
-the data's (Vidur's composition of its measured operators), twinserve's with the calibrated profile
-and twinserve's plain roofline (the profile without its fit: what every run used before). Needs
-scipy (the fit is redone here to report it); the simulator itself only reads the stored fit.
+First a summary: the fit error of every fitted entry per profile, model, TP size and step kind
+(prefill, decode, mixed), and which operators it rests on (measured, or the roofline's attention
+where Vidur's attention profile was not obtainable). Then, per entry (``--detail``: for every TP
+size; by default TP 1 and 2), the error per step kind and batch-size band, and a table of step times
+at representative points: the data's (Vidur's composition of its measured operators; with the
+roofline's attention where none was measured), twinserve's with the calibrated profile and
+twinserve's plain roofline (the profile without its fit: what every run used before). Last, the
+all-reduce fit of each node (the profiles' link terms) by size band and GPU count. Needs scipy
+(the fits are redone here to report them); the simulator itself only reads the stored fits.
 """
 
 from __future__ import annotations
@@ -16,15 +20,16 @@ from collections.abc import Sequence
 
 from twinserve.simulator.calibration import output_of
 from twinserve.simulator.cost_model import CostModel, make_cost_model
-from twinserve.simulator.hardware import load_hardware
+from twinserve.simulator.hardware import FittedParams, load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.vidur_profiles import (
-    DATASETS,
+    NETWORKS,
     DatasetSamples,
     OperatorStep,
+    all_samples,
     fit_dataset,
+    format_all_reduce,
     format_fit,
-    operator_samples,
 )
 
 TABLE_STEPS = (
@@ -34,6 +39,11 @@ TABLE_STEPS = (
     OperatorStep(decode=(344, 1664)), OperatorStep(prefill=(64, 0)), OperatorStep(prefill=(448, 0)),
     OperatorStep(prefill=(448, 4032)), OperatorStep(prefill=(480, 12960)),
     OperatorStep(prefill=(4736, 0)), OperatorStep(prefill=(8192, 8192)),
+)
+GRID_TABLE_STEPS = (
+    OperatorStep(decode=(1, 1024)), OperatorStep(decode=(8, 2048)), OperatorStep(decode=(32, 512)),
+    OperatorStep(decode=(64, 2048)), OperatorStep(decode=(256, 1024)), OperatorStep(prefill=(64, 0)),
+    OperatorStep(prefill=(512, 0)), OperatorStep(prefill=(2048, 512)), OperatorStep(prefill=(4096, 0)),
 )
 NUM_MIXED = 4  # decode + prefill pairs of the fit's samples shown besides
 
@@ -47,15 +57,20 @@ def label(step: OperatorStep) -> str:
     return " + ".join(parts)
 
 
-def step_table(data: DatasetSamples, steps: Sequence[OperatorStep] = TABLE_STEPS) -> str:
-    """Data vs calibrated twin vs plain roofline, in ms, at the given measured steps."""
-    ds = data.dataset
+def step_table(data: DatasetSamples, steps: Sequence[OperatorStep] | None = None) -> str:
+    """Data vs calibrated twin vs plain roofline, in ms, at the given (or representative) steps."""
+    ds, tp = data.dataset, data.tensor_parallel_size
+    if steps is None:
+        steps = TABLE_STEPS if ds.measured_attention(tp) else GRID_TABLE_STEPS
     spec = load_model_spec(ds.models[0])
     hardware = load_hardware(ds.hardware)
-    calibrated = make_cost_model(spec, hardware)
-    roofline = CostModel(spec, hardware)
+    calibrated = make_cost_model(spec, hardware, tp)
+    roofline = CostModel(spec, hardware, tp)
     measured = {s: sample.seconds for s, sample in zip(data.steps, data.samples)}
-    lines = [f"{ds.hardware} / {ds.models[0]}: step time (ms), data = Vidur's measured operators",
+    what = ("Vidur's measured operators" if ds.measured_attention(tp)
+            else "Vidur's measured linear operators" + (" and all-reduces" if tp > 1 else "")
+            + " + roofline attention")
+    lines = [f"{ds.hardware} / {ds.models[0]} / TP {tp}: step time (ms), data = {what}",
              f"  {'step':<40} {'data':>8} {'twin':>8} {'err %':>7} {'roofline':>9} {'err %':>7}"]
     mixed = [s for s in data.steps if s.kind == "mixed"]
     for step in [*steps, *mixed[:: max(1, len(mixed) // NUM_MIXED)]]:
@@ -69,14 +84,39 @@ def step_table(data: DatasetSamples, steps: Sequence[OperatorStep] = TABLE_STEPS
     return "\n".join(lines)
 
 
+def summary_table(fits: Sequence[tuple[DatasetSamples, FittedParams]]) -> str:
+    """Fit error (mean / max %) per profile, model, TP size and step kind, and what it rests on."""
+    lines = ["fit error per profile, TP size and step kind: MAPE % / max % over the data's steps",
+             f"  {'profile':<10} {'model':<12} {'TP':>2} {'steps':>5} {'prefill':>13} {'decode':>13} "
+             f"{'mixed':>13} {'all':>13}  attention"]
+    for data, params in fits:
+        e = params.fit_error
+        cells = [f"{e[f'{k}_mape']:>5.1f} / {e[f'{k}_max']:>5.1f}" if f"{k}_mape" in e else f"{'-':>13}"
+                 for k in ("prefill", "decode", "mixed", "all")]
+        attention = ("measured" if data.dataset.measured_attention(data.tensor_parallel_size)
+                     else "roofline")
+        lines.append(f"  {data.dataset.hardware:<10} {params.model:<12} {data.tensor_parallel_size:>2} "
+                     f"{params.num_samples:>5} {' '.join(cells)}  {attention}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m twinserve.benchmarks.gpu_profiles",
-                            description=__doc__.split("\n\n")[0]).parse_args(argv)
-    for ds in DATASETS:
-        data = operator_samples(ds)
-        print(format_fit(fit_dataset(data, ds.models[0]), data))
-        print()
-        print(step_table(data))
+    parser = argparse.ArgumentParser(prog="python -m twinserve.benchmarks.gpu_profiles",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--detail", action="store_true",
+                        help="the per-batch-band errors and step tables at every TP size")
+    args = parser.parse_args(argv)
+    fits = [(data, fit_dataset(data, data.dataset.models[0])) for data in all_samples()]
+    print(summary_table(fits))
+    print()
+    for data, params in fits:
+        if args.detail or data.tensor_parallel_size <= 2:
+            print(format_fit(params, data))
+            print()
+            print(step_table(data))
+            print()
+    for network in NETWORKS:
+        print(format_all_reduce(network))
         print()
     return 0
 

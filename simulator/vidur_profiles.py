@@ -14,11 +14,19 @@ sampling and CPU overheads are not counted (``skip_cpu_overhead_modeling`` is it
                     + prefill_attention(chunk, kv) )          # one chunk per step here
 
 where Vidur rounds T up to a multiple of 8 and adds its default 10% decode batching overhead.
+Where attention was not measured (every H100 dataset: its ``attention.csv`` files are Git LFS
+objects no snapshot holds; and every TP > 1, the kept attention rows being TP 1), a step is
+``RooflineAttentionStep``: the measured token-wise operators at that TP size, two measured
+all-reduces of ``T * hidden * 2`` bytes per layer plus Vidur's 0.02 ms NCCL launch overhead each
+(``vidur_network``), and the roofline's attention term, over a grid of decodes, chunks and mixed
+steps (``grid_steps``) kept within the measured token counts and all-reduce sizes. Each fit's
+``source`` says which operators it rests on.
 ``operator_samples`` turns each measured point (and decode + prefill pairs of them) into a
 ``StepSample`` with the aggregates the scheduler would report for that step (points past the
 model's context length, which never occur, are left out); ``fit_dataset`` fits
 the cost model's ``FittedParams`` on them (relative NNLS, ``calibration.fit``), and
-``write_profiles`` stores the fits in the bundled hardware profiles, so the simulator needs
+``write_profiles`` stores the fits in the bundled hardware profiles, with each profile's link
+terms fitted to its node's all-reduce (``PROFILE_NETWORKS``), so the simulator needs
 neither this data nor scipy at run time. Regenerate with
 ``python -m twinserve.simulator.vidur_profiles --write``; report with
 ``python -m twinserve.benchmarks.gpu_profiles``.
@@ -31,12 +39,23 @@ import bisect
 import csv
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from twinserve.core.step_sample import StepSample
-from twinserve.simulator.calibration import fit, fit_errors
-from twinserve.simulator.hardware import FittedParams, load_hardware
+from twinserve.simulator.calibration import fit, fit_errors, output_of
+from twinserve.simulator.cost_model import CostModel
+from twinserve.simulator.hardware import FittedParams, HardwareProfile, load_hardware
+from twinserve.simulator.model_spec import load_model_spec
+from twinserve.simulator.vidur_network import (
+    SIZE_BANDS,
+    AllReduceFit,
+    AllReduceTable,
+    band_label,
+    fit_all_reduce,
+    load_all_reduce,
+    size_band,
+)
 
 VIDUR_DIR = Path(__file__).parent / "data" / "profiles" / "vidur"
 HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
@@ -51,7 +70,9 @@ BATCH_BUCKETS = ((1, 1), (2, 8), (9, 32), (33, 64), (65, 128), (129, 256), (257,
 @dataclass(slots=True, frozen=True)
 class VidurDataset:
     """One SKU x model of Vidur's profiles: its files here and the twinserve names it serves
-    (``models``: spec names with the very layer shapes measured)."""
+    (``models``: spec names with the very layer shapes measured). ``attention_file`` "" means no
+    attention profile: attention is then the roofline's; the one kept is at TP 1 only, so every
+    TP > 1 fit has roofline attention too. ``network``: the all-reduce data of TP > 1."""
 
     sku: str
     vidur_model: str
@@ -61,18 +82,47 @@ class VidurDataset:
     mlp_file: str
     attention_file: str
     max_context: int  # the model's context length: points past it never occur and are left out
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    network: str = ""
 
-    @property
-    def source(self) -> str:
-        return (f"vidur:{self.sku}/{self.vidur_model} (microsoft/vidur@{VIDUR_COMMIT[:7]}, "
-                f"data/profiling/compute/{self.sku}/{self.vidur_model}/mlp.csv + attention.csv)")
+    def __post_init__(self) -> None:
+        if any(tp > 1 for tp in self.tensor_parallel_sizes) and not self.network:
+            raise ValueError(f"{self.sku}/{self.vidur_model}: TP > 1 needs a network.")
+
+    def measured_attention(self, tensor_parallel_size: int) -> bool:
+        return bool(self.attention_file) and tensor_parallel_size == 1
+
+    def source(self, tensor_parallel_size: int = 1) -> str:
+        """What a fit at this TP size rests on: which operators are measured, which roofline."""
+        where = f"microsoft/vidur@{VIDUR_COMMIT[:7]}, data/profiling/compute/{self.sku}/{self.vidur_model}/"
+        if self.measured_attention(tensor_parallel_size):
+            return f"vidur:{self.sku}/{self.vidur_model} ({where}mlp.csv + attention.csv)"
+        network = (f", all-reduce measured (network/{self.network}/all_reduce.csv)"
+                   if tensor_parallel_size > 1 else "")
+        why = "no attention profile at TP > 1" if self.attention_file else "no attention profile"
+        return (f"vidur:{self.sku}/{self.vidur_model} at TP {tensor_parallel_size}: linear operators "
+                f"measured (mlp.csv: norms, QKV/O projections, rope, MLP, residual add){network}; "
+                f"attention and KV-cache writes on the roofline ({why}) ({where}mlp.csv)")
 
 
 DATASETS: tuple[VidurDataset, ...] = (
     VidurDataset("a100", "meta-llama/Meta-Llama-3-8B", ("llama-3-8b", "llama-3.1-8b"), "a100-80gb",
                  32, "a100_meta-llama-3-8b_mlp.csv", "a100_meta-llama-3-8b_attention_subset.csv",
-                 8192),
+                 8192, (1, 2, 4, 8), "a100_dgx"),
+    VidurDataset("a100", "meta-llama/Llama-2-70b-hf", ("llama-2-70b",), "a100-80gb", 80,
+                 "a100_llama-2-70b-hf_mlp.csv", "", 4096, (2, 4, 8), "a100_dgx"),
+    VidurDataset("a100", "meta-llama/Meta-Llama-3-70B", ("llama-3-70b", "llama-3.1-70b"),
+                 "a100-80gb", 80, "a100_meta-llama-3-70b_mlp.csv", "", 8192, (2, 4, 8), "a100_dgx"),
+    VidurDataset("h100", "meta-llama/Llama-2-7b-hf", ("llama-2-7b",), "h100-sxm", 32,
+                 "h100_llama-2-7b-hf_mlp.csv", "", 4096, (1, 2, 4, 8), "h100_dgx"),
+    VidurDataset("h100", "meta-llama/Llama-2-70b-hf", ("llama-2-70b",), "h100-sxm", 80,
+                 "h100_llama-2-70b-hf_mlp.csv", "", 4096, (2, 4, 8), "h100_dgx"),
 )
+# The interconnect each bundled profile's link terms are fitted to (its SXM boards sit on
+# NVSwitch, Vidur's "dgx" nodes); the pairwise-NVLink data is kept and reported beside.
+PROFILE_NETWORKS = {"a100-80gb": "a100_dgx", "h100-sxm": "h100_dgx"}
+NETWORKS = ("a100_dgx", "a100_pairwise_nvlink", "h100_dgx", "h100_pairwise_nvlink")
+NCCL_LAUNCH_MS = 0.02  # Vidur's nccl_cpu_launch_overhead_ms, added to each all-reduce
 
 
 # ---- the measurements ------------------------------------------------------------------------
@@ -178,13 +228,16 @@ class OperatorStep:
         return agg
 
 
+def rounded_tokens(tokens: int) -> int:
+    """Vidur's ``_total_num_tokens_rounded``: up to a multiple of 8 past 4 tokens."""
+    return -(-tokens // TOKEN_ROUNDING) * TOKEN_ROUNDING if tokens > 4 else tokens
+
+
 def vidur_step_seconds(step: OperatorStep, mlp: MlpTable, attention: AttentionTable,
                        num_layers: int) -> float:
     """Vidur's model time of ``step`` from the measurements (see the module docstring). Raises
     KeyError when an attention point of the step was not measured."""
-    tokens = step.num_tokens
-    rounded = -(-tokens // TOKEN_ROUNDING) * TOKEN_ROUNDING if tokens > 4 else tokens
-    layer_ms = mlp.at(rounded)
+    layer_ms = mlp.at(rounded_tokens(step.num_tokens))
     save = 0.0
     if step.decode:
         point = attention.decode[step.decode]
@@ -211,35 +264,105 @@ def operator_steps(attention: AttentionTable, max_context: int, mixed_decodes: i
     return steps
 
 
+@dataclass(slots=True, frozen=True)
+class RooflineAttentionStep:
+    """How a step is timed where attention was not measured: the measured token-wise operators
+    and all-reduces (two per layer at TP > 1, as Vidur's ``ExecutionTime``) plus the roofline's
+    attention term (``CostModel.breakdown(out).attention_s``: the kernel and the KV writes)."""
+
+    mlp: MlpTable
+    roofline: CostModel
+    all_reduce: AllReduceTable | None
+
+    def max_tokens(self) -> int:
+        """The most tokens a step may hold with every operator within its measurements."""
+        most = self.mlp.tokens[-1]
+        if self.all_reduce is not None:
+            bytes_per_token = self.roofline.model.hidden_size * 2  # Vidur: 2 * h bytes a token
+            most = min(most, self.all_reduce.max_size(self.roofline.tensor_parallel_size)
+                       // bytes_per_token // TOKEN_ROUNDING * TOKEN_ROUNDING)
+        return most
+
+    def seconds(self, step: OperatorStep) -> float:
+        tokens = rounded_tokens(step.num_tokens)
+        layer_ms = self.mlp.at(tokens)
+        if self.all_reduce is not None:
+            nbytes = tokens * self.roofline.model.hidden_size * 2
+            tp = self.roofline.tensor_parallel_size
+            layer_ms += 2 * (self.all_reduce.at_ms(tp, nbytes) + NCCL_LAUNCH_MS)
+        attention_s = self.roofline.breakdown(output_of(step.aggregates())).attention_s
+        return self.roofline.model.num_hidden_layers * layer_ms * 1e-3 + attention_s
+
+
+GRID_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRID_DECODE_KV = (128, 512, 1024, 2048, 4000, 8000)
+GRID_CHUNKS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+GRID_PREFILL_KV = (0, 512, 2048, 6000)
+
+
+def grid_steps(max_context: int, max_tokens: int) -> list[OperatorStep]:
+    """Decodes, prefill chunks and decode + chunk pairs over the step space, within the model's
+    context and ``max_tokens`` (steps where attention is the roofline's: any point can be timed)."""
+    decodes = [(b, kv) for b in GRID_DECODE_BATCHES for kv in GRID_DECODE_KV
+               if kv + 1 <= max_context and b <= max_tokens]
+    prefills = [(c, kv) for c in GRID_CHUNKS for kv in GRID_PREFILL_KV
+                if c + kv <= max_context and c <= max_tokens]
+    steps = [OperatorStep(decode=d) for d in decodes] + [OperatorStep(prefill=p) for p in prefills]
+    steps += [OperatorStep(decode=(b, 1024), prefill=(c, 0)) for b in (8, 32, 128)
+              for c in (64, 256, 512, 1024) if b + c <= max_tokens and c + 1024 <= max_context]
+    return steps
+
+
 @dataclass(slots=True)
 class DatasetSamples:
-    """The steps of one dataset and their samples (Vidur's seconds), index for index."""
+    """The steps of one dataset at one TP size and their samples (Vidur's seconds), index for
+    index."""
 
     dataset: VidurDataset
     steps: list[OperatorStep]
     samples: list[StepSample]
+    tensor_parallel_size: int = 1
 
 
 def operator_samples(ds: VidurDataset, tensor_parallel_size: int = 1) -> DatasetSamples:
+    """Every step of the dataset at this TP size, timed from its measurements (``OperatorStep``
+    composition where attention was measured, ``RooflineAttentionStep`` elsewhere)."""
+    if tensor_parallel_size not in ds.tensor_parallel_sizes:
+        raise ValueError(f"{ds.sku}/{ds.vidur_model} is fitted at TP "
+                         f"{ds.tensor_parallel_sizes}, not {tensor_parallel_size}.")
     mlp = load_mlp(VIDUR_DIR / ds.mlp_file, tensor_parallel_size)
-    attention = load_attention(VIDUR_DIR / ds.attention_file)
-    steps = operator_steps(attention, ds.max_context)
-    samples = [StepSample(s.aggregates(), vidur_step_seconds(s, mlp, attention, ds.num_layers),
-                          kind=s.kind) for s in steps]
-    return DatasetSamples(ds, steps, samples)
+    if ds.measured_attention(tensor_parallel_size):
+        attention = load_attention(VIDUR_DIR / ds.attention_file)
+        steps = operator_steps(attention, ds.max_context)
+        seconds = [vidur_step_seconds(s, mlp, attention, ds.num_layers) for s in steps]
+    else:
+        roofline = CostModel(load_model_spec(ds.models[0]), load_hardware(ds.hardware),
+                             tensor_parallel_size)
+        network = (load_all_reduce(VIDUR_DIR / f"{ds.network}_all_reduce.csv")
+                   if tensor_parallel_size > 1 else None)
+        timing = RooflineAttentionStep(mlp, roofline, network)
+        steps = grid_steps(ds.max_context, timing.max_tokens())
+        seconds = [timing.seconds(s) for s in steps]
+    samples = [StepSample(s.aggregates(), y, kind=s.kind) for s, y in zip(steps, seconds)]
+    return DatasetSamples(ds, steps, samples, tensor_parallel_size)
+
+
+def all_samples(datasets: Sequence[VidurDataset] = DATASETS) -> list[DatasetSamples]:
+    return [operator_samples(ds, tp) for ds in datasets for tp in ds.tensor_parallel_sizes]
 
 
 # ---- the fit and its error -------------------------------------------------------------------
 def fit_dataset(data: DatasetSamples, model: str) -> FittedParams:
-    """``FittedParams`` for ``model`` at TP 1 fitted on the dataset (relative error), carrying its
-    source and its error by step kind."""
-    params = fit(data.samples, model, 1, "relative")
+    """``FittedParams`` for ``model`` at the data's TP size fitted on the dataset (relative
+    error), carrying its source and its error by step kind."""
+    tp = data.tensor_parallel_size
+    params = fit(data.samples, model, tp, "relative")
     errors = {}
     for e in fit_errors(params, data.samples):  # the max rounded up: a bound the data keep
         errors[f"{e.kind}_mape"] = round(e.mape, 2)
         errors[f"{e.kind}_max"] = math.ceil(e.max_ape * 100) / 100
-    return FittedParams(params.intercept_s, params.coefficients, model, 1, params.num_samples,
-                        params.rmse_s, data.dataset.source, errors)
+    return FittedParams(params.intercept_s, params.coefficients, model, tp, params.num_samples,
+                        params.rmse_s, data.dataset.source(tp), errors)
 
 
 def batch_bucket(num_seqs: int) -> str:
@@ -272,22 +395,43 @@ def errors_by_batch(params: FittedParams, data: DatasetSamples) -> list[BucketEr
 
 
 # ---- the bundled profiles --------------------------------------------------------------------
+def network_fit(network: str) -> tuple[AllReduceTable, AllReduceFit]:
+    table = load_all_reduce(VIDUR_DIR / f"{network}_all_reduce.csv")
+    return table, fit_all_reduce(table)
+
+
+def with_interconnect(profile: HardwareProfile, network: str) -> HardwareProfile:
+    """``profile`` with its link terms fitted to ``network``'s all-reduce, source and error."""
+    table, ar = network_fit(network)
+    workers = ", ".join(map(str, table.num_workers))
+    source = (f"fitted to vidur:network/{network}/all_reduce.csv (microsoft/vidur@{VIDUR_COMMIT[:7]}; "
+              f"{ar.num_points} points on {workers} GPUs of one node; latency + 2(n-1)/n * bytes / "
+              f"bandwidth, fit error {ar.fit_error['all_mape']:.1f}% mean)")
+    return replace(profile, interconnect_latency_s=ar.latency_s, interconnect_bandwidth=ar.bandwidth,
+                   interconnect_source=source, interconnect_fit_error=ar.fit_error)
+
+
 def write_profiles(datasets: Sequence[VidurDataset] = DATASETS,
                    hardware_dir: Path = HARDWARE_DIR) -> list[Path]:
-    """Fits every dataset and stores the fits in its bundled hardware profile (replacing a fit
-    for the same model and TP size)."""
-    written = []
+    """Fits every dataset at each of its TP sizes and stores the fits in its bundled hardware
+    profile (replacing a fit for the same model and TP size), with the profile's link terms
+    fitted to its node's all-reduce (``PROFILE_NETWORKS``)."""
+    profiles: dict[str, HardwareProfile] = {}
     for ds in datasets:
-        data = operator_samples(ds)
-        profile = load_hardware(hardware_dir / f"{ds.hardware}.json")
-        for model in ds.models:
-            profile = profile.with_fitted(fit_dataset(data, model))
-        written.append(profile.save(hardware_dir / f"{ds.hardware}.json"))
-    return written
+        profile = profiles.get(ds.hardware) or load_hardware(hardware_dir / f"{ds.hardware}.json")
+        if ds.hardware in PROFILE_NETWORKS and ds.hardware not in profiles:
+            profile = with_interconnect(profile, PROFILE_NETWORKS[ds.hardware])
+        for tp in ds.tensor_parallel_sizes:
+            data = operator_samples(ds, tp)
+            for model in ds.models:
+                profile = profile.with_fitted(fit_dataset(data, model))
+        profiles[ds.hardware] = profile
+    return [p.save(hardware_dir / f"{name}.json") for name, p in profiles.items()]
 
 
 def format_fit(params: FittedParams, data: DatasetSamples) -> str:
-    lines = [f"{data.dataset.hardware} / {params.model}: {params.describe()}",
+    lines = [f"{data.dataset.hardware} / {params.model} / TP {data.tensor_parallel_size}: "
+             f"{params.describe()}",
              f"  {'kind':<8} {'batch':>8} {'steps':>6} {'MAPE %':>8} {'max %':>8}"]
     for e in errors_by_batch(params, data):
         lines.append(f"  {e.kind:<8} {e.bucket:>8} {e.count:>6} {e.mape:>8.1f} {e.max_ape:>8.1f}")
@@ -295,6 +439,26 @@ def format_fit(params: FittedParams, data: DatasetSamples) -> str:
         if f"{kind}_mape" in params.fit_error:
             lines.append(f"  {kind:<8} {'all':>8} {'':>6} {params.fit_error[f'{kind}_mape']:>8.1f} "
                          f"{params.fit_error[f'{kind}_max']:>8.1f}")
+    return "\n".join(lines)
+
+
+def format_all_reduce(network: str) -> str:
+    """The all-reduce fit of one node and its error per size band (and per GPU count)."""
+    table, ar = network_fit(network)
+    lines = [f"all-reduce {network}: latency {ar.latency_s * 1e6:.1f} us, bandwidth "
+             f"{ar.bandwidth / 1e9:.1f} GB/s (ring 2(n-1)/n), {ar.num_points} points",
+             f"  {'size band':<10} {'GPUs':>5} {'points':>7} {'MAPE %':>8} {'max %':>8}"]
+    groups: dict[tuple[str, str], list[float]] = {}
+    for n, size, ms in table.rows():
+        ape = 100 * abs(ar.seconds(n, size) - ms * 1e-3) / (ms * 1e-3)
+        for key in ((size_band(size), str(n)), (size_band(size), "all")):
+            groups.setdefault(key, []).append(ape)
+    bands = [band_label(b) for b in SIZE_BANDS]
+    for (band, n), apes in sorted(groups.items(), key=lambda kv: (bands.index(kv[0][0]),
+                                                                  kv[0][1] == "all", kv[0][1].zfill(3))):
+        lines.append(f"  {band:<10} {n:>5} {len(apes):>7} {sum(apes) / len(apes):>8.1f} {max(apes):>8.1f}")
+    lines.append(f"  {'all':<10} {'all':>5} {ar.num_points:>7} {ar.fit_error['all_mape']:>8.1f} "
+                 f"{ar.fit_error['all_max']:>8.1f}")
     return "\n".join(lines)
 
 
@@ -309,9 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--write", action="store_true",
                    help="store the fits in simulator/data/hardware/<profile>.json")
     args = p.parse_args(argv)
-    for ds in DATASETS:
-        data = operator_samples(ds)
-        print(format_fit(fit_dataset(data, ds.models[0]), data))
+    for data in all_samples():
+        print(format_fit(fit_dataset(data, data.dataset.models[0]), data))
+    for network in NETWORKS:
+        print(format_all_reduce(network))
     if args.write:
         for path in write_profiles():
             print(f"written: {path}")

@@ -429,7 +429,7 @@ def test_calibrated_profile_plugs_in_by_name_or_path(tmp_path: Path) -> None:
     assert loaded.step_time(step) == pytest.approx(expected, rel=1e-6)
     assert loaded.num_gpu_blocks(0.9, 16) == base.num_gpu_blocks(0.9, 16)
     assert isinstance(make_cost_model(spec, load_hardware(path), 2), CostModel)  # fit was for tp=1
-    assert isinstance(make_cost_model(load_model_spec("llama-2-7b"), load_hardware(path)), CostModel)
+    assert isinstance(make_cost_model(load_model_spec("llama-2-13b"), load_hardware(path)), CostModel)
 
 
 def test_unlabelled_fit_applies_to_any_model() -> None:

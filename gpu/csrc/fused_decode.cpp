@@ -2,9 +2,9 @@
 // fused q/k/v product, RoPE, the K/V write into the paged cache, paged attention, o-proj +
 // residual, RMSNorm, gate/up, SiLU * up, down (+ residual at the next layer), then the final norm.
 // The per-op path (gpu/model.py with gpu/quantization/quant_linear.py) is its plain reference and
-// computes the same values with the same kernels; here the ~20 torch ops a layer cost at batch 1
-// (dispatch and allocation dominate: the products themselves take a few microseconds) become loops
-// over small fp32 buffers. Threads: the products split rows, the attention splits sequences and KV
+// computes the same values with the same kernels; here the ~20 torch ops a layer (each paying
+// Python, dispatch and allocation, which at batch 1 added up to more than the products) become
+// loops over small fp32 buffers. Threads: the products split rows, the attention splits sequences and KV
 // heads (at::parallel_for, OpenMP); the norms, RoPE and SiLU are too small to share out.
 //
 // Every token is a sequence of its own in its decode step (query length 1). Weights, per layer:
@@ -136,13 +136,11 @@ void attention(const float* qkv, const Dims& dm, const Attention& a, float* out)
   const twinserve_attention::Shape s{dm.heads, dm.kv_heads, dm.head_dim, a.key_cache.size(1), a.max_blocks};
   const int64_t split = dm.tokens >= 4 * at::get_num_threads() ? 1 : dm.kv_heads;
   const int64_t per = dm.kv_heads / split, q_row = dm.heads * dm.head_dim;
-  std::vector<float> query(dm.tokens * q_row);
-  for (int64_t t = 0; t < dm.tokens; ++t) std::memcpy(&query[t * q_row], qkv + t * row, q_row * sizeof(float));
   at::parallel_for(0, dm.tokens * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / split, h0 = (item % split) * per;
-      twinserve_attention::attend<float>(&query[t * q_row], kc, vc, a.tables + t * a.max_blocks, a.lens[t], 0, s,
+      twinserve_attention::attend<float>(qkv + t * row, kc, vc, a.tables + t * a.max_blocks, a.lens[t], 0, s,
                                          h0, h0 + per, a.scale, 0.f, out + t * q_row, scratch);
     }
   });
@@ -207,7 +205,8 @@ at::Tensor fused_decode_step(const at::Tensor& embedded, at::TensorList weights,
   const int64_t qkv_rows = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t inter = w[6].size(0) / 2;
   const Dims dm{tokens, hidden, num_heads, num_kv_heads, head_dim, inter};
-  at::Tensor residual = embedded.contiguous().clone();
+  at::Tensor residual_t = embedded.contiguous().clone();
+  float* residual = residual_t.data_ptr<float>();
   at::Tensor out = at::empty({tokens, hidden}, embedded.options());
   std::vector<float> layer_out(tokens * hidden);
   Product product{q8, {}};
@@ -225,13 +224,13 @@ at::Tensor fused_decode_step(const at::Tensor& embedded, at::TensorList weights,
                     kc.size(2) == num_kv_heads && kc.size(3) == head_dim,
                 "fused_decode_step: layer ", l, "'s caches must be fp32 [N, block, Hkv, D] like layer 0's");
     if (l > 0)
-      for (int64_t i = 0; i < tokens * hidden; ++i) residual.data_ptr<float>()[i] += layer_out[i];
+      for (int64_t i = 0; i < tokens * hidden; ++i) residual[i] += layer_out[i];
     const Attention attn{kc, vc, tables.data_ptr<int32_t>(), lp, sp, tables.size(1), static_cast<float>(scale)};
     layer_step(ly, dm, static_cast<float>(eps), attn, cos.data_ptr<float>(), sin.data_ptr<float>(), pp, product,
-               residual.data_ptr<float>(), layer_out.data());
+               residual, layer_out.data());
   }
-  for (int64_t i = 0; i < tokens * hidden; ++i) residual.data_ptr<float>()[i] += layer_out[i];
-  rms_norm(residual.data_ptr<float>(), vector_at(w[10 * layers], hidden, "final norm"), tokens, hidden,
+  for (int64_t i = 0; i < tokens * hidden; ++i) residual[i] += layer_out[i];
+  rms_norm(residual, vector_at(w[10 * layers], hidden, "final norm"), tokens, hidden,
            static_cast<float>(eps), out.data_ptr<float>());
   return out;
 }

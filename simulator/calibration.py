@@ -533,7 +533,8 @@ def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Pa
         base = replace(base, device_type=platform.device_type, native_bf16=platform.native_bf16)
     if interconnect is not None:  # the measured all-reduce (bandwidth B/s, latency s)
         base = replace(base, interconnect_bandwidth=interconnect[0],
-                       interconnect_latency_s=interconnect[1])
+                       interconnect_latency_s=interconnect[1], interconnect_fit_error={},
+                       interconnect_source="measured by twinserve calibrate on this machine")
     pcie = None
     if cal.seconds_per_swap_block:
         # the simulator times a swap as spec block bytes / pcie_bandwidth: match the measurement

@@ -166,6 +166,17 @@ def test_the_profiles_link_terms_are_the_all_reduce_fit_within_its_stated_error(
     assert CostModel(spec, a100, 4).breakdown(out).allreduce_s == pytest.approx(expected, rel=1e-9)
 
 
+def test_a_calibration_measuring_the_links_replaces_the_fitted_ones_and_says_so(tmp_path: Path) -> None:
+    from twinserve.simulator.calibration import Calibration, save_profile
+    from twinserve.simulator.hardware import FittedParams
+    cal = Calibration(FittedParams(0.01, {}, model="llama-3-8b", tensor_parallel_size=2))
+    path = save_profile(cal, "llama-3-8b", "a100-80gb", tmp_path / "p.json", interconnect=(5e10, 2e-5))
+    profile = load_hardware(path)
+    assert (profile.interconnect_bandwidth, profile.interconnect_latency_s) == (5e10, 2e-5)
+    assert profile.interconnect_source.startswith("measured by twinserve calibrate")
+    assert not profile.interconnect_fit_error and "vidur" not in profile.interconnect_source
+
+
 def test_the_kept_files_are_cut_from_vidurs_files() -> None:
     mlp = ("time_stats.emb.median,a,num_tensor_parallel_workers,num_tokens\n"
            "0.5,x,2,8\n0.7,x,2,8\n0.30000000000000004,x,1,8\n")

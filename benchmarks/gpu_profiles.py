@@ -4,8 +4,8 @@
 
 First a summary: the fit error of every fitted entry per profile, model, TP size and step kind
 (prefill, decode, mixed), and which operators it rests on (measured, or the roofline's attention
-where Vidur's attention profile was not obtainable). Then, per entry (``--detail``: for every TP
-size; by default TP 1 and 2), the error per step kind and batch-size band, and a table of step times
+where Vidur's attention profile was not obtainable). Then, per entry, the error per step kind and
+batch-size band, and (``--detail``: at every TP size; by default TP 1 and 2) a table of step times
 at representative points: the data's (Vidur's composition of its measured operators; with the
 roofline's attention where none was measured), twinserve's with the calibrated profile and
 twinserve's plain roofline (the profile without its fit: what every run used before). Last, the
@@ -104,15 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m twinserve.benchmarks.gpu_profiles",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--detail", action="store_true",
-                        help="the per-batch-band errors and step tables at every TP size")
+                        help="the step tables at every TP size (by default TP 1 and 2)")
     args = parser.parse_args(argv)
     fits = [(data, fit_dataset(data, data.dataset.models[0])) for data in all_samples()]
     print(summary_table(fits))
     print()
     for data, params in fits:
+        print(format_fit(params, data))
+        print()
         if args.detail or data.tensor_parallel_size <= 2:
-            print(format_fit(params, data))
-            print()
             print(step_table(data))
             print()
     for network in NETWORKS:

@@ -362,3 +362,24 @@ def test_the_fitted_step_time_fast_path_equals_its_reference() -> None:
         SchedulerOutput(total_num_scheduled_tokens=4, num_decode_tokens=4, num_decode_seqs=4,
                         sum_context_tokens=400, sum_decode_context_tokens=400,
                         max_decode_context=100))
+
+
+def test_the_report_has_a_row_per_profile_tp_and_band(datasets) -> None:
+    from twinserve.benchmarks.gpu_profiles import step_table, summary_table
+    from twinserve.simulator.vidur_network import SIZE_BANDS, band_label
+    from twinserve.simulator.vidur_profiles import format_all_reduce
+    fits = [(d, load_hardware(d.dataset.hardware).find_fitted(d.dataset.models[0], d.tensor_parallel_size))
+            for d in datasets]
+    rows = summary_table(fits).splitlines()[2:]
+    assert len(rows) == len(datasets)
+    for row, (data, params) in zip(rows, fits):
+        cells = row.split()
+        assert cells[:3] == [data.dataset.hardware, params.model, str(data.tensor_parallel_size)]
+        assert cells[-1] == ("measured" if data.dataset.measured_attention(data.tensor_parallel_size)
+                             else "roofline")
+        assert f"{params.fit_error['all_mape']:.1f}" in row
+    table = step_table(next(d for d in datasets if d.tensor_parallel_size == 2)).splitlines()
+    assert "roofline attention" in table[0] and len(table) >= 8
+    text = format_all_reduce("h100_dgx")
+    for band in SIZE_BANDS:
+        assert f"  {band_label(band):<10} {8:>5} " in text

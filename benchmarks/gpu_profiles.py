@@ -8,9 +8,11 @@ where Vidur's attention profile was not obtainable). Then, per entry, the error 
 batch-size band, and (``--detail``: at every TP size; by default TP 1 and 2) a table of step times
 at representative points: the data's (Vidur's composition of its measured operators; with the
 roofline's attention where none was measured), twinserve's with the calibrated profile and
-twinserve's plain roofline (the profile without its fit: what every run used before). Last, the
-all-reduce fit of each node (the profiles' link terms) by size band and GPU count. Needs scipy
-(the fits are redone here to report them); the simulator itself only reads the stored fits.
+twinserve's plain roofline (the profile without its fit: what every run used before). Where
+attention was measured, how far roofline attention in its place lands (the bias of the fits that
+rest on it). Last, the all-reduce fit of each node (the profiles' link terms) by size band and GPU
+count. Needs scipy (the fits are redone here to report them); the simulator itself only reads
+the stored fits.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from twinserve.simulator.hardware import FittedParams, load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.vidur_profiles import (
     NETWORKS,
+    VIDUR_DIR,
     DatasetSamples,
     OperatorStep,
+    RooflineAttentionStep,
     all_samples,
     fit_dataset,
     format_all_reduce,
     format_fit,
+    load_mlp,
 )
 
 TABLE_STEPS = (
@@ -84,6 +89,27 @@ def step_table(data: DatasetSamples, steps: Sequence[OperatorStep] | None = None
     return "\n".join(lines)
 
 
+def roofline_attention_gap(data: DatasetSamples) -> str:
+    """Where attention was measured: how far measured linear operators + roofline attention (what
+    the fits without attention data rest on) land from the fully measured composition."""
+    ds = data.dataset
+    timing = RooflineAttentionStep(load_mlp(VIDUR_DIR / ds.mlp_file, data.tensor_parallel_size),
+                                   CostModel(load_model_spec(ds.models[0]), load_hardware(ds.hardware),
+                                             data.tensor_parallel_size), None)
+    by_kind: dict[str, list[float]] = {}
+    for step, sample in zip(data.steps, data.samples):
+        by_kind.setdefault(step.kind, []).append(100 * (timing.seconds(step) - sample.seconds)
+                                                 / sample.seconds)
+    lines = [f"{ds.hardware} / {ds.models[0]} / TP {data.tensor_parallel_size}: roofline attention "
+             "in place of the measured one (the basis of every fit without attention data), "
+             "signed error % against the fully measured steps",
+             f"  {'kind':<8} {'steps':>6} {'mean':>7} {'min':>7} {'max':>7}"]
+    for kind, errors in by_kind.items():
+        lines.append(f"  {kind:<8} {len(errors):>6} {sum(errors) / len(errors):>+7.1f} "
+                     f"{min(errors):>+7.1f} {max(errors):>+7.1f}")
+    return "\n".join(lines)
+
+
 def summary_table(fits: Sequence[tuple[DatasetSamples, FittedParams]]) -> str:
     """Fit error (mean / max %) per profile, model, TP size and step kind, and what it rests on."""
     lines = ["fit error per profile, TP size and step kind: MAPE % / max % over the data's steps",
@@ -114,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         if args.detail or data.tensor_parallel_size <= 2:
             print(step_table(data))
+            print()
+    for data, _ in fits:
+        if data.dataset.measured_attention(data.tensor_parallel_size):
+            print(roofline_attention_gap(data))
             print()
     for network in NETWORKS:
         print(format_all_reduce(network))

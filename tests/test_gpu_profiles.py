@@ -365,7 +365,7 @@ def test_the_fitted_step_time_fast_path_equals_its_reference() -> None:
 
 
 def test_the_report_has_a_row_per_profile_tp_and_band(datasets) -> None:
-    from twinserve.benchmarks.gpu_profiles import step_table, summary_table
+    from twinserve.benchmarks.gpu_profiles import roofline_attention_gap, step_table, summary_table
     from twinserve.simulator.vidur_network import SIZE_BANDS, band_label
     from twinserve.simulator.vidur_profiles import format_all_reduce
     fits = [(d, load_hardware(d.dataset.hardware).find_fitted(d.dataset.models[0], d.tensor_parallel_size))
@@ -380,6 +380,9 @@ def test_the_report_has_a_row_per_profile_tp_and_band(datasets) -> None:
         assert f"{params.fit_error['all_mape']:.1f}" in row
     table = step_table(next(d for d in datasets if d.tensor_parallel_size == 2)).splitlines()
     assert "roofline attention" in table[0] and len(table) >= 8
+    gap = roofline_attention_gap(datasets[0]).splitlines()
+    assert [line.split()[0] for line in gap[2:]] == ["decode", "prefill", "mixed"]
+    assert all(float(line.split()[2]) < 0 for line in gap[2:])  # the roofline's attention is short
     text = format_all_reduce("h100_dgx")
     for band in SIZE_BANDS:
         assert f"  {band_label(band):<10} {8:>5} " in text

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
-import statistics
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -96,14 +95,15 @@ WORKLOADS: tuple[Workload, ...] = (
 _BY_NAME = {w.name: w for w in WORKLOADS}
 
 
-def spread_pct(values: list[float]) -> float:
-    """Half the range of the real runs over their median, in % (0 for one run)."""
-    if len(values) < 2:
-        return 0.0
-    middle = statistics.median(values)
-    if middle == 0:
-        return 0.0 if max(values) == min(values) else math.inf
-    return 100.0 * (max(values) - min(values)) / 2 / abs(middle)
+def _row_spread(row: dict[str, str]) -> float:
+    """``spread_pct`` of an errors.csv row: half of real_max - real_min over the real median."""
+    try:
+        real, low, high = float(row["real"]), float(row["real_min"]), float(row["real_max"])
+    except (KeyError, ValueError):
+        return math.nan
+    if real == 0:
+        return 0.0 if high == low else math.inf
+    return 100.0 * (high - low) / 2 / abs(real)
 
 
 def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
@@ -120,16 +120,15 @@ def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path]) -> list[d
     """The table metrics of one workload: real median, sim, error, target, spread, verdict."""
     with open(errors_csv) as f:
         errors = {r["metric"]: r for r in csv.DictReader(f)}
-    summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
     rows: list[dict[str, object]] = []
-    for metric in (*TABLE_METRICS, "num_preemptions", "prefix_cache_hit_rate",
+    tenants = [m for m in errors if m.startswith("mean_ttft_ms[")]  # fair: per tenant
+    for metric in (*TABLE_METRICS, *tenants, "num_preemptions", "prefix_cache_hit_rate",
                    "replayed_step_time_s"):
         row = errors.get(metric)
         if row is None:
             continue
         err = float(row["rel_error_pct"]) if row["rel_error_pct"] not in ("", "nan") else math.nan
-        values = [float(s[metric]) for s in summaries if s.get(metric) is not None]
-        spread = spread_pct(values)
+        spread = _row_spread(row)
         target = _TARGET.get(metric)
         rows.append({"workload": workload, "metric": metric, "real": float(row["real"]),
                      "sim": float(row["sim"]) if row["sim"] else math.nan, "error_pct": err,
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+    t_start, load_at_start = time.perf_counter(), _load_average()
     engine = _engine_flags(args)
     profile = args.profile or str(out / "profile.json")
     if not args.profile and not (args.resume and Path(profile).is_file()):
@@ -221,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     print(format_table(rows))
     print(f"table: {out / 'fidelity_study.csv'} ({time.perf_counter() - t_start:.0f} s, "
-          f"profile {profile})")
+          f"profile {profile}); load average {load_at_start} at the start, "
+          f"{_load_average()} at the end")
     return 0
+
+
+def _load_average() -> str:
+    """The host's 1/5/15-minute load averages (a shared host's replays scatter with them)."""
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def _flags(workload: Workload, args: argparse.Namespace) -> list[str]:

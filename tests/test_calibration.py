@@ -613,7 +613,6 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
         ENGINE,
         WORKLOADS,
         format_table,
-        spread_pct,
         study_rows,
         verdict,
     )
@@ -631,7 +630,6 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
         traces.add(args.trace)
     assert policies == {"fcfs", "fair", "priority"}
     assert traces == {"azure-conv", "azure-code", "mooncake", "synthetic"}
-    assert spread_pct([100.0, 104.0, 96.0]) == pytest.approx(4.0) and spread_pct([5.0]) == 0.0
     assert (verdict(4.0, 5.0, 1.0), verdict(7.0, 5.0, 8.0), verdict(7.0, 5.0, 1.0),
             verdict(7.0, None, 1.0)) == ("ok", "~", "MISS", "")
     runs = []

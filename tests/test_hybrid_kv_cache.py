@@ -255,3 +255,18 @@ def test_a_twin_decode_run_counts_a_block_per_group() -> None:
     assert run is not None and run.max_steps < 36  # 21 free blocks: 7 block starts, not 21
     run.apply([3.0 + i for i in range(run.max_steps)])
     s.kv.check_consistency()
+
+
+@pytest.mark.parametrize("windows", [(None, 6), (None, 6, 6, 6), (None, None, 30)])
+@pytest.mark.parametrize("chunk", [1, 16])
+def test_the_configs_sequence_capacity_is_what_the_manager_admits(windows, chunk) -> None:
+    """core.engine_config sizes max_model_len by sequence_kv_tokens: the longest sequence the
+    manager's admission (max_blocks_held over every group) lets through."""
+    from twinserve.core.engine_config import sequence_kv_tokens
+    from twinserve.core.kv_cache_groups import KVCacheLayout
+    layout = KVCacheLayout(windows, tuple((g,) for g in range(len(windows))), 1)
+    for num_blocks in (12, 40, 101):
+        kv = HybridKVCacheManager(num_blocks, 4, group_windows=windows)
+        tokens = sequence_kv_tokens(layout, num_blocks, 4, chunk)
+        assert kv.max_blocks_held(tokens, chunk) <= kv.num_usable_blocks
+        assert kv.max_blocks_held(tokens + 4, chunk) > kv.num_usable_blocks

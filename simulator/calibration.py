@@ -503,7 +503,7 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str,
     samples = [s for run in runs for s in run]
     if backend_samples:
         micro, loop = split_backend_samples(backend_samples)
-        named = {f"run {Path(d).name or d}": run for d, run in zip(run_dirs, runs)}
+        named = {f"run {i + 1}": run for i, run in enumerate(runs)}  # in --from-run order
         cal = fit_backend(micro, loop, model_name, tensor_parallel_size=tensor_parallel_size,
                           runs=named)
         speeds = [run_speed(cal.params, run) for run in runs]

@@ -596,9 +596,12 @@ def test_from_run_with_backend_samples_fits_the_runs_and_the_grid_jointly(tmp_pa
     write_samples(run / SAMPLES_FILE, steps)
     alone = calibrate_from_runs([run], "m")
     assert "extrapolated" in alone.report and alone.overhead is None
-    joint = calibrate_from_runs([run], "m", backend_samples=micro)
+    (tmp_path / "copy").mkdir()  # two runs, each its own source
+    write_samples(tmp_path / "copy" / SAMPLES_FILE, steps)
+    joint = calibrate_from_runs([run, tmp_path / "copy"], "m", backend_samples=micro)
     assert joint.overhead is not None and joint.overhead.intercept_s == pytest.approx(2e-3)
-    assert "run run" in joint.report and "run speed" in joint.report
+    assert "run 1: 300 steps" in joint.report and "run 2: 300 steps" in joint.report
+    assert "run speed" in joint.report
     assert joint.params.fit_error["micro_mape"] < 1.0
 
 

@@ -17,7 +17,10 @@
 
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
 time-scaled near the engine's saturation) so that the whole study, calibration included, runs in
-about 20 minutes on a quiet 2-core machine with the bundled SmolLM2-135M.
+about 20 minutes on a quiet 2-core machine with the bundled SmolLM2-135M. Run it on a quiet host:
+with other processes on the cores, torch's two OpenMP threads spin-wait for each other and a
+step can take 10-100x its quiet time (``OMP_WAIT_POLICY=PASSIVE`` tames that for smoke runs, at
+the price of measuring another engine than a quiet host runs).
 """
 
 from __future__ import annotations

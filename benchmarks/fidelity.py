@@ -102,7 +102,7 @@ def replay_rounds(names: list[str], args: argparse.Namespace, engine: list[str],
         for name in (n for n, k in repeats.items() if round_ <= k):
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "step_features.csv").is_file()):
-                _run(["validate", *scenario_flags(name, args), *engine, "--profile", "cpu",
+                run_cli(["validate", *scenario_flags(name, args), *engine, "--profile", "cpu",
                       "--out", str(folder), "--quiet"])
             runs[name].append(folder / "real")
     return runs
@@ -120,7 +120,7 @@ def fit_profiles(names: list[str], runs: dict[str, list[Path]], args: argparse.N
     if args.micro:
         path = out / "profile-micro.json"
         if not (args.resume and path.is_file()):
-            _run(["calibrate", "--quick", *_engine_flags(args), "--out", str(path),
+            run_cli(["calibrate", "--quick", *_engine_flags(args), "--out", str(path),
                   "--samples-out", str(out / "profile-micro-samples.csv")])
         shared["micro"] = str(path)
     profiles = {name: dict(shared) for name in names}
@@ -134,7 +134,7 @@ def fit_profiles(names: list[str], runs: dict[str, list[Path]], args: argparse.N
 
 
 def _fit(runs: list[Path], path: Path, args: argparse.Namespace) -> str:
-    _run(["calibrate", "--from-run", *map(str, runs), "--out", str(path), *_model(args)])
+    run_cli(["calibrate", "--from-run", *map(str, runs), "--out", str(path), *_model(args)])
     return str(path)
 
 
@@ -167,7 +167,8 @@ def read_errors(path: Path) -> dict[str, dict[str, str]]:
         return {row["metric"]: row for row in csv.DictReader(f)}
 
 
-def _run(argv: list[str]) -> None:
+def run_cli(argv: list[str]) -> None:
+    """Runs one ``twinserve`` command in this process, echoing it and its time to stderr."""
     print("+ twinserve " + " ".join(argv), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     rc = cli(argv)
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, profiles in fit_profiles(names, runs, args, out).items():
         for label, profile in profiles.items():
             folder = out / f"{name}-{label}"
-            _run(["validate", *scenario_flags(name, args), *engine, "--profile", profile,
+            run_cli(["validate", *scenario_flags(name, args), *engine, "--profile", profile,
                   "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
             for row in read_errors(folder / "errors.csv").values():
                 rows.append({"scenario": name, "profile": label, **row})

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinserve.entrypoints.cli import main as cli
+from twinserve.benchmarks.fidelity import run_cli
 from twinserve.reports.fidelity import TARGETS
 
 # The study's engine (every workload and the calibration): batch limits shared; the calibration
@@ -158,15 +158,6 @@ def format_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def _run(argv: list[str]) -> None:
-    print("+ twinserve " + " ".join(argv), file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    rc = cli(argv)
-    if rc != 0:
-        raise SystemExit(f"twinserve {argv[0]} failed with exit status {rc}")
-    print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-
-
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     model = ["--model", args.model] if args.model else []
     return [*model, *ENGINE, "--threads", str(args.threads), "--dtype", args.dtype]
@@ -201,20 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     engine = _engine_flags(args)
     profile = args.profile or str(out / "profile.json")
     if not args.profile and not (args.resume and Path(profile).is_file()):
-        _run(["calibrate", *engine, "--max-model-len", str(CALIBRATION_MODEL_LEN),
+        run_cli(["calibrate", *engine, "--max-model-len", str(CALIBRATION_MODEL_LEN),
               "--out", profile, "--samples-out", str(out / "profile-samples.csv")])
     runs: dict[str, list[Path]] = {n: [] for n in names}
     for round_ in range(1, args.rounds + 1):
         for name in names:
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "summary.json").is_file()):
-                _run(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
+                run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
                       "--out", str(folder), "--quiet"])
             runs[name].append(folder / "real")
     rows: list[dict[str, object]] = []
     for name in names:
         folder = out / name
-        _run(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", profile,
+        run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", profile,
               "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
         rows += study_rows(name, folder / "errors.csv", runs[name])
     with open(out / "fidelity_study.csv", "w", newline="") as f:

@@ -13,7 +13,6 @@ quantized part. ``TWINSERVE_FUSED_DECODE=0`` switches it off.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,17 +21,14 @@ from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.model import CausalLM, DecoderLayer
 from twinserve.gpu.quantization import cpu_kernel
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod, quant_state
-from twinserve.gpu.quantization.quant_tensor import DIRECT_MAX_TOKENS, int8_activations
+from twinserve.gpu.quantization.quant_tensor import DIRECT_MAX_TOKENS, env_choice, int8_activations
 
 ENV = "TWINSERVE_FUSED_DECODE"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def fused_enabled() -> bool:
-    choice = os.environ.get(ENV, "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}.")
-    return choice == "1"
+    return env_choice(ENV, "1", ("0", "1")) == "1"
 
 
 @dataclass(slots=True)

@@ -35,12 +35,17 @@ ACTIVATIONS_ENV = "TWINSERVE_QUANT_ACTIVATIONS"
 Q8_DOT_IDS = frozenset({0, 1, 2})  # Q8_0, Q4_0, Q4_1: the formats with an integer product
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (``default`` when unset), refused unless in ``choices``."""
+    choice = os.environ.get(name, default)
+    if choice not in choices:
+        raise ValueError(f"{name} must be {' or '.join(choices)}, got {choice!r}.")
+    return choice
+
+
 def int8_activations() -> bool:
     """Whether the direct products quantize activations to int8 (read per call: cheap)."""
-    choice = os.environ.get(ACTIVATIONS_ENV, "int8")
-    if choice not in ("int8", "fp32"):
-        raise ValueError(f"{ACTIVATIONS_ENV} must be int8 or fp32, got {choice!r}.")
-    return choice == "int8"
+    return env_choice(ACTIVATIONS_ENV, "int8", ("int8", "fp32")) == "int8"
 
 
 @dataclass(slots=True)

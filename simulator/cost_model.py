@@ -155,7 +155,8 @@ class CostModel:
     """Roofline step time for ``model`` on ``tensor_parallel_size`` devices like ``hardware``.
 
     ``block_size`` (tokens per KV block) sizes the swap and copy traffic of a step; ``lora``
-    adds the LoRA terms (with LoRA enabled).
+    adds the LoRA terms (with LoRA enabled); ``kv_block_bytes``: one block's bytes when a block
+    spans fewer than all layers (a hybrid KV cache's group, ``core/kv_cache_groups.py``).
     """
 
     model: ModelConfig
@@ -163,6 +164,7 @@ class CostModel:
     tensor_parallel_size: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
     lora: LoRACost | None = None
+    kv_block_bytes: int | None = None
     _s_per_flop: float = field(init=False, repr=False)
     _s_per_byte: float = field(init=False, repr=False)
     _flops_per_token: float = field(init=False, repr=False)
@@ -239,7 +241,10 @@ class CostModel:
         return self.lora.load_bytes(loads) / self.hardware.pcie_bandwidth
 
     def block_bytes(self, block_size: int | None = None) -> int:
-        """Bytes of one KV block on one GPU (all layers, K and V)."""
+        """Bytes of one KV block on one GPU (K and V of all layers, or of the layers a hybrid
+        layout's block spans)."""
+        if self.kv_block_bytes is not None and block_size in (None, self.block_size):
+            return self.kv_block_bytes
         return (block_size or self.block_size) * self.kv_bytes_per_token_per_gpu
 
     def step_time(self, out: SchedulerOutput) -> float:
@@ -521,10 +526,10 @@ class FittedCostModel:
 
 
 def make_cost_model(model: ModelConfig, hardware: HardwareProfile, tensor_parallel_size: int = 1,
-                    block_size: int = DEFAULT_BLOCK_SIZE,
-                    lora: LoRACost | None = None) -> CostModel | FittedCostModel:
+                    block_size: int = DEFAULT_BLOCK_SIZE, lora: LoRACost | None = None,
+                    kv_block_bytes: int | None = None) -> CostModel | FittedCostModel:
     """The fitted model when ``hardware`` holds a fit for this model and TP size, else the roofline."""
-    base = CostModel(model, hardware, tensor_parallel_size, block_size, lora)
+    base = CostModel(model, hardware, tensor_parallel_size, block_size, lora, kv_block_bytes)
     params = hardware.find_fitted(model.name, tensor_parallel_size)
     return FittedCostModel(params, base) if params is not None else base
 

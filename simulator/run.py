@@ -126,13 +126,17 @@ def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]
     first = resolve_engine_config(args, spec, platform, cfg.usage_context)
     spec = spec.with_dtype(first.dtype).with_quantization(args.quantization, args.kv_cache_dtype)
     cost = make_cost_model(spec, hardware, tp, args.block_size)
-    if platform.device_type == "cpu":
-        return first, cost, spec
-    roofline = cost.base if hasattr(cost, "base") else cost
-    sched = first.scheduler
-    non_kv = roofline.weight_bytes_per_gpu + roofline.activation_reserve_bytes(
-        sched.max_num_batched_tokens, sched.max_num_seqs)
-    return resolve_engine_config(args, spec, platform, cfg.usage_context, non_kv), cost, spec
+    resolved = first
+    if platform.device_type != "cpu":
+        roofline = cost.base if hasattr(cost, "base") else cost
+        sched = first.scheduler
+        non_kv = roofline.weight_bytes_per_gpu + roofline.activation_reserve_bytes(
+            sched.max_num_batched_tokens, sched.max_num_seqs)
+        resolved = resolve_engine_config(args, spec, platform, cfg.usage_context, non_kv)
+    if resolved.scheduler.kv_cache_group_windows:  # a hybrid block spans one group's layers
+        cost = make_cost_model(spec, hardware, tp, args.block_size,
+                               kv_block_bytes=resolved.block_bytes)
+    return resolved, cost, spec
 
 
 def to_request(tr: TraceRequest, vocab_size: int, block_size: int, prompt: list[int] | None = None,

@@ -5,6 +5,8 @@ allocator of the real engine (the same scheduler and KV manager)."""
 
 from __future__ import annotations
 
+import pytest
+
 from twinserve.core.engine_config import kv_block_bytes, kv_cache_layout_of, sequence_kv_tokens
 from twinserve.simulator import SimConfig, simulate
 from twinserve.simulator.model_spec import load_model_spec
@@ -60,3 +62,16 @@ def test_disabling_the_hybrid_manager_sizes_blocks_of_every_layer() -> None:
     assert on.num_gpu_blocks == 8 * GIB // (10 * per_layer_block)
     # and in it a 24K conversation cannot fit (max_model_len is capped to the cache's tokens)
     assert off.engine_config.max_model_len < 24000 < on.engine_config.max_model_len
+
+
+def test_a_hybrid_block_swaps_one_groups_bytes() -> None:
+    from twinserve.simulator.run import build_engine_config
+    hybrid = SimConfig(model="gemma-3-27b", hardware="h200", kv_cache_memory_bytes=8 * GIB)
+    engine, cost, _ = build_engine_config(hybrid)
+    base = cost.base if hasattr(cost, "base") else cost
+    assert base.block_bytes() == engine.block_bytes == 10 * 2 * 16 * 16 * 128 * 2
+    one_group = hybrid.replace(disable_hybrid_kv_cache_manager=True)
+    engine_one, cost_one, _ = build_engine_config(one_group)
+    base_one = cost_one.base if hasattr(cost_one, "base") else cost_one
+    assert base_one.block_bytes() == engine_one.block_bytes == 62 * 2 * 16 * 16 * 128 * 2
+    assert base.swap_time(100) * 6.2 == pytest.approx(base_one.swap_time(100))

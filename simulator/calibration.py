@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -208,22 +208,25 @@ class KindError:
 def fit_errors(params: FittedParams, samples: Iterable[StepSample], target: str = "seconds",
                offset: FittedParams | None = None) -> list[KindError]:
     """Per step kind (and ``all``): how far ``params`` (+ ``offset``) lands from the measurements."""
-    by_kind: dict[str, list[tuple[float, float]]] = {}
+    by_kind = _grouped_pairs(params, samples, target, offset, lambda s: s.kind)
+    by_kind["all"] = [yp for pairs in list(by_kind.values()) for yp in pairs]
+    return [_error(kind, by_kind[kind])
+            for kind in [k for k in STEP_KINDS if k in by_kind] + ["all"] if by_kind[kind]]
+
+
+def _grouped_pairs(params: FittedParams, samples: Iterable[StepSample], target: str,
+                   offset: FittedParams | None,
+                   key: Callable[[StepSample], str]) -> dict[str, list[tuple[float, float]]]:
+    """(measured, predicted) pairs of the timed steps (swaps and unmeasured steps left out),
+    grouped by ``key``."""
+    groups: dict[str, list[tuple[float, float]]] = {}
     for s in samples:
         y = getattr(s, target)
         if s.kind == "swap" or not math.isfinite(y) or y <= 0:
             continue
         p = predict_sample(params, s) + (predict_sample(offset, s) if offset else 0.0)
-        by_kind.setdefault(s.kind, []).append((y, p))
-    out = []
-    for kind in [k for k in STEP_KINDS if k in by_kind] + ["all"]:
-        pairs = [yp for k, v in by_kind.items() for yp in v] if kind == "all" else by_kind[kind]
-        if not pairs:
-            continue
-        ape = [abs(p - y) / y for y, p in pairs]
-        out.append(KindError(kind, len(pairs), 100 * sum(ape) / len(ape), 100 * max(ape),
-                             sum(y for y, _ in pairs), sum(p for _, p in pairs)))
-    return out
+        groups.setdefault(key(s), []).append((y, p))
+    return groups
 
 
 def format_errors(errors: Sequence[KindError], title: str = "fit error",
@@ -290,13 +293,7 @@ def region_of(aggregates: Mapping[str, int]) -> str:
 def region_errors(params: FittedParams, samples: Iterable[StepSample], target: str = "seconds",
                   offset: FittedParams | None = None) -> list[KindError]:
     """``fit_errors`` per ``region_of`` the steps (in name order), then ``all``."""
-    groups: dict[str, list[tuple[float, float]]] = {}
-    for s in samples:
-        y = getattr(s, target)
-        if s.kind == "swap" or not math.isfinite(y) or y <= 0:
-            continue
-        p = predict_sample(params, s) + (predict_sample(offset, s) if offset else 0.0)
-        groups.setdefault(region_of(s.aggregates), []).append((y, p))
+    groups = _grouped_pairs(params, samples, target, offset, lambda s: region_of(s.aggregates))
     groups["all"] = [yp for pairs in list(groups.values()) for yp in pairs]
     return [_error(name, groups[name]) for name in (*sorted(set(groups) - {"all"}), "all")
             if groups[name]]

@@ -25,7 +25,10 @@ The real engine never uses this: its tokens come from the model, one step at a t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
+from twinserve.core.block_hash import update_block_hashes
+from twinserve.core.kv_cache_manager import KVCacheManager
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import RequestStatus
 from twinserve.core.scheduler import Scheduler
@@ -51,6 +54,13 @@ class DecodeRun:
         out.sum_decode_context_tokens += n
         out.max_decode_context += 1
 
+    def next_steps(self, k: int) -> None:
+        """``next_step`` ``k`` times."""
+        out, n = self.out, self.out.num_decode_seqs
+        out.sum_context_tokens += n * k
+        out.sum_decode_context_tokens += n * k
+        out.max_decode_context += k
+
     def apply(self, ends: list[float]) -> list[int]:
         """Applies ``len(ends)`` steps (``ends``: their end times), as ``schedule`` and
         ``update_from_output`` would have, one step after the other. Returns the free device
@@ -65,7 +75,9 @@ class DecodeRun:
             request.output_token_ids += tokens
             request.all_token_ids += tokens
             request.token_times += ends
-        free_after = self._block_events(k)
+        free_after = self._block_events_at_once(k)
+        if free_after is None:
+            free_after = self._block_events(k)
         tables = sched.kv.tables
         for request, start in zip(running, starts):
             request.num_computed_tokens = start + k
@@ -81,10 +93,90 @@ class DecodeRun:
         sched.drop_finished_ids()  # what the run's first step would have handed the backend
         return free_after
 
+    def _block_events_at_once(self, k: int) -> list[int] | None:
+        """``_block_events(k)`` with every new block of the run taken in one ``allocate`` and
+        every newly full block of a request hashed and cached in one call, for a one-group
+        manager without a sliding window (else None, changing nothing: the caller runs
+        ``_block_events``).
+
+        Nothing is freed inside a run, so the blocks come off the free queue's head in the same
+        order either way: the step-by-step order, (step, running index), hands them out. Taking
+        them all first moves each eviction (the cached hash of a block handed out) before the
+        cache registrations of the steps before it; registering a request's blocks together
+        reorders registrations across requests. Neither changes the outcome unless a new
+        block's hash is already cached or two new blocks share one (equal prefixes decoding
+        together): then None, after the allocation is checked but before anything is done. A
+        request whose table is not exactly its computed tokens' blocks also takes the
+        reference path (each of its block starts must take one block)."""
+        sched = self.scheduler
+        kv = sched.kv
+        if type(kv) is not KVCacheManager or kv.sliding_window is not None \
+                or kv.key_salt is not None:
+            return None
+        bs, starts, running = kv.block_size, self.starts, sched.running
+        tables = kv.tables
+        allocs: list[tuple[int, int]] = []  # (step, running index) of each block start
+        for i, start in enumerate(starts):
+            first = (-start) % bs
+            if first < k:
+                if len(tables[running[i].request_id].blocks) != -(-start // bs):
+                    return None
+                allocs.extend((j, i) for j in range(first, k, bs))
+        caching = kv.enable_caching
+        new_full: list[tuple[int, int]] = []  # (running index, first new full block)
+        new_hashes: list[int] = []
+        if caching:
+            for i, start in enumerate(starts):
+                if (-start - 1) % bs < k:  # a block fills within the run
+                    request = running[i]
+                    table = tables[request.request_id]
+                    num_full = (start + k) // bs
+                    first_new = max(table.num_cached_blocks, table.num_dropped)
+                    if num_full > table.num_cached_blocks:
+                        new_hashes += update_block_hashes(request, bs, num_full * bs)[
+                            first_new:num_full]
+                        new_full.append((i, first_new))
+            if new_hashes and (len(set(new_hashes)) != len(new_hashes)
+                               or not kv.pool.cached.keys().isdisjoint(new_hashes)):
+                return None
+        pool = kv.pool
+        free0 = pool.free_queue.num_free
+        if len(allocs) > free0:
+            raise RuntimeError("decode run: fewer free blocks than block starts "
+                               "(plan_decode_run counted the free blocks)")
+        per_step = [0] * k
+        if allocs:
+            allocs.sort()
+            blocks = iter(pool.allocate(len(allocs)))
+            got: dict[int, list] = {}
+            for j, i in allocs:
+                per_step[j] += 1
+                mine = got.get(i)
+                if mine is None:
+                    got[i] = [next(blocks)]
+                else:
+                    mine.append(next(blocks))
+            for i, mine in got.items():
+                tables[running[i].request_id].append(mine)
+        if new_full:
+            cached = pool.cached
+            hashes = iter(new_hashes)
+            for i, first_new in new_full:
+                request = running[i]
+                table = tables[request.request_id]
+                num_full = (starts[i] + k) // bs
+                for block in table.blocks[first_new:num_full]:
+                    h = next(hashes)
+                    if block.block_hash is None:  # (never cached before: the reference's
+                        block.block_hash = h      # first-writer test, ``h`` being new)
+                        cached[h] = block
+                table.num_cached_blocks = num_full
+        return [free0 - taken for taken in accumulate(per_step)]
+
     def _block_events(self, k: int) -> list[int]:
         """The block-table calls of ``k`` steps in the order the step-by-step path makes them:
         step by step, a step's new blocks (running order) before its newly full blocks. Returns
-        the free blocks after each step."""
+        the free blocks after each step (the reference of ``_block_events_at_once``)."""
         sched = self.scheduler
         kv, bs = sched.kv, sched.kv.block_size
         caching = sched.kv.enable_caching

@@ -49,7 +49,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -278,6 +278,49 @@ class CostModel:
         return (linear_s + attention_s
                 + (self._allreduce_s_per_token * tokens + self._allreduce_latency_s)
                 + (self._fixed_s + self._per_seq_s * seqs))
+
+    def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
+                        max_steps: int) -> list[float] | None:
+        """The end times of a decode run's steps from ``now`` (``core.decode_run``: ``out``
+        holds the first step; each later step's contexts are one token longer, as
+        ``DecodeRun.next_step`` moves them), as long as a step ends before ``horizon`` and
+        exactly where SimPy would put it (``base + (end - base) == end``), at most
+        ``max_steps``: the engine loop's ``now + step_time(run.out)`` step by step, with the
+        terms that stay fixed over the run computed once and the same float operations in the
+        same order (``tests/test_cost_model.py`` compares the two). None where ``step_time``
+        would not take its inlined path, or for a step that is not decode-only; ``out`` is left
+        as it is."""
+        tokens = n = out.num_decode_seqs
+        if (tokens == 0 or out.total_num_scheduled_tokens != n or out.num_prefill_seqs
+                or out.num_prefill_tokens or out.blocks_to_swap_out or out.blocks_to_swap_in
+                or out.blocks_to_copy or self.lora is not None or self._experts is not None
+                or self._window is not None):
+            return None
+        seqs = n
+        s_per_flop, s_per_byte = self._s_per_flop, self._s_per_byte
+        compute_s = (self._flops_per_token * tokens + self._flops_per_seq * seqs) * s_per_flop
+        memory_s = self._weight_bytes * s_per_byte
+        linear_s = memory_s if memory_s > compute_s else compute_s
+        allreduce_s = self._allreduce_s_per_token * tokens + self._allreduce_latency_s
+        overhead_s = self._fixed_s + self._per_seq_s * seqs
+        per_context, kv_bytes = self._flops_per_context, self._kv_bytes
+        context, decode, longest = (out.sum_context_tokens, out.sum_decode_context_tokens,
+                                    n * self._max_context)
+        ends: list[float] = []
+        append = ends.append
+        for _ in range(max_steps):
+            kv_read = longest if longest < decode else decode
+            compute_s = per_context * context * s_per_flop
+            memory_s = kv_bytes * (kv_read + tokens) * s_per_byte
+            attention_s = memory_s if memory_s > compute_s else compute_s
+            end = now + (linear_s + attention_s + allreduce_s + overhead_s)
+            if end >= horizon or base + (end - base) != end:
+                break
+            append(end)
+            now = end
+            context += n
+            decode += n
+        return ends
 
     def breakdown(self, out: SchedulerOutput) -> StepCost:
         """``step_time`` term by term (for reports and tests). ``flops``, ``nbytes``,
@@ -523,6 +566,16 @@ class FittedCostModel:
         """Fit on ``(step_features(out), measured seconds)`` pairs, labelled with ``base``'s model and TP."""
         params = fit_step_time(samples, base.model.name, base.tensor_parallel_size)
         return cls(params, base)
+
+
+def decode_run_ends_of(step_time: object) -> Callable[..., list[float] | None] | None:
+    """``CostModel.decode_run_ends`` of the cost model whose own ``step_time`` ``step_time``
+    is (bound to a plain ``CostModel``), else None: a wrapped, fitted or subclassed step time
+    keeps the step-by-step loop."""
+    owner = getattr(step_time, "__self__", None)
+    if type(owner) is CostModel and getattr(step_time, "__func__", None) is CostModel.step_time:
+        return owner.decode_run_ends
+    return None
 
 
 def make_cost_model(model: ModelConfig, hardware: HardwareProfile, tensor_parallel_size: int = 1,

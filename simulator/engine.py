@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from twinserve.core.decode_run import DecodeRun
 from twinserve.core.decode_run import plan_decode_run as plan
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.metrics import RequestRecord
@@ -26,6 +27,7 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
+from twinserve.simulator.cost_model import decode_run_ends_of
 from twinserve.simulator.router import Router
 
 SIMULATED_TOKEN = 17
@@ -116,6 +118,8 @@ def engine_process(env: simpy.Environment, replica: Replica):
     # driver.schedule and driver.complete with their lookups done once (this runs every step)
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
+    # a plain roofline computes a run's step ends in one call (_decode_run_ends: the reference)
+    run_ends = decode_run_ends_of(step_time)
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     # Only other processes schedule events, and they run only while this one waits: the next
     # event's time is read once per resumption.
@@ -142,16 +146,32 @@ def engine_process(env: simpy.Environment, replica: Replica):
         now = end
         run = plan(sched, SIMULATED_TOKEN) if decode_runs else None
         if run is not None:
-            run_start, ends = now, []
-            for _ in range(run.max_steps):  # the steps that end before anything else is due
-                end = now + step_time(run.out)
-                if end >= horizon or base + (end - base) != end:
-                    break
-                ends.append(end)
-                now = end
-                run.next_step()
+            ends = _decode_run_ends(run, step_time, run_ends, now, horizon, base)
             if ends:
-                complete_run(run, run_start, ends)
+                complete_run(run, now, ends)
+                now = ends[-1]
+
+
+def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],
+                     run_ends: Callable[..., list[float] | None] | None, now: float,
+                     horizon: float, base: float) -> list[float]:
+    """The end times of the run's steps that end before anything else is due (``horizon``)
+    and where SimPy would put them, ``run.out`` moved past them: the cost model's closed loop
+    (``run_ends``) where it has one, else ``step_time`` step by step, the reference."""
+    if run_ends is not None:
+        ends = run_ends(run.out, now, horizon, base, run.max_steps)
+        if ends is not None:
+            run.next_steps(len(ends))
+            return ends
+    ends = []
+    for _ in range(run.max_steps):
+        end = now + step_time(run.out)
+        if end >= horizon or base + (end - base) != end:
+            break
+        ends.append(end)
+        now = end
+        run.next_step()
+    return ends
 
 
 def _rejected(request: Request, error: str) -> RequestRecord:

@@ -190,3 +190,101 @@ def test_apply_leaves_the_scheduler_as_the_steps_would(caching: bool, first_deco
         assert reference.kv.num_free_blocks == free_after[ends.index(end)]
     assert _kv_state(fast) == _kv_state(reference)
     fast.kv.check_consistency()
+
+
+# ---- the run's block events at once against their step-by-step order -----------------------
+def _pool_state(sched) -> tuple:
+    pool = sched.kv.pool
+    return (_kv_state(sched), pool.num_evictions,
+            {rid: t.num_cached_blocks for rid, t in sched.kv.tables.items()})
+
+
+def _shared_prompts(twins: bool):
+    """Five decoding requests in 4-token blocks with mixed positions and cached-but-free blocks
+    to evict (a finished request's); ``twins``: two of them with one prompt, decoding together
+    (their new blocks share hashes), and a third with that prompt too, finished before (its
+    cached blocks hold those hashes)."""
+    sched = make_scheduler(num_blocks=52 if twins else 56, block_size=4,
+                           max_num_batched_tokens=256)
+    shared = [5000 + i for i in range(17)]
+    lengths = [(13, 45), (21, 40), (17, 35), (30, 50), (17, 44)]
+    sched.add_request(make_req("early", 17, 30, prefix=shared if twins else None))
+    now = 0.0
+    while sched.has_unfinished_requests():
+        step(sched, now, TOKEN)
+        now += 0.01
+    for i, (prompt, out) in enumerate(lengths):
+        twin = twins and prompt == 17
+        sched.add_request(make_req(f"r{i}", prompt, out, prefix=shared if twin else None))
+    for _ in range(3):
+        step(sched, now, TOKEN)
+        now += 0.01
+    return sched, now
+
+
+@pytest.mark.parametrize("twins", [False, True], ids=["distinct", "shared-hashes"])
+def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins: bool) -> None:
+    taken = []
+    at_once = DecodeRun._block_events_at_once
+
+    def watched(self: DecodeRun, k: int) -> list[int] | None:
+        free_after = at_once(self, k)
+        taken.append(free_after is not None)
+        return free_after
+
+    results = []
+    for path in ("at-once", "in-order"):
+        sched, now = _shared_prompts(twins)
+        monkeypatch.setattr(DecodeRun, "_block_events_at_once",
+                            watched if path == "at-once" else lambda self, k: None)
+        run = plan_decode_run(sched, TOKEN)
+        assert run is not None and run.max_steps >= 20 and len(sched.running) == 5
+        evicted = sched.kv.pool.num_evictions
+        free_after = run.apply([now + 0.01 * (k + 1) for k in range(20)])  # 20 > 4-token blocks
+        sched.kv.check_consistency()
+        assert sched.kv.pool.num_evictions > evicted  # cached blocks were handed out in the run
+        results.append((free_after, _pool_state(sched)))
+    assert results[0] == results[1]
+    assert taken == [not twins]  # equal hashes: the at-once path declines, the reference runs
+
+
+def test_a_plain_rooflines_run_ends_equal_its_step_time_loop() -> None:
+    from twinserve.simulator.cost_model import decode_run_ends_of
+    from twinserve.simulator.run import SimConfig, build_engine_config
+    cost = build_engine_config(SimConfig())[1]
+    run_ends = decode_run_ends_of(cost.step_time)
+    assert run_ends is not None and decode_run_ends_of(lambda out: 0.0) is None
+    lengths = []
+    for n, context, cap in [(1, 900, 10**6), (37, 37 * 2100, 10**6), (256, 256 * 700, 10**6),
+                            (64, 64 * 8100, 8192)]:
+        sched = _decoding(num=1)
+        run = plan_decode_run(sched, TOKEN)
+        assert run is not None
+        out = run.out
+        out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
+        out.sum_context_tokens = out.sum_decode_context_tokens = context
+        cost._max_context, max_context = cap, cost._max_context  # the n * max_context cap
+        try:
+            for now, base, horizon, max_steps in [(12.5, 12.5, 13.0, 500), (7.25, 7.0, 99.0, 50),
+                                                  (3.0, 3.0, 3.001, 500), (1e6, 0.1, 2e6, 30)]:
+                saved = (out.sum_context_tokens, out.sum_decode_context_tokens,
+                         out.max_decode_context)
+                fast = run_ends(out, now, horizon, base, max_steps)
+                assert (out.sum_context_tokens, out.sum_decode_context_tokens,
+                        out.max_decode_context) == saved  # left as it is
+                ends, t = [], now
+                for _ in range(max_steps):
+                    end = t + cost.step_time(out)
+                    if end >= horizon or base + (end - base) != end:
+                        break
+                    ends.append(end)
+                    t = end
+                    run.next_step()
+                assert fast == ends
+                lengths.append(len(ends))
+                out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context = \
+                    saved
+        finally:
+            cost._max_context = max_context
+    assert min(lengths) == 0 and max(lengths) > 20  # cut by the horizon, by SimPy's sum, by none
+    assert 30 in lengths

@@ -23,6 +23,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -181,14 +182,33 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
             if c < max_model_len:
                 specs.append(StepSpec(decodes=(c,) * b))
                 if b > 1:  # contexts spread up to c: the padded and the summed KV part ways
-                    specs.append(StepSpec(decodes=tuple(max(2, c * (i + 1) // b)
-                                                        for i in range(b))))
+                    specs.append(_spread_decodes(b, c))
+    # every batch size at one context: GEMM kernels step up at tile widths (here between 4 and
+    # 5 tokens), which a grid of powers of two alone would interpolate across
+    sweep_ctx = min(256, max_model_len - 1)
+    specs += [_spread_decodes(b, sweep_ctx) for b in batch_sweep(max_num_seqs, quick)
+              if b not in batches]
     for b in [b for b in (4, 16, 64) if b < max_num_seqs] or [max(1, max_num_seqs - 1)]:
         for n in (32, 256) if quick else (32, 128, 512):
             if b + n <= max_num_batched_tokens and n < max_model_len:
                 ctx = min(256, max_model_len - 1)
                 specs.append(StepSpec(decodes=(ctx,) * b, prefills=((n, 0),)))
     return specs
+
+
+def batch_sweep(max_num_seqs: int, quick: bool = False) -> list[int]:
+    """Decode batch sizes timed one by one: each up to 32 (16 when ``quick``), then every 8th
+    (every 16th) up to ``max_num_seqs`` (at most 256)."""
+    dense, stride = (16, 16) if quick else (32, 8)
+    top = min(max_num_seqs, 256)
+    return [*range(1, min(dense, top) + 1), *range(dense + stride, top + 1, stride)]
+
+
+def _spread_decodes(batch: int, context: int) -> StepSpec:
+    """``batch`` decodes at contexts spread evenly up to ``context``."""
+    if batch == 1:
+        return StepSpec(decodes=(context,))
+    return StepSpec(decodes=tuple(max(2, context * (i + 1) // batch) for i in range(batch)))
 
 
 def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup: int = 1,
@@ -334,21 +354,62 @@ class StepRecorder:
 
 @dataclass(slots=True, frozen=True)
 class LoopScenario:
-    """``num_requests`` distinct prompts of ``prompt_len`` tokens, all queued at once, each
-    generating ``output_len`` tokens."""
+    """``num_requests`` distinct prompts of ``prompt_len`` tokens, each generating ``output_len``
+    tokens: all queued at once, or, with ``concurrency``, as a client holding that many requests
+    in flight sends them (the next one as soon as one finishes). With ``prompt_len_max`` /
+    ``output_len_max`` the lengths are drawn uniformly up to them (seeded), so requests finish
+    at different steps and batches change their make-up as a server's do."""
 
     num_requests: int
     prompt_len: int
     output_len: int
+    concurrency: int | None = None
+    prompt_len_max: int | None = None
+    output_len_max: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoopScenario.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"LoopScenario.concurrency must be >= 1, got {self.concurrency}.")
+        for low, high in (("prompt_len", "prompt_len_max"), ("output_len", "output_len_max")):
+            top = getattr(self, high)
+            if top is not None and top < getattr(self, low):
+                raise ValueError(f"LoopScenario.{high} ({top}) is below {low} "
+                                 f"({getattr(self, low)}).")
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """Each request's (prompt, output) length."""
+        rng = random.Random(self.seed)
+        return [(rng.randint(self.prompt_len, self.prompt_len_max or self.prompt_len),
+                 rng.randint(self.output_len, self.output_len_max or self.output_len))
+                for _ in range(self.num_requests)]
+
+    def label(self) -> str:
+        prompt = (f"{self.prompt_len}-{self.prompt_len_max}" if self.prompt_len_max
+                  else str(self.prompt_len))
+        output = (f"{self.output_len}-{self.output_len_max}" if self.output_len_max
+                  else str(self.output_len))
+        flight = f", {self.concurrency} in flight" if self.concurrency else ""
+        return f"{self.num_requests} x ({prompt} in, {output} out{flight})"
 
 
 def default_scenarios(max_num_seqs: int = 128, max_model_len: int = 2048,
                       quick: bool = False) -> list[LoopScenario]:
-    """Batches that fill up, decode and drain: a spread of batch sizes and contexts."""
-    batches = [b for b in ((2, 16, 64) if quick else (1, 4, 16, 32, 64, 128)) if b <= max_num_seqs]
-    prompts = [p for p in ((48, 400) if quick else (32, 200, 800)) if p + 16 < max_model_len]
-    out_len = 8 if quick else 16
-    return [LoopScenario(b, p, out_len) for b in batches for p in prompts]
+    """Serving-like workloads at a spread of concurrencies: twice as many requests as are held
+    in flight, prompts and outputs of mixed lengths, so batches fill, churn (requests join and
+    leave at different steps, prefill chunks land beside decodes) and drain, as a server's do.
+    A batch of equal requests decoding in lockstep runs faster than that (measured here: ~7%
+    below the grid where replays ran 2-5% above it), so it would set the live speed too low."""
+    flights = [b for b in ((2, 16, 64) if quick else (1, 4, 16, 32, 64, 128)) if b <= max_num_seqs]
+    if flights and flights[-1] < max_num_seqs <= 128:
+        flights.append(max_num_seqs)
+    longest = max(16, min(max_model_len - 40, 200 if quick else 600))
+    out_len = (4, 12) if quick else (4, 28)
+    return [LoopScenario(2 * b, 16, out_len[0], b, longest, out_len[1], seed=k)
+            for k, b in enumerate(flights)]
 
 
 def run_engine_loop(engine: LLMEngine, scenarios: Iterable[LoopScenario], detokenize: bool = True,
@@ -359,17 +420,21 @@ def run_engine_loop(engine: LLMEngine, scenarios: Iterable[LoopScenario], detoke
     try:
         for k, sc in enumerate(scenarios):
             first = len(recorder.steps)
-            params = SamplingParams(max_tokens=sc.output_len, ignore_eos=True, temperature=0.0)
-            for i in range(sc.num_requests):
-                engine.add_request(_prompt(10_000 * (k + 1) + i, sc.prompt_len, vocab), params,
-                                   request_id=f"profile-{k}-{i}", detokenize=detokenize)
-            while engine.has_unfinished_requests():
+            pending = deque(enumerate(sc.lengths()))
+            flight = sc.concurrency or sc.num_requests
+            scheduler = engine.scheduler
+            while pending or engine.has_unfinished_requests():
+                while pending and len(scheduler.running) + scheduler.num_waiting < flight:
+                    i, (prompt_len, output_len) = pending.popleft()
+                    params = SamplingParams(max_tokens=output_len, ignore_eos=True,
+                                            temperature=0.0)
+                    engine.add_request(_prompt(10_000 * (k + 1) + i, prompt_len, vocab), params,
+                                       request_id=f"profile-{k}-{i}", detokenize=detokenize)
                 engine.step()
             if progress:
                 steps = recorder.steps[first:]
                 total = sum(s.seconds for s in steps)
-                progress(f"[{k + 1}] {sc.num_requests} x ({sc.prompt_len} in, {sc.output_len} out): "
-                         f"{len(steps)} steps, {total:.2f} s")
+                progress(f"[{k + 1}] {sc.label()}: {len(steps)} steps, {total:.2f} s")
     finally:
         recorder.close()
     return recorder.steps

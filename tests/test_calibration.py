@@ -517,6 +517,46 @@ def test_tiny_model_fit_is_monotone_reproduces_its_grid_and_predicts_a_held_back
     assert 0.5 <= statistics.median(ratios) <= 2.0
 
 
+def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> None:
+    from twinserve.gpu.profiler import LoopScenario, batch_sweep, default_grid, default_scenarios
+    assert batch_sweep(40) == [*range(1, 33), 40]
+    assert batch_sweep(300) == [*range(1, 33), *range(40, 257, 8)]
+    assert batch_sweep(64, quick=True) == [*range(1, 17), 32, 48, 64]
+    for max_num_seqs in (6, 32, 64):
+        sizes = {len(s.decodes) for s in default_grid(512, max_num_seqs, 512) if not s.prefills}
+        assert set(range(1, min(max_num_seqs, 32) + 1)) <= sizes
+        assert max(sizes) == max_num_seqs
+    for sc in default_scenarios(32, 512):
+        lengths = sc.lengths()
+        assert len(lengths) == 2 * sc.concurrency and sc.concurrency <= 32
+        assert all(16 <= p <= 472 and 4 <= o <= 28 for p, o in lengths)
+        assert lengths == sc.lengths()  # seeded
+    assert len({o for sc in default_scenarios(32, 512) for _, o in sc.lengths()}) > 5
+    for bad, field in ((dict(concurrency=0), "concurrency"), (dict(prompt_len_max=3), "below"),
+                       (dict(num_requests=0), "num_requests")):
+        with pytest.raises(ValueError, match=field):
+            LoopScenario(**{"num_requests": 2, "prompt_len": 8, "output_len": 4, **bad})
+
+
+def test_engine_loop_holds_its_concurrency_and_runs_every_request(tiny_runner) -> None:
+    """A serving-like scenario: never more requests in a step than in flight, every request
+    generates its own number of tokens, and batches change their make-up from step to step."""
+    from twinserve.gpu.llm_engine import LLMEngine
+    from twinserve.gpu.profiler import LoopScenario, run_engine_loop
+    eargs, runner = tiny_runner
+    engine = LLMEngine(eargs, runner=runner, usage_context="server")
+    sc = LoopScenario(9, 8, 2, concurrency=3, prompt_len_max=60, output_len_max=9, seed=4)
+    steps = run_engine_loop(engine, [sc], detokenize=False)
+    seqs = [s.aggregates["num_decode_seqs"] + s.aggregates["num_prefill_seqs"] for s in steps]
+    assert max(seqs) == 3
+    assert sum(s.aggregates["num_decode_tokens"] for s in steps) == sum(
+        o - 1 for _, o in sc.lengths())  # the first token of each comes from its prefill
+    assert len({s.aggregates["sum_decode_context_tokens"] for s in steps if s.kind == "decode"}) > 5
+    assert any(s.kind == "mixed" for s in steps)
+    assert not engine.has_unfinished_requests()
+    assert runner.kv_cache is not None and engine.scheduler.kv.usage == 0.0
+
+
 def _kernel_shaped_seconds(agg: dict[str, int]) -> float:
     """A step time shaped as the CPU engine's kernels cost (no noise): a GEMM floor stepping up
     with the token count, per-token GEMM work, the decode kernel's summed contexts plus its

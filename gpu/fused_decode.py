@@ -21,7 +21,12 @@ from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.model import CausalLM, DecoderLayer
 from twinserve.gpu.quantization import cpu_kernel
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod, quant_state
-from twinserve.gpu.quantization.quant_tensor import DIRECT_MAX_TOKENS, env_choice, int8_activations
+from twinserve.gpu.quantization.quant_tensor import (
+    DIRECT_MAX_TOKENS,
+    Q8_DOT_IDS,
+    env_choice,
+    int8_activations,
+)
 
 ENV = "TWINSERVE_FUSED_DECODE"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -45,6 +50,11 @@ class FusedDecode:
     num_kv_heads: int
     eps: float
     scale: float
+
+    @property
+    def all_q8(self) -> bool:
+        """Every projection has the integer product (Q8_0, Q4_0, Q4_1)."""
+        return all(fmt in Q8_DOT_IDS for fmt in self.formats[::2])
 
     @classmethod
     def for_model(cls, model: CausalLM) -> FusedDecode:
@@ -81,12 +91,16 @@ class FusedDecode:
 
 
 def can_run(input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-            meta: AttentionMetadata) -> bool:
-    """A decode step the kernel serves: one token per sequence, few enough that the per-op path
-    would take the same direct products (``DIRECT_MAX_TOKENS``), an fp32 KV cache."""
+            meta: AttentionMetadata, fused: FusedDecode) -> bool:
+    """A decode step the kernel serves: one token per sequence, an fp32 KV cache, and products
+    the per-op path computes alike: with int8 activations and every projection Q8_0/Q4_0/Q4_1
+    any token count (a decode step's per-op products take the integer GEMM too:
+    ``quant_tensor.per_sequence_rows``), else up to ``DIRECT_MAX_TOKENS`` (above it the per-op
+    path dequantizes into torch's GEMM)."""
     tokens = input_ids.shape[0]
-    return (meta.max_query_len == 1 and tokens <= DIRECT_MAX_TOKENS
-            and meta.block_tables.shape[0] == tokens and kv_caches[0][0].dtype == torch.float32)
+    small = tokens <= DIRECT_MAX_TOKENS or (fused.all_q8 and int8_activations())
+    return (meta.max_query_len == 1 and small and meta.block_tables.shape[0] == tokens
+            and kv_caches[0][0].dtype == torch.float32)
 
 
 def unsupported_reason(model: CausalLM) -> str | None:

@@ -7,6 +7,7 @@ where it is built."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (CSRC / "quant_matmul.cpp", CSRC / "fused_decode.cpp")
+HEADERS = (CSRC / "quant_blocks.h", CSRC / "quant_q8.h", CSRC / "paged_attention.h")
 
 # (x[T, K] fp32, qweight[N, row_bytes] bytes, row_scale[N] or [0] fp32, fmt, group) -> [T, N]
 QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
@@ -25,8 +27,11 @@ QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], tor
 def build_quant_kernel() -> None:
     """Compile (or load the cached build of) the kernel; raises when it cannot be built."""
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
+    # torch rebuilds when the sources or the flags change, not the headers: their hash is a flag
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     load(name="twinserve_quant_matmul", sources=[str(s) for s in SOURCES], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd"])
+         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd",
+                       f"-DTWINSERVE_HEADERS_{headers}"])
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scale: torch.Tensor, fmt: int,

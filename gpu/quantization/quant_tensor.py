@@ -1,25 +1,31 @@
 """One quantized weight matrix ``[rows, in_features]`` and its products.
 
-``matmul`` picks the fast path: the C++ kernel's direct product for up to ``DIRECT_MAX_TOKENS``
-tokens (each block decoded in registers once per call), above it the weight dequantized
-``TILE_ROWS`` rows at a time into fp32 and multiplied by torch's GEMM (the decode is then paid once
-per tile, and the GEMM runs at its own rate). Measured here (Q4_1 3072 x 576, one thread, CPU
-ms per product, direct / tiled): 1 token 0.39 / 1.60, 8: 0.77 / 2.60, 16: 1.53 / 3.66,
-32: 2.98 / 4.16, 64: 5.88 / 5.89 (the direct kernel passes over the weights once per 4 tokens;
-its decode stops paying for itself near 64). ``reference_matmul`` is the plain version beside
-it: the whole weight dequantized by ``reference_dequantize`` (the ``gguf`` package for GGUF
-blocks, torch for the others), then ``x @ W.T`` in fp32; the tests compare the two.
+``matmul`` picks the fast path. With fp32 activations: the C++ kernel's direct product for up to
+``DIRECT_MAX_TOKENS`` tokens (each block decoded in registers once per call), above it the weight
+dequantized ``TILE_ROWS`` rows at a time into fp32 and multiplied by torch's GEMM (the decode is
+then paid once per tile, and the GEMM runs at its own rate). Measured here (Q4_1 3072 x 576, one
+thread, CPU ms per product, direct / tiled): 1 token 0.39 / 1.60, 8: 0.77 / 2.60, 16: 1.53 / 3.66,
+32: 2.98 / 4.16, 64: 5.88 / 5.89. ``reference_matmul`` is the plain version beside it: the whole
+weight dequantized by ``reference_dequantize`` (the ``gguf`` package for GGUF blocks, torch for
+the others), then ``x @ W.T`` in fp32; the tests compare the two.
 
 Activations (``TWINSERVE_QUANT_ACTIVATIONS``): ``int8`` (the default) quantizes them per 32
-values to int8 for the direct products of Q8_0, Q4_0 and Q4_1, as llama.cpp does, and multiplies
-with integer dot products (``csrc/quant_q8.h``; ~2x faster at one token here, where the fp32 path
-widens every weight to a float); ``fp32`` keeps them in fp32 (the exact reference: the same values
-as the fp32 model within accumulation order). The other formats always use fp32 activations.
+values to int8 for the products of Q8_0, Q4_0 and Q4_1, as llama.cpp does, and multiplies with
+integer dot products (``csrc/quant_q8.h``), up to ``DIRECT_MAX_TOKENS`` rows and, inside
+``per_sequence_rows`` (decode steps, the LM head), at any row count: one row streams each weight
+row once; two and more run a tiled int8 GEMM (weight blocks unpacked once per 16-row panel, 2 rows x 4
+tokens of accumulators in registers), which measured here (one thread, a loaded machine: noisy)
+1.3-2.8x the tiled dequantize + torch GEMM at 64 tokens and about level with it at 1024.
+``fp32`` keeps them in fp32 (the exact reference: the same values as the fp32 model within
+accumulation order). The other formats always use fp32 activations.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +52,24 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 def int8_activations() -> bool:
     """Whether the direct products quantize activations to int8 (read per call: cheap)."""
     return env_choice(ACTIVATIONS_ENV, "int8", ("int8", "fp32")) == "int8"
+
+
+# True inside ``per_sequence_rows()``: the products in progress have one row per sequence.
+_PER_SEQUENCE: ContextVar[bool] = ContextVar("twinserve_quant_per_sequence", default=False)
+
+
+@contextmanager
+def per_sequence_rows() -> Iterator[None]:
+    """Marks the products inside as one row per sequence (a decode step, the LM head): with int8
+    activations they take the integer GEMM at any row count, as llama.cpp does. Prompt
+    processing above ``DIRECT_MAX_TOKENS`` rows keeps fp32 activations (dequantize + torch's
+    GEMM, as fast there): int8 prompts moved the bundled model's greedy tokens off the fp32
+    run's about twice as much (test_fused_decode.py). Reset on exit; nothing outlives the call."""
+    token = _PER_SEQUENCE.set(True)
+    try:
+        yield
+    finally:
+        _PER_SEQUENCE.reset(token)
 
 
 @dataclass(slots=True)
@@ -94,9 +118,10 @@ class QuantTensor:
             return x @ self.data.t()
         if not cpu_kernel.kernel_available():
             return reference_matmul(x, self)
-        if x.shape[0] <= DIRECT_MAX_TOKENS:
-            if self.fmt.fmt_id in Q8_DOT_IDS and int8_activations():
-                return cpu_kernel.quant_matmul_q8(x, self.data, self.fmt.fmt_id)
+        small = x.shape[0] <= DIRECT_MAX_TOKENS
+        if self.fmt.fmt_id in Q8_DOT_IDS and int8_activations() and (small or _PER_SEQUENCE.get()):
+            return cpu_kernel.quant_matmul_q8(x, self.data, self.fmt.fmt_id)
+        if small:
             return cpu_kernel.quant_matmul(x, self.data, self.row_scale, self.fmt.fmt_id,
                                            self.group)
         out = x.new_empty(x.shape[0], self.rows)

@@ -15,7 +15,7 @@ from twinserve.gpu.linear import LinearBase
 from twinserve.gpu.model import CausalLM, KVCache
 from twinserve.gpu.quantization.embedding import QuantizedEmbedding
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod
-from twinserve.gpu.quantization.quant_tensor import QuantTensor
+from twinserve.gpu.quantization.quant_tensor import QuantTensor, per_sequence_rows
 
 
 class QuantizedCausalLM(CausalLM):
@@ -35,11 +35,13 @@ class QuantizedCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """A decode step by the fused kernel where it applies, else the per-op path."""
-        if fused_decode.can_run(input_ids, kv_caches, meta):
+        if meta.max_query_len != 1:
+            return super().forward(input_ids, positions, kv_caches, meta)
+        with per_sequence_rows():  # a decode step: int8 products at any batch size
             fused = self.fused_step()
-            if fused is not None:
+            if fused is not None and fused_decode.can_run(input_ids, kv_caches, meta, fused):
                 return fused.run(self.embed(input_ids), positions, kv_caches, meta)
-        return super().forward(input_ids, positions, kv_caches, meta)
+            return super().forward(input_ids, positions, kv_caches, meta)
 
     def fused_step(self) -> fused_decode.FusedDecode | None:
         """The fused decode step for this model, or None where it does not apply
@@ -69,7 +71,8 @@ class QuantizedCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_head is None:
             return super().compute_logits(hidden)
-        logits = self.quant_head.logits(hidden)
+        with per_sequence_rows():  # one row per sequence (or prompt position)
+            logits = self.quant_head.logits(hidden)
         cap = self.config.final_logit_softcapping  # Gemma 2
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -13,6 +13,7 @@ import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
+from operator import sub
 from typing import overload
 
 import numpy as np
@@ -231,26 +232,31 @@ def _tenant_tokens(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
 
 
 class StepLog(Sequence[StepRecord]):
-    """``StepRecord``s kept as plain tuples of numbers, one per step. A simulation records hundreds
-    of thousands of steps: the garbage collector stops tracking such tuples after one pass, where
-    it would walk a ``StepRecord`` object per step in every full collection. Reading an element
-    or iterating builds the ``StepRecord`` objects on the fly."""
+    """``StepRecord``s kept column by column: one list per numeric field (``_STEP_COLUMNS``), a
+    step's values at one index. A simulation records hundreds of thousands of steps: the
+    garbage collector walks ten lists, where it would walk a ``StepRecord`` object per step in
+    every full collection; a run of decode steps is a few ``extend``s; a writer reads whole
+    columns. Reading an element or iterating builds the ``StepRecord`` objects on the fly."""
 
-    __slots__ = ("_rows", "_tenants")
+    __slots__ = ("_cols", "_tenants")
 
     def __init__(self, records: Iterable[StepRecord] = ()) -> None:
-        # One row per step: StepRecord's fields but tenant_tokens, in order (_STEP_COLUMNS).
-        self._rows: list[tuple[float, float, int, int, int, int, int, float, int, int]] = []
+        # StepRecord's fields but tenant_tokens, in order (_STEP_COLUMNS), a list each.
+        self._cols: tuple[list, ...] = tuple([] for _ in _STEP_COLUMNS)
         self._tenants: dict[int, dict[str, tuple[int, int]]] = {}  # steps with tenant tokens only
         for r in records:
             self.append(r)
 
     def append(self, r: StepRecord) -> None:
         if r.tenant_tokens:
-            self._tenants[len(self._rows)] = r.tenant_tokens
-        self._rows.append((r.time, r.duration, r.num_seqs, r.num_prefill_tokens,
-                           r.num_decode_tokens, r.num_running, r.num_waiting, r.kv_usage,
-                           r.num_preempted, r.replica))
+            self._tenants[len(self._cols[0])] = r.tenant_tokens
+        self._append_row((r.time, r.duration, r.num_seqs, r.num_prefill_tokens,
+                          r.num_decode_tokens, r.num_running, r.num_waiting, r.kv_usage,
+                          r.num_preempted, r.replica))
+
+    def _append_row(self, row: tuple) -> None:
+        for col, value in zip(self._cols, row):
+            col.append(value)
 
     def record_step(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
                     duration: float, replica: int = 0, with_tenants: bool = True) -> None:
@@ -259,13 +265,13 @@ class StepLog(Sequence[StepRecord]):
         if with_tenants:
             tenants = _tenant_tokens(out)
             if tenants:
-                self._tenants[len(self._rows)] = tenants
+                self._tenants[len(self._cols[0])] = tenants
         pool = scheduler.kv.pool
         total = len(pool.blocks)  # ``pool.usage``, inline: this runs every step
         usage = 1.0 - pool.free_queue.num_free / total if total else 0.0
-        self._rows.append((start, duration, len(out.scheduled), out.num_prefill_tokens,
-                           out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
-                           usage, len(out.preempted_request_ids), replica))
+        self._append_row((start, duration, len(out.scheduled), out.num_prefill_tokens,
+                          out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
+                          usage, len(out.preempted_request_ids), replica))
 
     def record_decode_run(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
                           ends: list[float], free_after: list[int], replica: int = 0,
@@ -274,27 +280,40 @@ class StepLog(Sequence[StepRecord]):
         ``record_step`` would have appended for each (``free_after``: free blocks after each)."""
         tenants = _tenant_tokens(out) if with_tenants else None
         total = len(scheduler.kv.pool.blocks)
-        n, waiting, rows = len(out.scheduled), len(scheduler.policy), self._rows
-        for end, free in zip(ends, free_after):
-            if tenants:
-                self._tenants[len(rows)] = tenants  # one dict shared by the run's rows
-            usage = 1.0 - free / total if total else 0.0
-            rows.append((start, end - start, n, 0, n, n, waiting, usage, 0, replica))
-            start = end
+        n, waiting, k = len(out.scheduled), len(scheduler.policy), len(ends)
+        time, duration, seqs, prefill, decode, running, queued, kv, preempted, rep = self._cols
+        if tenants:  # one dict shared by the run's rows
+            first = len(time)
+            self._tenants.update(dict.fromkeys(range(first, first + k), tenants))
+        starts = [start, *ends[:-1]]
+        time += starts
+        duration += map(sub, ends, starts)
+        kv += [1.0 - free / total for free in free_after] if total else [0.0] * k
+        for col, value in ((seqs, n), (prefill, 0), (decode, n), (running, n),
+                           (queued, waiting), (preempted, 0), (rep, replica)):
+            col += [value] * k
+
+    def columns(self) -> tuple[list, ...]:
+        """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast
+        writers."""
+        return self._cols
 
     def raw(self) -> tuple[list[tuple[float, float, int, int, int, int, int, float, int, int]],
                            dict[int, dict[str, tuple[int, int]]]]:
         """The rows (``StepRecord``'s fields but ``tenant_tokens``, in order) and the tenant
-        tokens of the steps that have any, by row index: read-only views for fast writers."""
-        return self._rows, self._tenants
+        tokens of the steps that have any, by row index."""
+        return list(zip(*self._cols)), self._tenants
+
+    def tenant_tokens(self) -> dict[int, dict[str, tuple[int, int]]]:
+        """The tenant tokens of the steps that have any, by row index (read-only)."""
+        return self._tenants
 
     def column(self, name: str) -> list[float] | list[int]:
         """One numeric field of every step, e.g. ``log.column("num_seqs")``."""
-        k = _STEP_COLUMNS.index(name)
-        return [row[k] for row in self._rows]
+        return list(self._cols[_STEP_COLUMNS.index(name)])
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._cols[0])
 
     @overload
     def __getitem__(self, index: int) -> StepRecord: ...
@@ -305,13 +324,19 @@ class StepLog(Sequence[StepRecord]):
     def __getitem__(self, index: int | slice) -> StepRecord | list[StepRecord]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        i = range(len(self._rows))[index]  # negative indices, IndexError
-        return StepRecord(*self._rows[i], self._tenants.get(i, {}))
+        i = range(len(self))[index]  # negative indices, IndexError
+        return _step_record([col[i] for col in self._cols], self._tenants.get(i, {}))
 
     def __iter__(self) -> Iterator[StepRecord]:
         tenants = self._tenants
-        for i, row in enumerate(self._rows):
-            yield StepRecord(*row, tenants.get(i, {}))
+        for i, row in enumerate(zip(*self._cols)):
+            yield _step_record(row, tenants.get(i, {}))
+
+
+def _step_record(row: Sequence, tenants: dict[str, tuple[int, int]]) -> StepRecord:
+    t, d, seqs, prefill, decode, running, waiting, kv, preempted, replica = row
+    return StepRecord(t, d, seqs, prefill, decode, running, waiting, kv, preempted, replica,
+                      tenants)
 
 
 # StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens).

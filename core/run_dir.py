@@ -15,6 +15,8 @@ import csv
 import json
 import math
 from collections.abc import Sequence
+from itertools import repeat
+from operator import is_
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -129,13 +131,126 @@ def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
         wt = csv.writer(g, lineterminator="\n")
         ws.writerow(STEP_COLUMNS)
         wt.writerow(TENANT_COLUMNS)
-        rows, tenants = (steps if isinstance(steps, StepLog) else StepLog(steps)).raw()
+        log = steps if isinstance(steps, StepLog) else StepLog(steps)
+        columns, tenants = log.columns(), log.tenant_tokens()
         # all numbers: the text csv.writer writes, without its per-field quoting checks
-        f.write("".join([f"{fmt(t)},{fmt(d)},{n},{p},{dec},{run},{wait},{kv:.6f},{pre},{rep}\n"
-                         for t, d, n, p, dec, run, wait, kv, pre, rep in rows]))
+        f.write(_steps_text(columns))
         for i in sorted(tenants):
-            time, per_tenant = fmt(rows[i][0]), tenants[i]
+            time, per_tenant = fmt(columns[0][i]), tenants[i]
             wt.writerows([(time, tenant, *per_tenant[tenant]) for tenant in sorted(per_tenant)])
+
+
+def _step_line(row: Sequence) -> str:
+    """One steps.csv line from a ``StepLog`` row (``_write_steps_reference``'s text)."""
+    t, d, n, p, dec, run, wait, kv, pre, rep = row
+    return f"{fmt(t)},{fmt(d)},{n},{p},{dec},{run},{wait},{kv:.6f},{pre},{rep}\n"
+
+
+# ---- steps.csv's text in numpy: hundreds of thousands of rows -------------------------------
+# A field is a matrix of ASCII codes (a row per step, a column per character) and a mask of the
+# characters it writes; a chunk's fields side by side, masked, are its lines back to back.
+_Field = tuple[np.ndarray, np.ndarray]
+_CHUNK_ROWS = 1 << 16
+
+
+def _steps_text(columns: Sequence[list]) -> str:
+    """``"".join(map(_step_line, zip(*columns)))`` (``columns``: a ``StepLog``'s), built
+    column-wise. The lines of rows holding anything but non-negative ``int`` counts and
+    ``float`` times, durations and usage in ``fmt``'s fast range are ``_step_line``'s own."""
+    num_rows = len(columns[0])
+    if not num_rows:
+        return ""
+    slow = np.zeros(num_rows, bool)
+    t, d, n, p, dec, run, wait, kv, pre, rep = (
+        _typed_column(col, float if k in (0, 1, 7) else int, slow)
+        for k, col in enumerate(columns))
+    slow |= ~((t >= 1e-4) & (t < 1e6) & (d >= 1e-4) & (d < 1e6) & (kv >= 0) & (kv < 1e6))
+    slow |= np.signbit(kv)
+    ints = [n, p, dec, run, wait, pre, rep]
+    for v in (t, d, kv, *ints):  # placeholders: those lines are replaced
+        v[slow] = 1
+    chunks, lengths = [], []
+    for a in range(0, num_rows, _CHUNK_ROWS):
+        part = slice(a, a + _CHUNK_ROWS)
+        text, line_lengths = _join_columns([
+            _fixed_field(t[part], 9, True), _fixed_field(d[part], 9, True),
+            *([_int_field(v[part])] for v in ints[:5]), _fixed_field(kv[part], 6, False),
+            *([_int_field(v[part])] for v in ints[5:])])
+        chunks.append(text)
+        lengths.append(line_lengths)
+    text = "".join(chunks)
+    if not slow.any():
+        return text
+    ends = [0, *np.cumsum(np.concatenate(lengths)).tolist()]  # line i: ends[i]:ends[i + 1]
+    pieces: list[str] = []
+    done = 0
+    for i in np.flatnonzero(slow).tolist():
+        pieces += (text[done:ends[i]], _step_line([c[i] for c in columns]))
+        done = ends[i + 1]
+    pieces.append(text[done:])
+    return "".join(pieces)
+
+
+def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:
+    """``values`` as a float64 (``kind`` float) or int64 array; entries of another type (or
+    ints outside [0, 10**18)) are marked in ``odd`` and left as placeholders (in a copy)."""
+    n = len(values)
+    other: list[int] = []
+    if set(map(type, values)) != {kind}:
+        other = np.flatnonzero(~np.fromiter(map(is_, map(type, values), repeat(kind)), bool,
+                                            n)).tolist()
+    elif kind is int and (min(values) < 0 or max(values) >= 10 ** 18):  # (no sign, int64)
+        other = [i for i, v in enumerate(values) if not 0 <= v < 10 ** 18]
+    if other:
+        odd[other] = True
+        values = list(values)
+        for i in other:
+            values[i] = kind(1)
+    return np.fromiter(values, np.float64 if kind is float else np.int64, n)
+
+
+def _int_field(v: np.ndarray) -> _Field:
+    """Non-negative integers in decimal, without leading zeros."""
+    width = len(str(int(v.max()))) if v.size else 1
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    mask = v[:, None] >= powers
+    mask[:, -1] = True
+    return ((v[:, None] // powers) % 10 + 48).astype(np.uint8), mask
+
+
+def _fixed_field(x: np.ndarray, decimals: int, strip: bool) -> list[_Field]:
+    """``"%.{decimals}f" % x`` of non-negative floats (``strip``: trailing zeros dropped but
+    one, as ``fmt`` does), as integer part, point and decimals. The digits are those of
+    ``x * 10**decimals`` rounded to an integer: the float product lies within half an ulp of
+    the exact one, so it rounds the same way except within an ulp of a tie, where the digits
+    come from ``%`` itself."""
+    y = x * 10.0 ** decimals
+    n = np.rint(y).astype(np.int64)
+    for i in np.flatnonzero(np.abs(y - np.floor(y) - 0.5) <= np.spacing(y)).tolist():
+        n[i] = int(f"{float(x[i]):.{decimals}f}".replace(".", ""))
+    whole, frac = np.divmod(n, 10 ** decimals)
+    powers = 10 ** np.arange(decimals - 1, -1, -1, dtype=np.int64)
+    digits = ((frac[:, None] // powers) % 10 + 48).astype(np.uint8)
+    shown = (frac[:, None] % (powers * 10) != 0) if strip else np.ones(digits.shape, bool)
+    shown[:, 0] = True
+    dot = np.full((len(x), 1), ord("."), np.uint8)
+    return [_int_field(whole), (dot, np.ones(dot.shape, bool)), (digits, shown)]
+
+
+def _join_columns(columns: list[list[_Field]]) -> tuple[str, np.ndarray]:
+    """The lines of a chunk, each column's fields side by side, a comma between columns and a
+    newline after the last, and each line's length."""
+    rows = len(columns[0][0][0])
+    chars: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for k, fields in enumerate(columns, 1):
+        for c, m in fields:
+            chars.append(c)
+            masks.append(m)
+        chars.append(np.full((rows, 1), ord("\n" if k == len(columns) else ","), np.uint8))
+        masks.append(np.ones((rows, 1), bool))
+    mask = np.hstack(masks)
+    return np.hstack(chars)[mask].tobytes().decode("ascii"), mask.sum(axis=1)
 
 
 def _write_steps_reference(out: Path, steps: list[StepRecord]) -> None:

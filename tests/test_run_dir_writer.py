@@ -28,3 +28,31 @@ def test_itl_texts_equal_the_plain_format(extra: list[float]) -> None:
     want = [" ".join(f"{g * 1e3:.6g}" for g in r.itls) for r in records]
     assert run_dir._itl_texts(records) == want
     assert run_dir._itl_texts([_record(0, [])]) == [""]
+
+
+def test_steps_text_equals_the_plain_lines() -> None:
+    rng = random.Random(8)
+    t, rows = 0, []
+    for _ in range(5000):
+        d = rng.choice([rng.expovariate(60), rng.uniform(1e-4, 2e-4), 0.5, 12.000000000500001,
+                        2.5e-10, 3.0])
+        kv = rng.choice([rng.random(), 0.0, 1.0, 0.1234565, 0.0000005])
+        rows.append((t, d, rng.randint(0, 300), rng.randint(0, 9000), rng.randint(0, 300),
+                     rng.randint(0, 300), rng.randint(0, 5000), kv, rng.randint(0, 3),
+                     rng.randint(0, 2)))
+        t += d
+    # a tie of "%.9f" (0.5 ulp from the float product), out-of-range and oddly typed values
+    rows += [(0.0000625, 1.0000000005, 1, 2, 3, 4, 5, 0.0000005, 0, 0),
+             (1e6 + 0.25, 0.1, 1, 2, 3, 4, 5, 0.5, 0, 0),
+             (7.5, math.nan, True, 2, 3, 4, 5, -0.0, 0, 0),
+             (7.5, 0.25, -1, 2, 3, 4, 5, 0.5, 10**19, 0),
+             (8, 0.25, 1, 2, 3, 4, 5, 1, 0, 0),
+             (9.5, 0.25, 1, 2, 3, 4, 5, 2.5e6, 0, 0)]
+    columns = [list(c) for c in zip(*rows)]
+    want = "".join(map(run_dir._step_line, rows))
+    assert run_dir._steps_text(columns) == want
+    assert columns == [list(c) for c in zip(*rows)]  # the columns are left as they were
+    assert run_dir._steps_text([[] for _ in range(10)]) == ""
+    with_chunks = rows * (run_dir._CHUNK_ROWS // len(rows) + 2)
+    assert run_dir._steps_text([list(c) for c in zip(*with_chunks)]) == \
+        "".join(map(run_dir._step_line, with_chunks))

@@ -183,11 +183,11 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
                 specs.append(StepSpec(decodes=(c,) * b))
                 if b > 1:  # contexts spread up to c: the padded and the summed KV part ways
                     specs.append(_spread_decodes(b, c))
-    # every batch size at one context: GEMM kernels step up at tile widths (here between 4 and
-    # 5 tokens), which a grid of powers of two alone would interpolate across
-    sweep_ctx = min(256, max_model_len - 1)
-    specs += [_spread_decodes(b, sweep_ctx) for b in batch_sweep(max_num_seqs, quick)
-              if b not in batches]
+    # every batch size at a short and a long context: GEMM kernels step up at tile widths (here
+    # from 5 and from 17 tokens), which a grid of powers of two alone would interpolate across
+    sweep_contexts = sorted({min(c, max_model_len - 1) for c in (48, 256)})
+    specs += [_spread_decodes(b, c) for c in sweep_contexts
+              for b in batch_sweep(max_num_seqs, quick) if b not in batches]
     for b in [b for b in (4, 16, 64) if b < max_num_seqs] or [max(1, max_num_seqs - 1)]:
         for n in (32, 256) if quick else (32, 128, 512):
             if b + n <= max_num_batched_tokens and n < max_model_len:

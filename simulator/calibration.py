@@ -41,6 +41,7 @@ from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples, step_kind
 from twinserve.simulator.cost_model import (
     FEATURE_NAMES,
+    TOKEN_STEP_NAMES,
     CostModel,
     fit_feature_names,
     fit_step_time,
@@ -52,6 +53,8 @@ from twinserve.simulator.hardware import FittedParams, HardwareProfile, load_har
 from twinserve.simulator.model_spec import load_model_spec
 
 WEIGHTINGS = ("relative", "absolute")
+STEP_PRIOR_SAMPLES = 1.0
+_TOKEN_STEPS = frozenset(TOKEN_STEP_NAMES)
 
 
 def output_of(aggregates: Mapping[str, int]) -> SchedulerOutput:
@@ -119,10 +122,24 @@ def fit(samples: Sequence[StepSample], model: str | None = None, tensor_parallel
     w = 1.0 / np.maximum(y, 1e-6)
     if weights is not None:
         w = w * np.sqrt(np.array([weights[i] for i in keep], dtype=float))
-    coef = nnls(x * w[:, None], y * w)
+    a, b = _with_step_prior(x * w[:, None], y * w, names, w)
+    coef = nnls(a, b)
     rmse = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
     return FittedParams(float(coef[0]), dict(zip(names, map(float, coef[1:]))), model,
                         tensor_parallel_size, len(rows), rmse)
+
+
+def _with_step_prior(a: np.ndarray, b: np.ndarray, names: Sequence[str],
+                     w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted system with one row per ``TOKEN_STEP_NAMES`` column saying "no jump", as
+    much as ``STEP_PRIOR_SAMPLES`` typical rows: a jump the grid times on both sides (every
+    decode batch size) stands, one that only a sample or two would carry shrinks."""
+    columns = [1 + i for i, name in enumerate(names) if name in _TOKEN_STEPS]
+    if not columns:
+        return a, b
+    prior = np.zeros((len(columns), a.shape[1]))
+    prior[np.arange(len(columns)), columns] = math.sqrt(STEP_PRIOR_SAMPLES) * float(np.median(w))
+    return np.vstack([a, prior]), np.concatenate([b, np.zeros(len(columns))])
 
 
 def fit_runs(runs: Sequence[Sequence[StepSample]], model: str | None = None,

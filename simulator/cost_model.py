@@ -88,7 +88,12 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # machine (``calibration.fit_backend``/``fit_joint``; generic fits such as the Vidur one keep
 # ``FEATURE_NAMES``). The native decode kernel splits a batch of fewer than 4 x threads decodes
 # over KV heads, so each thread walks whole contexts: the longest one is its critical path.
-KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context",)
+# ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
+# another tile of rows (the segments alone only bend at powers of two): at every count up to 32,
+# which the grid times one by one (``gpu.profiler.batch_sweep``).
+TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
+TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
+KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", *TOKEN_STEP_NAMES)
 ALL_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, *KERNEL_FEATURE_NAMES)
 KNOWN_FEATURES = frozenset((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))
 DEFAULT_BLOCK_SIZE = 16
@@ -104,8 +109,8 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
-    """The linear features (``FEATURE_NAMES`` before the token segments, then
-    ``KERNEL_FEATURE_NAMES``)."""
+    """The linear features (``FEATURE_NAMES`` before the token segments, then the longest decode
+    context of ``KERNEL_FEATURE_NAMES``)."""
     longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
                                                                       max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
@@ -120,12 +125,17 @@ def token_segments(num_tokens: int) -> tuple[int, ...]:
     return tuple(max(0, min(num_tokens, hi) - lo) for lo, hi in spans)
 
 
+def token_steps(num_tokens: int) -> tuple[int, ...]:
+    """``TOKEN_STEP_NAMES``' values: 1 for each knot at or below ``num_tokens``."""
+    return tuple(int(num_tokens >= k) for k in TOKEN_STEP_KNOTS)
+
+
 def step_features(out: SchedulerOutput, max_context: int | None = None) -> dict[str, float]:
     """The features of one step, keyed by ``ALL_FEATURE_NAMES`` (what calibration records)."""
     linear = _feature_vector(out, max_context)
-    return dict(zip(ALL_FEATURE_NAMES, (*linear[:_NUM_LINEAR],
-                                        *token_segments(out.total_num_scheduled_tokens),
-                                        *linear[_NUM_LINEAR:])))
+    tokens = out.total_num_scheduled_tokens
+    return dict(zip(ALL_FEATURE_NAMES, (*linear[:_NUM_LINEAR], *token_segments(tokens),
+                                        *linear[_NUM_LINEAR:], *token_steps(tokens))))
 
 
 @dataclass(slots=True, frozen=True)
@@ -451,6 +461,7 @@ class FittedCostModel:
     _intercept: float = field(init=False, repr=False)
     _coefficients: tuple[float, ...] = field(init=False, repr=False)
     _token_curve: tuple[tuple[float, float], ...] = field(init=False, repr=False)
+    _token_jumps: tuple[float, ...] = field(init=False, repr=False)
     # fitted LoRA coefficients (LORA_FEATURE_NAMES order) of the forward terms and of the loads;
     # None: the roofline's LoRA terms
     _lora_forward: tuple[float, ...] | None = field(init=False, repr=False)
@@ -467,14 +478,21 @@ class FittedCostModel:
                              f"{self.base.tensor_parallel_size}.")
         self._intercept = self.params.intercept_s
         coefficients = [self.params.coefficients.get(f, 0.0) for f in FEATURE_NAMES]
-        kernel = tuple(self.params.coefficients.get(f, 0.0) for f in KERNEL_FEATURE_NAMES)
-        self._coefficients = (*coefficients[:_NUM_LINEAR], *kernel)
+        self._coefficients = (*coefficients[:_NUM_LINEAR],
+                              self.params.coefficients.get(KERNEL_FEATURE_NAMES[0], 0.0))
         # the segments' sum at each knot and the slope after it: a lookup instead of 11 products
         slopes = coefficients[_NUM_LINEAR:]
         values = [0.0]
         for lo, hi, slope in zip(TOKEN_KNOTS, TOKEN_KNOTS[1:], slopes):
             values.append(values[-1] + slope * (hi - lo))
         self._token_curve = tuple(zip(values, slopes))
+        # the jumps' sum at each count up to the last knot (a count above it has them all)
+        jumps = [0.0] * (TOKEN_STEP_KNOTS[-1] + 1)
+        for k, name in zip(TOKEN_STEP_KNOTS, TOKEN_STEP_NAMES):
+            jumps[k] = self.params.coefficients.get(name, 0.0)
+        for n in range(1, len(jumps)):
+            jumps[n] += jumps[n - 1]
+        self._token_jumps = tuple(jumps)
         fitted = self.params.coefficients
         forward_names = LORA_FEATURE_NAMES[:-1]
         self._lora_forward = (tuple(fitted.get(f, 0.0) for f in forward_names)
@@ -549,10 +567,13 @@ class FittedCostModel:
         return self._lora_load * lora.load_bytes(loads)
 
     def _token_time(self, num_tokens: int) -> float:
-        """``sum(c_j * token_segments(num_tokens)[j])``, from the knot at or below the count."""
+        """``sum(c_j * token_segments(num_tokens)[j])``, from the knot at or below the count,
+        plus the jumps of ``token_steps(num_tokens)``."""
         j = bisect.bisect_right(TOKEN_KNOTS, num_tokens) - 1
         value, slope = self._token_curve[j]
-        return value + slope * (num_tokens - TOKEN_KNOTS[j])
+        jumps = self._token_jumps
+        return value + slope * (num_tokens - TOKEN_KNOTS[j]) + jumps[min(num_tokens,
+                                                                          len(jumps) - 1)]
 
     def swap_time(self, num_blocks: int, block_size: int | None = None) -> float:
         return self.base.swap_time(num_blocks, block_size)

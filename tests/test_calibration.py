@@ -622,6 +622,32 @@ def test_a_fit_on_one_family_predicts_a_held_back_one_kernel_shaped() -> None:
 
 
 
+def test_the_fit_follows_the_gemm_floors_jumps() -> None:
+    """Steps timed as the kernels cost, with 2% noise: the grid times every decode batch size,
+    so the fit lands the floor's jumps (15 ms from 5 and from 17 tokens) where they are, instead
+    of spreading them over the segment from 4 to 8 or 16 to 32 tokens."""
+    from twinserve.core.step_sample import aggregates
+    from twinserve.gpu.profiler import StepSpec, build_step, default_grid
+    from twinserve.simulator.calibration import fit_trimmed
+    rng = np.random.default_rng(5)
+    grid = []
+    for spec in default_grid(512, 32, 512):
+        agg = aggregates(build_step(spec, 16, 10**6, 256))
+        seconds = _kernel_shaped_seconds(agg) * (1 + 0.02 * rng.standard_normal())
+        grid.append(StepSample(agg, seconds, seconds))
+    params, _ = fit_trimmed(grid, [1.0] * len(grid), "m")
+
+    def decodes(b: int) -> dict[str, int]:
+        return aggregates(build_step(StepSpec(decodes=(100,) * b), 16, 10**6, 256))
+
+    for b in range(1, 33):
+        truth = _kernel_shaped_seconds(decodes(b))
+        assert predict(params, decodes(b)) == pytest.approx(truth, rel=0.04), b
+    for k in (5, 17):
+        jump = predict(params, decodes(k)) - predict(params, decodes(k - 1))
+        assert 0.010 < jump < 0.020
+
+
 def test_from_run_with_backend_samples_fits_the_runs_and_the_grid_jointly(tmp_path: Path) -> None:
     from twinserve.core.step_sample import SAMPLES_FILE
     from twinserve.simulator.calibration import calibrate_from_runs

@@ -9,7 +9,6 @@ and a vLLM run compare column for column.
 from __future__ import annotations
 
 import math
-import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -92,12 +91,13 @@ class RequestRecord:
 
 def _gaps(times: list[float]) -> array:
     """Consecutive differences as a compact array: the same IEEE subtractions as a Python loop,
-    done by numpy (a request has hundreds of tokens). ``struct`` turns the floats into doubles
-    in about half the instructions of ``np.array`` (or of ``array``, which parses each one)."""
+    done by numpy (a request has hundreds of tokens). ``np.fromiter`` with the count turns the
+    floats into doubles faster than ``struct.pack`` of the unpacked list, ``np.array`` or
+    ``array`` (which parses each one)."""
     n = len(times)
     if n < 2:
         return array("d")
-    t = np.frombuffer(struct.pack(f"{n}d", *times))
+    t = np.fromiter(times, np.float64, n)
     return array("d", (t[1:] - t[:-1]).tobytes())
 
 

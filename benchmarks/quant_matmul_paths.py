@@ -1,8 +1,9 @@
 """The three CPU products of a quantized weight side by side, at the bundled model's shapes
 (SmolLM2-135M: q/k/v 960 x 576, gate/up 3072 x 576, down 576 x 1536; Q4_1 blocks, the LM head's
-Q8_0 49152 x 576): the direct kernel with int8 activations (``csrc/quant_q8.h``), the direct kernel
-with fp32 activations (``csrc/quant_blocks.h``), and dequantize-then-GEMM (``QuantTensor.matmul``
-above ``DIRECT_MAX_TOKENS``: the weight decoded 1024 rows at a time, then torch's fp32 GEMM).
+Q8_0 49152 x 576): the kernel with int8 activations (``csrc/quant_q8.h``: one token streams each
+row once, two and more run the tiled int8 GEMM), the direct kernel with fp32 activations
+(``csrc/quant_blocks.h``), and dequantize-then-GEMM (``QuantTensor.matmul`` for prompts above
+``DIRECT_MAX_TOKENS`` rows: the weight decoded 1024 rows at a time, then torch's fp32 GEMM).
 
 Interleaved rounds (every path once per round, in turn), median per path, and each path's time
 as a ratio to the int8 one; GMAC/s = multiply-adds per second.

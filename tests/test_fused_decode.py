@@ -149,6 +149,38 @@ def test_fused_greedy_matches_the_per_op_path(kind: str, tmp_path: Path,
             _assert_close_int8_runs(fused, plain)
 
 
+def test_fused_step_serves_decode_batches_above_32(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 sequences at once (above ``DIRECT_MAX_TOKENS``): with int8 activations the fused step
+    takes every decode step, as the per-op path's products take the integer GEMM, and the runs
+    agree; with fp32 activations the per-op path serves them."""
+    gguf_file = write_mixed_gguf(tmp_path / "q4_1.gguf", dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q4_1"))
+    sizes: list[int] = []
+    run = fused_decode.FusedDecode.run
+
+    def recording(self, hidden, *args):
+        sizes.append(hidden.shape[0])
+        return run(self, hidden, *args)
+    monkeypatch.setattr(fused_decode.FusedDecode, "run", recording)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 250, int(n))] for n in rng.integers(2, 12, 40)]
+
+    def greedy(fused: bool, activations: str) -> list:
+        monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
+        monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", activations)
+        llm = LLM(str(gguf_file), max_num_seqs=64, max_num_batched_tokens=1024,
+                  kv_cache_memory_bytes=32 << 20, max_model_len=64)
+        return _greedy(llm, prompts, 6)
+    plain = greedy(False, "int8")
+    fused = greedy(True, "int8")
+    assert sizes == [40] * 5
+    _assert_close_int8_runs(fused, plain)
+    sizes.clear()
+    greedy(True, "fp32")
+    assert sizes == []
+
+
 def _assert_close_int8_runs(a: list, b: list) -> None:
     """int8 activations: the two paths' fp32 sums differ in order upstream of each product, so an
     activation on a rounding boundary can quantize one step apart (``d = max|x| / 127``); on these

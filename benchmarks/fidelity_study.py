@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="keep replays and profile found in OUT")
+    p.add_argument("--no-drift-check", dest="drift_check", action="store_false",
+                   help="skip timing the calibration grid again after the replays")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in _BY_NAME]
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", profile,
               "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
         rows += study_rows(name, folder / "errors.csv", runs[name])
+    samples = out / "profile-samples.csv"
+    drift = (host_drift(samples, engine) if args.drift_check and not args.profile
+             and samples.is_file() else None)
     with open(out / "fidelity_study.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
         w.writeheader()
@@ -216,7 +221,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"table: {out / 'fidelity_study.csv'} ({time.perf_counter() - t_start:.0f} s, "
           f"profile {profile}); load average {load_at_start} at the start, "
           f"{_load_average()} at the end")
+    if drift is not None:
+        print(f"host drift: the calibration grid, timed again after the replays, ran at "
+              f"{drift:.3f}x its calibration time (median over its steps): the replays' steps "
+              "carry the host's drift since calibration as well as the twin's error")
     return 0
+
+
+def host_drift(samples_csv: Path, engine: list[str],
+               model_len: int = CALIBRATION_MODEL_LEN) -> float:
+    """The calibration's micro-benchmark grid timed again now, as the median ratio of each
+    step's time now to its time in ``samples_csv``: on a VM whose host's load varies, the same
+    steps can run 15-20% slower half an hour later (measured here: 1.17x), which a profile
+    measured once cannot know."""
+    import statistics
+
+    from twinserve.core.step_sample import read_samples
+    from twinserve.entrypoints.calibrate import load_runner, set_threads
+    from twinserve.entrypoints.cli import build_parser
+    from twinserve.gpu.profiler import default_grid, run_micro_benchmarks
+    from twinserve.simulator.calibration import split_backend_samples
+    args = build_parser().parse_args(["calibrate", *engine, "--max-model-len", str(model_len),
+                                      "--out", os.devnull])
+    set_threads(args.threads)
+    _, runner = load_runner(args)
+    limits = runner.engine_config.scheduler
+    then = {_key(s.aggregates): s.seconds for s in split_backend_samples(read_samples(samples_csv))[0]}
+    now = run_micro_benchmarks(runner, default_grid(limits.max_num_batched_tokens,
+                                                    limits.max_num_seqs, runner.max_model_len))
+    ratios = [s.seconds / then[_key(s.aggregates)] for s in now if _key(s.aggregates) in then]
+    if not ratios:
+        raise ValueError(f"no step of the grid matches the micro-benchmarks in {samples_csv}.")
+    return statistics.median(ratios)
+
+
+def _key(aggregates: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(aggregates.items()))
 
 
 def _load_average() -> str:

@@ -671,6 +671,26 @@ def test_from_run_with_backend_samples_fits_the_runs_and_the_grid_jointly(tmp_pa
     assert joint.params.fit_error["micro_mape"] < 1.0
 
 
+def test_host_drift_times_the_calibration_grid_again(tmp_path: Path, tiny_model: Path) -> None:
+    """Samples recorded as if the grid had run 3x faster at calibration: timed again, the grid
+    runs at about 3x their time (a factor between 1.5 and 6 on a shared host)."""
+    from twinserve.benchmarks.fidelity_study import host_drift
+    from twinserve.core.step_sample import write_samples
+    from twinserve.entrypoints.calibrate import load_runner
+    from twinserve.entrypoints.cli import build_parser
+    from twinserve.gpu.profiler import default_grid, run_micro_benchmarks
+    engine = ["--model", str(tiny_model), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+              "--threads", "1", "--dtype", "float32"]
+    args = build_parser().parse_args(["calibrate", *engine, "--max-model-len", "128",
+                                      "--out", str(tmp_path / "p.json")])
+    _, runner = load_runner(args)
+    then = run_micro_benchmarks(runner, default_grid(64, 4, 128))
+    for s in then:
+        s.seconds = s.execute_seconds = s.seconds / 3
+    write_samples(tmp_path / "samples.csv", then)
+    assert 1.5 < host_drift(tmp_path / "samples.csv", engine, model_len=128) < 6.0
+
+
 def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypatch) -> None:
     """Every workload of the study parses as ``validate`` flags at the study's engine limits and
     selects requests that fit the model length; the table marks targets, spreads and misses."""

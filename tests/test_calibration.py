@@ -595,19 +595,27 @@ def _family(batches: list[int], prompts: list[int], output: int,
     return steps
 
 
+def _kernel_shaped_grid(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                        seed: int) -> list[StepSample]:
+    """The default micro-benchmark grid at these limits, timed by ``_kernel_shaped_seconds``
+    with 2% noise."""
+    from twinserve.core.step_sample import aggregates
+    from twinserve.gpu.profiler import build_step, default_grid
+    rng = np.random.default_rng(seed)
+    grid = []
+    for spec in default_grid(max_num_batched_tokens, max_num_seqs, max_model_len):
+        agg = aggregates(build_step(spec, 16, 10**6, 256))
+        seconds = _kernel_shaped_seconds(agg) * (1 + 0.02 * rng.standard_normal())
+        grid.append(StepSample(agg, seconds, seconds))
+    return grid
+
+
 def test_a_fit_on_one_family_predicts_a_held_back_one_kernel_shaped() -> None:
     """Steps timed as the kernels cost: the micro-benchmark grid plus one workload family
     (short prompts, small batches) predict a held-back family (long prompts, large batches)
     within 5% per step; the family alone, fitted as ``--from-run`` does, misses by more."""
-    from twinserve.core.step_sample import aggregates
-    from twinserve.gpu.profiler import build_step, default_grid
     from twinserve.simulator.calibration import fit_backend
-    rng = np.random.default_rng(1)
-    grid = []
-    for spec in default_grid(1024, 64, 2048):
-        agg = aggregates(build_step(spec, 16, 10**6, 256))
-        seconds = _kernel_shaped_seconds(agg) * (1 + 0.02 * rng.standard_normal())
-        grid.append(StepSample(agg, seconds, seconds))
+    grid = _kernel_shaped_grid(1024, 64, 2048, seed=1)
     family = _family([1, 2, 4], [40, 120], 12, seed=2)
     held_back = _family([16, 48], [600, 1500], 12, seed=3)
     truth = [_kernel_shaped_seconds(s.aggregates) + s.seconds - s.execute_seconds
@@ -621,20 +629,14 @@ def test_a_fit_on_one_family_predicts_a_held_back_one_kernel_shaped() -> None:
     assert worst_alone > 2 * worst
 
 
-
 def test_the_fit_follows_the_gemm_floors_jumps() -> None:
     """Steps timed as the kernels cost, with 2% noise: the grid times every decode batch size,
     so the fit lands the floor's jumps (15 ms from 5 and from 17 tokens) where they are, instead
     of spreading them over the segment from 4 to 8 or 16 to 32 tokens."""
     from twinserve.core.step_sample import aggregates
-    from twinserve.gpu.profiler import StepSpec, build_step, default_grid
+    from twinserve.gpu.profiler import StepSpec, build_step
     from twinserve.simulator.calibration import fit_trimmed
-    rng = np.random.default_rng(5)
-    grid = []
-    for spec in default_grid(512, 32, 512):
-        agg = aggregates(build_step(spec, 16, 10**6, 256))
-        seconds = _kernel_shaped_seconds(agg) * (1 + 0.02 * rng.standard_normal())
-        grid.append(StepSample(agg, seconds, seconds))
+    grid = _kernel_shaped_grid(512, 32, 512, seed=5)
     params, _ = fit_trimmed(grid, [1.0] * len(grid), "m")
 
     def decodes(b: int) -> dict[str, int]:

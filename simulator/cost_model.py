@@ -89,8 +89,8 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # ``FEATURE_NAMES``). The native decode kernel splits a batch of fewer than 4 x threads decodes
 # over KV heads, so each thread walks whole contexts: the longest one is its critical path.
 # ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
-# another tile of rows (the segments alone only bend at powers of two): at every count up to 32,
-# which the grid times one by one (``gpu.profiler.batch_sweep``).
+# another tile of rows (the segments alone only bend at powers of two): at 2, 3 and every 4th
+# count from 5 to 33, where the grid times each batch size (``gpu.profiler.batch_sweep``).
 TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
 TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
 KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", *TOKEN_STEP_NAMES)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from twinserve.benchmarks.fidelity import run_cli
+from twinserve.entrypoints.validate import HOST_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS
 
 # The study's engine (every workload and the calibration): batch limits shared; the calibration
@@ -119,42 +120,62 @@ def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
     return "~" if abs(error_pct) <= spread else "MISS"
 
 
-def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path]) -> list[dict[str, object]]:
-    """The table metrics of one workload: real median, sim, error, target, spread, verdict."""
-    with open(errors_csv) as f:
-        errors = {r["metric"]: r for r in csv.DictReader(f)}
+def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path],
+               at_host_csv: Path | None = None) -> list[dict[str, object]]:
+    """The table metrics of one workload: real median, twin, error, target, spread, verdict;
+    with ``at_host_csv`` (``validate --at-host-speed``'s errors) also the twin's error and
+    verdict at the host's speed during the replays."""
+    errors = _read_errors(errors_csv)
+    at_host = _read_errors(at_host_csv) if at_host_csv is not None else {}
     rows: list[dict[str, object]] = []
     tenants = [m for m in errors if m.startswith("mean_ttft_ms[")]  # fair: per tenant
     for metric in (*TABLE_METRICS, *tenants, "num_preemptions", "prefix_cache_hit_rate",
-                   "replayed_step_time_s"):
+                   "replayed_step_time_s", HOST_SPEED_METRIC):
         row = errors.get(metric)
         if row is None:
             continue
-        err = float(row["rel_error_pct"]) if row["rel_error_pct"] not in ("", "nan") else math.nan
-        spread = _row_spread(row)
-        target = _TARGET.get(metric)
+        err, spread, target = _error(row), _row_spread(row), _TARGET.get(metric)
+        host_err = _error(at_host[metric]) if metric in at_host else math.nan
         rows.append({"workload": workload, "metric": metric, "real": float(row["real"]),
                      "sim": float(row["sim"]) if row["sim"] else math.nan, "error_pct": err,
                      "target_pct": "" if target is None else target, "spread_pct": spread,
-                     "verdict": verdict(err, target, spread), "real_runs": len(real_dirs)})
+                     "verdict": verdict(err, target, spread), "real_runs": len(real_dirs),
+                     "error_at_host_speed_pct": host_err,
+                     "verdict_at_host_speed": verdict(host_err, target, spread)})
     return rows
 
 
+def _read_errors(path: Path) -> dict[str, dict[str, str]]:
+    with open(path) as f:
+        return {r["metric"]: r for r in csv.DictReader(f)}
+
+
+def _error(row: dict[str, str]) -> float:
+    return float(row["rel_error_pct"]) if row["rel_error_pct"] not in ("", "nan") else math.nan
+
+
 def format_table(rows: list[dict[str, object]]) -> str:
-    """The issue's table: per workload and metric, real median, twin, error, spread, target."""
-    head = (f"{'workload':<11} {'metric':<19} {'real (median)':>14} {'twin':>11} {'error':>8} "
-            f"{'spread':>7} {'target':>7}  verdict")
+    """The issue's table: per workload and metric, real median, twin, error, spread, target;
+    then the twin's error at the host's speed during the replays (``at host``)."""
+    head = (f"{'workload':<11} {'metric':<21} {'real (median)':>14} {'twin':>11} {'error':>8} "
+            f"{'spread':>7} {'target':>7}  {'verdict':<7} {'at host':>8}  verdict")
     lines = ["twin vs real on held-out workloads (error against the median of the replays; "
-             "spread: half their range)", head]
+             "spread: half their range; at host: the profile scaled to the host's speed during "
+             "the replays, by their speed probe)", head]
     for r in rows:
         target = r["target_pct"]
-        lines.append(f"{r['workload']!s:<11} {r['metric']!s:<19} {float(r['real']):>14.4g} "  # type: ignore[arg-type]
+        lines.append(f"{r['workload']!s:<11} {r['metric']!s:<21} {float(r['real']):>14.4g} "  # type: ignore[arg-type]
                      f"{float(r['sim']):>11.4g} {float(r['error_pct']):>+7.1f}% "  # type: ignore[arg-type]
                      f"{float(r['spread_pct']):>6.1f}% "  # type: ignore[arg-type]
-                     f"{(f'{target:g}%' if target != '' else ''):>7}  {r['verdict']}")
-    judged = [r for r in rows if r["verdict"]]
-    passed = sum(r["verdict"] in ("ok", "~") for r in judged)
-    lines.append(f"{passed}/{len(judged)} targeted metrics within target (or spread, ~)")
+                     f"{(f'{target:g}%' if target != '' else ''):>7}  {r['verdict']!s:<7} "
+                     f"{float(r['error_at_host_speed_pct']):>+7.1f}%  "  # type: ignore[arg-type]
+                     f"{r['verdict_at_host_speed']}".rstrip())
+    for column, what in (("verdict", "as calibrated"),
+                         ("verdict_at_host_speed", "at the host's speed during the replays")):
+        judged = [r for r in rows if r[column]]
+        passed = sum(r[column] in ("ok", "~") for r in judged)
+        lines.append(f"{passed}/{len(judged)} targeted metrics within target (or spread, ~), "
+                     f"{what}")
     return "\n".join(lines)
 
 
@@ -178,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="keep replays and profile found in OUT")
-    p.add_argument("--no-drift-check", dest="drift_check", action="store_false",
-                   help="skip timing the calibration grid again after the replays")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in _BY_NAME]
@@ -206,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(folder / "real")
     rows: list[dict[str, object]] = []
     for name in names:
-        folder = out / name
-        run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", profile,
-              "--out", str(folder), "--quiet", "--reuse-real", *map(str, runs[name])])
-        rows += study_rows(name, folder / "errors.csv", runs[name])
-    samples = out / "profile-samples.csv"
-    drift = (host_drift(samples, engine) if args.drift_check and not args.profile
-             and samples.is_file() else None)
+        reuse = ["--profile", profile, "--quiet", "--reuse-real", *map(str, runs[name])]
+        run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, *reuse,
+                 "--out", str(out / name)])
+        run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, *reuse, "--at-host-speed",
+                 "--out", str(out / f"{name}-at-host-speed")])
+        rows += study_rows(name, out / name / "errors.csv", runs[name],
+                           out / f"{name}-at-host-speed" / "errors.csv")
     with open(out / "fidelity_study.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
         w.writeheader()
@@ -221,42 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"table: {out / 'fidelity_study.csv'} ({time.perf_counter() - t_start:.0f} s, "
           f"profile {profile}); load average {load_at_start} at the start, "
           f"{_load_average()} at the end")
-    if drift is not None:
-        print(f"host drift: the calibration grid, timed again after the replays, ran at "
-              f"{drift:.3f}x its calibration time (median over its steps): the replays' steps "
-              "carry the host's drift since calibration as well as the twin's error")
     return 0
-
-
-def host_drift(samples_csv: Path, engine: list[str],
-               model_len: int = CALIBRATION_MODEL_LEN) -> float:
-    """The calibration's micro-benchmark grid timed again now, as the median ratio of each
-    step's time now to its time in ``samples_csv``: on a VM whose host's load varies, the same
-    steps can run 15-20% slower half an hour later (measured here: 1.17x), which a profile
-    measured once cannot know."""
-    import statistics
-
-    from twinserve.core.step_sample import read_samples
-    from twinserve.entrypoints.calibrate import load_runner, set_threads
-    from twinserve.entrypoints.cli import build_parser
-    from twinserve.gpu.profiler import default_grid, run_micro_benchmarks
-    from twinserve.simulator.calibration import split_backend_samples
-    args = build_parser().parse_args(["calibrate", *engine, "--max-model-len", str(model_len),
-                                      "--out", os.devnull])
-    set_threads(args.threads)
-    _, runner = load_runner(args)
-    limits = runner.engine_config.scheduler
-    then = {_key(s.aggregates): s.seconds for s in split_backend_samples(read_samples(samples_csv))[0]}
-    now = run_micro_benchmarks(runner, default_grid(limits.max_num_batched_tokens,
-                                                    limits.max_num_seqs, runner.max_model_len))
-    ratios = [s.seconds / then[_key(s.aggregates)] for s in now if _key(s.aggregates) in then]
-    if not ratios:
-        raise ValueError(f"no step of the grid matches the micro-benchmarks in {samples_csv}.")
-    return statistics.median(ratios)
-
-
-def _key(aggregates: dict[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted(aggregates.items()))
 
 
 def _load_average() -> str:

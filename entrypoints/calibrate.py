@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -71,11 +72,20 @@ def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: 
     """The backend measured (``gpu.profiler.measure_backend``: micro-benchmarks, swap copies,
     engine-loop workloads on ``runner`` within the limits of ``engine_args``) and fitted
     (``simulator.calibration.fit_backend``)."""
-    from twinserve.gpu.profiler import measure_backend
+    from twinserve.gpu.profiler import measure_backend, speed_probe
     from twinserve.simulator.calibration import fit_backend
+    before = speed_probe(runner)
     measured = measure_backend(runner, engine_args, quick, warmup, repeats, engine_loop, log)
-    return fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
-                       measured.lora, engine_args.tensor_parallel_size)
+    after = speed_probe(runner)
+    cal = fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
+                      measured.lora, engine_args.tensor_parallel_size)
+    # the probe at the calibration's mean speed: timed before and after the grid, averaged
+    probe = {k: (before[k] + after[k]) / 2 for k in before}
+    cal.params = dataclasses.replace(cal.params, speed_probe=probe)
+    if log is not None:
+        log(f"host-speed probe: {len(probe)} steps, after the measurement "
+            f"{statistics.median(after[k] / before[k] for k in before):.3f}x their time before")
+    return cal
 
 
 def measure_interconnect(runner: ModelRunner, engine_args: EngineArgs,
@@ -148,9 +158,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--backend-samples", default=None, metavar="CSV",
                    help="with --from-run: a backend calibration's --samples-out, fitted jointly "
                         "with the runs' steps (a profile good for any workload, not only theirs)")
+    p.add_argument("--relevel", default=None, metavar="PROFILE",
+                   help="time the host-speed probe now and write PROFILE with every fit scaled "
+                        "to the host's speed now (seconds, where a calibration takes minutes)")
     add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_calibrate)
+
+
+def _relevel(args: argparse.Namespace) -> int:
+    """``--relevel``: the profile at the host's speed now, by its fit's speed probe."""
+    from twinserve.gpu.profiler import speed_probe
+    from twinserve.simulator.hardware import load_hardware
+    from twinserve.simulator.model_spec import load_model_spec
+    profile = load_hardware(args.relevel)
+    model = args.model = model_dir_or_default(args.model)
+    name = args.profile_model or load_model_spec(model).name
+    tp = args.tensor_parallel_size or 1
+    fit = profile.find_fitted(name, tp)
+    if fit is None:
+        raise ValueError(f"--relevel: {args.relevel} holds no fit for {name} at TP {tp}.")
+    if args.device != "cuda":
+        set_threads(args.threads)
+    _, runner = load_runner(args)
+    factor = fit.host_speed(speed_probe(runner))
+    path = profile.at_host_speed(factor).save(args.out)
+    print(f"host speed: the probe's steps take {factor:.3f}x their time at calibration; "
+          f"profile written: {path}")
+    return 0
 
 
 def base_hardware_for(device: str | None) -> str:
@@ -185,6 +220,10 @@ def _from_runs(run_dirs: list[str], key: str) -> Any:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    if args.relevel:
+        if args.from_run:
+            raise ValueError("--relevel and --from-run exclude each other.")
+        return _relevel(args)
     if args.backend_samples and not args.from_run:
         raise ValueError("--backend-samples joins a backend calibration's samples to --from-run "
                          "runs: give --from-run too.")

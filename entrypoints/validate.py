@@ -27,12 +27,22 @@ Without ``--profile`` the backend is calibrated first (``twinserve calibrate``'s
 for a smaller one) and the profile saved as ``OUT/profile.json``. ``--reuse-real RUN_DIR
 [RUN_DIR ...]`` skips the real replay and compares against real run folders written before (same
 workload flags): handy to try another profile.
+
+The host's speed: a shared VM runs the same steps 15-20% faster or slower an hour apart, which
+no profile measured once can know. Each replay is bracketed by the host-speed probe (four fixed
+steps, ``gpu.profiler.speed_probe``; ``OUT/real/speed_probe.json``) and, where the profile's fit
+recorded the same probe at calibration, the row ``host_speed_vs_profile`` gives the replays'
+step time over the calibration's (its error column: what the drift alone does to the twin's
+step times). ``--at-host-speed`` simulates with the profile scaled to that speed
+(``OUT/profile-at-host-speed.json``): the twin's own error. ``twinserve calibrate --relevel``
+rescales a profile the same way, for simulations of the host as it runs now.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="compare against these real run folders instead of replaying again")
     p.add_argument("--real-repeats", type=_positive_int, default=1, metavar="N",
                    help="replay the real engine N times; compare with the median of each metric")
+    p.add_argument("--at-host-speed", action="store_true",
+                   help="simulate with the profile scaled to the host's speed during the real "
+                        "replays (their speed probe against the profile's): the twin's own error, "
+                        "without the host's drift since calibration")
     p.add_argument("--out", required=True, help="output folder (real/, sim/, errors.csv, ...)")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                    help="skip incremental detokenization in the real engine")
@@ -91,11 +105,51 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# ---- the host's speed during the replays ---------------------------------------------------
+SPEED_PROBE_FILE = "speed_probe.json"
+HOST_SPEED_METRIC = "host_speed_vs_profile"
+
+
+def write_speed_probe(path: Path, before: dict[str, float], after: dict[str, float]) -> None:
+    """The probe's step times before and after a replay, beside the run it brackets."""
+    path.write_text(json.dumps({"before": before, "after": after}, indent=1) + "\n")
+
+
+def host_speeds(real_dirs: list[Path], profile: str | Path, model: str,
+                tensor_parallel_size: int = 1) -> list[float]:
+    """Per real run that recorded a speed probe: its steps' time over their time at the
+    profile's calibration (``FittedParams.host_speed`` of the mean of before and after); empty
+    when no run has a probe or the profile's fit holds none."""
+    from twinserve.simulator.hardware import load_hardware
+    from twinserve.simulator.model_spec import load_model_spec
+    fit = load_hardware(profile).find_fitted(load_model_spec(model).name, tensor_parallel_size)
+    if fit is None or not fit.speed_probe:
+        return []
+    speeds = []
+    for d in real_dirs:
+        if (d / SPEED_PROBE_FILE).is_file():
+            data = json.loads((d / SPEED_PROBE_FILE).read_text())
+            before, after = data["before"], data["after"]
+            speeds.append(fit.host_speed({k: (before[k] + after[k]) / 2 for k in before}))
+    return speeds
+
+
+def at_host_speed(profile: str | Path, speeds: list[float], out: Path) -> Path:
+    """``profile`` scaled to the median of the replays' host speeds, written to ``out``."""
+    from twinserve.simulator.hardware import load_hardware
+    if not speeds:
+        raise ValueError("--at-host-speed needs real runs with a speed probe (replayed by this "
+                         "version of validate) and a profile whose fit holds one (calibrated by "
+                         "this version).")
+    return load_hardware(profile).at_host_speed(statistics.median(speeds)).save(out)
+
+
 def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[str, Any],
               out: Path, model: str, log: Log) -> tuple[list[Path], str | Path]:
     """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given)."""
     from twinserve.gpu.llm_engine import LLMEngine
     from twinserve.gpu.platform import current_platform
+    from twinserve.gpu.profiler import speed_probe
     from twinserve.gpu.replay import replay_real, write_real_run
     from twinserve.simulator.calibration import save_profile
     set_threads(args.threads)
@@ -117,11 +171,13 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
         log(cal.report)
     dirs = []
     for i in range(args.real_repeats):
+        before = speed_probe(runner)
         engine = LLMEngine(eargs, runner=runner, usage_context="server")  # fresh scheduler, cache
         replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
         label = f"real {args.scheduling_policy}" + (f" #{i + 1}" if args.real_repeats > 1 else "")
         dirs.append(write_real_run(replay, engine, out / ("real" if i == 0 else f"real-{i + 1}"),
                                    desc, model, label))
+        write_speed_probe(dirs[-1] / SPEED_PROBE_FILE, before, speed_probe(runner))
         log(f"real replay {i + 1}/{args.real_repeats}: {replay.wall_time_s:.1f} s wall, "
             f"{len(replay.steps)} steps")
     return dirs, profile
@@ -130,6 +186,7 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
 def run_validate(args: argparse.Namespace) -> int:
     from twinserve.reports import write_report
     from twinserve.reports.fidelity import (
+        error_row,
         error_rows,
         format_errors,
         step_time_row,
@@ -154,8 +211,15 @@ def run_validate(args: argparse.Namespace) -> int:
         real_dirs, profile = real_runs(args, trace, desc, out, model, log)
     real_config = json.loads((real_dirs[0] / "config.json").read_text())
     summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
+    speeds = host_speeds(real_dirs, profile, model, int(real_config.get("tensor_parallel_size", 1)))
+    if args.at_host_speed:
+        profile = at_host_speed(profile, speeds, out / "profile-at-host-speed.json")
+        log(f"profile at the replays' host speed ({statistics.median(speeds):.3f}x the "
+            f"calibration's time): {profile}")
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc, log)
     rows = error_rows(summaries, sim.summary)
+    if speeds:  # the host's speed alone moves the step times by this much
+        rows.append(error_row(HOST_SPEED_METRIC, speeds, 1.0))
     samples = read_recorded_samples(real_dirs)
     predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]),
                                   int(real_config.get("tensor_parallel_size", 1)))

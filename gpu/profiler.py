@@ -251,6 +251,36 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
     return out
 
 
+# ---- the host's speed now -------------------------------------------------------------------
+def speed_probe_specs(max_num_seqs: int, max_num_batched_tokens: int,
+                      max_model_len: int) -> list[StepSpec]:
+    """The host-speed probe: four steps across the space (1, 6 and 16 decodes, a 128-token
+    prefill), small enough for a cache of 48 blocks of 16, the same on every engine that fits
+    them (clipped to smaller limits)."""
+    ctx = min(96, max_model_len - 1)
+    specs = [_spread_decodes(b, c) for b, c in ((1, ctx), (6, ctx), (16, min(48, ctx)))
+             if b <= max_num_seqs]
+    return [*specs, StepSpec(prefills=((min(128, max_num_batched_tokens, max_model_len), 0),))]
+
+
+def speed_probe(runner: ModelRunner, repeats: int = 5) -> dict[str, float]:
+    """The probe's steps timed now (label -> median seconds of ``repeats``). On a shared VM the
+    same steps run 15-20% faster or slower an hour apart; set against their times at
+    calibration (``FittedParams.host_speed``) they tell the host's speed from the twin's error."""
+    limits = runner.engine_config.scheduler
+    specs = [s for s in speed_probe_specs(limits.max_num_seqs, limits.max_num_batched_tokens,
+                                          runner.max_model_len)
+             if _blocks_needed(s, runner.block_size) * runner.kv_layout.num_groups
+             <= runner.num_gpu_blocks]
+    samples = run_micro_benchmarks(runner, specs, 1, repeats)
+    return {spec.label(): sample.seconds for spec, sample in zip(specs, samples, strict=True)}
+
+
+def _blocks_needed(spec: StepSpec, block_size: int) -> int:
+    contexts = [*spec.decodes, *(n + cached for n, cached in spec.prefills)]
+    return sum(-(-c // block_size) for c in contexts)
+
+
 def measure_swap(runner: ModelRunner, num_blocks: int = 16, warmup: int = 1,
                  repeats: int = 3) -> float | None:
     """Seconds per KV block of a swap-out plus a swap-in (median), or None without a host pool."""

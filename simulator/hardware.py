@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -47,6 +48,9 @@ class FittedParams:
     # the stated fit error on the data it was fitted to, in percent: "<kind>_mape" and
     # "<kind>_max" per step kind (prefill, decode, mixed, all)
     fit_error: Mapping[str, float] = field(default_factory=dict)
+    # the host-speed probe's steps (``gpu.profiler.speed_probe``: label -> seconds) timed at
+    # calibration, so that a later timing of the same steps tells how fast the host runs now
+    speed_probe: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("intercept_s", self.intercept_s)
@@ -61,6 +65,10 @@ class FittedParams:
         for key, value in errors.items():
             _check_non_negative(f"fit_error[{key!r}]", value)
         object.__setattr__(self, "fit_error", MappingProxyType(errors))
+        probe = dict(self.speed_probe)
+        for key, value in probe.items():
+            _check_positive(f"speed_probe[{key!r}]", value)
+        object.__setattr__(self, "speed_probe", MappingProxyType(probe))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}.")
@@ -70,6 +78,24 @@ class FittedParams:
     def matches(self, model_name: str, tensor_parallel_size: int) -> bool:
         same_model = self.model is None or self.model.lower() == model_name.lower()
         return same_model and self.tensor_parallel_size == tensor_parallel_size
+
+    def host_speed(self, probe: Mapping[str, float]) -> float:
+        """How many times the calibration's time the probe's steps take now: the median over
+        the steps timed both times of ``probe[step] / speed_probe[step]``."""
+        ratios = [seconds / self.speed_probe[k] for k, seconds in probe.items()
+                  if k in self.speed_probe]
+        if not ratios:
+            raise ValueError("the fit holds no speed probe of the probed steps (calibrate again "
+                             "to record one)." if self.speed_probe else
+                             "the fit holds no speed probe (calibrate again to record one).")
+        return statistics.median(ratios)
+
+    def scaled(self, factor: float) -> FittedParams:
+        """The fit of a host ``factor`` times slower: every term and the probe times ``factor``."""
+        _check_positive("factor", factor)
+        return replace(self, intercept_s=self.intercept_s * factor,
+                       coefficients={k: v * factor for k, v in self.coefficients.items()},
+                       speed_probe={k: v * factor for k, v in self.speed_probe.items()})
 
     def describe(self) -> str:
         """One line naming what the fit rests on (for run folders and reports)."""
@@ -86,6 +112,8 @@ class FittedParams:
             data["source"] = self.source
         if self.fit_error:
             data["fit_error"] = dict(self.fit_error)
+        if self.speed_probe:
+            data["speed_probe"] = dict(self.speed_probe)
         return data
 
     @classmethod
@@ -187,6 +215,11 @@ class HardwareProfile:
         kept = tuple(f for f in self.fitted
                      if (f.model, f.tensor_parallel_size) != (params.model, params.tensor_parallel_size))
         return replace(self, fitted=kept + (params,))
+
+    def at_host_speed(self, factor: float) -> HardwareProfile:
+        """This profile on a host ``factor`` times slower than at calibration (every fit scaled,
+        ``FittedParams.scaled``): what ``calibrate --relevel`` writes."""
+        return replace(self, fitted=tuple(f.scaled(factor) for f in self.fitted))
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fitted"}

@@ -407,7 +407,7 @@ def fit_joint(sources: Mapping[str, Sequence[StepSample]], model_name: str,
     live_forward = forward  # at the speed of a live engine's forward passes
     if micro and whole:
         level = statistics.median(whole)
-        live_forward = scaled(forward, level)
+        live_forward = forward.scaled(level)
         lines.append(f"  forward passes inside the engine loop ran at {level:.3f}x the grid's "
                      f"time (median over {len(whole)} source(s) of whole steps): the profile "
                      "is scaled to them, the grid keeping its shape")
@@ -461,12 +461,6 @@ def forward_level(params: FittedParams, samples: Iterable[StepSample]) -> float:
             measured += s.execute_seconds
             predicted += predict_sample(params, s)
     return measured / predicted if predicted > 0 else math.nan
-
-
-def scaled(params: FittedParams, factor: float) -> FittedParams:
-    """``params`` with its intercept and every coefficient multiplied by ``factor``."""
-    return replace(params, intercept_s=params.intercept_s * factor,
-                   coefficients={k: v * factor for k, v in params.coefficients.items()})
 
 
 def _fit_error_of(params: FittedParams, forward: FittedParams, micro: Sequence[StepSample],

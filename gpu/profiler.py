@@ -193,6 +193,21 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
             if b + n <= max_num_batched_tokens and n < max_model_len:
                 ctx = min(256, max_model_len - 1)
                 specs.append(StepSpec(decodes=(ctx,) * b, prefills=((n, 0),)))
+    return specs if quick else [*specs, *_serving_prefills(max_num_batched_tokens, max_num_seqs,
+                                                           max_model_len)]
+
+
+def _serving_prefills(max_num_batched_tokens: int, max_num_seqs: int,
+                      max_model_len: int) -> list[StepSpec]:
+    """Where a server's prompts land: fresh prefill chunks between the grid's powers of two,
+    and each of them beside 1 to 32 running decodes (contexts spread up to 256): a replay's
+    first tokens come from these steps, which the powers of two alone left to interpolation."""
+    ctx = min(256, max_model_len - 1)
+    chunks = [n for n in (16, 48, 96, 192, 384) if n < max_model_len]
+    specs = [StepSpec(prefills=((n, 0),)) for n in chunks[1:] if n <= max_num_batched_tokens]
+    for b in (b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs):
+        specs += [StepSpec(decodes=_spread_decodes(b, ctx).decodes, prefills=((n, 0),))
+                  for n in chunks if b + n <= max_num_batched_tokens]
     return specs
 
 

@@ -558,6 +558,11 @@ def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> Non
         sizes = {len(s.decodes) for s in default_grid(512, max_num_seqs, 512) if not s.prefills}
         assert set(range(1, min(max_num_seqs, 32) + 1)) <= sizes
         assert max(sizes) == max_num_seqs
+    grid = default_grid(512, 64, 512)  # prompts' chunks between the powers of two, and mixed
+    fresh = {s.prefills[0][0] for s in grid if not s.decodes and s.prefills[0][1] == 0}
+    assert {16, 32, 48, 64, 96, 128, 192, 256, 384, 512} <= fresh
+    mixed = {(len(s.decodes), s.prefills[0][0]) for s in grid if s.kind == "mixed"}
+    assert {(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (16, 48, 96, 192, 384)} <= mixed
     for sc in default_scenarios(32, 512):
         lengths = sc.lengths()
         assert len(lengths) == 2 * sc.concurrency and sc.concurrency <= 32

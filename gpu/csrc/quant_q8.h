@@ -16,6 +16,7 @@
 
 #include "quant_blocks.h"
 
+#include <cstring>
 #include <vector>
 
 namespace twinserve_quant {
@@ -140,103 +141,150 @@ void rows_one_token_q8(const XBlock* x, int64_t blocks, const uint8_t* wq, int64
   }
 }
 
-// ---- several tokens: a tiled int8 GEMM -------------------------------------------------------
-// A chunk of kRowChunk rows is unpacked once into a panel (each block's 32 weight bytes as
-// maddubs takes them, its dw, its c), then every tile of kTileRows rows x kTileTokens tokens runs
-// over the panel with its kTileRows * kTileTokens accumulators in registers: a weight vector is
-// loaded once per tile for kTileTokens tokens, an activation block once for kTileRows rows.
-// The per-block terms c * s are a small fp32 product done after (8 rows a vector).
+// ---- several tokens: a tiled int8 GEMM on row-interleaved panels ----------------------------
+// A chunk of kRowChunk rows is repacked once into a panel of 8-row groups, laid out as llama.cpp's
+// repacked x86 kernels lay theirs: per block, 8 vectors, vector j holding values 4j..4j+3 of each of
+// the group's 8 rows (one int32 lane a row). One maddubs of vector j with token t's 4 activation
+// bytes broadcast to every lane then adds 32 multiply-adds into 8 rows' sums at once, and the
+// block's scales are vectors (8 rows' dw times token t's broadcast d, 8 rows' c times its s): no
+// horizontal sums and no per-(row, token) scalar scale, where the former 2 rows x 4 tokens tile
+// (one row's block a vector) paid a scalar multiply and broadcast per pair.
+// Q4_0/Q4_1 bytes are nibbles (0..15): a maddubs lane is at most 2 * 15 * 127 = 3810, so the 8
+// vectors of a block sum in int16 (<= 30480) before one madd widens them; Q8_0's |w| reaches 128
+// (2 * 128 * 127 = 32512 a lane), so each of its maddubs is widened at once, signs moved onto the
+// activations as in the one-token path.
 constexpr int64_t kRowChunk = 16;
-constexpr int kTileRows = 2, kTileTokens = 4;
+constexpr int kGroupRows = 8;
 
 struct Panel {
-  std::vector<uint8_t> w, sign;  // 32 bytes a block, [row][block]; sign: Q8_0's signed bytes
-  std::vector<float> dw, c;      // dw [row][block]; c [block][row] (rows contiguous)
+  std::vector<__m256i> w, sign;  // [group][block][j]; sign: Q8_0's signed bytes
+  std::vector<__m256> dw, c;     // [group][block]: 8 rows' dw and block-term factor c
 };
+
+// r[i] lane j -> r[j] lane i (8 x 8 int32).
+inline void transpose8x8(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+  }
+}
 
 template <typename F>
 void unpack_panel(const uint8_t* wq, int64_t row_bytes, int64_t blocks, int64_t r0, int64_t rows, Panel& p) {
-  p.w.resize(32 * rows * blocks);
-  p.dw.resize(rows * blocks);
-  p.c.resize(rows * blocks);
-  if constexpr (std::is_same_v<F, Q8_0>) p.sign.resize(32 * rows * blocks);
-  for (int64_t r = 0; r < rows; ++r)
+  constexpr bool kQ8 = std::is_same_v<F, Q8_0>;
+  const int64_t groups = (rows + kGroupRows - 1) / kGroupRows;
+  p.w.resize(groups * blocks * 8);
+  p.dw.resize(groups * blocks);
+  p.c.resize(groups * blocks);
+  if constexpr (kQ8) p.sign.resize(groups * blocks * 8);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t valid = std::min<int64_t>(kGroupRows, rows - g * kGroupRows);
     for (int64_t b = 0; b < blocks; ++b) {
-      const WBlock k = load_block<F>(wq + (r0 + r) * row_bytes + b * F::kBytes);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&p.w[32 * (r * blocks + b)]), k.w);
-      if constexpr (std::is_same_v<F, Q8_0>)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&p.sign[32 * (r * blocks + b)]), k.sign);
-      p.dw[r * blocks + b] = k.dw;
-      p.c[b * rows + r] = k.c;
+      __m256i w[8], sign[8];
+      alignas(32) float dw[kGroupRows] = {}, c[kGroupRows] = {};
+      for (int64_t i = 0; i < kGroupRows; ++i) {
+        if (i >= valid) {
+          w[i] = sign[i] = _mm256_setzero_si256();
+          continue;
+        }
+        const WBlock k = load_block<F>(wq + (r0 + g * kGroupRows + i) * row_bytes + b * F::kBytes);
+        w[i] = k.w;
+        if constexpr (kQ8) sign[i] = k.sign;
+        dw[i] = k.dw;
+        c[i] = k.c;
+      }
+      transpose8x8(w);
+      if constexpr (kQ8) transpose8x8(sign);
+      const int64_t at = g * blocks + b;
+      for (int j = 0; j < 8; ++j) {
+        p.w[8 * at + j] = w[j];
+        if constexpr (kQ8) p.sign[8 * at + j] = sign[j];
+      }
+      p.dw[at] = _mm256_load_ps(dw);
+      p.c[at] = _mm256_load_ps(c);
     }
+  }
 }
 
-// out[t * n + r0 + i] = sum over blocks of dw * dx * (integer dot), for R panel rows from `r` and
-// NT tokens of x (the tile's first token's blocks at x, a token's blocks contiguous).
-template <typename F, int R, int NT>
-inline void panel_tile_q8(const Panel& p, int64_t r, int64_t blocks, const XBlock* x, float* out, int64_t n,
-                          int64_t r0) {
+inline __m256i x_bytes(const XBlock& xb, int j) {  // activations 4j..4j+3, broadcast to 8 lanes
+  int32_t v;
+  std::memcpy(&v, xb.q + 4 * j, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One block of panel group `at` (its 8 vectors from w) for NT tokens: the integer sums, 8 rows a vector.
+template <typename F, int NT>
+inline void group_block_sums(const __m256i* w, const __m256i* sign, const XBlock* const* xb, __m256i* sums) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][NT];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i w[R];
-    float dw[R];
-    for (int i = 0; i < R; ++i) {
-      w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&p.w[32 * ((r + i) * blocks + b)]));
-      dw[i] = p.dw[(r + i) * blocks + b];
-    }
+  for (int t = 0; t < NT; ++t) sums[t] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
     for (int t = 0; t < NT; ++t) {
-      const XBlock& xb = x[t * blocks + b];
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
-      for (int i = 0; i < R; ++i) {
-        const __m256i q =
-            std::is_same_v<F, Q8_0>
-                ? _mm256_sign_epi8(qx, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                           &p.sign[32 * ((r + i) * blocks + b)])))
-                : qx;
-        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], q), ones);
-        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw[i] * xb.d), acc[i][t]);
+      if constexpr (std::is_same_v<F, Q8_0>) {
+        const __m256i q = _mm256_sign_epi8(x_bytes(*xb[t], j), sign[j]);
+        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], q), ones));
+      } else {
+        sums[t] = _mm256_add_epi16(sums[t], _mm256_maddubs_epi16(w[j], x_bytes(*xb[t], j)));
       }
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) out[t * n + r0 + r + i] = lanes_sum(acc[i][t]);
+  if constexpr (!std::is_same_v<F, Q8_0>)
+    for (int t = 0; t < NT; ++t) sums[t] = _mm256_madd_epi16(sums[t], ones);
 }
 
+// out[t * n + r0 + 8 g + i] for panel group g (8 rows, `valid` of them real) and NT tokens of x (the
+// tile's first token's blocks at x, a token's blocks contiguous).
 template <typename F, int NT>
-void panel_rows_q8(const Panel& p, int64_t rows, int64_t blocks, const XBlock* x, float* out, int64_t n,
-                   int64_t r0) {
-  int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows) panel_tile_q8<F, kTileRows, NT>(p, r, blocks, x, out, n, r0);
-  for (; r < rows; ++r) panel_tile_q8<F, 1, NT>(p, r, blocks, x, out, n, r0);
-}
-
-// out[t, r] += sum_b c[r, b] * s[t, b] for the panel's rows (8 rows a vector, the rest one by one).
-inline void panel_block_terms(const Panel& p, int64_t rows, int64_t blocks, const XBlock* x, int64_t num_tokens,
-                              float* out, int64_t n, int64_t r0) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const XBlock* xt = x + t * blocks;
-    float* o = out + t * n + r0;
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) {
-      __m256 a = _mm256_loadu_ps(o + r);
-      for (int64_t b = 0; b < blocks; ++b)
-        a = _mm256_fmadd_ps(_mm256_set1_ps(xt[b].s), _mm256_loadu_ps(&p.c[b * rows + r]), a);
-      _mm256_storeu_ps(o + r, a);
+inline void group_tile_q8(const Panel& p, int64_t g, int64_t valid, int64_t blocks, const XBlock* x, float* out,
+                          int64_t n, int64_t r0) {
+  __m256 acc[NT];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = g * blocks + b;
+    const XBlock* xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = x + t * blocks + b;
+    __m256i sums[NT];
+    group_block_sums<F, NT>(&p.w[8 * at], std::is_same_v<F, Q8_0> ? &p.sign[8 * at] : nullptr, xb, sums);
+    for (int t = 0; t < NT; ++t) {
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(p.dw[at], _mm256_set1_ps(xb[t]->d)),
+                               acc[t]);
+      if constexpr (!std::is_same_v<F, Q8_0>) acc[t] = _mm256_fmadd_ps(p.c[at], _mm256_set1_ps(xb[t]->s), acc[t]);
     }
-    for (; r < rows; ++r) {
-      float a = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) a += xt[b].s * p.c[b * rows + r];
-      o[r] += a;
+  }
+  float* o = out + r0 + g * kGroupRows;
+  for (int t = 0; t < NT; ++t) {
+    if (valid == kGroupRows) {
+      _mm256_storeu_ps(o + t * n, acc[t]);
+    } else {
+      alignas(32) float lanes[kGroupRows];
+      _mm256_store_ps(lanes, acc[t]);
+      for (int64_t i = 0; i < valid; ++i) o[t * n + i] = lanes[i];
     }
   }
 }
 
 // out[T, n] for rows [row_begin, row_end) from the quantized activations x[T, blocks]: blocks of
-// kTokenBlock tokens (their activations stay in L2 while every row chunk passes over them).
+// kTokenBlock tokens (their activations stay in L2 while every row chunk passes over them), each
+// chunk's panel (L1) met by kTileTokens tokens at a time.
 constexpr int64_t kTokenBlock = 64;
+constexpr int kTileTokens = 4;
+
+template <typename F, int NT>
+void group_tiles_q8(const Panel& p, int64_t rows, int64_t blocks, const XBlock* x, float* out, int64_t n,
+                    int64_t r0) {
+  for (int64_t g = 0; g * kGroupRows < rows; ++g)
+    group_tile_q8<F, NT>(p, g, std::min<int64_t>(kGroupRows, rows - g * kGroupRows), blocks, x, out, n, r0);
+}
 
 template <typename F>
 void matmul_rows_q8(const XBlock* x, int64_t num_tokens, int64_t blocks, const uint8_t* wq,
@@ -254,13 +302,12 @@ void matmul_rows_q8(const XBlock* x, int64_t num_tokens, int64_t blocks, const u
         const XBlock* xt = xb + t0 * blocks;
         float* ot = ob + t0 * n;
         switch (std::min<int64_t>(kTileTokens, tokens - t0)) {
-          case 1: panel_rows_q8<F, 1>(p, rows, blocks, xt, ot, n, c0); break;
-          case 2: panel_rows_q8<F, 2>(p, rows, blocks, xt, ot, n, c0); break;
-          case 3: panel_rows_q8<F, 3>(p, rows, blocks, xt, ot, n, c0); break;
-          default: panel_rows_q8<F, kTileTokens>(p, rows, blocks, xt, ot, n, c0); break;
+          case 1: group_tiles_q8<F, 1>(p, rows, blocks, xt, ot, n, c0); break;
+          case 2: group_tiles_q8<F, 2>(p, rows, blocks, xt, ot, n, c0); break;
+          case 3: group_tiles_q8<F, 3>(p, rows, blocks, xt, ot, n, c0); break;
+          default: group_tiles_q8<F, kTileTokens>(p, rows, blocks, xt, ot, n, c0); break;
         }
       }
-      if constexpr (!std::is_same_v<F, Q8_0>) panel_block_terms(p, rows, blocks, xb, tokens, ob, n, c0);
     }
   }
 }

@@ -13,9 +13,10 @@ Activations (``TWINSERVE_QUANT_ACTIVATIONS``): ``int8`` (the default) quantizes 
 values to int8 for the products of Q8_0, Q4_0 and Q4_1, as llama.cpp does, and multiplies with
 integer dot products (``csrc/quant_q8.h``), up to ``DIRECT_MAX_TOKENS`` rows and, inside
 ``per_sequence_rows`` (decode steps, the LM head), at any row count: one row streams each weight
-row once; two and more run a tiled int8 GEMM (weight blocks unpacked once per 16-row panel, 2 rows x 4
-tokens of accumulators in registers), which measured here (one thread, a loaded machine: noisy)
-1.3-2.8x the tiled dequantize + torch GEMM at 64 tokens and about level with it at 1024.
+row once; two and more run a tiled int8 GEMM (weight blocks repacked once per 16-row panel into
+8-row groups, each maddubs 32 multiply-adds into 8 rows' sums, 4 tokens at a time), which measured
+here (``benchmarks/quant_matmul_paths.py``, 2 threads, 64 tokens) 46-60 GMAC/s on the Q4_1
+projections (2.3-2.7x the tiled dequantize + torch GEMM) and 27 GMAC/s on the Q8_0 LM head.
 ``fp32`` keeps them in fp32 (the exact reference: the same values as the fp32 model within
 accumulation order). The other formats always use fp32 activations.
 """

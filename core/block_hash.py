@@ -7,16 +7,40 @@ all a cache needs (keys are never persisted); 64-bit collisions are ignored, as 
 
 from __future__ import annotations
 
-from twinserve.core.request import Request
+from twinserve.core.request import LazyTokenIds, Request
 
 ROOT_HASH = 0x5EED
 
 
 def update_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[int]:
-    """Extends ``request.block_hashes`` to cover the full blocks within ``num_tokens`` tokens."""
+    """Extends ``request.block_hashes`` to cover the full blocks within ``num_tokens`` tokens.
+
+    A ``LazyPrompt``'s full blocks take the keys it carries (for this block size) in place of
+    the chain over their ids; the blocks after them chain on from its last key, over the ids.
+    (``_update_block_hashes_plain`` is the plain chain throughout.)"""
     hashes = request.block_hashes
     num_done = len(hashes)
     num_full = num_tokens // block_size
+    tokens = request.all_token_ids
+    if num_done < num_full and type(tokens) is LazyTokenIds \
+            and tokens.prompt.key_block_size == block_size:
+        keys = tokens.prompt.keys[num_done:num_full]
+        if keys:
+            extra = request.lora
+            hashes += keys if extra is None else [hash((k, extra)) for k in keys]
+            num_done = len(hashes)
+    return _chain(request, block_size, num_done, num_full)
+
+
+def _update_block_hashes_plain(request: Request, block_size: int, num_tokens: int) -> list[int]:
+    """``update_block_hashes`` with every block chained over its ids, lazy prompts included
+    (the reference: the keys of a ``LazyPrompt`` stand in for these hashes)."""
+    return _chain(request, block_size, len(request.block_hashes), num_tokens // block_size)
+
+
+def _chain(request: Request, block_size: int, num_done: int, num_full: int) -> list[int]:
+    """Chains hashes over the ids of blocks ``num_done`` to ``num_full``."""
+    hashes = request.block_hashes
     if num_done + 1 == num_full:  # one more block (a decode crossed a block boundary)
         start = num_done * block_size
         parent = hashes[-1] if hashes else ROOT_HASH

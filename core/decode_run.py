@@ -73,7 +73,7 @@ class DecodeRun:
         tokens = [token] * k
         for request in running:
             request.output_token_ids += tokens
-            request.all_token_ids += tokens
+            request.all_token_ids.extend(tokens)
             request.token_times += ends
         free_after = self._block_events_at_once(k)
         if free_after is None:

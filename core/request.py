@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import chain
+from typing import TYPE_CHECKING, overload
 
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.sampling_params import SamplingParams
@@ -44,6 +46,119 @@ _FINISH_REASONS = {
 }
 
 
+class LazyPrompt(Sequence[int]):
+    """A prompt whose ids are made on demand, with the prefix-cache keys of its full blocks.
+
+    A replay's synthetic prompts (``traces``) are functions of the request's identity: their
+    ids need not exist as Python lists for the scheduler to count, slice and hash them. ``make``
+    returns the ids in ``[start, stop)``; ``tail`` holds the ids from ``tail_start`` on
+    (the last, partly full block, which the decodes hash with their tokens) without a call.
+    ``keys``: the key of each full block of ``key_block_size`` tokens, standing in for the hash
+    chain over its ids (``core.block_hash``): equal keys exactly where the ids before the block's
+    end are equal (the maker's promise), so the cache hits and misses as with the ids."""
+
+    __slots__ = ("_len", "_make", "_tail_start", "_tail", "key_block_size", "keys")
+
+    def __init__(self, length: int, make: Callable[[int, int], list[int]], tail_start: int,
+                 tail: list[int], key_block_size: int, keys: list[int]) -> None:
+        self._len, self._make = length, make
+        self._tail_start, self._tail = tail_start, tail
+        self.key_block_size, self.keys = key_block_size, keys
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step != 1:
+                return self[start:stop][::step] if step > 0 else list(self)[index]
+            return self.ids(start, stop)
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError("prompt index out of range")
+        return self.ids(i, i + 1)[0]
+
+    def ids(self, start: int, stop: int) -> list[int]:
+        """The ids in ``[start, stop)`` (clipped to the prompt)."""
+        stop = min(stop, self._len)
+        if start >= stop:
+            return []
+        if start >= self._tail_start:
+            return self._tail[start - self._tail_start:stop - self._tail_start]
+        return self._make(start, stop)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids(0, self._len))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, LazyPrompt)):
+            return len(other) == self._len and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class LazyTokenIds(Sequence[int]):
+    """``all_token_ids`` of a request with a ``LazyPrompt``: the prompt, then a plain list of
+    the tokens after it. Supports what the engine does with a token list: ``len``, slices,
+    ``append`` and ``+=``."""
+
+    __slots__ = ("prompt", "rest")
+
+    def __init__(self, prompt: LazyPrompt, rest: Iterable[int] = ()) -> None:
+        self.prompt, self.rest = prompt, list(rest)
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.rest)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        n = len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n + len(self.rest))
+            if step != 1:
+                return list(self)[index]
+            if start >= n:
+                return self.rest[start - n:stop - n]
+            return self.prompt.ids(start, stop) + self.rest[:max(stop - n, 0)]
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError("token index out of range")
+        return self.rest[i - n] if i >= n else self.prompt[i]
+
+    def append(self, token: int) -> None:
+        self.rest.append(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.rest += tokens
+
+    def __iadd__(self, tokens: Iterable[int]) -> LazyTokenIds:
+        self.rest += tokens
+        return self
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(self.prompt, self.rest)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, LazyTokenIds)):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A request as the scheduler sees it. Identity equality: two requests are never "equal".
@@ -54,7 +169,8 @@ class Request:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    # A list, or a ``LazyPrompt`` (a replay's synthetic prompt: ids made on demand)
+    prompt_token_ids: list[int] | LazyPrompt
     sampling_params: SamplingParams
     arrival_time: float
     eos_token_id: int | None = None
@@ -71,7 +187,7 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] | LazyTokenIds = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
@@ -104,7 +220,8 @@ class Request:
             raise ValueError(f"arrival_time must be a non-negative number, got {self.arrival_time}.")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}.")
-        self.all_token_ids = list(self.prompt_token_ids)
+        prompt = self.prompt_token_ids
+        self.all_token_ids = LazyTokenIds(prompt) if type(prompt) is LazyPrompt else list(prompt)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         params = self.sampling_params
         eos = () if self.eos_token_id is None or params.ignore_eos else (self.eos_token_id,)

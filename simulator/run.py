@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_e
 from twinserve.core.metrics import RequestRecord, StepLog, summarize
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
-from twinserve.core.request import Request
+from twinserve.core.request import LazyPrompt, Request
 from twinserve.core.run_dir import write_run
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
@@ -32,7 +33,7 @@ from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
-from twinserve.traces.trace_request import iter_prompt_token_ids
+from twinserve.traces.trace_request import PromptParts, iter_prompt_parts, prompt_ids_slice
 
 DEFAULT_SIM_MODEL = "llama-3-8b"
 DEFAULT_SIM_HARDWARE = "h100-sxm"
@@ -139,8 +140,8 @@ def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]
     return resolved, cost, spec
 
 
-def to_request(tr: TraceRequest, vocab_size: int, block_size: int, prompt: list[int] | None = None,
-               params: SamplingParams | None = None) -> Request:
+def to_request(tr: TraceRequest, vocab_size: int, block_size: int,
+               prompt: list[int] | LazyPrompt | None = None, params: SamplingParams | None = None) -> Request:
     """The engine request for a trace row (``prompt`` and ``params``: its prompt ids and sampling
     parameters, when already made). The SJF policy's length hint is the trace's own output length
     (an oracle, as simulators usually assume)."""
@@ -156,12 +157,19 @@ def _sampling_params(output_tokens: int) -> SamplingParams:
 
 
 def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int,
-                     structured: StructuredWorkload | None = None) -> Iterator[Request]:
-    """``to_request`` of each row, made as the replay reaches it: prompts in batches, and one
-    SamplingParams per output length (the engine only reads them, as forked samples share theirs).
-    ``structured``: which requests decode under a grammar (``structured_cost``)."""
+                     structured: StructuredWorkload | None = None,
+                     lazy: bool = True) -> Iterator[Request]:
+    """``to_request`` of each row, made as the replay reaches it: prompts as ``LazyPrompt``s
+    (their ids made only where the engine reads them, their blocks' prefix-cache keys from the
+    request's identity: ``traces.iter_prompt_parts``; ``lazy=False``: the plain id lists, the
+    reference), and one SamplingParams per output length (the engine only reads them, as
+    forked samples share theirs). ``structured``: which requests decode under a grammar
+    (``structured_cost``)."""
     shared: dict[int, SamplingParams] = {}
-    for tr, prompt in zip(trace, iter_prompt_token_ids(trace, vocab_size)):
+    prompts = (map(partial(_lazy_prompt, vocab_size, block_size), trace,
+                   iter_prompt_parts(trace, vocab_size, block_size)) if lazy
+               else (tr.prompt_token_ids(vocab_size, block_size) for tr in trace))
+    for tr, prompt in zip(trace, prompts):
         params = shared.get(tr.output_tokens)
         if params is None:
             params = shared[tr.output_tokens] = _sampling_params(tr.output_tokens)
@@ -170,15 +178,22 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
         yield to_request(tr, vocab_size, block_size, prompt, params)
 
 
+def _lazy_prompt(vocab_size: int, block_size: int, tr: TraceRequest,
+                 parts: PromptParts) -> LazyPrompt:
+    return LazyPrompt(tr.input_tokens, partial(prompt_ids_slice, tr, vocab_size),
+                      parts.tail_start, parts.tail, block_size, parts.keys)
+
+
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              adapters: LoRAAdapters | None = None,
              structured: StructuredWorkload | None = None,
-             decode_runs: bool = True) -> SimResult:
+             decode_runs: bool = True, lazy_prompts: bool = True) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
     ``decode_runs``: advance runs of decode-only steps at once (``core.decode_run``; False
-    steps one at a time, the reference, with the same results)."""
+    steps one at a time, the reference, with the same results); ``lazy_prompts``: prompts
+    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results)."""
     t0 = time.perf_counter()
     engine_config, cost, spec = build_engine_config(cfg)
     lora = lora_cost_for(cfg.engine, spec, cost.hardware, trace, adapters)
@@ -201,7 +216,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                                           recorder, i), step_time,
                             decode_runs=decode_runs)
                     for i, (policy, step_time) in enumerate(zip(_policies(cfg), step_times))]
-        requests = _engine_requests(trace, vocab, block_size, structured)
+        requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
         for replica in replicas:
             env.process(engine_process(env, replica))

@@ -117,25 +117,102 @@ class TraceRequest:
         return memoryview(_prompt_ids((self,), vocab_size)).tolist()
 
 
-def _prompt_ids(requests: Sequence[TraceRequest], vocab_size: int) -> np.ndarray:
-    """The prompts of ``requests`` back to back, as int64 ids (every id is below 2**63)."""
+def _prompt_ids(requests: Sequence[TraceRequest], vocab_size: int,
+                starts: Sequence[int] | None = None,
+                stops: Sequence[int] | None = None) -> np.ndarray:
+    """The prompts of ``requests`` back to back, as int64 ids (every id is below 2**63); with
+    ``starts``/``stops``, only each prompt's ids at positions ``[start, stop)``."""
     _check_count("vocab_size", vocab_size, LOWEST_TOKEN_ID + 1)
-    lengths = np.fromiter((r.input_tokens for r in requests), np.int64, len(requests))
-    starts = np.cumsum(lengths) - lengths
+    n = len(requests)
+    lo = np.zeros(n, np.int64) if starts is None else np.asarray(starts, np.int64)
+    hi = (np.fromiter((r.input_tokens for r in requests), np.int64, n) if stops is None
+          else np.asarray(stops, np.int64))
+    lengths = hi - lo
+    offsets = np.cumsum(lengths) - lengths
     keys = np.arange(int(lengths.sum()), dtype=_U64)
-    keys -= np.repeat(starts.astype(_U64), lengths)  # positions within each prompt
-    seeds = np.fromiter((stable_seed(r.request_id) for r in requests), _U64, len(requests))
+    keys -= np.repeat((offsets - lo).astype(_U64), lengths)  # positions within each prompt
+    seeds = np.fromiter((stable_seed(r.request_id) for r in requests), _U64, n)
     keys += np.repeat(seeds, lengths)  # wrapping: the request's own tokens
-    for r, start in zip(requests, starts.tolist()):
-        if r.prefix_blocks:  # the shared part: a function of the block id and the offset only
-            n_prefix, per_block = r.num_prefix_tokens, _U64(r.prefix_block_tokens)
+    for r, off, a, b in zip(requests, offsets.tolist(), lo.tolist(), hi.tolist()):
+        end = min(b, r.num_prefix_tokens) if r.prefix_blocks else 0
+        if a < end:  # the shared part: a function of the block id and the offset only
+            per_block = _U64(r.prefix_block_tokens)
             block_seeds = _mix(np.array(r.prefix_blocks, dtype=_U64) ^ _PREFIX_SALT)
-            head = np.arange(n_prefix, dtype=_U64)
-            keys[start:start + n_prefix] = block_seeds[head // per_block] + head % per_block
+            head = np.arange(a, end, dtype=_U64)
+            keys[off:off + end - a] = block_seeds[head // per_block] + head % per_block
     ids = _mix(keys)
     ids %= _U64(vocab_size - LOWEST_TOKEN_ID)
     ids += _LOWEST
     return ids.view(np.int64)
+
+
+def prompt_ids_slice(request: TraceRequest, vocab_size: int, start: int, stop: int) -> list[int]:
+    """``request.prompt_token_ids(vocab_size)[start:stop]`` without the rest of the prompt
+    (``0 <= start <= stop <= input_tokens``)."""
+    return memoryview(_prompt_ids((request,), vocab_size, [start], [stop])).tolist()
+
+
+_KEY_SALT = _U64(0xB10C_CA5E_0000_0002)
+_PREFIX_KEY = "twinserve-prefix-block"
+
+
+@dataclass(slots=True, frozen=True)
+class PromptParts:
+    """What a lazy prompt holds without its ids (``iter_prompt_parts``): the ids of its last,
+    partly full block (from ``tail_start``) and a prefix-cache key per full block."""
+
+    tail_start: int
+    tail: list[int]
+    keys: list[int]
+
+
+def iter_prompt_parts(requests: Iterable[TraceRequest], vocab_size: int, block_size: int,
+                      batch_requests: int = 4096) -> Iterator[PromptParts]:
+    """Each request's ``PromptParts`` for KV blocks of ``block_size`` tokens, in order.
+
+    Key of full block ``i`` (tokens ``[0, E)``, ``E = (i + 1) * block_size``): where those
+    tokens lie within the shared prefix, a hash of the prefix block ids that make them (and
+    ``E``, ``prefix_block_tokens``), as every request sharing them computes; else a function of
+    the request's own seed and ``i`` (splitmix64, a bijection: distinct for distinct requests
+    and blocks), as its own tokens are. So two keys are equal exactly where the two prompts'
+    first ``E`` ids are (up to 64-bit collisions, as for any hash, and to ids of different
+    positions colliding in all of a block's tokens, about ``vocab ** -block_size``)."""
+    _check_count("block_size", block_size, 1)
+    batch: list[TraceRequest] = []
+    for r in requests:
+        batch.append(r)
+        if len(batch) >= batch_requests:
+            yield from _prompt_parts(batch, vocab_size, block_size)
+            batch = []
+    if batch:
+        yield from _prompt_parts(batch, vocab_size, block_size)
+
+
+def _prompt_parts(requests: list[TraceRequest], vocab_size: int,
+                  block_size: int) -> Iterator[PromptParts]:
+    n = len(requests)
+    lengths = np.fromiter((r.input_tokens for r in requests), np.int64, n)
+    num_full = lengths // block_size
+    tail_starts = num_full * block_size
+    tails = memoryview(_prompt_ids(requests, vocab_size, tail_starts, lengths))
+    offsets = np.cumsum(num_full) - num_full
+    seeds = np.fromiter((stable_seed(r.request_id) for r in requests), _U64, n)
+    keys = np.arange(int(num_full.sum()), dtype=_U64)
+    keys -= np.repeat(offsets.astype(_U64), num_full)  # block index within each prompt
+    keys += np.repeat(_mix(seeds ^ _KEY_SALT), num_full)
+    all_keys = memoryview(_mix(keys)).tolist()
+    t = 0
+    for r, start, full, off in zip(requests, tail_starts.tolist(), num_full.tolist(),
+                                   offsets.tolist()):
+        mine = all_keys[off:off + full]
+        if r.prefix_blocks:
+            per, pre = r.prefix_block_tokens, r.prefix_blocks
+            for i in range(min(full, r.num_prefix_tokens // block_size)):
+                end = (i + 1) * block_size
+                mine[i] = hash((_PREFIX_KEY, per, end, pre[:-(-end // per)]))
+        size = r.input_tokens - start
+        yield PromptParts(start, tails[t:t + size].tolist(), mine)
+        t += size
 
 
 def iter_prompt_token_ids(requests: Iterable[TraceRequest], vocab_size: int,

@@ -1,0 +1,125 @@
+"""Lazy prompts (``core.request.LazyPrompt``): a replay's synthetic prompts without their id lists,
+their full blocks keyed from the request's identity (``traces.iter_prompt_parts``). Against the
+plain path: the sequences read as the lists would, and simulations give the same run folders
+with lazy prompts as with the plain id lists (``simulate(lazy_prompts=False)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from twinserve.core.block_hash import _update_block_hashes_plain, update_block_hashes
+from twinserve.core.request import LazyPrompt, LazyTokenIds, Request
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.simulator import SimConfig, simulate, write_sim_run
+from twinserve.simulator.run import _engine_requests
+from twinserve.traces import SyntheticConfig, TraceRequest, synthetic_trace
+from twinserve.traces.trace_request import iter_prompt_parts, prompt_ids_slice
+
+VOCAB = 49_152
+SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
+
+
+def _trace() -> list[TraceRequest]:
+    """Shared system prompts of several lengths (prefix blocks of 24 tokens: not the KV block
+    size), prompts ending within their prefix's last block, and requests of their own."""
+    rng = random.Random(5)
+    out, t = [], 0.0
+    for i in range(120):
+        t += rng.expovariate(30.0)
+        blocks = tuple(rng.sample(range(4), rng.randint(0, 3)))
+        low = max(1, (len(blocks) - 1) * 24 + 1)
+        out.append(TraceRequest(f"lz-{i}", t, rng.randint(low, 140), rng.randint(1, 40),
+                                prefix_blocks=blocks, prefix_block_tokens=24,
+                                lora=rng.choice([None, None, "x"])))
+    return out
+
+
+def test_prompt_parts_and_slices_are_the_prompts_own_ids() -> None:
+    trace = _trace()
+    for tr, parts in zip(trace, iter_prompt_parts(trace, VOCAB, 16, batch_requests=7)):
+        ids = tr.prompt_token_ids(VOCAB)
+        assert parts.tail_start == len(ids) // 16 * 16
+        assert parts.tail == ids[parts.tail_start:]
+        assert len(parts.keys) == len(ids) // 16
+        for a, b in ((0, len(ids)), (1, min(5, len(ids))), (len(ids) // 2, len(ids))):
+            assert prompt_ids_slice(tr, VOCAB, a, b) == ids[a:b]
+
+
+def test_block_keys_are_equal_exactly_where_the_prefixes_are() -> None:
+    trace = _trace()
+    keys = {}
+    for tr, parts in zip(trace, iter_prompt_parts(trace, VOCAB, 16)):
+        ids = tr.prompt_token_ids(VOCAB)
+        for i, k in enumerate(parts.keys):
+            keys.setdefault(k, set()).add(tuple(ids[:(i + 1) * 16]))
+    assert all(len(prefixes) == 1 for prefixes in keys.values())
+    prefixes = [p for ps in keys.values() for p in ps]
+    assert len(set(prefixes)) == len(prefixes) == len(keys)
+    assert len(keys) < sum(tr.input_tokens // 16 for tr in trace)  # some are shared
+
+
+def test_lazy_token_ids_read_and_grow_as_the_list() -> None:
+    tr = TraceRequest("one", 0.0, 37, 5, prefix_blocks=(1,), prefix_block_tokens=16)
+    (parts,) = iter_prompt_parts([tr], VOCAB, 16)
+    prompt = LazyPrompt(37, lambda a, b: prompt_ids_slice(tr, VOCAB, a, b), parts.tail_start,
+                        parts.tail, 16, parts.keys)
+    ids = tr.prompt_token_ids(VOCAB)
+    assert prompt == ids and list(prompt) == ids and len(prompt) == 37
+    assert prompt[-1] == ids[-1] and prompt[3] == ids[3] and prompt[5:40:3] == ids[5:40:3]
+    with pytest.raises(IndexError):
+        prompt[37]
+    lazy, plain = LazyTokenIds(prompt), list(ids)
+    for tokens in ([7], [8, 9, 10], []):
+        lazy += tokens
+        plain += tokens
+    lazy.append(11)
+    plain.append(11)
+    assert len(lazy) == len(plain) and list(lazy) == plain and lazy == plain
+    for s in (slice(30, 42), slice(0, 5), slice(37, 41), slice(40, 100), slice(None, None, 2)):
+        assert lazy[s] == plain[s]
+    assert lazy[-1] == 11 and lazy[36] == ids[36]
+
+
+def test_requests_chain_on_from_the_keys_over_their_ids() -> None:
+    """A lazy request's hashes: its prompt's keys, then the plain chain from the last of them
+    over the ids after (a decode's blocks hashed as the plain path hashes them)."""
+    trace = _trace()
+    for lazy, plain in zip(_engine_requests(trace, VOCAB, 16),
+                           _engine_requests(trace, VOCAB, 16, lazy=False)):
+        assert isinstance(lazy.all_token_ids, LazyTokenIds) and lazy.all_token_ids == plain.all_token_ids
+        for r in (lazy, plain):
+            r.all_token_ids += [17] * 40
+        n = len(plain.all_token_ids)
+        update_block_hashes(lazy, 16, n)
+        keys = lazy.block_hashes[:len(plain.prompt_token_ids) // 16]
+        reference = Request(lazy.request_id, list(plain.prompt_token_ids), SamplingParams(),
+                            0.0, lora=lazy.lora)
+        reference.all_token_ids += [17] * 40
+        reference.block_hashes = list(keys)  # the keys standing in for the prompt's chain
+        assert lazy.block_hashes == _update_block_hashes_plain(reference, 16, n)
+
+
+@pytest.mark.parametrize("settings", [
+    {"scheduling_policy": "fair", "max_num_seqs": 16, "num_gpu_blocks_override": 120},
+    {"preemption_mode": "recompute", "num_gpu_blocks_override": 60, "max_num_seqs": 32},
+    {"num_replicas": 2, "router": "prefix-affinity", "num_gpu_blocks_override": 200},
+    {"enable_lora": True, "max_loras": 2, "block_size": 32},
+], ids=["fair", "recompute", "prefix-affinity", "lora-block-32"])
+def test_lazy_prompts_give_the_run_folders_of_the_plain_lists(settings: dict,
+                                                              tmp_path: Path) -> None:
+    trace = _trace()
+    if not settings.get("enable_lora"):
+        trace = [dataclasses.replace(tr, lora=None) for tr in trace]
+    wl = synthetic_trace(SyntheticConfig(num_requests=80, input_len=300, output_len=30,
+                                         range_ratio=0.8, prefix_len=128, prefix_share=0.5,
+                                         seed=11))
+    for name, tr in (("mixed", trace), ("synthetic", wl)):
+        cfg = SimConfig(**SMALL, **settings)
+        folders = [write_sim_run(simulate(cfg, tr, lazy_prompts=lazy), tmp_path / f"{name}-{lazy}",
+                                 {"trace": name}) for lazy in (True, False)]
+        for f in ("requests.csv", "steps.csv", "summary.json", "tenants.csv"):
+            assert (folders[0] / f).read_bytes() == (folders[1] / f).read_bytes(), (name, f)

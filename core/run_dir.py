@@ -94,7 +94,12 @@ def _itl_texts(records: list[RequestRecord]) -> list[str]:
     if zero.any() and np.signbit(gaps[zero]).any():  # unique() would merge -0.0 into 0.0
         texts = [f"{g:.6g}" for g in gaps.tolist()]
     else:
-        distinct, index = np.unique(gaps, return_inverse=True)
+        distinct = np.sort(gaps)  # np.unique(gaps, return_inverse=True), without its argsort
+        keep = np.empty(len(distinct), bool)
+        keep[0] = True
+        np.not_equal(distinct[1:], distinct[:-1], out=keep[1:])  # (each nan kept: all "nan")
+        distinct = distinct[keep]
+        index = np.searchsorted(distinct, gaps)  # its first equal entry (nan: the first nan)
         texts = np.array([f"{g:.6g}" for g in distinct.tolist()], dtype=object)[index].tolist()
     out, start = [], 0
     for n in lengths:

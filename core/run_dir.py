@@ -204,7 +204,13 @@ def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:
     if set(map(type, values)) != {kind}:
         other = np.flatnonzero(~np.fromiter(map(is_, map(type, values), repeat(kind)), bool,
                                             n)).tolist()
-    elif kind is int and (min(values) < 0 or max(values) >= 10 ** 18):  # (no sign, int64)
+    elif kind is int:  # (no sign, int64): the bounds checked on the array, in C
+        try:
+            array = np.fromiter(values, np.int64, n)
+        except OverflowError:
+            array = None
+        if array is not None and (not n or (array.min() >= 0 and array.max() < 10 ** 18)):
+            return array
         other = [i for i, v in enumerate(values) if not 0 <= v < 10 ** 18]
     if other:
         odd[other] = True

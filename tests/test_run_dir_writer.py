@@ -47,7 +47,9 @@ def test_steps_text_equals_the_plain_lines() -> None:
              (7.5, math.nan, True, 2, 3, 4, 5, -0.0, 0, 0),
              (7.5, 0.25, -1, 2, 3, 4, 5, 0.5, 10**19, 0),
              (8, 0.25, 1, 2, 3, 4, 5, 1, 0, 0),
-             (9.5, 0.25, 1, 2, 3, 4, 5, 2.5e6, 0, 0)]
+             (9.5, 0.25, 1, 2, 3, 4, 5, 2.5e6, 0, 0),
+             # out-of-range ints in columns of ints only (the bounds checked on the array)
+             (9.75, 0.25, 1, 2, 3, -4, 10**18, 0.5, 0, 0)]
     columns = [list(c) for c in zip(*rows)]
     want = "".join(map(run_dir._step_line, rows))
     assert run_dir._steps_text(columns) == want

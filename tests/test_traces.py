@@ -65,6 +65,35 @@ def test_request_validation_names_the_field(field: str, value: object) -> None:
         TraceRequest(**kwargs)
 
 
+def test_the_fast_field_check_passes_only_what_the_plain_checks_pass() -> None:
+    """``__post_init__``'s one-test fast path against ``_check_fields``, field by field."""
+    good = {"request_id": "r", "arrival_time": 0.5, "input_tokens": 10, "output_tokens": 5,
+            "tenant": "t", "priority": 0, "prefix_blocks": (), "prefix_block_tokens": 16,
+            "lora": None}
+    odd: dict[str, list[object]] = {
+        "request_id": ["", 3, None], "arrival_time": [0, 0.0, -0.0, -1e-9, math.inf, math.nan, True, "1"],
+        "input_tokens": [1, 0, -2, True, 3.0], "output_tokens": [1, 0, False, 2.0],
+        "tenant": ["", 5], "priority": [-(2**63), -(2**63) - 1, 2**70, True, 1.0],
+        "prefix_blocks": [[], (1,), (-1,), (1, 2)], "prefix_block_tokens": [1, 0, True],
+        "lora": ["a", "", 7]}
+    for field, values in odd.items():
+        for value in values:
+            try:
+                r = TraceRequest(**{**good, field: value})
+            except ValueError:
+                with pytest.raises(ValueError):  # refused by the plain checks themselves
+                    _unchecked(**{**good, field: value})._check_fields()
+                continue
+            r._check_fields()  # accepted: the plain checks accept it too
+
+
+def _unchecked(**fields: object) -> TraceRequest:
+    r = object.__new__(TraceRequest)
+    for k, v in fields.items():
+        object.__setattr__(r, k, v)
+    return r
+
+
 def test_prefix_blocks_must_fit_the_prompt() -> None:
     TraceRequest("r", 0.0, 33, 1, prefix_blocks=(1, 2, 3))  # last block covers 1 token
     with pytest.raises(ValueError, match="prefix_blocks"):

@@ -79,8 +79,9 @@ def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: 
     after = speed_probe(runner)
     cal = fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
                       measured.lora, engine_args.tensor_parallel_size)
-    # the probe at the calibration's mean speed: timed before and after the grid, averaged
-    probe = {k: (before[k] + after[k]) / 2 for k in before}
+    # the probe at the speed the fit stands for: with the engine loop (run last, it sets the
+    # profile's level) the probe right after it; without, the grid's, before and after averaged
+    probe = after if engine_loop else {k: (before[k] + after[k]) / 2 for k in before}
     cal.params = dataclasses.replace(cal.params, speed_probe=probe)
     if log is not None:
         log(f"host-speed probe: {len(probe)} steps, after the measurement "

@@ -14,6 +14,10 @@
    (half their range over the median, in %). A metric passes when its error is within its target
    (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%) or within the spread
    where the spread is larger (marked ``~``). ``OUT/fidelity_study.csv`` holds every row.
+4. Each workload simulated again with the profile scaled to the host's speed during its replays
+   (``validate --at-host-speed``: each replay's speed probe against the profile's), the
+   ``at host`` columns: the twin's error without the host's drift since calibration; the row
+   ``host_speed_vs_profile`` gives that speed.
 
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
 time-scaled near the engine's saturation) so that the whole study, calibration included, runs in

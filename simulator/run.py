@@ -33,7 +33,12 @@ from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
-from twinserve.traces.trace_request import PromptParts, iter_prompt_parts, prompt_ids_slice
+from twinserve.traces.trace_request import (
+    PromptParts,
+    iter_prompt_parts,
+    iter_prompt_token_ids,
+    prompt_ids_slice,
+)
 
 DEFAULT_SIM_MODEL = "llama-3-8b"
 DEFAULT_SIM_HARDWARE = "h100-sxm"
@@ -168,7 +173,7 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
     shared: dict[int, SamplingParams] = {}
     prompts = (map(partial(_lazy_prompt, vocab_size, block_size), trace,
                    iter_prompt_parts(trace, vocab_size, block_size)) if lazy
-               else (tr.prompt_token_ids(vocab_size, block_size) for tr in trace))
+               else iter_prompt_token_ids(trace, vocab_size))
     for tr, prompt in zip(trace, prompts):
         params = shared.get(tr.output_tokens)
         if params is None:

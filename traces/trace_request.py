@@ -168,7 +168,7 @@ def prompt_ids_slice(request: TraceRequest, vocab_size: int, start: int, stop: i
 
 
 _KEY_SALT = _U64(0xB10C_CA5E_0000_0002)
-_PREFIX_KEY = "twinserve-prefix-block"
+_PREFIX_KEY = 0x5AFE_B10C_0000_0003  # an int: str hashes change per process
 
 
 @dataclass(slots=True, frozen=True)

@@ -4,7 +4,9 @@ Between two events (an arrival, a finish, a step that would fail to get a block)
 decodes repeats the same step: every running request gets one token, the waiting queue stays
 empty, nothing is preempted. The scheduler's per-step work is then predictable, so the twin
 (``simulator.engine``) advances ``k`` such steps at once instead of calling ``schedule`` and
-``update_from_output`` ``k`` times::
+``update_from_output`` ``k`` times. A run's last step may be the one where its first requests
+sample their last token (``DecodeRun.finishing``): they end there, as ``update_from_output``
+would end them, and the next run starts from the smaller batch::
 
     run = plan_decode_run(scheduler, token)        # None unless the next steps are such a run
     for each step the twin's clock allows (at most run.max_steps):
@@ -30,7 +32,7 @@ from itertools import accumulate
 from twinserve.core.block_hash import update_block_hashes
 from twinserve.core.kv_cache_manager import KVCacheManager
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
-from twinserve.core.request import RequestStatus
+from twinserve.core.request import Request, RequestStatus
 from twinserve.core.scheduler import Scheduler
 
 _RUNNING = RequestStatus.RUNNING
@@ -46,6 +48,9 @@ class DecodeRun:
     max_steps: int
     out: SchedulerOutput
     starts: list[int]  # each running request's num_computed_tokens before the run
+    # the requests whose last token step ``max_steps`` samples (none when the free blocks end
+    # the run first); they finish when the run is applied in full
+    finishing: list[Request]
 
     def next_step(self) -> None:
         """Moves ``out`` to the following step: every context one token longer."""
@@ -63,8 +68,9 @@ class DecodeRun:
 
     def apply(self, ends: list[float]) -> list[int]:
         """Applies ``len(ends)`` steps (``ends``: their end times), as ``schedule`` and
-        ``update_from_output`` would have, one step after the other. Returns the free device
-        blocks after each step (its step row's KV usage)."""
+        ``update_from_output`` would have, one step after the other, ending the ``finishing``
+        requests when the last step is the run's last (``finished`` says which ended). Returns
+        the free device blocks after each step (its step row's KV usage)."""
         k = len(ends)
         if not 0 < k <= self.max_steps:
             raise ValueError(f"a decode run of {self.max_steps} steps cannot apply {k}.")
@@ -91,7 +97,15 @@ class DecodeRun:
                     on_tokens(request, 1)
         sched.num_generation_tokens += k * len(running)
         sched.drop_finished_ids()  # what the run's first step would have handed the backend
+        if k == self.max_steps and self.finishing:
+            sched.finish_at_length(self.finishing, ends[-1])
+            free_after[-1] = sched.kv.pool.free_queue.num_free
         return free_after
+
+    @property
+    def finished(self) -> list[Request]:
+        """The requests that ended in the steps applied (after ``apply``)."""
+        return [r for r in self.finishing if r.status != _RUNNING]
 
     def _block_events_at_once(self, k: int) -> list[int] | None:
         """``_block_events(k)`` with every new block of the run taken in one ``allocate`` and
@@ -212,9 +226,10 @@ class DecodeRun:
 
 def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     """The run of decode-only steps ``sched`` would schedule next, each request sampling
-    ``token``; None unless at least one such step precedes the next finish. Ineligible: waiting
-    requests, LoRA, n > 1 samples, policies that watch the clock, pending block copies, a budget
-    below the batch, a request whose stop ids hold ``token``."""
+    ``token``, up to the step where the first requests sample their last token (or the last
+    step the free blocks cover); None where the next step is not such a step. Ineligible:
+    waiting requests, LoRA, n > 1 samples, policies that watch the clock, pending block copies,
+    a budget below the batch, a request whose stop ids hold ``token``."""
     running, bs = sched.running, sched.kv.block_size
     n = len(running)
     if (not n or len(sched.policy) or sched.loras is not None or not sched.is_plain_decoding
@@ -228,16 +243,18 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
                 or start < request.num_prompt_tokens or token in request.stop_ids
                 or (request.decode_entry is None and not start % bs)):
             return None  # (a first decode that starts a block takes the step's own path)
-        # the step producing the last token is left to the step-by-step path (it finishes)
-        left = request.max_output_tokens - len(request.output_token_ids) - 1
+        left = request.max_output_tokens - len(request.output_token_ids)  # its steps to go
         if left < max_steps:
             max_steps = left
         starts.append(start)
     if max_steps <= 0:
         return None
+    last = max_steps
     max_steps = _steps_with_blocks(sched, starts, max_steps)
     if max_steps <= 0:
         return None
+    finishing = [] if max_steps < last else [
+        r for r in running if r.max_output_tokens - len(r.output_token_ids) == last]
     for request, start in zip(running, starts):
         if request.decode_entry is None:  # its first decode: the entry that step would make
             # (its slot lies in its last block: the step would have read the table as it is)
@@ -249,7 +266,7 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
     out.sum_context_tokens = out.sum_decode_context_tokens = sum(starts) + n
     out.max_decode_context = max(starts) + 1
-    return DecodeRun(sched, token, max_steps, out, starts)
+    return DecodeRun(sched, token, max_steps, out, starts, finishing)
 
 
 def _steps_with_blocks(sched: Scheduler, starts: list[int], max_steps: int) -> int:

@@ -275,9 +275,10 @@ class StepLog(Sequence[StepRecord]):
 
     def record_decode_run(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
                           ends: list[float], free_after: list[int], replica: int = 0,
-                          with_tenants: bool = True) -> None:
+                          with_tenants: bool = True, num_finished: int = 0) -> None:
         """The rows of a run of decode-only steps (``core.decode_run``) from ``start``: the rows
-        ``record_step`` would have appended for each (``free_after``: free blocks after each)."""
+        ``record_step`` would have appended for each (``free_after``: free blocks after each;
+        ``num_finished``: requests the last step ended, no longer running after it)."""
         tenants = _tenant_tokens(out) if with_tenants else None
         total = len(scheduler.kv.pool.blocks)
         n, waiting, k = len(out.scheduled), len(scheduler.policy), len(ends)
@@ -292,6 +293,8 @@ class StepLog(Sequence[StepRecord]):
         for col, value in ((seqs, n), (prefill, 0), (decode, n), (running, n),
                            (queued, waiting), (preempted, 0), (rep, replica)):
             col += [value] * k
+        if num_finished:
+            running[-1] = n - num_finished
 
     def columns(self) -> tuple[list, ...]:
         """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast

@@ -159,6 +159,13 @@ class Scheduler:
         would have handed them out (``core.decode_run``)."""
         self._finished_ids = []
 
+    def finish_at_length(self, requests: list[Request], now: float) -> None:
+        """Ends running requests that just sampled their last allowed token, as
+        ``update_from_output`` does at the end of their step (``core.decode_run``'s last step)."""
+        for request in requests:
+            self._finish(request, _LENGTH_CAPPED, now)
+        self.running = [r for r in self.running if r.status <= _PREEMPTED]
+
     def _check_admission(self, request: Request) -> None:
         """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound. The
         request bound counts only the requests that will have to wait (those beyond the free

@@ -143,12 +143,16 @@ class StepDriver:
 
     def complete_decode_run(self, run: DecodeRun, start: float, ends: list[float]) -> None:
         """Applies a run of decode-only steps from ``start`` to ``ends[-1]`` and records its
-        steps (the twin's fast path, ``core.decode_run``; no request finishes in a run)."""
+        steps and the requests its last step finished (the twin's fast path,
+        ``core.decode_run``)."""
         free_after = run.apply(ends)
+        finished = run.finished if run.finishing else ()
         rec = self.recorder
         if rec.record_steps:
             rec.steps.record_decode_run(run.out, self.scheduler, start, ends, free_after,
-                                        self.replica, rec.record_tenants)
+                                        self.replica, rec.record_tenants, len(finished))
+        if finished:
+            self._record_finished([r.request_id for r in finished])
 
     def end_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Tells the observers about a step that scheduled work."""

@@ -144,12 +144,16 @@ def engine_process(env: simpy.Environment, replica: Replica):
             horizon = peek()
         complete(out, sampled, now, end)
         now = end
+        # runs of decode-only steps follow one another while each reaches its last step (the
+        # finish of its first requests) before anything else is due
         run = plan(sched, SIMULATED_TOKEN) if decode_runs else None
-        if run is not None:
+        while run is not None:
             ends = _decode_run_ends(run, step_time, run_ends, now, horizon, base)
-            if ends:
-                complete_run(run, now, ends)
-                now = ends[-1]
+            if not ends:
+                break
+            complete_run(run, now, ends)
+            now = ends[-1]
+            run = plan(sched, SIMULATED_TOKEN) if len(ends) == run.max_steps else None
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],

@@ -14,6 +14,7 @@ from core_helpers import fake_execute, make_req, make_scheduler, step
 
 from twinserve.core import decode_run
 from twinserve.core.decode_run import DecodeRun, plan_decode_run
+from twinserve.core.request import RequestStatus
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.simulator import SimConfig, SimResult, simulate
 from twinserve.simulator.structured_cost import StructuredWorkload
@@ -107,20 +108,61 @@ def _decoding(num: int = 2, max_tokens: int = 10, num_blocks: int = 64,
     return sched
 
 
-def test_a_run_covers_the_steps_before_the_first_finish() -> None:
+def test_a_run_covers_the_steps_up_to_the_first_finish() -> None:
     sched = _decoding(max_tokens=10)
     run = plan_decode_run(sched, TOKEN)
-    assert run is not None and run.max_steps == 10 - 2 - 1  # the finishing step is left out
+    assert run is not None and run.max_steps == 10 - 2  # the finishing step included
+    assert [r.request_id for r in run.finishing] == ["r0", "r1"]
     assert (run.out.num_decode_seqs, run.out.total_num_scheduled_tokens) == (2, 2)
     assert run.out.sum_decode_context_tokens == 2 * 22  # each decode attends to 21 + 1 positions
     run.next_step()
     assert (run.out.sum_context_tokens, run.out.max_decode_context) == (2 * 23, 23)
 
 
-@pytest.mark.parametrize("blocker", ["waiting", "stop-token", "multi-sample", "last-token"])
+def _two_lengths(caching: bool = True):
+    """r0 (8 tokens) and r1 (13) after their prefill and first decode, 4-token blocks."""
+    sched = make_scheduler(num_blocks=64, block_size=4, enable_prefix_caching=caching)
+    for rid, out in (("r0", 8), ("r1", 13)):
+        sched.add_request(make_req(rid, 19, out))
+    step(sched, 0.0, TOKEN)
+    step(sched, 0.01, TOKEN)
+    return sched
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_runs_last_step_finishes_its_first_requests_as_the_steps_would(caching: bool) -> None:
+    fast, reference = _two_lengths(caching), _two_lengths(caching)
+    now, ends = 0.02, []
+    while fast.running:
+        run = plan_decode_run(fast, TOKEN)
+        assert run is not None and run.finishing  # each run ends at a finish: 6 then 5 steps
+        ends = [now + 0.01 * (k + 1) for k in range(run.max_steps)]
+        free_after = run.apply(ends)
+        assert [r.status for r in run.finished] == [RequestStatus.FINISHED_LENGTH_CAPPED]
+        for end, free in zip(ends, free_after):
+            out = reference.schedule(end - 0.01)
+            finished = [o.request_id for o in
+                        reference.update_from_output(out, fake_execute(out, TOKEN), end)
+                        if o.finished]
+            assert reference.kv.num_free_blocks == free
+        assert finished == [r.request_id for r in run.finished]
+        (done,) = run.finished
+        assert done.finish_time == ends[-1] and len(done.token_times) == done.max_output_tokens
+        assert _kv_state(fast) == _kv_state(reference)
+        fast.kv.check_consistency()
+        now = ends[-1]
+    assert not reference.running and fast.kv.num_free_blocks == reference.kv.num_free_blocks
+
+
+def test_a_run_cut_short_by_the_blocks_finishes_nothing() -> None:
+    sched = _decoding(max_tokens=40, num_blocks=16)
+    run = plan_decode_run(sched, TOKEN)
+    assert run is not None and run.max_steps < 40 - 2 and run.finishing == []
+
+
+@pytest.mark.parametrize("blocker", ["waiting", "stop-token", "multi-sample"])
 def test_no_run_when_the_next_step_may_differ(blocker: str) -> None:
-    sched = _decoding(max_tokens=3 if blocker == "last-token" else 10,
-                      stop_token_ids=(TOKEN,) if blocker == "stop-token" else ())
+    sched = _decoding(max_tokens=10, stop_token_ids=(TOKEN,) if blocker == "stop-token" else ())
     token = TOKEN
     if blocker == "waiting":
         sched.add_request(make_req("late", 20))
@@ -137,7 +179,7 @@ def test_a_run_stops_where_the_free_blocks_end() -> None:
     run = plan_decode_run(sched, TOKEN)
     assert run is not None
     # both start a block when position 24, 28, ... comes (steps 3, 7, ...): 2 blocks per 4 steps
-    assert run.max_steps == 3 + 4 * (free // 2) < 40 - 3
+    assert run.max_steps == 3 + 4 * (free // 2) < 40 - 2
     run.apply([0.02 + 0.01 * k for k in range(run.max_steps)])
     sched.kv.check_consistency()
     assert sched.kv.num_free_blocks == 0

@@ -291,10 +291,12 @@ class StepLog(Sequence[StepRecord]):
         duration += map(sub, ends, starts)
         kv += [1.0 - free / total for free in free_after] if total else [0.0] * k
         for col, value in ((seqs, n), (prefill, 0), (decode, n), (running, n),
-                           (queued, waiting), (preempted, 0), (rep, replica)):
+                           (queued, 0), (preempted, 0), (rep, replica)):
             col += [value] * k
-        if num_finished:
-            running[-1] = n - num_finished
+        # A run starts with nothing waiting; requests may arrive during its last step (recorded
+        # after them), and the requests it finishes have left the batch by then.
+        queued[-1] = waiting
+        running[-1] = n - num_finished
 
     def columns(self) -> tuple[list, ...]:
         """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast

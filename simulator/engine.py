@@ -70,6 +70,10 @@ class Replica:
     # Advance runs of decode-only steps in one call (core.decode_run); False: step by step, the
     # reference. Only for step times that read the step's aggregates, not its entries' contexts.
     decode_runs: bool = True
+    # The only replica: then the arrival process alone acts while a step runs, and it reads
+    # nothing a decode run changes before its last update (running and waiting counts), so a
+    # run may take in the step during which the next arrival comes (see ``engine_process``).
+    alone: bool = False
 
     def __post_init__(self) -> None:
         self.driver.on_release = self.tokens.release
@@ -109,7 +113,9 @@ def engine_process(env: simpy.Environment, replica: Replica):
     its own: the loop keeps the time in ``now`` and yields once something else is due. The times
     are the very floats SimPy would have produced (``start + duration`` each step; a step is only
     run ahead when one addition brings SimPy's clock exactly to its end), so only the number of
-    events differs, not the results.
+    events differs, not the results. A lone replica's decode run also takes in the step during
+    which the next event comes: the run yields for it before it applies its steps, as the
+    step-by-step path yields between that step's schedule and its update.
     """
     driver = replica.driver
     sched = driver.scheduler
@@ -118,6 +124,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
     # driver.schedule and driver.complete with their lookups done once (this runs every step)
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
+    alone = replica.alone
     # a plain roofline computes a run's step ends in one call (_decode_run_ends: the reference)
     run_ends = decode_run_ends_of(step_time)
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
@@ -149,11 +156,22 @@ def engine_process(env: simpy.Environment, replica: Replica):
         run = plan(sched, SIMULATED_TOKEN) if decode_runs else None
         while run is not None:
             ends = _decode_run_ends(run, step_time, run_ends, now, horizon, base)
-            if not ends:
+            crossing = alone and len(ends) < run.max_steps
+            if crossing:  # the next step ends at or past the horizon: SimPy catches up first
+                start = ends[-1] if ends else now
+                duration = step_time(run.out)
+                if start != base:
+                    yield timeout(start - base)
+                yield timeout(duration)
+                base = start + duration
+                ends.append(base)
+                horizon = peek()
+            elif not ends:
                 break
             complete_run(run, now, ends)
             now = ends[-1]
-            run = plan(sched, SIMULATED_TOKEN) if len(ends) == run.max_steps else None
+            run = plan(sched, SIMULATED_TOKEN) if crossing or len(ends) == run.max_steps \
+                else None
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],

@@ -219,7 +219,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                       [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
                                           recorder, i), step_time,
-                            decode_runs=decode_runs)
+                            decode_runs=decode_runs, alone=cfg.num_replicas == 1)
                     for i, (policy, step_time) in enumerate(zip(_policies(cfg), step_times))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))

@@ -15,6 +15,7 @@ from core_helpers import fake_execute, make_req, make_scheduler, step
 from twinserve.core import decode_run
 from twinserve.core.decode_run import DecodeRun, plan_decode_run
 from twinserve.core.request import RequestStatus
+from twinserve.core.scheduler import Scheduler
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.simulator import SimConfig, SimResult, simulate
 from twinserve.simulator.structured_cost import StructuredWorkload
@@ -57,6 +58,24 @@ def azure_slice() -> list[TraceRequest]:
 
 def test_default_replay_of_an_azure_slice(monkeypatch, azure_slice) -> None:
     _assert_same(monkeypatch, SimConfig(), azure_slice, 0.5)
+
+
+def test_a_lone_replica_schedules_in_full_only_the_steps_that_admit(monkeypatch,
+                                                                     azure_slice) -> None:
+    # runs end at finishes and take in the step an arrival comes during, so nearly every full
+    # schedule() call is a step that takes in a prompt (the rest: first decodes starting a block)
+    calls = [0]
+    schedule = Scheduler.schedule
+
+    def counted(self: Scheduler, now: float):
+        calls[0] += 1
+        return schedule(self, now)
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    result = simulate(SimConfig(), azure_slice)
+    prefills = sum(1 for s in result.steps if s.num_prefill_tokens)
+    assert prefills <= calls[0] <= prefills + 0.1 * len(azure_slice)
+    assert len(result.steps) > 20 * calls[0]
 
 
 @pytest.mark.parametrize("changes", [

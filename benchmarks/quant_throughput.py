@@ -9,7 +9,8 @@ Workloads (the same prompt token ids for every engine, 32 tokens each, greedy, n
 
 Engines (``--engines``): ``gguf`` twinserve on the file's blocks as it runs by default (the fused
 decode step, int8 activations); ``gguf-fp32act`` the same with fp32 activations (the exact path);
-``gguf-perop`` without the fused step (the per-op reference path, int8 activations); ``fp32`` the
+``gguf-perop`` without the fused step (the per-op reference path, int8 activations); ``gguf-rows``
+the fused step on the file's rows (no 8-row packed copy of the Q4 projections); ``fp32`` the
 converted fp32 directory; ``llama.cpp`` llama-cpp-python in its own venv on the same file.
 
 Then the batch-1 decode step against the physical limit: the bytes a step streams (the
@@ -50,8 +51,10 @@ VARIANTS = {
     "gguf-fp32act": ("twinserve gguf (fused, fp32 act.)",
                      {"TWINSERVE_QUANT_ACTIVATIONS": "fp32"}),
     "gguf-perop": ("twinserve gguf (per-op, int8 act.)", {"TWINSERVE_FUSED_DECODE": "0"}),
+    "gguf-rows": ("twinserve gguf (fused, unpacked rows)", {"TWINSERVE_FUSED_PACKED": "0"}),
 }
-DEFAULT_ENV = {"TWINSERVE_QUANT_ACTIVATIONS": "int8", "TWINSERVE_FUSED_DECODE": "1"}
+DEFAULT_ENV = {"TWINSERVE_QUANT_ACTIVATIONS": "int8", "TWINSERVE_FUSED_DECODE": "1",
+               "TWINSERVE_FUSED_PACKED": "1"}
 
 
 class Twinserve:

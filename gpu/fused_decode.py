@@ -9,6 +9,11 @@ only where it is valid; elsewhere ``unsupported_reason`` names why and the refer
 CPU, fp32 activations and KV cache, one RoPE table, SiLU gated MLP, plain RMSNorm, no sliding
 window, soft-capping, q/k norm, bias, MoE, LoRA or tensor parallelism, every projection one
 quantized part. ``TWINSERVE_FUSED_DECODE=0`` switches it off.
+
+Q4_0 and Q4_1 projections are also kept repacked into 8-row groups (``csrc/quant_packed.h``,
+made once when the step is built; the int8 products stream that copy, the fp32-activation ones
+and the per-op path the file's rows): ``TWINSERVE_FUSED_PACKED=0`` leaves them unpacked (the
+reference the tests and the benchmark compare with).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from twinserve.gpu.quantization.quant_tensor import (
 )
 
 ENV = "TWINSERVE_FUSED_DECODE"
+PACKED_ENV = "TWINSERVE_FUSED_PACKED"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -36,14 +42,19 @@ def fused_enabled() -> bool:
     return env_choice(ENV, "1", ("0", "1")) == "1"
 
 
+def packed_enabled() -> bool:
+    return env_choice(PACKED_ENV, "1", ("0", "1")) == "1"
+
+
 @dataclass(slots=True)
 class FusedDecode:
     """The kernel's flattened arguments for one model: ``weights`` (10 per layer, then the final
-    norm) and ``formats`` (format id and group of each projection) as ``fused_decode.cpp``
-    documents them."""
+    norm), ``formats`` (format id and group of each projection) and ``packed`` (each projection's
+    8-row packed copy, or an empty tensor) as ``fused_decode.cpp`` documents them."""
 
     weights: list[torch.Tensor]
     formats: list[int]
+    packed: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
     num_heads: int
@@ -57,12 +68,15 @@ class FusedDecode:
         return all(fmt in Q8_DOT_IDS for fmt in self.formats[::2])
 
     @classmethod
-    def for_model(cls, model: CausalLM) -> FusedDecode:
+    def for_model(cls, model: CausalLM, pack: bool | None = None) -> FusedDecode:
+        """``pack``: keep Q4_0/Q4_1 projections repacked (default: ``TWINSERVE_FUSED_PACKED``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused decode step does not apply: {reason}.")
+        pack = packed_enabled() if pack is None else pack
         weights: list[torch.Tensor] = []
         formats: list[int] = []
+        packed: list[torch.Tensor] = []
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             weights.append(layer.input_layernorm.data)
@@ -73,10 +87,13 @@ class FusedDecode:
                 assert part.fmt is not None
                 weights += [part.data, part.row_scale]
                 formats += [part.fmt.fmt_id, part.group]
+                packed.append(cpu_kernel.quant_pack(part.data, part.fmt.fmt_id, part.in_features)
+                              if pack and part.fmt.fmt_id in cpu_kernel.PACKED_IDS
+                              else part.data.new_empty(0, 0))
         weights.append(model.norm.data)
         first = model.layers[0]
         assert isinstance(first, DecoderLayer)
-        return cls(weights, formats, model.ropes[0].cos, model.ropes[0].sin, first.num_heads,
+        return cls(weights, formats, packed, model.ropes[0].cos, model.ropes[0].sin, first.num_heads,
                    first.num_kv_heads, model.config.rms_norm_eps, first.scale)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -84,7 +101,7 @@ class FusedDecode:
             meta: AttentionMetadata) -> torch.Tensor:
         """Final normed hidden states ``[T, hidden]``; writes this step's K/V."""
         return torch.ops.twinserve_quant.fused_decode_step(
-            hidden.float().contiguous(), self.weights, self.formats,
+            hidden.float().contiguous(), self.weights, self.formats, self.packed,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], self.cos, self.sin,
             positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, self.num_heads,
             self.num_kv_heads, self.eps, self.scale, int8_activations())

@@ -11,6 +11,8 @@
 //   weights[10 l + 0..9] = input_norm, qkv, qkv_scale, o, o_scale, post_norm, gate_up, gate_up_scale,
 //                          down, down_scale; weights[10 L] = the final norm
 //   formats[8 l + 0..7]  = (format id, group) of qkv, o, gate_up, down
+//   packed[4 l + 0..3]   = qkv, o, gate_up, down in the 8-row packed layout (quant_packed.h), or
+//                          empty: the int8 products read it where present (Q4_0, Q4_1)
 // A product takes the integer path (quant_q8.h) when `q8` is set and its format has one, else the
 // fp32-activation path (quant_blocks.h): the reference path makes the same choice.
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 
 #include "paged_attention.h"
 #include "quant_blocks.h"
+#include "quant_packed.h"
 #include "quant_q8.h"
 
 namespace {
@@ -31,7 +34,8 @@ using namespace twinserve_quant;
 
 struct Linear {
   const uint8_t* data;
-  const float* scale;  // nullptr: no row scale
+  const float* scale;   // nullptr: no row scale
+  const uint8_t* packed;  // nullptr: not packed
   int64_t rows, fmt, group;
 };
 
@@ -45,8 +49,8 @@ struct Dims {
   int64_t tokens, hidden, heads, kv_heads, head_dim, inter;
 };
 
-Linear linear_at(const std::vector<at::Tensor>& w, const std::vector<int64_t>& f, size_t wi, size_t fi,
-                 int64_t in_features) {
+Linear linear_at(const std::vector<at::Tensor>& w, const std::vector<int64_t>& f, const at::Tensor& packed,
+                 size_t wi, size_t fi, int64_t in_features) {
   const at::Tensor& data = w[wi];
   const at::Tensor& scale = w[wi + 1];
   const int64_t fmt = f[fi], group = f[fi + 1];
@@ -58,8 +62,13 @@ Linear linear_at(const std::vector<at::Tensor>& w, const std::vector<int64_t>& f
   });
   TORCH_CHECK(scale.numel() == 0 || (scale.scalar_type() == at::kFloat && scale.numel() == data.size(0)),
               "fused_decode_step: row scale ", wi + 1, " must be fp32 [rows] or empty");
+  if (packed.numel()) {
+    TORCH_CHECK(packable(fmt) && packed.is_contiguous() && packed.dim() == 2 && packed.element_size() == 1 &&
+                    packed.size(0) == packed_groups(data.size(0)) && packed.size(1) == data.size(1) * kGroupRows,
+                "fused_decode_step: the packed copy of weight ", wi, " does not match it");
+  }
   return {static_cast<const uint8_t*>(data.data_ptr()), scale.numel() ? scale.data_ptr<float>() : nullptr,
-          data.size(0), fmt, group};
+          packed.numel() ? static_cast<const uint8_t*>(packed.data_ptr()) : nullptr, data.size(0), fmt, group};
 }
 
 const float* vector_at(const at::Tensor& t, int64_t n, const char* what) {
@@ -88,7 +97,8 @@ struct Product {
     if (q8 && has_q8_dot(w.fmt)) {
       xq.resize(tokens * k / 32);
       for (int64_t t = 0; t < tokens; ++t) quantize_row_q8(x + t * k, k, xq.data() + t * (k / 32));
-      matmul_q8(xq.data(), tokens, k, w.data, w.rows, out, w.fmt);
+      if (w.packed) matmul_q8_packed(xq.data(), tokens, k, w.packed, w.rows, out, w.fmt);
+      else matmul_q8(xq.data(), tokens, k, w.data, w.rows, out, w.fmt);
     } else {
       matmul_f32(x, tokens, k, w.data, w.scale, w.rows, out, w.fmt, w.group);
     }
@@ -172,14 +182,15 @@ void layer_step(const Layer& ly, const Dims& dm, float eps, const Attention& att
 }
 
 at::Tensor fused_decode_step(const at::Tensor& embedded, at::TensorList weights, at::IntArrayRef formats,
-                             at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& cos,
+                             at::TensorList packed, at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& cos,
                              const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& slot_mapping,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                              int64_t num_kv_heads, double eps, double scale, bool q8) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers + 1 && static_cast<int64_t>(formats.size()) == 8 * layers &&
-                  static_cast<int64_t>(value_caches.size()) == layers,
-              "fused_decode_step: 10 weights and 8 formats per layer, one cache pair per layer, then the final norm");
+                  static_cast<int64_t>(value_caches.size()) == layers && static_cast<int64_t>(packed.size()) == 4 * layers,
+              "fused_decode_step: 10 weights, 8 formats and 4 packed copies per layer, one cache pair per layer, "
+              "then the final norm");
   TORCH_CHECK(embedded.scalar_type() == at::kFloat && embedded.dim() == 2, "fused_decode_step: hidden [T, H] fp32");
   const int64_t tokens = embedded.size(0), hidden = embedded.size(1);
   TORCH_CHECK(layers > 0 && key_caches[0].dim() == 4, "fused_decode_step: caches [N, block, Hkv, D]");
@@ -216,8 +227,10 @@ at::Tensor fused_decode_step(const at::Tensor& embedded, at::TensorList weights,
   for (int64_t l = 0; l < layers; ++l) {
     const size_t wi = 10 * l, fi = 8 * l;
     const Layer ly{vector_at(w[wi], hidden, "input norm"), vector_at(w[wi + 5], hidden, "post-attention norm"),
-                   linear_at(w, f, wi + 1, fi, hidden), linear_at(w, f, wi + 3, fi + 2, num_heads * head_dim),
-                   linear_at(w, f, wi + 6, fi + 4, hidden), linear_at(w, f, wi + 8, fi + 6, inter)};
+                   linear_at(w, f, packed[4 * l], wi + 1, fi, hidden),
+                   linear_at(w, f, packed[4 * l + 1], wi + 3, fi + 2, num_heads * head_dim),
+                   linear_at(w, f, packed[4 * l + 2], wi + 6, fi + 4, hidden),
+                   linear_at(w, f, packed[4 * l + 3], wi + 8, fi + 6, inter)};
     TORCH_CHECK(ly.qkv.rows == qkv_rows && ly.o.rows == hidden && ly.gate_up.rows == 2 * inter &&
                     ly.down.rows == hidden, "fused_decode_step: layer ", l, " has other shapes than layer 0");
     const at::Tensor& kc = key_caches[l];
@@ -241,7 +254,7 @@ at::Tensor fused_decode_step(const at::Tensor& embedded, at::TensorList weights,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(twinserve_quant, m) {
-  m.def("fused_decode_step(Tensor hidden, Tensor[] weights, int[] formats, Tensor[] key_caches, "
+  m.def("fused_decode_step(Tensor hidden, Tensor[] weights, int[] formats, Tensor[] packed, Tensor[] key_caches, "
         "Tensor[] value_caches, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, "
         "bool q8) -> Tensor");

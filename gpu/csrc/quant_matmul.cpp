@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "quant_blocks.h"
+#include "quant_packed.h"
 #include "quant_q8.h"
 
 namespace {
@@ -81,6 +82,53 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& row_sca
   return out;
 }
 
+// The file's rows [n, row_bytes] in the 8-row packed layout (quant_packed.h): [groups, blocks * 8 * kBytes].
+at::Tensor quant_pack(const at::Tensor& qweight, int64_t fmt, int64_t k) {
+  at::Tensor out;
+  dispatch_packed(fmt, [&](auto f) {
+    using F = decltype(f);
+    check_weight(at::Tensor(), qweight, at::Tensor(), k, row_bytes_of<F>(k));
+    const int64_t blocks = k / F::kValues;
+    out = at::empty({packed_groups(qweight.size(0)), blocks * kGroupBytes<F>}, qweight.options().dtype(at::kByte));
+    pack_rows<F>(static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(0), blocks,
+                 static_cast<uint8_t*>(out.data_ptr()));
+  });
+  return out;
+}
+
+void check_packed(const at::Tensor& packed, int64_t fmt, int64_t rows, int64_t k) {
+  dispatch_packed(fmt, [&](auto f) {
+    using F = decltype(f);
+    TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.element_size() == 1 &&
+                    packed.size(0) == packed_groups(rows) && packed.size(1) == row_bytes_of<F>(k) * kGroupRows,
+                "packed weight must be contiguous bytes [", packed_groups(rows), ", ",
+                row_bytes_of<F>(k) * kGroupRows, "] for ", rows, " rows of ", k, " inputs");
+  });
+}
+
+at::Tensor quant_unpack(const at::Tensor& packed, int64_t fmt, int64_t rows, int64_t k) {
+  check_packed(packed, fmt, rows, k);
+  at::Tensor out;
+  dispatch_packed(fmt, [&](auto f) {
+    using F = decltype(f);
+    out = at::empty({rows, row_bytes_of<F>(k)}, packed.options());
+    unpack_rows<F>(static_cast<const uint8_t*>(packed.data_ptr()), rows, k / F::kValues,
+                   static_cast<uint8_t*>(out.data_ptr()));
+  });
+  return out;
+}
+
+at::Tensor quant_matmul_q8_packed(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x must be contiguous fp32 [T, K]");
+  const int64_t k = x.size(1), num_tokens = x.size(0);
+  check_packed(packed, fmt, rows, k);
+  const at::Tensor xq = quantize_q8(x);
+  at::Tensor out = at::empty({num_tokens, rows}, x.options());
+  matmul_q8_packed(reinterpret_cast<const XBlock*>(xq.data_ptr()), num_tokens, k,
+                   static_cast<const uint8_t*>(packed.data_ptr()), rows, out.data_ptr<float>(), fmt);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(twinserve_quant, m) {
@@ -89,6 +137,9 @@ TORCH_LIBRARY(twinserve_quant, m) {
   m.def("quant_matmul_q8(Tensor x, Tensor qweight, int fmt) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor row_scale, Tensor rows, int fmt, int group, "
         "int k) -> Tensor");
+  m.def("quant_pack(Tensor qweight, int fmt, int k) -> Tensor");
+  m.def("quant_unpack(Tensor packed, int fmt, int rows, int k) -> Tensor");
+  m.def("quant_matmul_q8_packed(Tensor x, Tensor packed, int fmt, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(twinserve_quant, CPU, m) {
@@ -96,4 +147,7 @@ TORCH_LIBRARY_IMPL(twinserve_quant, CPU, m) {
   m.impl("quant_dequantize", &quant_dequantize);
   m.impl("quantize_q8", &quantize_q8);
   m.impl("quant_matmul_q8", &quant_matmul_q8);
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_unpack", &quant_unpack);
+  m.impl("quant_matmul_q8_packed", &quant_matmul_q8_packed);
 }

@@ -17,7 +17,8 @@ import torch
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (CSRC / "quant_matmul.cpp", CSRC / "fused_decode.cpp")
-HEADERS = (CSRC / "quant_blocks.h", CSRC / "quant_q8.h", CSRC / "paged_attention.h")
+HEADERS = (CSRC / "quant_blocks.h", CSRC / "quant_q8.h", CSRC / "quant_packed.h",
+           CSRC / "paged_attention.h")
 
 # (x[T, K] fp32, qweight[N, row_bytes] bytes, row_scale[N] or [0] fp32, fmt, group) -> [T, N]
 QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
@@ -52,6 +53,29 @@ def quantize_q8(x: torch.Tensor) -> torch.Tensor:
     block fp32 ``d``, fp32 ``s = d * sum(q)``, int8 ``q[32]``."""
     build_quant_kernel()
     return torch.ops.twinserve_quant.quantize_q8(x)
+
+
+PACKED_IDS = (1, 2)  # Q4_0, Q4_1: the 8-row packed layout (csrc/quant_packed.h)
+
+
+def quant_pack(qweight: torch.Tensor, fmt: int, in_features: int) -> torch.Tensor:
+    """The file's rows in the 8-row packed layout: bytes ``[ceil(rows / 8), blocks * 8 *
+    block_bytes]`` (``csrc/quant_packed.h``); Q4_0 and Q4_1."""
+    build_quant_kernel()
+    return torch.ops.twinserve_quant.quant_pack(qweight, fmt, in_features)
+
+
+def quant_unpack(packed: torch.Tensor, fmt: int, rows: int, in_features: int) -> torch.Tensor:
+    """The inverse of ``quant_pack``: the file's rows again, byte for byte."""
+    build_quant_kernel()
+    return torch.ops.twinserve_quant.quant_unpack(packed, fmt, rows, in_features)
+
+
+def quant_matmul_q8_packed(x: torch.Tensor, packed: torch.Tensor, fmt: int,
+                           rows: int) -> torch.Tensor:
+    """``quant_matmul_q8`` on the packed layout (``rows``: the weight's real rows)."""
+    build_quant_kernel()
+    return torch.ops.twinserve_quant.quant_matmul_q8_packed(x, packed, fmt, rows)
 
 
 def quant_dequantize(qweight: torch.Tensor, row_scale: torch.Tensor, rows: torch.Tensor,

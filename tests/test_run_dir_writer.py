@@ -28,6 +28,8 @@ def test_itl_texts_equal_the_plain_format(extra: list[float]) -> None:
     want = [" ".join(f"{g * 1e3:.6g}" for g in r.itls) for r in records]
     assert run_dir._itl_texts(records) == want
     assert run_dir._itl_texts([_record(0, [])]) == [""]
+    records[7].itls = list(records[7].itls)  # a record built with a plain list of gaps
+    assert run_dir._itl_texts(records) == want
 
 
 def test_steps_text_equals_the_plain_lines() -> None:

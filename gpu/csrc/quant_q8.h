@@ -16,6 +16,7 @@
 
 #include "quant_blocks.h"
 
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -322,13 +323,48 @@ void dispatch_q8(int64_t fmt, Fn&& fn) {
   }
 }
 
+// fn(begin, end) over [0, n) in chunks of `chunk`, handed out to the threads one at a time (an
+// atomic counter) rather than split in equal shares up front: on this shared 2-core host a thread
+// that is descheduled or slowed leaves its remaining chunks to the other, where a static split made
+// the step wait at the barrier for its share.
+template <typename Fn>
+void parallel_chunks(int64_t n, int64_t chunk, Fn&& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) return fn(0, n);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
+// Rows per chunk for rows of `row_bytes`: about kChunkBytes of weight (long enough streams for the
+// prefetchers, enough chunks to even out two threads), a multiple of `multiple`.
+constexpr int64_t kChunkBytes = 64 << 10;
+
+inline int64_t chunk_rows(int64_t row_bytes, int64_t multiple) {
+  return std::max<int64_t>(1, kChunkBytes / (row_bytes * multiple)) * multiple;
+}
+
+// Rows [0, n) for a product of num_tokens tokens: one token (a memory-bound stream) in shared-out
+// chunks (a batch-1 step's products and LM head 1.035x faster in the median of 8 interleaved
+// rounds, 0.98-1.14), several (compute-bound) in equal shares of `multiple`-row units (shared-out
+// chunks measured 0.95x there, 0.94-1.05).
+template <typename Fn>
+void parallel_rows(int64_t num_tokens, int64_t n, int64_t row_bytes, int64_t multiple, Fn&& fn) {
+  if (num_tokens == 1) return parallel_chunks(n, chunk_rows(row_bytes, multiple), fn);
+  at::parallel_for(0, n, multiple, fn);
+}
+
 // out[T, n] = x[T, k] @ W^T by the integer path, rows split across threads; xq holds x quantized.
 inline void matmul_q8(const XBlock* xq, int64_t num_tokens, int64_t k, const uint8_t* wq, int64_t n,
                       float* out, int64_t fmt) {
   dispatch_q8(fmt, [&](auto f) {
     using F = decltype(f);
     const int64_t blocks = k / F::kValues, rb = blocks * F::kBytes;
-    at::parallel_for(0, n, kRowChunk, [&](int64_t begin, int64_t end) {
+    parallel_rows(num_tokens, n, rb, kRowChunk, [&](int64_t begin, int64_t end) {
       matmul_rows_q8<F>(xq, num_tokens, blocks, wq, rb, out, n, begin, end);
     });
   });

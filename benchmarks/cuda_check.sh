@@ -4,7 +4,8 @@
 #   bash benchmarks/cuda_check.sh            # log and results in ${OUT:-/tmp/twinserve-cuda}
 #
 # 1. the environment (GPU, torch, triton);
-# 2. the CUDA tests: Triton kernels (paged attention, multi-LoRA shrink/expand, quantized matvec) against their torch
+# 2. the CUDA tests: Triton kernels (paged attention, multi-LoRA shrink/expand, quantized matvec;
+#    GGUF files run on CUDA against the CPU) against their torch
 #    references, and the engine's greedy tokens
 #    on CUDA (every scheduling regime, CUDA graphs against eager) against HF transformers (they run
 #    through the tensor-parallel layers at TP=1; TP>1 needs one GPU per rank: simulated only);
@@ -43,7 +44,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "== CUDA tests"
 python3 -m pytest -q -p no:cacheprovider -m cuda --junitxml="$OUT/cuda_tests.xml" \
     tests/test_triton_attention.py tests/test_triton_lora.py tests/test_engine_equivalence.py \
-    tests/test_triton_quant.py tests/test_triton_moe.py
+    tests/test_triton_quant.py tests/test_triton_moe.py tests/test_quant_torch_dequant.py
 tests_rc=$?
 
 echo "== random-weight Llama-3-8B (bf16)"

@@ -112,9 +112,11 @@ class ModelRunner:
             self.lora = LoRAManager(self.model, self.config, lora_config,
                                     use_triton=self.device.type == "cuda")
         self._graphs = None
-        # the decode graphs capture one block table: hybrid layouts run eagerly
+        # the decode graphs capture one block table: hybrid layouts run eagerly; so do models
+        # whose embedding is quantized (its lookup checks the ids on the host)
         if self.device.type == "cuda" and not args.enforce_eager and \
-                self.kv_layout.num_groups == 1:
+                self.kv_layout.num_groups == 1 and \
+                getattr(self.model, "quant_embed", None) is None:
             from twinserve.gpu.cuda_graphs import DecodeGraphs
             self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.block_size,
                                         self.max_model_len)

@@ -35,9 +35,6 @@ def load_quantized_model(model_dir: Path, config: ModelConfig, quantization: str
                          dtype: torch.dtype, device: torch.device, max_positions: int,
                          gguf_file: Path | None,
                          quant_config: Mapping[str, Any] | None) -> CausalLM:
-    if device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on the CPU backend only for now "
-                         "(device='cpu'); the Triton kernel is not wired into the CUDA path.")
     kind = method_kind(quantization)
     if kind == "gguf":
         if gguf_file is None:

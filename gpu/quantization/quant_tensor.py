@@ -117,6 +117,8 @@ class QuantTensor:
         x = x.float().contiguous()
         if self.fmt is None:
             return x @ self.data.t()
+        if self.data.device.type != "cpu":
+            return self.device_matmul(x)
         if not cpu_kernel.kernel_available():
             return reference_matmul(x, self)
         small = x.shape[0] <= DIRECT_MAX_TOKENS
@@ -131,12 +133,46 @@ class QuantTensor:
             torch.mm(x, tile.t(), out=out[:, start:start + tile.shape[0]])
         return out
 
+    def device_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``matmul`` for blocks off the CPU (CUDA): the Triton kernel up to
+        ``DIRECT_MAX_TOKENS`` tokens for the formats it implements, else ``TILE_ROWS`` rows at a
+        time decoded by torch (``torch_dequant``) and multiplied by the device's GEMM. (On CPU
+        tensors with Triton's interpreter it runs the same way: the tests' path.)"""
+        from twinserve.gpu.quantization import triton_quant
+        assert self.fmt is not None
+        x = x.float().contiguous()
+        if x.shape[0] <= DIRECT_MAX_TOKENS and self.fmt.name in triton_quant.SUPPORTED \
+                and triton_quant.HAS_TRITON \
+                and (self.data.is_cuda or triton_quant.is_interpreted()):
+            return triton_quant.quant_matmul_triton(x, self.data, self.row_scale, self.fmt)
+        out = x.new_empty(x.shape[0], self.rows)
+        for start in range(0, self.rows, TILE_ROWS):
+            stop = min(start + TILE_ROWS, self.rows)
+            rows = torch.arange(start, stop, device=self.data.device)
+            torch.mm(x, self.device_dequantize(rows).t(), out=out[:, start:stop])
+        return out
+
+    def device_dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """``dequantize`` for blocks off the CPU: torch's decoders (``torch_dequant``)."""
+        from twinserve.gpu.quantization.torch_dequant import dequantize_rows
+        assert self.fmt is not None
+        scale = self.row_scale[rows] if self.row_scale.numel() else self.row_scale
+        return dequantize_rows(self.fmt, self.data[rows], self.in_features, scale)
+
+    def to(self, device: torch.device | str) -> QuantTensor:
+        """The same weight with its blocks (and row scales) on ``device``."""
+        return QuantTensor(self.fmt, self.data.to(device), self.in_features,
+                           self.row_scale.to(device))
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 ``[len(rows), in_features]`` (all rows when None), by the kernel's decoders."""
+        """fp32 ``[len(rows), in_features]`` (all rows when None), by the kernel's decoders
+        (by torch's operations off the CPU)."""
         if rows is None:
-            rows = torch.arange(self.rows)
+            rows = torch.arange(self.rows, device=self.data.device)
         if self.fmt is None:
             return self.data[rows]
+        if self.data.device.type != "cpu":
+            return self.device_dequantize(rows)
         if not cpu_kernel.kernel_available():
             return reference_dequantize(self)[rows]
         return cpu_kernel.quant_dequantize(self.data, self.row_scale, rows.contiguous(),

@@ -14,7 +14,7 @@ from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.linear import LinearBase
 from twinserve.gpu.model import CausalLM, KVCache
 from twinserve.gpu.quantization.embedding import QuantizedEmbedding
-from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod
+from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod, quant_state
 from twinserve.gpu.quantization.quant_tensor import QuantTensor, per_sequence_rows
 
 
@@ -53,12 +53,14 @@ class QuantizedCausalLM(CausalLM):
         return self._fused
 
     def set_embedding(self, weight: QuantTensor) -> None:
+        weight = weight.to(self.embed_tokens.device)  # (read on the CPU; no copy there)
         self.quant_embed = QuantizedEmbedding(weight, self.embed_tokens.dtype)
         self.embed_tokens = _empty_like_table(self.embed_tokens)
         if self.lm_head is None:  # tied: one table
             self.quant_head = self.quant_embed
 
     def set_lm_head(self, weight: QuantTensor) -> None:
+        weight = weight.to(self.embed_tokens.device)
         self.quant_head = QuantizedEmbedding(weight, self.embed_tokens.dtype)
         if self.lm_head is not None:
             self.lm_head = _empty_like_table(self.lm_head)
@@ -77,9 +79,14 @@ class QuantizedCausalLM(CausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def finish_linears(self) -> None:
+        """Merges each projection's parts and puts their blocks on the model's device (they are
+        read on the CPU; a CUDA model multiplies them there, ``QuantTensor.device_matmul``)."""
+        device = self.embed_tokens.device
         for module in self.modules():
             if isinstance(module, LinearBase):
                 QuantizedLinearMethod.finish(module)
+                state = quant_state(module)
+                state.parts = [(start, part.to(device)) for start, part in state.parts]
 
 
 def _empty_like_table(table: torch.Tensor) -> torch.nn.Parameter:

@@ -79,7 +79,7 @@ def _dense(entry: TensorEntry, raw: np.ndarray) -> torch.Tensor:
 
 def load_gguf_model(gguf_file: Path, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device, max_positions: int) -> QuantizedCausalLM:
-    kind    entries = tensor_index(gguf_file)
+    entries = tensor_index(gguf_file)
     file = np.memmap(gguf_file, dtype=np.uint8, mode="r")
     model = QuantizedCausalLM(config, max_positions, dtype, device)
     heads = {"num_attention_heads": config.num_attention_heads,

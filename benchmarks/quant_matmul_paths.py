@@ -5,6 +5,9 @@ row once, two and more run the tiled int8 GEMM), the direct kernel with fp32 act
 (``csrc/quant_blocks.h``), and dequantize-then-GEMM (``QuantTensor.matmul`` for prompts above
 ``DIRECT_MAX_TOKENS`` rows: the weight decoded 1024 rows at a time, then torch's fp32 GEMM).
 
+Q4_0/Q4_1 weights also run the int8 product on their 8-row packed copy (``csrc/quant_packed.h``,
+what the fused decode step streams): "int8 packed"; the ratios are to "int8 direct" (the file's rows).
+
 Interleaved rounds (every path once per round, in turn), median per path, and each path's time
 as a ratio to the int8 one; GMAC/s = multiply-adds per second.
 
@@ -46,7 +49,11 @@ def paths(qt, x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
             tile = qt.dequantize(torch.arange(start, min(start + 1024, qt.rows)))
             torch.mm(x, tile.t(), out=out[:, start:start + tile.shape[0]])
         return out
-    return {"int8 direct": lambda: cpu_kernel.quant_matmul_q8(x, qt.data, fmt),
+    fns = {"int8 direct": lambda: cpu_kernel.quant_matmul_q8(x, qt.data, fmt)}
+    if fmt in cpu_kernel.PACKED_IDS:
+        packed = cpu_kernel.quant_pack(qt.data, fmt, qt.in_features)
+        fns["int8 packed"] = lambda: cpu_kernel.quant_matmul_q8_packed(x, packed, fmt, qt.rows)
+    return {**fns,
             "fp32 direct": lambda: cpu_kernel.quant_matmul(x, qt.data, qt.row_scale, fmt, 0),
             "dequant+GEMM": tiled}
 
@@ -71,7 +78,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{'shape':14s} {'T':>3s}  " + "  ".join(f"{p:>26s}" for p in
-                                                  ("int8 direct", "fp32 direct", "dequant+GEMM")))
+                                                  ("int8 direct", "int8 packed", "fp32 direct",
+                                                   "dequant+GEMM")))
     for label, (fmt, rows, k) in SHAPES.items():
         qt = weight(fmt, rows, k)
         for tokens in args.tokens:
@@ -80,6 +88,8 @@ def main() -> None:
             base = med["int8 direct"]
             cells = [f"{t * 1e3:8.3f} ms {rows * k * tokens / t / 1e9:5.1f} GMAC/s {t / base:4.2f}x"
                      for t in med.values()]
+            if "int8 packed" not in med:
+                cells.insert(1, "-")
             print(f"{label:14s} {tokens:3d}  " + "  ".join(f"{c:>26s}" for c in cells))
 
 

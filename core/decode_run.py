@@ -1,17 +1,18 @@
 """Runs of decode-only steps, advanced in one call: the twin's fast path.
 
-Between two events (an arrival, a finish, a step that would fail to get a block) a batch that only
+Between two events (an arrival, a step that would fail to get a block) a batch that only
 decodes repeats the same step: every running request gets one token, the waiting queue stays
 empty, nothing is preempted. The scheduler's per-step work is then predictable, so the twin
 (``simulator.engine``) advances ``k`` such steps at once instead of calling ``schedule`` and
-``update_from_output`` ``k`` times. A run's last step may be the one where its first requests
-sample their last token (``DecodeRun.finishing``): they end there, as ``update_from_output``
-would end them, and the next run starts from the smaller batch::
+``update_from_output`` ``k`` times. A request that samples its last token inside the run ends
+in that step, as ``update_from_output`` would end it, and the run goes on with the smaller batch:
+a run is cut into segments of one batch each (``DecodeRun.stops``)::
 
     run = plan_decode_run(scheduler, token)        # None unless the next steps are such a run
     for each step the twin's clock allows (at most run.max_steps):
         duration = step_time(run.out)              # the cost model reads the step's aggregates
         run.next_step()                            # aggregates of the step after
+        (run.next_segment() at a segment's end)    # its finishing requests leave the batch
     run.apply(ends)                                # the k steps' effects, in the same order
 
 ``apply`` makes exactly the calls the step-by-step path would make, in the same order: the
@@ -26,7 +27,7 @@ The real engine never uses this: its tokens come from the model, one step at a t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from twinserve.core.block_hash import update_block_hashes
@@ -41,23 +42,32 @@ _RUNNING = RequestStatus.RUNNING
 @dataclass(slots=True)
 class DecodeRun:
     """The next steps of ``scheduler``, all decode-only. ``out`` holds the aggregates of the step
-    about to be timed (the cost model's input; its entries are the running decodes)."""
+    about to be timed (the cost model's input; its entries are the decodes of that step).
+
+    The run is cut into segments at the steps where requests sample their last token
+    (``stops``): a segment's steps have one batch; at its end its finishing requests leave.
+    Without multi-segment runs (a policy that accounts tokens, a layout whose block events take
+    the per-event order) the one segment ends at the first finish."""
 
     scheduler: Scheduler
     token: int
     max_steps: int
     out: SchedulerOutput
-    starts: list[int]  # each running request's num_computed_tokens before the run
-    # the requests whose last token step ``max_steps`` samples (none when the free blocks end
-    # the run first); they finish when the run is applied in full
-    finishing: list[Request]
+    requests: list[Request]  # the running requests at the run's start, in order
+    starts: list[int]  # each one's num_computed_tokens before the run
+    lefts: list[int]  # each running request's steps up to and including its last token's
+    stops: list[int]  # the segments' last steps (ascending; the last is ``max_steps``)
+    taken: int = 0  # steps ``out`` was moved past
+    segment: int = 0  # ``stops`` index of the current segment
+    finished: list[Request] = field(default_factory=list)  # ended by ``apply``, in order
 
     def next_step(self) -> None:
-        """Moves ``out`` to the following step: every context one token longer."""
+        """Moves ``out`` to the following step of its segment: every context one token longer."""
         out, n = self.out, self.out.num_decode_seqs
         out.sum_context_tokens += n
         out.sum_decode_context_tokens += n
         out.max_decode_context += 1
+        self.taken += 1
 
     def next_steps(self, k: int) -> None:
         """``next_step`` ``k`` times."""
@@ -65,86 +75,151 @@ class DecodeRun:
         out.sum_context_tokens += n * k
         out.sum_decode_context_tokens += n * k
         out.max_decode_context += k
+        self.taken += k
+
+    def segment_steps(self) -> int:
+        """The steps left in the current segment (``out``'s batch)."""
+        return self.stops[self.segment] - self.taken
+
+    def next_segment(self) -> None:
+        """Moves ``out`` from the end of its segment to the next one's first step: the requests
+        whose last token the segment sampled leave the batch."""
+        step = self.taken
+        if step != self.stops[self.segment] or step >= self.max_steps:
+            raise ValueError(f"a decode run at step {step} is not at the end of a segment.")
+        self.segment += 1
+        running, starts = self.requests, self.starts
+        keep = [i for i, left in enumerate(self.lefts) if left > step]
+        out, n = self.out, len(keep)
+        out.scheduled = [running[i].decode_entry for i in keep]  # type: ignore[misc]
+        out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
+        out.sum_context_tokens = out.sum_decode_context_tokens = \
+            sum(starts[i] for i in keep) + n * (step + 1)
+        out.max_decode_context = max(starts[i] for i in keep) + step + 1
+
+    def segments(self, k: int) -> list[tuple[int, int, list[Request], int]]:
+        """The segments of the first ``k`` steps: (first step, end step (exclusive, 0-based),
+        the requests decoding in them, how many of those end at its last step)."""
+        running, lefts = self.requests, self.lefts
+        out, first = [], 0
+        for stop in self.stops:
+            end = min(stop, k)
+            active = [r for r, left in zip(running, lefts) if left > first]
+            out.append((first, end, active, sum(1 for left in lefts if left == end)
+                        if end == stop else 0))
+            if end == k:
+                break
+            first = end
+        return out
 
     def apply(self, ends: list[float]) -> list[int]:
         """Applies ``len(ends)`` steps (``ends``: their end times), as ``schedule`` and
-        ``update_from_output`` would have, one step after the other, ending the ``finishing``
-        requests when the last step is the run's last (``finished`` says which ended). Returns
-        the free device blocks after each step (its step row's KV usage)."""
+        ``update_from_output`` would have, one step after the other, ending each request in the
+        step that samples its last token (``finished``). Returns the free device blocks after
+        each step (its step row's KV usage)."""
         k = len(ends)
         if not 0 < k <= self.max_steps:
             raise ValueError(f"a decode run of {self.max_steps} steps cannot apply {k}.")
         sched = self.scheduler
-        running, starts, token = sched.running, self.starts, self.token
-        tokens = [token] * k
-        for request in running:
-            request.output_token_ids += tokens
-            request.all_token_ids.extend(tokens)
-            request.token_times += ends
-        free_after = self._block_events_at_once(k)
-        if free_after is None:
-            free_after = self._block_events(k)
-        tables = sched.kv.tables
-        for request, start in zip(running, starts):
-            request.num_computed_tokens = start + k
-            entry, table = request.decode_entry, tables[request.request_id]
-            entry.start = start + k - 1  # type: ignore[union-attr]
-            entry.block_ids, entry.group_block_ids = table.ids, table.group_ids  # type: ignore[union-attr]
+        sched.drop_finished_ids()  # what the run's first step would have handed the backend
+        running, starts, lefts = self.requests, self.starts, self.lefts
+        limits = [left if left < k else k for left in lefts]  # steps each request takes part in
+        tokens = [self.token] * k
+        for request, n in zip(running, limits):
+            if n == k:
+                request.output_token_ids += tokens
+                request.all_token_ids.extend(tokens)
+                request.token_times += ends
+            else:
+                request.output_token_ids += tokens[:n]
+                request.all_token_ids.extend(tokens[:n])
+                request.token_times += ends[:n]
+        ending: list[list[int]] = [[] for _ in range(k)]  # each step's requests ending in it
+        for i, left in enumerate(lefts):
+            if left <= k:
+                ending[left - 1].append(i)
         on_tokens = sched.policy.on_output_tokens if sched.policy.accounts_tokens else None
+        free_after = self._block_events_at_once(k, limits)
+        # in the per-event order the finishes are events too, unless the policy must first
+        # hear the tokens (such a run has one segment: its finishes come after everything)
+        ended_in_order = free_after is None and on_tokens is None
+        if free_after is None:
+            free_after = self._block_events(k, limits, ending if ended_in_order else
+                                            [[] for _ in range(k)], ends)
+        tables = sched.kv.tables
+        for request, start, n, left in zip(running, starts, limits, lefts):
+            request.num_computed_tokens = start + n
+            if n < left:
+                entry, table = request.decode_entry, tables[request.request_id]
+                entry.start = start + n - 1  # type: ignore[union-attr]
+                entry.block_ids, entry.group_block_ids = table.ids, table.group_ids  # type: ignore[union-attr]
         if on_tokens is not None:  # one token at a time: the policy's float sums stay the same
-            for _ in range(k):
+            for _ in range(k):  # (such a run has one segment: every request in every step)
                 for request in running:
                     on_tokens(request, 1)
-        sched.num_generation_tokens += k * len(running)
-        sched.drop_finished_ids()  # what the run's first step would have handed the backend
-        if k == self.max_steps and self.finishing:
-            sched.finish_at_length(self.finishing, ends[-1])
-            free_after[-1] = sched.kv.pool.free_queue.num_free
+        sched.num_generation_tokens += sum(limits)
+        if not ended_in_order:
+            self._end_requests(ending, ends, free_after)
+        self.finished = [running[i] for step in ending for i in step]
         return free_after
 
-    @property
-    def finished(self) -> list[Request]:
-        """The requests that ended in the steps applied (after ``apply``)."""
-        return [r for r in self.finishing if r.status != _RUNNING]
+    def _end_requests(self, ending: list[list[int]], ends: list[float],
+                      free_after: list[int]) -> None:
+        """Ends each step's finishing requests after the run's block events were made at once
+        (their blocks join the free queue's tail, which no block of the run came from), adding
+        the blocks they free to the free counts from that step on."""
+        sched = self.scheduler
+        running, queue, k = self.requests, sched.kv.pool.free_queue, len(ends)
+        freed = 0
+        for j, step in enumerate(ending):
+            if step:
+                before = queue.num_free
+                sched.finish_at_length([running[i] for i in step], ends[j])
+                freed += queue.num_free - before
+                if j < k - 1:
+                    sched.drop_finished_ids()  # handed out by the step after
+            free_after[j] += freed
 
-    def _block_events_at_once(self, k: int) -> list[int] | None:
-        """``_block_events(k)`` with every new block of the run taken in one ``allocate`` and
-        every newly full block of a request hashed and cached in one call, for a one-group
-        manager without a sliding window (else None, changing nothing: the caller runs
-        ``_block_events``).
+    def _block_events_at_once(self, k: int, limits: list[int]) -> list[int] | None:
+        """``_block_events`` of ``k`` steps (request ``i`` in the first ``limits[i]``) with
+        every new block of the run taken in one ``allocate`` and every newly full block of a
+        request hashed and cached in one call, for a one-group manager without a sliding window
+        (else None, changing nothing: the caller runs ``_block_events``).
 
-        Nothing is freed inside a run, so the blocks come off the free queue's head in the same
-        order either way: the step-by-step order, (step, running index), hands them out. Taking
-        them all first moves each eviction (the cached hash of a block handed out) before the
-        cache registrations of the steps before it; registering a request's blocks together
-        reorders registrations across requests. Neither changes the outcome unless a new
-        block's hash is already cached or two new blocks share one (equal prefixes decoding
-        together): then None, after the allocation is checked but before anything is done. A
-        request whose table is not exactly its computed tokens' blocks also takes the
-        reference path (each of its block starts must take one block)."""
+        Only finishes free blocks inside a run, to the free queue's tail, after every block the
+        run takes came off its head (the planner counted only the blocks free at its start), so
+        the blocks come off the head in the same order either way: the step-by-step order,
+        (step, running index), hands them out. Taking them all first moves each eviction (the
+        cached hash of a block handed out) before the cache registrations of the steps before
+        it; registering a request's blocks together reorders registrations across requests.
+        Neither changes the outcome unless a new block's hash is already cached or two new
+        blocks share one (equal prefixes decoding together): then None, after the allocation
+        is checked but before anything is done. A request whose table is not exactly its
+        computed tokens' blocks also takes the reference path (each of its block starts must
+        take one block)."""
         sched = self.scheduler
         kv = sched.kv
         if type(kv) is not KVCacheManager or kv.sliding_window is not None \
                 or kv.key_salt is not None:
             return None
-        bs, starts, running = kv.block_size, self.starts, sched.running
+        bs, starts, running = kv.block_size, self.starts, self.requests
         tables = kv.tables
         allocs: list[tuple[int, int]] = []  # (step, running index) of each block start
         for i, start in enumerate(starts):
-            first = (-start) % bs
-            if first < k:
+            first, n = (-start) % bs, limits[i]
+            if first < n:
                 if len(tables[running[i].request_id].blocks) != -(-start // bs):
                     return None
-                allocs.extend((j, i) for j in range(first, k, bs))
+                allocs.extend((j, i) for j in range(first, n, bs))
         caching = kv.enable_caching
         new_full: list[tuple[int, int]] = []  # (running index, first new full block)
         new_hashes: list[int] = []
         if caching:
             for i, start in enumerate(starts):
-                if (-start - 1) % bs < k:  # a block fills within the run
+                if (-start - 1) % bs < limits[i]:  # a block fills within the run
                     request = running[i]
                     table = tables[request.request_id]
-                    num_full = (start + k) // bs
+                    num_full = (start + limits[i]) // bs
                     first_new = max(table.num_cached_blocks, table.num_dropped)
                     if num_full > table.num_cached_blocks:
                         new_hashes += update_block_hashes(request, bs, num_full * bs)[
@@ -178,7 +253,7 @@ class DecodeRun:
             for i, first_new in new_full:
                 request = running[i]
                 table = tables[request.request_id]
-                num_full = (starts[i] + k) // bs
+                num_full = (starts[i] + limits[i]) // bs
                 for block in table.blocks[first_new:num_full]:
                     h = next(hashes)
                     if block.block_hash is None:  # (never cached before: the reference's
@@ -187,78 +262,81 @@ class DecodeRun:
                 table.num_cached_blocks = num_full
         return [free0 - taken for taken in accumulate(per_step)]
 
-    def _block_events(self, k: int) -> list[int]:
-        """The block-table calls of ``k`` steps in the order the step-by-step path makes them:
-        step by step, a step's new blocks (running order) before its newly full blocks. Returns
-        the free blocks after each step (the reference of ``_block_events_at_once``)."""
+    def _block_events(self, k: int, limits: list[int], ending: list[list[int]],
+                      ends: list[float]) -> list[int]:
+        """The block-table calls of ``k`` steps (request ``i`` in the first ``limits[i]``) in
+        the order the step-by-step path makes them: step by step, a step's new blocks (running
+        order), then its newly full blocks, then its finishing requests (``ending``) end.
+        Returns the free blocks after each step (the reference of ``_block_events_at_once``)."""
         sched = self.scheduler
         kv, bs = sched.kv, sched.kv.block_size
         caching = sched.kv.enable_caching
         events: list[tuple[int, int, int]] = []
         for i, start in enumerate(self.starts):
-            events.extend((j, 0, i) for j in range((-start) % bs, k, bs))
+            events.extend((j, 0, i) for j in range((-start) % bs, limits[i], bs))
             if caching:
-                events.extend((j, 1, i) for j in range((-start - 1) % bs, k, bs))
+                events.extend((j, 1, i) for j in range((-start - 1) % bs, limits[i], bs))
+        events.extend((j, 2, i) for j, step in enumerate(ending) for i in step)
         free_queue = kv.pool.free_queue
-        if not events:
-            return [free_queue.num_free] * k
         events.sort()
         events.append((k, 0, 0))  # a sentinel past the last step
-        running, starts = sched.running, self.starts
+        running, starts = self.requests, self.starts
         free_after: list[int] = []
         e = 0
         for step in range(k):
             j, phase, i = events[e]
             while j == step:
                 request = running[i]
-                request.num_computed_tokens = starts[i] + j + phase
                 if phase == 0:
+                    request.num_computed_tokens = starts[i] + j
                     if kv.append_slot(request) is None:
                         raise RuntimeError(f"decode run: no block for {request.request_id!r} "
                                            "(plan_decode_run counted the free blocks)")
-                else:
+                elif phase == 1:
+                    request.num_computed_tokens = starts[i] + j + 1
                     kv.cache_full_blocks(request)
+                else:
+                    sched.finish_at_length([request], ends[j])
                 e += 1
                 j, phase, i = events[e]
+            if ending[step] and step < k - 1:
+                sched.drop_finished_ids()  # handed out by the step after
             free_after.append(free_queue.num_free)
         return free_after
 
 
 def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     """The run of decode-only steps ``sched`` would schedule next, each request sampling
-    ``token``, up to the step where the first requests sample their last token (or the last
-    step the free blocks cover); None where the next step is not such a step. Ineligible:
-    waiting requests, LoRA, n > 1 samples, policies that watch the clock, pending block copies,
-    a budget below the batch, a request whose stop ids hold ``token``."""
-    running, bs = sched.running, sched.kv.block_size
-    n = len(running)
+    ``token``, through the step where its last request samples its last token (one where the
+    first does, with a policy that accounts tokens or a layout that needs the per-event order)
+    or the last step the free blocks cover; None where the next step is not such a step.
+    Ineligible: waiting requests, LoRA, n > 1 samples, policies that watch the clock, pending
+    block copies, a budget below the batch, a request whose stop ids hold ``token``."""
+    running, kv = sched.running, sched.kv
+    n, bs = len(running), kv.block_size
     if (not n or len(sched.policy) or sched.loras is not None or not sched.is_plain_decoding
-            or sched.kv.block_ops is not None or n > sched.config.max_num_batched_tokens):
+            or kv.block_ops is not None or n > sched.config.max_num_batched_tokens):
         return None
-    max_steps = 1 << 62
     starts: list[int] = []
+    lefts: list[int] = []
     for request in running:
         start = request.num_computed_tokens
         if (request.status != _RUNNING or len(request.all_token_ids) - start != 1
                 or start < request.num_prompt_tokens or token in request.stop_ids
                 or (request.decode_entry is None and not start % bs)):
             return None  # (a first decode that starts a block takes the step's own path)
-        left = request.max_output_tokens - len(request.output_token_ids)  # its steps to go
-        if left < max_steps:
-            max_steps = left
         starts.append(start)
+        lefts.append(request.max_output_tokens - len(request.output_token_ids))
+    segmented = (not sched.policy.accounts_tokens and type(kv) is KVCacheManager
+                 and kv.sliding_window is None and kv.key_salt is None)
+    max_steps = _steps_with_blocks(sched, starts, lefts, max(lefts) if segmented
+                                   else min(lefts))
     if max_steps <= 0:
         return None
-    last = max_steps
-    max_steps = _steps_with_blocks(sched, starts, max_steps)
-    if max_steps <= 0:
-        return None
-    finishing = [] if max_steps < last else [
-        r for r in running if r.max_output_tokens - len(r.output_token_ids) == last]
     for request, start in zip(running, starts):
         if request.decode_entry is None:  # its first decode: the entry that step would make
             # (its slot lies in its last block: the step would have read the table as it is)
-            table = sched.kv.tables[request.request_id]
+            table = kv.tables[request.request_id]
             request.decode_entry = ScheduledRequest(request, start, 1, table.ids, True,
                                                     table.group_ids)
     out = SchedulerOutput()
@@ -266,16 +344,20 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
     out.sum_context_tokens = out.sum_decode_context_tokens = sum(starts) + n
     out.max_decode_context = max(starts) + 1
-    return DecodeRun(sched, token, max_steps, out, starts, finishing)
+    stops = sorted({left for left in lefts if left < max_steps})
+    stops.append(max_steps)
+    return DecodeRun(sched, token, max_steps, out, list(running), starts, lefts, stops)
 
 
-def _steps_with_blocks(sched: Scheduler, starts: list[int], max_steps: int) -> int:
-    """The most of ``max_steps`` steps whose new blocks the free blocks cover (counting one per
-    decode that starts a block and KV cache group; a sliding window's freed blocks only add to
-    that)."""
+def _steps_with_blocks(sched: Scheduler, starts: list[int], lefts: list[int],
+                       max_steps: int) -> int:
+    """The most of ``max_steps`` steps whose new blocks the blocks free now cover (counting one
+    per decode that starts a block, in the steps up to its request's last token, and KV cache
+    group; the blocks a finish or a sliding window frees only add to that)."""
     kv = sched.kv
     free, bs = kv.pool.free_queue.num_free // kv.num_groups, kv.block_size
     if len(starts) * (max_steps // bs + 1) <= free:
         return max_steps
-    steps = sorted(j for start in starts for j in range((-start) % bs, max_steps, bs))
+    steps = sorted(j for start, left in zip(starts, lefts)
+                   for j in range((-start) % bs, min(left, max_steps), bs))
     return max_steps if len(steps) <= free else steps[free]

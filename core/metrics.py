@@ -273,15 +273,22 @@ class StepLog(Sequence[StepRecord]):
                           out.num_decode_tokens, len(scheduler.running), len(scheduler.policy),
                           usage, len(out.preempted_request_ids), replica))
 
-    def record_decode_run(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
-                          ends: list[float], free_after: list[int], replica: int = 0,
-                          with_tenants: bool = True, num_finished: int = 0) -> None:
-        """The rows of a run of decode-only steps (``core.decode_run``) from ``start``: the rows
-        ``record_step`` would have appended for each (``free_after``: free blocks after each;
+    def record_decode_run(self, requests: list[Request], scheduler: Scheduler, start: float,
+                          ends: list[float], free_after: list[int], waiting: int,
+                          replica: int = 0, with_tenants: bool = True,
+                          num_finished: int = 0) -> None:
+        """The rows of a run of decode-only steps of one batch (``requests``; a segment of a
+        ``core.decode_run`` run) from ``start``: the rows ``record_step`` would have appended
+        for each (``free_after``: free blocks after each; ``waiting``: the queue after the last,
+        which requests may have joined while it ran, the run having started with none;
         ``num_finished``: requests the last step ended, no longer running after it)."""
-        tenants = _tenant_tokens(out) if with_tenants else None
+        tenants: dict[str, tuple[int, int]] | None = None
+        if with_tenants:
+            tenants = {}
+            for request in requests:
+                tenants[request.tenant] = (0, tenants.get(request.tenant, (0, 0))[1] + 1)
         total = len(scheduler.kv.pool.blocks)
-        n, waiting, k = len(out.scheduled), len(scheduler.policy), len(ends)
+        n, k = len(requests), len(ends)
         time, duration, seqs, prefill, decode, running, queued, kv, preempted, rep = self._cols
         if tenants:  # one dict shared by the run's rows
             first = len(time)
@@ -293,8 +300,6 @@ class StepLog(Sequence[StepRecord]):
         for col, value in ((seqs, n), (prefill, 0), (decode, n), (running, n),
                            (queued, 0), (preempted, 0), (rep, replica)):
             col += [value] * k
-        # A run starts with nothing waiting; requests may arrive during its last step (recorded
-        # after them), and the requests it finishes have left the batch by then.
         queued[-1] = waiting
         running[-1] = n - num_finished
 

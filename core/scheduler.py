@@ -161,7 +161,7 @@ class Scheduler:
 
     def finish_at_length(self, requests: list[Request], now: float) -> None:
         """Ends running requests that just sampled their last allowed token, as
-        ``update_from_output`` does at the end of their step (``core.decode_run``'s last step)."""
+        ``update_from_output`` does at the end of their step (a ``core.decode_run`` step)."""
         for request in requests:
             self._finish(request, _LENGTH_CAPPED, now)
         self.running = [r for r in self.running if r.status <= _PREEMPTED]

@@ -143,16 +143,19 @@ class StepDriver:
 
     def complete_decode_run(self, run: DecodeRun, start: float, ends: list[float]) -> None:
         """Applies a run of decode-only steps from ``start`` to ``ends[-1]`` and records its
-        steps and the requests its last step finished (the twin's fast path,
+        steps, segment by segment, and the requests it finished (the twin's fast path,
         ``core.decode_run``)."""
         free_after = run.apply(ends)
-        finished = run.finished if run.finishing else ()
-        rec = self.recorder
+        rec, sched = self.recorder, self.scheduler
         if rec.record_steps:
-            rec.steps.record_decode_run(run.out, self.scheduler, start, ends, free_after,
-                                        self.replica, rec.record_tenants, len(finished))
-        if finished:
-            self._record_finished([r.request_id for r in finished])
+            k = len(ends)
+            for first, end, requests, num_finished in run.segments(k):
+                rec.steps.record_decode_run(
+                    requests, sched, ends[first - 1] if first else start, ends[first:end],
+                    free_after[first:end], len(sched.policy) if end == k else 0,
+                    self.replica, rec.record_tenants, num_finished)
+        if run.finished:
+            self._record_finished([r.request_id for r in run.finished])
 
     def end_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Tells the observers about a step that scheduled work."""

@@ -178,15 +178,30 @@ def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], floa
                      run_ends: Callable[..., list[float] | None] | None, now: float,
                      horizon: float, base: float) -> list[float]:
     """The end times of the run's steps that end before anything else is due (``horizon``)
-    and where SimPy would put them, ``run.out`` moved past them: the cost model's closed loop
+    and where SimPy would put them, ``run.out`` moved past them, segment after segment."""
+    ends: list[float] = []
+    while True:
+        limit = run.segment_steps()
+        got = _segment_ends(run, step_time, run_ends, now, horizon, base, limit)
+        ends += got
+        if len(got) < limit or run.taken == run.max_steps:
+            return ends
+        now = got[-1]
+        run.next_segment()
+
+
+def _segment_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],
+                  run_ends: Callable[..., list[float] | None] | None, now: float,
+                  horizon: float, base: float, limit: int) -> list[float]:
+    """At most ``limit`` step ends of the run's current batch: the cost model's closed loop
     (``run_ends``) where it has one, else ``step_time`` step by step, the reference."""
     if run_ends is not None:
-        ends = run_ends(run.out, now, horizon, base, run.max_steps)
+        ends = run_ends(run.out, now, horizon, base, limit)
         if ends is not None:
             run.next_steps(len(ends))
             return ends
     ends = []
-    for _ in range(run.max_steps):
+    for _ in range(limit):
         end = now + step_time(run.out)
         if end >= horizon or base + (end - base) != end:
             break

@@ -14,7 +14,6 @@ from core_helpers import fake_execute, make_req, make_scheduler, step
 
 from twinserve.core import decode_run
 from twinserve.core.decode_run import DecodeRun, plan_decode_run
-from twinserve.core.request import RequestStatus
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.simulator import SimConfig, SimResult, simulate
@@ -127,56 +126,86 @@ def _decoding(num: int = 2, max_tokens: int = 10, num_blocks: int = 64,
     return sched
 
 
-def test_a_run_covers_the_steps_up_to_the_first_finish() -> None:
+def test_a_run_covers_the_steps_up_to_the_last_finish() -> None:
     sched = _decoding(max_tokens=10)
     run = plan_decode_run(sched, TOKEN)
     assert run is not None and run.max_steps == 10 - 2  # the finishing step included
-    assert [r.request_id for r in run.finishing] == ["r0", "r1"]
+    assert run.lefts == [8, 8] and run.stops == [8]
     assert (run.out.num_decode_seqs, run.out.total_num_scheduled_tokens) == (2, 2)
     assert run.out.sum_decode_context_tokens == 2 * 22  # each decode attends to 21 + 1 positions
     run.next_step()
     assert (run.out.sum_context_tokens, run.out.max_decode_context) == (2 * 23, 23)
 
 
-def _two_lengths(caching: bool = True):
-    """r0 (8 tokens) and r1 (13) after their prefill and first decode, 4-token blocks."""
+def _three_lengths(caching: bool = True):
+    """r0 (8 tokens), r1 (13) and r2 (13) after two steps in 4-token blocks: r0 (19 prompt
+    tokens) and r1 (30) have decoded once, r2 (25) finished its prompt in the second step."""
     sched = make_scheduler(num_blocks=64, block_size=4, enable_prefix_caching=caching)
-    for rid, out in (("r0", 8), ("r1", 13)):
-        sched.add_request(make_req(rid, 19, out))
+    for rid, prompt, out in (("r0", 19, 8), ("r1", 30, 13), ("r2", 25, 13)):
+        sched.add_request(make_req(rid, prompt, out))
     step(sched, 0.0, TOKEN)
     step(sched, 0.01, TOKEN)
     return sched
 
 
+@pytest.mark.parametrize("path", ["at-once", "in-order"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_a_runs_last_step_finishes_its_first_requests_as_the_steps_would(caching: bool) -> None:
-    fast, reference = _two_lengths(caching), _two_lengths(caching)
-    now, ends = 0.02, []
-    while fast.running:
-        run = plan_decode_run(fast, TOKEN)
-        assert run is not None and run.finishing  # each run ends at a finish: 6 then 5 steps
-        ends = [now + 0.01 * (k + 1) for k in range(run.max_steps)]
-        free_after = run.apply(ends)
-        assert [r.status for r in run.finished] == [RequestStatus.FINISHED_LENGTH_CAPPED]
-        for end, free in zip(ends, free_after):
-            out = reference.schedule(end - 0.01)
-            finished = [o.request_id for o in
-                        reference.update_from_output(out, fake_execute(out, TOKEN), end)
-                        if o.finished]
-            assert reference.kv.num_free_blocks == free
-        assert finished == [r.request_id for r in run.finished]
-        (done,) = run.finished
-        assert done.finish_time == ends[-1] and len(done.token_times) == done.max_output_tokens
-        assert _kv_state(fast) == _kv_state(reference)
-        fast.kv.check_consistency()
-        now = ends[-1]
-    assert not reference.running and fast.kv.num_free_blocks == reference.kv.num_free_blocks
+@pytest.mark.parametrize("k", [4, 6, 8, 11, 12])
+def test_a_runs_segments_end_their_requests_as_the_steps_would(monkeypatch, path: str,
+                                                               caching: bool, k: int) -> None:
+    if path == "in-order":  # the per-event order: finishes are events of their steps
+        monkeypatch.setattr(DecodeRun, "_block_events_at_once", lambda self, k, limits: None)
+    fast, reference = _three_lengths(caching), _three_lengths(caching)
+    run = plan_decode_run(fast, TOKEN)
+    assert run is not None and run.lefts == [6, 11, 12] and run.stops == [6, 11, 12]
+    assert run.max_steps == 12 and run.segment_steps() == 6
+    run.next_steps(6)
+    run.next_segment()  # r0 leaves: the two others at their 7th step
+    assert run.out.num_decode_seqs == 2 and run.out.sum_context_tokens == 31 + 25 + 2 * 7
+    assert run.out.max_decode_context == 31 + 7 and run.segment_steps() == 5
+    ends = [0.02 + 0.01 * (j + 1) for j in range(k)]
+    free_after = run.apply(ends)
+    segments = run.segments(k)
+    finished = []
+    for j, end in enumerate(ends):
+        out = reference.schedule(end - 0.01)
+        (batch,) = [rs for a, b, rs, _ in segments if a <= j < b]
+        assert [sr.request_id for sr in out.scheduled] == [r.request_id for r in batch]
+        finished += [o.request_id for o in
+                     reference.update_from_output(out, fake_execute(out, TOKEN), end)
+                     if o.finished]
+        assert reference.kv.num_free_blocks == free_after[j]
+    assert [r.request_id for r in run.finished] == finished
+    assert [r.finish_time for r in run.finished] == [ends[j] for j in (5, 10, 11) if j < k]
+    expected, first = [], 0
+    for stop, names in ((6, ["r0", "r1", "r2"]), (11, ["r1", "r2"]), (12, ["r2"])):
+        end = min(stop, k)
+        expected.append((first, end, names, int(end == stop)))
+        if end == k:
+            break
+        first = end
+    assert [(a, b, [r.request_id for r in rs], m) for a, b, rs, m in segments] == expected
+    assert _kv_state(fast) == _kv_state(reference)
+    assert fast._finished_ids == reference._finished_ids
+    fast.kv.check_consistency()
+
+
+def test_a_run_that_accounts_tokens_ends_at_its_first_finish() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4, policy="fair")
+    for rid, out in (("r0", 8), ("r1", 13)):
+        sched.add_request(make_req(rid, 19, out))
+    step(sched, 0.0, TOKEN)
+    step(sched, 0.01, TOKEN)
+    run = plan_decode_run(sched, TOKEN)
+    assert run is not None and run.max_steps == 6 and run.stops == [6]
 
 
 def test_a_run_cut_short_by_the_blocks_finishes_nothing() -> None:
     sched = _decoding(max_tokens=40, num_blocks=16)
     run = plan_decode_run(sched, TOKEN)
-    assert run is not None and run.max_steps < 40 - 2 and run.finishing == []
+    assert run is not None and run.max_steps < 40 - 2 and run.stops == [run.max_steps]
+    run.apply([0.02 + 0.01 * j for j in range(run.max_steps)])
+    assert run.finished == [] and len(sched.running) == 2
 
 
 @pytest.mark.parametrize("blocker", ["waiting", "stop-token", "multi-sample"])
@@ -288,8 +317,8 @@ def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins:
     taken = []
     at_once = DecodeRun._block_events_at_once
 
-    def watched(self: DecodeRun, k: int) -> list[int] | None:
-        free_after = at_once(self, k)
+    def watched(self: DecodeRun, k: int, limits: list[int]) -> list[int] | None:
+        free_after = at_once(self, k, limits)
         taken.append(free_after is not None)
         return free_after
 
@@ -297,7 +326,7 @@ def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins:
     for path in ("at-once", "in-order"):
         sched, now = _shared_prompts(twins)
         monkeypatch.setattr(DecodeRun, "_block_events_at_once",
-                            watched if path == "at-once" else lambda self, k: None)
+                            watched if path == "at-once" else lambda self, k, limits: None)
         run = plan_decode_run(sched, TOKEN)
         assert run is not None and run.max_steps >= 20 and len(sched.running) == 5
         evicted = sched.kv.pool.num_evictions

@@ -66,10 +66,11 @@ def _assert_product_close(qt: QuantTensor, got: torch.Tensor, x: torch.Tensor) -
 
 
 def test_device_products_by_decoded_tiles_match_the_reference(monkeypatch) -> None:
-    # no Triton launch on CPU tensors outside the interpreter: every product takes the tiles,
-    # several of them (the tile made smaller than the rows)
-    from twinserve.gpu.quantization import quant_tensor
+    # every product takes the tiles (Triton out of the way: another test may have imported it
+    # in-process), several of them (the tile made smaller than the rows)
+    from twinserve.gpu.quantization import quant_tensor, triton_quant
     monkeypatch.setattr(quant_tensor, "TILE_ROWS", 16)
+    monkeypatch.setattr(triton_quant, "HAS_TRITON", False)
     gen = torch.Generator().manual_seed(2)
     for qt in _tensors():
         for t in (1, 40):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from twinserve.entrypoints.validate import positive_int
 from twinserve.simulator import SimConfig, simulate, write_sim_run
 from twinserve.traces import assign_priorities, assign_tenants, first_n, load_trace, scale_time
 
@@ -32,7 +33,7 @@ def add_parser(sub) -> None:
                    "H100's saturation, where the policies differ)")
     p.add_argument("--real-requests", type=int, default=24,
                    help="requests replayed through the real engine (0 skips it)")
-    p.add_argument("--real-repeats", type=int, default=3,
+    p.add_argument("--real-repeats", type=positive_int, default=3,
                    help="real replays the twin is compared with (the median of each metric, "
                    "their spread beside it; default 3: one replay's tail moves with the host)")
     p.add_argument("--seed", type=int, default=0)

@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="calibrated hardware profile (default: calibrate first)")
     p.add_argument("--reuse-real", nargs="+", default=None, metavar="RUN_DIR",
                    help="compare against these real run folders instead of replaying again")
-    p.add_argument("--real-repeats", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--real-repeats", type=positive_int, default=1, metavar="N",
                    help="replay the real engine N times; compare with the median of each metric")
     p.add_argument("--at-host-speed", action="store_true",
                    help="simulate with the profile scaled to the host's speed during the real "
@@ -98,7 +98,7 @@ def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
     return trace
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")

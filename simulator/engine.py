@@ -151,8 +151,9 @@ def engine_process(env: simpy.Environment, replica: Replica):
             horizon = peek()
         complete(out, sampled, now, end)
         now = end
-        # runs of decode-only steps follow one another while each reaches its last step (the
-        # finish of its first requests) before anything else is due
+        # runs of decode-only steps follow one another while each reaches its last step (its
+        # last request's finish, or the last step its free blocks cover) before anything else
+        # is due, or takes in the step that crosses it
         run = plan(sched, SIMULATED_TOKEN) if decode_runs else None
         while run is not None:
             ends = _decode_run_ends(run, step_time, run_ends, now, horizon, base)

@@ -24,7 +24,7 @@ accumulation order). The other formats always use fp32 activations.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -127,10 +127,17 @@ class QuantTensor:
         if small:
             return cpu_kernel.quant_matmul(x, self.data, self.row_scale, self.fmt.fmt_id,
                                            self.group)
+        return self._tiled_matmul(x, self.dequantize)
+
+    def _tiled_matmul(self, x: torch.Tensor,
+                      decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``x @ W.T`` with ``W`` decoded ``TILE_ROWS`` rows at a time by ``decode`` (rows ->
+        fp32 rows, on the blocks' device) and multiplied by that device's GEMM."""
         out = x.new_empty(x.shape[0], self.rows)
         for start in range(0, self.rows, TILE_ROWS):
-            tile = self.dequantize(torch.arange(start, min(start + TILE_ROWS, self.rows)))
-            torch.mm(x, tile.t(), out=out[:, start:start + tile.shape[0]])
+            stop = min(start + TILE_ROWS, self.rows)
+            tile = decode(torch.arange(start, stop, device=self.data.device))
+            torch.mm(x, tile.t(), out=out[:, start:stop])
         return out
 
     def device_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,12 +152,7 @@ class QuantTensor:
                 and triton_quant.HAS_TRITON \
                 and (self.data.is_cuda or triton_quant.is_interpreted()):
             return triton_quant.quant_matmul_triton(x, self.data, self.row_scale, self.fmt)
-        out = x.new_empty(x.shape[0], self.rows)
-        for start in range(0, self.rows, TILE_ROWS):
-            stop = min(start + TILE_ROWS, self.rows)
-            rows = torch.arange(start, stop, device=self.data.device)
-            torch.mm(x, self.device_dequantize(rows).t(), out=out[:, start:stop])
-        return out
+        return self._tiled_matmul(x, self.device_dequantize)
 
     def device_dequantize(self, rows: torch.Tensor) -> torch.Tensor:
         """``dequantize`` for blocks off the CPU: torch's decoders (``torch_dequant``)."""

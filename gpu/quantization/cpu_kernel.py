@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (CSRC / "quant_matmul.cpp", CSRC / "fused_decode.cpp")
 HEADERS = (CSRC / "quant_blocks.h", CSRC / "quant_q8.h", CSRC / "quant_packed.h",
-           CSRC / "paged_attention.h")
+           CSRC / "paged_attention.h", CSRC / "fused_attention.h")
 
 # (x[T, K] fp32, qweight[N, row_bytes] bytes, row_scale[N] or [0] fp32, fmt, group) -> [T, N]
 QuantMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from array import array
 from collections.abc import Sequence
 from itertools import repeat
@@ -127,12 +128,38 @@ def write_run(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     (out / "summary.json").write_text(json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n")
+    writer = _fork_steps_writer(out, steps) if steps is not None else None
     with open(out / "requests.csv", "w", newline="") as f:
         csv.writer(f, lineterminator="\n").writerow(REQUEST_COLUMNS)
         _write_requests(f, records)
-    if steps is not None:
-        _write_steps(out, steps)
+    if steps is not None and (writer is None or not _joined(writer)):
+        _write_steps(out, steps)  # (after a failed child: here, where its error is raised)
     return out
+
+
+# A whole trace's steps take about as long to write as its requests: from this many rows a
+# forked child writes them on the other core meanwhile.
+_FORK_STEPS_AT = 50_000
+
+
+def _fork_steps_writer(out: Path, steps: Sequence[StepRecord]) -> int | None:
+    """The pid of a child writing steps.csv and tenants.csv, or None (few rows, no ``fork``)."""
+    if len(steps) < _FORK_STEPS_AT or not hasattr(os, "fork"):
+        return None
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _write_steps(out, steps)
+        code = 0
+    finally:
+        os._exit(code)  # never back into the parent's code (nor its atexit handlers)
+
+
+def _joined(pid: int) -> bool:
+    """Waits for the steps writer; whether it wrote them."""
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:

@@ -4,6 +4,7 @@ format (``run_dir._request_row``'s), including the values ``np.unique`` treats s
 from __future__ import annotations
 
 import math
+import os
 import random
 from array import array
 
@@ -60,3 +61,33 @@ def test_steps_text_equals_the_plain_lines() -> None:
     with_chunks = rows * (run_dir._CHUNK_ROWS // len(rows) + 2)
     assert run_dir._steps_text([list(c) for c in zip(*with_chunks)]) == \
         "".join(map(run_dir._step_line, with_chunks))
+
+
+def _folder_bytes(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_steps_written_by_a_forked_child_are_the_same_bytes(tmp_path, monkeypatch) -> None:
+    from twinserve.core.metrics import StepRecord
+    rng = random.Random(5)
+    steps = [StepRecord(i * 0.01, rng.uniform(1e-3, 0.1), 3, rng.randint(0, 99), 2, 3,
+                        rng.randint(0, 9), rng.random(), 0,
+                        tenant_tokens={"a": (rng.randint(0, 9), 1), "b": (0, 2)})
+             for i in range(300)]
+    records = [_record(i, [0.01, 0.02]) for i in range(20)]
+    args = ({"backend": "sim"}, records, {"completed": 20}, steps)
+    in_process = run_dir.write_run(tmp_path / "plain", *args)
+    monkeypatch.setattr(run_dir, "_FORK_STEPS_AT", 1)
+    forked = run_dir.write_run(tmp_path / "forked", *args)
+    assert _folder_bytes(forked) == _folder_bytes(in_process)
+    assert "steps.csv" in _folder_bytes(forked)
+
+    parent, plain_write = os.getpid(), run_dir._write_steps
+
+    def fails_in_the_child(out, rows) -> None:
+        if os.getpid() != parent:
+            raise OSError("disk full")
+        plain_write(out, rows)
+    monkeypatch.setattr(run_dir, "_write_steps", fails_in_the_child)
+    rewritten = run_dir.write_run(tmp_path / "child-failed", *args)  # the parent writes them
+    assert _folder_bytes(rewritten) == _folder_bytes(in_process)

@@ -212,7 +212,8 @@ class DecodeRun:
                     return None
                 allocs.extend((j, i) for j in range(first, n, bs))
         caching = kv.enable_caching
-        new_full: list[tuple[int, int]] = []  # (running index, first new full block)
+        # (running index, first new full block, where registering stops, full blocks)
+        new_full: list[tuple[int, int, int, int]] = []
         new_hashes: list[int] = []
         if caching:
             for i, start in enumerate(starts):
@@ -222,9 +223,11 @@ class DecodeRun:
                     num_full = (start + limits[i]) // bs
                     first_new = max(table.num_cached_blocks, table.num_dropped)
                     if num_full > table.num_cached_blocks:
-                        new_hashes += update_block_hashes(request, bs, num_full * bs)[
-                            first_new:num_full]
-                        new_full.append((i, first_new))
+                        stop = kv.registration_stop(request, table.num_cached_blocks, num_full)
+                        if first_new < stop:
+                            new_hashes += update_block_hashes(request, bs, stop * bs)[
+                                first_new:stop]
+                        new_full.append((i, first_new, stop, num_full))
             if new_hashes and (len(set(new_hashes)) != len(new_hashes)
                                or not kv.pool.cached.keys().isdisjoint(new_hashes)):
                 return None
@@ -250,11 +253,9 @@ class DecodeRun:
         if new_full:
             cached = pool.cached
             hashes = iter(new_hashes)
-            for i, first_new in new_full:
-                request = running[i]
-                table = tables[request.request_id]
-                num_full = (starts[i] + limits[i]) // bs
-                for block in table.blocks[first_new:num_full]:
+            for i, first_new, stop, num_full in new_full:
+                table = tables[running[i].request_id]
+                for block in table.blocks[first_new:stop]:
                     h = next(hashes)
                     if block.block_hash is None:  # (never cached before: the reference's
                         block.block_hash = h      # first-writer test, ``h`` being new)

@@ -84,6 +84,9 @@ class KVCacheManager:
         null_block = pool.allocate(1)[0] if sliding_window is not None else None
         self._setup(block_size, enable_caching, sliding_window, pool, null_block,
                     BlockPool(num_cpu_blocks, enable_caching=False), None)
+        # One group of full attention: a block holding a request's own tokens is registered
+        # only if the request is preempted (``Request.own_ids_from``, ``register_own``).
+        self.defers_own_blocks = enable_caching and sliding_window is None
 
     def _setup(self, block_size: int, enable_caching: bool, sliding_window: int | None,
                pool: BlockPool, null_block: KVCacheBlock | None, host_pool: BlockPool,
@@ -104,6 +107,7 @@ class KVCacheManager:
         self.ops_owner: KVCacheManager = self
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0     # tokens found
+        self.defers_own_blocks = False
 
     @classmethod
     def group_of(cls, owner: KVCacheManager, sliding_window: int | None,
@@ -157,6 +161,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
+        own = request.own_ids_from
+        if own is not None and self.defers_own_blocks:  # its own blocks cannot be cached yet
+            max_hit_tokens = min(max_hit_tokens, own - own % self.block_size)
         hashes = update_block_hashes(request, self.block_size, max_hit_tokens)
         hits: list[KVCacheBlock] = []
         lookup = self.pool.cached.get
@@ -295,17 +302,43 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if not self.enable_caching or num_full <= table.num_cached_blocks:
             return
-        hashes = update_block_hashes(request, self.block_size, num_full * self.block_size)
+        stop = self.registration_stop(request, table.num_cached_blocks, num_full)
         first = max(table.num_cached_blocks, table.num_dropped)  # never cache the null block
+        if first < stop:
+            self._register(request, table, first, stop)
+        table.num_cached_blocks = num_full  # (the request's own blocks after ``stop``: deferred)
+
+    def registration_stop(self, request: Request, num_cached: int, num_full: int) -> int:
+        """Where registering a request's full blocks past ``num_cached`` stops: ``num_full``,
+        or the first block holding its own tokens (``register_own`` registers the rest)."""
+        own = request.own_ids_from
+        if own is None or not self.defers_own_blocks:
+            return num_full
+        return min(num_full, max(own // self.block_size, num_cached))
+
+    def _register(self, request: Request, table: BlockTable, first: int, stop: int) -> None:
+        hashes = update_block_hashes(request, self.block_size, stop * self.block_size)
         salt = self.key_salt
         if salt is not None:  # a hybrid layout's group: its own keys for the new blocks only
-            self.pool.cache_all(table.blocks[first:num_full],
-                                [hash((h, salt)) for h in hashes[first:num_full]])
-        elif first + 1 == num_full:  # one block (a decode crossed a boundary): no slices
+            self.pool.cache_all(table.blocks[first:stop],
+                                [hash((h, salt)) for h in hashes[first:stop]])
+        elif first + 1 == stop:  # one block (a decode crossed a boundary): no slices
             self.pool.cache(table.blocks[first], hashes[first])
         else:
-            self.pool.cache_all(table.blocks[first:num_full], hashes[first:num_full])
-        table.num_cached_blocks = num_full
+            self.pool.cache_all(table.blocks[first:stop], hashes[first:stop])
+
+    def register_own(self, request: Request) -> None:
+        """Registers the request's deferred full blocks (those holding its own tokens) before
+        it is preempted, as if each had been registered when it filled (no other request can
+        have cached their hashes in between); from then on its blocks are registered as they
+        fill, like any request's."""
+        own, request.own_ids_from = request.own_ids_from, None
+        table = self.tables.get(request.request_id)
+        if own is None or not self.defers_own_blocks or table is None:
+            return
+        first = max(own // self.block_size, table.num_dropped)
+        if first < table.num_cached_blocks:
+            self._register(request, table, first, table.num_cached_blocks)
 
     def free(self, request: Request) -> None:
         """Releases a request's blocks (device and host); tail blocks are evicted first."""

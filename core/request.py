@@ -57,13 +57,17 @@ class LazyPrompt(Sequence[int]):
     chain over its ids (``core.block_hash``): equal keys exactly where the ids before the block's
     end are equal (the maker's promise), so the cache hits and misses as with the ids."""
 
-    __slots__ = ("_len", "_make", "_tail_start", "_tail", "key_block_size", "keys")
+    __slots__ = ("_len", "_make", "_tail_start", "_tail", "key_block_size", "keys", "own_ids_from")
 
     def __init__(self, length: int, make: Callable[[int, int], list[int]], tail_start: int,
-                 tail: list[int], key_block_size: int, keys: list[int]) -> None:
+                 tail: list[int], key_block_size: int, keys: list[int],
+                 own_ids_from: int | None = None) -> None:
         self._len, self._make = length, make
         self._tail_start, self._tail = tail_start, tail
         self.key_block_size, self.keys = key_block_size, keys
+        # The ids from this position on are this prompt's own: no other request's prompt holds
+        # them (the maker's promise; None: no such promise).
+        self.own_ids_from = own_ids_from
 
     def __len__(self) -> int:
         return self._len
@@ -210,6 +214,11 @@ class Request:
     # The scheduler's entry for this request while it runs as a decode, updated in place from
     # step to step (one attribute read per decode and step, where a dict would need a lookup).
     decode_entry: ScheduledRequest | None = field(default=None, init=False, repr=False)
+    # From this position on the request's tokens are its own (its ``LazyPrompt``'s promise, one
+    # sequence, n == 1): a full block holding one can be found in the prefix cache by this
+    # request alone, so the KV manager registers such blocks only if it is preempted (its one
+    # chance to look them up again) and then clears this. None: every block is registered.
+    own_ids_from: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.request_id or not isinstance(self.request_id, str):
@@ -221,7 +230,12 @@ class Request:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}.")
         prompt = self.prompt_token_ids
-        self.all_token_ids = LazyTokenIds(prompt) if type(prompt) is LazyPrompt else list(prompt)
+        if type(prompt) is LazyPrompt:
+            self.all_token_ids = LazyTokenIds(prompt)
+            if self.sampling_params.n == 1 and self.parent_id is None:
+                self.own_ids_from = prompt.own_ids_from
+        else:
+            self.all_token_ids = list(prompt)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         params = self.sampling_params
         eos = () if self.eos_token_id is None or params.ignore_eos else (self.eos_token_id,)

@@ -449,6 +449,7 @@ class Scheduler:
         if victim.lora is not None and self.loras is not None:
             self.loras.release(victim.lora)
         victim.decode_entry = None
+        self.kv.register_own(victim)  # it may look its blocks up again
         swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(victim)
         if not swapped:
             self.kv.free(victim)

@@ -171,7 +171,10 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
     forked samples share theirs). ``structured``: which requests decode under a grammar
     (``structured_cost``)."""
     shared: dict[int, SamplingParams] = {}
-    prompts = (map(partial(_lazy_prompt, vocab_size, block_size), trace,
+    # a prompt's ids past its shared prefix come from its request id: its own unless another
+    # request of the trace has the same id
+    unique = len({tr.request_id for tr in trace}) == len(trace)
+    prompts = (map(partial(_lazy_prompt, vocab_size, block_size, unique), trace,
                    iter_prompt_parts(trace, vocab_size, block_size)) if lazy
                else iter_prompt_token_ids(trace, vocab_size))
     for tr, prompt in zip(trace, prompts):
@@ -183,10 +186,12 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
         yield to_request(tr, vocab_size, block_size, prompt, params)
 
 
-def _lazy_prompt(vocab_size: int, block_size: int, tr: TraceRequest,
+def _lazy_prompt(vocab_size: int, block_size: int, unique_ids: bool, tr: TraceRequest,
                  parts: PromptParts) -> LazyPrompt:
+    shared = tr.num_prefix_tokens
+    own = shared if unique_ids and shared < tr.input_tokens else None
     return LazyPrompt(tr.input_tokens, partial(prompt_ids_slice, tr, vocab_size),
-                      parts.tail_start, parts.tail, block_size, parts.keys)
+                      parts.tail_start, parts.tail, block_size, parts.keys, own)
 
 
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,

@@ -123,3 +123,41 @@ def test_lazy_prompts_give_the_run_folders_of_the_plain_lists(settings: dict,
                                  {"trace": name}) for lazy in (True, False)]
         for f in ("requests.csv", "steps.csv", "summary.json", "tenants.csv"):
             assert (folders[0] / f).read_bytes() == (folders[1] / f).read_bytes(), (name, f)
+
+
+@pytest.mark.parametrize("settings", [
+    {"preemption_mode": "recompute"},
+    {"preemption_mode": "swap"},
+    {"preemption_mode": "swap", "swap_space": 0.0002},  # too little host memory: recompute
+], ids=["recompute", "swap", "swap-falls-back"])
+def test_own_blocks_registered_at_preemption_give_the_plain_run(settings: dict,
+                                                                tmp_path: Path) -> None:
+    """A lazy prompt's own blocks enter the prefix cache only when their request is preempted
+    (``Request.own_ids_from``); the plain lists register every block as it fills. Preempted
+    requests then find the same blocks again, so the run folders are the same."""
+    wl = synthetic_trace(SyntheticConfig(num_requests=60, input_len=120, output_len=160,
+                                         range_ratio=0.8, prefix_len=40, prefix_share=0.5,
+                                         request_rate=50.0, seed=3))
+    cfg = SimConfig(**SMALL, num_gpu_blocks_override=48, max_num_seqs=32, **settings)
+    results = [simulate(cfg, wl, lazy_prompts=lazy) for lazy in (True, False)]
+    assert results[0].summary["num_preemptions"] > 20
+    folders = [write_sim_run(r, tmp_path / str(i), {"trace": "wl"}) for i, r in enumerate(results)]
+    for f in ("requests.csv", "steps.csv", "summary.json"):
+        assert (folders[0] / f).read_bytes() == (folders[1] / f).read_bytes(), f
+
+
+def test_a_request_registers_its_own_blocks_only_when_preempted() -> None:
+    from twinserve.core.kv_cache_manager import KVCacheManager
+    tr = TraceRequest("mine", 0.0, 70, 5, prefix_blocks=(1,), prefix_block_tokens=24)
+    (request,) = _engine_requests([tr], VOCAB, 16)
+    assert request.own_ids_from == 24
+    kv = KVCacheManager(20, 16)
+    kv.allocate_slots(request, 70)
+    request.num_computed_tokens = 70
+    kv.cache_full_blocks(request)  # 4 full blocks: block 0 is shared, blocks 1-3 hold its own
+    assert len(kv.pool.cached) == 1 and kv.tables["mine"].num_cached_blocks == 4
+    kv.register_own(request)
+    assert len(kv.pool.cached) == 4 and request.own_ids_from is None
+    assert set(kv.pool.cached) == set(request.block_hashes[:4])
+    (twin,) = _engine_requests([dataclasses.replace(tr, request_id="other")], VOCAB, 16)
+    assert kv.get_computed_blocks(twin)[1] == 16  # another request: only the shared block

@@ -10,6 +10,8 @@ tested in tests/test_fused_decode.py."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -122,3 +124,15 @@ def test_bad_shapes_are_refused() -> None:
         QuantTensor(F.Q4_1, torch.zeros(4, 10, dtype=torch.uint8), 64)
     with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128"):
         F.u4(256)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU")
+def test_the_kernels_share_work_out_to_threads() -> None:
+    """The extension is built with OpenMP: without it ATen's at::parallel_for runs every product,
+    attention and per-token loop on the calling thread (as it did up to this test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.twinserve_quant.quant_parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(threads)

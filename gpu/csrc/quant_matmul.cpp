@@ -129,6 +129,17 @@ at::Tensor quant_matmul_q8_packed(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
+// How many of ATen's threads an at::parallel_for over `n` items in this extension runs on (1 where
+// the file is built without OpenMP: at::parallel_for then calls its body on the calling thread).
+int64_t quant_parallel_threads(int64_t n) {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int64_t bit = int64_t{1} << std::min(at::get_thread_num(), 62);
+    seen.fetch_or(bit, std::memory_order_relaxed);
+  });
+  return __builtin_popcountll(static_cast<unsigned long long>(seen.load()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(twinserve_quant, m) {
@@ -140,6 +151,7 @@ TORCH_LIBRARY(twinserve_quant, m) {
   m.def("quant_pack(Tensor qweight, int fmt, int k) -> Tensor");
   m.def("quant_unpack(Tensor packed, int fmt, int rows, int k) -> Tensor");
   m.def("quant_matmul_q8_packed(Tensor x, Tensor packed, int fmt, int rows) -> Tensor");
+  m.def("quant_parallel_threads(int n) -> int");
 }
 
 TORCH_LIBRARY_IMPL(twinserve_quant, CPU, m) {
@@ -150,4 +162,8 @@ TORCH_LIBRARY_IMPL(twinserve_quant, CPU, m) {
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_unpack", &quant_unpack);
   m.impl("quant_matmul_q8_packed", &quant_matmul_q8_packed);
+}
+
+TORCH_LIBRARY_IMPL(twinserve_quant, CatchAll, m) {
+  m.impl("quant_parallel_threads", &quant_parallel_threads);
 }

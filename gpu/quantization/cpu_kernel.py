@@ -2,7 +2,11 @@
 kernels: ``gpu/csrc/quant_matmul.cpp`` (the products, fp32 and int8 activations) and
 ``gpu/csrc/fused_decode.cpp`` (a whole decode step in one call), one extension;
 ``scripts/setup.sh`` builds it ahead, as the decode-attention kernel. ``-march=native``: it runs
-where it is built."""
+where it is built. ``-fopenmp``: ATen's ``at::parallel_for`` shares work out only where the
+including file is compiled with OpenMP (``_OPENMP`` defines ``INTRA_OP_PARALLEL``); with
+``-fopenmp-simd`` alone every product, attention and per-token loop ran on the calling thread.
+The library it links, ``libgomp.so.1``, is the one torch has already loaded (same soname), so
+the process keeps one OpenMP thread pool."""
 
 from __future__ import annotations
 
@@ -31,8 +35,9 @@ def build_quant_kernel() -> None:
     # torch rebuilds when the sources or the flags change, not the headers: their hash is a flag
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     load(name="twinserve_quant_matmul", sources=[str(s) for s in SOURCES], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd",
-                       f"-DTWINSERVE_HEADERS_{headers}"])
+         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp",
+                       f"-DTWINSERVE_HEADERS_{headers}"],
+         extra_ldflags=["-fopenmp"])
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scale: torch.Tensor, fmt: int,

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.gpu.profiler import BackendMeasurement
     from twinserve.simulator.calibration import Calibration
 
 Log = Callable[[str], None]
@@ -73,19 +74,26 @@ def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: 
     engine-loop workloads on ``runner`` within the limits of ``engine_args``) and fitted
     (``simulator.calibration.fit_backend``)."""
     from twinserve.gpu.profiler import measure_backend, speed_probe
-    from twinserve.simulator.calibration import fit_backend
     before = speed_probe(runner)
     measured = measure_backend(runner, engine_args, quick, warmup, repeats, engine_loop, log)
     after = speed_probe(runner)
-    cal = fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
-                      measured.lora, engine_args.tensor_parallel_size)
     # the probe at the speed the fit stands for: with the engine loop (run last, it sets the
     # profile's level) the probe right after it; without, the grid's, before and after averaged
     probe = after if engine_loop else {k: (before[k] + after[k]) / 2 for k in before}
-    cal.params = dataclasses.replace(cal.params, speed_probe=probe)
     if log is not None:
         log(f"host-speed probe: {len(probe)} steps, after the measurement "
             f"{statistics.median(after[k] / before[k] for k in before):.3f}x their time before")
+    return fit_measured(measured, engine_args, model_name, probe)
+
+
+def fit_measured(measured: BackendMeasurement, engine_args: EngineArgs, model_name: str,
+                 probe: dict[str, float]) -> Calibration:
+    """``simulator.calibration.fit_backend`` of a backend's measurements, with the host-speed
+    probe taken at the speed its level stands for."""
+    from twinserve.simulator.calibration import fit_backend
+    cal = fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
+                      measured.lora, engine_args.tensor_parallel_size)
+    cal.params = dataclasses.replace(cal.params, speed_probe=probe)
     return cal
 
 

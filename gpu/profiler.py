@@ -523,9 +523,18 @@ def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = 
         with tempfile.TemporaryDirectory(prefix="twinserve-lora-") as adapter_dir:
             measured.lora = measure_lora(runner, adapter_dir, quick, warmup, repeats, log)
     if engine_loop:
-        scenarios = default_scenarios(limits.max_num_seqs, max_len, quick)
-        log(f"engine loop: {len(scenarios)} synthetic workloads")
-        engine = LLMEngine(engine_args, runner=runner, usage_context="server")
-        engine.metrics.record_steps = False
-        measured.loop = run_engine_loop(engine, scenarios, progress=log)
+        measured.loop = measure_engine_loop(runner, engine_args, quick, log)
     return measured
+
+
+def measure_engine_loop(runner: ModelRunner, engine_args: EngineArgs, quick: bool = False,
+                        log: Log | None = None) -> list[StepSample]:
+    """The synthetic serving workloads (``default_scenarios`` within the runner's limits)
+    through a fresh ``LLMEngine`` on ``runner``: their recorded steps."""
+    scenarios = default_scenarios(runner.engine_config.scheduler.max_num_seqs,
+                                  runner.max_model_len, quick)
+    if log is not None:
+        log(f"engine loop: {len(scenarios)} synthetic workloads")
+    engine = LLMEngine(engine_args, runner=runner, usage_context="server")
+    engine.metrics.record_steps = False
+    return run_engine_loop(engine, scenarios, progress=log)

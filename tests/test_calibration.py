@@ -286,8 +286,16 @@ def printed_factor(printed: str) -> str:
 
 
 @pytest.mark.slow
-def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, capsys) -> None:
+def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, capsys,
+                                           monkeypatch) -> None:
     from twinserve.entrypoints.cli import main
+    from twinserve.gpu import profiler, replay
+    order: list[str] = []  # the engine loop, which sets the profile's level, before each replay
+    for module, name in ((profiler, "measure_engine_loop"), (replay, "replay_real")):
+        def recorded(*a, _name=name, _f=getattr(module, name), **k):
+            order.append(_name)
+            return _f(*a, **k)
+        monkeypatch.setattr(module, name, recorded)
     out = tmp_path / "val"
     rc = main(["validate", "--model", str(tiny_model), "--trace", "synthetic",
                "--num-requests", "12", "--request-rate", "20", "--input-len", "40",
@@ -297,6 +305,7 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
                "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(4 << 20), "--quick",
                "--repeats", "1", "--real-repeats", "2", "--out", str(out), "--quiet"])
     assert rc == 0
+    assert order == ["measure_engine_loop", "replay_real"] * 2
     printed = capsys.readouterr().out
     assert "mean_e2el_ms" in printed and "2 real run(s)" in printed
     for run, backend in (("real", "twinserve"), ("real-2", "twinserve"), ("sim", "sim")):

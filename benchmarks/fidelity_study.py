@@ -3,9 +3,11 @@
     python -m twinserve.benchmarks.fidelity_study [--out runs/fidelity-study] [--rounds 3] \\
         [--workloads conv-600,code,...] [--profile PROFILE.json] [--model DIR] [--threads 2]
 
-1. One profile from ``twinserve calibrate`` with its defaults (micro-benchmarks over the engine's
-   whole space plus synthetic engine-loop workloads: no trace), at the study's engine limits;
-   ``--profile`` uses a given one instead. No workload below is used to fit it.
+1. One profile with ``twinserve calibrate``'s defaults (micro-benchmarks over the engine's whole
+   space plus synthetic engine-loop workloads: no trace), at the study's engine limits, its
+   level measured in rounds (the engine loop before each round of replays:
+   ``InterleavedCalibration``); ``--profile`` uses a given one instead. No workload below is
+   used to fit it.
 2. Each workload replayed ``--rounds`` times on the real engine, in interleaved rounds (round r
    replays every workload once), so the machine's drift falls on all of them alike:
    ``OUT/real/<workload>-<r>``.
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from twinserve.benchmarks.fidelity import run_cli
+from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS
 
@@ -216,17 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     t_start, load_at_start = time.perf_counter(), _load_average()
     engine = _engine_flags(args)
     profile = args.profile or str(out / "profile.json")
+    cal = None
     if not args.profile and not (args.resume and Path(profile).is_file()):
-        run_cli(["calibrate", *engine, "--max-model-len", str(CALIBRATION_MODEL_LEN),
-              "--out", profile, "--samples-out", str(out / "profile-samples.csv")])
+        cal = _calibration(engine)
     runs: dict[str, list[Path]] = {n: [] for n in names}
     for round_ in range(1, args.rounds + 1):
+        if cal is not None:
+            cal.measure_level()
         for name in names:
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "summary.json").is_file()):
                 run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
                       "--out", str(folder), "--quiet"])
             runs[name].append(folder / "real")
+    if cal is not None:
+        cal.save(Path(profile), f"Calibrated by the fidelity study: the grid first, the engine "
+                 f"loop before each of its {args.rounds} rounds of replays.")
+        del cal  # (its model load)
     rows: list[dict[str, object]] = []
     for name in names:
         reuse = ["--profile", profile, "--quiet", "--reuse-real", *map(str, runs[name])]
@@ -245,6 +254,22 @@ def main(argv: list[str] | None = None) -> int:
           f"profile {profile}); load average {load_at_start} at the start, "
           f"{_load_average()} at the end")
     return 0
+
+
+def _calibration(engine: list[str]) -> InterleavedCalibration:
+    """``twinserve calibrate``'s defaults at the study's engine limits, on a model load of its
+    own: the grid now, the engine loop (the profile's level) before each round."""
+    from twinserve.entrypoints.calibrate import load_runner, model_dir_or_default, set_threads
+    from twinserve.entrypoints.cli import build_parser
+    args = build_parser().parse_args(["calibrate", *engine, "--max-model-len",
+                                      str(CALIBRATION_MODEL_LEN), "--out", "unused.json"])
+    args.model = model_dir_or_default(args.model)
+    set_threads(args.threads)
+    eargs, runner = load_runner(args)
+    cal = InterleavedCalibration(args, eargs, runner,
+                                 lambda msg: print(msg, file=sys.stderr, flush=True))
+    cal.measure_grid()
+    return cal
 
 
 def _load_average() -> str:

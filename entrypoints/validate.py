@@ -47,25 +47,17 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twinserve.core.step_sample import read_recorded_samples
 from twinserve.entrypoints.calibrate import (
     Log,
     add_calibration_flags,
-    base_hardware_for,
-    fit_measured,
     load_runner,
-    measure_interconnect,
     model_dir_or_default,
     set_threads,
 )
 from twinserve.traces import TraceRequest
-
-if TYPE_CHECKING:
-    from twinserve.core.engine_args import EngineArgs
-    from twinserve.gpu.model_runner import ModelRunner
-    from twinserve.gpu.profiler import BackendMeasurement
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -153,33 +145,23 @@ def at_host_speed(profile: str | Path, speeds: list[float], out: Path) -> Path:
 
 def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[str, Any],
               out: Path, model: str, log: Log) -> tuple[list[Path], str | Path]:
-    """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given).
-
-    Calibrating here, the grid runs first and the engine-loop workloads, which set the
-    profile's level, run before each replay, the fit taking them all: the level is the host's
-    over the same minutes as the replays (interleaved rounds), not the host's before them."""
+    """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given,
+    the engine loop before each replay: ``InterleavedCalibration``)."""
+    from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
     from twinserve.gpu.llm_engine import LLMEngine
-    from twinserve.gpu.profiler import measure_backend, measure_engine_loop, speed_probe
+    from twinserve.gpu.profiler import speed_probe
     from twinserve.gpu.replay import replay_real, write_real_run
     set_threads(args.threads)
     eargs, runner = load_runner(args)
     log(f"real engine: {runner.device} {runner.dtype}, {runner.num_gpu_blocks} KV blocks; "
         f"{len(trace)} requests")
-    measured, probes = None, []
+    cal = None
     if args.profile is None:
-        before = speed_probe(runner)
-        measured = measure_backend(runner, eargs, args.quick, args.warmup, args.repeats,
-                                   engine_loop=False, log=log)
-        if not args.engine_loop:  # the grid sets the level: its probe, before and after
-            after = speed_probe(runner)
-            probes = [{k: (before[k] + after[k]) / 2 for k in before}]
+        cal = InterleavedCalibration(args, eargs, runner, log)
+        cal.measure_grid()
     dirs = []
     for i in range(args.real_repeats):
-        if measured is not None and args.engine_loop:
-            measured.loop += measure_engine_loop(runner, eargs, args.quick, log)
-        before = speed_probe(runner)
-        if measured is not None and args.engine_loop:
-            probes.append(before)  # right after the loop: the speed of the level it sets
+        before = cal.measure_level() if cal is not None else speed_probe(runner)
         engine = LLMEngine(eargs, runner=runner, usage_context="server")  # fresh scheduler, cache
         replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
         label = f"real {args.scheduling_policy}" + (f" #{i + 1}" if args.real_repeats > 1 else "")
@@ -188,30 +170,10 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
         write_speed_probe(dirs[-1] / SPEED_PROBE_FILE, before, speed_probe(runner))
         log(f"real replay {i + 1}/{args.real_repeats}: {replay.wall_time_s:.1f} s wall, "
             f"{len(replay.steps)} steps")
-    profile = args.profile
-    if measured is not None:
-        profile = _save_calibration(args, runner, eargs, measured, probes, model, out, log)
-    return dirs, profile
-
-
-def _save_calibration(args: argparse.Namespace, runner: ModelRunner, eargs: EngineArgs,
-                      measured: BackendMeasurement, probes: list[dict[str, float]], model: str,
-                      out: Path, log: Log) -> Path:
-    """The fit of the grid and the interleaved engine loops as ``OUT/profile.json``; its probe
-    (the speed its level stands for) the mean of ``probes``, taken right after each loop (or
-    around the grid, without the engine loop)."""
-    from twinserve.gpu.platform import current_platform
-    from twinserve.simulator.calibration import save_profile
-    from twinserve.simulator.model_spec import load_model_spec
-    probe = {k: statistics.fmean(p[k] for p in probes) for k in probes[0]}
-    cal = fit_measured(measured, eargs, load_model_spec(model).name, probe)
-    base = args.base_hardware or base_hardware_for(args.device)
-    path = save_profile(cal, model, base, out / "profile.json", eargs.block_size,
-                        f"Calibrated by validate{' (quick)' if args.quick else ''}, the engine "
-                        f"loop run before each of {len(probes)} replays.",
-                        current_platform(runner.device), measure_interconnect(runner, eargs, log))
-    log(cal.report)
-    return path
+    if cal is None:
+        return dirs, args.profile
+    return dirs, cal.save(out / "profile.json", f"Calibrated by validate"
+                          f"{' (quick)' if args.quick else ''} on the model load it replayed on.")
 
 
 def run_validate(args: argparse.Namespace) -> int:

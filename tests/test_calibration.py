@@ -812,3 +812,33 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
     assert rows[0]["error_at_host_speed_pct"] == 4.0 and rows[0]["verdict_at_host_speed"] == "ok"
     table = format_table(rows)
     assert "0/1 targeted metrics" in table and "1/1 targeted metrics" in table
+
+
+def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """The study's calibration: the grid once, the engine loop before each round of replays,
+    the profile saved before any workload is simulated with it."""
+    from twinserve.benchmarks import fidelity_study
+    events: list[str] = []
+
+    class Recorded:
+        def measure_level(self) -> None:
+            events.append("level")
+
+        def save(self, path: Path, note: str) -> Path:
+            events.append("save")
+            return path
+
+    def run_cli(argv: list[str]) -> None:
+        events.append("sim" if "--reuse-real" in argv else "replay")
+
+    monkeypatch.setattr(fidelity_study, "_calibration", lambda engine: Recorded())
+    monkeypatch.setattr(fidelity_study, "run_cli", run_cli)
+    monkeypatch.setattr(fidelity_study, "study_rows", lambda *a: [
+        {"workload": "w", "metric": "request_throughput", "real": 1.0, "sim": 1.0,
+         "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0, "verdict": "ok",
+         "error_at_host_speed_pct": 0.0, "verdict_at_host_speed": "ok"}])
+    assert fidelity_study.main(["--out", str(tmp_path), "--workloads", "conv-600,code",
+                                "--rounds", "2"]) == 0
+    assert events == ["level", "replay", "replay", "level", "replay", "replay", "save",
+                      "sim", "sim", "sim", "sim"]

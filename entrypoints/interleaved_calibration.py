@@ -1,0 +1,90 @@
+"""A backend calibration whose level is measured in rounds, between the runs it is compared with.
+
+The grid of micro-benchmarks sets the profile's shape once; the engine-loop workloads (synthetic,
+no trace) set its level. On a host whose speed drifts over minutes, a level measured before the
+real runs carries that drift into every prediction, so ``validate`` and the fidelity study run
+the engine loop before each real replay (or each round of them) and fit on all of them: the
+level is the host's over the same minutes as the runs, as interleaved benchmark rounds are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from twinserve.entrypoints.calibrate import (
+    Log,
+    base_hardware_for,
+    fit_measured,
+    measure_interconnect,
+)
+
+if TYPE_CHECKING:
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.gpu.profiler import BackendMeasurement
+
+
+@dataclass(slots=True)
+class InterleavedCalibration:
+    """``measure_grid`` once, ``measure_level`` before each round, then ``save``. ``args``: the
+    calibration flags (``add_calibration_flags``) and ``--model``."""
+
+    args: argparse.Namespace
+    engine_args: EngineArgs
+    runner: ModelRunner
+    log: Log
+    measured: BackendMeasurement | None = None
+    probes: list[dict[str, float]] = field(default_factory=list)
+
+    def measure_grid(self) -> None:
+        """The micro-benchmarks and swap copies; without the engine loop (``--no-engine-loop``)
+        the grid sets the level too, and its probe is the mean of the probe before and after."""
+        from twinserve.gpu.profiler import measure_backend, speed_probe
+        args = self.args
+        before = speed_probe(self.runner)
+        self.measured = measure_backend(self.runner, self.engine_args, args.quick, args.warmup,
+                                        args.repeats, engine_loop=False, log=self.log)
+        if not args.engine_loop:
+            after = speed_probe(self.runner)
+            self.probes = [{k: (before[k] + after[k]) / 2 for k in before}]
+
+    def measure_level(self) -> dict[str, float]:
+        """One round of the engine-loop workloads (nothing without the engine loop) and the
+        host-speed probe right after: the probe the round's runs start from."""
+        from twinserve.gpu.profiler import measure_engine_loop, speed_probe
+        if self.measured is None:
+            raise RuntimeError("measure_grid first")
+        if not self.args.engine_loop:
+            return speed_probe(self.runner)
+        self.measured.loop += measure_engine_loop(self.runner, self.engine_args,
+                                                  self.args.quick, self.log)
+        probe = speed_probe(self.runner)
+        self.probes.append(probe)
+        return probe
+
+    def save(self, path: Path, note: str) -> Path:
+        """The fit of the grid and every round as a profile at ``path``; its probe (the speed
+        its level stands for) the mean of the rounds' probes."""
+        from twinserve.gpu.platform import current_platform
+        from twinserve.simulator.calibration import save_profile
+        from twinserve.simulator.model_spec import load_model_spec
+        if self.measured is None or not self.probes:
+            raise RuntimeError("measure_grid and at least one measure_level first")
+        probe = {k: statistics.fmean(p[k] for p in self.probes) for k in self.probes[0]}
+        cal = fit_measured(self.measured, self.engine_args,
+                           load_model_spec(self.args.model).name, probe)
+        platform = current_platform(self.runner.device)
+        rounds = len(self.probes) if self.args.engine_loop else 0
+        cal.params = dataclasses.replace(cal.params, source=(
+            f"twinserve calibrate on {platform.device_name} ({len(cal.samples)} steps), the "
+            f"engine loop in {rounds} round(s) between the real runs"))
+        base = self.args.base_hardware or base_hardware_for(self.args.device)
+        out = save_profile(cal, self.args.model, base, path, self.engine_args.block_size, note,
+                           platform, measure_interconnect(self.runner, self.engine_args, self.log))
+        self.log(cal.report)
+        return out

@@ -129,10 +129,13 @@ def write_run(
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     (out / "summary.json").write_text(json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n")
     writer = _fork_steps_writer(out, steps) if steps is not None else None
-    with open(out / "requests.csv", "w", newline="") as f:
-        csv.writer(f, lineterminator="\n").writerow(REQUEST_COLUMNS)
-        _write_requests(f, records)
-    if steps is not None and (writer is None or not _joined(writer)):
+    try:
+        with open(out / "requests.csv", "w", newline="") as f:
+            csv.writer(f, lineterminator="\n").writerow(REQUEST_COLUMNS)
+            _write_requests(f, records)
+    finally:  # the child is waited for whatever happens here
+        written = writer is not None and _joined(writer)
+    if steps is not None and not written:
         _write_steps(out, steps)  # (after a failed child: here, where its error is raised)
     return out
 

@@ -40,8 +40,8 @@ def build_paged_decode() -> PagedDecode:
     """Compile (or load the cached build of) the kernel; raises when it cannot be built."""
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
     load(name="twinserve_cpu_attention", sources=[str(SOURCE)], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
-         extra_ldflags=["-lmvec"])
+         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+         extra_ldflags=["-fopenmp", "-lmvec"])  # (without OpenMP at::parallel_for is serial)
     return torch.ops.twinserve_cpu.paged_decode_attention
 
 

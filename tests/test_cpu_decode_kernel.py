@@ -82,3 +82,15 @@ def test_unknown_cpu_attention_choice_is_named(monkeypatch):
     monkeypatch.setenv("TWINSERVE_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="TWINSERVE_CPU_ATTENTION.*'fast'"):
         requested_backend()
+
+
+def test_kernel_is_built_with_openmp() -> None:
+    """Without OpenMP, ATen's at::parallel_for runs the kernel's sequences on the calling
+    thread alone (as it did until this test)."""
+    build_paged_decode()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.twinserve_cpu.cpu_parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(threads)

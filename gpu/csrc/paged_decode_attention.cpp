@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -75,14 +76,30 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// How many of ATen's threads an at::parallel_for over `n` items in this extension runs on (1 where
+// the file is built without OpenMP: at::parallel_for then calls its body on the calling thread).
+int64_t cpu_parallel_threads(int64_t n) {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int64_t bit = int64_t{1} << std::min(at::get_thread_num(), 62);
+    seen.fetch_or(bit, std::memory_order_relaxed);
+  });
+  return __builtin_popcountll(static_cast<unsigned long long>(seen.load()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(twinserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window=0, "
         "float softcap=0.0) -> Tensor");
+  m.def("cpu_parallel_threads(int n) -> int");
 }
 
 TORCH_LIBRARY_IMPL(twinserve_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+}
+
+TORCH_LIBRARY_IMPL(twinserve_cpu, CatchAll, m) {
+  m.impl("cpu_parallel_threads", &cpu_parallel_threads);
 }

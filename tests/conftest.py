@@ -3,7 +3,7 @@ that drives ``ModelRunner`` with hand-built ``SchedulerOutput``s."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,16 @@ TINY_MODELS = {
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
 }
+
+
+@pytest.fixture
+def two_torch_threads() -> Iterator[None]:
+    """torch's intra-op threads set to 2 for the test (a kernel's OpenMP check), then restored."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

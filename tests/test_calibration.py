@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -291,11 +292,14 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     from twinserve.entrypoints.cli import main
     from twinserve.gpu import profiler, replay
     order: list[str] = []  # the engine loop, which sets the profile's level, before each replay
+
+    def recording(name: str, f: Callable) -> Callable:
+        def recorded(*a, **k):
+            order.append(name)
+            return f(*a, **k)
+        return recorded
     for module, name in ((profiler, "measure_engine_loop"), (replay, "replay_real")):
-        def recorded(*a, _name=name, _f=getattr(module, name), **k):
-            order.append(_name)
-            return _f(*a, **k)
-        monkeypatch.setattr(module, name, recorded)
+        monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     out = tmp_path / "val"
     rc = main(["validate", "--model", str(tiny_model), "--trace", "synthetic",
                "--num-requests", "12", "--request-rate", "20", "--input-len", "40",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -84,13 +86,9 @@ def test_unknown_cpu_attention_choice_is_named(monkeypatch):
         requested_backend()
 
 
-def test_kernel_is_built_with_openmp() -> None:
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU")
+def test_kernel_is_built_with_openmp(two_torch_threads) -> None:
     """Without OpenMP, ATen's at::parallel_for runs the kernel's sequences on the calling
     thread alone (as it did until this test)."""
     build_paged_decode()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.ops.twinserve_cpu.cpu_parallel_threads(64) == 2
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.ops.twinserve_cpu.cpu_parallel_threads(64) == 2

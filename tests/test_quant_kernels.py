@@ -127,12 +127,7 @@ def test_bad_shapes_are_refused() -> None:
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU")
-def test_the_kernels_share_work_out_to_threads() -> None:
+def test_the_kernels_share_work_out_to_threads(two_torch_threads) -> None:
     """The extension is built with OpenMP: without it ATen's at::parallel_for runs every product,
     attention and per-token loop on the calling thread (as it did up to this test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.ops.twinserve_quant.quant_parallel_threads(64) == 2
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.ops.twinserve_quant.quant_parallel_threads(64) == 2

@@ -14,8 +14,9 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "parallel_threads.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -76,16 +77,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
-// How many of ATen's threads an at::parallel_for over `n` items in this extension runs on (1 where
-// the file is built without OpenMP: at::parallel_for then calls its body on the calling thread).
-int64_t cpu_parallel_threads(int64_t n) {
-  std::atomic<int64_t> seen{0};
-  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
-    const int64_t bit = int64_t{1} << std::min(at::get_thread_num(), 62);
-    seen.fetch_or(bit, std::memory_order_relaxed);
-  });
-  return __builtin_popcountll(static_cast<unsigned long long>(seen.load()));
-}
+int64_t cpu_parallel_threads(int64_t n) { return parallel_threads_seen(n); }
 
 }  // namespace
 

@@ -4,6 +4,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel_threads.h"
+
 #include "quant_blocks.h"
 #include "quant_packed.h"
 #include "quant_q8.h"
@@ -129,16 +131,7 @@ at::Tensor quant_matmul_q8_packed(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-// How many of ATen's threads an at::parallel_for over `n` items in this extension runs on (1 where
-// the file is built without OpenMP: at::parallel_for then calls its body on the calling thread).
-int64_t quant_parallel_threads(int64_t n) {
-  std::atomic<int64_t> seen{0};
-  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
-    const int64_t bit = int64_t{1} << std::min(at::get_thread_num(), 62);
-    seen.fetch_or(bit, std::memory_order_relaxed);
-  });
-  return __builtin_popcountll(static_cast<unsigned long long>(seen.load()));
-}
+int64_t quant_parallel_threads(int64_t n) { return parallel_threads_seen(n); }
 
 }  // namespace
 

@@ -161,9 +161,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
-        own = request.own_ids_from
-        if own is not None and self.defers_own_blocks:  # its own blocks cannot be cached yet
-            max_hit_tokens = min(max_hit_tokens, own - own % self.block_size)
+        first_own = self._first_own_block(request)
+        if first_own is not None:  # its own blocks cannot be cached yet
+            max_hit_tokens = min(max_hit_tokens, first_own * self.block_size)
         hashes = update_block_hashes(request, self.block_size, max_hit_tokens)
         hits: list[KVCacheBlock] = []
         lookup = self.pool.cached.get
@@ -308,13 +308,17 @@ class KVCacheManager:
             self._register(request, table, first, stop)
         table.num_cached_blocks = num_full  # (the request's own blocks after ``stop``: deferred)
 
+    def _first_own_block(self, request: Request) -> int | None:
+        """The first block holding the request's own tokens where this manager defers them
+        (``Request.own_ids_from``), else None."""
+        own = request.own_ids_from
+        return None if own is None or not self.defers_own_blocks else own // self.block_size
+
     def registration_stop(self, request: Request, num_cached: int, num_full: int) -> int:
         """Where registering a request's full blocks past ``num_cached`` stops: ``num_full``,
         or the first block holding its own tokens (``register_own`` registers the rest)."""
-        own = request.own_ids_from
-        if own is None or not self.defers_own_blocks:
-            return num_full
-        return min(num_full, max(own // self.block_size, num_cached))
+        first_own = self._first_own_block(request)
+        return num_full if first_own is None else min(num_full, max(first_own, num_cached))
 
     def _register(self, request: Request, table: BlockTable, first: int, stop: int) -> None:
         hashes = update_block_hashes(request, self.block_size, stop * self.block_size)
@@ -332,11 +336,12 @@ class KVCacheManager:
         it is preempted, as if each had been registered when it filled (no other request can
         have cached their hashes in between); from then on its blocks are registered as they
         fill, like any request's."""
-        own, request.own_ids_from = request.own_ids_from, None
+        first_own = self._first_own_block(request)
+        request.own_ids_from = None
         table = self.tables.get(request.request_id)
-        if own is None or not self.defers_own_blocks or table is None:
+        if first_own is None or table is None:
             return
-        first = max(own // self.block_size, table.num_dropped)
+        first = max(first_own, table.num_dropped)
         if first < table.num_cached_blocks:
             self._register(request, table, first, table.num_cached_blocks)
 

@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,44 +56,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.model_runner import ModelRunner
-    from twinserve.gpu.profiler import BackendMeasurement
-    from twinserve.simulator.calibration import Calibration
 
 Log = Callable[[str], None]
 
 
 def _log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def calibrate_backend(runner: ModelRunner, engine_args: EngineArgs, model_name: str,
-                      quick: bool = False, warmup: int = 1, repeats: int = 3,
-                      engine_loop: bool = True, log: Log | None = None) -> Calibration:
-    """The backend measured (``gpu.profiler.measure_backend``: micro-benchmarks, swap copies,
-    engine-loop workloads on ``runner`` within the limits of ``engine_args``) and fitted
-    (``simulator.calibration.fit_backend``)."""
-    from twinserve.gpu.profiler import measure_backend, speed_probe
-    before = speed_probe(runner)
-    measured = measure_backend(runner, engine_args, quick, warmup, repeats, engine_loop, log)
-    after = speed_probe(runner)
-    # the probe at the speed the fit stands for: with the engine loop (run last, it sets the
-    # profile's level) the probe right after it; without, the grid's, before and after averaged
-    probe = after if engine_loop else {k: (before[k] + after[k]) / 2 for k in before}
-    if log is not None:
-        log(f"host-speed probe: {len(probe)} steps, after the measurement "
-            f"{statistics.median(after[k] / before[k] for k in before):.3f}x their time before")
-    return fit_measured(measured, engine_args, model_name, probe)
-
-
-def fit_measured(measured: BackendMeasurement, engine_args: EngineArgs, model_name: str,
-                 probe: dict[str, float]) -> Calibration:
-    """``simulator.calibration.fit_backend`` of a backend's measurements, with the host-speed
-    probe taken at the speed its level stands for."""
-    from twinserve.simulator.calibration import fit_backend
-    cal = fit_backend(measured.micro, measured.loop, model_name, measured.seconds_per_swap_block,
-                      measured.lora, engine_args.tensor_parallel_size)
-    cal.params = dataclasses.replace(cal.params, speed_probe=probe)
-    return cal
 
 
 def measure_interconnect(runner: ModelRunner, engine_args: EngineArgs,
@@ -262,8 +229,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         eargs, runner = load_runner(args)
         _log_stderr(f"calibrating {name} on {runner.device} ({runner.dtype}), "
                     f"{runner.num_gpu_blocks} KV blocks")
-        cal = calibrate_backend(runner, eargs, name, args.quick, args.warmup, args.repeats,
-                                args.engine_loop, _log_stderr)
+        from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
+        measurement = InterleavedCalibration(args, eargs, runner, _log_stderr)
+        measurement.measure_grid()
+        measurement.measure_level()
+        cal = measurement.fit(name)
         block_size = eargs.block_size
         platform = current_platform(runner.device)
         interconnect = measure_interconnect(runner, eargs, _log_stderr)

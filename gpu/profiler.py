@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.errors import EngineOverloaded
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
@@ -470,11 +471,16 @@ def run_engine_loop(engine: LLMEngine, scenarios: Iterable[LoopScenario], detoke
             scheduler = engine.scheduler
             while pending or engine.has_unfinished_requests():
                 while pending and len(scheduler.running) + scheduler.num_waiting < flight:
-                    i, (prompt_len, output_len) = pending.popleft()
+                    i, (prompt_len, output_len) = pending[0]
                     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                                             temperature=0.0)
-                    engine.add_request(_prompt(10_000 * (k + 1) + i, prompt_len, vocab), params,
-                                       request_id=f"profile-{k}-{i}", detokenize=detokenize)
+                    try:
+                        engine.add_request(_prompt(10_000 * (k + 1) + i, prompt_len, vocab),
+                                           params, request_id=f"profile-{k}-{i}",
+                                           detokenize=detokenize)
+                    except EngineOverloaded:  # a small cache's waiting bound: retry after a step
+                        break
+                    pending.popleft()
                 engine.step()
             if progress:
                 steps = recorder.steps[first:]

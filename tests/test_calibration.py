@@ -846,3 +846,24 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
                                 "--rounds", "2"]) == 0
     assert events == ["level", "replay", "replay", "level", "replay", "replay", "save",
                       "sim", "sim", "sim", "sim"]
+
+
+def test_engine_loop_retries_what_a_small_cache_refuses(tiny_runner) -> None:
+    """A scenario holding more prompt tokens in flight than the waiting bound admits (a small
+    cache: ``validate --num-gpu-blocks-override``) is fed as the bound allows, step by step,
+    instead of failing with EngineOverloaded; every request runs."""
+    import dataclasses
+
+    from twinserve.gpu.llm_engine import LLMEngine
+    from twinserve.gpu.profiler import LoopScenario, run_engine_loop
+    eargs, runner = tiny_runner
+    engine = LLMEngine(eargs, runner=runner, usage_context="server")
+    scheduler = engine.scheduler  # the bound a small cache would set (4 x its tokens)
+    scheduler.config = dataclasses.replace(scheduler.config, max_waiting_tokens=100)
+    sc = LoopScenario(12, 30, 3, concurrency=12, prompt_len_max=60, output_len_max=5, seed=2)
+    assert sum(p for p, _ in sc.lengths()) > 100
+    steps = run_engine_loop(engine, [sc], detokenize=False)
+    assert sum(s.aggregates["num_prefill_seqs"] for s in steps) >= 12
+    assert sum(s.aggregates["num_decode_tokens"] for s in steps) == sum(
+        o - 1 for _, o in sc.lengths())
+    assert not engine.has_unfinished_requests()

@@ -158,6 +158,44 @@ def test_bundled_trace_loads(name: str, rows: int, request: pytest.FixtureReques
     assert len({r.request_id for r in reqs}) == rows
 
 
+@pytest.mark.parametrize("name", ["azure-conv", "azure-code", "mooncake"])
+def test_bundled_traces_are_stored_in_arrival_order_so_a_limit_reads_their_first_rows(
+        name: str) -> None:
+    # load_trace(name, limit=n) reads a bundled trace's first n rows only: right because the
+    # stable sort by arrival leaves every row where the file has it.
+    reqs = load_trace(name)
+    assert [r.request_id for r in reqs] == [f"{name}-{i}" for i in range(len(reqs))]
+    for n in (1, 2, 2000, len(reqs) - 1, len(reqs), len(reqs) + 5):
+        assert load_trace(name, limit=n) == reqs[:n]
+
+
+def test_a_limit_on_another_file_reads_it_whole(tmp_path: Path) -> None:
+    path = _write(tmp_path, "p.csv", PLAIN_HEADER + "5.0,10,2\n2.0,20,3\n9.0,30,4\n")
+    assert load_trace(str(path), limit=1) == load_trace(str(path))[:1]
+    assert load_trace(str(path), limit=1)[0].request_id == "p-1"
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="limit"):
+            load_trace(str(path), limit=bad)  # type: ignore[arg-type]
+
+
+def test_azure_rows_read_by_position_equal_the_general_row_parser(tmp_path: Path) -> None:
+    from twinserve.traces import loaders
+    text = ("GeneratedTokens, TIMESTAMP ,ContextTokens,ContextTokens\n"
+            "44,2023-11-16 18:15:46.6805900,1,374\n"
+            "\n"
+            "7, 2023-11-16 23:59:59.9 , 12 ,5\n"
+            "3,2023-11-17 00:00:01.25,1,+9\n")
+    path = _write(tmp_path, "a.csv", text)
+    header = [h.strip() for h in text.splitlines()[0].split(",")]
+    parse = loaders._azure_row(date_cache={})
+    lines = text.splitlines()
+    reference = [(i + 1, parse(dict(zip(header, line.split(",")))))
+                 for i, line in enumerate(lines) if i and line]
+    assert list(loaders._csv_rows(path)) == reference
+    assert [(r.input_tokens, r.output_tokens) for r in load_trace(str(path))] == \
+        [(374, 44), (5, 7), (9, 3)]
+
+
 def test_azure_values(azure_conv: list[TraceRequest]) -> None:
     reqs = azure_conv
     assert (reqs[0].input_tokens, reqs[0].output_tokens) == (374, 44)

@@ -112,8 +112,10 @@ def _source(args: argparse.Namespace) -> list[TraceRequest]:
         if given:
             flag = "--" + next(iter(given)).replace("_", "-")
             raise ValueError(f"{flag} applies only to --trace {SYNTHETIC}.")
+        n = args.num_requests  # read only the first N where they are what step 3 keeps
+        limit = n if args.time_window is None and type(n) is int and n >= 1 else None
         with _flag("--trace"):
-            return load_trace(args.trace)
+            return load_trace(args.trace, limit=limit)
     with _flag("--num-requests"):
         num = 1000 if args.num_requests is None else args.num_requests
         SyntheticConfig(num_requests=num)

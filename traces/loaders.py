@@ -12,40 +12,54 @@ Formats, told apart by the file's columns (CSV header or the first JSONL object'
 Every loader returns requests sorted by arrival (stable: ties keep file order) and re-based so that the
 first arrives at 0.0. Request ids are ``<trace>-<row>``, the row counted from 0 in file order. Blank lines
 are ignored; any other bad row raises ``TraceError`` naming the file and its 1-based line number.
+
+``load_trace(name, limit=n)`` is ``load_trace(name)[:n]``. A bundled trace is stored sorted by arrival
+(``tests/test_traces.py`` checks every row), so its first ``n`` rows are its first ``n`` requests and
+only they are read; any other file is read, checked and sorted whole first.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from twinserve.traces.bundled import BUNDLED_TRACES
 from twinserve.traces.errors import TraceError
 from twinserve.traces.plain_format import Parsed, RowParser, int_field, parse_plain_row
 from twinserve.traces.trace_request import TraceRequest
 
+if TYPE_CHECKING:
+    import _csv
+
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 
 
-def load_trace(name_or_path: str | Path) -> list[TraceRequest]:
-    """Loads a bundled trace (``azure-conv``, ``azure-code``, ``mooncake``) or a trace file."""
+def load_trace(name_or_path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Loads a bundled trace (``azure-conv``, ``azure-code``, ``mooncake``) or a trace file; with
+    ``limit`` (>= 1), only its first ``limit`` requests in arrival order."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be an integer >= 1, got {limit!r}.")
     key = str(name_or_path)
-    if key in BUNDLED_TRACES:
-        return _load_file(BUNDLED_TRACES[key], key)
+    if key in BUNDLED_TRACES:  # sorted by arrival: the first rows are the first requests
+        return _load_file(BUNDLED_TRACES[key], key, limit, limit)
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"unknown trace {key!r}: give one of {', '.join(BUNDLED_TRACES)} "
                          f"or the path of a .csv or .jsonl file.")
-    return _load_file(path, path.stem)
+    return _load_file(path, path.stem, None, limit)
 
 
-def _load_file(path: Path, trace_name: str) -> list[TraceRequest]:
+def _load_file(path: Path, trace_name: str, max_rows: int | None,
+               limit: int | None) -> list[TraceRequest]:
+    """The file's requests (its first ``max_rows`` rows where given), the first ``limit`` kept."""
     suffix = path.suffix.lower()
     if suffix == ".csv":
         rows = _csv_rows(path)
@@ -53,10 +67,11 @@ def _load_file(path: Path, trace_name: str) -> list[TraceRequest]:
         rows = _jsonl_rows(path)
     else:
         raise TraceError(f"{path}: unknown trace format {suffix!r}, expected .csv or .jsonl.")
-    parsed = list(rows)
+    parsed = list(rows if max_rows is None else itertools.islice(rows, max_rows))
     if not parsed:
         raise TraceError(f"{path}: no requests.")
-    return _build(path, trace_name, parsed)
+    requests = _build(path, trace_name, parsed)
+    return requests if limit is None else requests[:limit]
 
 
 def _build(path: Path, trace_name: str, parsed: list[tuple[int, Parsed]]) -> list[TraceRequest]:
@@ -79,6 +94,9 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, Parsed]]:
         if header is None:
             raise TraceError(f"{path}:1: empty file, expected a CSV header.")
         header = [h.strip() for h in header]
+        if all(c in header for c in AZURE_COLUMNS):
+            yield from _azure_csv_rows(path, reader, header)
+            return
         parse = _csv_parser(path, header)
         for fields in reader:
             if not fields or (len(fields) == 1 and not fields[0].strip()):  # blank line
@@ -89,9 +107,36 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, Parsed]]:
             yield line, _guarded(path, line, parse, dict(zip(header, fields)))
 
 
+def _azure_csv_rows(path: Path, reader: _csv.Reader,
+                    header: list[str]) -> Iterator[tuple[int, Parsed]]:
+    """``_csv_rows`` for an Azure header: the common row (three columns that parse) read by
+    position; any other row goes through the general path, which yields or raises as before."""
+    date_cache: dict[str, tuple[int, float]] = {}
+    parse = _azure_row(date_cache)
+    width = len(header)
+    column = {name: i for i, name in enumerate(header)}  # the last of repeated names, as dict(zip())
+    at_ts, at_in, at_out = (column[c] for c in AZURE_COLUMNS)
+    for fields in reader:
+        if len(fields) == width:
+            try:
+                # int() of the cell's text, as int_field; _azure_seconds as the row parser calls it
+                parsed = (_azure_seconds(fields[at_ts], date_cache),
+                          {"input_tokens": int(fields[at_in]), "output_tokens": int(fields[at_out])})
+            except ValueError:
+                pass
+            else:
+                yield reader.line_num, parsed
+                continue
+        if not fields or (len(fields) == 1 and not fields[0].strip()):  # blank line
+            continue
+        line = reader.line_num
+        if len(fields) != width:
+            raise TraceError(f"{path}:{line}: expected {width} fields, got {len(fields)}.")
+        yield line, _guarded(path, line, parse, dict(zip(header, fields)))
+
+
 def _csv_parser(path: Path, header: list[str]) -> RowParser:
-    if all(c in header for c in AZURE_COLUMNS):
-        return _azure_row(date_cache={})
+    """The row parser of a CSV that is not Azure's (``_azure_csv_rows`` reads those)."""
     if "arrival_time_s" in header or "input_tokens" in header:
         return parse_plain_row
     raise TraceError(f"{path}:1: unknown CSV header {header}; expected {list(AZURE_COLUMNS)} or "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,8 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's entry point (``argv`` None: the program's own arguments)."""
+    as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), "")
     parser = build_parser(only=command)
@@ -205,13 +208,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twinserve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return args.handler(args)
+        code = args.handler(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"twinserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    if as_program and command in EXIT_WITHOUT_TEARDOWN:
+        _exit_now(code)
+    return code
+
+
+# Commands that, run as the program, end as soon as their work is written: the interpreter's
+# teardown would free every object of the replay one at a time (the scheduler's blocks and
+# requests sit in reference cycles the replay never collects), ~0.1 s of a 2,000-request
+# simulation. Called as a function (``main(argv)``, tests) they return as usual.
+EXIT_WITHOUT_TEARDOWN = ("simulate",)
+
+
+def _exit_now(code: int) -> None:
+    """Flushes the standard streams and the logging handlers, then leaves the process with
+    ``code`` at once (no atexit handlers: a simulation registers none of its own)."""
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

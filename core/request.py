@@ -114,13 +114,16 @@ class LazyTokenIds(Sequence[int]):
     the tokens after it. Supports what the engine does with a token list: ``len``, slices,
     ``append`` and ``+=``."""
 
-    __slots__ = ("prompt", "rest")
+    __slots__ = ("prompt", "rest", "_num_prompt")
 
     def __init__(self, prompt: LazyPrompt, rest: Iterable[int] = ()) -> None:
         self.prompt, self.rest = prompt, list(rest)
+        # a LazyPrompt's length never changes: kept here, ``len`` (which the scheduler asks of
+        # every running request every step) is one Python call, not two
+        self._num_prompt = len(prompt)
 
     def __len__(self) -> int:
-        return len(self.prompt) + len(self.rest)
+        return self._num_prompt + len(self.rest)
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -129,7 +132,7 @@ class LazyTokenIds(Sequence[int]):
     def __getitem__(self, index: slice) -> list[int]: ...
 
     def __getitem__(self, index: int | slice) -> int | list[int]:
-        n = len(self.prompt)
+        n = self._num_prompt
         if isinstance(index, slice):
             start, stop, step = index.indices(n + len(self.rest))
             if step != 1:

@@ -228,12 +228,17 @@ EXIT_WITHOUT_TEARDOWN = ("simulate",)
 
 
 def _exit_now(code: int) -> None:
-    """Flushes the standard streams and the logging handlers, then leaves the process with
-    ``code`` at once (no atexit handlers: a simulation registers none of its own)."""
+    """Flushes the logging handlers and the standard streams, then leaves the process with
+    ``code`` at once (no atexit handlers: a simulation registers none of its own). Where a
+    stream cannot be flushed (a closed pipe) it returns: the interpreter's own exit reports
+    that, as without this."""
     import logging
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        return
     os._exit(code)
 
 

@@ -11,6 +11,10 @@ max_num_batched_tokens=8192)`` on the H100 profile (settings written out, so bot
 same engine whatever their defaults), and the scheduler benchmark's microseconds per running
 request per step (256 running, fcfs). The table gives each tree's median and the ratio of the
 medians (this / base); above 1 is slower.
+
+``--cli``: instead, the command line's wall time, start-up, trace reading, writing the run folder
+and the process's exit included: ``python -m twinserve.entrypoints.cli simulate --trace
+azure-conv --out DIR`` on its defaults, whole and with ``--num-requests 2000``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SIM_SNIPPET = """
@@ -44,6 +49,12 @@ FIGURES = {
         "--policy", "fcfs"),
 }
 
+CLI = ("-m", "twinserve.entrypoints.cli", "simulate", "--trace", "azure-conv", "--disable-tqdm")
+CLI_FIGURES = {
+    "cli simulate azure-conv whole trace (wall s)": (*CLI, "--out", "{out}"),
+    "cli simulate --num-requests 2000 (wall s)": (*CLI, "--num-requests", "2000", "--out", "{out}"),
+}
+
 
 def package_dir(tree: Path, tmp: Path, name: str) -> Path:
     """A folder holding ``twinserve`` -> ``tree``, for ``PYTHONPATH``."""
@@ -54,11 +65,18 @@ def package_dir(tree: Path, tmp: Path, name: str) -> Path:
 
 
 def run_figure(pythonpath: Path, argv: tuple[str, ...]) -> float:
+    """The figure a run prints; for a CLI figure (``{out}`` in ``argv``) the run's wall time."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
-                          cwd=tempfile.gettempdir(), check=False)
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, *(out if a == "{out}" else a for a in argv)]
+        start = time.perf_counter()
+        proc = subprocess.run(command, env=env, capture_output=True, text=True,
+                              cwd=tempfile.gettempdir(), check=False)
+        wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:2]} failed under {pythonpath}:\n{proc.stderr[-2000:]}")
+    if "{out}" in argv:
+        return wall
     found = re.search(r"^RESULT (\S+)", proc.stdout, re.M)
     if found:
         return float(found.group(1))
@@ -72,8 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, type=Path, help="checkout of the other revision")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--figures", nargs="+", default=list(FIGURES), choices=list(FIGURES))
+    p.add_argument("--figures", nargs="+", default=None, choices=[*FIGURES, *CLI_FIGURES])
+    p.add_argument("--cli", action="store_true",
+                   help="the command line's wall time (CLI_FIGURES) instead of the default figures")
     args = p.parse_args(argv)
+    if args.figures is None:
+        args.figures = list(CLI_FIGURES if args.cli else FIGURES)
+    figures = {**FIGURES, **CLI_FIGURES}
     this = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": package_dir(this, Path(tmp), "this"),
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             order = ("this", "base") if k % 2 == 0 else ("base", "this")
             for figure in args.figures:
                 for tree in order:
-                    results[figure][tree].append(run_figure(trees[tree], FIGURES[figure]))
+                    results[figure][tree].append(run_figure(trees[tree], figures[figure]))
                 print(f"round {k + 1}: {figure}: this {results[figure]['this'][-1]:.3f}, "
                       f"base {results[figure]['base'][-1]:.3f}", flush=True)
     print(f"\n{'figure':<44} {'this':>9} {'base':>9} {'this/base':>10}   (medians of "

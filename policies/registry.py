@@ -38,10 +38,14 @@ def available_policies() -> dict[str, type[SchedulingPolicy]]:
 
 def get_policy(name: str, **options: Any) -> SchedulingPolicy:
     """A fresh policy instance. Unknown names raise ValueError listing the valid ones."""
-    policies = available_policies()
-    cls = policies.get(name)
+    # a built-in name wins over an entry point's anyway: only other names scan the entry points
+    cls: Any = _BUILTIN.get(name)
     if cls is None:
-        raise ValueError(f"unknown scheduling_policy {name!r}; valid: {', '.join(sorted(policies))}")
+        policies = available_policies()
+        cls = policies.get(name)
+        if cls is None:
+            raise ValueError(f"unknown scheduling_policy {name!r}; valid: "
+                             f"{', '.join(sorted(policies))}")
     if not (isinstance(cls, type) and issubclass(cls, SchedulingPolicy)):
         raise ValueError(f"policy {name!r} does not subclass twinserve.core.policy.SchedulingPolicy")
     try:

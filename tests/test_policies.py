@@ -144,6 +144,12 @@ def test_registry_lists_valid_names_and_loads_entry_points(monkeypatch):
     reqs = [make_req(f"r{i}", 4, max_tokens=1) for i in range(3)]
     assert admission_order("lifo", reqs) == ["r2", "r1", "r0"]
 
+    def no_scan(group):
+        raise AssertionError("a built-in name scanned the entry points")
+
+    monkeypatch.setattr(registry, "entry_points", no_scan)  # built-ins need no scan (start-up)
+    assert get_policy("fcfs").name == "fcfs"
+
 
 # ---- VTC's state: active tenants only, O(log tenants) per operation ------------------------------
 class _ReferenceVTC(SchedulingPolicy):

@@ -9,8 +9,8 @@
    ``InterleavedCalibration``); ``--profile`` uses a given one instead. No workload below is
    used to fit it.
 2. Each workload replayed ``--rounds`` times on the real engine, in interleaved rounds (round r
-   replays every workload once), so the machine's drift falls on all of them alike:
-   ``OUT/real/<workload>-<r>``.
+   replays every workload once, in reverse order every other round: ``round_order``), so the
+   machine's drift falls on all of them alike: ``OUT/real/<workload>-<r>``.
 3. Each workload simulated with the profile against its replays (``validate --reuse-real``):
    per metric the twin's error against the median of the replays, beside the replays' own spread
    (half their range over the median, in %). A metric passes when its error is within its target
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(1, args.rounds + 1):
         if cal is not None:
             cal.measure_level()
-        for name in names:
+        for name in round_order(names, round_):
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "summary.json").is_file()):
                 run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
@@ -254,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
           f"profile {profile}); load average {load_at_start} at the start, "
           f"{_load_average()} at the end")
     return 0
+
+
+def round_order(names: list[str], round_: int) -> list[str]:
+    """The workloads in the order round ``round_`` (from 1) replays them: as given, and
+    reversed every other round. The host's speed drifts by 10-20% within minutes, so a
+    workload always replayed first after the engine loop (or always last) would carry a bias
+    of its own; reversed, each place falls on a workload in one round and on its mirror in
+    the next."""
+    return list(names) if round_ % 2 else list(reversed(names))
 
 
 def _calibration(engine: list[str]) -> InterleavedCalibration:

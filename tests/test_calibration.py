@@ -820,8 +820,8 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
 
 def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
                                                               monkeypatch) -> None:
-    """The study's calibration: the grid once, the engine loop before each round of replays,
-    the profile saved before any workload is simulated with it."""
+    """The study's calibration: the grid once, the engine loop before each round of replays
+    (reversed every other round), the profile saved before any workload is simulated with it."""
     from twinserve.benchmarks import fidelity_study
     events: list[str] = []
 
@@ -834,7 +834,8 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
             return path
 
     def run_cli(argv: list[str]) -> None:
-        events.append("sim" if "--reuse-real" in argv else "replay")
+        out = Path(argv[argv.index("--out") + 1]).name
+        events.append(f"sim {out}" if "--reuse-real" in argv else f"replay {out}")
 
     monkeypatch.setattr(fidelity_study, "_calibration", lambda engine: Recorded())
     monkeypatch.setattr(fidelity_study, "run_cli", run_cli)
@@ -843,9 +844,13 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
          "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0, "verdict": "ok",
          "error_at_host_speed_pct": 0.0, "verdict_at_host_speed": "ok"}])
     assert fidelity_study.main(["--out", str(tmp_path), "--workloads", "conv-600,code",
-                                "--rounds", "2"]) == 0
-    assert events == ["level", "replay", "replay", "level", "replay", "replay", "save",
-                      "sim", "sim", "sim", "sim"]
+                                "--rounds", "3"]) == 0
+    # every other round in reverse order, so no workload always comes first after the level
+    assert events == ["level", "replay conv-600-1", "replay code-1",
+                      "level", "replay code-2", "replay conv-600-2",
+                      "level", "replay conv-600-3", "replay code-3", "save",
+                      "sim conv-600", "sim conv-600-at-host-speed",
+                      "sim code", "sim code-at-host-speed"]
 
 
 def test_engine_loop_retries_what_a_small_cache_refuses(tiny_runner) -> None:

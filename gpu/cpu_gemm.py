@@ -25,10 +25,20 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
   159 ms against 113 ms for 11-16. In-process A/B runs of 96 decode steps agreed less: fp32
   9 sequences +24% and +6% tok/s, 10 sequences +10% and +1%; bf16 -3% and -2%; an unchanged
   control batch (17) moved by -5% to -10% in the same runs.
+- Those few-column kernels differ from one CPU to the next: on another 2-core EPYC, 3 columns
+  cost 77 ms per forward and 4 columns 54 ms, and decode steps of 3 sequences took 111 ms
+  against 97 ms for 4. So the runner times one layer's products at 2 to 8 tokens once the model
+  is loaded (``tune_small_widths``, about 0.1 s) and pads a count to the width that ran more
+  than 10% faster (there 3 to 4; 3-decode steps then took 90 ms).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import statistics
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +60,9 @@ class Gemm:
     cpu: bool
     widen_half: bool
     pad_tokens: bool = True
+    # The width of products of fewer tokens than its length, measured on the loaded model
+    # (``tune_small_widths``); others take ``padded_width``.
+    small_widths: tuple[int, ...] = ()
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> Gemm:
@@ -78,7 +91,7 @@ class Gemm:
         num_tokens = x.shape[0]
         if self.plain(num_tokens):
             return F.linear(x, weight).t().contiguous()
-        width = padded_width(num_tokens) if self.pad_tokens else num_tokens
+        width = self.width(num_tokens) if self.pad_tokens else num_tokens
         if width != num_tokens:
             x = torch.cat([x, x.new_zeros(width - num_tokens, x.shape[1])])
         out = x.new_empty(weight.shape[0], width)
@@ -92,6 +105,53 @@ class Gemm:
                 stop = start + CPU_GEMM_SLAB
                 out[start:stop] = torch.mm(weight[start:stop].float(), x32_t)
         return out if width == num_tokens else out[:, :num_tokens]
+
+
+    def width(self, num_tokens: int) -> int:
+        """The column count a feature-major product of ``num_tokens`` tokens runs at."""
+        if num_tokens < len(self.small_widths):
+            return self.small_widths[num_tokens]
+        return padded_width(num_tokens)
+
+
+def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int = 5,
+                      margin: float = 0.1) -> tuple[int, ...]:
+    """``Gemm.small_widths`` for products of up to ``PAD_MULTIPLE`` tokens, timed on ``weights``
+    (one layer's): each width from 2 to ``PAD_MULTIPLE`` in shuffled rounds, medians compared by
+    ``choose_widths``. MKL's kernels for a few columns differ from one CPU to the next: on one
+    2-core EPYC 3 columns cost 77 ms per forward of SmolLM2-135M and 4 columns 54 ms, where
+    another ran 3 to 6 columns faster unpadded."""
+    unpadded = dataclasses.replace(gemm, pad_tokens=False)
+    inputs = {t: [torch.zeros(t, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+              for t in range(2, PAD_MULTIPLE + 1)}
+    times: dict[int, list[float]] = {t: [] for t in inputs}
+    rng = random.Random(0)
+    for round_ in range(rounds + 1):  # (the first round warms the caches up, untimed)
+        order = list(inputs)
+        rng.shuffle(order)
+        for t in order:
+            start = time.perf_counter()
+            for w, x in zip(weights, inputs[t]):
+                unpadded.feature_major(x, w)
+            if round_:
+                times[t].append(time.perf_counter() - start)
+    return choose_widths({t: statistics.median(v) for t, v in times.items()}, margin)
+
+
+def choose_widths(seconds: dict[int, float], margin: float = 0.1) -> tuple[int, ...]:
+    """For each token count up to the largest timed width: the timed width at or above it that
+    is fastest, where that beats ``padded_width``'s choice by more than ``margin``; else that
+    choice (and the count itself where none is timed)."""
+    largest = max(seconds)
+    out = []
+    for t in range(largest + 1):
+        static = padded_width(t)
+        if t < 2 or static not in seconds:
+            out.append(static)
+            continue
+        best = min((w for w in seconds if t <= w <= largest), key=lambda w: seconds[w])
+        out.append(best if seconds[best] < (1 - margin) * seconds[static] else static)
+    return tuple(out)
 
 
 def padded_width(num_tokens: int) -> int:

@@ -64,6 +64,36 @@ def test_products_pad_tokens_to_a_multiple_of_eight_past_a_tail_of_three_or_belo
                       18: 18, 19: 24, 63: 64, 64: 64, 65: 65, 66: 66, 67: 72}
 
 
+def test_small_products_pad_to_the_widths_that_timed_fastest() -> None:
+    """3 columns slower than 4 (one EPYC's MKL): 3 tokens pad to 4; a width only 5% faster
+    (2 against 4) or slower (5, 6 against 8) is not taken; 7 keeps ``padded_width``'s 8, which
+    a width faster by more than the margin replaces."""
+    from twinserve.gpu.cpu_gemm import choose_widths
+    ms = {2: 58, 3: 77, 4: 54, 5: 73, 6: 91, 7: 104, 8: 93}
+    widths = choose_widths(ms)
+    assert widths == (0, 1, 2, 4, 4, 5, 6, 8, 8)
+    # time growing with the width: no padding (not even the static rule's 7 to 8)
+    assert choose_widths({w: 10.0 * w for w in range(2, 9)}) == tuple(range(9))
+    # time flat: the static rule's choices stand (nothing beats them by the margin)
+    assert choose_widths({w: 1.0 for w in range(2, 9)}) == tuple(padded_width(t) for t in range(9))
+    gemm = Gemm(cpu=True, widen_half=False, small_widths=widths)
+    assert [gemm.width(t) for t in (3, 5, 8, 9, 11, 17)] == [4, 5, 8, 16, 16, 17]
+    torch.manual_seed(0)
+    w, x = torch.randn(1100, 24), torch.randn(3, 24)  # 3 tokens run as 4, over two slabs
+    torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert gemm.feature_major(x, w).shape == (1100, 3)
+
+
+def test_the_runner_times_its_small_products_on_the_loaded_model(tiny_model_dirs) -> None:
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    runner = ModelRunner(EngineArgs(model=str(tiny_model_dirs["qwen2-untied"]), max_model_len=64,
+                                    dtype="float32"))
+    widths = runner.model.gemm.small_widths
+    assert len(widths) == 9 and all(t <= widths[t] <= max(t, 8) for t in range(9))
+    assert all(layer.gemm is runner.model.gemm for layer in runner.model.layers)
+
+
 def test_gemm_benchmark_times_every_path(tiny_model_dirs, capsys):
     from twinserve.benchmarks.cpu_gemm import main
     assert main(["--model", str(tiny_model_dirs["qwen2-untied"]), "--tokens", "1", "7",

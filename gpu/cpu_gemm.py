@@ -106,7 +106,6 @@ class Gemm:
                 out[start:stop] = torch.mm(weight[start:stop].float(), x32_t)
         return out if width == num_tokens else out[:, :num_tokens]
 
-
     def width(self, num_tokens: int) -> int:
         """The column count a feature-major product of ``num_tokens`` tokens runs at."""
         if num_tokens < len(self.small_widths):

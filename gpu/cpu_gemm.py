@@ -117,9 +117,7 @@ def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int =
                       margin: float = 0.1) -> tuple[int, ...]:
     """``Gemm.small_widths`` for products of up to ``PAD_MULTIPLE`` tokens, timed on ``weights``
     (one layer's): each width from 2 to ``PAD_MULTIPLE`` in shuffled rounds, medians compared by
-    ``choose_widths``. MKL's kernels for a few columns differ from one CPU to the next: on one
-    2-core EPYC 3 columns cost 77 ms per forward of SmolLM2-135M and 4 columns 54 ms, where
-    another ran 3 to 6 columns faster unpadded."""
+    ``choose_widths`` (why: the module's notes)."""
     unpadded = dataclasses.replace(gemm, pad_tokens=False)
     inputs = {t: [torch.zeros(t, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
               for t in range(2, PAD_MULTIPLE + 1)}

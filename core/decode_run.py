@@ -27,11 +27,13 @@ The real engine never uses this: its tokens come from the model, one step at a t
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, repeat
 
 from twinserve.core.block_hash import update_block_hashes
-from twinserve.core.kv_cache_manager import KVCacheManager
+from twinserve.core.block_pool import KVCacheBlock
+from twinserve.core.kv_cache_manager import BlockTable, KVCacheManager
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request, RequestStatus
 from twinserve.core.scheduler import Scheduler
@@ -104,9 +106,9 @@ class DecodeRun:
         out, first = [], 0
         for stop in self.stops:
             end = min(stop, k)
-            active = [r for r, left in zip(running, lefts) if left > first]
-            out.append((first, end, active, sum(1 for left in lefts if left == end)
-                        if end == stop else 0))
+            active = running if not first else [  # (every request takes the first step)
+                r for r, left in zip(running, lefts) if left > first]
+            out.append((first, end, active, lefts.count(end) if end == stop else 0))
             if end == k:
                 break
             first = end
@@ -123,21 +125,23 @@ class DecodeRun:
         sched = self.scheduler
         sched.drop_finished_ids()  # what the run's first step would have handed the backend
         running, starts, lefts = self.requests, self.starts, self.lefts
-        limits = [left if left < k else k for left in lefts]  # steps each request takes part in
+        limits: list[int] = []  # the steps each request takes part in
+        ending: list[list[int]] = [[] for _ in range(k)]  # each step's requests ending in it
         tokens = [self.token] * k
-        for request, n in zip(running, limits):
-            if n == k:
+        for i, (request, left) in enumerate(zip(running, lefts)):
+            if left < k:
+                request.output_token_ids += tokens[:left]
+                request.all_token_ids.extend(tokens[:left])
+                request.token_times += ends[:left]
+                ending[left - 1].append(i)
+                limits.append(left)
+            else:
                 request.output_token_ids += tokens
                 request.all_token_ids.extend(tokens)
                 request.token_times += ends
-            else:
-                request.output_token_ids += tokens[:n]
-                request.all_token_ids.extend(tokens[:n])
-                request.token_times += ends[:n]
-        ending: list[list[int]] = [[] for _ in range(k)]  # each step's requests ending in it
-        for i, left in enumerate(lefts):
-            if left <= k:
-                ending[left - 1].append(i)
+                if left == k:
+                    ending[-1].append(i)
+                limits.append(k)
         on_tokens = sched.policy.on_output_tokens if sched.policy.accounts_tokens else None
         free_after = self._block_events_at_once(k, limits)
         # in the per-event order the finishes are events too, unless the policy must first
@@ -202,66 +206,67 @@ class DecodeRun:
         if type(kv) is not KVCacheManager or kv.sliding_window is not None \
                 or kv.key_salt is not None:
             return None
-        bs, starts, running = kv.block_size, self.starts, self.requests
-        tables = kv.tables
+        bs, caching, tables = kv.block_size, kv.enable_caching, kv.tables
         allocs: list[tuple[int, int]] = []  # (step, running index) of each block start
-        for i, start in enumerate(starts):
-            first, n = (-start) % bs, limits[i]
-            if first < n:
-                if len(tables[running[i].request_id].blocks) != -(-start // bs):
-                    return None
-                allocs.extend((j, i) for j in range(first, n, bs))
-        caching = kv.enable_caching
-        # (running index, first new full block, where registering stops, full blocks)
-        new_full: list[tuple[int, int, int, int]] = []
+        growing: dict[int, BlockTable] = {}  # running index -> its table, where blocks start
+        # (table, first new full block, where registering stops, full blocks after the run)
+        new_full: list[tuple[BlockTable, int, int, int]] = []
         new_hashes: list[int] = []
-        if caching:
-            for i, start in enumerate(starts):
-                if (-start - 1) % bs < limits[i]:  # a block fills within the run
-                    request = running[i]
-                    table = tables[request.request_id]
-                    num_full = (start + limits[i]) // bs
-                    first_new = max(table.num_cached_blocks, table.num_dropped)
-                    if num_full > table.num_cached_blocks:
-                        stop = kv.registration_stop(request, table.num_cached_blocks, num_full)
-                        if first_new < stop:
-                            new_hashes += update_block_hashes(request, bs, stop * bs)[
-                                first_new:stop]
-                        new_full.append((i, first_new, stop, num_full))
-            if new_hashes and (len(set(new_hashes)) != len(new_hashes)
-                               or not kv.pool.cached.keys().isdisjoint(new_hashes)):
-                return None
+        for i, (request, start, n) in enumerate(zip(self.requests, self.starts, limits)):
+            first = (-start) % bs  # the first step whose decode starts a block
+            # (a block fills in the step before each start: ``(first or bs) - 1 < n``)
+            fills = caching and (first or bs) <= n
+            if first >= n and not fills:
+                continue
+            table = tables[request.request_id]
+            if first < n:
+                if len(table.blocks) != -(-start // bs):
+                    return None
+                growing[i] = table
+                allocs += zip(range(first, n, bs), repeat(i))
+            if fills:
+                num_cached, num_full = table.num_cached_blocks, (start + n) // bs
+                if num_full > num_cached:
+                    stop = kv.registration_stop(request, num_cached, num_full)
+                    first_new = max(num_cached, table.num_dropped)
+                    if first_new < stop:
+                        new_hashes += update_block_hashes(request, bs, stop * bs)[first_new:stop]
+                    new_full.append((table, first_new, stop, num_full))
+        if new_hashes and (len(set(new_hashes)) != len(new_hashes)
+                           or not kv.pool.cached.keys().isdisjoint(new_hashes)):
+            return None
         pool = kv.pool
         free0 = pool.free_queue.num_free
         if len(allocs) > free0:
             raise RuntimeError("decode run: fewer free blocks than block starts "
                                "(plan_decode_run counted the free blocks)")
-        per_step = [0] * k
-        if allocs:
+        if not allocs:
+            free_after = [free0] * k
+        else:
+            per_step = [0] * k
             allocs.sort()
-            blocks = iter(pool.allocate(len(allocs)))
-            got: dict[int, list] = {}
-            for j, i in allocs:
+            got: dict[int, list[KVCacheBlock]] = {}
+            for (j, i), block in zip(allocs, pool.allocate(len(allocs))):
                 per_step[j] += 1
                 mine = got.get(i)
                 if mine is None:
-                    got[i] = [next(blocks)]
+                    got[i] = [block]
                 else:
-                    mine.append(next(blocks))
+                    mine.append(block)
             for i, mine in got.items():
-                tables[running[i].request_id].append(mine)
+                growing[i].append(mine)
+            free_after = [free0 - taken for taken in accumulate(per_step)]
         if new_full:
             cached = pool.cached
             hashes = iter(new_hashes)
-            for i, first_new, stop, num_full in new_full:
-                table = tables[running[i].request_id]
+            for table, first_new, stop, num_full in new_full:
                 for block in table.blocks[first_new:stop]:
                     h = next(hashes)
                     if block.block_hash is None:  # (never cached before: the reference's
                         block.block_hash = h      # first-writer test, ``h`` being new)
                         cached[h] = block
                 table.num_cached_blocks = num_full
-        return [free0 - taken for taken in accumulate(per_step)]
+        return free_after
 
     def _block_events(self, k: int, limits: list[int], ending: list[list[int]],
                       ends: list[float]) -> list[int]:
@@ -345,7 +350,8 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
     out.sum_context_tokens = out.sum_decode_context_tokens = sum(starts) + n
     out.max_decode_context = max(starts) + 1
-    stops = sorted({left for left in lefts if left < max_steps})
+    distinct = sorted(set(lefts))
+    stops = distinct[:bisect_left(distinct, max_steps)]
     stops.append(max_steps)
     return DecodeRun(sched, token, max_steps, out, list(running), starts, lefts, stops)
 

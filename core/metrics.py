@@ -325,9 +325,14 @@ class StepLog(Sequence[StepRecord]):
         time += starts
         duration += map(sub, ends, starts)
         kv += [1.0 - free / total for free in free_after] if total else [0.0] * k
-        for col, value in ((seqs, n), (prefill, 0), (decode, n), (running, n),
-                           (queued, 0), (preempted, 0), (rep, replica)):
-            col += [value] * k
+        ns, zeros = [n] * k, [0] * k
+        seqs += ns
+        decode += ns
+        running += ns
+        prefill += zeros
+        queued += zeros
+        preempted += zeros
+        rep += zeros if replica == 0 else [replica] * k
         queued[-1] = waiting
         running[-1] = n - num_finished
 

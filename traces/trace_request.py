@@ -134,9 +134,11 @@ class TraceRequest:
 
 def _prompt_ids(requests: Sequence[TraceRequest], vocab_size: int,
                 starts: Sequence[int] | None = None,
-                stops: Sequence[int] | None = None) -> np.ndarray:
+                stops: Sequence[int] | None = None,
+                seeds: np.ndarray | None = None) -> np.ndarray:
     """The prompts of ``requests`` back to back, as int64 ids (every id is below 2**63); with
-    ``starts``/``stops``, only each prompt's ids at positions ``[start, stop)``."""
+    ``starts``/``stops``, only each prompt's ids at positions ``[start, stop)``; ``seeds``:
+    their ``_request_seeds``, when already made."""
     _check_count("vocab_size", vocab_size, LOWEST_TOKEN_ID + 1)
     n = len(requests)
     lo = np.zeros(n, np.int64) if starts is None else np.asarray(starts, np.int64)
@@ -146,7 +148,8 @@ def _prompt_ids(requests: Sequence[TraceRequest], vocab_size: int,
     offsets = np.cumsum(lengths) - lengths
     keys = np.arange(int(lengths.sum()), dtype=_U64)
     keys -= np.repeat((offsets - lo).astype(_U64), lengths)  # positions within each prompt
-    seeds = np.fromiter((stable_seed(r.request_id) for r in requests), _U64, n)
+    if seeds is None:
+        seeds = _request_seeds(requests)
     keys += np.repeat(seeds, lengths)  # wrapping: the request's own tokens
     for r, off, a, b in zip(requests, offsets.tolist(), lo.tolist(), hi.tolist()):
         end = min(b, r.num_prefix_tokens) if r.prefix_blocks else 0
@@ -159,6 +162,11 @@ def _prompt_ids(requests: Sequence[TraceRequest], vocab_size: int,
     ids %= _U64(vocab_size - LOWEST_TOKEN_ID)
     ids += _LOWEST
     return ids.view(np.int64)
+
+
+def _request_seeds(requests: Sequence[TraceRequest]) -> np.ndarray:
+    """Each request's ``stable_seed`` of its id, as uint64."""
+    return np.fromiter((stable_seed(r.request_id) for r in requests), _U64, len(requests))
 
 
 def prompt_ids_slice(request: TraceRequest, vocab_size: int, start: int, stop: int) -> list[int]:
@@ -209,9 +217,9 @@ def _prompt_parts(requests: list[TraceRequest], vocab_size: int,
     lengths = np.fromiter((r.input_tokens for r in requests), np.int64, n)
     num_full = lengths // block_size
     tail_starts = num_full * block_size
-    tails = memoryview(_prompt_ids(requests, vocab_size, tail_starts, lengths))
+    seeds = _request_seeds(requests)
+    tails = memoryview(_prompt_ids(requests, vocab_size, tail_starts, lengths, seeds))
     offsets = np.cumsum(num_full) - num_full
-    seeds = np.fromiter((stable_seed(r.request_id) for r in requests), _U64, n)
     keys = np.arange(int(num_full.sum()), dtype=_U64)
     keys -= np.repeat(offsets.astype(_U64), num_full)  # block index within each prompt
     keys += np.repeat(_mix(seeds ^ _KEY_SALT), num_full)

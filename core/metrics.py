@@ -332,7 +332,7 @@ class StepLog(Sequence[StepRecord]):
         prefill += zeros
         queued += zeros
         preempted += zeros
-        rep += zeros if replica == 0 else [replica] * k
+        rep += [replica] * k
         queued[-1] = waiting
         running[-1] = n - num_finished
 

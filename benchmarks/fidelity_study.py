@@ -180,10 +180,26 @@ def format_table(rows: list[dict[str, object]]) -> str:
     for column, what in (("verdict", "as calibrated"),
                          ("verdict_at_host_speed", "at the host's speed during the replays")):
         judged = [r for r in rows if r[column]]
-        passed = sum(r[column] in ("ok", "~") for r in judged)
-        lines.append(f"{passed}/{len(judged)} targeted metrics within target (or spread, ~), "
-                     f"{what}")
+        within = sum(r[column] == "ok" for r in judged)
+        by_spread = sum(r[column] == "~" for r in judged)
+        lines.append(f"{within + by_spread}/{len(judged)} targeted metrics within target (or "
+                     f"spread, ~), {what}: {within} within target, {by_spread} only by spread")
+    lines.append(host_check(rows))
     return "\n".join(lines)
+
+
+def host_check(rows: list[dict[str, object]]) -> str:
+    """Whether the replays could resolve the targets: how many targeted metrics' real runs
+    spread wider than the target itself (the host moved more between replays than the twin
+    may err), and their median spread."""
+    judged = [r for r in rows if r["verdict"]]
+    wide = sorted(float(r["spread_pct"]) for r in judged  # type: ignore[arg-type]
+                  if float(r["spread_pct"]) > float(r["target_pct"]))  # type: ignore[arg-type]
+    if not wide:
+        return "host: every targeted metric's replays spread less than its target"
+    return (f"host: {len(wide)}/{len(judged)} targeted metrics' replays spread wider than their "
+            f"target (median {wide[len(wide) // 2]:.1f}%): there the host, not the twin, sets "
+            f"the verdict; rerun on a quieter host")
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

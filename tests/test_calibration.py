@@ -781,6 +781,7 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
         ENGINE,
         WORKLOADS,
         format_table,
+        host_check,
         study_rows,
         verdict,
     )
@@ -816,6 +817,13 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
     assert rows[0]["error_at_host_speed_pct"] == 4.0 and rows[0]["verdict_at_host_speed"] == "ok"
     table = format_table(rows)
     assert "0/1 targeted metrics" in table and "1/1 targeted metrics" in table
+    assert "0 within target, 0 only by spread" in table and "1 within target" in table
+    assert table.endswith(host_check(rows))
+    # a spread narrower than the target leaves the verdict to the twin; a wider one is named
+    narrow = {**rows[0], "metric": "mean_ttft_ms", "target_pct": 10.0, "spread_pct": 3.0}
+    assert host_check([narrow]).startswith("host: every targeted metric's replays spread less")
+    assert host_check([{**rows[0], "spread_pct": 9.0}, narrow]).startswith(
+        "host: 1/2 targeted metrics' replays spread wider than their target (median 9.0%)")
 
 
 def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,

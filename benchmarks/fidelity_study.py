@@ -43,7 +43,7 @@ from pathlib import Path
 from twinserve.benchmarks.fidelity import run_cli
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC
-from twinserve.reports.fidelity import TARGETS
+from twinserve.reports.fidelity import TARGETS, host_check, spread_pct
 
 # The study's engine (every workload and the calibration): batch limits shared; the calibration
 # runs at the longest model length (512, for Azure code and Mooncake prompts clipped to it),
@@ -106,17 +106,6 @@ WORKLOADS: tuple[Workload, ...] = (
 _BY_NAME = {w.name: w for w in WORKLOADS}
 
 
-def _row_spread(row: dict[str, str]) -> float:
-    """``spread_pct`` of an errors.csv row: half of real_max - real_min over the real median."""
-    try:
-        real, low, high = float(row["real"]), float(row["real_min"]), float(row["real_max"])
-    except (KeyError, ValueError):
-        return math.nan
-    if real == 0:
-        return 0.0 if high == low else math.inf
-    return 100.0 * (high - low) / 2 / abs(real)
-
-
 def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
     """``ok`` within the target, ``~`` within the real runs' larger spread, ``MISS`` outside
     both, ``""`` without a target."""
@@ -141,7 +130,7 @@ def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path],
         row = errors.get(metric)
         if row is None:
             continue
-        err, spread, target = _error(row), _row_spread(row), _TARGET.get(metric)
+        err, spread, target = _error(row), spread_pct(row), _TARGET.get(metric)
         host_err = _error(at_host[metric]) if metric in at_host else math.nan
         rows.append({"workload": workload, "metric": metric, "real": float(row["real"]),
                      "sim": float(row["sim"]) if row["sim"] else math.nan, "error_pct": err,
@@ -184,22 +173,10 @@ def format_table(rows: list[dict[str, object]]) -> str:
         by_spread = sum(r[column] == "~" for r in judged)
         lines.append(f"{within + by_spread}/{len(judged)} targeted metrics within target (or "
                      f"spread, ~), {what}: {within} within target, {by_spread} only by spread")
-    lines.append(host_check(rows))
+    spreads = [(float(r["spread_pct"]), float(r["target_pct"]))  # type: ignore[arg-type]
+               for r in rows if r["verdict"]]
+    lines.append(host_check(spreads))
     return "\n".join(lines)
-
-
-def host_check(rows: list[dict[str, object]]) -> str:
-    """Whether the replays could resolve the targets: how many targeted metrics' real runs
-    spread wider than the target itself (the host moved more between replays than the twin
-    may err), and their median spread."""
-    judged = [r for r in rows if r["verdict"]]
-    wide = sorted(float(r["spread_pct"]) for r in judged  # type: ignore[arg-type]
-                  if float(r["spread_pct"]) > float(r["target_pct"]))  # type: ignore[arg-type]
-    if not wide:
-        return "host: every targeted metric's replays spread less than its target"
-    return (f"host: {len(wide)}/{len(judged)} targeted metrics' replays spread wider than their "
-            f"target (median {wide[len(wide) // 2]:.1f}%): there the host, not the twin, sets "
-            f"the verdict; rerun on a quieter host")
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

@@ -116,4 +116,32 @@ def format_errors(rows: Sequence[dict[str, Any]], title: str = "sim vs real") ->
         if spread and row.get("real_runs", 0) > 1:
             line += f" {row['real_min']:.4g}..{row['real_max']:.4g}"
         lines.append(line.rstrip())
+    if spread:
+        judged = [row for row in rows if row["target_pct"] != "" and row.get("real_runs", 0) > 1]
+        lines.append("  " + host_check([(spread_pct(row), float(row["target_pct"]))
+                                        for row in judged]))
     return "\n".join(lines)
+
+
+def spread_pct(row: dict[str, Any]) -> float:
+    """The real runs' spread of an error row: half of ``real_max - real_min`` over the real
+    median, in % (nan without them)."""
+    try:
+        real, low, high = float(row["real"]), float(row["real_min"]), float(row["real_max"])
+    except (KeyError, ValueError):
+        return math.nan
+    if real == 0:
+        return 0.0 if high == low else math.inf
+    return 100.0 * (high - low) / 2 / abs(real)
+
+
+def host_check(spreads_and_targets: Sequence[tuple[float, float]]) -> str:
+    """Whether the real runs could resolve the targets: how many targeted metrics' runs spread
+    wider than the target itself (the host moved more between them than the twin may err), and
+    the median of those spreads."""
+    wide = sorted(s for s, target in spreads_and_targets if s > target)
+    if not wide:
+        return "host: every targeted metric's replays spread less than its target"
+    return (f"host: {len(wide)}/{len(spreads_and_targets)} targeted metrics' replays spread "
+            f"wider than their target (median {wide[len(wide) // 2]:.1f}%): there the host, not "
+            f"the twin, sets the verdict; rerun on a quieter host")

@@ -141,7 +141,7 @@ def host_check(spreads_and_targets: Sequence[tuple[float, float]]) -> str:
     the median of those spreads."""
     wide = sorted(s for s, target in spreads_and_targets if s > target)
     if not wide:
-        return "host: every targeted metric's replays spread less than its target"
+        return "host: no targeted metric's replays spread wider than its target"
     return (f"host: {len(wide)}/{len(spreads_and_targets)} targeted metrics' replays spread "
             f"wider than their target (median {wide[len(wide) // 2]:.1f}%): there the host, not "
             f"the twin, sets the verdict; rerun on a quieter host")

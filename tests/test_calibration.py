@@ -828,7 +828,7 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
     assert "0 within target, 0 only by spread" in table and "1 within target" in table
     assert table.endswith(host_check([(rows[0]["spread_pct"], 5.0)]))
     # a spread narrower than the target leaves the verdict to the twin; a wider one is named
-    assert host_check([(3.0, 10.0)]).startswith("host: every targeted metric's replays spread less")
+    assert host_check([(3.0, 10.0)]).startswith("host: no targeted metric's replays spread wider")
     assert host_check([(9.0, 5.0), (3.0, 10.0)]).startswith(
         "host: 1/2 targeted metrics' replays spread wider than their target (median 9.0%)")
 

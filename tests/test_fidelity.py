@@ -1,0 +1,143 @@
+"""Measuring the twin against the real engine: ``validate``'s error table, the replays'
+reproducibility, and the fidelity study's workloads, table and round order (no model runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def test_error_rows_compare_with_the_median_of_the_real_runs() -> None:
+    from twinserve.reports.fidelity import error_rows, format_errors, spread_pct
+    reals = [{"mean_ttft_ms": v, "request_throughput": 2.0} for v in (100.0, 300.0, 120.0)]
+    rows = {r["metric"]: r for r in error_rows(reals, {"mean_ttft_ms": 132.0,
+                                                         "request_throughput": 2.2})}
+    ttft = rows["mean_ttft_ms"]
+    assert ttft["real"] == 120.0 and ttft["real_min"] == 100.0 and ttft["real_max"] == 300.0
+    assert ttft["rel_error_pct"] == pytest.approx(10.0) and ttft["within_target"] == "true"
+    assert rows["request_throughput"]["within_target"] == "false"  # +10% against a 5% target
+    assert rows["mean_tpot_ms"]["real_runs"] == 0 and rows["mean_tpot_ms"]["within_target"] == ""
+    with pytest.raises(ValueError, match="at least one real run"):
+        error_rows([], {})
+    # validate's table names the targets the runs' own spread is too wide to resolve: TTFT's
+    # 100..300 ms around 120 (83%) against 10%; throughput's runs agree, no spread
+    assert spread_pct(ttft) == pytest.approx(100 * 200 / 2 / 120)
+    table = format_errors(list(rows.values()))
+    assert table.endswith("host: 1/2 targeted metrics' replays spread wider than their target "
+                          "(median 83.3%): there the host, not the twin, sets the verdict; "
+                          "rerun on a quieter host")
+    assert "host:" not in format_errors(error_rows(reals[:1], {"mean_ttft_ms": 132.0}))
+
+
+def test_fidelity_reproducibility_rows_measure_replays_against_each_other(tmp_path: Path) -> None:
+    """The real-run row: each replay against the median of the others, the median error size."""
+    from twinserve.benchmarks.fidelity import reproducibility_rows
+    runs = []
+    for i, ttft in enumerate((100.0, 110.0, 150.0)):
+        runs.append(tmp_path / f"run-{i}")
+        runs[-1].mkdir()
+        (runs[-1] / "summary.json").write_text(json.dumps(
+            {"request_throughput": 2.0, "mean_ttft_ms": ttft, "mean_tpot_ms": None,
+             "num_preemptions": 0}))
+    rows = {r["metric"]: r for r in reproducibility_rows("fcfs", runs)}
+    # 100 vs 130: 23.1%; 110 vs 125: 12.0%; 150 vs 105: 42.9% -> median 23.1%
+    assert rows["mean_ttft_ms"]["rel_error_pct"] == pytest.approx(100 * 30 / 130)
+    assert rows["mean_ttft_ms"]["within_target"] == "false"
+    assert rows["mean_ttft_ms"]["real"] == 110.0 and rows["mean_ttft_ms"]["profile"] == "real-run"
+    assert rows["request_throughput"]["rel_error_pct"] == 0.0
+    assert rows["request_throughput"]["within_target"] == "true"
+    assert rows["mean_tpot_ms"]["real_runs"] == 0 and rows["mean_tpot_ms"]["within_target"] == ""
+    assert rows["num_preemptions"]["rel_error_pct"] == 0.0  # all zero: no spread
+    assert reproducibility_rows("fcfs", runs[:2]) == []
+
+
+def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypatch) -> None:
+    """Every workload of the study parses as ``validate`` flags at the study's engine limits and
+    selects requests that fit the model length; the table marks targets, spreads and misses."""
+    import functools
+
+    from twinserve.traces import cli_args
+    monkeypatch.setattr(cli_args, "load_trace", functools.cache(cli_args.load_trace))
+    from twinserve.benchmarks.fidelity_study import (
+        ENGINE,
+        WORKLOADS,
+        format_table,
+        study_rows,
+        verdict,
+    )
+    from twinserve.entrypoints.cli import build_parser
+    from twinserve.entrypoints.validate import load_workload
+    from twinserve.reports.fidelity import host_check
+    policies, traces = set(), set()
+    parser = build_parser()
+    for w in WORKLOADS:
+        args = parser.parse_args(["validate", *w.flags, *ENGINE, "--out", str(tmp_path)])
+        trace = load_workload(args)
+        assert 10 <= len(trace) <= 40, w.name
+        assert all(r.input_tokens + r.output_tokens <= args.max_model_len <= 512
+                   for r in trace), w.name
+        policies.add(args.scheduling_policy)
+        traces.add(args.trace)
+    assert policies == {"fcfs", "fair", "priority"}
+    assert traces == {"azure-conv", "azure-code", "mooncake", "synthetic"}
+    assert (verdict(4.0, 5.0, 1.0), verdict(7.0, 5.0, 8.0), verdict(7.0, 5.0, 1.0),
+            verdict(7.0, None, 1.0)) == ("ok", "~", "MISS", "")
+    runs = []
+    for i, tput in enumerate((2.0, 2.1, 1.9)):
+        runs.append(tmp_path / f"r{i}")
+        runs[-1].mkdir()
+        (runs[-1] / "summary.json").write_text(json.dumps({"request_throughput": tput}))
+    errors = tmp_path / "errors.csv"
+    errors.write_text("metric,real,sim,rel_error_pct,target_pct,within_target,real_min,real_max,"
+                      "real_runs\nrequest_throughput,2.0,2.14,7.0,5.0,false,1.9,2.1,3\n")
+    at_host = tmp_path / "at-host.csv"
+    at_host.write_text("metric,real,sim,rel_error_pct,target_pct,within_target,real_min,real_max,"
+                       "real_runs\nrequest_throughput,2.0,2.08,4.0,5.0,true,1.9,2.1,3\n")
+    rows = study_rows("conv", errors, runs, at_host)
+    assert rows[0]["spread_pct"] == pytest.approx(5.0) and rows[0]["verdict"] == "MISS"
+    assert rows[0]["error_at_host_speed_pct"] == 4.0 and rows[0]["verdict_at_host_speed"] == "ok"
+    table = format_table(rows)
+    assert "0/1 targeted metrics" in table and "1/1 targeted metrics" in table
+    assert "0 within target, 0 only by spread" in table and "1 within target" in table
+    assert table.endswith(host_check([(rows[0]["spread_pct"], 5.0)]))
+    # a spread narrower than the target leaves the verdict to the twin; a wider one is named
+    assert host_check([(3.0, 10.0)]).startswith("host: no targeted metric's replays spread wider")
+    assert host_check([(9.0, 5.0), (3.0, 10.0)]).startswith(
+        "host: 1/2 targeted metrics' replays spread wider than their target (median 9.0%)")
+
+
+def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """The study's calibration: the grid once, the engine loop before each round of replays
+    (reversed every other round), the profile saved before any workload is simulated with it."""
+    from twinserve.benchmarks import fidelity_study
+    events: list[str] = []
+
+    class Recorded:
+        def measure_level(self) -> None:
+            events.append("level")
+
+        def save(self, path: Path, note: str) -> Path:
+            events.append("save")
+            return path
+
+    def run_cli(argv: list[str]) -> None:
+        out = Path(argv[argv.index("--out") + 1]).name
+        events.append(f"sim {out}" if "--reuse-real" in argv else f"replay {out}")
+
+    monkeypatch.setattr(fidelity_study, "_calibration", lambda engine: Recorded())
+    monkeypatch.setattr(fidelity_study, "run_cli", run_cli)
+    monkeypatch.setattr(fidelity_study, "study_rows", lambda *a: [
+        {"workload": "w", "metric": "request_throughput", "real": 1.0, "sim": 1.0,
+         "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0, "verdict": "ok",
+         "error_at_host_speed_pct": 0.0, "verdict_at_host_speed": "ok"}])
+    assert fidelity_study.main(["--out", str(tmp_path), "--workloads", "conv-600,code",
+                                "--rounds", "3"]) == 0
+    # every other round in reverse order, so no workload always comes first after the level
+    assert events == ["level", "replay conv-600-1", "replay code-1",
+                      "level", "replay code-2", "replay conv-600-2",
+                      "level", "replay conv-600-3", "replay code-3", "save",
+                      "sim conv-600", "sim conv-600-at-host-speed",
+                      "sim code", "sim code-at-host-speed"]

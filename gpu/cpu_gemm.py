@@ -33,8 +33,8 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
 - On a third 2-core EPYC, 16 columns ran faster than any width from 6 to 15: one layer's
   products took 36 ms at 16 tokens against 43-49 ms at 6-8 and 58-86 ms at 9-15 (the LM head
   17 ms against 17-32 ms), and decode steps of 5-8 sequences took 114-137 ms against 104 ms for
-  16. So the tuning times every width up to ``TUNED_MAX_WIDTH`` (twice the multiple), where
-  that CPU pads 6-15 tokens to 16.
+  16. So the tuning also times ``TUNED_MAX_WIDTH`` (twice the multiple) columns, which counts
+  up to 8 may pad to; 9-15 columns are not timed (the fixed rule pads them to 16 anyway).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ MIN_WIDEN_TOKENS = 6
 PAD_MULTIPLE = 8
 MIN_PADDED_TAIL = 3
 TUNED_MAX_WIDTH = 2 * PAD_MULTIPLE
+TUNED_WIDTHS = (*range(2, PAD_MULTIPLE + 1), TUNED_MAX_WIDTH)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -122,11 +123,11 @@ class Gemm:
 def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int = 5,
                       margin: float = 0.1) -> tuple[int, ...]:
     """``Gemm.small_widths`` for products of up to ``TUNED_MAX_WIDTH`` tokens, timed on
-    ``weights`` (one layer's): each width from 2 to ``TUNED_MAX_WIDTH`` in shuffled rounds,
-    medians compared by ``choose_widths`` (why: the module's notes)."""
+    ``weights`` (one layer's): each of ``TUNED_WIDTHS`` in shuffled rounds, medians compared by
+    ``choose_widths`` (why: the module's notes)."""
     unpadded = dataclasses.replace(gemm, pad_tokens=False)
     inputs = {t: [torch.zeros(t, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
-              for t in range(2, TUNED_MAX_WIDTH + 1)}
+              for t in TUNED_WIDTHS}
     times: dict[int, list[float]] = {t: [] for t in inputs}
     rng = random.Random(0)
     for round_ in range(rounds + 1):  # (the first round warms the caches up, untimed)

@@ -83,6 +83,9 @@ def test_small_products_pad_to_the_widths_that_timed_fastest() -> None:
     assert choose_widths(ms16)[2:] == (2, 4, 4, 5, *[16] * 11)
     assert all(ms16[a] <= ms16[b] for a, b in zip(choose_widths(ms16)[2:],
                                                      choose_widths(ms16)[3:]))
+    # the widths the tuning times (9-15 columns left out) choose the same
+    from twinserve.gpu.cpu_gemm import TUNED_WIDTHS
+    assert choose_widths({w: ms16[w] for w in TUNED_WIDTHS}) == choose_widths(ms16)
     gemm = Gemm(cpu=True, widen_half=False, small_widths=widths)
     assert [gemm.width(t) for t in (3, 5, 8, 9, 11, 17)] == [4, 5, 8, 16, 16, 17]
     torch.manual_seed(0)

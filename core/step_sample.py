@@ -48,6 +48,8 @@ class StepSample:
         if unknown:
             raise ValueError(f"unknown aggregate field(s) {', '.join(unknown)}; "
                              f"known: {', '.join(AGGREGATE_FIELDS)}.")
+        if len(self.aggregates) < len(AGGREGATE_FIELDS):  # every field, as the CSV holds them
+            self.aggregates = {k: self.aggregates.get(k, 0) for k in AGGREGATE_FIELDS}
         if not math.isfinite(self.seconds) or self.seconds < 0:
             raise ValueError(f"seconds must be finite and >= 0, got {self.seconds!r}.")
         if not math.isnan(self.execute_seconds) and not self.execute_seconds >= 0:
@@ -111,7 +113,8 @@ def read_samples(path: str | Path) -> list[StepSample]:
     with open(path, newline="") as f:
         for i, row in enumerate(csv.DictReader(f), start=2):
             try:
-                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS}
+                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS if k != _PREFIX_CONTEXT}
+                counts[_PREFIX_CONTEXT] = _prefix_context(row, counts)
                 execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
                 lora = {n: float(row[n]) for n in LORA_FEATURE_NAMES if row.get(n)}
                 out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or "",
@@ -119,6 +122,21 @@ def read_samples(path: str | Path) -> list[StepSample]:
             except (KeyError, ValueError) as exc:
                 raise ValueError(f"{path}:{i}: bad step sample row ({exc}).") from None
     return out
+
+
+_PREFIX_CONTEXT = "sum_prefix_chunk_context_tokens"
+
+
+def _prefix_context(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
+    """The row's ``sum_prefix_chunk_context_tokens``. Files written before twinserve counted it
+    lack the column: exact (0) for a step without prefill chunks, unknown for one with them."""
+    value = row.get(_PREFIX_CONTEXT)
+    if value:
+        return int(value)
+    if counts["num_prefill_seqs"]:
+        raise ValueError(f"no {_PREFIX_CONTEXT} for a step with prefill chunks: the file was "
+                         "recorded by an older twinserve; record the run again")
+    return 0
 
 
 def read_recorded_samples(run_dirs: Iterable[str | Path]) -> list[StepSample]:

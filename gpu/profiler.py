@@ -119,7 +119,10 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         out.scheduled.append(ScheduledRequest(req, cached, n, ids, True, groups))
         out.num_prefill_seqs += 1
         out.num_prefill_tokens += n
-        out.sum_context_tokens += n * cached + n * (n + 1) // 2
+        context = n * cached + n * (n + 1) // 2
+        out.sum_context_tokens += context
+        if cached:
+            out.sum_prefix_chunk_context_tokens += context
     out.total_num_scheduled_tokens = out.num_decode_tokens + out.num_prefill_tokens
     return out
 
@@ -178,6 +181,7 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
     for k in () if quick else (2, 4):
         if k * chunk <= min(max_num_batched_tokens, longest) and k <= max_num_seqs:
             specs.append(StepSpec(prefills=((chunk, 0),) * k))
+    specs += _prefix_chunks(max_num_batched_tokens, max_num_seqs, max_model_len, quick)
     for b in batches:
         for c in contexts:
             if c < max_model_len:
@@ -196,6 +200,17 @@ def default_grid(max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
                 specs.append(StepSpec(decodes=(ctx,) * b, prefills=((n, 0),)))
     return specs if quick else [*specs, *_serving_prefills(max_num_batched_tokens, max_num_seqs,
                                                            max_model_len)]
+
+
+def _prefix_chunks(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                   quick: bool) -> list[StepSpec]:
+    """Several short chunks after cached prefixes in one step, where requests that hit the prefix
+    cache arrive together: each chunk's attention runs against its prefix (a masked kernel on the
+    CPU), which single chunks after a prefix alone leave apart from the chunk count."""
+    shapes = ((4, 16, 128),) if quick else tuple(
+        (k, n, s) for k in (4, 10) for n in (8, 32) for s in (128, 480))
+    return [StepSpec(prefills=((n, s),) * k) for k, n, s in shapes
+            if k <= max_num_seqs and k * n <= max_num_batched_tokens and n + s <= max_model_len]
 
 
 def _serving_prefills(max_num_batched_tokens: int, max_num_seqs: int,

@@ -445,7 +445,7 @@ def test_unlabelled_fit_applies_to_any_model() -> None:
 
 def test_fitted_fast_path_equals_its_reference_with_every_term() -> None:
     """``step_time`` (inlined) against ``step_time_reference`` bit for bit, with a coefficient on
-    every feature, the CPU kernel's longest-context term included."""
+    every feature, the CPU kernels' longest-context and prefix-chunk terms included."""
     rng = np.random.default_rng(12)
     coefficients = {name: float(rng.uniform(0, 1e-4)) for name in ALL_FEATURE_NAMES}
     params = FittedParams(2e-3, coefficients, "llama-3-8b")
@@ -456,9 +456,11 @@ def test_fitted_fast_path_equals_its_reference_with_every_term() -> None:
         ctx = [int(rng.integers(2, 4096)) for _ in range(decodes)]
         if decodes + prefill == 0:
             continue
+        prefill_ctx = prefill * int(rng.integers(1, 2048))
         out = SchedulerOutput(
             total_num_scheduled_tokens=decodes + prefill, num_prefill_tokens=prefill,
             num_decode_tokens=decodes, num_prefill_seqs=chunks, num_decode_seqs=decodes,
-            sum_context_tokens=sum(ctx) + prefill * int(rng.integers(1, 2048)),
-            sum_decode_context_tokens=sum(ctx), max_decode_context=max(ctx, default=0))
+            sum_context_tokens=sum(ctx) + prefill_ctx, sum_decode_context_tokens=sum(ctx),
+            max_decode_context=max(ctx, default=0),
+            sum_prefix_chunk_context_tokens=prefill_ctx // int(rng.integers(1, 3)))
         assert cost.step_time(out) == cost.step_time_reference(out)

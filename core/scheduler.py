@@ -483,10 +483,9 @@ class Scheduler:
             if sign > 0:  # after an unschedule the maximum is an upper bound
                 out.max_decode_context = max(out.max_decode_context, start + 1)
         else:
-            context = n * start + n * (n + 1) // 2
-            out.sum_context_tokens += sign * context
+            out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
             if start:
-                out.sum_prefix_chunk_context_tokens += sign * context
+                out.num_prefix_chunks += sign
             out.num_prefill_tokens += sign * n
             out.num_prefill_seqs += sign
 

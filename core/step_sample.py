@@ -113,8 +113,8 @@ def read_samples(path: str | Path) -> list[StepSample]:
     with open(path, newline="") as f:
         for i, row in enumerate(csv.DictReader(f), start=2):
             try:
-                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS if k != _PREFIX_CONTEXT}
-                counts[_PREFIX_CONTEXT] = _prefix_context(row, counts)
+                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS if k != _PREFIX_CHUNKS}
+                counts[_PREFIX_CHUNKS] = _prefix_chunks(row, counts)
                 execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
                 lora = {n: float(row[n]) for n in LORA_FEATURE_NAMES if row.get(n)}
                 out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or "",
@@ -124,17 +124,17 @@ def read_samples(path: str | Path) -> list[StepSample]:
     return out
 
 
-_PREFIX_CONTEXT = "sum_prefix_chunk_context_tokens"
+_PREFIX_CHUNKS = "num_prefix_chunks"
 
 
-def _prefix_context(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
-    """The row's ``sum_prefix_chunk_context_tokens``. Files written before twinserve counted it
+def _prefix_chunks(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
+    """The row's ``num_prefix_chunks``. Files written before twinserve counted it
     lack the column: exact (0) for a step without prefill chunks, unknown for one with them."""
-    value = row.get(_PREFIX_CONTEXT)
+    value = row.get(_PREFIX_CHUNKS)
     if value:
         return int(value)
     if counts["num_prefill_seqs"]:
-        raise ValueError(f"no {_PREFIX_CONTEXT} for a step with prefill chunks: the file was "
+        raise ValueError(f"no {_PREFIX_CHUNKS} for a step with prefill chunks: the file was "
                          "recorded by an older twinserve; record the run again")
     return 0
 

@@ -119,10 +119,8 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         out.scheduled.append(ScheduledRequest(req, cached, n, ids, True, groups))
         out.num_prefill_seqs += 1
         out.num_prefill_tokens += n
-        context = n * cached + n * (n + 1) // 2
-        out.sum_context_tokens += context
-        if cached:
-            out.sum_prefix_chunk_context_tokens += context
+        out.sum_context_tokens += n * cached + n * (n + 1) // 2
+        out.num_prefix_chunks += cached > 0
     out.total_num_scheduled_tokens = out.num_decode_tokens + out.num_prefill_tokens
     return out
 

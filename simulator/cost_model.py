@@ -39,9 +39,9 @@ workloads it never saw: the weight products by token count (``num_tokens`` and t
 attention by the summed contexts and, for a backend that pads, by batch x longest context; prefill
 attention by tokens x context (``sum_context_tokens``). Backend fits of this machine also carry
 ``KERNEL_FEATURE_NAMES``: the CPU decode kernel's longest context, its critical path when a small
-batch is split over KV heads, and the context of prefill chunks after a prefix, whose attention
-runs a masked kernel (``sum_prefix_chunk_context_tokens``). Every coefficient is non-negative and every feature non-decreasing
-in tokens and contexts, so the fitted time is monotone in both; all are per-step aggregates of the
+batch is split over KV heads, and the prefill chunks after a prefix, whose attention runs a
+masked kernel (``num_prefix_chunks``). Every coefficient is non-negative and every feature
+non-decreasing in tokens and contexts, so the fitted time is monotone in both; all are per-step aggregates of the
 ``SchedulerOutput`` (``step_time`` stays O(1)).
 """
 
@@ -89,15 +89,17 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # machine (``calibration.fit_backend``/``fit_joint``; generic fits such as the Vidur one keep
 # ``FEATURE_NAMES``). The native decode kernel splits a batch of fewer than 4 x threads decodes
 # over KV heads, so each thread walks whole contexts: the longest one is its critical path.
-# A prefill chunk after a prefix (``sum_prefix_chunk_context_tokens``) runs a masked attention
-# kernel, slower per position than the causal one of a chunk from position 0 (ten chunks of 7
-# tokens took 63 ms longer after 120 cached tokens than after none, 129 ms after 480).
+# A prefill chunk after a prefix (``num_prefix_chunks``) runs a masked attention kernel: ten
+# chunks of 7 tokens took 63 ms longer after 120 cached tokens than after none (129 ms after
+# 480), where one chunk of 70 took 15 ms less than ten fresh chunks of 7. Fitted on the grid's
+# steps of 4 and 10 such chunks, the count took 5.7 ms a chunk and left ``num_prefill_seqs`` at
+# 47 us; a term by the chunks' context (tokens x context) took none of it.
 # ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
 # another tile of rows (the segments alone only bend at powers of two): at 2, 3 and every 4th
 # count from 5 to 33, where the grid times each batch size (``gpu.profiler.batch_sweep``).
 TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
 TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
-KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", "sum_prefix_chunk_context_tokens",
+KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", "num_prefix_chunks",
                                          *TOKEN_STEP_NAMES)
 ALL_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, *KERNEL_FEATURE_NAMES)
 KNOWN_FEATURES = frozenset((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))
@@ -115,12 +117,12 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
     """The linear features (``FEATURE_NAMES`` before the token segments, then the longest decode
-    context and the prefix chunks' context of ``KERNEL_FEATURE_NAMES``)."""
+    context and the prefix chunks of ``KERNEL_FEATURE_NAMES``)."""
     longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
                                                                       max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
             out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context),
-            out.num_decode_seqs * longest, longest, out.sum_prefix_chunk_context_tokens)
+            out.num_decode_seqs * longest, longest, out.num_prefix_chunks)
 
 
 def token_segments(num_tokens: int) -> tuple[int, ...]:
@@ -536,7 +538,7 @@ class FittedCostModel:
         linear += c5 * out.sum_decode_context_tokens
         linear += c6 * (decodes * longest)
         linear += c7 * longest
-        linear += c8 * out.sum_prefix_chunk_context_tokens
+        linear += c8 * out.num_prefix_chunks
         return self._intercept + linear + self._token_time(tokens)
 
     def step_time_reference(self, out: SchedulerOutput) -> float:

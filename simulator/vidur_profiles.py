@@ -214,7 +214,7 @@ class OperatorStep:
         each decode attends to its kv + 1 positions; a chunk of c after kv to kv + 1 .. kv + c."""
         agg = dict.fromkeys(("num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
                              "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens",
-                             "max_decode_context", "sum_prefix_chunk_context_tokens"), 0)
+                             "max_decode_context", "num_prefix_chunks"), 0)
         if self.decode:
             b, kv = self.decode
             agg.update(num_decode_tokens=b, num_decode_seqs=b, sum_decode_context_tokens=b * (kv + 1),
@@ -224,8 +224,7 @@ class OperatorStep:
             c, kv = self.prefill
             agg.update(num_prefill_tokens=c, num_prefill_seqs=1)
             agg["sum_context_tokens"] += c * kv + c * (c + 1) // 2
-            if kv:
-                agg["sum_prefix_chunk_context_tokens"] = c * kv + c * (c + 1) // 2
+            agg["num_prefix_chunks"] = int(kv > 0)
         agg["total_num_scheduled_tokens"] = self.num_tokens
         return agg
 

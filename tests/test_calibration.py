@@ -159,7 +159,7 @@ def test_step_samples_are_validated_and_written_as_before(tmp_path: Path) -> Non
     assert path.read_text() == (
         "kind,total_num_scheduled_tokens,num_prefill_tokens,num_decode_tokens,"
         "num_prefill_seqs,num_decode_seqs,sum_context_tokens,sum_decode_context_tokens,"
-        "max_decode_context,sum_prefix_chunk_context_tokens,seconds,execute_seconds\n"
+        "max_decode_context,num_prefix_chunks,seconds,execute_seconds\n"
         "mixed,0,1,2,3,4,5,6,7,8,0.012345679,0.01\n"
         "swap,0,0,0,0,0,0,0,0,0,0.5,\n")
     assert [s.kind for s in read_samples(path)] == ["mixed", "swap"]
@@ -169,9 +169,9 @@ def test_step_samples_are_validated_and_written_as_before(tmp_path: Path) -> Non
                    "num_prefill_seqs,num_decode_seqs,sum_context_tokens,"
                    "sum_decode_context_tokens,max_decode_context,seconds,execute_seconds\n"
                    "decode,2,0,2,0,2,20,20,11,0.5,\n")
-    assert read_samples(old)[0].aggregates["sum_prefix_chunk_context_tokens"] == 0
+    assert read_samples(old)[0].aggregates["num_prefix_chunks"] == 0
     old.write_text(old.read_text() + "prefill,8,8,0,1,0,36,0,0,0.5,\n")
-    with pytest.raises(ValueError, match=r"old.csv:3: .*sum_prefix_chunk_context_tokens.*older"):
+    with pytest.raises(ValueError, match=r"old.csv:3: .*num_prefix_chunks.*older"):
         read_samples(old)
     with pytest.raises(FileNotFoundError, match="step_features.csv"):
         read_samples(tmp_path)  # a folder without the run's samples
@@ -557,8 +557,7 @@ def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> Non
     from twinserve.core.step_sample import aggregates
     from twinserve.gpu.profiler import StepSpec, build_step
     agg = aggregates(build_step(StepSpec(prefills=((8, 0), (8, 128))), 16, 64, 256))
-    assert agg["sum_prefix_chunk_context_tokens"] == 8 * 128 + 36
-    assert agg["sum_context_tokens"] == 2 * 36 + 8 * 128
+    assert agg["num_prefix_chunks"] == 1 and agg["sum_context_tokens"] == 2 * 36 + 8 * 128
     for sc in default_scenarios(32, 512):
         lengths = sc.lengths()
         assert len(lengths) == 2 * sc.concurrency and sc.concurrency <= 32
@@ -594,13 +593,13 @@ def _kernel_shaped_seconds(agg: dict[str, int]) -> float:
     """A step time shaped as the CPU engine's kernels cost (no noise): a GEMM floor stepping up
     with the token count, per-token GEMM work, the decode kernel's summed contexts plus its
     longest one (a small batch splits over heads), prefill attention by tokens x context (more
-    after a prefix: a masked kernel), and per-sequence sampling."""
+    per chunk after a prefix: a masked kernel), and per-sequence sampling."""
     tokens, decodes = agg["total_num_scheduled_tokens"], agg["num_decode_seqs"]
     floor = 0.060 if tokens <= 4 else 0.075 if tokens <= 16 else 0.090
     decode_ctx = agg["sum_decode_context_tokens"]
     return (floor + 4e-4 * tokens + 2e-5 * decode_ctx + 3e-5 * agg["max_decode_context"]
             + 1e-7 * (agg["sum_context_tokens"] - decode_ctx) + 3e-4 * decodes
-            + 2e-3 * agg["num_prefill_seqs"] + 3e-6 * agg.get("sum_prefix_chunk_context_tokens", 0))
+            + 2e-3 * agg["num_prefill_seqs"] + 5e-3 * agg.get("num_prefix_chunks", 0))
 
 
 def _family(batches: list[int], prompts: list[int], output: int,

@@ -15,17 +15,18 @@ def test_token_budget_and_chunked_prefill():
     assert (out.scheduled[0].start, out.scheduled[0].num_new_tokens) == (16, 4)
     assert out.scheduled[0].sample and outs[0].new_token_ids == [7]
     assert out.num_prefill_tokens == 4 and out.sum_context_tokens == 17 + 18 + 19 + 20
-    # a chunk after the prompt's earlier chunks attends to a prefix: its context is counted apart
-    assert out.sum_prefix_chunk_context_tokens == out.sum_context_tokens
+    # a chunk after the prompt's earlier chunks attends to a prefix: it is counted apart
+    assert out.num_prefix_chunks == 1
 
 
-def test_prefix_chunk_context_counts_chunks_after_a_prefix_only():
-    s = make_scheduler(max_num_batched_tokens=8)
+def test_prefix_chunks_are_the_chunks_after_computed_tokens():
+    s = make_scheduler(max_num_batched_tokens=16)
     s.add_request(make_req("a", 20, max_tokens=2))
     out, _ = step(s, 0.0)  # the first chunk starts at position 0
-    assert out.sum_context_tokens == 36 and out.sum_prefix_chunk_context_tokens == 0
-    out, _ = step(s, 1.0)  # tokens 8..15 after 8 computed
-    assert out.sum_prefix_chunk_context_tokens == out.sum_context_tokens == sum(range(9, 17))
+    assert out.sum_context_tokens == sum(range(1, 17)) and out.num_prefix_chunks == 0
+    s.add_request(make_req("b", 6, max_tokens=2))
+    out, _ = step(s, 1.0)  # a's tokens 16..19 after 16 computed, and b's whole prompt
+    assert out.num_prefill_seqs == 2 and out.num_prefix_chunks == 1
 
 
 def test_decodes_first_then_waiting_fill_the_budget_in_the_same_step():
@@ -280,7 +281,7 @@ def test_a_decode_crossing_a_block_boundary_gets_one_block_and_caches_the_full_o
     s.add_request(b)
     out, _ = step(s, 10.0)
     assert b.num_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 2
-    assert out.sum_prefix_chunk_context_tokens == 13 + 14  # after the 12 cached tokens
+    assert out.num_prefix_chunks == 1  # after the 12 cached tokens
     kv.check_consistency()
 
 

@@ -25,6 +25,7 @@ from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 
 STEP_KINDS = ("prefill", "decode", "mixed", "swap")
 SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
+_PREFIX_CHUNKS = "num_prefix_chunks"  # (absent from files of older versions: ``_prefix_chunks``)
 SAMPLES_FILE = "step_features.csv"
 
 
@@ -122,9 +123,6 @@ def read_samples(path: str | Path) -> list[StepSample]:
             except (KeyError, ValueError) as exc:
                 raise ValueError(f"{path}:{i}: bad step sample row ({exc}).") from None
     return out
-
-
-_PREFIX_CHUNKS = "num_prefix_chunks"
 
 
 def _prefix_chunks(row: Mapping[str, str], counts: Mapping[str, int]) -> int:

@@ -41,8 +41,8 @@ attention by tokens x context (``sum_context_tokens``). Backend fits of this mac
 ``KERNEL_FEATURE_NAMES``: the CPU decode kernel's longest context, its critical path when a small
 batch is split over KV heads, and the prefill chunks after a prefix, whose attention runs a
 masked kernel (``num_prefix_chunks``). Every coefficient is non-negative and every feature
-non-decreasing in tokens and contexts, so the fitted time is monotone in both; all are per-step aggregates of the
-``SchedulerOutput`` (``step_time`` stays O(1)).
+non-decreasing in tokens and contexts, so the fitted time is monotone in both; all are per-step
+aggregates of the ``SchedulerOutput`` (``step_time`` stays O(1)).
 """
 
 from __future__ import annotations

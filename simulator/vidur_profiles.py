@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from twinserve.core.outputs import AGGREGATE_FIELDS
 from twinserve.core.step_sample import StepSample
 from twinserve.simulator.calibration import fit, fit_errors, output_of
 from twinserve.simulator.cost_model import CostModel
@@ -212,9 +213,7 @@ class OperatorStep:
     def aggregates(self) -> dict[str, int]:
         """The scheduler's aggregate fields of this step (``core.outputs.AGGREGATE_FIELDS``):
         each decode attends to its kv + 1 positions; a chunk of c after kv to kv + 1 .. kv + c."""
-        agg = dict.fromkeys(("num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
-                             "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens",
-                             "max_decode_context", "num_prefix_chunks"), 0)
+        agg = dict.fromkeys(AGGREGATE_FIELDS, 0)
         if self.decode:
             b, kv = self.decode
             agg.update(num_decode_tokens=b, num_decode_seqs=b, sum_decode_context_tokens=b * (kv + 1),

@@ -28,13 +28,19 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
 - Those few-column kernels differ from one CPU to the next: on another 2-core EPYC, 3 columns
   cost 77 ms per forward and 4 columns 54 ms, and decode steps of 3 sequences took 111 ms
   against 97 ms for 4. So the runner times one layer's products at 2 to 8 tokens once the model
-  is loaded (``tune_small_widths``, about 0.1 s) and pads a count to the width that ran more
-  than 10% faster (there 3 to 4; 3-decode steps then took 90 ms).
+  is loaded (``tune_small_widths``, about 0.1 s) and pads a count to a width that ran faster
+  (there 3 to 4; 3-decode steps then took 90 ms).
 - On a third 2-core EPYC, 16 columns ran faster than any width from 6 to 15: one layer's
   products took 36 ms at 16 tokens against 43-49 ms at 6-8 and 58-86 ms at 9-15 (the LM head
   17 ms against 17-32 ms), and decode steps of 5-8 sequences took 114-137 ms against 104 ms for
   16. So the tuning also times ``TUNED_MAX_WIDTH`` (twice the multiple) columns, which counts
   up to 8 may pad to; 9-15 columns are not timed (the fixed rule pads them to 16 anyway).
+- On a fourth, one layer's products took 1.50 ms at 16 columns against 1.75 ms at 6 and
+  1.41 ms at 5 (medians of 16 rounds). A 10% margin kept 6 at 6 while 7 and 8 went to 16, so
+  6 decodes cost more than 7 or 8, which no fit monotone in tokens follows: the fidelity
+  study's 6-sequence decodes ran 1.00-1.20x its profile, 3-4 sequences 0.78-0.98x. So a count
+  takes a width within 3% of the fastest timed at or above it (``choose_widths``), the
+  medians of 9 rounds.
 """
 
 from __future__ import annotations
@@ -120,8 +126,8 @@ class Gemm:
         return padded_width(num_tokens)
 
 
-def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int = 5,
-                      margin: float = 0.1) -> tuple[int, ...]:
+def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int = 9,
+                      margin: float = 0.03) -> tuple[int, ...]:
     """``Gemm.small_widths`` for products of up to ``TUNED_MAX_WIDTH`` tokens, timed on
     ``weights`` (one layer's): each of ``TUNED_WIDTHS`` in shuffled rounds, medians compared by
     ``choose_widths`` (why: the module's notes)."""
@@ -142,10 +148,12 @@ def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int =
     return choose_widths({t: statistics.median(v) for t, v in times.items()}, margin)
 
 
-def choose_widths(seconds: dict[int, float], margin: float = 0.1) -> tuple[int, ...]:
-    """For each token count up to the largest timed width: the timed width at or above it that
-    is fastest, where that beats ``padded_width``'s choice by more than ``margin``; else that
-    choice (and the count itself where none is timed)."""
+def choose_widths(seconds: dict[int, float], margin: float = 0.03) -> tuple[int, ...]:
+    """For each token count up to the largest timed width, a timed width at or above it within
+    ``margin`` of the fastest of those: ``padded_width``'s choice where it is, else the
+    smallest such width (and the count itself where ``padded_width``'s is not timed). The
+    time of the width a count takes is then within ``margin`` of a non-decreasing function of
+    the count (the fastest at or above it), the shape the cost model's fit assumes."""
     largest = max(seconds)
     out = []
     for t in range(largest + 1):
@@ -153,8 +161,10 @@ def choose_widths(seconds: dict[int, float], margin: float = 0.1) -> tuple[int, 
         if t < 2 or static not in seconds:
             out.append(static)
             continue
-        best = min((w for w in seconds if t <= w <= largest), key=lambda w: seconds[w])
-        out.append(best if seconds[best] < (1 - margin) * seconds[static] else static)
+        wider = [w for w in sorted(seconds) if w >= t]
+        fastest = min(seconds[w] for w in wider)
+        fits = [w for w in wider if seconds[w] <= (1 + margin) * fastest]
+        out.append(static if static in fits else fits[0])
     return tuple(out)
 
 

@@ -26,6 +26,7 @@ from twinserve.gpu.cpu_gemm import tune_small_widths
 from twinserve.gpu.default_model import resolve_model_source
 from twinserve.gpu.executor.shard_worker import kv_cache_spec
 from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
+from twinserve.gpu.gemm_tuning_cache import cached_widths
 from twinserve.gpu.kv_cache import KVCache
 from twinserve.gpu.kv_cache_fp8 import use_fp8_kv_cache
 from twinserve.gpu.linear import LinearBase
@@ -241,9 +242,10 @@ class ModelRunner:
 
 
 def tune_cpu_gemm(model: CausalLM) -> None:
-    """Times the first layer's weight products at a few tokens (``cpu_gemm.tune_small_widths``)
-    and pads them to the widths that ran fastest, on a CPU whose products run feature-major in
-    the weights' own dtype (not half weights widened, not quantized ones)."""
+    """Times the first layer's weight products at a few tokens (``cpu_gemm.tune_small_widths``;
+    once per machine and shapes: ``gemm_tuning_cache``) and pads them to the widths that ran
+    fastest, on a CPU whose products run feature-major in the weights' own dtype (not half
+    weights widened, not quantized ones)."""
     gemm = model.gemm
     if not gemm.cpu or gemm.widen_half or not gemm.pad_tokens or not len(model.layers):
         return
@@ -251,4 +253,5 @@ def tune_cpu_gemm(model: CausalLM) -> None:
                if isinstance(m, LinearBase) and isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and m.weight.dtype in (torch.float32, torch.float64)]
     if weights:
-        model.set_gemm(dataclasses.replace(gemm, small_widths=tune_small_widths(weights, gemm)))
+        widths = cached_widths(weights, lambda: tune_small_widths(weights, gemm))
+        model.set_gemm(dataclasses.replace(gemm, small_widths=widths))

@@ -65,13 +65,20 @@ def test_products_pad_tokens_to_a_multiple_of_eight_past_a_tail_of_three_or_belo
 
 
 def test_small_products_pad_to_the_widths_that_timed_fastest() -> None:
-    """3 columns slower than 4 (one EPYC's MKL): 3 tokens pad to 4; a width only 5% faster
-    (2 against 4) or slower (5, 6 against 8) is not taken; 7 keeps ``padded_width``'s 8, which
-    a width faster by more than the margin replaces."""
+    """3 columns slower than 4 (one EPYC's MKL): 2 and 3 tokens pad to 4; a slower width (5, 6
+    against 8) is not taken; 7 keeps ``padded_width``'s 8, which a width faster by more than
+    the margin replaces."""
     from twinserve.gpu.cpu_gemm import choose_widths
     ms = {2: 58, 3: 77, 4: 54, 5: 73, 6: 91, 7: 104, 8: 93}
     widths = choose_widths(ms)
-    assert widths == (0, 1, 2, 4, 4, 5, 6, 8, 8)
+    assert widths == (0, 1, 4, 4, 4, 5, 6, 8, 8)
+    # within the margin (2% here) the count keeps its own width
+    assert choose_widths({**ms, 4: 57})[2] == 2
+    # a fourth EPYC's (us): 16 columns 14% faster than 6, so 6 pads to 16 as 7 and 8 do; 8
+    # stays at 8 where 16 is only 2% faster
+    ms4 = {2: 917, 3: 1235, 4: 1072, 5: 1412, 6: 1747, 7: 2128, 8: 1908, 16: 1503}
+    assert choose_widths(ms4)[2:9] == (2, 4, 4, 5, 16, 16, 16)
+    assert choose_widths({**ms4, 6: 1637, 16: 1870})[6:9] == (6, 8, 8)
     # time growing with the width: no padding (not even the static rule's 7 to 8)
     assert choose_widths({w: 10.0 * w for w in range(2, 9)}) == tuple(range(9))
     # time flat: the static rule's choices stand (nothing beats them by the margin)
@@ -102,6 +109,43 @@ def test_the_runner_times_its_small_products_on_the_loaded_model(tiny_model_dirs
     widths = runner.model.gemm.small_widths
     assert len(widths) == 17 and all(t <= widths[t] <= max(t, 16) for t in range(17))
     assert all(layer.gemm is runner.model.gemm for layer in runner.model.layers)
+
+
+def test_the_tuned_widths_are_kept_for_the_next_load_of_the_same_shapes(
+        tiny_model_dirs, tmp_path, monkeypatch) -> None:
+    """The first load times and stores its widths; the next reads them without timing; a file
+    holding anything else is timed again and replaced; other shapes get their own file."""
+    import json
+
+    import twinserve.gpu.model_runner as model_runner
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path))
+    timed = []
+    chosen = (0, 1, 4, 4, 4, 5, 16, 16, 16, *[16] * 8)
+
+    def tune(weights, gemm):
+        timed.append([tuple(w.shape) for w in weights])
+        return chosen
+    monkeypatch.setattr(model_runner, "tune_small_widths", tune)
+
+    def load(name: str) -> tuple[int, ...]:
+        args = EngineArgs(model=str(tiny_model_dirs[name]), max_model_len=64, dtype="float32")
+        return ModelRunner(args).model.gemm.small_widths
+    assert load("qwen2-untied") == chosen and len(timed) == 1
+    files = list((tmp_path / "cpu_gemm").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["small_widths"] == list(chosen)
+    assert load("qwen2-untied") == chosen and len(timed) == 1  # read, not timed
+    files[0].write_text(json.dumps({"key": {}, "small_widths": list(chosen)}))  # another key
+    assert load("qwen2-untied") == chosen and len(timed) == 2
+    files[0].write_text("{not json")
+    assert load("qwen2-untied") == chosen and len(timed) == 3
+    assert json.loads(files[0].read_text())["small_widths"] == list(chosen)
+    from twinserve.gpu.gemm_tuning_cache import cached_widths
+    other = (0, 1, 2, 3, 4, 5, 6, 8, 8, *[16] * 8)
+    assert cached_widths([torch.zeros(8, 4)], lambda: other) == other
+    assert len(list((tmp_path / "cpu_gemm").glob("*.json"))) == 2
+    assert load("qwen2-untied") == chosen and len(timed) == 3
 
 
 def test_gemm_benchmark_times_every_path(tiny_model_dirs, capsys):

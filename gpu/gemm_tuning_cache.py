@@ -1,4 +1,4 @@
-"""The CPU product widths a machine tuned (``cpu_gemm.tune_small_widths``), kept across loads.
+"""The CPU product widths a machine tuned (``gemm_tuning``), kept across loads.
 
 Each load used to time its own widths, and near-ties flipped from one load to the next (7 and 8
 columns padded to 16 in some loads, kept at 8 in others; 3 kept or padded to 4), so two engines
@@ -24,24 +24,24 @@ import torch
 from twinserve.gpu.cpu_gemm import TUNED_MAX_WIDTH, TUNED_WIDTHS
 from twinserve.gpu.default_model import cache_root
 
-FORMAT = 1
+FORMAT = 2
 
 
-def tuning_key(weights: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """What the timed widths depend on: the products' shapes and dtype, the threads, the CPU
-    and the torch build."""
-    return {"format": FORMAT, "widths": list(TUNED_WIDTHS), "cpu": _cpu_name(),
+def tuning_key(weights: Sequence[torch.Tensor], extra: dict[str, Any]) -> dict[str, Any]:
+    """What the timed widths depend on: the products' shapes and dtype, the threads, the CPU,
+    the torch build and ``extra`` (what was timed, the rest of the model's shape)."""
+    return {"format": FORMAT, **extra, "widths": list(TUNED_WIDTHS), "cpu": _cpu_name(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(weights[0].dtype) if weights else "",
             "shapes": [list(w.shape) for w in weights]}
 
 
-def cached_widths(weights: Sequence[torch.Tensor],
-                  tune: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
-    """The widths stored for ``weights``' key, else ``tune()``'s, stored (a file that cannot
-    be read or holds anything else is timed again and replaced; one that cannot be written
-    leaves the widths of this load only)."""
-    key = tuning_key(weights)
+def cached_widths(weights: Sequence[torch.Tensor], tune: Callable[[], tuple[int, ...]],
+                  extra: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """The widths stored for the key of ``weights`` (one layer's) and ``extra``, else
+    ``tune()``'s, stored (a file that cannot be read or holds anything else is timed again and
+    replaced; one that cannot be written leaves the widths of this load only)."""
+    key = tuning_key(weights, extra or {})
     path = cache_root() / "cpu_gemm" / f"{_digest(key)}.json"
     widths = _read(path, key)
     if widths is None:

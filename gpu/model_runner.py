@@ -6,8 +6,6 @@ Per step: swap-outs, swap-ins, block copies, then one forward pass over every sc
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from twinserve.core.engine_args import EngineArgs
@@ -22,16 +20,13 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.quantization import resolve_quantization
 from twinserve.core.request import Request
 from twinserve.gpu.batch import ModelInput, build_model_input
-from twinserve.gpu.cpu_gemm import tune_small_widths
 from twinserve.gpu.default_model import resolve_model_source
 from twinserve.gpu.executor.shard_worker import kv_cache_spec
 from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
-from twinserve.gpu.gemm_tuning_cache import cached_widths
+from twinserve.gpu.gemm_tuning import tune_cpu_gemm
 from twinserve.gpu.kv_cache import KVCache
 from twinserve.gpu.kv_cache_fp8 import use_fp8_kv_cache
-from twinserve.gpu.linear import LinearBase
 from twinserve.gpu.lora_manager import LoRAManager
-from twinserve.gpu.model import CausalLM
 from twinserve.gpu.model_loader import load_generation_config, load_model, quantization_config
 from twinserve.gpu.platform import TORCH_DTYPES, current_platform, resolve_device
 from twinserve.gpu.pooler import pooled_state
@@ -83,7 +78,6 @@ class ModelRunner:
         tp_group = None if self.tp is None else self.tp.group
         self.model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len,
                                 tp_group, self.quantization, self.gguf_file)
-        tune_cpu_gemm(self.model)
         if profile:
             from twinserve.gpu.cuda_graphs import profile_peak_memory
             peak = profile_peak_memory(self.model, resolved.scheduler.max_num_batched_tokens,
@@ -127,6 +121,7 @@ class ModelRunner:
             from twinserve.gpu.cuda_graphs import DecodeGraphs
             self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.block_size,
                                         self.max_model_len)
+        tune_cpu_gemm(self)  # (times decode steps: once the cache and the rest are set up)
 
     def _eos_token_id(self) -> int | None:
         eos = load_generation_config(self.model_dir).get("eos_token_id")
@@ -239,19 +234,3 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed + request.index)
             self._generators[request.request_id] = gen
         return gen
-
-
-def tune_cpu_gemm(model: CausalLM) -> None:
-    """Times the first layer's weight products at a few tokens (``cpu_gemm.tune_small_widths``;
-    once per machine and shapes: ``gemm_tuning_cache``) and pads them to the widths that ran
-    fastest, on a CPU whose products run feature-major in the weights' own dtype (not half
-    weights widened, not quantized ones)."""
-    gemm = model.gemm
-    if not gemm.cpu or gemm.widen_half or not gemm.pad_tokens or not len(model.layers):
-        return
-    weights = [m.weight for m in model.layers[0].modules()
-               if isinstance(m, LinearBase) and isinstance(getattr(m, "weight", None), torch.Tensor)
-               and m.weight.dim() == 2 and m.weight.dtype in (torch.float32, torch.float64)]
-    if weights:
-        widths = cached_widths(weights, lambda: tune_small_widths(weights, gemm))
-        model.set_gemm(dataclasses.replace(gemm, small_widths=widths))

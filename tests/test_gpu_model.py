@@ -101,14 +101,28 @@ def test_small_products_pad_to_the_widths_that_timed_fastest() -> None:
     assert gemm.feature_major(x, w).shape == (1100, 3)
 
 
-def test_the_runner_times_its_small_products_on_the_loaded_model(tiny_model_dirs) -> None:
+def test_the_runner_times_its_small_products_on_its_decode_steps(tiny_model_dirs, tmp_path,
+                                                                 monkeypatch) -> None:
+    import json
+
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.model_runner import ModelRunner
+    monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path))
     runner = ModelRunner(EngineArgs(model=str(tiny_model_dirs["qwen2-untied"]), max_model_len=64,
                                     dtype="float32"))
     widths = runner.model.gemm.small_widths
     assert len(widths) == 17 and all(t <= widths[t] <= max(t, 16) for t in range(17))
     assert all(layer.gemm is runner.model.gemm for layer in runner.model.layers)
+    assert runner.model.gemm.pad_tokens  # the timing's unpadded products undone
+    [stored] = (tmp_path / "cpu_gemm").glob("*.json")
+    data = json.loads(stored.read_text())
+    assert data["key"]["timed"] == "decode steps" and data["small_widths"] == list(widths)
+    # a cache too small for 16 decodes of 48 tokens: one layer's products are timed instead
+    small = ModelRunner(EngineArgs(model=str(tiny_model_dirs["qwen2-untied"]), max_model_len=64,
+                                   dtype="float32", num_gpu_blocks_override=16))
+    assert len(small.model.gemm.small_widths) == 17
+    keys = [json.loads(f.read_text())["key"]["timed"] for f in (tmp_path / "cpu_gemm").iterdir()]
+    assert sorted(keys) == ["decode steps", "layer products"]
 
 
 def test_the_tuned_widths_are_kept_for_the_next_load_of_the_same_shapes(
@@ -117,17 +131,17 @@ def test_the_tuned_widths_are_kept_for_the_next_load_of_the_same_shapes(
     holding anything else is timed again and replaced; other shapes get their own file."""
     import json
 
-    import twinserve.gpu.model_runner as model_runner
+    import twinserve.gpu.gemm_tuning as gemm_tuning
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.model_runner import ModelRunner
     monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path))
     timed = []
     chosen = (0, 1, 4, 4, 4, 5, 16, 16, 16, *[16] * 8)
 
-    def tune(weights, gemm):
-        timed.append([tuple(w.shape) for w in weights])
+    def tune(runner, steps, rounds):
+        timed.append(sorted(steps))
         return chosen
-    monkeypatch.setattr(model_runner, "tune_small_widths", tune)
+    monkeypatch.setattr(gemm_tuning, "_time_steps", tune)
 
     def load(name: str) -> tuple[int, ...]:
         args = EngineArgs(model=str(tiny_model_dirs[name]), max_model_len=64, dtype="float32")

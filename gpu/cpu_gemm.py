@@ -39,8 +39,10 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
   1.41 ms at 5 (medians of 16 rounds). A 10% margin kept 6 at 6 while 7 and 8 went to 16, so
   6 decodes cost more than 7 or 8, which no fit monotone in tokens follows: the fidelity
   study's 6-sequence decodes ran 1.00-1.20x its profile, 3-4 sequences 0.78-0.98x. So a count
-  takes a width within 3% of the fastest timed at or above it (``choose_widths``), the
-  medians of 9 rounds.
+  takes the widest width within 5% of the fastest timed at or above it (``choose_widths``;
+  with the narrower of a near-tie, 6 kept 6 while 7 and 8 took 16, and the next study's
+  6-sequence decodes ran 1.11-1.24x its profile). Where a step fits, the runner times whole decode steps instead
+  (``gemm_tuning``: there one layer's products tied 8 and 16 columns while the steps did not).
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Gemm:
 
 
 def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int = 9,
-                      margin: float = 0.03) -> tuple[int, ...]:
+                      margin: float = 0.05) -> tuple[int, ...]:
     """``Gemm.small_widths`` for products of up to ``TUNED_MAX_WIDTH`` tokens, timed on
     ``weights`` (one layer's): each of ``TUNED_WIDTHS`` in shuffled rounds, medians compared by
     ``choose_widths`` (why: the module's notes)."""
@@ -148,12 +150,13 @@ def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int =
     return choose_widths({t: statistics.median(v) for t, v in times.items()}, margin)
 
 
-def choose_widths(seconds: dict[int, float], margin: float = 0.03) -> tuple[int, ...]:
-    """For each token count up to the largest timed width, a timed width at or above it within
-    ``margin`` of the fastest of those: ``padded_width``'s choice where it is, else the
-    smallest such width (and the count itself where ``padded_width``'s is not timed). The
-    time of the width a count takes is then within ``margin`` of a non-decreasing function of
-    the count (the fastest at or above it), the shape the cost model's fit assumes."""
+def choose_widths(seconds: dict[int, float], margin: float = 0.05) -> tuple[int, ...]:
+    """For each token count up to the largest timed width, the widest timed width at or above
+    it within ``margin`` of the fastest of those (the count itself, or ``padded_width``'s
+    choice, where that is not timed). The time of the width a count takes is then within
+    ``margin`` of a non-decreasing function of the count (the fastest at or above it), the
+    shape the cost model's fit assumes; near-ties go to the wider width, so counts that tie
+    share one (a timing's noise then leaves no bump between them)."""
     largest = max(seconds)
     out = []
     for t in range(largest + 1):
@@ -161,10 +164,9 @@ def choose_widths(seconds: dict[int, float], margin: float = 0.03) -> tuple[int,
         if t < 2 or static not in seconds:
             out.append(static)
             continue
-        wider = [w for w in sorted(seconds) if w >= t]
+        wider = [w for w in seconds if w >= t]
         fastest = min(seconds[w] for w in wider)
-        fits = [w for w in wider if seconds[w] <= (1 + margin) * fastest]
-        out.append(static if static in fits else fits[0])
+        out.append(max(w for w in wider if seconds[w] <= (1 + margin) * fastest))
     return tuple(out)
 
 

@@ -24,7 +24,7 @@ import torch
 from twinserve.gpu.cpu_gemm import TUNED_MAX_WIDTH, TUNED_WIDTHS
 from twinserve.gpu.default_model import cache_root
 
-FORMAT = 2
+FORMAT = 3
 
 
 def tuning_key(weights: Sequence[torch.Tensor], extra: dict[str, Any]) -> dict[str, Any]:

@@ -41,8 +41,9 @@ Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
   study's 6-sequence decodes ran 1.00-1.20x its profile, 3-4 sequences 0.78-0.98x. So a count
   takes the widest width within 5% of the fastest timed at or above it (``choose_widths``;
   with the narrower of a near-tie, 6 kept 6 while 7 and 8 took 16, and the next study's
-  6-sequence decodes ran 1.11-1.24x its profile). Where a step fits, the runner times whole decode steps instead
-  (``gemm_tuning``: there one layer's products tied 8 and 16 columns while the steps did not).
+  6-sequence decodes ran 1.11-1.24x its profile). Where a step fits, the runner times whole
+  decode steps instead (``gemm_tuning``: there one layer's products tied 8 and 16 columns
+  while the steps did not).
 """
 
 from __future__ import annotations

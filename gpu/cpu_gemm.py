@@ -52,7 +52,7 @@ import dataclasses
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,18 +137,28 @@ def tune_small_widths(weights: Sequence[torch.Tensor], gemm: Gemm, rounds: int =
     unpadded = dataclasses.replace(gemm, pad_tokens=False)
     inputs = {t: [torch.zeros(t, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
               for t in TUNED_WIDTHS}
-    times: dict[int, list[float]] = {t: [] for t in inputs}
+
+    def run(t: int) -> None:
+        for w, x in zip(weights, inputs[t]):
+            unpadded.feature_major(x, w)
+    return choose_widths(median_times(run, TUNED_WIDTHS, rounds), margin)
+
+
+def median_times(run: Callable[[int], object], widths: Sequence[int],
+                 rounds: int) -> dict[int, float]:
+    """Each width's median seconds of ``run(width)`` over ``rounds`` shuffled (seeded) rounds,
+    after one untimed round that warms the caches up."""
+    times: dict[int, list[float]] = {w: [] for w in widths}
     rng = random.Random(0)
-    for round_ in range(rounds + 1):  # (the first round warms the caches up, untimed)
-        order = list(inputs)
+    for round_ in range(rounds + 1):
+        order = list(widths)
         rng.shuffle(order)
-        for t in order:
+        for w in order:
             start = time.perf_counter()
-            for w, x in zip(weights, inputs[t]):
-                unpadded.feature_major(x, w)
+            run(w)
             if round_:
-                times[t].append(time.perf_counter() - start)
-    return choose_widths({t: statistics.median(v) for t, v in times.items()}, margin)
+                times[w].append(time.perf_counter() - start)
+    return {w: statistics.median(v) for w, v in times.items()}
 
 
 def choose_widths(seconds: dict[int, float], margin: float = 0.05) -> tuple[int, ...]:

@@ -14,14 +14,11 @@ model shape (``gemm_tuning_cache``).
 from __future__ import annotations
 
 import dataclasses
-import random
-import statistics
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from twinserve.gpu.cpu_gemm import TUNED_WIDTHS, choose_widths, tune_small_widths
+from twinserve.gpu.cpu_gemm import TUNED_WIDTHS, choose_widths, median_times, tune_small_widths
 from twinserve.gpu.gemm_tuning_cache import cached_widths
 from twinserve.gpu.linear import LinearBase
 
@@ -70,22 +67,13 @@ def _decode_steps(runner: ModelRunner) -> dict | None:
 
 
 def _time_steps(runner: ModelRunner, steps: dict, rounds: int) -> tuple[int, ...]:
-    """Each width's step with every product unpadded, in shuffled rounds (the first untimed);
-    the widths by their medians (``choose_widths``)."""
+    """Each width's step with every product unpadded (``median_times``); the widths by their
+    medians (``choose_widths``)."""
     model = runner.model
     padded = model.gemm
     model.set_gemm(dataclasses.replace(padded, pad_tokens=False))
-    times: dict[int, list[float]] = {w: [] for w in steps}
-    rng = random.Random(0)
     try:
-        for round_ in range(rounds + 1):
-            order = list(steps)
-            rng.shuffle(order)
-            for w in order:
-                start = time.perf_counter()
-                runner.execute(steps[w])
-                if round_:
-                    times[w].append(time.perf_counter() - start)
+        seconds = median_times(lambda w: runner.execute(steps[w]), list(steps), rounds)
     finally:
         model.set_gemm(padded)
-    return choose_widths({w: statistics.median(v) for w, v in times.items()})
+    return choose_widths(seconds)

@@ -2,31 +2,40 @@
 # The prepared run for a CUDA machine, in one command from the repository root:
 #
 #   bash benchmarks/cuda_check.sh            # log and results in ${OUT:-/tmp/twinserve-cuda}
+#   SECTIONS="calibrate simulate" bash benchmarks/cuda_check.sh   # only some sections
 #
-# 1. the environment (GPU, torch, triton);
-# 2. the CUDA tests: Triton kernels (paged attention, multi-LoRA shrink/expand, quantized matvec;
-#    GGUF files run on CUDA against the CPU) against their torch
-#    references, and the engine's greedy tokens
-#    on CUDA (every scheduling regime, CUDA graphs against eager) against HF transformers (they run
-#    through the tensor-parallel layers at TP=1; TP>1 needs one GPU per rank: simulated only);
-# 3. a random-weight Llama-3-8B-shaped model in bf16 (benchmarks/random_model.py), then the
-#    offline benchmark on it: 64 x 128 and batch 1 x 128 generated tokens, with CUDA graphs and
-#    eager, next to HF transformers `generate`, and the batch-1 decode floor of an H200;
-# 4. `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
-#    ($OUT/gpu-calibrated.json, the CPU calibration's format), then a simulation that loads it.
+# Sections, in the order they run (each under its own time limit, so one that hangs or fails
+# leaves the others their time; a table of each one's status and seconds is printed last):
+#   env        the GPU, torch and triton;
+#   model      a random-weight Llama-3-8B-shaped model in bf16 (benchmarks/random_model.py);
+#   tests      (beside `model`: tiny models, little GPU time) the CUDA tests: Triton kernels
+#              (paged attention, multi-LoRA shrink/expand, quantized matvec, MoE; GGUF files on
+#              CUDA against the CPU) against their torch references, and the engine's greedy
+#              tokens on CUDA (every scheduling regime, CUDA graphs against eager) against HF
+#              transformers (through the tensor-parallel layers at TP=1);
+#   calibrate  `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
+#              ($OUT/gpu-calibrated.json, the CPU calibration's format) and its samples;
+#   simulate   a simulation that loads that profile;
+#   offline    the offline benchmark (64 x 128 and batch 1 x 128 generated tokens) with CUDA
+#              graphs next to HF transformers `generate`, then eager; and the H200 decode floor.
 #
-# The machine may be offline: it needs torch, triton, safetensors, tokenizers, numpy, pytest and
-# transformers installed. Other packages travel as wheels in .whl/ (installed to /tmp/site when
-# present); the decode-floor line imports the simulator, so it needs simpy and scipy (printed
-# after the figures, so a missing wheel costs only that line):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#       simpy==4.1.2 scipy==1.17.1
+# The machine may be offline: it needs torch, triton, safetensors, tokenizers, numpy, scipy,
+# pytest and transformers installed. The rest travels as wheels in .whl/ (installed to /tmp/site
+# when present): simpy (the simulator), gguf (model loading) and llguidance (structured outputs),
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#       simpy==4.1.2 gguf==0.19.0 llguidance==1.9.1
 set -uo pipefail
 OUT=${OUT:-/tmp/twinserve-cuda}
+SECTIONS=${SECTIONS:-env model tests calibrate simulate offline}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/cuda_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 ROOT=$(pwd)
+MODEL=/tmp/llama-3-8b-random
+SUMMARY=/tmp/twinserve-cuda-summary.txt
+: > "$SUMMARY"
+export OUT MODEL
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -36,37 +45,94 @@ fi
 mkdir -p /tmp/twinserve-src && ln -sfn "$ROOT" /tmp/twinserve-src/twinserve
 export PYTHONPATH=/tmp/twinserve-src${PYTHONPATH:+:$PYTHONPATH}
 
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+# section NAME SECONDS COMMAND...: runs COMMAND (a function below or a program) under a time
+# limit and adds its status and seconds to the summary
+section() {
+    local name=$1 limit=$2 rc; shift 2
+    echo "== $name (limit ${limit} s)"
+    local start=$SECONDS
+    if declare -F "$1" >/dev/null; then
+        timeout --kill-after=10 "$limit" bash -c "$*"
+    else
+        timeout --kill-after=10 "$limit" "$@"
+    fi
+    rc=$?
+    local status="ok"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="TIMEOUT"; elif [ $rc -ne 0 ]; then status="rc=$rc"; fi
+    printf '%-16s %-8s %5d s\n' "$name" "$status" $((SECONDS - start)) >> "$SUMMARY"
+    return $rc
+}
+
+run_tests() {
+    local workers=""
+    python3 -c "import xdist" 2>/dev/null && workers="-n 4"
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -p no:cacheprovider -m cuda $workers --junitxml="$OUT/cuda_tests.xml" \
+        tests/test_triton_attention.py tests/test_triton_lora.py tests/test_engine_equivalence.py \
+        tests/test_triton_quant.py tests/test_triton_moe.py tests/test_quant_torch_dequant.py \
+        > "$OUT/cuda_tests.log" 2>&1
+}
+
+make_model() {
+    python3 -m twinserve.benchmarks.random_model --config llama-3-8b --dtype bfloat16 \
+        --device cuda --out "$MODEL"
+}
+
+calibrate() {  # extra flags (--enforce-eager) pass through
+    python3 -m twinserve.entrypoints.cli calibrate --device cuda --dtype bfloat16 --model "$MODEL" \
+        --profile-model llama-3-8b --max-model-len 8192 --max-num-batched-tokens 8192 \
+        --out "$OUT/gpu-calibrated.json" --samples-out "$OUT/gpu-calibration-samples.csv" "$@"
+}
+
+simulate() {
+    python3 -m twinserve.entrypoints.cli simulate --hardware "$OUT/gpu-calibrated.json" \
+        --model llama-3-8b --num-requests 200 --disable-tqdm --out /tmp/sim-gpu-calibrated | tail -3
+}
+
+offline() {
+    section "offline graphs" 150 python3 -m twinserve.benchmarks.offline_throughput \
+        --model "$MODEL" --device cuda --dtype bfloat16 --workloads batch single --repeats 3 \
+        --hardware h200
+    section "offline eager" 80 python3 -m twinserve.benchmarks.offline_throughput \
+        --model "$MODEL" --device cuda --dtype bfloat16 --workloads batch single --repeats 3 \
+        --enforce-eager --skip-hf
+}
+
+export -f run_tests make_model calibrate simulate
+
+if wanted env; then
+    echo "== env"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
+fi
 
-echo "== CUDA tests"
-python3 -m pytest -q -p no:cacheprovider -m cuda --junitxml="$OUT/cuda_tests.xml" \
-    tests/test_triton_attention.py tests/test_triton_lora.py tests/test_engine_equivalence.py \
-    tests/test_triton_quant.py tests/test_triton_moe.py tests/test_quant_torch_dequant.py
-tests_rc=$?
+# The tests use tiny models and little of the GPU: they run while the 8B model is drawn and written.
+tests_pid=""
+if wanted tests; then
+    section tests 240 run_tests &
+    tests_pid=$!
+fi
+if wanted model; then
+    section model 150 make_model
+fi
+tests_rc=0
+if [ -n "$tests_pid" ]; then
+    wait "$tests_pid"; tests_rc=$?
+    tail -25 "$OUT/cuda_tests.log"
+fi
+if wanted calibrate; then
+    section calibrate 240 calibrate
+    rc=$?  # a failure (not a time-out) with CUDA graphs: the profile of the eager engine instead
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ]; then
+        section "calibrate eager" 200 calibrate --enforce-eager
+    fi
+fi
+if wanted simulate; then section simulate 45 simulate; fi
+if wanted offline; then offline; fi
 
-echo "== random-weight Llama-3-8B (bf16)"
-MODEL=/tmp/llama-3-8b-random
-start=$(date +%s)
-python3 -m twinserve.benchmarks.random_model --config llama-3-8b --dtype bfloat16 --device cuda \
-    --out "$MODEL" || exit 1
-echo "written in $(( $(date +%s) - start )) s"
-
-echo "== offline throughput, CUDA graphs"
-python3 -m twinserve.benchmarks.offline_throughput --model "$MODEL" --device cuda --dtype bfloat16 \
-    --workloads batch single --repeats 3 --hardware h200
-echo "== offline throughput, eager (no HF rerun)"
-python3 -m twinserve.benchmarks.offline_throughput --model "$MODEL" --device cuda --dtype bfloat16 \
-    --workloads batch single --repeats 3 --enforce-eager --skip-hf
-
-echo "== GPU calibration: the twin's profile of this GPU for Llama-3-8B (twinserve calibrate)"
-python3 -m twinserve.entrypoints.cli calibrate --device cuda --dtype bfloat16 --model "$MODEL" \
-    --profile-model llama-3-8b --quick --max-model-len 8192 --max-num-batched-tokens 8192 \
-    --out "$OUT/gpu-calibrated.json" --samples-out "$OUT/gpu-calibration-samples.csv"
-python3 -m twinserve.entrypoints.cli simulate --hardware "$OUT/gpu-calibrated.json" \
-    --model llama-3-8b --num-requests 200 --disable-tqdm --out "$OUT/sim-gpu-calibrated" | tail -3
-
-echo "== CUDA tests exit status: $tests_rc"
+echo "== summary (section, status, seconds)"
+cat "$SUMMARY"
 exit $tests_rc

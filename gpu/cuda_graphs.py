@@ -17,29 +17,43 @@ from twinserve.gpu.model import CausalLM, KVCache
 _CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def profile_peak_memory(model: CausalLM, num_tokens: int, block_size: int) -> int:
+def dummy_prefill(num_tokens: int, max_len: int, block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, AttentionMetadata, int]:
+    """Positions and metadata of a prefill step of ``num_tokens`` tokens as prompts of at most
+    ``max_len`` tokens each (a step's token budget may exceed the model length, and no position
+    may pass it), each prompt in blocks of its own; and the number of blocks they take."""
+    lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len
+                                                     else [])
+    per_seq = -(-max(lengths) // block_size)
+    tables = torch.arange(len(lengths) * per_seq, dtype=torch.int32).view(len(lengths), per_seq)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    slots = tables[owner, positions // block_size].long() * block_size + positions % block_size
+    starts = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device), block_tables=tables.to(device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        query_start_loc=starts.to(device), max_query_len=max(lengths), max_seq_len=max(lengths))
+    return positions.to(device), meta, tables.numel()
+
+
+def profile_peak_memory(model: CausalLM, num_tokens: int, block_size: int, max_len: int) -> int:
     """Bytes held at the peak of one forward over ``num_tokens`` prefill tokens (weights included),
-    run against a throwaway KV cache of one sequence."""
+    in prompts of at most ``max_len`` tokens, run against a throwaway KV cache."""
     device = next(model.parameters()).device
     config = model.config
-    num_blocks = -(-num_tokens // block_size)
+    positions, meta, num_blocks = dummy_prefill(num_tokens, max_len, block_size, device)
     kv_heads = model.layers[0].num_kv_heads  # this rank's, under tensor parallelism
     shape = (num_blocks, block_size, kv_heads, config.head_dim)
     dtype = model.embed_tokens.dtype
     caches = [(torch.empty(shape, dtype=dtype, device=device),
                torch.empty(shape, dtype=dtype, device=device))
               for _ in range(config.num_hidden_layers)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        max_query_len=num_tokens, max_seq_len=num_tokens)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                       torch.arange(num_tokens, device=device), caches, meta)
+        hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions,
+                       caches, meta)
         model.compute_logits(hidden[-256:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - sum(k.nbytes + v.nbytes for k, v in caches)

@@ -81,7 +81,7 @@ class ModelRunner:
         if profile:
             from twinserve.gpu.cuda_graphs import profile_peak_memory
             peak = profile_peak_memory(self.model, resolved.scheduler.max_num_batched_tokens,
-                                       self.block_size)
+                                       self.block_size, self.max_model_len)
             resolved = resolve_engine_config(args, self.config, platform, usage_context, peak)
         if self.tp is not None:
             self.tp.wait_ready()

@@ -3,10 +3,18 @@ that drives ``ModelRunner`` with hand-built ``SchedulerOutput``s."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, a Triton kernel launched in the test process runs in Triton's interpreter (the
+# variable must be set before triton is imported). On a GPU it compiles: an interpreter left on
+# there would take every CUDA engine test's kernels (their tensors are not host memory).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 320
 
@@ -25,7 +33,6 @@ TINY_MODELS = {
 @pytest.fixture
 def two_torch_threads() -> Iterator[None]:
     """torch's intra-op threads set to 2 for the test (a kernel's OpenMP check), then restored."""
-    import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -40,7 +47,6 @@ def default_model_dir() -> Path:
 
 
 def _build_tiny(path: Path, arch: str, overrides: dict) -> Path:
-    import torch
     import transformers
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -95,7 +101,6 @@ def drive() -> Callable:
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Plain argmax loop over HF's KV cache (no eos or min-length logic to mirror)."""
-    import torch
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     outs = []

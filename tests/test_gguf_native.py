@@ -59,9 +59,9 @@ def write_mixed_gguf(path: Path, kinds: Mapping[str, str] = MIXED) -> Path:
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    from tests.test_refusals import _byte_tokens
+    from gguf_helpers import byte_tokens
     rng = np.random.default_rng(0)
-    tokens = [*_byte_tokens(), "<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"]
+    tokens = [*byte_tokens(), "<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"]
     hidden, ffn, heads, kv_heads = 256, 512, 4, 2
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), "llama")

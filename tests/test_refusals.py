@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from gguf_helpers import byte_tokens
 from server_fixture import LiveServer, live_server
 
 from twinserve import LLM, SamplingParams
@@ -353,25 +354,11 @@ def test_bundled_gguf_loads_as_the_default_model(llm: LLM, default_model_dir: Pa
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte-to-unicode alphabet: the 256 byte-level BPE base tokens."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
     """A random-weight 2-layer Llama GGUF (F32) with a byte-level BPE tokenizer."""
     import gguf
     rng = np.random.default_rng(0)
-    tokens = [*_byte_tokens(), "<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"]
+    tokens = [*byte_tokens(), "<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"]
     types = [1] * 256 + [3, 3, 3, 1]
     hidden, ffn, heads, kv_heads, layers = 64, 96, 4, 2, 2
     w = gguf.GGUFWriter(str(path), arch)

@@ -1,10 +1,7 @@
-"""The Triton grouped MoE kernel (gpu/triton_moe.py) against the CPU path's per-token reference
-(gpu/moe.py), in Triton's interpreter (a subprocess, as tests/test_triton_attention.py)."""
-
-import os
-
-if __name__ != "__main__":  # under pytest; a worker keeps its given environment
-    os.environ["TRITON_INTERPRET"] = "1"
+"""The Triton grouped MoE kernel (gpu/triton_moe.py) against a float64 per-token reference with
+the kernel's routing, in Triton's interpreter (a subprocess, as tests/test_triton_attention.py)
+and on CUDA. Errors are ||out - ref|| / ||ref||: torch's own bf16 path lands at 0.4% of the
+reference at these shapes, so bf16 passes under 1.5%, float32 under 1e-5."""
 
 import sys
 
@@ -27,14 +24,27 @@ def _moe(experts: int, k: int, hidden: int, inter: int, dtype: torch.dtype, devi
 
 def _compare(tm, tokens: int, experts: int, k: int, hidden: int, inter: int, dtype, tol,
              device="cpu", block_m=16):
+    """||kernel - reference|| / ||reference||, the reference in float64 on the CPU with the
+    kernel's routing (so a near-tie in bf16 routing cannot flip an expert between the two)."""
     moe = _moe(experts, k, hidden, inter, dtype, device)
     x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))).to(
         dtype).to(device)
     with torch.inference_mode():
         weights, ids = moe.route(x)
-        got = tm.fused_moe(x, moe.w13, moe.w2, weights, ids, block_m).float().cpu()
-        want = moe.forward_reference(x).float().cpu()
-    return float(((got - want).abs() / (1 + want.abs())).max()), tol
+        got = tm.fused_moe(x, moe.w13, moe.w2, weights, ids, block_m).double().cpu()
+        want = _reference64(moe, x, weights, ids)
+    return float((got - want).norm() / want.norm()), tol
+
+
+def _reference64(moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    w13, w2 = moe.w13.double().cpu(), moe.w2.double().cpu()
+    x64, weights64 = x.double().cpu(), weights.double().cpu()
+    out = torch.zeros_like(x64)
+    for t in range(x64.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up = (x64[t] @ w13[int(ids[t, j])].T).chunk(2)
+            out[t] += weights64[t, j] * ((torch.nn.functional.silu(gate) * up) @ w2[int(ids[t, j])].T)
+    return out
 
 
 def _check_alignment(tm):
@@ -50,18 +60,18 @@ def _checks(tm, device="cpu"):
     bf16 = torch.bfloat16
     return {
         "alignment": lambda: _check_alignment(tm),
-        "decode_1_token_fp32": lambda: _compare(tm, 1, 4, 2, 32, 16, torch.float32, 1e-4, device),
-        "batch_19_tokens_fp32": lambda: _compare(tm, 19, 6, 2, 32, 24, torch.float32, 1e-4, device),
-        "top3_of_8_block8_fp32": lambda: _compare(tm, 13, 8, 3, 48, 40, torch.float32, 1e-4,
+        "decode_1_token_fp32": lambda: _compare(tm, 1, 4, 2, 32, 16, torch.float32, 1e-5, device),
+        "batch_19_tokens_fp32": lambda: _compare(tm, 19, 6, 2, 32, 24, torch.float32, 1e-5, device),
+        "top3_of_8_block8_fp32": lambda: _compare(tm, 13, 8, 3, 48, 40, torch.float32, 1e-5,
                                                   device, 8),
-        "batch_9_bf16": lambda: _compare(tm, 9, 4, 2, 32, 16, bf16, 3e-2, device),
+        "batch_9_bf16": lambda: _compare(tm, 9, 4, 2, 32, 16, bf16, 1.5e-2, device),
     }
 
 
 def _cuda_checks(tm):
     bf16 = torch.bfloat16
     checks = {f"cuda_{k}": v for k, v in _checks(tm, "cuda").items()}
-    checks["cuda_qwen3_moe_shape_bf16"] = lambda: _compare(tm, 64, 128, 8, 2048, 768, bf16, 5e-2,
+    checks["cuda_qwen3_moe_shape_bf16"] = lambda: _compare(tm, 64, 128, 8, 2048, 768, bf16, 1.5e-2,
                                                            "cuda", 64)
     return checks
 

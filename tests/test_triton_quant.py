@@ -4,11 +4,7 @@
 Tolerance: max |out - ref| / (1 + max |ref|) <= 1e-4 (fp32 accumulation in another order)."""
 
 import importlib.util
-import os
 import sys
-
-if __name__ != "__main__":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

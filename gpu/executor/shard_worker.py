@@ -112,7 +112,8 @@ class ShardWorker:
                                           spec.max_model_len, self.group)
         if spec.profile_tokens > 0:  # in step with the driver's profile (its collectives)
             from twinserve.gpu.cuda_graphs import profile_peak_memory
-            profile_peak_memory(self.model, spec.profile_tokens, spec.block_size)
+            profile_peak_memory(self.model, spec.profile_tokens, spec.block_size,
+                                spec.max_model_len)
         self.kv_cache: KVCache | None = None
         self._graphs: Any = None  # gpu.cuda_graphs.DecodeGraphs on CUDA
 

@@ -16,6 +16,8 @@
 #   calibrate  `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
 #              ($OUT/gpu-calibrated.json, the CPU calibration's format) and its samples;
 #   simulate   a simulation that loads that profile;
+#   profile    one 16-token prefill and one decode at context 512, op by op (torch.profiler):
+#              host-bound launches against device time (benchmarks/kernel_profile.py);
 #   offline    the offline benchmark (64 x 128 and batch 1 x 128 generated tokens) with CUDA
 #              graphs next to HF transformers `generate`, then eager; and the H200 decode floor.
 #
@@ -27,7 +29,7 @@
 #       simpy==4.1.2 gguf==0.19.0 llguidance==1.9.1
 set -uo pipefail
 OUT=${OUT:-/tmp/twinserve-cuda}
-SECTIONS=${SECTIONS:-env model tests calibrate simulate offline}
+SECTIONS=${SECTIONS:-env model tests calibrate simulate profile offline}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/cuda_check.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -91,6 +93,12 @@ simulate() {
         --model llama-3-8b --num-requests 200 --disable-tqdm --out /tmp/sim-gpu-calibrated | tail -3
 }
 
+kernel_profile() {
+    python3 -m twinserve.benchmarks.kernel_profile --model "$MODEL" --device cuda --dtype bfloat16 \
+        --max-model-len 8192 --step prefill:16 --step prefill:1024 --step decode:1x512 \
+        --step decode:64x512 --top 12
+}
+
 offline() {
     section "offline graphs" 150 python3 -m twinserve.benchmarks.offline_throughput \
         --model "$MODEL" --device cuda --dtype bfloat16 --workloads batch single --repeats 3 \
@@ -100,7 +108,7 @@ offline() {
         --enforce-eager --skip-hf
 }
 
-export -f run_tests make_model calibrate simulate
+export -f run_tests make_model calibrate simulate kernel_profile
 
 if wanted env; then
     echo "== env"
@@ -131,6 +139,7 @@ if wanted calibrate; then
     fi
 fi
 if wanted simulate; then section simulate 45 simulate; fi
+if wanted profile; then section profile 90 kernel_profile; fi
 if wanted offline; then offline; fi
 
 echo "== summary (section, status, seconds)"

@@ -1,5 +1,7 @@
 """benchmarks/step_profile.py: every part of a step is timed, the parts add up to the step, and
-the timers come off afterwards."""
+the timers come off afterwards; benchmarks/kernel_profile.py: one hand-built step op by op."""
+
+import pytest
 
 from twinserve import LLM
 from twinserve.benchmarks.step_profile import TIMED, format_breakdown, profile
@@ -25,3 +27,16 @@ def test_profile_times_every_part_and_removes_its_timers(tiny_model_dirs):
     text = format_breakdown("tiny", parts, steps, 24)
     assert text.splitlines()[0].startswith(f"tiny: {steps} steps")
     assert len(text.splitlines()) == 1 + len(parts)
+
+
+def test_kernel_profile_times_a_hand_built_step_op_by_op(tiny_model_dirs):
+    from twinserve.benchmarks.kernel_profile import parse_step, profile_step
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    with pytest.raises(ValueError, match="prefill:N or decode:BxC"):
+        parse_step("decode:12")
+    assert parse_step("decode:3x40").decodes == (40, 40, 40)
+    runner = ModelRunner(EngineArgs(model=str(tiny_model_dirs["llama-tied"]), dtype="float32",
+                                    max_model_len=128, kv_cache_memory_bytes=1 << 22))
+    text = profile_step(runner, parse_step("prefill:16"), 5)
+    assert text.startswith("== prefill 16 after 0:") and "ms wall" in text and "aten::" in text

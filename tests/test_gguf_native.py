@@ -58,7 +58,6 @@ def write_mixed_gguf(path: Path, kinds: Mapping[str, str] = MIXED) -> Path:
     and a Q8_0 embedding."""
     import gguf
     from gguf import GGMLQuantizationType as Q
-
     from gguf_helpers import byte_tokens
     rng = np.random.default_rng(0)
     tokens = [*byte_tokens(), "<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt"]

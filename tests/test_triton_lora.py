@@ -5,11 +5,6 @@ kernel comparisons run once, in a subprocess started with TRITON_INTERPRET=1 tha
 (``python tests/test_triton_lora.py``) and prints one JSON line of results; each test asserts on its entry.
 """
 
-import os
-
-if __name__ != "__main__":  # under pytest; a worker (this file run as a script) keeps its given environment
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see the module docstring)
-
 import importlib.util
 import sys
 

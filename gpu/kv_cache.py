@@ -111,7 +111,11 @@ def _copy(src: list[tuple[torch.Tensor, torch.Tensor]],
         return
     src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
     dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    # A copy into host memory blocks: a non-blocking one would return before the device had
+    # written the gathered rows, and the host pool would take them unfinished (on an H200 a
+    # swapped-in request then diverged from its greedy tokens). Host to device stays on the stream.
+    non_blocking = dst[0][0].device.type != "cpu"
     for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
         s_ids, d_ids = src_ids.to(src_k.device), dst_ids.to(dst_k.device)
-        dst_k[d_ids] = src_k[s_ids].to(dst_k.device, non_blocking=True)
-        dst_v[d_ids] = src_v[s_ids].to(dst_v.device, non_blocking=True)
+        dst_k[d_ids] = src_k[s_ids].to(dst_k.device, non_blocking=non_blocking)
+        dst_v[d_ids] = src_v[s_ids].to(dst_v.device, non_blocking=non_blocking)

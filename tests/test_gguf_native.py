@@ -23,6 +23,9 @@ pytestmark = pytest.mark.skipif(not kernel_available(),
 
 
 def _run(model: str, prompts: list, max_tokens: int, **kwargs) -> list:
+    """Greedy outputs in float32 unless ``dtype`` is given (``auto`` is bfloat16 on a CPU with
+    native bf16, whose greedy tokens part from float32's after a few)."""
+    kwargs.setdefault("dtype", "float32")
     llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20,
               max_model_len=256, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
@@ -136,7 +139,7 @@ def test_bundled_q4_1_gguf_matches_the_fp32_directory(default_model_dir: Path) -
 def test_gguf_weights_stay_quantized(default_model_dir: Path) -> None:
     from twinserve.gpu.default_model import gguf_path
     from twinserve.gpu.quantization.quant_linear import quantized_weight_bytes
-    llm = LLM(str(gguf_path()), kv_cache_memory_bytes=16 << 20, max_model_len=64)
+    llm = LLM(str(gguf_path()), kv_cache_memory_bytes=16 << 20, max_model_len=64, dtype="float32")
     model = llm.engine.runner.model
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     blocks = quantized_weight_bytes(model) + model.quant_embed.weight_q.nbytes

@@ -182,6 +182,15 @@ class CausalLM(nn.Module):
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
                             if config.arch.embed_scale else None)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``to(dtype)``/``to(device)`` carry the RoPE tables too (plain tensors, not buffers):
+        a model quantized from float32 and then cast to bf16 otherwise rotated in float32, and
+        its keys reached the bf16 KV cache as float32."""
+        super()._apply(fn, recurse)
+        for rope in self.ropes:
+            rope.cos, rope.sin = fn(rope.cos), fn(rope.sin)
+        return self
+
     def set_gemm(self, gemm: Gemm) -> None:
         """Run every weight product (layers' projections, LM head) through ``gemm``."""
         self.gemm = gemm

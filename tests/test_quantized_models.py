@@ -96,6 +96,7 @@ def _pair(src: Path, method: str, root: Path) -> tuple[Path, Path, str | None]:
 
 
 def _greedy(model: str, quantization: str | None, **kwargs) -> list:
+    kwargs.setdefault("dtype", "float32")  # auto: bf16 on a CPU with native bf16
     llm = LLM(model, quantization=quantization, max_num_seqs=8, max_num_batched_tokens=256,
               kv_cache_memory_bytes=16 << 20, max_model_len=128, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
@@ -149,3 +150,14 @@ def test_quantization_refusals(base_dirs, tmp_path: Path) -> None:
     (gptq_dir / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
         LLM(str(gptq_dir))
+
+
+def test_a_model_quantized_at_load_time_runs_in_bfloat16(base_dirs) -> None:
+    # quantized from its float32 weights, then cast: the RoPE tables follow the cast, so the keys
+    # reach the bf16 KV cache in bf16 (they were float32, and the cache write refused them)
+    llm = LLM(str(base_dirs["llama"]), quantization="int8", dtype="bfloat16", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20)
+    assert {r.cos.dtype for r in llm.engine.runner.model.ropes} == {torch.bfloat16}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)] \
+        == [8] * len(PROMPTS)

@@ -108,7 +108,7 @@ def test_int8_refuses_the_other_formats() -> None:
 def _llm(model: str, monkeypatch: pytest.MonkeyPatch, fused: bool, activations: str) -> LLM:
     monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
     monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", activations)
-    return LLM(model, max_num_seqs=8, max_num_batched_tokens=512,
+    return LLM(model, max_num_seqs=8, max_num_batched_tokens=512, dtype="float32",
                kv_cache_memory_bytes=16 << 20, max_model_len=256)
 
 
@@ -169,7 +169,7 @@ def test_fused_step_serves_decode_batches_above_32(tmp_path: Path,
     def greedy(fused: bool, activations: str) -> list:
         monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
         monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", activations)
-        llm = LLM(str(gguf_file), max_num_seqs=64, max_num_batched_tokens=1024,
+        llm = LLM(str(gguf_file), max_num_seqs=64, max_num_batched_tokens=1024, dtype="float32",
                   kv_cache_memory_bytes=32 << 20, max_model_len=64)
         return _greedy(llm, prompts, 6)
     plain = greedy(False, "int8")
@@ -317,7 +317,7 @@ def test_fp8_kv_cache_takes_the_per_op_path(tmp_path: Path,
     calls = _count_fused_steps(monkeypatch)
     monkeypatch.setenv(fused_decode.ENV, "1")
     llm = LLM(str(gguf_file), kv_cache_dtype="fp8", kv_cache_memory_bytes=16 << 20,
-              max_model_len=256)
+              max_model_len=256, dtype="float32")
     assert len(_greedy(llm, PROMPTS[:1], 4)[0].token_ids) == 4
     assert calls[0] == 0 and llm.engine.runner.model.fused_step() is not None
 

@@ -1,4 +1,5 @@
-"""The calibrated GPU profiles against the measurements they rest on (Vidur's operator profiles).
+"""The calibrated GPU profiles against the measurements they rest on (Vidur's operator profiles,
+and twinserve's own GPU calibrations: ``simulator/measured_profiles.py``).
 
     python -m twinserve.benchmarks.gpu_profiles
 
@@ -10,9 +11,11 @@ at representative points: the data's (Vidur's composition of its measured operat
 roofline's attention where none was measured), twinserve's with the calibrated profile and
 twinserve's plain roofline (the profile without its fit: what every run used before). Where
 attention was measured, how far roofline attention in its place lands (the bias of the fits that
-rest on it). Last, the all-reduce fit of each node (the profiles' link terms) by size band and GPU
-count. Needs scipy (the fits are redone here to report them); the simulator itself only reads
-the stored fits.
+rest on it). Then the all-reduce fit of each node (the profiles' link terms) by size band and GPU
+count. Last, each fit that rests on twinserve's own measurements (the H200): its error per region
+of the step space, measured against fitted against roofline step times, and an earlier
+calibration's fit beside it. Needs scipy (the fits are redone here to report them); the
+simulator itself only reads the stored fits.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import Sequence
 from twinserve.simulator.calibration import output_of
 from twinserve.simulator.cost_model import CostModel, make_cost_model
 from twinserve.simulator.hardware import FittedParams, load_hardware
+from twinserve.simulator.measured_profiles import bundled_measurements
+from twinserve.simulator.measured_profiles import report as measured_report
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.vidur_profiles import (
     NETWORKS,
@@ -147,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
     for network in NETWORKS:
         print(format_all_reduce(network))
+        print()
+    for hardware, model in bundled_measurements():
+        print(measured_report(hardware, model))
         print()
     return 0
 

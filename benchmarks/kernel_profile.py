@@ -16,6 +16,7 @@ import statistics
 from functools import partial
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from twinserve.gpu.profiler import StepSpec, build_step, time_call
@@ -46,7 +47,9 @@ def profile_step(runner, spec: StepSpec, top: int) -> str:
         if sync:
             sync()
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    # the kernels' own rows (an aten op's row repeats the time of the kernels it launched)
+    device_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     table = events.table(sort_by="self_cpu_time_total", row_limit=top)
     head = f"== {spec.label()}: {wall * 1e3:.2f} ms wall"
     if cuda:

@@ -182,7 +182,7 @@ class CausalLM(nn.Module):
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
                             if config.arch.embed_scale else None)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CausalLM:
         """``to(dtype)``/``to(device)`` carry the RoPE tables too (plain tensors, not buffers):
         a model quantized from float32 and then cast to bf16 otherwise rotated in float32, and
         its keys reached the bf16 KV cache as float32."""

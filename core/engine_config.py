@@ -104,11 +104,17 @@ def default_batch_limits(platform: Platform, usage_context: str,
     return (8192 if offline else 2048), 256
 
 
-def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform) -> str:
+def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform,
+                  quantization: str | None = None) -> str:
     if requested != "auto":
         return requested
     if platform.device_type == "cuda":
         return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
+    if quantization is not None:
+        # quantized products compute in float32 and the fused decode step runs in float32 only:
+        # on an AVX-512-bf16 EPYC the bundled Q4_1 file decoded 178 tok/s in float32 against 81
+        # in bf16 at batch 1 (578 against 376 at batch 16)
+        return "float32"
     return "bfloat16" if platform.native_bf16 else "float32"
 
 
@@ -228,7 +234,8 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
     tp = args.tensor_parallel_size
     lora = args.lora_config()
     batched, seqs = default_batch_limits(platform, usage_context, tp)
-    dtype = resolve_dtype(args.dtype, model.torch_dtype, platform)
+    dtype = resolve_dtype(args.dtype, model.torch_dtype, platform,
+                          args.quantization or model.quantization)
     max_len = resolve_max_model_len(args.max_model_len, model, args.disable_sliding_window)
     max_batched = args.max_num_batched_tokens or batched
     hybrid = hybrid_kv_cache_supported(args)

@@ -6,6 +6,8 @@ Per step: swap-outs, swap-ins, block copies, then one forward pass over every sc
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from twinserve.core.engine_args import EngineArgs
@@ -48,6 +50,9 @@ class ModelRunner:
         self.model_dir, self.gguf_file = resolve_model_source(args.model)
         self.quantization = resolve_quantization(args.quantization, args.model,
                                                  quantization_config(self.model_dir))
+        # the method found in the file (a .gguf, a checkpoint's quantization_config) resolves
+        # the engine's arguments as one given by name would (its dtype on a CPU)
+        args = dataclasses.replace(args, quantization=self.quantization)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(args.device)
         self.block_size = args.block_size

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from twinserve.core.config import SchedulerConfig
@@ -45,6 +46,26 @@ def test_dtype_auto_follows_the_device() -> None:
     native = dataclasses.replace(CPU, native_bf16=True)
     assert resolve_engine_config(EngineArgs(), spec, native).dtype == "bfloat16"
     assert resolve_engine_config(EngineArgs(dtype="float16"), spec, CPU).dtype == "float16"
+    # quantized weights on a CPU: float32 (their products and the fused decode step), unless told
+    for method in ("gguf", "int8", "gptq"):
+        assert resolve_engine_config(EngineArgs(quantization=method), spec, native).dtype == "float32"
+        assert resolve_engine_config(EngineArgs(quantization=method), spec, H100).dtype == "bfloat16"
+    assert resolve_engine_config(EngineArgs(quantization="int8", dtype="bfloat16"), spec,
+                                 native).dtype == "bfloat16"
+
+
+def test_a_gguf_file_runs_in_float32_on_a_cpu_with_native_bf16(monkeypatch, tmp_path) -> None:
+    # the method is found in the file (no quantization= given), and the fused step serves it
+    from gguf_helpers import write_tiny_gguf
+
+    import twinserve.gpu.model_runner as model_runner
+    from twinserve import LLM
+    native = dataclasses.replace(model_runner.current_platform("cpu"), native_bf16=True)
+    monkeypatch.setattr(model_runner, "current_platform", lambda device: native)
+    monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(str(write_tiny_gguf(tmp_path / "tiny.gguf")), max_model_len=64,
+              kv_cache_memory_bytes=4 << 20)
+    assert llm.engine.runner.dtype == torch.float32 and llm.engine.runner.quantization == "gguf"
 
 
 def test_kv_blocks_from_memory() -> None:

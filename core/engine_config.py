@@ -112,8 +112,8 @@ def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform,
         return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
     if quantization is not None:
         # quantized products compute in float32 and the fused decode step runs in float32 only:
-        # on an AVX-512-bf16 EPYC the bundled Q4_1 file decoded 178 tok/s in float32 against 81
-        # in bf16 at batch 1 (578 against 376 at batch 16)
+        # on an AVX-512-bf16 EPYC the bundled Q4_1 file decoded 178 tok/s in float32 against 72
+        # in bf16 at batch 1 (555 against 322 at batch 16; medians of 3 rounds)
         return "float32"
     return "bfloat16" if platform.native_bf16 else "float32"
 

@@ -20,7 +20,9 @@ def test_interleaved_rounds_run_every_pass_once_and_rotate_the_engines():
 def test_sequential_schedule_runs_each_engine_to_the_end_before_the_next():
     passes = schedule(["twinserve", "hf"], ["batch", "single"], 2, interleave=False)
     engines = [e for _, e, _ in passes]
-    assert engines == ["twinserve"] * 4 + ["hf"] * 4
+    assert engines == ["twinserve"] * 6 + ["hf"] * 6
+    # each engine's workload starts with an untimed warm-up round (-1)
+    assert [r for r, e, w in passes if (e, w) == ("hf", "batch")] == [-1, 0, 1]
 
 
 class FakeEngines:
@@ -48,6 +50,7 @@ def test_sequential_measure_holds_one_engine_at_a_time():
     results = measure(fake, ["twinserve", "hf"], data, 2, interleave=False)
     assert results == {"twinserve": {"batch": [200.0, 200.0], "single": [100.0, 100.0]},
                        "hf": {"batch": [100.0, 100.0], "single": [50.0, 50.0]}}
+    assert sum(e.startswith("run twinserve") for e in fake.events) == 6  # 2 warm-ups, untimed
     assert all("'hf', 'twinserve'" not in e for e in fake.events)
     assert fake.events.index("close twinserve") < fake.events.index("run hf with ['hf']")
     assert fake.loaded == set()

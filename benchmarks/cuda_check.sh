@@ -29,7 +29,11 @@
 #       simpy==4.1.2 gguf==0.19.0 llguidance==1.9.1
 set -uo pipefail
 OUT=${OUT:-/tmp/twinserve-cuda}
-SECTIONS=${SECTIONS:-env model tests calibrate simulate profile offline}
+ALL_SECTIONS="env model tests calibrate simulate profile offline"
+SECTIONS=${SECTIONS:-$ALL_SECTIONS}
+for s in $SECTIONS; do
+    [[ " $ALL_SECTIONS " == *" $s "* ]] || { echo "unknown section '$s'; sections: $ALL_SECTIONS" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 exec > >(tee "$OUT/cuda_check.log") 2>&1
 export PYTHONUNBUFFERED=1

@@ -22,8 +22,8 @@ def dummy_prefill(num_tokens: int, max_len: int, block_size: int,
     """Positions and metadata of a prefill step of ``num_tokens`` tokens as prompts of at most
     ``max_len`` tokens each (a step's token budget may exceed the model length, and no position
     may pass it), each prompt in blocks of its own; and the number of blocks they take."""
-    lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len
-                                                     else [])
+    full, rest = divmod(num_tokens, max_len)
+    lengths = [max_len] * full + ([rest] if rest else [])
     per_seq = -(-max(lengths) // block_size)
     tables = torch.arange(len(lengths) * per_seq, dtype=torch.int32).view(len(lengths), per_seq)
     positions = torch.cat([torch.arange(n) for n in lengths])

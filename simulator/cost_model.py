@@ -102,7 +102,7 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # ``prefill_step`` (1 for a step that holds a prefill chunk): on CUDA a decode-only step replays
 # a CUDA graph while a step with a prefill chunk launches every kernel from Python. On an H200
 # (Llama-3-8B, bf16) a 16-token prefill took 18 ms against 6.6 ms for one decode, flat up to 512
-# tokens; fitted, the indicator took 10.9 ms and the grid's error fell from 11.3% to 3.2% (MAPE).
+# tokens; fitted, the indicator took 11-12 ms and the grid's error fell from 11.3% to 3.2-3.6%.
 TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
 TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
 KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", "num_prefix_chunks",

@@ -55,8 +55,8 @@ class MeasuredProfile:
 
 def bundled_measurements() -> list[tuple[str, str]]:
     """``(hardware, model)`` of every bundled measurement."""
-    return sorted(tuple(p.stem.split("_", 1)) for p in MEASURED_DIR.glob("*.csv")  # type: ignore[misc]
-                  if not p.stem.endswith("_earlier"))
+    stems = (p.stem for p in MEASURED_DIR.glob("*.csv") if not p.stem.endswith("_earlier"))
+    return sorted((hardware, model) for hardware, model in (s.split("_", 1) for s in stems))
 
 
 def _pick(samples: list[StepSample], decodes: int = 0, context: int = 0,

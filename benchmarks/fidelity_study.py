@@ -17,9 +17,11 @@
    (throughput and mean E2EL 5%, mean TTFT, mean TPOT and p90 E2EL 10%) or within the spread
    where the spread is larger (marked ``~``). ``OUT/fidelity_study.csv`` holds every row.
 4. Each workload simulated again with the profile scaled to the host's speed during its replays
-   (``validate --at-host-speed``: each replay's speed probe against the profile's), the
-   ``at host`` columns: the twin's error without the host's drift since calibration; the row
-   ``host_speed_vs_profile`` gives that speed.
+   as their own steps tell it (``validate --at-replay-speed``: their measured step time over the
+   profile's, the median over the replays; the row ``replay_speed_vs_profile``), the ``at
+   replay`` columns: given that one number from the replays, the twin's error is its scheduling
+   (batch sizes, queues, preemptions), not the host's drift since calibration. The row
+   ``host_speed_vs_profile`` gives the speed probe's reading beside it.
 
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
 time-scaled near the engine's saturation) so that the whole study, calibration included, runs in
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from twinserve.benchmarks.fidelity import run_cli
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
-from twinserve.entrypoints.validate import HOST_SPEED_METRIC
+from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct
 
 # The study's engine (every workload and the calibration): batch limits shared; the calibration
@@ -117,27 +119,27 @@ def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
 
 
 def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path],
-               at_host_csv: Path | None = None) -> list[dict[str, object]]:
+               at_replay_csv: Path | None = None) -> list[dict[str, object]]:
     """The table metrics of one workload: real median, twin, error, target, spread, verdict;
-    with ``at_host_csv`` (``validate --at-host-speed``'s errors) also the twin's error and
-    verdict at the host's speed during the replays."""
+    with ``at_replay_csv`` (``validate --at-replay-speed``'s errors) also the twin's error and
+    verdict at the replays' own speed."""
     errors = _read_errors(errors_csv)
-    at_host = _read_errors(at_host_csv) if at_host_csv is not None else {}
+    at_replay = _read_errors(at_replay_csv) if at_replay_csv is not None else {}
     rows: list[dict[str, object]] = []
     tenants = [m for m in errors if m.startswith("mean_ttft_ms[")]  # fair: per tenant
     for metric in (*TABLE_METRICS, *tenants, "num_preemptions", "prefix_cache_hit_rate",
-                   "replayed_step_time_s", HOST_SPEED_METRIC):
+                   "replayed_step_time_s", REPLAY_SPEED_METRIC, HOST_SPEED_METRIC):
         row = errors.get(metric)
         if row is None:
             continue
         err, spread, target = _error(row), spread_pct(row), _TARGET.get(metric)
-        host_err = _error(at_host[metric]) if metric in at_host else math.nan
+        at_err = _error(at_replay[metric]) if metric in at_replay else math.nan
         rows.append({"workload": workload, "metric": metric, "real": float(row["real"]),
                      "sim": float(row["sim"]) if row["sim"] else math.nan, "error_pct": err,
                      "target_pct": "" if target is None else target, "spread_pct": spread,
                      "verdict": verdict(err, target, spread), "real_runs": len(real_dirs),
-                     "error_at_host_speed_pct": host_err,
-                     "verdict_at_host_speed": verdict(host_err, target, spread)})
+                     "error_at_replay_speed_pct": at_err,
+                     "verdict_at_replay_speed": verdict(at_err, target, spread)})
     return rows
 
 
@@ -152,22 +154,22 @@ def _error(row: dict[str, str]) -> float:
 
 def format_table(rows: list[dict[str, object]]) -> str:
     """The issue's table: per workload and metric, real median, twin, error, spread, target;
-    then the twin's error at the host's speed during the replays (``at host``)."""
+    then the twin's error at the replays' own speed (``at replay``)."""
     head = (f"{'workload':<11} {'metric':<21} {'real (median)':>14} {'twin':>11} {'error':>8} "
-            f"{'spread':>7} {'target':>7}  {'verdict':<7} {'at host':>8}  verdict")
+            f"{'spread':>7} {'target':>7}  {'verdict':<7} {'at replay':>10}  verdict")
     lines = ["twin vs real on held-out workloads (error against the median of the replays; "
-             "spread: half their range; at host: the profile scaled to the host's speed during "
-             "the replays, by their speed probe)", head]
+             "spread: half their range; at replay: the profile scaled to the speed the replays' "
+             "own steps ran at)", head]
     for r in rows:
         target = r["target_pct"]
         lines.append(f"{r['workload']!s:<11} {r['metric']!s:<21} {float(r['real']):>14.4g} "  # type: ignore[arg-type]
                      f"{float(r['sim']):>11.4g} {float(r['error_pct']):>+7.1f}% "  # type: ignore[arg-type]
                      f"{float(r['spread_pct']):>6.1f}% "  # type: ignore[arg-type]
                      f"{(f'{target:g}%' if target != '' else ''):>7}  {r['verdict']!s:<7} "
-                     f"{float(r['error_at_host_speed_pct']):>+7.1f}%  "  # type: ignore[arg-type]
-                     f"{r['verdict_at_host_speed']}".rstrip())
+                     f"{float(r['error_at_replay_speed_pct']):>+9.1f}%  "  # type: ignore[arg-type]
+                     f"{r['verdict_at_replay_speed']}".rstrip())
     for column, what in (("verdict", "as calibrated"),
-                         ("verdict_at_host_speed", "at the host's speed during the replays")):
+                         ("verdict_at_replay_speed", "at the replays' own speed")):
         judged = [r for r in rows if r[column]]
         within = sum(r[column] == "ok" for r in judged)
         by_spread = sum(r[column] == "~" for r in judged)
@@ -234,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         reuse = ["--profile", profile, "--quiet", "--reuse-real", *map(str, runs[name])]
         run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, *reuse,
                  "--out", str(out / name)])
-        run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, *reuse, "--at-host-speed",
-                 "--out", str(out / f"{name}-at-host-speed")])
+        run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, *reuse, "--at-replay-speed",
+                 "--out", str(out / f"{name}-at-replay-speed")])
         rows += study_rows(name, out / name / "errors.csv", runs[name],
-                           out / f"{name}-at-host-speed" / "errors.csv")
+                           out / f"{name}-at-replay-speed" / "errors.csv")
     with open(out / "fidelity_study.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
         w.writeheader()

@@ -37,13 +37,19 @@ recorded the same probe at calibration, the row ``host_speed_vs_profile`` gives 
 step time over the calibration's (its error column: what the drift alone does to the twin's
 step times). ``--at-host-speed`` simulates with the profile scaled to that speed
 (``OUT/profile-at-host-speed.json``): the twin's own error. ``twinserve calibrate --relevel``
-rescales a profile the same way, for simulations of the host as it runs now.
+rescales a profile the same way, for simulations of the host as it runs now. The probe's few
+steps follow the replay's speed only roughly (on one host, correlation 0.79 and 10% apart in
+level); the row ``replay_speed_vs_profile`` reads the speed from each replay's own steps (their
+measured time over the profile's: ``calibration.run_speed``), and ``--at-replay-speed`` scales
+the profile to its median (``OUT/profile-at-replay-speed.json``). That one number taken from the
+replays, the rest of the twin's error is its scheduling: batch sizes, queues, preemptions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -76,10 +82,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="compare against these real run folders instead of replaying again")
     p.add_argument("--real-repeats", type=positive_int, default=1, metavar="N",
                    help="replay the real engine N times; compare with the median of each metric")
-    p.add_argument("--at-host-speed", action="store_true",
-                   help="simulate with the profile scaled to the host's speed during the real "
-                        "replays (their speed probe against the profile's): the twin's own error, "
-                        "without the host's drift since calibration")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--at-host-speed", action="store_true",
+                       help="simulate with the profile scaled to the host's speed during the "
+                            "real replays (their speed probe against the profile's): the twin's "
+                            "own error, without the host's drift since calibration")
+    speed.add_argument("--at-replay-speed", action="store_true",
+                       help="simulate with the profile scaled to the replays' own speed (their "
+                            "steps' measured time over the profile's, median over the replays): "
+                            "the scheduling's error, given the host's speed during the replays")
     p.add_argument("--out", required=True, help="output folder (real/, sim/, errors.csv, ...)")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                    help="skip incremental detokenization in the real engine")
@@ -107,6 +118,7 @@ def positive_int(text: str) -> int:
 # ---- the host's speed during the replays ---------------------------------------------------
 SPEED_PROBE_FILE = "speed_probe.json"
 HOST_SPEED_METRIC = "host_speed_vs_profile"
+REPLAY_SPEED_METRIC = "replay_speed_vs_profile"
 
 
 def write_speed_probe(path: Path, before: dict[str, float], after: dict[str, float]) -> None:
@@ -133,14 +145,36 @@ def host_speeds(real_dirs: list[Path], profile: str | Path, model: str,
     return speeds
 
 
-def at_host_speed(profile: str | Path, speeds: list[float], out: Path) -> Path:
-    """``profile`` scaled to the median of the replays' host speeds, written to ``out``."""
+_NO_SPEED = {
+    "host": "--at-host-speed needs real runs with a speed probe (replayed by this version of "
+            "validate) and a profile whose fit holds one (calibrated by this version).",
+    "replay": "--at-replay-speed needs a profile with a fit for the model and real runs that "
+              "recorded their steps (step_features.csv).",
+}
+
+
+def at_speed(profile: str | Path, speeds: list[float], which: str, out: Path) -> Path:
+    """``profile`` scaled to the median of the replays' ``which`` speeds (``host``: by their
+    probe; ``replay``: by their own steps), written to ``out``."""
     from twinserve.simulator.hardware import load_hardware
     if not speeds:
-        raise ValueError("--at-host-speed needs real runs with a speed probe (replayed by this "
-                         "version of validate) and a profile whose fit holds one (calibrated by "
-                         "this version).")
+        raise ValueError(_NO_SPEED[which])
     return load_hardware(profile).at_host_speed(statistics.median(speeds)).save(out)
+
+
+def replay_speeds(real_dirs: list[Path], profile: str | Path, model: str,
+                  tensor_parallel_size: int = 1) -> list[float]:
+    """Per real run: its own steps' measured time over the profile's time for the same steps
+    (``calibration.run_speed``), the host's speed read from the replay itself; empty when the
+    profile holds no fit for the model."""
+    from twinserve.simulator.calibration import run_speed
+    from twinserve.simulator.hardware import load_hardware
+    from twinserve.simulator.model_spec import load_model_spec
+    fit = load_hardware(profile).find_fitted(load_model_spec(model).name, tensor_parallel_size)
+    if fit is None:
+        return []
+    speeds = [run_speed(fit, read_recorded_samples([d])) for d in real_dirs]
+    return [v for v in speeds if math.isfinite(v)]
 
 
 def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[str, Any],
@@ -204,15 +238,21 @@ def run_validate(args: argparse.Namespace) -> int:
         real_dirs, profile = real_runs(args, trace, desc, out, model, log)
     real_config = json.loads((real_dirs[0] / "config.json").read_text())
     summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
-    speeds = host_speeds(real_dirs, profile, model, int(real_config.get("tensor_parallel_size", 1)))
-    if args.at_host_speed:
-        profile = at_host_speed(profile, speeds, out / "profile-at-host-speed.json")
-        log(f"profile at the replays' host speed ({statistics.median(speeds):.3f}x the "
+    tp = int(real_config.get("tensor_parallel_size", 1))
+    speeds = host_speeds(real_dirs, profile, model, tp)
+    own_speeds = replay_speeds(real_dirs, profile, model, tp)
+    which = "host" if args.at_host_speed else "replay" if args.at_replay_speed else None
+    if which is not None:
+        chosen = speeds if which == "host" else own_speeds
+        profile = at_speed(profile, chosen, which, out / f"profile-at-{which}-speed.json")
+        log(f"profile at the replays' {which} speed ({statistics.median(chosen):.3f}x the "
             f"calibration's time): {profile}")
     sim = simulate_like(real_config, model, profile, trace, out / "sim", desc, log)
     rows = error_rows(summaries, sim.summary)
     if speeds:  # the host's speed alone moves the step times by this much
         rows.append(error_row(HOST_SPEED_METRIC, speeds, 1.0))
+    if own_speeds:  # ... and by this much, read from the replays' own steps
+        rows.append(error_row(REPLAY_SPEED_METRIC, own_speeds, 1.0))
     samples = read_recorded_samples(real_dirs)
     predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]),
                                   int(real_config.get("tensor_parallel_size", 1)))

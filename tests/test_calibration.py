@@ -363,6 +363,24 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     calibrated = load_hardware(out / "profile.json").fitted[0]
     assert scaled.intercept_s == pytest.approx(calibrated.intercept_s * float(speed["real"]),
                                                rel=1e-3)
+    own = rows["replay_speed_vs_profile"]  # the speed the replays' own steps ran at
+    assert own["real_runs"] == "2" and 0.2 < float(own["real"]) < 5.0
+    rc = main(["validate", "--model", str(tiny_model), "--trace", "synthetic",
+               "--num-requests", "12", "--request-rate", "20", "--input-len", "40",
+               "--output-len", "8", "--prefix-len", "32", "--prefix-share", "0.5",
+               "--policy", "fair", "--tenants", "heavy=3,light=1", "--dtype", "float32",
+               "--max-model-len", "256", "--profile", str(out / "profile.json"),
+               "--reuse-real", str(out / "real"), "--at-replay-speed",
+               "--out", str(tmp_path / "at-replay"), "--quiet"])
+    assert rc == 0
+    with open(tmp_path / "at-replay" / "errors.csv") as f:  # one replay: its steps, exactly
+        at_replay = {r["metric"]: r for r in csv.DictReader(f)}
+    assert float(at_replay["replay_speed_vs_profile"]["real"]) != pytest.approx(1.0)
+    assert float(at_replay["replayed_step_time_s"]["rel_error_pct"]) == pytest.approx(0.0,
+                                                                                      abs=0.5)
+    with pytest.raises(SystemExit):  # one scaling at a time
+        main(["validate", "--profile", str(out / "profile.json"), "--at-host-speed",
+              "--at-replay-speed", "--reuse-real", str(out / "real"), "--out", str(tmp_path)])
     # a second calibration from the recorded steps loads and fits
     rc = main(["calibrate", "--from-run", str(out / "real"), str(out / "real-2"),
                "--out", str(tmp_path / "p2.json")])

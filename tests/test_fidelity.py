@@ -92,12 +92,12 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
     errors = tmp_path / "errors.csv"
     errors.write_text("metric,real,sim,rel_error_pct,target_pct,within_target,real_min,real_max,"
                       "real_runs\nrequest_throughput,2.0,2.14,7.0,5.0,false,1.9,2.1,3\n")
-    at_host = tmp_path / "at-host.csv"
-    at_host.write_text("metric,real,sim,rel_error_pct,target_pct,within_target,real_min,real_max,"
+    at_replay = tmp_path / "at-replay.csv"
+    at_replay.write_text("metric,real,sim,rel_error_pct,target_pct,within_target,real_min,real_max,"
                        "real_runs\nrequest_throughput,2.0,2.08,4.0,5.0,true,1.9,2.1,3\n")
-    rows = study_rows("conv", errors, runs, at_host)
+    rows = study_rows("conv", errors, runs, at_replay)
     assert rows[0]["spread_pct"] == pytest.approx(5.0) and rows[0]["verdict"] == "MISS"
-    assert rows[0]["error_at_host_speed_pct"] == 4.0 and rows[0]["verdict_at_host_speed"] == "ok"
+    assert rows[0]["error_at_replay_speed_pct"] == 4.0 and rows[0]["verdict_at_replay_speed"] == "ok"
     table = format_table(rows)
     assert "0/1 targeted metrics" in table and "1/1 targeted metrics" in table
     assert "0 within target, 0 only by spread" in table and "1 within target" in table
@@ -132,12 +132,12 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
     monkeypatch.setattr(fidelity_study, "study_rows", lambda *a: [
         {"workload": "w", "metric": "request_throughput", "real": 1.0, "sim": 1.0,
          "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0, "verdict": "ok",
-         "error_at_host_speed_pct": 0.0, "verdict_at_host_speed": "ok"}])
+         "error_at_replay_speed_pct": 0.0, "verdict_at_replay_speed": "ok"}])
     assert fidelity_study.main(["--out", str(tmp_path), "--workloads", "conv-600,code",
                                 "--rounds", "3"]) == 0
     # every other round in reverse order, so no workload always comes first after the level
     assert events == ["level", "replay conv-600-1", "replay code-1",
                       "level", "replay code-2", "replay conv-600-2",
                       "level", "replay conv-600-3", "replay code-3", "save",
-                      "sim conv-600", "sim conv-600-at-host-speed",
-                      "sim code", "sim code-at-host-speed"]
+                      "sim conv-600", "sim conv-600-at-replay-speed",
+                      "sim code", "sim code-at-replay-speed"]

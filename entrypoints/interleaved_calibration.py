@@ -89,7 +89,10 @@ class InterleavedCalibration:
         return cal
 
     def save(self, path: Path, note: str) -> Path:
-        """The fit as a profile at ``path``, its source naming the rounds."""
+        """The fit as a profile at ``path``, its source naming the rounds; the samples it was
+        fitted on beside it (``samples_path``: ``calibrate --from-run ... --backend-samples``
+        and ``simulator.calibration.split_backend_samples`` read them back)."""
+        from twinserve.core.step_sample import write_samples
         from twinserve.gpu.platform import current_platform
         from twinserve.simulator.calibration import save_profile
         from twinserve.simulator.model_spec import load_model_spec
@@ -102,5 +105,11 @@ class InterleavedCalibration:
         base = self.args.base_hardware or base_hardware_for(self.args.device)
         out = save_profile(cal, self.args.model, base, path, self.engine_args.block_size, note,
                            platform, measure_interconnect(self.runner, self.engine_args, self.log))
+        write_samples(samples_path(out), cal.samples)
         self.log(cal.report)
         return out
+
+
+def samples_path(profile: Path) -> Path:
+    """Where ``InterleavedCalibration.save`` writes the samples of the profile at ``profile``."""
+    return profile.with_name(f"{profile.stem}_samples.csv")

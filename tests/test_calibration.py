@@ -20,9 +20,11 @@ from twinserve.simulator.calibration import (
     combine,
     features_of,
     fit,
+    fit_backend,
     fit_errors,
     output_of,
     predict,
+    split_backend_samples,
 )
 from twinserve.simulator.cost_model import ALL_FEATURE_NAMES, make_cost_model
 from twinserve.simulator.hardware import FittedParams, load_hardware
@@ -341,6 +343,11 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
         row = rows[f"mean_ttft_ms[{tenant}]"]
         assert row["real_runs"] == "2" and float(row["sim"]) > 0
     assert (out / "profile.json").is_file() and (out / "report.html").is_file()
+    micro, loop = split_backend_samples(read_samples(out / "profile_samples.csv"))
+    assert len(micro) > 10 and len(loop) > 10  # what the profile was fitted on, to refit
+    refit = fit_backend(micro, loop, "tiny-llama").params
+    assert refit.intercept_s == pytest.approx(
+        load_hardware(out / "profile.json").fitted[0].intercept_s, rel=1e-6)
     assert rows["replayed_step_time_s"]["real_runs"] == "2"  # both replays' steps, as timed
     samples = read_samples(out / "real")
     with open(out / "real" / "steps.csv", newline="") as f:
@@ -505,7 +512,6 @@ def test_tiny_model_fit_is_monotone_reproduces_its_grid_and_predicts_a_held_back
     from twinserve.core.outputs import SchedulerOutput
     from twinserve.gpu.llm_engine import LLMEngine
     from twinserve.gpu.profiler import LoopScenario, default_grid, run_engine_loop, run_micro_benchmarks
-    from twinserve.simulator.calibration import fit_backend
     eargs, runner = tiny_runner
     micro = run_micro_benchmarks(runner, default_grid(128, 8, 256), warmup=1, repeats=3)
     for sample in micro:  # the fastest repeat, as the engine loop's steps below
@@ -664,7 +670,6 @@ def test_a_fit_on_one_family_predicts_a_held_back_one_kernel_shaped() -> None:
     """Steps timed as the kernels cost: the micro-benchmark grid plus one workload family
     (short prompts, small batches) predict a held-back family (long prompts, large batches)
     within 5% per step; the family alone, fitted as ``--from-run`` does, misses by more."""
-    from twinserve.simulator.calibration import fit_backend
     grid = _kernel_shaped_grid(1024, 64, 2048, seed=1)
     family = _family([1, 2, 4], [40, 120], 12, seed=2)
     held_back = _family([16, 48], [600, 1500], 12, seed=3)

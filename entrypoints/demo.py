@@ -4,7 +4,8 @@
    priority and fair, with a heavy and a light tenant and two priority classes.
 2. Calibrates the twin of the bundled SmolLM2-135M model (CPU) with ``twinserve calibrate``'s
    defaults, then replays a short slice through the real engine (three times) and through that
-   twin, so the report shows simulation against reality (the median of the real replays).
+   twin, so the report shows simulation against reality (the median of the real replays);
+   then prints the twin's errors again at the replays' own speed (``--at-replay-speed``).
 3. Writes one HTML report comparing every run.
 """
 
@@ -82,11 +83,17 @@ def _real_vs_sim(out: Path, num_requests: int, seed: int, repeats: int) -> list[
     folder = out / "real-vs-sim"
     engine = ["--max-model-len", "128", "--max-num-seqs", "64",
               "--max-num-batched-tokens", "256"]
-    args = build_parser().parse_args([
-        "validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
-        "--max-output-tokens", "32", "--time-scale", "0.2", "--tenants", "heavy=4,light=1",
-        "--seed", str(seed), "--policy", "fcfs", *engine, "--real-repeats", str(repeats),
-        "--out", str(folder)])
+    argv = ["validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
+            "--max-output-tokens", "32", "--time-scale", "0.2", "--tenants", "heavy=4,light=1",
+            "--seed", str(seed), "--policy", "fcfs", *engine]
+    args = build_parser().parse_args([*argv, "--real-repeats", str(repeats),
+                                      "--out", str(folder)])
     args.handler(args)
-    return [folder / "real", *(folder / f"real-{i}" for i in range(2, repeats + 1)),
-            folder / "sim"]
+    reals = [folder / "real", *(folder / f"real-{i}" for i in range(2, repeats + 1))]
+    print("the same twin at the replays' own speed (validate --at-replay-speed: one number "
+          "taken from the replays; what remains is its scheduling, not the host's drift):")
+    again = build_parser().parse_args([
+        *argv, "--profile", str(folder / "profile.json"), "--reuse-real", *map(str, reals),
+        "--at-replay-speed", "--quiet", "--out", str(folder / "at-replay-speed")])
+    again.handler(again)
+    return [*reals, folder / "sim"]

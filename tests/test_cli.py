@@ -41,10 +41,14 @@ def test_demo_compares_the_twin_with_three_real_replays(tmp_path, monkeypatch, c
     from twinserve.entrypoints import validate
 
     seen = {}
+    folder = tmp_path / "demo" / "real-vs-sim"
 
     def fake_validate(args) -> int:
+        if args.reuse_real:  # then the same twin at the replays' own speed
+            seen.update(again=(args.reuse_real, args.profile, args.at_replay_speed,
+                               args.num_requests))
+            return 0
         seen.update(repeats=args.real_repeats, num_requests=args.num_requests)
-        folder = tmp_path / "demo" / "real-vs-sim"
         for name in ("real", "real-2", "real-3", "sim"):
             shutil.copytree(tmp_path / "demo" / "sim-fcfs", folder / name)
         return 0
@@ -52,7 +56,8 @@ def test_demo_compares_the_twin_with_three_real_replays(tmp_path, monkeypatch, c
     monkeypatch.setattr(validate, "run_validate", fake_validate)
     rc = main(["demo", "--num-requests", "40", "--real-requests", "4", "--out",
                str(tmp_path / "demo")])
-    assert rc == 0 and seen == {"repeats": 3, "num_requests": 4}
+    reals = [str(folder / name) for name in ("real", "real-2", "real-3")]
+    assert rc == 0 and seen == {"repeats": 3, "num_requests": 4,
+                                "again": (reals, str(folder / "profile.json"), True, 4)}
     html = (tmp_path / "demo" / "report.html").read_text()
-    folder = tmp_path / "demo" / "real-vs-sim"
     assert all(f">{folder / name}<" in html for name in ("real", "real-2", "real-3", "sim"))

@@ -10,7 +10,9 @@
    used to fit it.
 2. Each workload replayed ``--rounds`` times on the real engine, in interleaved rounds (round r
    replays every workload once, in reverse order every other round: ``round_order``), so the
-   machine's drift falls on all of them alike: ``OUT/real/<workload>-<r>``.
+   machine's drift falls on all of them alike: ``OUT/real/<workload>-<r>``. Every replay runs
+   on the calibration's weights (an engine of the workload's own limits and KV cache beside
+   them: ``ModelRunner(weights_from=...)``), not on a load of its own.
 3. Each workload simulated with the profile against its replays (``validate --reuse-real``):
    per metric the twin's error against the median of the replays, beside the replays' own spread
    (half their range over the median, in %). A metric passes when its error is within its target
@@ -41,11 +43,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from twinserve.benchmarks.fidelity import run_cli
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct
+
+if TYPE_CHECKING:
+    from twinserve.gpu.model_runner import ModelRunner
 
 # The study's engine (every workload and the calibration): batch limits shared; the calibration
 # runs at the longest model length (512, for Azure code and Mooncake prompts clipped to it),
@@ -224,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in round_order(names, round_):
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "summary.json").is_file()):
-                run_cli(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
-                      "--out", str(folder), "--quiet"])
+                _replay(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
+                         "--out", str(folder), "--quiet"], cal.runner if cal else None)
             runs[name].append(folder / "real")
     if cal is not None:
         cal.save(Path(profile), f"Calibrated by the fidelity study: the grid first, the engine "
@@ -258,6 +264,23 @@ def round_order(names: list[str], round_: int) -> list[str]:
     of its own; reversed, each place falls on a workload in one round and on its mirror in
     the next."""
     return list(names) if round_ % 2 else list(reversed(names))
+
+
+def _replay(argv: list[str], weights_from: ModelRunner | None) -> None:
+    """One workload's real replay (``twinserve validate`` with ``argv``) on ``weights_from``'s
+    weights, the calibration's load: two loads of one model run the same steps a few % apart
+    (``ModelRunner``), so the replays run on the weights the profile's level was measured on.
+    ``None`` (a given profile): through ``run_cli``, a load of its own."""
+    if weights_from is None:
+        run_cli(argv)
+        return
+    from twinserve.entrypoints.cli import build_parser, parse_args
+    from twinserve.entrypoints.validate import run_validate
+    print("+ twinserve " + " ".join(argv) + "  # on the calibration's weights", file=sys.stderr,
+          flush=True)
+    t0 = time.perf_counter()
+    run_validate(parse_args(build_parser(only="validate"), argv), weights_from)
+    print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
 
 def _calibration(engine: list[str]) -> InterleavedCalibration:

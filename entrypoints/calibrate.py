@@ -81,13 +81,15 @@ def measure_interconnect(runner: ModelRunner, engine_args: EngineArgs,
     return fit.bandwidth, fit.latency_s
 
 
-def load_runner(args: argparse.Namespace) -> tuple[EngineArgs, ModelRunner]:
+def load_runner(args: argparse.Namespace,
+                weights_from: ModelRunner | None = None) -> tuple[EngineArgs, ModelRunner]:
     """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args`` (resolved
-    as a server's: calibration and validate measure the engine a server runs)."""
+    as a server's: calibration and validate measure the engine a server runs); with
+    ``weights_from``, on that runner's weights (``ModelRunner``)."""
     from twinserve.entrypoints.engine_args import engine_args_from
     from twinserve.gpu.model_runner import ModelRunner
     eargs = engine_args_from(args, model=args.model)
-    return eargs, ModelRunner(eargs, usage_context="server")
+    return eargs, ModelRunner(eargs, usage_context="server", weights_from=weights_from)
 
 
 def set_threads(threads: int | None) -> None:

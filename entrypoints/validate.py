@@ -53,7 +53,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinserve.core.step_sample import read_recorded_samples
 from twinserve.entrypoints.calibrate import (
@@ -64,6 +64,9 @@ from twinserve.entrypoints.calibrate import (
     set_threads,
 )
 from twinserve.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from twinserve.gpu.model_runner import ModelRunner
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -178,15 +181,17 @@ def replay_speeds(real_dirs: list[Path], profile: str | Path, model: str,
 
 
 def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[str, Any],
-              out: Path, model: str, log: Log) -> tuple[list[Path], str | Path]:
-    """The real replays (``--real-repeats`` of them) and the profile (calibrated when not given,
-    the engine loop before each replay: ``InterleavedCalibration``)."""
+              out: Path, model: str, log: Log,
+              weights_from: ModelRunner | None = None) -> tuple[list[Path], str | Path]:
+    """The real replays (``--real-repeats`` of them, on ``weights_from``'s weights when given)
+    and the profile (calibrated when not given, the engine loop before each replay:
+    ``InterleavedCalibration``)."""
     from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
     from twinserve.gpu.llm_engine import LLMEngine
     from twinserve.gpu.profiler import speed_probe
     from twinserve.gpu.replay import replay_real, write_real_run
     set_threads(args.threads)
-    eargs, runner = load_runner(args)
+    eargs, runner = load_runner(args, weights_from)
     log(f"real engine: {runner.device} {runner.dtype}, {runner.num_gpu_blocks} KV blocks; "
         f"{len(trace)} requests")
     cal = None
@@ -210,7 +215,9 @@ def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[st
                           f"{' (quick)' if args.quick else ''} on the model load it replayed on.")
 
 
-def run_validate(args: argparse.Namespace) -> int:
+def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = None) -> int:
+    """``twinserve validate``; ``weights_from``: replay on that runner's weights (the fidelity
+    study's replays run on its calibration's load)."""
     from twinserve.reports import write_report
     from twinserve.reports.fidelity import (
         error_row,
@@ -235,7 +242,7 @@ def run_validate(args: argparse.Namespace) -> int:
             raise ValueError("--reuse-real needs --profile (no backend is loaded to calibrate).")
         real_dirs, profile = [Path(d) for d in args.reuse_real], args.profile
     else:
-        real_dirs, profile = real_runs(args, trace, desc, out, model, log)
+        real_dirs, profile = real_runs(args, trace, desc, out, model, log, weights_from)
     real_config = json.loads((real_dirs[0] / "config.json").read_text())
     summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
     tp = int(real_config.get("tensor_parallel_size", 1))

@@ -114,8 +114,11 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
     (reversed every other round), the profile saved before any workload is simulated with it."""
     from twinserve.benchmarks import fidelity_study
     events: list[str] = []
+    weights = object()  # the calibration's model load, which every replay runs on
 
     class Recorded:
+        runner = weights
+
         def measure_level(self) -> None:
             events.append("level")
 
@@ -123,12 +126,17 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
             events.append("save")
             return path
 
-    def run_cli(argv: list[str]) -> None:
-        out = Path(argv[argv.index("--out") + 1]).name
-        events.append(f"sim {out}" if "--reuse-real" in argv else f"replay {out}")
+    def run_cli(argv: list[str]) -> None:  # the twin's runs
+        assert "--reuse-real" in argv
+        events.append(f"sim {Path(argv[argv.index('--out') + 1]).name}")
+
+    def replay(argv: list[str], weights_from: object) -> None:
+        assert weights_from is weights
+        events.append(f"replay {Path(argv[argv.index('--out') + 1]).name}")
 
     monkeypatch.setattr(fidelity_study, "_calibration", lambda engine: Recorded())
     monkeypatch.setattr(fidelity_study, "run_cli", run_cli)
+    monkeypatch.setattr(fidelity_study, "_replay", replay)
     monkeypatch.setattr(fidelity_study, "study_rows", lambda *a: [
         {"workload": "w", "metric": "request_throughput", "real": 1.0, "sim": 1.0,
          "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0, "verdict": "ok",

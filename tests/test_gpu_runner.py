@@ -114,3 +114,27 @@ def test_default_model_fp32_matches_hf(default_model_dir, drive):
     drive(runner, requests, [[(r, r.num_tokens) for r in requests]] + _decode_steps(requests, 31))
     assert [r.output_token_ids for r in requests] == hf_greedy(default_model_dir, prompts, 32)
     assert "Paris" in tok.decode(requests[0].output_token_ids)
+
+
+def test_a_runner_on_another_runners_weights_matches_hf_with_its_own_cache(tiny_model_dirs,
+                                                                           tiny_runners, drive):
+    """``weights_from``: the same parameters (no second load), a KV cache and limits of its
+    own, HF's greedy tokens; a runner that would outgrow or change the weights is refused."""
+    name = "qwen2-tied"
+    owner = tiny_runners[name]
+    path = str(tiny_model_dirs[name])
+    shared = ModelRunner(EngineArgs(path, dtype="float32", block_size=4, max_model_len=64,
+                                    kv_cache_memory_bytes=1 << 23), weights_from=owner)
+    assert shared.model is owner.model and shared.kv_cache is not owner.kv_cache
+    assert shared.num_gpu_blocks < owner.num_gpu_blocks and shared.max_model_len == 64
+    prompts = _prompts((7, 19), TINY_VOCAB, seed=3)
+    requests = _requests(prompts)
+    drive(shared, requests, [[(r, r.num_tokens) for r in requests]] + _decode_steps(requests, 5))
+    assert [r.output_token_ids for r in requests] == hf_greedy(tiny_model_dirs[name], prompts, 6)
+    for args, what in ((EngineArgs(path, dtype="float32", max_model_len=128),
+                        "exceeds the loaded model's 64"),
+                       (EngineArgs(path, dtype="bfloat16", max_model_len=64), "the runner loaded"),
+                       (EngineArgs(path, dtype="float32", max_model_len=64,
+                                   kv_cache_dtype="fp8"), "kv_cache_dtype fp8")):
+        with pytest.raises(ValueError, match=what):
+            ModelRunner(args, weights_from=shared)

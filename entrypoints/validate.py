@@ -26,9 +26,10 @@ measure how far the twin lands.
 Without ``--profile`` the backend is calibrated on the same model load (``twinserve calibrate``'s
 grid first, ``--quick`` for a smaller one; its engine-loop workloads, which set the profile's
 level, before each replay, so that level is the host's during the replays' minutes) and the
-profile saved as ``OUT/profile.json``. ``--reuse-real RUN_DIR
-[RUN_DIR ...]`` skips the real replay and compares against real run folders written before (same
-workload flags): handy to try another profile.
+profile saved as ``OUT/profile.json``, the samples it was fitted on as
+``OUT/profile_samples.csv`` (``calibrate --from-run ... --backend-samples`` refits them).
+``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares against real run
+folders written before (same workload flags): handy to try another profile.
 
 The host's speed: a shared VM runs the same steps 15-20% faster or slower an hour apart, which
 no profile measured once can know. Each replay is bracketed by the host-speed probe (four fixed

@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from twinserve.entrypoints.cli import main as cli
@@ -167,11 +168,13 @@ def read_errors(path: Path) -> dict[str, dict[str, str]]:
         return {row["metric"]: row for row in csv.DictReader(f)}
 
 
-def run_cli(argv: list[str]) -> None:
-    """Runs one ``twinserve`` command in this process, echoing it and its time to stderr."""
-    print("+ twinserve " + " ".join(argv), file=sys.stderr, flush=True)
+def run_cli(argv: list[str], run: Callable[[list[str]], int] = cli, note: str = "") -> None:
+    """Runs one ``twinserve`` command in this process (through ``run``: the command line's
+    entry point unless given), echoing it, ``note`` and its time to stderr."""
+    print("+ twinserve " + " ".join(argv) + (f"  # {note}" if note else ""), file=sys.stderr,
+          flush=True)
     t0 = time.perf_counter()
-    rc = cli(argv)
+    rc = run(argv)
     if rc != 0:
         raise SystemExit(f"twinserve {argv[0]} failed with exit status {rc}")
     print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)

@@ -276,11 +276,8 @@ def _replay(argv: list[str], weights_from: ModelRunner | None) -> None:
         return
     from twinserve.entrypoints.cli import build_parser, parse_args
     from twinserve.entrypoints.validate import run_validate
-    print("+ twinserve " + " ".join(argv) + "  # on the calibration's weights", file=sys.stderr,
-          flush=True)
-    t0 = time.perf_counter()
-    run_validate(parse_args(build_parser(only="validate"), argv), weights_from)
-    print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    run_cli(argv, lambda a: run_validate(parse_args(build_parser(only="validate"), a), weights_from),
+            "on the calibration's weights")
 
 
 def _calibration(engine: list[str]) -> InterleavedCalibration:

@@ -67,7 +67,9 @@ from twinserve.entrypoints.calibrate import (
 from twinserve.traces import TraceRequest
 
 if TYPE_CHECKING:
+    from twinserve.core.step_sample import StepSample
     from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.simulator.hardware import FittedParams
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -130,14 +132,18 @@ def write_speed_probe(path: Path, before: dict[str, float], after: dict[str, flo
     path.write_text(json.dumps({"before": before, "after": after}, indent=1) + "\n")
 
 
-def host_speeds(real_dirs: list[Path], profile: str | Path, model: str,
-                tensor_parallel_size: int = 1) -> list[float]:
-    """Per real run that recorded a speed probe: its steps' time over their time at the
-    profile's calibration (``FittedParams.host_speed`` of the mean of before and after); empty
-    when no run has a probe or the profile's fit holds none."""
+def profile_fit(profile: str | Path, model: str,
+                tensor_parallel_size: int = 1) -> FittedParams | None:
+    """The profile's fit for ``model`` at ``tensor_parallel_size`` (None: it holds none)."""
     from twinserve.simulator.hardware import load_hardware
     from twinserve.simulator.model_spec import load_model_spec
-    fit = load_hardware(profile).find_fitted(load_model_spec(model).name, tensor_parallel_size)
+    return load_hardware(profile).find_fitted(load_model_spec(model).name, tensor_parallel_size)
+
+
+def host_speeds(real_dirs: list[Path], fit: FittedParams | None) -> list[float]:
+    """Per real run that recorded a speed probe: its steps' time over their time at the
+    calibration of ``fit`` (``FittedParams.host_speed`` of the mean of before and after); empty
+    when no run has a probe or there is no fit holding one."""
     if fit is None or not fit.speed_probe:
         return []
     speeds = []
@@ -166,19 +172,14 @@ def at_speed(profile: str | Path, speeds: list[float], which: str, out: Path) ->
     return load_hardware(profile).at_host_speed(statistics.median(speeds)).save(out)
 
 
-def replay_speeds(real_dirs: list[Path], profile: str | Path, model: str,
-                  tensor_parallel_size: int = 1) -> list[float]:
-    """Per real run: its own steps' measured time over the profile's time for the same steps
-    (``calibration.run_speed``), the host's speed read from the replay itself; empty when the
-    profile holds no fit for the model."""
+def replay_speeds(runs: list[list[StepSample]], fit: FittedParams | None) -> list[float]:
+    """Per real run (its recorded steps): their measured time over ``fit``'s time for the same
+    steps (``calibration.run_speed``), the host's speed read from the replay itself; empty
+    without a fit."""
     from twinserve.simulator.calibration import run_speed
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
-    fit = load_hardware(profile).find_fitted(load_model_spec(model).name, tensor_parallel_size)
     if fit is None:
         return []
-    speeds = [run_speed(fit, read_recorded_samples([d])) for d in real_dirs]
-    return [v for v in speeds if math.isfinite(v)]
+    return [v for v in (run_speed(fit, steps) for steps in runs) if math.isfinite(v)]
 
 
 def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[str, Any],
@@ -247,8 +248,9 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
     real_config = json.loads((real_dirs[0] / "config.json").read_text())
     summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
     tp = int(real_config.get("tensor_parallel_size", 1))
-    speeds = host_speeds(real_dirs, profile, model, tp)
-    own_speeds = replay_speeds(real_dirs, profile, model, tp)
+    runs = [read_recorded_samples([d]) for d in real_dirs]  # each replay's steps
+    fit = profile_fit(profile, model, tp)
+    speeds, own_speeds = host_speeds(real_dirs, fit), replay_speeds(runs, fit)
     which = "host" if args.at_host_speed else "replay" if args.at_replay_speed else None
     if which is not None:
         chosen = speeds if which == "host" else own_speeds
@@ -261,9 +263,8 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
         rows.append(error_row(HOST_SPEED_METRIC, speeds, 1.0))
     if own_speeds:  # ... and by this much, read from the replays' own steps
         rows.append(error_row(REPLAY_SPEED_METRIC, own_speeds, 1.0))
-    samples = read_recorded_samples(real_dirs)
-    predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]),
-                                  int(real_config.get("tensor_parallel_size", 1)))
+    samples = [s for steps in runs for s in steps]
+    predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]), tp)
     rows.append(step_time_row(sum(s.seconds for s in samples), predicted,
                               len(real_dirs) if samples else 0))
     rows += tenant_ttft_rows(real_dirs, out / "sim")

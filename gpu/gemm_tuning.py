@@ -33,7 +33,7 @@ def tune_cpu_gemm(runner: ModelRunner, rounds: int = 5) -> None:
     weights' own dtype (not half weights widened, not quantized ones)."""
     model = runner.model
     gemm = model.gemm
-    if not gemm.cpu or gemm.widen_half or not gemm.pad_tokens or not len(model.layers):
+    if not gemm.slabs or gemm.widen_half or not gemm.pad_tokens or not len(model.layers):
         return
     weights = [m.weight for m in model.layers[0].modules()
                if isinstance(m, LinearBase) and isinstance(getattr(m, "weight", None), torch.Tensor)

@@ -199,7 +199,7 @@ def test_greedy_tokens_equal_hf_fp32(name: str, family_dirs: dict[str, Path]) ->
 
 # --- the linear layers' weight loaders ----------------------------------------------------------
 
-OPTIONS = LinearOptions(Gemm(cpu=True, widen_half=False), torch.float32)
+OPTIONS = LinearOptions(Gemm(slabs=True, widen_half=False), torch.float32)
 
 
 def test_qkv_weight_loader_places_q_k_v_rows_and_biases() -> None:

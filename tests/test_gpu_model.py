@@ -42,7 +42,7 @@ def _dense_reference(q, k, v, q_len, scale):
 def test_gemm_products_equal_linear(rows, tokens, dtype, widen, tol):
     """Slabs and widened half products equal one fp32 product rounded to the model's dtype."""
     torch.manual_seed(rows + tokens)
-    gemm = Gemm(cpu=True, widen_half=widen)
+    gemm = Gemm(slabs=True, widen_half=widen)
     x, w, b = (torch.randn(tokens, 48), torch.randn(rows, 48), torch.randn(rows))
     xt = torch.randn(48, tokens).to(dtype)  # a transposed activation, as the MLP passes it
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
@@ -91,7 +91,7 @@ def test_small_products_pad_to_the_widths_that_timed_fastest() -> None:
     # the widths the tuning times (9-15 columns left out) choose the same
     from twinserve.gpu.cpu_gemm import TUNED_WIDTHS
     assert choose_widths({w: ms16[w] for w in TUNED_WIDTHS}) == choose_widths(ms16)
-    gemm = Gemm(cpu=True, widen_half=False, small_widths=widths)
+    gemm = Gemm(slabs=True, widen_half=False, small_widths=widths)
     assert [gemm.width(t) for t in (3, 5, 8, 9, 11, 17)] == [4, 5, 8, 16, 16, 17]
     torch.manual_seed(0)
     w, x = torch.randn(1100, 24), torch.randn(3, 24)  # 3 tokens run as 4, over two slabs
@@ -174,13 +174,21 @@ def test_gemm_benchmark_times_every_path(tiny_model_dirs, capsys):
     assert all(len(r) == 7 and all(0 <= float(v) < math.inf for v in r[2:]) for r in rows)
 
 
-def test_half_weights_widen_only_on_cpus_without_native_half_matmuls(monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "cpu_has_native_bf16", lambda: False)
-    assert Gemm.for_device(torch.device("cpu"), torch.bfloat16) == Gemm(True, True)
-    assert Gemm.for_device(torch.device("cpu"), torch.float32) == Gemm(True, False)
-    assert Gemm.for_device(torch.device("cuda"), torch.bfloat16) == Gemm(False, False)
-    monkeypatch.setattr(cpu_gemm, "cpu_has_native_bf16", lambda: True)
-    assert Gemm.for_device(torch.device("cpu"), torch.bfloat16) == Gemm(True, False)
+def test_half_weights_widen_where_the_cpu_lacks_their_matmuls_and_run_plain_where_it_has_them(
+        monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert Gemm.for_device(cpu, torch.bfloat16) == Gemm(True, True)
+    assert Gemm.for_device(cpu, torch.float16) == Gemm(True, True)
+    assert Gemm.for_device(cpu, torch.float32) == Gemm(True, False)
+    assert Gemm.for_device(cuda, torch.bfloat16) == Gemm(False, False)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    native = Gemm.for_device(cpu, torch.bfloat16)
+    assert native == Gemm(False, False) and native.plain(2) and native.plain(512)
+    assert Gemm.for_device(cpu, torch.float16) == Gemm(True, True)  # no fp16 matmuls: widened
+    assert Gemm.for_device(cpu, torch.float32) == Gemm(True, False)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_fp16"}))
+    assert Gemm.for_device(cpu, torch.float16) == Gemm(False, False)
 
 
 def _prefill_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
@@ -208,7 +216,7 @@ def test_widened_bf16_model_matches_torch_bf16_products(tiny_model_dirs):
     token_ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
     logits = {}
     for widen in (True, False):
-        model.set_gemm(Gemm(cpu=True, widen_half=widen))
+        model.set_gemm(Gemm(slabs=True, widen_half=widen))
         logits[widen] = _prefill_logits(model, token_ids)
     assert logits[True].shape == (40, 320)
     torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)

@@ -42,7 +42,7 @@ from twinserve.gpu.vocab_parallel_embedding import VocabParallel
 MAX_TOKENS = 16
 # chunks of 16 tokens, prefix caching on, and a cache too small for every request at once
 REGIME = dict(max_num_batched_tokens=16, num_gpu_blocks_override=12, enable_prefix_caching=True)
-GEMM = Gemm(cpu=True, widen_half=False)
+GEMM = Gemm(slabs=True, widen_half=False)
 
 
 def _options(rank: int, size: int) -> LinearOptions:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from twinserve.benchmarks.fidelity import run_cli
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
-from twinserve.reports.fidelity import TARGETS, host_check, spread_pct
+from twinserve.reports.fidelity import TARGETS, host_check, spread_pct, verdict
 
 if TYPE_CHECKING:
     from twinserve.gpu.model_runner import ModelRunner
@@ -112,16 +112,6 @@ WORKLOADS: tuple[Workload, ...] = (
              (*_conv("1800:", 32, 0.35), "--policy", "priority", "--priorities", "0=1,1=3")),
 )
 _BY_NAME = {w.name: w for w in WORKLOADS}
-
-
-def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
-    """``ok`` within the target, ``~`` within the real runs' larger spread, ``MISS`` outside
-    both, ``""`` without a target."""
-    if target_pct is None or math.isnan(error_pct):
-        return ""
-    if abs(error_pct) <= target_pct:
-        return "ok"
-    return "~" if abs(error_pct) <= spread else "MISS"
 
 
 def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path],

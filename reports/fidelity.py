@@ -110,7 +110,10 @@ def format_errors(rows: Sequence[dict[str, Any]], title: str = "sim vs real") ->
              + ("   real min..max" if spread else "")]
     for row in rows:
         target = f"±{row['target_pct']:g}" if row["target_pct"] != "" else ""
-        mark = {"true": " ok", "false": " MISS"}.get(row["within_target"], "")
+        target_pct = None if row["target_pct"] == "" else float(row["target_pct"])
+        mark = verdict(row["rel_error_pct"], target_pct,
+                       spread_pct(row) if row.get("real_runs", 0) > 1 else math.nan)
+        mark = f" {mark}" if mark else ""
         line = (f"  {row['metric']:<24} {row['real']:>12.4g} {row['sim']:>12.4g} "
                 f"{row['rel_error_pct']:>+9.2f} {target:>7}{mark:<5}")
         if spread and row.get("real_runs", 0) > 1:
@@ -121,6 +124,16 @@ def format_errors(rows: Sequence[dict[str, Any]], title: str = "sim vs real") ->
         lines.append("  " + host_check([(spread_pct(row), float(row["target_pct"]))
                                         for row in judged]))
     return "\n".join(lines)
+
+
+def verdict(error_pct: float, target_pct: float | None, spread: float) -> str:
+    """``ok`` within the target, ``~`` within the real runs' larger spread (``spread_pct``),
+    ``MISS`` outside both, ``""`` without a target."""
+    if target_pct is None or math.isnan(error_pct):
+        return ""
+    if abs(error_pct) <= target_pct:
+        return "ok"
+    return "~" if abs(error_pct) <= spread else "MISS"
 
 
 def spread_pct(row: dict[str, Any]) -> float:

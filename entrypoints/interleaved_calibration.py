@@ -53,13 +53,22 @@ class InterleavedCalibration:
             self.probes = [{k: (v + after[k]) / 2 for k, v in self.grid_probe.items()}]
 
     def measure_level(self) -> dict[str, float]:
-        """One round of the engine-loop workloads (nothing without the engine loop) and the
-        host-speed probe right after: the probe the round's runs start from."""
+        """One round (nothing without the engine loop): another timed pass of the grid, whose
+        medians then span the rounds (on a drifting host one measurement of the grid bent the
+        profile's shape: a 96-token prefill took 130 ms in one grid, 109 ms in another), the
+        engine-loop workloads, and the host-speed probe right after: the probe the round's runs
+        start from."""
         from twinserve.gpu.profiler import measure_engine_loop, speed_probe
         if self.measured is None:
             raise RuntimeError("measure_grid first")
         if not self.args.engine_loop:
             return speed_probe(self.runner)
+        grid = self.measured.grid
+        if grid is not None and grid.steps:
+            grid.time_pass()
+            self.measured.micro = grid.samples()
+            self.log(f"micro-benchmarks: pass {len(grid.times[0])} of {len(grid.steps)} steps "
+                     "timed (the grid's medians now span the rounds)")
         self.measured.loop += measure_engine_loop(self.runner, self.engine_args,
                                                   self.args.quick, self.log)
         probe = self._probe_after()

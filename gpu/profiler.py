@@ -250,34 +250,69 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
     passes, then ``repeats`` timed ones. A burst of other work on a shared host then slows one
     repeat of steps scattered over the space (the median drops it) instead of every repeat of
     one region of it."""
-    steps: dict[int, SchedulerOutput] = {}
-    for i, spec in enumerate(specs):
-        try:
-            steps[i] = build_step(spec, runner.block_size, runner.num_gpu_blocks, runner.vocab_size,
-                              runner.kv_layout.num_groups)
-        except ValueError as exc:
+    return MicroGrid.build(runner, specs, progress, seed).run(warmup, repeats, progress)
+
+
+@dataclass(slots=True)
+class MicroGrid:
+    """Hand-built steps timed pass by pass (``run_micro_benchmarks``); more passes can be added
+    later (``InterleavedCalibration`` adds one before each round of real runs, so the grid's
+    shape, like the engine loop's level, is measured over the same minutes as the runs)."""
+
+    runner: ModelRunner
+    specs: list[StepSpec]  # those whose blocks fit
+    steps: list[SchedulerOutput]
+    times: list[list[float]]
+    rng: random.Random
+
+    @classmethod
+    def build(cls, runner: ModelRunner, specs: Sequence[StepSpec], progress: Log | None = None,
+              seed: int = 0) -> MicroGrid:
+        kept, steps = [], []
+        for spec in specs:
+            try:
+                steps.append(build_step(spec, runner.block_size, runner.num_gpu_blocks,
+                                        runner.vocab_size, runner.kv_layout.num_groups))
+            except ValueError as exc:
+                if progress:
+                    progress(f"skipped: {exc}")
+                continue
+            kept.append(spec)
+        return cls(runner, kept, steps, [[] for _ in steps], random.Random(seed))
+
+    def run(self, warmup: int, repeats: int, progress: Log | None = None) -> list[StepSample]:
+        """``warmup`` untimed passes, ``repeats`` timed ones, then ``samples()``."""
+        for pass_ in range(warmup + repeats):
+            self.time_pass(timed=pass_ >= warmup)
             if progress:
-                progress(f"skipped: {exc}")
-    sync = _sync_for(runner.device)
-    rng = random.Random(seed)
-    times: dict[int, list[float]] = {i: [] for i in steps}
-    for pass_ in range(warmup + repeats):
-        order = list(steps)
-        rng.shuffle(order)
+                what = "warm-up" if pass_ < warmup else f"timed {pass_ - warmup + 1}/{repeats}"
+                progress(f"micro-benchmarks: pass {pass_ + 1} ({what}) of {len(self.steps)} "
+                         "steps done")
+        samples = self.samples()
+        if progress:
+            for spec, sample in zip(self.specs, samples):
+                progress(f"  {spec.label():<48} {sample.seconds * 1e3:9.1f} ms")
+        return samples
+
+    def time_pass(self, timed: bool = True) -> None:
+        """Every step once, in a shuffled order; ``timed`` keeps the times."""
+        sync = _sync_for(self.runner.device)
+        order = list(range(len(self.steps)))
+        self.rng.shuffle(order)
         for i in order:
-            seconds = time_call(partial(runner.execute, steps[i]), 0, 1, sync)[0]
-            if pass_ >= warmup:
-                times[i].append(seconds)
-        if progress:
-            what = "warm-up" if pass_ < warmup else f"timed {pass_ - warmup + 1}/{repeats}"
-            progress(f"micro-benchmarks: pass {pass_ + 1} ({what}) of {len(steps)} steps done")
-    out = []
-    for i, step in steps.items():
-        median = statistics.median(times[i])
-        out.append(StepSample.of_step(step, median, median, times[i]))
-        if progress:
-            progress(f"  {specs[i].label():<48} {median * 1e3:9.1f} ms")
-    return out
+            seconds = time_call(partial(self.runner.execute, self.steps[i]), 0, 1, sync)[0]
+            if timed:
+                self.times[i].append(seconds)
+
+    def samples(self) -> list[StepSample]:
+        """One sample per step: the median of its timed passes."""
+        out = []
+        for step, times in zip(self.steps, self.times):
+            if not times:
+                raise RuntimeError("MicroGrid.samples needs at least one timed pass")
+            median = statistics.median(times)
+            out.append(StepSample.of_step(step, median, median, list(times)))
+        return out
 
 
 # ---- the host's speed now -------------------------------------------------------------------
@@ -515,6 +550,7 @@ class BackendMeasurement:
     loop: list[StepSample] = field(default_factory=list)
     seconds_per_swap_block: float | None = None
     lora: list[StepSample] = field(default_factory=list)  # with LoRA enabled: adapters' steps
+    grid: MicroGrid | None = None  # the micro-benchmarks' steps, for more passes
 
     @property
     def samples(self) -> list[StepSample]:
@@ -533,7 +569,8 @@ def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = 
     specs = default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len, quick,
                          gpu=runner.device.type == "cuda")
     log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
-    measured = BackendMeasurement(run_micro_benchmarks(runner, specs, warmup, repeats, log))
+    grid = MicroGrid.build(runner, specs, log)
+    measured = BackendMeasurement(grid.run(warmup, repeats, log), grid=grid)
     measured.seconds_per_swap_block = measure_swap(runner, warmup=warmup, repeats=repeats)
     if measured.seconds_per_swap_block is not None:
         log(f"swap copies: {measured.seconds_per_swap_block * 1e6:.1f} us per KV block "

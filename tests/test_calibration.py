@@ -795,3 +795,29 @@ def test_engine_loop_retries_what_a_small_cache_refuses(tiny_runner) -> None:
     assert sum(s.aggregates["num_decode_tokens"] for s in steps) == sum(
         o - 1 for _, o in sc.lengths())
     assert not engine.has_unfinished_requests()
+
+
+def test_each_round_times_the_grid_again_and_its_medians_span_the_rounds(tiny_model: Path) -> None:
+    """``InterleavedCalibration.measure_level`` adds a timed pass of the micro-benchmark grid
+    before each round's engine loop: every grid step then holds the initial repeats plus one
+    time per round, and the micro samples the fit uses are their medians."""
+    import statistics
+
+    from twinserve.entrypoints.calibrate import load_runner
+    from twinserve.entrypoints.cli import build_parser
+    from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
+    args = build_parser().parse_args(["calibrate", "--model", str(tiny_model), "--quick",
+                                      "--repeats", "2", "--max-num-seqs", "8",
+                                      "--max-num-batched-tokens", "64", "--max-model-len", "128",
+                                      "--dtype", "float32", "--out", "unused.json"])
+    eargs, runner = load_runner(args)
+    cal = InterleavedCalibration(args, eargs, runner, lambda msg: None)
+    cal.measure_grid()
+    grid = cal.measured.grid
+    assert grid is not None and grid.steps and all(len(t) == 2 for t in grid.times)
+    for _ in range(2):
+        cal.measure_level()
+    assert all(len(t) == 4 for t in grid.times)
+    assert [s.seconds for s in cal.measured.micro] == [statistics.median(t) for t in grid.times]
+    assert [s.repeats for s in cal.measured.micro] == grid.times
+    assert len(cal.probes) == 2 and cal.fit("tiny-llama").params.num_samples > 0

@@ -1,10 +1,11 @@
 """A backend calibration whose level is measured in rounds, between the runs it is compared with.
 
-The grid of micro-benchmarks sets the profile's shape once; the engine-loop workloads (synthetic,
+The grid of micro-benchmarks sets the profile's shape; the engine-loop workloads (synthetic,
 no trace) set its level. On a host whose speed drifts over minutes, a level measured before the
 real runs carries that drift into every prediction, so ``validate`` and the fidelity study run
 the engine loop before each real replay (or each round of them) and fit on all of them: the
-level is the host's over the same minutes as the runs, as interleaved benchmark rounds are.
+level is the host's over the same minutes as the runs, as interleaved benchmark rounds are. Each
+round also times the grid once more, so each grid step's median spans the same minutes.
 ``twinserve calibrate`` is the one-round case.
 """
 

@@ -59,7 +59,8 @@ class InterleavedCalibration:
         profile's shape: a 96-token prefill took 130 ms in one grid, 109 ms in another), the
         engine-loop workloads, and the host-speed probe right after: the probe the round's runs
         start from."""
-        from twinserve.gpu.profiler import measure_engine_loop, speed_probe
+        from twinserve.gpu.engine_loop import measure_engine_loop
+        from twinserve.gpu.profiler import speed_probe
         if self.measured is None:
             raise RuntimeError("measure_grid first")
         if not self.args.engine_loop:

@@ -78,9 +78,9 @@ NATIVE_HALF_FLAGS = {torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """How one model's weight products run: ``slabs`` computes products of 2+ tokens
-    feature-major in slabs of weight rows (else every product is torch's ``F.linear``); ``widen_half`` (half
-    weights on a CPU without native matmuls in their dtype) widens products of
-    ``MIN_WIDEN_TOKENS``+ tokens to fp32 and leaves smaller ones to torch's half GEMV;
+    feature-major in slabs of weight rows (else every product is torch's ``F.linear``);
+    ``widen_half`` (half weights on a CPU without native matmuls in their dtype) widens products
+    of ``MIN_WIDEN_TOKENS``+ tokens to fp32 and leaves smaller ones to torch's half GEMV;
     ``pad_tokens`` pads feature-major products to ``padded_width`` tokens."""
     slabs: bool
     widen_half: bool

@@ -94,6 +94,8 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         profile = (self.device.type == "cuda" and args.kv_cache_memory_bytes is None
                    and args.num_gpu_blocks_override is None)
+        if weights_from is not None:  # refused before any TP worker starts
+            check_shareable(weights_from, self, args)
         # tensor parallelism: workers (ranks 1..) start first, load beside the driver (rank 0)
         self.tp: TPDriver | None = None
         if args.tensor_parallel_size > 1:
@@ -101,8 +103,6 @@ class ModelRunner:
             self.tp = TPDriver(args, str(self.model_dir), resolved.dtype, self.device,
                                self.max_model_len,
                                resolved.scheduler.max_num_batched_tokens if profile else 0)
-        if weights_from is not None:
-            check_shareable(weights_from, self, args)
         try:
             self._load(args, resolved, platform, usage_context, profile, weights_from)
         except BaseException:

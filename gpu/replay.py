@@ -3,7 +3,7 @@
 A driver loop adds each trace request when its arrival time has come (prompt
 ``TraceRequest.prompt_token_ids(vocab)``, greedy, ``max_tokens`` = its output length,
 ``ignore_eos``; tenant and priority from the trace), steps while work exists and sleeps until the
-next arrival when idle. Every step is recorded through ``gpu.profiler.StepRecorder``: its
+next arrival when idle. Every step is recorded through ``gpu.engine_loop.StepRecorder``: its
 ``SchedulerOutput`` aggregates, the whole step's seconds and the forward pass's
 (``RUN/step_features.csv``: ``calibrate --from-run`` fits on it). ``twinserve validate`` sets the
 twin beside it.
@@ -26,8 +26,8 @@ from twinserve.core.request import Request
 from twinserve.core.run_dir import write_run
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.step_sample import SAMPLES_FILE, StepSample, write_samples
+from twinserve.gpu.engine_loop import StepRecorder
 from twinserve.gpu.llm_engine import LLMEngine
-from twinserve.gpu.profiler import StepRecorder
 from twinserve.traces import TraceRequest
 
 PROGRESS_EVERY_S = 10.0

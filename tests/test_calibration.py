@@ -302,7 +302,7 @@ def printed_factor(printed: str) -> str:
 def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, capsys,
                                            monkeypatch) -> None:
     from twinserve.entrypoints.cli import main
-    from twinserve.gpu import profiler, replay
+    from twinserve.gpu import engine_loop, replay
     order: list[str] = []  # the engine loop, which sets the profile's level, before each replay
 
     def recording(name: str, f: Callable) -> Callable:
@@ -310,7 +310,7 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
             order.append(name)
             return f(*a, **k)
         return recorded
-    for module, name in ((profiler, "measure_engine_loop"), (replay, "replay_real")):
+    for module, name in ((engine_loop, "measure_engine_loop"), (replay, "replay_real")):
         monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     out = tmp_path / "val"
     rc = main(["validate", "--model", str(tiny_model), "--trace", "synthetic",
@@ -510,8 +510,9 @@ def test_tiny_model_fit_is_monotone_reproduces_its_grid_and_predicts_a_held_back
     context, lands on its own grid within the error it reports, and times the steps of a held-
     back family (long prompts, other batch sizes) within 30% in total."""
     from twinserve.core.outputs import SchedulerOutput
+    from twinserve.gpu.engine_loop import LoopScenario, run_engine_loop
     from twinserve.gpu.llm_engine import LLMEngine
-    from twinserve.gpu.profiler import LoopScenario, default_grid, run_engine_loop, run_micro_benchmarks
+    from twinserve.gpu.profiler import default_grid, run_micro_benchmarks
     eargs, runner = tiny_runner
     micro = run_micro_benchmarks(runner, default_grid(128, 8, 256), warmup=1, repeats=3)
     for sample in micro:  # the fastest repeat, as the engine loop's steps below
@@ -561,7 +562,8 @@ def test_tiny_model_fit_is_monotone_reproduces_its_grid_and_predicts_a_held_back
 
 
 def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> None:
-    from twinserve.gpu.profiler import LoopScenario, batch_sweep, default_grid, default_scenarios
+    from twinserve.gpu.engine_loop import LoopScenario, default_scenarios
+    from twinserve.gpu.profiler import batch_sweep, default_grid
     assert batch_sweep(40) == [*range(1, 33), 40]
     assert batch_sweep(300) == [*range(1, 33), *range(40, 257, 8)]
     assert batch_sweep(64, quick=True) == [*range(1, 17), 32, 48, 64]
@@ -597,8 +599,8 @@ def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> Non
 def test_engine_loop_holds_its_concurrency_and_runs_every_request(tiny_runner) -> None:
     """A serving-like scenario: never more requests in a step than in flight, every request
     generates its own number of tokens, and batches change their make-up from step to step."""
+    from twinserve.gpu.engine_loop import LoopScenario, run_engine_loop
     from twinserve.gpu.llm_engine import LLMEngine
-    from twinserve.gpu.profiler import LoopScenario, run_engine_loop
     eargs, runner = tiny_runner
     engine = LLMEngine(eargs, runner=runner, usage_context="server")
     sc = LoopScenario(9, 8, 2, concurrency=3, prompt_len_max=60, output_len_max=9, seed=4)
@@ -782,8 +784,8 @@ def test_engine_loop_retries_what_a_small_cache_refuses(tiny_runner) -> None:
     instead of failing with EngineOverloaded; every request runs."""
     import dataclasses
 
+    from twinserve.gpu.engine_loop import LoopScenario, run_engine_loop
     from twinserve.gpu.llm_engine import LLMEngine
-    from twinserve.gpu.profiler import LoopScenario, run_engine_loop
     eargs, runner = tiny_runner
     engine = LLMEngine(eargs, runner=runner, usage_context="server")
     scheduler = engine.scheduler  # the bound a small cache would set (4 x its tokens)

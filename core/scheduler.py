@@ -486,6 +486,7 @@ class Scheduler:
             out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
             if start:
                 out.num_prefix_chunks += sign
+                out.sum_prefix_context_tokens += sign * start
             out.num_prefill_tokens += sign * n
             out.num_prefill_seqs += sign
 

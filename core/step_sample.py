@@ -25,7 +25,9 @@ from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 
 STEP_KINDS = ("prefill", "decode", "mixed", "swap")
 SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
-_PREFIX_CHUNKS = "num_prefix_chunks"  # (absent from files of older versions: ``_prefix_chunks``)
+# absent from files of older versions: ``_prefix_chunks`` and ``_prefix_context`` fill them in
+_PREFIX_CHUNKS = "num_prefix_chunks"
+_PREFIX_CONTEXT = "sum_prefix_context_tokens"
 SAMPLES_FILE = "step_features.csv"
 
 
@@ -114,8 +116,10 @@ def read_samples(path: str | Path) -> list[StepSample]:
     with open(path, newline="") as f:
         for i, row in enumerate(csv.DictReader(f), start=2):
             try:
-                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS if k != _PREFIX_CHUNKS}
+                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS
+                          if k not in (_PREFIX_CHUNKS, _PREFIX_CONTEXT)}
                 counts[_PREFIX_CHUNKS] = _prefix_chunks(row, counts)
+                counts[_PREFIX_CONTEXT] = _prefix_context(row, counts)
                 execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
                 lora = {n: float(row[n]) for n in LORA_FEATURE_NAMES if row.get(n)}
                 out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or "",
@@ -135,6 +139,21 @@ def _prefix_chunks(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
         raise ValueError(f"no {_PREFIX_CHUNKS} for a step with prefill chunks: the file was "
                          "recorded by an older twinserve; record the run again")
     return 0
+
+
+def _prefix_context(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
+    """The row's ``sum_prefix_context_tokens``. Files written before twinserve counted it lack
+    the column: derived from the prefill part of ``sum_context_tokens`` as if the step's prefill
+    chunks were of equal length (exact for one chunk and for the grid's steps, whose chunks are
+    equal): ``k`` chunks of ``n`` tokens after prefixes ``s_i`` sum ``n * sum(s_i) + k * n(n+1)/2``."""
+    value = row.get(_PREFIX_CONTEXT)
+    if value:
+        return int(value)
+    if not counts[_PREFIX_CHUNKS]:
+        return 0
+    k, n = counts["num_prefill_seqs"], counts["num_prefill_tokens"] / counts["num_prefill_seqs"]
+    prefill_context = counts["sum_context_tokens"] - counts["sum_decode_context_tokens"]
+    return max(0, round((prefill_context - k * n * (n + 1) / 2) / n))
 
 
 def read_recorded_samples(run_dirs: Iterable[str | Path]) -> list[StepSample]:

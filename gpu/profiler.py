@@ -109,6 +109,7 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         out.num_prefill_tokens += n
         out.sum_context_tokens += n * cached + n * (n + 1) // 2
         out.num_prefix_chunks += cached > 0
+        out.sum_prefix_context_tokens += cached
     out.total_num_scheduled_tokens = out.num_decode_tokens + out.num_prefill_tokens
     return out
 
@@ -192,9 +193,11 @@ def _prefix_chunks(max_num_batched_tokens: int, max_num_seqs: int, max_model_len
                    quick: bool) -> list[StepSpec]:
     """Several short chunks after cached prefixes in one step, where requests that hit the prefix
     cache arrive together: each chunk's attention runs against its prefix (a masked kernel on the
-    CPU), which single chunks after a prefix alone leave apart from the chunk count."""
+    CPU), which single chunks after a prefix alone leave apart from the chunk count. Three
+    prefix lengths and two chunk lengths per count part the prefixes' reads
+    (``sum_prefix_context_tokens``) from the chunks' tokens x context."""
     shapes = ((4, 16, 128),) if quick else tuple(
-        (k, n, s) for k in (4, 10) for n in (8, 32) for s in (128, 480))
+        (k, n, s) for k in (4, 10) for n in (8, 32) for s in (64, 240, 480))
     return [StepSpec(prefills=((n, s),) * k) for k, n, s in shapes
             if k <= max_num_seqs and k * n <= max_num_batched_tokens and n + s <= max_model_len]
 

@@ -40,7 +40,8 @@ attention by the summed contexts and, for a backend that pads, by batch x longes
 attention by tokens x context (``sum_context_tokens``). Backend fits of this machine also carry
 ``KERNEL_FEATURE_NAMES``: the CPU decode kernel's longest context, its critical path when a small
 batch is split over KV heads, the prefill chunks after a prefix, whose attention runs a masked
-kernel (``num_prefix_chunks``), and the steps that hold a prefill chunk, which on CUDA run
+kernel (``num_prefix_chunks``) that reads each chunk's prefix (``sum_prefix_context_tokens``),
+and the steps that hold a prefill chunk, which on CUDA run
 eagerly where decode-only steps replay CUDA graphs (``prefill_step``). Every coefficient is
 non-negative and every feature non-decreasing in tokens and contexts, so the fitted time is
 monotone in both; all are per-step aggregates of the ``SchedulerOutput`` (``step_time`` stays
@@ -96,6 +97,11 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # 480), where one chunk of 70 took 15 ms less than ten fresh chunks of 7. Fitted on the grid's
 # steps of 4 and 10 such chunks, the count took 5.7 ms a chunk and left ``num_prefill_seqs`` at
 # 47 us; a term by the chunks' context (tokens x context) took none of it.
+# ``sum_prefix_context_tokens`` (the chunks' prefixes, summed): the masked kernel gathers each
+# chunk's prefix and reads it whatever the chunk's length. Timed here (bf16, 10 chunks), a prefix
+# of 440 tokens instead of 64 added 55 ms to chunks of 4 tokens, 69 to chunks of 8 and 138 to
+# chunks of 32: ~1.1e-5 s per prefix token per chunk plus the tokens x context term. Without it
+# the grid's 10 chunks of 8 after 480 were fitted 14% short, and Mooncake's bursts 1.06-1.20x.
 # ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
 # another tile of rows (the segments alone only bend at powers of two): at 2, 3 and every 4th
 # count from 5 to 33, where the grid times each batch size (``gpu.profiler.batch_sweep``).
@@ -106,8 +112,9 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
 TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
 KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", "num_prefix_chunks",
-                                         "prefill_step", *TOKEN_STEP_NAMES)
-_NUM_KERNEL_LINEAR = 3  # the kernel features before the token steps
+                                         "sum_prefix_context_tokens", "prefill_step",
+                                         *TOKEN_STEP_NAMES)
+_NUM_KERNEL_LINEAR = 4  # the kernel features before the token steps
 ALL_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, *KERNEL_FEATURE_NAMES)
 KNOWN_FEATURES = frozenset((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))
 DEFAULT_BLOCK_SIZE = 16
@@ -124,13 +131,13 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
     """The linear features (``FEATURE_NAMES`` before the token segments, then the longest decode
-    context, the prefix chunks and the prefill step of ``KERNEL_FEATURE_NAMES``)."""
+    context, the prefix chunks, their prefixes and the prefill step of ``KERNEL_FEATURE_NAMES``)."""
     longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
                                                                       max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
             out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context),
             out.num_decode_seqs * longest, longest, out.num_prefix_chunks,
-            int(out.num_prefill_seqs > 0))
+            out.sum_prefix_context_tokens, int(out.num_prefill_seqs > 0))
 
 
 def token_segments(num_tokens: int) -> tuple[int, ...]:
@@ -535,7 +542,7 @@ class FittedCostModel:
         if (tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
                 or self.base.lora is not None):
             return self.step_time_reference(out)
-        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = self._coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10 = self._coefficients
         decodes, longest, prefills = out.num_decode_seqs, out.max_decode_context, out.num_prefill_seqs
         linear = 0
         linear += c0 * tokens
@@ -547,7 +554,8 @@ class FittedCostModel:
         linear += c6 * (decodes * longest)
         linear += c7 * longest
         linear += c8 * out.num_prefix_chunks
-        linear += c9 * (prefills > 0)
+        linear += c9 * out.sum_prefix_context_tokens
+        linear += c10 * (prefills > 0)
         return self._intercept + linear + self._token_time(tokens)
 
     def step_time_reference(self, out: SchedulerOutput) -> float:

@@ -224,6 +224,7 @@ class OperatorStep:
             agg.update(num_prefill_tokens=c, num_prefill_seqs=1)
             agg["sum_context_tokens"] += c * kv + c * (c + 1) // 2
             agg["num_prefix_chunks"] = int(kv > 0)
+            agg["sum_prefix_context_tokens"] = kv
         agg["total_num_scheduled_tokens"] = self.num_tokens
         return agg
 

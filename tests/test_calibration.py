@@ -161,10 +161,20 @@ def test_step_samples_are_validated_and_written_as_before(tmp_path: Path) -> Non
     assert path.read_text() == (
         "kind,total_num_scheduled_tokens,num_prefill_tokens,num_decode_tokens,"
         "num_prefill_seqs,num_decode_seqs,sum_context_tokens,sum_decode_context_tokens,"
-        "max_decode_context,num_prefix_chunks,seconds,execute_seconds\n"
-        "mixed,0,1,2,3,4,5,6,7,8,0.012345679,0.01\n"
-        "swap,0,0,0,0,0,0,0,0,0,0.5,\n")
+        "max_decode_context,num_prefix_chunks,sum_prefix_context_tokens,seconds,execute_seconds\n"
+        "mixed,0,1,2,3,4,5,6,7,8,9,0.012345679,0.01\n"
+        "swap,0,0,0,0,0,0,0,0,0,0,0.5,\n")
     assert [s.kind for s in read_samples(path)] == ["mixed", "swap"]
+    # a file from before the prefixes' column: derived from the chunks' tokens x context, exact
+    # for equal chunks (3 chunks of 8 after 100, 50 and 0 tokens, beside 2 decodes at 10)
+    older = tmp_path / "older.csv"
+    older.write_text("kind,total_num_scheduled_tokens,num_prefill_tokens,num_decode_tokens,"
+                     "num_prefill_seqs,num_decode_seqs,sum_context_tokens,"
+                     "sum_decode_context_tokens,max_decode_context,num_prefix_chunks,seconds,"
+                     "execute_seconds\n"
+                     f"mixed,26,24,2,3,2,{8 * 150 + 3 * 36 + 20},20,10,2,0.5,\n"
+                     "decode,2,0,2,0,2,20,20,11,0,0.5,\n")
+    assert [s.aggregates["sum_prefix_context_tokens"] for s in read_samples(older)] == [150, 0]
     # a file from before the prefix chunks' column: exact for decodes, refused for prefills
     old = tmp_path / "old.csv"
     old.write_text("kind,total_num_scheduled_tokens,num_prefill_tokens,num_decode_tokens,"
@@ -579,11 +589,12 @@ def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> Non
     # several short chunks after cached prefixes in one step, as prefix-cache hits arrive
     prefix = {(len(s.prefills), *s.prefills[0]) for s in grid
               if len(s.prefills) > 1 and s.prefills[0][1]}
-    assert prefix == {(k, n, c) for k in (4, 10) for n in (8, 32) for c in (128, 480)}
+    assert prefix == {(k, n, c) for k in (4, 10) for n in (8, 32) for c in (64, 240, 480)}
     from twinserve.core.step_sample import aggregates
     from twinserve.gpu.profiler import StepSpec, build_step
-    agg = aggregates(build_step(StepSpec(prefills=((8, 0), (8, 128))), 16, 64, 256))
-    assert agg["num_prefix_chunks"] == 1 and agg["sum_context_tokens"] == 2 * 36 + 8 * 128
+    agg = aggregates(build_step(StepSpec(prefills=((8, 0), (8, 128), (4, 64))), 16, 64, 256))
+    assert agg["num_prefix_chunks"] == 2 and agg["sum_prefix_context_tokens"] == 192
+    assert agg["sum_context_tokens"] == 36 + 8 * 128 + 36 + 4 * 64 + 10
     for sc in default_scenarios(32, 512):
         lengths = sc.lengths()
         assert len(lengths) == 2 * sc.concurrency and sc.concurrency <= 32

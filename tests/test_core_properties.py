@@ -69,6 +69,14 @@ def _one_step(s, now):
         assert len(sr.block_ids) * s.config.block_size >= sr.start + sr.num_new_tokens
         assert sr.start == sr.request.num_computed_tokens
         assert sr.sample == (sr.start + sr.num_new_tokens == sr.request.num_tokens)
+    # the step's totals (what the twin's cost model reads) recount its entries, also after the
+    # scheduler took entries back to preempt
+    chunks = [sr for sr in out.scheduled
+              if sr.num_new_tokens > 1 or sr.start < sr.request.num_prompt_tokens]
+    assert out.total_num_scheduled_tokens == sum(sr.num_new_tokens for sr in out.scheduled)
+    assert out.num_prefill_seqs == len(chunks)
+    assert out.num_prefix_chunks == sum(sr.start > 0 for sr in chunks)
+    assert out.sum_prefix_context_tokens == sum(sr.start for sr in chunks)
     s.kv.check_consistency()
     token = 2 if int(now) % 5 == 0 else 9  # eos now and then
     outs = s.update_from_output(out, ModelRunnerOutput(

@@ -462,5 +462,6 @@ def test_fitted_fast_path_equals_its_reference_with_every_term() -> None:
             num_decode_tokens=decodes, num_prefill_seqs=chunks, num_decode_seqs=decodes,
             sum_context_tokens=sum(ctx) + prefill_ctx, sum_decode_context_tokens=sum(ctx),
             max_decode_context=max(ctx, default=0),
-            num_prefix_chunks=int(rng.integers(0, chunks + 1)))
+            num_prefix_chunks=int(rng.integers(0, chunks + 1)),
+            sum_prefix_context_tokens=int(rng.integers(0, 2048)) * bool(chunks))
         assert cost.step_time(out) == cost.step_time_reference(out)

@@ -16,7 +16,7 @@ def test_token_budget_and_chunked_prefill():
     assert out.scheduled[0].sample and outs[0].new_token_ids == [7]
     assert out.num_prefill_tokens == 4 and out.sum_context_tokens == 17 + 18 + 19 + 20
     # a chunk after the prompt's earlier chunks attends to a prefix: it is counted apart
-    assert out.num_prefix_chunks == 1
+    assert out.num_prefix_chunks == 1 and out.sum_prefix_context_tokens == 16
 
 
 def test_prefix_chunks_are_the_chunks_after_computed_tokens():
@@ -27,6 +27,7 @@ def test_prefix_chunks_are_the_chunks_after_computed_tokens():
     s.add_request(make_req("b", 6, max_tokens=2))
     out, _ = step(s, 1.0)  # a's tokens 16..19 after 16 computed, and b's whole prompt
     assert out.num_prefill_seqs == 2 and out.num_prefix_chunks == 1
+    assert out.sum_prefix_context_tokens == 16  # a's prefix; b's chunk starts at 0
 
 
 def test_decodes_first_then_waiting_fill_the_budget_in_the_same_step():

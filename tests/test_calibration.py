@@ -630,13 +630,14 @@ def _kernel_shaped_seconds(agg: dict[str, int]) -> float:
     """A step time shaped as the CPU engine's kernels cost (no noise): a GEMM floor stepping up
     with the token count, per-token GEMM work, the decode kernel's summed contexts plus its
     longest one (a small batch splits over heads), prefill attention by tokens x context (more
-    per chunk after a prefix: a masked kernel), and per-sequence sampling."""
+    per chunk after a prefix: a masked kernel that reads the prefix), and per-sequence sampling."""
     tokens, decodes = agg["total_num_scheduled_tokens"], agg["num_decode_seqs"]
     floor = 0.060 if tokens <= 4 else 0.075 if tokens <= 16 else 0.090
     decode_ctx = agg["sum_decode_context_tokens"]
     return (floor + 4e-4 * tokens + 2e-5 * decode_ctx + 3e-5 * agg["max_decode_context"]
             + 1e-7 * (agg["sum_context_tokens"] - decode_ctx) + 3e-4 * decodes
-            + 2e-3 * agg["num_prefill_seqs"] + 5e-3 * agg.get("num_prefix_chunks", 0))
+            + 2e-3 * agg["num_prefill_seqs"] + 5e-3 * agg.get("num_prefix_chunks", 0)
+            + 1e-5 * agg.get("sum_prefix_context_tokens", 0))
 
 
 def _family(batches: list[int], prompts: list[int], output: int,
@@ -695,6 +696,34 @@ def test_a_fit_on_one_family_predicts_a_held_back_one_kernel_shaped() -> None:
     worst_alone = max(abs(predict(alone, s.aggregates) / t - 1)
                       for s, t in zip(held_back, truth))
     assert worst_alone > 2 * worst
+
+
+def test_prefix_hit_bursts_are_predicted_by_the_reads_of_their_prefixes() -> None:
+    """Bursts of prefix-cache hits (2 to 10 short chunks after long cached prefixes, with or
+    without decodes beside them), a region no workload family of the fit holds: the grid's
+    prefix-chunk steps and the prefix-read term predict them within 5%; a fit that cannot see
+    the prefixes' lengths (only their count and tokens x context) misses by more than twice that."""
+    from dataclasses import replace as replaced
+
+    from twinserve.core.step_sample import aggregates
+    from twinserve.gpu.profiler import StepSpec, build_step
+    grid = _kernel_shaped_grid(512, 32, 512, seed=4)
+    family = _family([1, 2, 4], [40, 120], 12, seed=5)
+    bursts = [aggregates(build_step(StepSpec(decodes=(300,) * d, prefills=((n, s),) * k),
+                                    16, 10**6, 256))
+              for k in (2, 5, 10) for n in (4, 7, 16) for s in (100, 300, 490) for d in (0, 4)]
+    truth = [_kernel_shaped_seconds(a) for a in bursts]
+    cal = fit_backend(grid, family, "m")
+    worst = max(abs(predict(cal.forward, a) / t - 1) for a, t in zip(bursts, truth))
+    assert worst < 0.05
+
+    def blind(samples: list[StepSample]) -> list[StepSample]:
+        return [replaced(s, aggregates={**s.aggregates, "sum_prefix_context_tokens": 0})
+                for s in samples]
+    without = fit_backend(blind(grid), blind(family), "m")
+    worst_without = max(abs(predict(without.forward, {**a, "sum_prefix_context_tokens": 0}) / t - 1)
+                        for a, t in zip(bursts, truth))
+    assert worst_without > 2 * worst
 
 
 def test_the_fit_follows_the_gemm_floors_jumps() -> None:

@@ -17,6 +17,7 @@ nothing of the simulator (``gpu`` never imports ``simulator``): it produces samp
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import tempfile
@@ -248,28 +249,40 @@ def run_micro_benchmarks(runner: ModelRunner, specs: Sequence[StepSpec], warmup:
 class MicroGrid:
     """Hand-built steps timed pass by pass (``run_micro_benchmarks``); more passes can be added
     later (``InterleavedCalibration`` adds one before each round of real runs, so the grid's
-    shape, like the engine loop's level, is measured over the same minutes as the runs)."""
+    shape, like the engine loop's level, is measured over the same minutes as the runs).
+
+    With a ``probe`` step, a pass times the probe between every two steps and each step's time
+    is read against the mean of the probes on either side, at the probes' median speed over
+    every pass: the host's speed moves within a pass too (timed here, one step's medians of 4
+    passes moved +-11% raw, +-5% read against the probe), and read raw such moves bent the
+    grid's shape (one calibration timed 48- and 64-token prefills 15% fast beside a 96-token
+    one, another 96-token prefills 9% fast beside the decodes)."""
 
     runner: ModelRunner
     specs: list[StepSpec]  # those whose blocks fit
     steps: list[SchedulerOutput]
-    times: list[list[float]]
+    times: list[list[float]]  # per step, its raw time in each timed pass
     rng: random.Random
+    probe: SchedulerOutput | None = None
+    probe_times: list[list[float]] = field(default_factory=list)  # per step, the probes beside
 
     @classmethod
     def build(cls, runner: ModelRunner, specs: Sequence[StepSpec], progress: Log | None = None,
-              seed: int = 0) -> MicroGrid:
-        kept, steps = [], []
-        for spec in specs:
+              seed: int = 0, probe: StepSpec | None = None) -> MicroGrid:
+        """The steps of ``specs`` whose blocks fit ``runner``'s cache (and ``probe``'s, if it
+        fits); those that do not are reported through ``progress``."""
+        def built(spec: StepSpec) -> SchedulerOutput | None:
             try:
-                steps.append(build_step(spec, runner.block_size, runner.num_gpu_blocks,
-                                        runner.vocab_size, runner.kv_layout.num_groups))
+                return build_step(spec, runner.block_size, runner.num_gpu_blocks,
+                                  runner.vocab_size, runner.kv_layout.num_groups)
             except ValueError as exc:
                 if progress:
                     progress(f"skipped: {exc}")
-                continue
-            kept.append(spec)
-        return cls(runner, kept, steps, [[] for _ in steps], random.Random(seed))
+                return None
+        pairs = [(spec, step) for spec in specs if (step := built(spec)) is not None]
+        steps = [step for _, step in pairs]
+        return cls(runner, [spec for spec, _ in pairs], steps, [[] for _ in steps],
+                   random.Random(seed), built(probe) if probe else None, [[] for _ in steps])
 
     def run(self, warmup: int, repeats: int, progress: Log | None = None) -> list[StepSample]:
         """``warmup`` untimed passes, ``repeats`` timed ones, then ``samples()``."""
@@ -286,24 +299,53 @@ class MicroGrid:
         return samples
 
     def time_pass(self, timed: bool = True) -> None:
-        """Every step once, in a shuffled order; ``timed`` keeps the times."""
-        sync = _sync_for(self.runner.device)
+        """Every step once, in a shuffled order (the probe between every two); ``timed`` keeps
+        the times."""
         order = list(range(len(self.steps)))
         self.rng.shuffle(order)
+        before = self._time_probe()
         for i in order:
-            seconds = time_call(partial(self.runner.execute, self.steps[i]), 0, 1, sync)[0]
+            seconds = self._time(self.steps[i])
+            after = self._time_probe()
             if timed:
                 self.times[i].append(seconds)
+                self.probe_times[i].append((before + after) / 2)
+            before = after
+
+    def _time_probe(self) -> float:
+        return math.nan if self.probe is None else self._time(self.probe)
+
+    def _time(self, step: SchedulerOutput) -> float:
+        sync = _sync_for(self.runner.device)
+        return time_call(partial(self.runner.execute, step), 0, 1, sync)[0]
+
+    def read_times(self) -> list[list[float]]:
+        """Per step, its time in each timed pass: raw without a probe; with one, read against
+        the probes beside it (``time * median probe / probe beside``)."""
+        if self.probe is None:
+            return [list(t) for t in self.times]
+        level = statistics.median(p for probes in self.probe_times for p in probes)
+        return [[t * level / p for t, p in zip(times, probes, strict=True)]
+                for times, probes in zip(self.times, self.probe_times, strict=True)]
 
     def samples(self) -> list[StepSample]:
-        """One sample per step: the median of its timed passes."""
+        """One sample per step: the median of its timed passes (``read_times``)."""
         out = []
-        for step, times in zip(self.steps, self.times):
+        for step, times in zip(self.steps, self.read_times()):
             if not times:
                 raise RuntimeError("MicroGrid.samples needs at least one timed pass")
             median = statistics.median(times)
-            out.append(StepSample.of_step(step, median, median, list(times)))
+            out.append(StepSample.of_step(step, median, median, times))
         return out
+
+
+def grid_probe(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> StepSpec:
+    """The step a calibration's grid reads its steps against (``MicroGrid``): a few decodes and
+    a short prefill chunk, so that it loads the host as both kinds of step do (~50 ms here)."""
+    num_decodes = min(4, max_num_seqs - 1)
+    decodes = _spread_decodes(num_decodes, min(96, max_model_len - 1)).decodes if num_decodes else ()
+    chunk = min(16, max_num_batched_tokens - num_decodes, max_model_len - 1)
+    return StepSpec(decodes=decodes, prefills=((chunk, 0),))
 
 
 # ---- the host's speed now -------------------------------------------------------------------
@@ -447,7 +489,8 @@ def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = 
     specs = default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len, quick,
                          gpu=runner.device.type == "cuda")
     log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
-    grid = MicroGrid.build(runner, specs, log)
+    grid = MicroGrid.build(runner, specs, log, probe=grid_probe(
+        limits.max_num_seqs, limits.max_num_batched_tokens, max_len))
     measured = BackendMeasurement(grid.run(warmup, repeats, log), grid=grid)
     measured.seconds_per_swap_block = measure_swap(runner, warmup=warmup, repeats=repeats)
     if measured.seconds_per_swap_block is not None:

@@ -839,6 +839,45 @@ def test_engine_loop_retries_what_a_small_cache_refuses(tiny_runner) -> None:
     assert not engine.has_unfinished_requests()
 
 
+def test_the_grid_read_against_its_probe_keeps_its_shape_on_a_drifting_host() -> None:
+    """``MicroGrid`` with a probe step: on a host whose speed drifts within a pass and between
+    passes (a fake clock here, each step's time its base time x the speed at that call), the
+    steps read against the probes beside them keep their true ratios, where the raw times
+    bend them by the drift."""
+    import itertools
+    import types
+
+    import torch
+
+    from twinserve.core.outputs import SchedulerOutput
+    from twinserve.gpu import profiler
+    from twinserve.gpu.profiler import MicroGrid, StepSpec, grid_probe
+
+    clock = [0.0]
+    calls = itertools.count()
+
+    def execute(step: SchedulerOutput) -> None:  # base time: 1 ms per token, drift up to 1.8x
+        speed = 1.0 + 0.8 * abs(math.sin(next(calls) / 12))
+        clock[0] += 1e-3 * step.total_num_scheduled_tokens * speed
+
+    runner = types.SimpleNamespace(block_size=16, num_gpu_blocks=4096, vocab_size=256,
+                                   kv_layout=types.SimpleNamespace(num_groups=1),
+                                   device=torch.device("cpu"), execute=execute)
+    specs = [StepSpec(prefills=((n, 0),)) for n in (16, 32, 64, 96, 128, 256)]
+    specs += [StepSpec(decodes=(64,) * b) for b in (1, 4, 16, 32)]
+    tokens = [s.num_tokens for s in specs]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profiler.time, "perf_counter", lambda: clock[0])
+        grids = [MicroGrid.build(runner, specs, probe=probe, seed=3)  # type: ignore[arg-type]
+                 for probe in (grid_probe(32, 512, 512), None)]
+        for grid in grids:
+            grid.run(warmup=0, repeats=4)
+    probed, raw = ([s.seconds / n for s, n in zip(g.samples(), tokens)] for g in grids)
+    assert max(probed) / min(probed) < 1.02  # the same time per token, whatever the drift
+    assert max(raw) / min(raw) > 1.1
+    assert grids[0].probe is not None and grids[1].probe is None
+
+
 def test_each_round_times_the_grid_again_and_its_medians_span_the_rounds(tiny_model: Path) -> None:
     """``InterleavedCalibration.measure_level`` adds a timed pass of the micro-benchmark grid
     before each round's engine loop: every grid step then holds the initial repeats plus one
@@ -859,7 +898,9 @@ def test_each_round_times_the_grid_again_and_its_medians_span_the_rounds(tiny_mo
     assert grid is not None and grid.steps and all(len(t) == 2 for t in grid.times)
     for _ in range(2):
         cal.measure_level()
-    assert all(len(t) == 4 for t in grid.times)
-    assert [s.seconds for s in cal.measured.micro] == [statistics.median(t) for t in grid.times]
-    assert [s.repeats for s in cal.measured.micro] == grid.times
+    assert all(len(t) == 4 for t in grid.times) and grid.probe is not None
+    assert all(len(p) == 4 for p in grid.probe_times)
+    read = grid.read_times()
+    assert [s.seconds for s in cal.measured.micro] == [statistics.median(t) for t in read]
+    assert [s.repeats for s in cal.measured.micro] == read
     assert len(cal.probes) == 2 and cal.fit("tiny-llama").params.num_samples > 0

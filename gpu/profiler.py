@@ -344,7 +344,7 @@ class MicroGrid:
 def grid_probe(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> StepSpec:
     """The step a calibration's grid reads its steps against (``MicroGrid``): a few decodes and
     a short prefill chunk, so that it loads the host as both kinds of step do (~50 ms here)."""
-    num_decodes = min(4, max_num_seqs - 1)
+    num_decodes = min(4, max_num_seqs - 1, max_num_batched_tokens - 1)
     decodes = _spread_decodes(num_decodes, min(96, max_model_len - 1)).decodes if num_decodes else ()
     chunk = min(16, max_num_batched_tokens - num_decodes, max_model_len - 1)
     return StepSpec(decodes=decodes, prefills=((chunk, 0),))

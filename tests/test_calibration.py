@@ -878,6 +878,19 @@ def test_the_grid_read_against_its_probe_keeps_its_shape_on_a_drifting_host() ->
     assert grids[0].probe is not None and grids[1].probe is None
 
 
+@pytest.mark.parametrize("limits", [(32, 512, 512), (1, 8, 64), (2, 2, 16), (5, 16, 8), (5, 4, 64)])
+def test_the_grid_probe_fits_the_engine_limits(limits: tuple[int, int, int]) -> None:
+    """``grid_probe`` within any engine's limits: no more sequences, tokens or context than the
+    engine schedules, and a prefill chunk always (the probe loads the host as both kinds do)."""
+    from twinserve.gpu.profiler import grid_probe
+    max_num_seqs, max_num_batched_tokens, max_model_len = limits
+    spec = grid_probe(max_num_seqs, max_num_batched_tokens, max_model_len)
+    assert len(spec.decodes) + len(spec.prefills) <= max_num_seqs and len(spec.prefills) == 1
+    assert 0 < spec.num_tokens <= max_num_batched_tokens
+    assert all(c < max_model_len for c in spec.decodes)
+    assert all(n + cached < max_model_len for n, cached in spec.prefills)
+
+
 def test_each_round_times_the_grid_again_and_its_medians_span_the_rounds(tiny_model: Path) -> None:
     """``InterleavedCalibration.measure_level`` adds a timed pass of the micro-benchmark grid
     before each round's engine loop: every grid step then holds the initial repeats plus one

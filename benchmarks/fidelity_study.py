@@ -5,8 +5,9 @@
 
 1. One profile with ``twinserve calibrate``'s defaults (micro-benchmarks over the engine's whole
    space plus synthetic engine-loop workloads: no trace), at the study's engine limits, its
-   level measured in rounds (the engine loop before each round of replays:
-   ``InterleavedCalibration``); ``--profile`` uses a given one instead. No workload below is
+   level measured in rounds (the grid timed again before each round of replays, the engine
+   loop's workloads split between its replays: ``InterleavedCalibration``, ``loop_schedule``);
+   ``--profile`` uses a given one instead. No workload below is
    used to fit it.
 2. Each workload replayed ``--rounds`` times on the real engine, in interleaved rounds (round r
    replays every workload once, in reverse order every other round: ``round_order``), so the
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from twinserve.benchmarks.fidelity import run_cli
-from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration
+from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration, loop_schedule
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct, verdict
 
@@ -215,17 +216,22 @@ def main(argv: list[str] | None = None) -> int:
         cal = _calibration(engine)
     runs: dict[str, list[Path]] = {n: [] for n in names}
     for round_ in range(1, args.rounds + 1):
+        order = round_order(names, round_)
         if cal is not None:
-            cal.measure_level()
-        for name in round_order(names, round_):
+            cal.time_grid_pass()
+            loop_parts = loop_schedule(cal.num_loop_parts(), len(order), round_)
+        for i, name in enumerate(order):
+            if cal is not None and loop_parts[i]:
+                cal.measure_loop(loop_parts[i])
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "summary.json").is_file()):
                 _replay(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",
                          "--out", str(folder), "--quiet"], cal.runner if cal else None)
             runs[name].append(folder / "real")
     if cal is not None:
-        cal.save(Path(profile), f"Calibrated by the fidelity study: the grid first, the engine "
-                 f"loop before each of its {args.rounds} rounds of replays.")
+        cal.save(Path(profile), f"Calibrated by the fidelity study: the grid first and again "
+                 f"before each of its {args.rounds} rounds of replays, the engine loop's "
+                 "workloads split between each round's replays.")
         del cal  # (its model load)
     rows: list[dict[str, object]] = []
     for name in names:
@@ -272,7 +278,8 @@ def _replay(argv: list[str], weights_from: ModelRunner | None) -> None:
 
 def _calibration(engine: list[str]) -> InterleavedCalibration:
     """``twinserve calibrate``'s defaults at the study's engine limits, on a model load of its
-    own: the grid now, the engine loop (the profile's level) before each round."""
+    own: the grid now, the engine loop (the profile's level) split between each round's
+    replays."""
     from twinserve.entrypoints.calibrate import load_runner, model_dir_or_default, set_threads
     from twinserve.entrypoints.cli import build_parser
     args = build_parser().parse_args(["calibrate", *engine, "--max-model-len",

@@ -144,14 +144,22 @@ def run_engine_loop(engine: LLMEngine, scenarios: Iterable[LoopScenario], detoke
     return recorder.steps
 
 
+def runner_scenarios(runner: ModelRunner, quick: bool = False) -> list[LoopScenario]:
+    """``default_scenarios`` within ``runner``'s limits: the engine loop's workloads."""
+    return default_scenarios(runner.engine_config.scheduler.max_num_seqs, runner.max_model_len,
+                             quick)
+
+
 def measure_engine_loop(runner: ModelRunner, engine_args: EngineArgs, quick: bool = False,
-                        log: Log | None = None) -> list[StepSample]:
-    """The synthetic serving workloads (``default_scenarios`` within the runner's limits)
-    through a fresh ``LLMEngine`` on ``runner``: their recorded steps."""
-    scenarios = default_scenarios(runner.engine_config.scheduler.max_num_seqs,
-                                  runner.max_model_len, quick)
+                        log: Log | None = None,
+                        parts: Iterable[int] | None = None) -> list[StepSample]:
+    """The synthetic serving workloads (``runner_scenarios``; with ``parts``, those at these
+    indices) through a fresh ``LLMEngine`` on ``runner``: their recorded steps."""
+    scenarios = runner_scenarios(runner, quick)
+    if parts is not None:
+        scenarios = [scenarios[i] for i in parts]
     if log is not None:
-        log(f"engine loop: {len(scenarios)} synthetic workloads")
+        log(f"engine loop: {len(scenarios)} synthetic workload(s)")
     engine = LLMEngine(engine_args, runner=runner, usage_context="server")
     engine.metrics.record_steps = False
     return run_engine_loop(engine, scenarios, progress=log)

@@ -917,3 +917,13 @@ def test_each_round_times_the_grid_again_and_its_medians_span_the_rounds(tiny_mo
     assert [s.seconds for s in cal.measured.micro] == [statistics.median(t) for t in read]
     assert [s.repeats for s in cal.measured.micro] == read
     assert len(cal.probes) == 2 and cal.fit("tiny-llama").params.num_samples > 0
+    # one part of the engine loop (the fidelity study splits it between its replays)
+    from twinserve.gpu.engine_loop import runner_scenarios
+    logged: list[str] = []
+    cal.log, steps = logged.append, len(cal.measured.loop)
+    assert cal.num_loop_parts() == len(runner_scenarios(runner, quick=True)) > 1
+    cal.measure_loop([1])
+    assert [m.split(":")[0] for m in logged if m.startswith("[")] == [
+        f"[1] {runner_scenarios(runner, quick=True)[1].label()}"]
+    assert len(cal.measured.loop) > steps and len(cal.probes) == 3
+    assert all(len(t) == 4 for t in grid.times)  # the grid was not timed again

@@ -113,10 +113,11 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
         "host: 1/2 targeted metrics' replays spread wider than their target (median 9.0%)")
 
 
-def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
-                                                              monkeypatch) -> None:
-    """The study's calibration: the grid once, the engine loop before each round of replays
-    (reversed every other round), the profile saved before any workload is simulated with it."""
+def test_fidelity_study_splits_the_level_between_each_rounds_replays(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """The study's calibration: the grid again before each round of replays (reversed every
+    other round), the engine loop's parts between them as ``loop_schedule`` places them, the
+    profile saved before any workload is simulated with it."""
     from twinserve.benchmarks import fidelity_study
     events: list[str] = []
     weights = object()  # the calibration's model load, which every replay runs on
@@ -124,8 +125,14 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
     class Recorded:
         runner = weights
 
-        def measure_level(self) -> None:
-            events.append("level")
+        def time_grid_pass(self) -> None:
+            events.append("grid")
+
+        def num_loop_parts(self) -> int:
+            return 3
+
+        def measure_loop(self, parts: list[int]) -> None:
+            events.append(f"loop {parts}")
 
         def save(self, path: Path, note: str) -> Path:
             events.append("save")
@@ -149,8 +156,24 @@ def test_fidelity_study_measures_the_level_before_each_round(tmp_path: Path,
     assert fidelity_study.main(["--out", str(tmp_path), "--workloads", "conv-600,code",
                                 "--rounds", "3"]) == 0
     # every other round in reverse order, so no workload always comes first after the level
-    assert events == ["level", "replay conv-600-1", "replay code-1",
-                      "level", "replay code-2", "replay conv-600-2",
-                      "level", "replay conv-600-3", "replay code-3", "save",
-                      "sim conv-600", "sim conv-600-at-replay-speed",
+    assert events == ["grid", "loop [0, 1]", "replay conv-600-1", "loop [2]", "replay code-1",
+                      "grid", "loop [2]", "replay code-2", "loop [0, 1]", "replay conv-600-2",
+                      "grid", "loop [0, 1]", "replay conv-600-3", "loop [2]", "replay code-3",
+                      "save", "sim conv-600", "sim conv-600-at-replay-speed",
                       "sim code", "sim code-at-replay-speed"]
+
+
+def test_the_loop_schedule_spreads_every_part_over_each_round_and_moves_it_between_rounds() -> None:
+    from twinserve.entrypoints.interleaved_calibration import loop_schedule
+    for parts, runs in ((4, 9), (3, 2), (4, 1), (1, 9), (6, 6)):
+        for round_ in range(1, 8):
+            schedule = loop_schedule(parts, runs, round_)
+            assert len(schedule) == runs
+            assert sorted(p for slot in schedule for p in slot) == list(range(parts))
+            assert max(map(len, schedule)) == -(-parts // runs)  # as even as the counts allow
+    # the study's default (4 parts, 9 workloads, 5 rounds): the longest part at 5 places
+    places = [next(i for i, slot in enumerate(loop_schedule(4, 9, r)) if 3 in slot)
+              for r in range(1, 6)]
+    assert len(set(places)) == 5
+    with pytest.raises(ValueError, match="num_runs"):
+        loop_schedule(4, 0, 1)

@@ -156,10 +156,13 @@ def measure_engine_loop(runner: ModelRunner, engine_args: EngineArgs, quick: boo
     """The synthetic serving workloads (``runner_scenarios``; with ``parts``, those at these
     indices) through a fresh ``LLMEngine`` on ``runner``: their recorded steps."""
     scenarios = runner_scenarios(runner, quick)
+    what = f"{len(scenarios)} synthetic workloads"
     if parts is not None:
+        parts = list(parts)
+        what = f"synthetic workload(s) {', '.join(str(i + 1) for i in parts)} of {len(scenarios)}"
         scenarios = [scenarios[i] for i in parts]
     if log is not None:
-        log(f"engine loop: {len(scenarios)} synthetic workload(s)")
+        log(f"engine loop: {what}")
     engine = LLMEngine(engine_args, runner=runner, usage_context="server")
     engine.metrics.record_steps = False
     return run_engine_loop(engine, scenarios, progress=log)

@@ -7,8 +7,7 @@
    space plus synthetic engine-loop workloads: no trace), at the study's engine limits, its
    level measured in rounds (the grid timed again before each round of replays, the engine
    loop's workloads split between its replays: ``InterleavedCalibration``, ``loop_schedule``);
-   ``--profile`` uses a given one instead. No workload below is
-   used to fit it.
+   ``--profile`` uses a given one instead. No workload below is used to fit it.
 2. Each workload replayed ``--rounds`` times on the real engine, in interleaved rounds (round r
    replays every workload once, in reverse order every other round: ``round_order``), so the
    machine's drift falls on all of them alike: ``OUT/real/<workload>-<r>``. Every replay runs
@@ -217,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[Path]] = {n: [] for n in names}
     for round_ in range(1, args.rounds + 1):
         order = round_order(names, round_)
+        loop_parts: list[list[int]] = [[] for _ in order]
         if cal is not None:
             cal.time_grid_pass()
             loop_parts = loop_schedule(cal.num_loop_parts(), len(order), round_)
-        for i, name in enumerate(order):
-            if cal is not None and loop_parts[i]:
-                cal.measure_loop(loop_parts[i])
+        for name, parts in zip(order, loop_parts, strict=True):
+            if cal is not None and parts:
+                cal.measure_loop(parts)
             folder = out / "real" / f"{name}-{round_}"
             if not (args.resume and (folder / "real" / "summary.json").is_file()):
                 _replay(["validate", *_flags(_BY_NAME[name], args), *engine, "--profile", "cpu",

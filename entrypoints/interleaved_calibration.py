@@ -69,10 +69,11 @@ class InterleavedCalibration:
         """Another timed pass of the grid, whose medians then span the rounds (on a drifting
         host one measurement of the grid bent the profile's shape: a 96-token prefill took
         130 ms in one grid, 109 ms in another)."""
-        grid = self._measured().grid
+        measured = self._measured()
+        grid = measured.grid
         if grid is not None and grid.steps:
             grid.time_pass()
-            self._measured().micro = grid.samples()
+            measured.micro = grid.samples()
             self.log(f"micro-benchmarks: pass {len(grid.times[0])} of {len(grid.steps)} steps "
                      "timed (the grid's medians now span the rounds)")
 

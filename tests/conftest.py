@@ -3,6 +3,7 @@ that drives ``ModelRunner`` with hand-built ``SchedulerOutput``s."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -136,3 +137,59 @@ def with_trained_tokenizer(src: Path, dst: Path, corpus: list[str]) -> Path:
         "bos_token": "<s>", "eos_token": "</s>",
         "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}))
     return dst
+
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": True,
+    "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def make_tiny_llama(path: Path) -> Path:
+    """An HF directory (config.json + model.safetensors, no tokenizer) of random weights."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = TINY_CONFIG
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    tensors = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h),
+               "model.norm.weight": torch.ones(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter)})
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture()
+def tiny_runner(tiny_model: Path):
+    """A runner of the tiny model on one torch thread: two OpenMP threads on a shared 2-core
+    host stall on each other's descheduling (tiny steps measured 100x slower), one does not."""
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.model_runner import ModelRunner
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eargs = EngineArgs(str(tiny_model), dtype="float32", max_model_len=256, max_num_seqs=8,
+                       max_num_batched_tokens=128, kv_cache_memory_bytes=4 << 20)
+    yield eargs, ModelRunner(eargs, usage_context="server")
+    torch.set_num_threads(threads)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from twinserve.entrypoints.cli import main as cli
 from twinserve.reports.fidelity import TARGETS, error_row
+from twinserve.reports.repeatability import error_pct, left_out
 
 SCENARIOS = ("fcfs", "fair", "light", "overload")
 CALIBRATION = "calib"
@@ -148,13 +149,8 @@ def reproducibility_rows(name: str, runs: list[Path]) -> list[dict[str, object]]
     rows: list[dict[str, object]] = []
     for metric, target in TARGETS:
         values = [float(s[metric]) for s in summaries if s.get(metric) is not None]
-        errors = []
-        for i, value in enumerate(values):
-            rest = statistics.median(values[:i] + values[i + 1:])
-            if rest:
-                errors.append(100.0 * abs(value - rest) / rest)
-            elif value == 0:
-                errors.append(0.0)
+        errors = [abs(e) for e in (error_pct(v, statistics.median(rest))
+                                   for v, rest in left_out(values)) if not math.isnan(e)]
         err = statistics.median(errors) if errors else math.nan
         within = "" if target is None or math.isnan(err) else str(err <= target).lower()
         row = error_row(metric, values, math.nan, target)  # the real median, min, max and count

@@ -24,6 +24,10 @@
    replay`` columns: given that one number from the replays, the twin's error is its scheduling
    (batch sizes, queues, preemptions), not the host's drift since calibration. The row
    ``host_speed_vs_profile`` gives the speed probe's reading beside it.
+5. The real engine against itself (``reports.repeatability``): each replay left out in turn and
+   judged against the other replays' median and spread as the twin is, and the twin (in both
+   columns) against the very same references. How often a repeat of the real run passes is the
+   floor the host sets under any prediction; the last line of the table sets the twin beside it.
 
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
 time-scaled near the engine's saturation) so that the whole study, calibration included, runs in
@@ -49,6 +53,7 @@ from twinserve.benchmarks.fidelity import run_cli
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration, loop_schedule
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct, verdict
+from twinserve.reports.repeatability import Repeatability, read_repeatability
 
 if TYPE_CHECKING:
     from twinserve.gpu.model_runner import ModelRunner
@@ -121,6 +126,9 @@ def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path],
     verdict at the replays' own speed."""
     errors = _read_errors(errors_csv)
     at_replay = _read_errors(at_replay_csv) if at_replay_csv is not None else {}
+    repeats = read_repeatability(errors_csv.with_name("repeatability.csv"))
+    repeats_at_replay = (read_repeatability(at_replay_csv.with_name("repeatability.csv"))
+                         if at_replay_csv is not None else {})
     rows: list[dict[str, object]] = []
     tenants = [m for m in errors if m.startswith("mean_ttft_ms[")]  # fair: per tenant
     for metric in (*TABLE_METRICS, *tenants, "num_preemptions", "prefix_cache_hit_rate",
@@ -135,8 +143,20 @@ def study_rows(workload: str, errors_csv: Path, real_dirs: list[Path],
                      "target_pct": "" if target is None else target, "spread_pct": spread,
                      "verdict": verdict(err, target, spread), "real_runs": len(real_dirs),
                      "error_at_replay_speed_pct": at_err,
-                     "verdict_at_replay_speed": verdict(at_err, target, spread)})
+                     "verdict_at_replay_speed": verdict(at_err, target, spread),
+                     **_repeat_columns(repeats.get(metric), repeats_at_replay.get(metric))})
     return rows
+
+
+def _repeat_columns(repeats: Repeatability | None,
+                    at_replay: Repeatability | None) -> dict[str, object]:
+    """A targeted metric's leave-one-out counts (``reports.repeatability``): of its
+    ``repeat_refs`` references (each replay left out in turn), how many that replay passed
+    against the others, how many the twin did, and the twin at the replays' speed."""
+    return {"repeat_refs": repeats.runs if repeats else "",
+            "replay_passes": repeats.replay_passes if repeats else "",
+            "twin_passes": repeats.twin_passes if repeats else "",
+            "twin_passes_at_replay_speed": at_replay.twin_passes if at_replay else ""}
 
 
 def _read_errors(path: Path) -> dict[str, dict[str, str]]:
@@ -174,7 +194,26 @@ def format_table(rows: list[dict[str, object]]) -> str:
     spreads = [(float(r["spread_pct"]), float(r["target_pct"]))  # type: ignore[arg-type]
                for r in rows if r["verdict"]]
     lines.append(host_check(spreads))
-    return "\n".join(lines)
+    repeat_line = _repeat_summary(rows)
+    return "\n".join([*lines, repeat_line] if repeat_line else lines)
+
+
+def _repeat_summary(rows: list[dict[str, object]]) -> str:
+    """The leave-one-out totals (``_repeat_columns``): the host's floor beside the twin."""
+    judged = [r for r in rows if r.get("repeat_refs", "") != ""]
+    if not judged:
+        return ""
+    total = sum(int(r["repeat_refs"]) for r in judged)  # type: ignore[call-overload]
+
+    def passed(column: str) -> str:
+        count = sum(int(r[column]) for r in judged if r[column] != "")  # type: ignore[call-overload]
+        return f"{count} of {total} ({100 * count / total:.0f}%)"
+
+    at_replay = (f", {passed('twin_passes_at_replay_speed')} at the replays' speed"
+                 if any(r["twin_passes_at_replay_speed"] != "" for r in judged) else "")
+    return (f"repeatability (each replay left out in turn, judged against the others' median "
+            f"and spread): a real replay passed {passed('replay_passes')}; the twin against the "
+            f"same references {passed('twin_passes')} as calibrated{at_replay}")
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

@@ -19,7 +19,10 @@ measure how far the twin lands.
    ``OUT/report.html``. With ``--real-repeats N`` the real replay runs N times (``OUT/real``,
    ``OUT/real-2``, ...; a fresh scheduler and cache each time) and the twin is compared with the
    median of each metric, the spread of the real runs shown beside it: on a shared machine one
-   replay's TPOT can move by a fifth. The row ``replayed_step_time_s`` times the real runs' own
+   replay's TPOT can move by a fifth. From 3 runs on, ``OUT/repeatability.csv`` (and a line
+   under the table) says how often each real run, set against the others as the twin is, passed
+   where the twin is asked to (``reports.repeatability``): the host's floor under the twin's
+   error. The row ``replayed_step_time_s`` times the real runs' own
    steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
@@ -229,6 +232,11 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
         tenant_ttft_rows,
         write_errors,
     )
+    from twinserve.reports.repeatability import (
+        format_repeatability,
+        repeatability,
+        write_repeatability,
+    )
     from twinserve.simulator.calibration import predicted_seconds
     from twinserve.simulator.twin_of_run import simulate_like
     from twinserve.traces import trace_desc
@@ -272,6 +280,11 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
     print(format_errors(rows, f"sim vs real ({real_config['scheduling_policy']}, "
                               f"{len(trace)} requests, {len(real_dirs)} real run(s), "
                               f"profile {profile})"))
+    repeats = repeatability(summaries, sim.summary)
+    (out / "repeatability.csv").unlink(missing_ok=True)
+    if repeats:
+        write_repeatability(out / "repeatability.csv", repeats)
+        print("  " + format_repeatability(repeats))
     try:
         report = write_report([*real_dirs, out / "sim"], out / "report.html",
                               title=f"twinserve validate: {real_config['scheduling_policy']}")

@@ -32,7 +32,7 @@ def error_rows(reals: Sequence[dict[str, Any]], sim: dict[str, Any]) -> list[dic
     """The twin's signed relative error per metric against the median of the real runs."""
     if not reals:
         raise ValueError("error_rows needs at least one real run summary.")
-    return [error_row(metric, [_num(r.get(metric)) for r in reals], _num(sim.get(metric)), target)
+    return [error_row(metric, [as_number(r.get(metric)) for r in reals], as_number(sim.get(metric)), target)
             for metric, target in TARGETS]
 
 
@@ -87,7 +87,7 @@ def _tenant_mean_ttft(path: Path) -> dict[str, float]:
     return {t: float(np.mean(v)) for t, v in by_tenant.items()}
 
 
-def _num(value: Any) -> float:
+def as_number(value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):

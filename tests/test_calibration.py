@@ -243,6 +243,8 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
                                            monkeypatch) -> None:
     from twinserve.entrypoints.cli import main
     from twinserve.gpu import engine_loop, replay
+    from twinserve.reports.fidelity import TARGETS
+    from twinserve.reports.repeatability import format_repeatability, read_repeatability
     order: list[str] = []  # the engine loop, which sets the profile's level, before each replay
 
     def recording(name: str, f: Callable) -> Callable:
@@ -283,6 +285,7 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
         row = rows[f"mean_ttft_ms[{tenant}]"]
         assert row["real_runs"] == "2" and float(row["sim"]) > 0
     assert (out / "profile.json").is_file() and (out / "report.html").is_file()
+    assert not (out / "repeatability.csv").exists() and "repeatability:" not in printed
     micro, loop = split_backend_samples(read_samples(out / "profile_samples.csv"))
     assert len(micro) > 10 and len(loop) > 10  # what the profile was fitted on, to refit
     refit = fit_backend(micro, loop, "tiny-llama").params
@@ -328,6 +331,18 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     with pytest.raises(SystemExit):  # one scaling at a time
         main(["validate", "--profile", str(out / "profile.json"), "--at-host-speed",
               "--at-replay-speed", "--reuse-real", str(out / "real"), "--out", str(tmp_path)])
+    rc = main(["validate", "--model", str(tiny_model), "--trace", "synthetic",  # 3 runs
+               "--num-requests", "12", "--request-rate", "20", "--input-len", "40",
+               "--output-len", "8", "--prefix-len", "32", "--prefix-share", "0.5",
+               "--policy", "fair", "--tenants", "heavy=3,light=1", "--dtype", "float32",
+               "--max-model-len", "256", "--profile", str(out / "profile.json"), "--reuse-real",
+               str(out / "real"), str(out / "real-2"), str(out / "real"),
+               "--out", str(tmp_path / "three"), "--quiet"])
+    assert rc == 0
+    repeats = read_repeatability(tmp_path / "three" / "repeatability.csv")
+    assert set(repeats) == {m for m, target in TARGETS if target is not None}
+    assert all(r.runs == 3 for r in repeats.values())
+    assert format_repeatability(list(repeats.values())) in capsys.readouterr().out
     # a second calibration from the recorded steps loads and fits
     rc = main(["calibrate", "--from-run", str(out / "real"), str(out / "real-2"),
                "--out", str(tmp_path / "p2.json")])

@@ -143,9 +143,14 @@ def spread_pct(row: dict[str, Any]) -> float:
         real, low, high = float(row["real"]), float(row["real_min"]), float(row["real_max"])
     except (KeyError, ValueError):
         return math.nan
-    if real == 0:
+    return half_range_pct(low, high, real)
+
+
+def half_range_pct(low: float, high: float, middle: float) -> float:
+    """Half of ``high - low`` over ``|middle|``, in % (0 or inf about a zero middle)."""
+    if middle == 0:
         return 0.0 if high == low else math.inf
-    return 100.0 * (high - low) / 2 / abs(real)
+    return 100.0 * (high - low) / 2 / abs(middle)
 
 
 def host_check(spreads_and_targets: Sequence[tuple[float, float]]) -> str:

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from twinserve.reports.fidelity import TARGETS, as_number, verdict
+from twinserve.reports.compare import relative_error
+from twinserve.reports.fidelity import TARGETS, as_number, half_range_pct, verdict
 
 REPEATABILITY_COLUMNS = ("metric", "runs", "replay_passes", "twin_passes")
 
@@ -48,10 +49,8 @@ def left_out(values: Sequence[float]) -> list[tuple[float, list[float]]]:
 
 
 def error_pct(value: float, reference: float) -> float:
-    """``100 * (value - reference) / reference``; 0 when both are 0, nan when only the reference is."""
-    if reference == 0:
-        return 0.0 if value == 0 else math.nan
-    return 100.0 * (value - reference) / reference
+    """``compare.relative_error`` in %: 0 when both are 0, nan when only the reference is."""
+    return 100.0 * relative_error(value, reference)
 
 
 def leave_one_out(metric: str, reals: Sequence[float], sim: float,
@@ -64,9 +63,9 @@ def leave_one_out(metric: str, reals: Sequence[float], sim: float,
     replay = twin = 0
     for value, others in left_out(values):
         middle = float(np.median(others))
-        spread = error_pct(max(others), middle) - error_pct(min(others), middle)
-        replay += verdict(error_pct(value, middle), target, abs(spread) / 2) in ("ok", "~")
-        twin += verdict(error_pct(sim, middle), target, abs(spread) / 2) in ("ok", "~")
+        spread = half_range_pct(min(others), max(others), middle)
+        replay += verdict(error_pct(value, middle), target, spread) in ("ok", "~")
+        twin += verdict(error_pct(sim, middle), target, spread) in ("ok", "~")
     return Repeatability(metric, len(values), replay, twin)
 
 

@@ -1,7 +1,8 @@
 """Fidelity of the twin on workloads its calibration never saw (issue 27).
 
     python -m twinserve.benchmarks.fidelity_study [--out runs/fidelity-study] [--rounds 3] \\
-        [--workloads conv-600,code,...] [--profile PROFILE.json] [--model DIR] [--threads 2]
+        [--workloads conv-600,code,...] [--profile PROFILE.json] [--model DIR] [--threads 2] \\
+        [--rate-scale 1]
 
 1. One profile with ``twinserve calibrate``'s defaults (micro-benchmarks over the engine's whole
    space plus synthetic engine-loop workloads: no trace), at the study's engine limits, its
@@ -235,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="override every workload's request count (quick runs)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply every workload's arrival rate (its time scale or request rate) "
+                   "by this: the workloads sit near saturation of SmolLM2 on 2 threads here, so "
+                   "a slower engine (fewer threads, a bigger model) keeps their load at about "
+                   "its speed ratio (e.g. 0.7 for 1 thread)")
     p.add_argument("--resume", action="store_true", help="keep replays and profile found in OUT")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -244,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"known: {', '.join(_BY_NAME)}")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if not (math.isfinite(args.rate_scale) and args.rate_scale > 0):
+        p.error("--rate-scale must be a positive number")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start, load_at_start = time.perf_counter(), _load_average()
@@ -342,6 +350,10 @@ def _flags(workload: Workload, args: argparse.Namespace) -> list[str]:
     if args.num_requests is not None:
         i = flags.index("--num-requests")
         flags[i + 1] = str(args.num_requests)
+    if args.rate_scale != 1.0:
+        rate = "--time-scale" if "--time-scale" in flags else "--request-rate"
+        i = flags.index(rate)
+        flags[i + 1] = f"{float(flags[i + 1]) * args.rate_scale:g}"
     return flags
 
 

@@ -113,6 +113,30 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
         "host: 1/2 targeted metrics' replays spread wider than their target (median 9.0%)")
 
 
+def test_fidelity_study_rate_scale_slows_every_workloads_arrivals() -> None:
+    """``--rate-scale`` multiplies each workload's arrival rate (time scale or request rate) and
+    leaves the rest of its flags alone; 1 changes nothing."""
+    import argparse
+
+    from twinserve.benchmarks.fidelity_study import WORKLOADS, _flags
+
+    def rate(flags: list[str]) -> float:
+        key = "--time-scale" if "--time-scale" in flags else "--request-rate"
+        return float(flags[flags.index(key) + 1])
+
+    for w in WORKLOADS:
+        plain = _flags(w, argparse.Namespace(num_requests=None, rate_scale=1.0))
+        slow = _flags(w, argparse.Namespace(num_requests=12, rate_scale=0.5))
+        assert plain == list(w.flags), w.name
+        assert rate(slow) == pytest.approx(rate(plain) * 0.5), w.name
+        assert slow[slow.index("--num-requests") + 1] == "12"
+        assert len(slow) == len(plain)
+    from twinserve.benchmarks.fidelity_study import main
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--rate-scale", bad, "--out", "unused"])
+
+
 def test_fidelity_study_splits_the_level_between_each_rounds_replays(tmp_path: Path,
                                                                      monkeypatch) -> None:
     """The study's calibration: the grid again before each round of replays (reversed every

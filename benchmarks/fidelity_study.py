@@ -1,7 +1,7 @@
 """Fidelity of the twin on workloads its calibration never saw (issue 27).
 
     python -m twinserve.benchmarks.fidelity_study [--out runs/fidelity-study] [--rounds 3] \\
-        [--workloads conv-600,code,...] [--profile PROFILE.json] [--model DIR] [--threads 2] \\
+        [--workloads conv-600,code,...] [--profile PROFILE.json] [--model DIR] [--threads N] \\
         [--rate-scale 1]
 
 1. One profile with ``twinserve calibrate``'s defaults (micro-benchmarks over the engine's whole
@@ -31,11 +31,13 @@
    floor the host sets under any prediction; the last line of the table sets the twin beside it.
 
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
-time-scaled near the engine's saturation) so that the whole study, calibration included, runs in
-about 20 minutes on a quiet 2-core machine with the bundled SmolLM2-135M. Run it on a quiet host:
-with other processes on the cores, torch's two OpenMP threads spin-wait for each other and a
-step can take 10-100x its quiet time (``OMP_WAIT_POLICY=PASSIVE`` tames that for smoke runs, at
-the price of measuring another engine than a quiet host runs).
+time-scaled near the saturation of the bundled SmolLM2-135M on one thread of a 2-core EPYC) so
+that the whole study, calibration included, runs in about 25 minutes with three rounds there.
+The engine runs on every core but one (``--threads``, ``calibrate.measurement_threads``): on a
+shared 2-core VM two OpenMP threads spin-wait for each other whenever the hypervisor sets one
+aside, and the same workload's replays scattered about twice as wide (7.6% against 4.2% RMS).
+Run it on a quiet host all the same: with other processes on the cores a step can take 10-100x
+its quiet time.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from twinserve.benchmarks.fidelity import run_cli
+from twinserve.entrypoints.calibrate import measurement_threads
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration, loop_schedule
 from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct, verdict
@@ -95,27 +98,27 @@ def _long(trace: str, n: int, scale: float) -> tuple[str, ...]:
 _OVERLOAD = ("--policy", "fcfs", "--num-gpu-blocks-override", "48")
 WORKLOADS: tuple[Workload, ...] = (
     Workload("conv-600", "Azure conv from 600 s, fcfs",
-             (*_conv("600:", 32, 0.35), "--policy", "fcfs")),
+             (*_conv("600:", 32, 0.245), "--policy", "fcfs")),
     Workload("conv-2400", "Azure conv from 2400 s, fcfs",
-             (*_conv("2400:", 32, 0.35), "--policy", "fcfs")),
+             (*_conv("2400:", 32, 0.245), "--policy", "fcfs")),
     Workload("code", "Azure code (long prompts, clipped to 512), fcfs",
-             (*_long("azure-code", 20, 0.3), "--policy", "fcfs")),
+             (*_long("azure-code", 20, 0.21), "--policy", "fcfs")),
     Workload("mooncake", "Mooncake conversation (prefix hits, clipped to 512), fcfs",
-             (*_long("mooncake", 20, 0.25), "--policy", "fcfs")),
+             (*_long("mooncake", 20, 0.175), "--policy", "fcfs")),
     Workload("sys-prompt", "synthetic, 192-token system prompt shared by 90%, fcfs",
-             ("--trace", "synthetic", "--num-requests", "32", "--request-rate", "2.5",
+             ("--trace", "synthetic", "--num-requests", "32", "--request-rate", "1.75",
               "--input-len", "64", "--output-len", "24", "--range-ratio", "0.5",
               "--prefix-len", "192", "--prefix-share", "0.9", "--max-model-len", "512",
               "--policy", "fcfs")),
     Workload("recompute", "overload burst, 48 KV blocks, preemption by recompute",
-             (*_conv("1200:", 24, 4.0), *_OVERLOAD, "--preemption-mode", "recompute")),
+             (*_conv("1200:", 24, 2.8), *_OVERLOAD, "--preemption-mode", "recompute")),
     Workload("swap", "overload burst, 48 KV blocks, preemption by swap",
-             (*_conv("1200:", 24, 4.0), *_OVERLOAD, "--preemption-mode", "swap",
+             (*_conv("1200:", 24, 2.8), *_OVERLOAD, "--preemption-mode", "swap",
               "--swap-space", "0.5")),
     Workload("fair", "Azure conv from 3000 s, tenants heavy=3 light=1, fair",
-             (*_conv("3000:", 32, 0.35), "--policy", "fair", "--tenants", "heavy=3,light=1")),
+             (*_conv("3000:", 32, 0.245), "--policy", "fair", "--tenants", "heavy=3,light=1")),
     Workload("priority", "Azure conv from 1800 s, priorities 0 (1/4) and 1, priority",
-             (*_conv("1800:", 32, 0.35), "--policy", "priority", "--priorities", "0=1,1=3")),
+             (*_conv("1800:", 32, 0.245), "--policy", "priority", "--priorities", "0=1,1=3")),
 )
 _BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -235,12 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None,
                    help="override every workload's request count (quick runs)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=measurement_threads(),
+                   help="torch threads (default: every core but one, here "
+                   f"{measurement_threads()}; calibrate.measurement_threads)")
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply every workload's arrival rate (its time scale or request rate) "
-                   "by this: the workloads sit near saturation of SmolLM2 on 2 threads here, so "
-                   "a slower engine (fewer threads, a bigger model) keeps their load at about "
-                   "its speed ratio (e.g. 0.7 for 1 thread)")
+                   "by this: the workloads sit near saturation of SmolLM2 on one thread of a "
+                   "2-core EPYC, so another engine keeps their load at about its speed ratio "
+                   "(1.43 for two threads there, the studies before 2026-12-05's afternoon)")
     p.add_argument("--resume", action="store_true", help="keep replays and profile found in OUT")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]

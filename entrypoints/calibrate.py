@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -90,6 +91,15 @@ def load_runner(args: argparse.Namespace,
     from twinserve.gpu.model_runner import ModelRunner
     eargs = engine_args_from(args, model=args.model)
     return eargs, ModelRunner(eargs, usage_context="server", weights_from=weights_from)
+
+
+def measurement_threads() -> int:
+    """The torch threads the twin's fidelity is measured with (``twinserve demo``, the fidelity
+    study): every core but one, as vLLM's CPU backend leaves one to the host's other work. On a
+    shared 2-core VM two OpenMP threads spin-wait on whichever one the hypervisor has set aside:
+    the same steps timed in alternation scattered twice as wide on two threads as on one
+    (coefficient of variation 7-10% against 4%), and so did whole replays."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def set_threads(threads: int | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from twinserve.entrypoints.calibrate import measurement_threads
 from twinserve.entrypoints.validate import positive_int
 from twinserve.simulator import SimConfig, simulate, write_sim_run
 from twinserve.traces import assign_priorities, assign_tenants, first_n, load_trace, scale_time
@@ -37,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--real-repeats", type=positive_int, default=3,
                    help="real replays the twin is compared with (the median of each metric, "
                    "their spread beside it; default 3: one replay's tail moves with the host)")
+    p.add_argument("--threads", type=positive_int, default=measurement_threads(),
+                   help="torch threads of the real engine (default: every core but one, "
+                   f"here {measurement_threads()}; calibrate.measurement_threads)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=run_demo)
 
@@ -62,7 +66,8 @@ def run_demo(args: argparse.Namespace) -> int:
               f"{s['mean_ttft_ms']:.0f} ms, p99 TTFT {s['p99_ttft_ms']:.0f} ms, "
               f"Jain {s['jain_index']:.3f} ({result.wall_time_s:.1f} s wall)")
     if args.real_requests > 0:
-        run_dirs += _real_vs_sim(out, args.real_requests, args.seed, args.real_repeats)
+        run_dirs += _real_vs_sim(out, args.real_requests, args.seed, args.real_repeats,
+                                 args.threads)
     from twinserve.reports import write_report
     report = write_report(run_dirs, out / "report.html",
                           slos_ms={"ttft": 2000.0, "tpot": 100.0},
@@ -71,10 +76,12 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _real_vs_sim(out: Path, num_requests: int, seed: int, repeats: int) -> list[Path]:
+def _real_vs_sim(out: Path, num_requests: int, seed: int, repeats: int,
+                 threads: int) -> list[Path]:
     """The real engine on the bundled model (CPU) and its twin on one short slice of the same
     trace: lengths clipped so a 2-core CPU replays it in a minute or two, and slowed down (time
-    scale 0.2) so the small engine runs near saturation. The twin's profile comes from
+    scale 0.14) so the small engine on one of those cores (``measurement_threads``) runs near
+    saturation. The twin's profile comes from
     ``twinserve calibrate``'s defaults at the same engine limits (the whole step space, no
     trace), as a user would calibrate once for every workload: ``validate`` without a profile
     calibrates the very model load it then replays on (a fresh load of the same weights ran the
@@ -84,8 +91,8 @@ def _real_vs_sim(out: Path, num_requests: int, seed: int, repeats: int) -> list[
     engine = ["--max-model-len", "128", "--max-num-seqs", "64",
               "--max-num-batched-tokens", "256"]
     argv = ["validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
-            "--max-output-tokens", "32", "--time-scale", "0.2", "--tenants", "heavy=4,light=1",
-            "--seed", str(seed), "--policy", "fcfs", *engine]
+            "--max-output-tokens", "32", "--time-scale", "0.14", "--tenants", "heavy=4,light=1",
+            "--seed", str(seed), "--policy", "fcfs", "--threads", str(threads), *engine]
     args = build_parser().parse_args([*argv, "--real-repeats", str(repeats),
                                       "--out", str(folder)])
     args.handler(args)

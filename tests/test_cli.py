@@ -1,6 +1,9 @@
 """The twinserve command line: simulate, report, errors."""
 
 import json
+import os
+
+import pytest
 
 from twinserve.entrypoints.cli import main
 
@@ -48,16 +51,24 @@ def test_demo_compares_the_twin_with_three_real_replays(tmp_path, monkeypatch, c
             seen.update(again=(args.reuse_real, args.profile, args.at_replay_speed,
                                args.num_requests))
             return 0
-        seen.update(repeats=args.real_repeats, num_requests=args.num_requests)
+        seen.update(repeats=args.real_repeats, num_requests=args.num_requests,
+                    threads=args.threads)
         for name in ("real", "real-2", "real-3", "sim"):
-            shutil.copytree(tmp_path / "demo" / "sim-fcfs", folder / name)
+            shutil.copytree(tmp_path / "demo" / "sim-fcfs", folder / name, dirs_exist_ok=True)
         return 0
 
     monkeypatch.setattr(validate, "run_validate", fake_validate)
     rc = main(["demo", "--num-requests", "40", "--real-requests", "4", "--out",
                str(tmp_path / "demo")])
     reals = [str(folder / name) for name in ("real", "real-2", "real-3")]
-    assert rc == 0 and seen == {"repeats": 3, "num_requests": 4,
+    # the real engine runs on every core but one (vLLM's CPU backend reserves one for the host)
+    threads = max(1, (os.cpu_count() or 1) - 1)
+    assert rc == 0 and seen == {"repeats": 3, "num_requests": 4, "threads": threads,
                                 "again": (reals, str(folder / "profile.json"), True, 4)}
     html = (tmp_path / "demo" / "report.html").read_text()
     assert all(f">{folder / name}<" in html for name in ("real", "real-2", "real-3", "sim"))
+    assert main(["demo", "--num-requests", "40", "--real-requests", "4", "--threads", "3",
+                 "--out", str(tmp_path / "demo")]) == 0 and seen["threads"] == 3
+    with pytest.raises(SystemExit):
+        main(["demo", "--threads", "0", "--out", str(tmp_path / "demo")])
+    assert "--threads: must be an integer >= 1, got 0" in capsys.readouterr().err

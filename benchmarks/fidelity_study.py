@@ -32,10 +32,11 @@
 
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
 time-scaled near the saturation of the bundled SmolLM2-135M on one thread of a 2-core EPYC) so
-that the whole study, calibration included, runs in about 25 minutes with three rounds there.
+that the whole study, calibration included, runs in about 35 minutes with three rounds there.
 The engine runs on every core but one (``--threads``, ``calibrate.measurement_threads``): on a
 shared 2-core VM two OpenMP threads spin-wait for each other whenever the hypervisor sets one
-aside, and the same workload's replays scattered about twice as wide (7.6% against 4.2% RMS).
+aside, and the same workload's replays scattered two to four times as wide (5.4-9.1% RMS in
+eight five-round runs against 4.2% and 2.0% on one thread).
 Run it on a quiet host all the same: with other processes on the cores a step can take 10-100x
 its quiet time.
 """
@@ -55,7 +56,7 @@ from typing import TYPE_CHECKING
 from twinserve.benchmarks.fidelity import run_cli
 from twinserve.entrypoints.calibrate import measurement_threads
 from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration, loop_schedule
-from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
+from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC, positive_int
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct, verdict
 from twinserve.reports.repeatability import Repeatability, read_repeatability
 
@@ -238,14 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None,
                    help="override every workload's request count (quick runs)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=measurement_threads(),
+    p.add_argument("--threads", type=positive_int, default=measurement_threads(),
                    help="torch threads (default: every core but one, here "
                    f"{measurement_threads()}; calibrate.measurement_threads)")
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply every workload's arrival rate (its time scale or request rate) "
                    "by this: the workloads sit near saturation of SmolLM2 on one thread of a "
                    "2-core EPYC, so another engine keeps their load at about its speed ratio "
-                   "(1.43 for two threads there, the studies before 2026-12-05's afternoon)")
+                   "(1.43 for two threads there, as the studies before 2026-12-05 09:00 UTC ran)")
     p.add_argument("--resume", action="store_true", help="keep replays and profile found in OUT")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]

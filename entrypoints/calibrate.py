@@ -48,11 +48,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from twinserve.gpu.cpu_cores import usable_cores
 
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
@@ -95,11 +96,12 @@ def load_runner(args: argparse.Namespace,
 
 def measurement_threads() -> int:
     """The torch threads the twin's fidelity is measured with (``twinserve demo``, the fidelity
-    study): every core but one, as vLLM's CPU backend leaves one to the host's other work. On a
-    shared 2-core VM two OpenMP threads spin-wait on whichever one the hypervisor has set aside:
-    the same steps timed in alternation scattered twice as wide on two threads as on one
-    (coefficient of variation 7-10% against 4%), and so did whole replays."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    study): every core the process may use but one (``gpu.cpu_cores``), as vLLM's CPU backend
+    leaves one to the host's other work. On a shared 2-core VM two OpenMP threads spin-wait on
+    whichever one the hypervisor has set aside: the same steps timed in alternation scattered
+    twice as wide on two threads as on one (coefficient of variation 7-10% against 4%), and so
+    did whole replays."""
+    return max(1, usable_cores() - 1)
 
 
 def set_threads(threads: int | None) -> None:

@@ -1,11 +1,11 @@
 """The twinserve command line: simulate, report, errors."""
 
 import json
-import os
 
 import pytest
 
 from twinserve.entrypoints.cli import main
+from twinserve.gpu.cpu_cores import usable_cores
 
 
 def test_simulate_writes_a_run_folder_and_report(tmp_path, capsys):
@@ -62,7 +62,7 @@ def test_demo_compares_the_twin_with_three_real_replays(tmp_path, monkeypatch, c
                str(tmp_path / "demo")])
     reals = [str(folder / name) for name in ("real", "real-2", "real-3")]
     # the real engine runs on every core but one (vLLM's CPU backend reserves one for the host)
-    threads = max(1, (os.cpu_count() or 1) - 1)
+    threads = max(1, usable_cores() - 1)
     assert rc == 0 and seen == {"repeats": 3, "num_requests": 4, "threads": threads,
                                 "again": (reals, str(folder / "profile.json"), True, 4)}
     html = (tmp_path / "demo" / "report.html").read_text()

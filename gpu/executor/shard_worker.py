@@ -20,6 +20,7 @@ import torch
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.attention_backend import AttentionMetadata
 from twinserve.gpu.batch import ModelInput
+from twinserve.gpu.cpu_cores import usable_cores
 from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, destroy_tp_group, init_tp_group
 from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
 from twinserve.gpu.model import CausalLM
@@ -44,8 +45,7 @@ def tp_timeout_s(default: float = 120.0) -> float:
 
 def threads_per_rank(world_size: int) -> int:
     """The machine's cores split across the ranks (one OpenMP pool per process)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // world_size)
+    return max(1, usable_cores() // world_size)
 
 
 @dataclass(frozen=True, slots=True)

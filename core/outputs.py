@@ -77,6 +77,10 @@ class SchedulerOutput:
     # Sum over prefill chunks of the tokens before each (its prefix): the masked kernel gathers and
     # reads that prefix once per chunk, whatever the chunk's length (on this CPU ~11 us a token).
     sum_prefix_context_tokens: int = 0
+    # Sum over prefill chunks of chunk tokens x (prefix + chunk tokens): the query-by-key rectangle
+    # of each chunk. The CPU's attention kernels compute all of it, masked half included (a fresh
+    # 512-token prompt's causal flash kernel took as long as the masked one over the rectangle).
+    sum_prefill_attention_area: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
@@ -95,7 +99,7 @@ class SchedulerOutput:
 AGGREGATE_FIELDS: tuple[str, ...] = (
     "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
     "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens", "max_decode_context",
-    "num_prefix_chunks", "sum_prefix_context_tokens",
+    "num_prefix_chunks", "sum_prefix_context_tokens", "sum_prefill_attention_area",
 )
 
 

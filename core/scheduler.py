@@ -487,6 +487,7 @@ class Scheduler:
             if start:
                 out.num_prefix_chunks += sign
                 out.sum_prefix_context_tokens += sign * start
+            out.sum_prefill_attention_area += sign * n * (start + n)
             out.num_prefill_tokens += sign * n
             out.num_prefill_seqs += sign
 

@@ -25,9 +25,12 @@ from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 
 STEP_KINDS = ("prefill", "decode", "mixed", "swap")
 SAMPLE_COLUMNS = ("kind", *AGGREGATE_FIELDS, "seconds", "execute_seconds")
-# absent from files of older versions: ``_prefix_chunks`` and ``_prefix_context`` fill them in
+# absent from files of older versions: ``_prefix_chunks``, ``_prefix_context`` and
+# ``_attention_area`` fill them in
 _PREFIX_CHUNKS = "num_prefix_chunks"
 _PREFIX_CONTEXT = "sum_prefix_context_tokens"
+_AREA = "sum_prefill_attention_area"
+_DERIVED = (_PREFIX_CHUNKS, _PREFIX_CONTEXT, _AREA)
 SAMPLES_FILE = "step_features.csv"
 
 
@@ -116,10 +119,10 @@ def read_samples(path: str | Path) -> list[StepSample]:
     with open(path, newline="") as f:
         for i, row in enumerate(csv.DictReader(f), start=2):
             try:
-                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS
-                          if k not in (_PREFIX_CHUNKS, _PREFIX_CONTEXT)}
+                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS if k not in _DERIVED}
                 counts[_PREFIX_CHUNKS] = _prefix_chunks(row, counts)
                 counts[_PREFIX_CONTEXT] = _prefix_context(row, counts)
+                counts[_AREA] = _attention_area(row, counts)
                 execute = float(row["execute_seconds"]) if row.get("execute_seconds") else math.nan
                 lora = {n: float(row[n]) for n in LORA_FEATURE_NAMES if row.get(n)}
                 out.append(StepSample(counts, float(row["seconds"]), execute, row.get("kind") or "",
@@ -152,8 +155,27 @@ def _prefix_context(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
     if not counts[_PREFIX_CHUNKS]:
         return 0
     k, n = counts["num_prefill_seqs"], counts["num_prefill_tokens"] / counts["num_prefill_seqs"]
-    prefill_context = counts["sum_context_tokens"] - counts["sum_decode_context_tokens"]
-    return max(0, round((prefill_context - k * n * (n + 1) / 2) / n))
+    return max(0, round((_prefill_context(counts) - k * n * (n + 1) / 2) / n))
+
+
+def _attention_area(row: Mapping[str, str], counts: Mapping[str, int]) -> int:
+    """The row's ``sum_prefill_attention_area``. Files written before twinserve counted it lack
+    the column: derived as if the step's prefill chunks were of equal length (exact for one chunk
+    and for the grid's steps; a lower bound for unequal chunks): ``k`` chunks of ``n`` tokens add
+    ``k * n(n-1)/2`` to the context their tokens attend to (the rectangle less the triangle)."""
+    value = row.get(_AREA)
+    if value:
+        return int(value)
+    k = counts["num_prefill_seqs"]
+    if not k:
+        return 0
+    n = counts["num_prefill_tokens"] / k
+    return round(_prefill_context(counts) + k * n * (n - 1) / 2)
+
+
+def _prefill_context(counts: Mapping[str, int]) -> int:
+    """The prefill chunks' part of ``sum_context_tokens``."""
+    return counts["sum_context_tokens"] - counts["sum_decode_context_tokens"]
 
 
 def read_recorded_samples(run_dirs: Iterable[str | Path]) -> list[StepSample]:

@@ -111,6 +111,7 @@ def build_step(spec: StepSpec, block_size: int, num_blocks: int, vocab_size: int
         out.sum_context_tokens += n * cached + n * (n + 1) // 2
         out.num_prefix_chunks += cached > 0
         out.sum_prefix_context_tokens += cached
+        out.sum_prefill_attention_area += n * (cached + n)
     out.total_num_scheduled_tokens = out.num_decode_tokens + out.num_prefill_tokens
     return out
 
@@ -207,10 +208,13 @@ def _serving_prefills(max_num_batched_tokens: int, max_num_seqs: int,
                       max_model_len: int) -> list[StepSpec]:
     """Where a server's prompts land: fresh prefill chunks between the grid's powers of two,
     and each of them beside 1 to 32 running decodes (contexts spread up to 256): a replay's
-    first tokens come from these steps, which the powers of two alone left to interpolation."""
+    first tokens come from these steps, which the powers of two alone left to interpolation.
+    Alone, also 320 and 448 tokens: there a prompt's attention (quadratic in its length) takes a
+    quarter of the step, and long prompts' first tokens follow it."""
     ctx = min(256, max_model_len - 1)
     chunks = [n for n in (16, 48, 96, 192, 384) if n < max_model_len]
-    specs = [StepSpec(prefills=((n, 0),)) for n in chunks[1:] if n <= max_num_batched_tokens]
+    alone = sorted({*chunks[1:], *(n for n in (320, 448) if n < max_model_len)})
+    specs = [StepSpec(prefills=((n, 0),)) for n in alone if n <= max_num_batched_tokens]
     for b in (b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs):
         specs += [StepSpec(decodes=_spread_decodes(b, ctx).decodes, prefills=((n, 0),))
                   for n in chunks if b + n <= max_num_batched_tokens]

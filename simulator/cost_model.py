@@ -41,7 +41,8 @@ attention by tokens x context (``sum_context_tokens``). Backend fits of this mac
 ``KERNEL_FEATURE_NAMES``: the CPU decode kernel's longest context, its critical path when a small
 batch is split over KV heads, the prefill chunks after a prefix, whose attention runs a masked
 kernel (``num_prefix_chunks``) that reads each chunk's prefix (``sum_prefix_context_tokens``),
-and the steps that hold a prefill chunk, which on CUDA run
+the chunks' whole query-by-key rectangles (``sum_prefill_attention_area``: the CPU kernels
+compute the masked half too), and the steps that hold a prefill chunk, which on CUDA run
 eagerly where decode-only steps replay CUDA graphs (``prefill_step``). Every coefficient is
 non-negative and every feature non-decreasing in tokens and contexts, so the fitted time is
 monotone in both; all are per-step aggregates of the ``SchedulerOutput`` (``step_time`` stays
@@ -102,6 +103,14 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # of 440 tokens instead of 64 added 55 ms to chunks of 4 tokens, 69 to chunks of 8 and 138 to
 # chunks of 32: ~1.1e-5 s per prefix token per chunk plus the tokens x context term. Without it
 # the grid's 10 chunks of 8 after 480 were fitted 14% short, and Mooncake's bursts 1.06-1.20x.
+# ``sum_prefill_attention_area`` (chunk tokens x (prefix + chunk tokens), summed): torch's CPU
+# flash kernel skips none of a causal prompt's masked half. Timed here (bf16, 1 thread, 30
+# layers), a fresh prompt's causal attention took 65 ms at 256 tokens and 245 at 512, the masked
+# kernel over the same square 67 and 256: ~1 us per element of the rectangle, for both. With
+# ``sum_context_tokens`` alone (the triangle of a fresh prompt, near the rectangle for a short
+# chunk after a long prefix) one coefficient served both shapes: fresh prompts of 384-512 tokens
+# were fitted 5-6% short and Azure code's first tokens came 12-14% early. Refitted with it on the
+# same grids, the fit took 0.82 us per element and code's mean TTFT came within 1-3%.
 # ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
 # another tile of rows (the segments alone only bend at powers of two): at 2, 3 and every 4th
 # count from 5 to 33, where the grid times each batch size (``gpu.profiler.batch_sweep``).
@@ -112,9 +121,10 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
 TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
 KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", "num_prefix_chunks",
-                                         "sum_prefix_context_tokens", "prefill_step",
+                                         "sum_prefix_context_tokens",
+                                         "sum_prefill_attention_area", "prefill_step",
                                          *TOKEN_STEP_NAMES)
-_NUM_KERNEL_LINEAR = 4  # the kernel features before the token steps
+_NUM_KERNEL_LINEAR = 5  # the kernel features before the token steps
 ALL_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, *KERNEL_FEATURE_NAMES)
 KNOWN_FEATURES = frozenset((*ALL_FEATURE_NAMES, *LORA_FEATURE_NAMES))
 DEFAULT_BLOCK_SIZE = 16
@@ -131,13 +141,15 @@ def decode_context_tokens(out: SchedulerOutput, max_context: int | None = None) 
 
 def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[float, ...]:
     """The linear features (``FEATURE_NAMES`` before the token segments, then the longest decode
-    context, the prefix chunks, their prefixes and the prefill step of ``KERNEL_FEATURE_NAMES``)."""
+    context, the prefix chunks, their prefixes, the chunks' attention area and the prefill step
+    of ``KERNEL_FEATURE_NAMES``)."""
     longest = out.max_decode_context if max_context is None else min(out.max_decode_context,
                                                                       max_context)
     return (out.total_num_scheduled_tokens, out.num_prefill_tokens, out.num_prefill_seqs,
             out.num_decode_seqs, out.sum_context_tokens, decode_context_tokens(out, max_context),
             out.num_decode_seqs * longest, longest, out.num_prefix_chunks,
-            out.sum_prefix_context_tokens, int(out.num_prefill_seqs > 0))
+            out.sum_prefix_context_tokens, out.sum_prefill_attention_area,
+            int(out.num_prefill_seqs > 0))
 
 
 def token_segments(num_tokens: int) -> tuple[int, ...]:
@@ -542,7 +554,7 @@ class FittedCostModel:
         if (tokens == 0 or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
                 or self.base.lora is not None):
             return self.step_time_reference(out)
-        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10 = self._coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = self._coefficients
         decodes, longest, prefills = out.num_decode_seqs, out.max_decode_context, out.num_prefill_seqs
         linear = 0
         linear += c0 * tokens
@@ -555,7 +567,8 @@ class FittedCostModel:
         linear += c7 * longest
         linear += c8 * out.num_prefix_chunks
         linear += c9 * out.sum_prefix_context_tokens
-        linear += c10 * (prefills > 0)
+        linear += c10 * out.sum_prefill_attention_area
+        linear += c11 * (prefills > 0)
         return self._intercept + linear + self._token_time(tokens)
 
     def step_time_reference(self, out: SchedulerOutput) -> float:

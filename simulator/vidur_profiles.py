@@ -225,6 +225,7 @@ class OperatorStep:
             agg["sum_context_tokens"] += c * kv + c * (c + 1) // 2
             agg["num_prefix_chunks"] = int(kv > 0)
             agg["sum_prefix_context_tokens"] = kv
+            agg["sum_prefill_attention_area"] = c * (kv + c)
         agg["total_num_scheduled_tokens"] = self.num_tokens
         return agg
 

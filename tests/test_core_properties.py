@@ -77,6 +77,8 @@ def _one_step(s, now):
     assert out.num_prefill_seqs == len(chunks)
     assert out.num_prefix_chunks == sum(sr.start > 0 for sr in chunks)
     assert out.sum_prefix_context_tokens == sum(sr.start for sr in chunks)
+    assert out.sum_prefill_attention_area == sum(sr.num_new_tokens * (sr.start + sr.num_new_tokens)
+                                                 for sr in chunks)
     s.kv.check_consistency()
     token = 2 if int(now) % 5 == 0 else 9  # eos now and then
     outs = s.update_from_output(out, ModelRunnerOutput(

@@ -463,5 +463,6 @@ def test_fitted_fast_path_equals_its_reference_with_every_term() -> None:
             sum_context_tokens=sum(ctx) + prefill_ctx, sum_decode_context_tokens=sum(ctx),
             max_decode_context=max(ctx, default=0),
             num_prefix_chunks=int(rng.integers(0, chunks + 1)),
-            sum_prefix_context_tokens=int(rng.integers(0, 2048)) * bool(chunks))
+            sum_prefix_context_tokens=int(rng.integers(0, 2048)) * bool(chunks),
+            sum_prefill_attention_area=prefill_ctx + prefill * int(rng.integers(0, 512)))
         assert cost.step_time(out) == cost.step_time_reference(out)

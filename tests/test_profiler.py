@@ -51,7 +51,7 @@ def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> Non
         assert max(sizes) == max_num_seqs
     grid = default_grid(512, 64, 512)  # prompts' chunks between the powers of two, and mixed
     fresh = {s.prefills[0][0] for s in grid if not s.decodes and s.prefills[0][1] == 0}
-    assert {16, 32, 48, 64, 96, 128, 192, 256, 384, 512} <= fresh
+    assert {16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512} <= fresh
     mixed = {(len(s.decodes), s.prefills[0][0]) for s in grid if s.kind == "mixed"}
     assert {(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (16, 48, 96, 192, 384)} <= mixed
     # several short chunks after cached prefixes in one step, as prefix-cache hits arrive
@@ -63,6 +63,7 @@ def test_grid_times_every_decode_batch_size_and_scenarios_are_validated() -> Non
     agg = aggregates(build_step(StepSpec(prefills=((8, 0), (8, 128), (4, 64))), 16, 64, 256))
     assert agg["num_prefix_chunks"] == 2 and agg["sum_prefix_context_tokens"] == 192
     assert agg["sum_context_tokens"] == 36 + 8 * 128 + 36 + 4 * 64 + 10
+    assert agg["sum_prefill_attention_area"] == 8 * 8 + 8 * 136 + 4 * 68
     for sc in default_scenarios(32, 512):
         lengths = sc.lengths()
         assert len(lengths) == 2 * sc.concurrency and sc.concurrency <= 32

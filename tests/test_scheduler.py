@@ -28,6 +28,8 @@ def test_prefix_chunks_are_the_chunks_after_computed_tokens():
     out, _ = step(s, 1.0)  # a's tokens 16..19 after 16 computed, and b's whole prompt
     assert out.num_prefill_seqs == 2 and out.num_prefix_chunks == 1
     assert out.sum_prefix_context_tokens == 16  # a's prefix; b's chunk starts at 0
+    # each chunk's query-by-key rectangle: a's 4 x 20, b's 6 x 6
+    assert out.sum_prefill_attention_area == 4 * 20 + 6 * 6
 
 
 def test_decodes_first_then_waiting_fill_the_budget_in_the_same_step():

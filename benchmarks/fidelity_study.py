@@ -36,7 +36,7 @@ that the whole study, calibration included, runs in about 35 minutes with three 
 The engine runs on every core but one (``--threads``, ``calibrate.measurement_threads``): on a
 shared 2-core VM two OpenMP threads spin-wait for each other whenever the hypervisor sets one
 aside, and the same workload's replays scattered two to four times as wide (5.4-9.1% RMS in
-eight five-round runs against 4.2% and 2.0% on one thread).
+eight five-round runs against 2.0-4.2% in three on one thread).
 Run it on a quiet host all the same: with other processes on the cores a step can take 10-100x
 its quiet time.
 """

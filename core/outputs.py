@@ -79,7 +79,7 @@ class SchedulerOutput:
     sum_prefix_context_tokens: int = 0
     # Sum over prefill chunks of chunk tokens x (prefix + chunk tokens): the query-by-key rectangle
     # of each chunk. The CPU's attention kernels compute all of it, masked half included (a fresh
-    # 512-token prompt's causal flash kernel took as long as the masked one over the rectangle).
+    # 512-token prompt's causal flash kernel took about as long as the masked one over the square).
     sum_prefill_attention_area: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.

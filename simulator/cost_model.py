@@ -110,7 +110,7 @@ _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # ``sum_context_tokens`` alone (the triangle of a fresh prompt, near the rectangle for a short
 # chunk after a long prefix) one coefficient served both shapes: fresh prompts of 384-512 tokens
 # were fitted 5-6% short and Azure code's first tokens came 12-14% early. Refitted with it on the
-# same grids, the fit took 0.82 us per element and code's mean TTFT came within 1-3%.
+# same grids, the fit took 0.82 us per element and code's mean TTFT came within 3.2% (four runs).
 # ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
 # another tile of rows (the segments alone only bend at powers of two): at 2, 3 and every 4th
 # count from 5 to 33, where the grid times each batch size (``gpu.profiler.batch_sweep``).

@@ -581,8 +581,6 @@ def test_prefix_hit_bursts_are_predicted_by_the_reads_of_their_prefixes() -> Non
     without decodes beside them), a region no workload family of the fit holds: the grid's
     prefix-chunk steps and the prefix-read term predict them within 5%; a fit that cannot see
     the prefixes' lengths (only their count and tokens x context) misses by more than twice that."""
-    from dataclasses import replace as replaced
-
     from twinserve.core.step_sample import aggregates
     from twinserve.gpu.profiler import StepSpec, build_step
     grid = _kernel_shaped_grid(512, 32, 512, seed=4)
@@ -590,18 +588,25 @@ def test_prefix_hit_bursts_are_predicted_by_the_reads_of_their_prefixes() -> Non
     bursts = [aggregates(build_step(StepSpec(decodes=(300,) * d, prefills=((n, s),) * k),
                                     16, 10**6, 256))
               for k in (2, 5, 10) for n in (4, 7, 16) for s in (100, 300, 490) for d in (0, 4)]
-    truth = [_kernel_shaped_seconds(a) for a in bursts]
-    cal = fit_backend(grid, family, "m")
-    worst = max(abs(predict(cal.forward, a) / t - 1) for a, t in zip(bursts, truth))
+    worst, worst_without = _worst_errors(grid, family, bursts, "sum_prefix_context_tokens")
     assert worst < 0.05
+    assert worst_without > 2 * worst
+
+
+def _worst_errors(grid: list[StepSample], family: list[StepSample], steps: list[dict[str, int]],
+                  feature: str) -> tuple[float, float]:
+    """The largest relative error on ``steps`` (timed by ``_kernel_shaped_seconds``) of the
+    backend fit of ``grid`` and ``family``, and of the same fit with ``feature`` hidden (0)."""
+    from dataclasses import replace as replaced
 
     def blind(samples: list[StepSample]) -> list[StepSample]:
-        return [replaced(s, aggregates={**s.aggregates, "sum_prefix_context_tokens": 0})
-                for s in samples]
-    without = fit_backend(blind(grid), blind(family), "m")
-    worst_without = max(abs(predict(without.forward, {**a, "sum_prefix_context_tokens": 0}) / t - 1)
-                        for a, t in zip(bursts, truth))
-    assert worst_without > 2 * worst
+        return [replaced(s, aggregates={**s.aggregates, feature: 0}) for s in samples]
+
+    truth = [_kernel_shaped_seconds(a) for a in steps]
+    fitted = fit_backend(grid, family, "m").forward
+    without = fit_backend(blind(grid), blind(family), "m").forward
+    return (max(abs(predict(fitted, a) / t - 1) for a, t in zip(steps, truth)),
+            max(abs(predict(without, {**a, feature: 0}) / t - 1) for a, t in zip(steps, truth)))
 
 
 def test_long_prompts_are_predicted_by_their_attention_rectangles() -> None:
@@ -610,8 +615,6 @@ def test_long_prompts_are_predicted_by_their_attention_rectangles() -> None:
     to half of the step. The grid's fit (timed with 2% noise) predicts them within 4% with the
     rectangle term (1-3.4% over grid seeds 6-10); a fit that sees only tokens x context (the
     triangle of a fresh prompt) misses by more than twice that (8.5-12%)."""
-    from dataclasses import replace as replaced
-
     from twinserve.core.step_sample import aggregates
     from twinserve.gpu.profiler import StepSpec, build_step
     grid = _kernel_shaped_grid(1024, 32, 1024, seed=6)
@@ -620,17 +623,8 @@ def test_long_prompts_are_predicted_by_their_attention_rectangles() -> None:
                                    16, 10**6, 256))
              for n, k in ((300, 1), (420, 1), (500, 1), (240, 2)) for s in (0, 128, 256)
              for d in (0, 6)]
-    truth = [_kernel_shaped_seconds(a) for a in steps]
-    cal = fit_backend(grid, family, "m")
-    worst = max(abs(predict(cal.forward, a) / t - 1) for a, t in zip(steps, truth))
+    worst, worst_without = _worst_errors(grid, family, steps, "sum_prefill_attention_area")
     assert worst < 0.04
-
-    def blind(samples: list[StepSample]) -> list[StepSample]:
-        return [replaced(s, aggregates={**s.aggregates, "sum_prefill_attention_area": 0})
-                for s in samples]
-    without = fit_backend(blind(grid), blind(family), "m")
-    worst_without = max(abs(predict(without.forward, {**a, "sum_prefill_attention_area": 0}) / t
-                            - 1) for a, t in zip(steps, truth))
     assert worst_without > 2 * worst
 
 

@@ -239,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None,
                    help="override every workload's request count (quick runs)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=positive_int, default=measurement_threads(),
+    threads = measurement_threads()
+    p.add_argument("--threads", type=positive_int, default=threads,
                    help="torch threads (default: every core but one, here "
-                   f"{measurement_threads()}; calibrate.measurement_threads)")
+                   f"{threads}; calibrate.measurement_threads)")
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply every workload's arrival rate (its time scale or request rate) "
                    "by this: the workloads sit near saturation of SmolLM2 on one thread of a "

@@ -38,9 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--real-repeats", type=positive_int, default=3,
                    help="real replays the twin is compared with (the median of each metric, "
                    "their spread beside it; default 3: one replay's tail moves with the host)")
-    p.add_argument("--threads", type=positive_int, default=measurement_threads(),
+    threads = measurement_threads()
+    p.add_argument("--threads", type=positive_int, default=threads,
                    help="torch threads of the real engine (default: every core but one, "
-                   f"here {measurement_threads()}; calibrate.measurement_threads)")
+                   f"here {threads}; calibrate.measurement_threads)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=run_demo)
 

@@ -213,7 +213,7 @@ def _serving_prefills(max_num_batched_tokens: int, max_num_seqs: int,
     quarter of the step, and long prompts' first tokens follow it."""
     ctx = min(256, max_model_len - 1)
     chunks = [n for n in (16, 48, 96, 192, 384) if n < max_model_len]
-    alone = sorted({*chunks[1:], *(n for n in (320, 448) if n < max_model_len)})
+    alone = [n for n in (48, 96, 192, 320, 384, 448) if n < max_model_len]
     specs = [StepSpec(prefills=((n, 0),)) for n in alone if n <= max_num_batched_tokens]
     for b in (b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs):
         specs += [StepSpec(decodes=_spread_decodes(b, ctx).decodes, prefills=((n, 0),))

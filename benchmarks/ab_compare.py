@@ -13,7 +13,7 @@ request per step (256 running, fcfs). The table gives each tree's median and the
 medians (this / base); above 1 is slower.
 
 ``--cli``: instead, the command line's wall time, start-up, trace reading, writing the run
-folder and the process's exit included: ``python -m twinserve.entrypoints.cli simulate --trace
+folder and the process's exit included: ``python -m twinserve.entrypoints.cli.main simulate --trace
 azure-conv --out DIR`` on its defaults (progress bar on, to a pipe), whole and with
 ``--num-requests 2000``.
 """
@@ -50,7 +50,7 @@ FIGURES = {
         "--policy", "fcfs"),
 }
 
-CLI = ("-m", "twinserve.entrypoints.cli", "simulate", "--trace", "azure-conv")  # as a user runs it
+CLI = ("-m", "twinserve.entrypoints.cli.main", "simulate", "--trace", "azure-conv")  # as a user runs it
 CLI_FIGURES = {
     "cli simulate azure-conv whole trace (wall s)": (*CLI, "--out", "{out}"),
     "cli simulate --num-requests 2000 (wall s)": (*CLI, "--num-requests", "2000", "--out", "{out}"),

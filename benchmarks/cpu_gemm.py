@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from twinserve.gpu.default_model import default_model_path
-from twinserve.gpu.model_loader import load_model
+from twinserve.gpu.models.default_model import default_model_path
+from twinserve.gpu.models.model_loader import load_model
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

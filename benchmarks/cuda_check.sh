@@ -76,8 +76,8 @@ run_tests() {
     python3 -c "import xdist" 2>/dev/null && workers="-n 4"
     # shellcheck disable=SC2086
     python3 -m pytest -q -p no:cacheprovider -m cuda $workers --junitxml="$OUT/cuda_tests.xml" \
-        tests/test_triton_attention.py tests/test_triton_lora.py tests/test_engine_equivalence.py \
-        tests/test_triton_quant.py tests/test_triton_moe.py tests/test_quant_torch_dequant.py \
+        tests/gpu/test_triton_attention.py tests/gpu/test_triton_lora.py tests/gpu/test_engine_equivalence.py \
+        tests/gpu/test_triton_quant.py tests/gpu/test_triton_moe.py tests/gpu/test_quant_torch_dequant.py \
         > "$OUT/cuda_tests.log" 2>&1
 }
 
@@ -87,13 +87,13 @@ make_model() {
 }
 
 calibrate() {  # extra flags (--enforce-eager) pass through
-    python3 -m twinserve.entrypoints.cli calibrate --device cuda --dtype bfloat16 --model "$MODEL" \
+    python3 -m twinserve.entrypoints.cli.main calibrate --device cuda --dtype bfloat16 --model "$MODEL" \
         --profile-model llama-3-8b --max-model-len 8192 --max-num-batched-tokens 8192 \
         --out "$OUT/gpu-calibrated.json" --samples-out "$OUT/gpu-calibration-samples.csv" "$@"
 }
 
 simulate() {
-    python3 -m twinserve.entrypoints.cli simulate --hardware "$OUT/gpu-calibrated.json" \
+    python3 -m twinserve.entrypoints.cli.main simulate --hardware "$OUT/gpu-calibrated.json" \
         --model llama-3-8b --num-requests 200 --disable-tqdm --out /tmp/sim-gpu-calibrated | tail -3
 }
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from twinserve.entrypoints.cli import main as cli
+from twinserve.entrypoints.cli.main import main as cli
 from twinserve.reports.fidelity import TARGETS, error_row
 from twinserve.reports.repeatability import error_pct, left_out
 

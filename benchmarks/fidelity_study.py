@@ -54,14 +54,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from twinserve.benchmarks.fidelity import run_cli
-from twinserve.entrypoints.calibrate import measurement_threads
-from twinserve.entrypoints.interleaved_calibration import InterleavedCalibration, loop_schedule
-from twinserve.entrypoints.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC, positive_int
+from twinserve.entrypoints.cli.calibrate import measurement_threads
+from twinserve.entrypoints.cli.interleaved_calibration import InterleavedCalibration, loop_schedule
+from twinserve.entrypoints.cli.validate import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC, positive_int
 from twinserve.reports.fidelity import TARGETS, host_check, spread_pct, verdict
 from twinserve.reports.repeatability import Repeatability, read_repeatability
 
 if TYPE_CHECKING:
-    from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.gpu.worker.model_runner import ModelRunner
 
 # The study's engine (every workload and the calibration): batch limits shared; the calibration
 # runs at the longest model length (512, for Azure code and Mooncake prompts clipped to it),
@@ -324,8 +324,8 @@ def _replay(argv: list[str], weights_from: ModelRunner | None) -> None:
     if weights_from is None:
         run_cli(argv)
         return
-    from twinserve.entrypoints.cli import build_parser, parse_args
-    from twinserve.entrypoints.validate import run_validate
+    from twinserve.entrypoints.cli.main import build_parser, parse_args
+    from twinserve.entrypoints.cli.validate import run_validate
     run_cli(argv, lambda a: run_validate(parse_args(build_parser(only="validate"), a), weights_from),
             "on the calibration's weights")
 
@@ -334,8 +334,8 @@ def _calibration(engine: list[str]) -> InterleavedCalibration:
     """``twinserve calibrate``'s defaults at the study's engine limits, on a model load of its
     own: the grid now, the engine loop (the profile's level) split between each round's
     replays."""
-    from twinserve.entrypoints.calibrate import load_runner, model_dir_or_default, set_threads
-    from twinserve.entrypoints.cli import build_parser
+    from twinserve.entrypoints.cli.calibrate import load_runner, model_dir_or_default, set_threads
+    from twinserve.entrypoints.cli.main import build_parser
     args = build_parser().parse_args(["calibrate", *engine, "--max-model-len",
                                       str(CALIBRATION_MODEL_LEN), "--out", "unused.json"])
     args.model = model_dir_or_default(args.model)

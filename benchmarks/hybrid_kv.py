@@ -89,7 +89,7 @@ def engine_run(model_dir: str, disabled: bool, prompt_len: int, batch: int,
                new_tokens: int) -> tuple[int, int, int, float]:
     """(KV blocks, most blocks one request held in all groups (its whole-prompt prefill), what
     it held in the last step (decoding), seconds per generated token)."""
-    from twinserve.gpu.llm_engine import LLMEngine
+    from twinserve.gpu.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", block_size=16,
                                   kv_cache_memory_bytes=64 << 20, max_model_len=4096,
                                   disable_hybrid_kv_cache_manager=disabled))

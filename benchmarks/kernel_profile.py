@@ -19,7 +19,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from twinserve.gpu.profiler import StepSpec, build_step, time_call
+from twinserve.gpu.measurement.profiler import StepSpec, build_step, time_call
 
 
 def parse_step(text: str) -> StepSpec:
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     specs = [parse_step(s) for s in (args.step or ["prefill:16", "decode:1x512"])]
     from twinserve.core.engine_args import EngineArgs
-    from twinserve.entrypoints.calibrate import model_dir_or_default
-    from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.entrypoints.cli.calibrate import model_dir_or_default
+    from twinserve.gpu.worker.model_runner import ModelRunner
     runner = ModelRunner(EngineArgs(model=model_dir_or_default(args.model), device=args.device,
                                     dtype=args.dtype, max_model_len=args.max_model_len,
                                     gpu_memory_utilization=0.5), usage_context="server")

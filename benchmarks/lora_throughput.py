@@ -28,7 +28,7 @@ import torch
 from twinserve.benchmarks.offline_throughput import VllmWorker
 from twinserve.core.lora import LoRARequest
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.lora_weights import write_random_adapter
+from twinserve.gpu.lora.lora_weights import write_random_adapter
 
 NUM_REQUESTS = 64
 PROMPT_LEN = 32
@@ -68,7 +68,7 @@ class TwinserveRunner:
 
     def _run_merged(self, k: int, prompts: list[list[int]], params) -> float:
         """Each adapter merged into the weights in turn, its requests run, the weights restored."""
-        from twinserve.gpu.lora_weights import load_peft_adapter
+        from twinserve.gpu.lora.lora_weights import load_peft_adapter
         runner = self.plain.engine.runner
         groups = [[p for i, p in enumerate(prompts) if i % k == a] for a in range(k)]
         self.plain.generate(prompts[:2], params, use_tqdm=False)
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--vllm-python", default=None, help="python of a vLLM CPU venv")
     args = parser.parse_args()
-    from twinserve.gpu.default_model import resolve_model_path
+    from twinserve.gpu.models.default_model import resolve_model_path
     model = str(resolve_model_path(args.model))
     config = ModelConfig.from_dir(model)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))

@@ -2,7 +2,7 @@
 
 1. a tiny Qwen3-MoE-shaped model (8 experts, top-2) against the dense Qwen3 model of the same
    active size (intermediate = 2 x the experts'), a decode step at batch 1 and at batch 64;
-2. the MoE layer's expert-grouped path against its per-token loop (``gpu/moe.py``), at 1 and 64
+2. the MoE layer's expert-grouped path against its per-token loop (``gpu/layers/moe.py``), at 1 and 64
    tokens.
 
     python -m twinserve.benchmarks.moe_step [--rounds 7] [--threads 2] [--json out.json]
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.attention_backend import AttentionMetadata
-from twinserve.gpu.model import CausalLM
+from twinserve.gpu.layers.attention_backend import AttentionMetadata
+from twinserve.gpu.models.model import CausalLM
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6)

@@ -92,7 +92,7 @@ class Engines:
     def _load_twinserve(self):
         from twinserve import LLM
         from twinserve.core.model_config import ModelConfig
-        from twinserve.gpu.default_model import resolve_model_path
+        from twinserve.gpu.models.default_model import resolve_model_path
         limit = ModelConfig.from_dir(resolve_model_path(self.model)).max_position_embeddings
         return LLM(self.model, dtype=self.dtype, device=self.device,
                    enforce_eager=self.enforce_eager, max_num_seqs=64,
@@ -260,7 +260,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from twinserve.gpu.default_model import default_model_path
+    from twinserve.gpu.models.default_model import default_model_path
     model = args.model or str(default_model_path())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     data = {k: v for k, v in workloads(vocab).items() if k in args.workloads}

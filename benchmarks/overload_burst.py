@@ -115,7 +115,7 @@ def local_server(server_args: list[str], startup_s: float = 300.0) -> Iterator[s
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="overload-burst-", suffix=".log",
                                      delete=False) as log:
-        proc = subprocess.Popen([sys.executable, "-m", "twinserve.entrypoints.server", "--host",
+        proc = subprocess.Popen([sys.executable, "-m", "twinserve.entrypoints.openai.server", "--host",
                                  "127.0.0.1", "--port", str(port), *server_args],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -175,8 +175,8 @@ def twin(outcomes: list[Outcome], args: argparse.Namespace) -> dict:
     server on this CPU, as the real one was), each request with its prompt's token count and
     max_tokens, arriving at once or at its send time (``--twin-arrivals``)."""
     from twinserve.entrypoints.engine_args import add_engine_args, engine_args_from
-    from twinserve.gpu.default_model import resolve_model_path
-    from twinserve.gpu.tokenizer import Tokenizer
+    from twinserve.gpu.engine.tokenizer import Tokenizer
+    from twinserve.gpu.models.default_model import resolve_model_path
     from twinserve.simulator import SimConfig, simulate
     from twinserve.traces import TraceRequest
     flags = argparse.ArgumentParser(add_help=False)

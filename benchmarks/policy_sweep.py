@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from twinserve.entrypoints.sweep import sweep_and_report
+from twinserve.entrypoints.cli.sweep import sweep_and_report
 from twinserve.simulator.capacity import find_capacity
 from twinserve.simulator.sweep import BACKENDS
 from twinserve.simulator.sweep_spec import SweepSpec, load_spec

@@ -133,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
     torch.set_num_threads(args.threads)
-    from twinserve.gpu.default_model import default_model_path, gguf_path
+    from twinserve.gpu.models.default_model import default_model_path, gguf_path
     names = args.engines.split(",")
     engines: dict = {}
     for name in names:

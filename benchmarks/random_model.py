@@ -6,7 +6,7 @@ hardware that can hold a model we do not ship, such as Llama-3-8B on a GPU).
 
 Writes ``config.json`` (the bundled config of ``simulator/data/models``, or any HF ``config.json``
 path) and one safetensors shard per decoder layer with ``model.safetensors.index.json``: the
-layout ``gpu/weights.py`` loads. Weights are N(0, 0.02) (norms 1), drawn on ``--device`` (a GPU
+layout ``gpu/models/weights.py`` loads. Weights are N(0, 0.02) (norms 1), drawn on ``--device`` (a GPU
 draws 8B parameters in seconds) and written from host memory one layer at a time. No tokenizer:
 prompts are token ids. The directory is reused when its config and shards are already there.
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from twinserve.entrypoints.cli import build_parser
+from twinserve.entrypoints.cli.main import build_parser
 
 METRICS = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms",
            "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -56,7 +56,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _bench(port: int, label: str, args: argparse.Namespace, vocab: int) -> dict:
-    from twinserve.entrypoints.bench_serve import run_bench_serve
+    from twinserve.entrypoints.cli.bench_serve import run_bench_serve
     ns = build_parser().parse_args([
         "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--trace", "azure-conv",
         "--num-requests", str(args.num_requests), "--max-model-len", str(args.max_model_len),
@@ -75,12 +75,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="runs/serve-comparison")
     args = ap.parse_args()
-    from twinserve.gpu.default_model import default_model_path
+    from twinserve.gpu.models.default_model import default_model_path
     model = str(default_model_path())
     vocab = 49152
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
               "--dtype", args.dtype]
-    servers = {"twinserve": [sys.executable, "-m", "twinserve.entrypoints.server", "--model", model,
+    servers = {"twinserve": [sys.executable, "-m", "twinserve.entrypoints.openai.server", "--model", model,
                              *common]}
     if args.vllm_python:
         servers["vllm"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",

@@ -9,7 +9,7 @@ the work itself. The timers cost about a microsecond per call (a few hundred cal
     python -m twinserve.benchmarks.step_profile [--workloads batch single] [--dtype bfloat16]
     python -m twinserve.benchmarks.step_profile --model FILE.gguf --dtype float32   # quantized
 
-With a GGUF file the decode steps that the fused kernel serves (``gpu/fused_decode.py``) show as
+With a GGUF file the decode steps that the fused kernel serves (``gpu/kernels/fused_decode.py``) show as
 one part, "fused decode step (all layers)"; the others split as above.
 
 The last line is the physical limit of a batch-1 decode step: the weight bytes it must read,
@@ -27,14 +27,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-import twinserve.gpu.model_runner as runner_module
+import twinserve.gpu.worker.model_runner as runner_module
 from twinserve.benchmarks.offline_throughput import decode_floor, greedy_params, workloads
 from twinserve.core import Scheduler
-from twinserve.gpu.attention_backend import AttentionBackend
-from twinserve.gpu.fused_decode import FusedDecode
-from twinserve.gpu.llm_engine import LLMEngine
-from twinserve.gpu.model import CausalLM, DecoderLayer
-from twinserve.gpu.model_runner import ModelRunner
+from twinserve.gpu.engine.llm_engine import LLMEngine
+from twinserve.gpu.kernels.fused_decode import FusedDecode
+from twinserve.gpu.layers.attention_backend import AttentionBackend
+from twinserve.gpu.models.model import CausalLM, DecoderLayer
+from twinserve.gpu.worker.model_runner import ModelRunner
 
 # (scope, owner, attribute): every callable timed, inclusive of what it calls
 TIMED = [
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from twinserve import LLM
-    from twinserve.gpu.default_model import default_model_path
+    from twinserve.gpu.models.default_model import default_model_path
     torch.set_num_threads(args.threads)
-    from twinserve.gpu.default_model import resolve_model_source
+    from twinserve.gpu.models.default_model import resolve_model_source
     model = args.model or str(default_model_path())
     model_dir, gguf_file = resolve_model_source(model)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

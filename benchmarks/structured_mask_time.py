@@ -1,5 +1,5 @@
 """The grammar masks' time per step on this machine, as ``twinserve calibrate`` measures it for
-the twin (``gpu/structured_mask_profile.py``): batches of 1..N constrained rows on the bundled
+the twin (``gpu/measurement/structured_mask_profile.py``): batches of 1..N constrained rows on the bundled
 model's vocabulary, several rounds, the fitted per-row and per-step terms of each and their
 medians.
 
@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from pathlib import Path
 
-    from twinserve.gpu.default_model import resolve_model_path
-    from twinserve.gpu.structured_mask_profile import measure_mask_time
-    from twinserve.gpu.tokenizer import Tokenizer
+    from twinserve.gpu.engine.tokenizer import Tokenizer
+    from twinserve.gpu.measurement.structured_mask_profile import measure_mask_time
+    from twinserve.gpu.models.default_model import resolve_model_path
     model_dir = Path(resolve_model_path(args.model))
     tokenizer = Tokenizer.from_dir(model_dir)
     if tokenizer.eos_token_id is None:

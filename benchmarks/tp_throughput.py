@@ -33,7 +33,7 @@ WORKLOADS = {"64x128": (64, 128), "1x128": (1, 128)}
 def shaped_model(out: Path, dtype: str) -> Path:
     """A SmolLM2-135M-shaped Llama (30 layers, vocab 49152) with 8 heads / 2 KV heads."""
     from twinserve.benchmarks.random_model import write_random_model
-    from twinserve.gpu.default_model import default_model_path
+    from twinserve.gpu.models.default_model import default_model_path
     cfg = json.loads((default_model_path() / "config.json").read_text())
     cfg.update(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def shaped_model(out: Path, dtype: str) -> Path:
 
 def _engine(model: str, tp: int, dtype: str):
     from twinserve.core.engine_args import EngineArgs
-    from twinserve.gpu.llm_engine import LLMEngine
+    from twinserve.gpu.engine.llm_engine import LLMEngine
     return LLMEngine(EngineArgs(model=model, dtype=dtype, tensor_parallel_size=tp,
                                 max_model_len=512, max_num_seqs=64))
 

@@ -20,7 +20,7 @@ a run is cut into segments of one batch each (``DecodeRun.stops``)::
 ``cache_full_blocks`` of each that fills one (at update time), step by step, so block ids,
 prefix-cache hashes, evictions and the free count after each step are the same. The per-token work
 (appending the token and its time) is one ``extend`` per request. The plain reference is the
-step-by-step loop itself; ``tests/test_decode_run.py`` compares the two run for run.
+step-by-step loop itself; ``tests/core/test_decode_run.py`` compares the two run for run.
 
 The real engine never uses this: its tokens come from the model, one step at a time.
 """

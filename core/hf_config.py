@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ROPE_THETA = 10000.0
-# rope_type -> the fields of rope_scaling it needs (the engine implements these, gpu/rope.py)
+# rope_type -> the fields of rope_scaling it needs (the engine implements these, gpu/layers/rope.py)
 ROPE_TYPES: Mapping[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),

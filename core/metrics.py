@@ -126,7 +126,7 @@ def percentiles(values: np.ndarray, percents: Sequence[float]) -> list[float]:
     array without NaNs: the same order statistics (``np.partition``) and the same float
     arithmetic, step for step (numpy's ``_get_indexes``, ``_get_gamma`` and ``_lerp``), without
     the ``np.unique`` of its indexes, whose masked-array check imports ``numpy.ma`` (~20 ms of a
-    simulator command's start). ``tests/test_metrics_percentiles.py`` compares the two."""
+    simulator command's start). ``tests/core/test_metrics_percentiles.py`` compares the two."""
     n = len(values)
     if not n:
         raise ValueError("percentiles of no values")

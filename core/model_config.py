@@ -48,7 +48,7 @@ _DTYPE_ALIASES: Mapping[str, str] = MappingProxyType({
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
     "float": "float32", "fp8": "float8_e4m3fn",
 })
-# config.json activation -> the engine's (gpu/model.py implements these two)
+# config.json activation -> the engine's (gpu/models/model.py implements these two)
 ACTIVATIONS: Mapping[str, str] = MappingProxyType({
     "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"})
 LAYER_TYPES = ("full_attention", "sliding_attention")

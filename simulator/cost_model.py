@@ -331,7 +331,7 @@ class CostModel:
         exactly where SimPy would put it (``base + (end - base) == end``), at most
         ``max_steps``: the engine loop's ``now + step_time(run.out)`` step by step, with the
         terms that stay fixed over the run computed once and the same float operations in the
-        same order (``tests/test_cost_model.py`` compares the two). None where ``step_time``
+        same order (``tests/simulator/test_cost_model.py`` compares the two). None where ``step_time``
         would not take its inlined path, or for a step that is not decode-only; ``out`` is left
         as it is."""
         tokens = n = out.num_decode_seqs

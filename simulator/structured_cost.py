@@ -6,7 +6,7 @@ the logits before sampling, inside the step, so a step with ``r`` constrained ro
 
 longer. ``r`` counts the step's scheduled entries that sample (``sample``) and whose request
 carries ``structured_outputs``. The two coefficients are fields of the hardware profile;
-``twinserve calibrate`` measures them on the real engine (``gpu/structured_mask_profile.py``).
+``twinserve calibrate`` measures them on the real engine (``gpu/measurement/structured_mask_profile.py``).
 Their defaults are what that measurement gave on the 2-core AVX2 development machine with the
 bundled model's 49,152-token vocabulary (``python -m twinserve.benchmarks.structured_mask_time``,
 medians of 6 rounds on a busy machine: 1.02 ms per row, 1.7 ms per step; the per-step term is

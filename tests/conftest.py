@@ -17,6 +17,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests live in folders that mirror the packages; the shared helpers (``core_helpers``,
+# ``triton_worker``, ...) stay here. Test files that run themselves as scripts in a subprocess
+# find them through PYTHONPATH.
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p)
+
 TINY_VOCAB = 320
 
 # name -> (architecture, config overrides)
@@ -43,7 +51,7 @@ def two_torch_threads() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct converted from the GGUF (once per cache, ~40 s the first time)."""
-    from twinserve.gpu.default_model import default_model_path
+    from twinserve.gpu.models.default_model import default_model_path
     return default_model_path()
 
 
@@ -186,7 +194,7 @@ def tiny_runner(tiny_model: Path):
     """A runner of the tiny model on one torch thread: two OpenMP threads on a shared 2-core
     host stall on each other's descheduling (tiny steps measured 100x slower), one does not."""
     from twinserve.core.engine_args import EngineArgs
-    from twinserve.gpu.model_runner import ModelRunner
+    from twinserve.gpu.worker.model_runner import ModelRunner
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     eargs = EngineArgs(str(tiny_model), dtype="float32", max_model_len=256, max_num_seqs=8,

@@ -3,7 +3,7 @@
     with live_server(["--scheduling-policy", "fcfs"], api_key="k") as srv:
         httpx.get(srv.url("/health"))
 
-The server runs ``python -m twinserve.entrypoints.server`` (the same ``run_server`` the CLI calls)
+The server runs ``python -m twinserve.entrypoints.openai.server`` (the same ``run_server`` the CLI calls)
 on 127.0.0.1 and a free port, with the default model and small settings (``SMALL_SERVER_ARGS``).
 Its output goes to a log file whose tail is shown if it fails to start.
 """
@@ -63,7 +63,7 @@ def start_server(extra_args: list[str] | tuple[str, ...] = (), api_key: str | No
                  small: bool = True, timeout_s: float = STARTUP_TIMEOUT_S) -> LiveServer:
     """Starts the server and waits until ``/health`` answers 200."""
     port = free_port()
-    args = [sys.executable, "-m", "twinserve.entrypoints.server", "--host", "127.0.0.1",
+    args = [sys.executable, "-m", "twinserve.entrypoints.openai.server", "--host", "127.0.0.1",
             "--port", str(port), *(SMALL_SERVER_ARGS if small else ()), *extra_args]
     if api_key:
         args += ["--api-key", api_key]

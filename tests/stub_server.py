@@ -110,8 +110,8 @@ def serve(engine: StubEngine, **args: Any) -> Iterator[str]:
     """``build_app`` over ``engine`` served by uvicorn on 127.0.0.1; yields the base URL."""
     import uvicorn
 
-    from twinserve.entrypoints.async_engine import AsyncEngine
-    from twinserve.entrypoints.server import build_app
+    from twinserve.entrypoints.openai.async_engine import AsyncEngine
+    from twinserve.entrypoints.openai.server import build_app
     port = free_port()
     async_engine = AsyncEngine(engine)  # type: ignore[arg-type]
     server: uvicorn.Server | None = None

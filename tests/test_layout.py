@@ -65,9 +65,9 @@ def test_folder_keeps_the_dependency_rule(folder: str) -> None:
 
 def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     path = tmp_path / "m.py"
-    path.write_text("import os\n\ndef f():\n    from twinserve.gpu import replay\n"
+    path.write_text("import os\n\ndef f():\n    from twinserve.gpu.engine import replay\n"
                     "    import torch.nn as nn\n")
-    assert imported_modules(path) == [(1, "os"), (4, "twinserve.gpu"), (5, "torch.nn")]
+    assert imported_modules(path) == [(1, "os"), (4, "twinserve.gpu.engine"), (5, "torch.nn")]
 
 
 def test_update_from_output_is_called_only_by_the_step_driver() -> None:

@@ -14,7 +14,7 @@ first arrives at 0.0. Request ids are ``<trace>-<row>``, the row counted from 0 
 are ignored; any other bad row raises ``TraceError`` naming the file and its 1-based line number.
 
 ``load_trace(name, limit=n)`` is ``load_trace(name)[:n]``. A bundled trace is stored sorted by arrival
-(``tests/test_traces.py`` checks every row), so its first ``n`` rows are its first ``n`` requests and
+(``tests/traces/test_traces.py`` checks every row), so its first ``n`` rows are its first ``n`` requests and
 only they are read; any other file is read, checked and sorted whole first.
 """
 

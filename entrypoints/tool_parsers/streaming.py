@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from twinserve.entrypoints.protocol import DeltaFunctionCall, DeltaToolCall
+from twinserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall
 from twinserve.entrypoints.tool_parsers.base import ParsedOutput, ToolParser
 
 

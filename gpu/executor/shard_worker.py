@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.attention_backend import AttentionMetadata
-from twinserve.gpu.batch import ModelInput
-from twinserve.gpu.cpu_cores import usable_cores
 from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, destroy_tp_group, init_tp_group
-from twinserve.gpu.kv_cache import KVCache, KVCacheSpec
-from twinserve.gpu.model import CausalLM
-from twinserve.gpu.model_loader import load_model
-from twinserve.gpu.platform import TORCH_DTYPES
+from twinserve.gpu.layers.attention_backend import AttentionMetadata
+from twinserve.gpu.models.model import CausalLM
+from twinserve.gpu.models.model_loader import load_model
+from twinserve.gpu.worker.batch import ModelInput
+from twinserve.gpu.worker.cpu_cores import usable_cores
+from twinserve.gpu.worker.kv_cache import KVCache, KVCacheSpec
+from twinserve.gpu.worker.platform import TORCH_DTYPES
 
 TIMEOUT_ENV = "TWINSERVE_TP_TIMEOUT_S"  # seconds any rank waits for another (collectives, startup)
 
@@ -111,7 +111,7 @@ class ShardWorker:
         self.model: CausalLM = load_model(spec.model_dir, self.dtype, self.device,
                                           spec.max_model_len, self.group)
         if spec.profile_tokens > 0:  # in step with the driver's profile (its collectives)
-            from twinserve.gpu.cuda_graphs import profile_peak_memory
+            from twinserve.gpu.worker.cuda_graphs import profile_peak_memory
             profile_peak_memory(self.model, spec.profile_tokens, spec.block_size,
                                 spec.max_model_len)
         self.kv_cache: KVCache | None = None
@@ -123,7 +123,7 @@ class ShardWorker:
                              self.group.world_size)
         self.kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, self.device)
         if self.device.type == "cuda" and not self.spec.enforce_eager:
-            from twinserve.gpu.cuda_graphs import DecodeGraphs
+            from twinserve.gpu.worker.cuda_graphs import DecodeGraphs
             self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.spec.block_size,
                                         self.spec.max_model_len)
 

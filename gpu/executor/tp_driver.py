@@ -18,7 +18,6 @@ import torch
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
-from twinserve.gpu.batch import ModelInput, build_model_input
 from twinserve.gpu.distributed.parallel_state import (
     GroupAddress,
     TPGroup,
@@ -36,7 +35,8 @@ from twinserve.gpu.executor.shard_worker import (
     threads_per_rank,
     tp_timeout_s,
 )
-from twinserve.gpu.linear import check_heads_divisible
+from twinserve.gpu.layers.linear import check_heads_divisible
+from twinserve.gpu.worker.batch import ModelInput, build_model_input
 
 START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes minutes
 

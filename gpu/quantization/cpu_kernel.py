@@ -1,6 +1,6 @@
 """Build (once per machine, into torch's extension cache) and load the CPU quantized-product
-kernels: ``gpu/csrc/quant_matmul.cpp`` (the products, fp32 and int8 activations) and
-``gpu/csrc/fused_decode.cpp`` (a whole decode step in one call), one extension;
+kernels: ``gpu/kernels/csrc/quant_matmul.cpp`` (the products, fp32 and int8 activations) and
+``gpu/kernels/csrc/fused_decode.cpp`` (a whole decode step in one call), one extension;
 ``scripts/setup.sh`` builds it ahead, as the decode-attention kernel. ``-march=native``: it runs
 where it is built. ``-fopenmp``: ATen's ``at::parallel_for`` shares work out only where the
 including file is compiled with OpenMP (``_OPENMP`` defines ``INTRA_OP_PARALLEL``); with
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 SOURCES = (CSRC / "quant_matmul.cpp", CSRC / "fused_decode.cpp")
 HEADERS = (CSRC / "quant_blocks.h", CSRC / "quant_q8.h", CSRC / "quant_packed.h",
            CSRC / "paged_attention.h", CSRC / "fused_attention.h")

@@ -1,4 +1,4 @@
-"""The quantized weight formats the CPU kernel (``gpu/csrc/quant_matmul.cpp``) and the Triton
+"""The quantized weight formats the CPU kernel (``gpu/kernels/csrc/quant_matmul.cpp``) and the Triton
 kernel read, with their block geometry. A weight is ``[rows, row_bytes]`` bytes, each row
 ``in_features / values`` blocks of ``block_bytes``; rows are independent, so fused projections
 stack their rows and a permutation of output rows is a permutation of byte rows."""

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.gguf_convert import hf_name, permuted_heads, unpermute
-from twinserve.gpu.linear import LinearBase
+from twinserve.gpu.layers.linear import LinearBase
+from twinserve.gpu.models.gguf_convert import hf_name, permuted_heads, unpermute
 from twinserve.gpu.quantization.formats import GGUF_FORMATS
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod
 from twinserve.gpu.quantization.quant_tensor import QuantTensor
@@ -42,7 +42,7 @@ def tensor_index(gguf_file: Path) -> list[TensorEntry]:
     """The file's tensor table, cached per file version: ``gguf.GGUFReader`` parses every
     metadata field first (the 49k-token vocabulary: ~9 s of a 10 s load here), the table alone
     is read in milliseconds."""
-    from twinserve.gpu.default_model import cache_root, file_key
+    from twinserve.gpu.models.default_model import cache_root, file_key
     source = gguf_file.resolve()
     path = cache_root() / "models" / "gguf-index" / f"{source.stem}-{file_key(source)}.json"
     if path.is_file():

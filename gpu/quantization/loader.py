@@ -1,4 +1,4 @@
-"""Loading a model under a ``quantization=`` method (``gpu/model_loader.py`` calls it):
+"""Loading a model under a ``quantization=`` method (``gpu/models/model_loader.py`` calls it):
 
 - ``gguf``: ``gguf.load_gguf_model`` reads the file's blocks;
 - ``int8`` / ``fp8``: the checkpoint loads as usual in fp32, then every projection is quantized
@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.cpu_gemm import Gemm
-from twinserve.gpu.linear import LinearBase, UnquantizedLinearMethod
-from twinserve.gpu.model import CausalLM
+from twinserve.gpu.kernels.cpu_gemm import Gemm
+from twinserve.gpu.layers.linear import LinearBase, UnquantizedLinearMethod
+from twinserve.gpu.models.model import CausalLM
+from twinserve.gpu.models.weights import SafetensorsWeights
 from twinserve.gpu.quantization.gguf import load_gguf_model
 from twinserve.gpu.quantization.quant_linear import (
     QuantizedLinearMethod,
@@ -28,7 +29,6 @@ from twinserve.gpu.quantization.quant_linear import (
 from twinserve.gpu.quantization.quant_tensor import QuantTensor
 from twinserve.gpu.quantization.quantized_model import QuantizedCausalLM
 from twinserve.gpu.quantization.registry import CHECKPOINT, CHECKPOINT_CHECKS, LOAD_TIME, method_kind
-from twinserve.gpu.weights import SafetensorsWeights
 
 
 def load_quantized_model(model_dir: Path, config: ModelConfig, quantization: str,
@@ -41,7 +41,7 @@ def load_quantized_model(model_dir: Path, config: ModelConfig, quantization: str
             raise ValueError("quantization='gguf' needs a .gguf model file.")
         return load_gguf_model(gguf_file, config, dtype, device, max_positions)
     if kind == "load_time":
-        from twinserve.gpu.model_loader import load_weights
+        from twinserve.gpu.models.model_loader import load_weights
         model = CausalLM(config, max_positions, torch.float32, device)
         load_weights(model, SafetensorsWeights(model_dir))
         quantize_linears(model, LOAD_TIME[quantization], dtype)  # from the fp32 values

@@ -1,4 +1,4 @@
-"""The linear-layer method for quantized weights (``gpu/linear.py``'s ``quant_method``).
+"""The linear-layer method for quantized weights (``gpu/layers/linear.py``'s ``quant_method``).
 
 A layer's weight is a list of ``QuantTensor`` parts stacked along the output rows: one part when
 every shard of a fused projection has the same format (q, k, v of a Q4_1 file), several when a
@@ -14,7 +14,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from twinserve.gpu.linear import LinearBase, LinearMethodBase, ShardId
+from twinserve.gpu.layers.linear import LinearBase, LinearMethodBase, ShardId
 from twinserve.gpu.quantization.quant_tensor import QuantTensor, concat_rows
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu import fused_decode
-from twinserve.gpu.attention_backend import AttentionMetadata
-from twinserve.gpu.linear import LinearBase
-from twinserve.gpu.model import CausalLM, KVCache
+from twinserve.gpu.kernels import fused_decode
+from twinserve.gpu.layers.attention_backend import AttentionMetadata
+from twinserve.gpu.layers.linear import LinearBase
+from twinserve.gpu.models.model import CausalLM, KVCache
 from twinserve.gpu.quantization.embedding import QuantizedEmbedding
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod, quant_state
 from twinserve.gpu.quantization.quant_tensor import QuantTensor, per_sequence_rows

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from twinserve.gpu.kernels.triton_support import (
+    HAS_TRITON,
+    check_launchable,
+    kernel_is_interpreted,
+    tl,
+    triton,
+)
 from twinserve.gpu.quantization.formats import QuantFormat
-from twinserve.gpu.triton_support import HAS_TRITON, check_launchable, kernel_is_interpreted, tl, triton
 
 SUPPORTED = ("Q8_0", "Q4_0", "Q4_1", "int8", "fp8_e4m3", "u4g32", "u4g64", "u4g128")
 BLOCK_N = 32

@@ -1,0 +1,1 @@
+"""The `twinserve` command line: argument parsing over the library."""

@@ -1,0 +1,1 @@
+"""The engine's orchestration around the model runner: requests in, outputs out (no torch)."""

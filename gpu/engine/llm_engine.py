@@ -1,0 +1,168 @@
+"""The real engine: the shared scheduler driving the model runner, one step at a time.
+
+    out  = driver.schedule(now)                       # core.step_driver: the one step seam
+    res  = driver.execute(runner, out)                # forward pass + sampling
+    outs = driver.complete(out, res, now, now_after)  # update_from_output, records
+
+Time is the engine's monotonic clock in seconds since it started, so run records line up with the
+simulator's (which starts at 0 too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.lora import LoRARequest
+from twinserve.core.pooling_params import PoolingParams
+from twinserve.core.request import Request
+from twinserve.core.request_output import RequestOutput
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler import Scheduler
+from twinserve.core.step_driver import StepDriver
+from twinserve.gpu.engine.output_processor import OutputProcessor
+from twinserve.gpu.engine.request_surface import RequestSurface
+from twinserve.gpu.worker.model_runner import ModelRunner
+from twinserve.policies import get_policy
+
+
+class LLMEngine:
+    """The shared scheduler and the model runner, joined by the one step driver.
+
+    ``usage_context`` picks vLLM's defaults for offline use (``llm``) or a server (``server``);
+    ``config`` is the resolved configuration (``core.engine_config.EngineConfig``)."""
+
+    def __init__(self, args: EngineArgs, runner: ModelRunner | None = None,
+                 usage_context: str = "llm") -> None:
+        self.args = args
+        self.runner = runner or ModelRunner(args, usage_context)
+        self.engine_config = self.runner.engine_config
+        self.config = self.engine_config.scheduler
+        self.policy = get_policy(args.scheduling_policy, **args.policy_options)
+        self.scheduler = Scheduler(self.config, self.policy)
+        self.driver = StepDriver(self.scheduler)
+        self.metrics = self.driver.recorder
+        self.tokenizer = self.runner.tokenizer
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.request_surface = RequestSurface(self.tokenizer, self.runner.max_model_len,
+                                              self.runner.config.hidden_size)
+        self._t0 = time.monotonic()
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self._lora_of: dict[str, str] = {}  # request id -> its adapter, pinned until it ends
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0, tenant: str = "default",
+                    lora_request: LoRARequest | None = None,
+                    hints: dict[str, float] | None = None, detokenize: bool = True,
+                    pooling_params: PoolingParams | None = None) -> str:
+        """Queues a request; returns its id. Raises ValueError naming what is wrong (an
+        adapter that cannot be loaded included), EngineOverloaded when it must wait.
+        ``pooling_params``: an embedding request (prefill only; its output is an
+        ``EmbeddingRequestOutput``)."""
+        params = params or SamplingParams()
+        params.validate()  # attributes may have changed since construction
+        if self.runner.tp is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs with tensor_parallel_size > 1 is not implemented.")
+        if priority != 0 and not self.policy.uses_priority:
+            raise ValueError(f"Got priority {priority} but the {self.policy.name!r} scheduling "
+                             "policy does not use priorities (use scheduling_policy='priority').")
+        token_ids, text = self._prompt_tokens(prompt)
+        token_ids = self.request_surface.prepare(token_ids, params, pooling_params)
+        vocab = self.runner.vocab_size
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or ()
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}), got "
+                                 f"{sorted(t for t in ids if not 0 <= t < vocab)[:8]}.")
+        rid = request_id or f"req-{next(self._ids)}"
+        lora = self._acquire_lora(lora_request)
+        try:
+            request = Request(rid, token_ids, params,
+                              self.now() if arrival_time is None else arrival_time,
+                              eos_token_id=self.runner.eos_token_id, priority=priority,
+                              tenant=tenant, lora=lora, hints=dict(hints or {}),
+                              pooling_params=pooling_params)
+            self.driver.add_request(request)
+        except BaseException:
+            self._release_lora_name(lora)
+            raise
+        if lora is not None:
+            self._lora_of[rid] = lora
+        try:
+            self.outputs.add(request, text, detokenize)
+        except ValueError:
+            self.driver.abort([rid], self.now())
+            self._release_lora(rid)
+            raise
+        self.runner.prefetch_grammar(request)  # checked above; compiled while steps run
+        return rid
+
+    def _acquire_lora(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} "
+                             "requested but LoRA is not enabled (enable_lora=True).")
+        return self.runner.lora.acquire(lora_request)
+
+    def _release_lora(self, request_id: str) -> None:
+        self._release_lora_name(self._lora_of.pop(request_id, None))
+
+    def _release_lora_name(self, name: str | None) -> None:
+        if name is not None and self.runner.lora is not None:
+            self.runner.lora.release(name)
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids.")
+            if not prompt:
+                raise ValueError("prompt must not be empty.")
+            return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string or list of token ids.")
+        vocab = self.runner.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}.")
+        return list(prompt), None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request and all its samples, freeing their KV blocks."""
+        ids = self.outputs.sample_ids(request_id)
+        self.driver.abort(ids, self.now())
+        self._release_lora(request_id)
+        return self.outputs.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers, if any (also done at exit and on garbage collection)."""
+        self.runner.shutdown()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        driver = self.driver
+        t0 = time.perf_counter()
+        start = self.now()
+        out = driver.schedule(start)
+        result = driver.execute(self.runner, out)
+        end = self.now()
+        results, stopped = self.outputs.process(driver.complete(out, result, start, end))
+        if stopped:
+            driver.finish(stopped, end)
+        if self._lora_of:
+            for output in results:
+                if output.finished:
+                    self._release_lora(output.request_id)
+        self.num_steps += 1
+        driver.end_step(out, time.perf_counter() - t0)
+        return results

@@ -1,0 +1,1 @@
+"""Native kernels: C++ for the CPU backend (csrc/) and Triton for CUDA."""

@@ -1,0 +1,1 @@
+"""The model's layers: linear (tensor-parallel), rotary embeddings, attention, MoE, pooling."""

@@ -1,0 +1,1 @@
+"""Multi-LoRA: adapter weights, the adapter slots, and the LoRA-wrapped layers."""

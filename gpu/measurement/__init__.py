@@ -1,0 +1,1 @@
+"""Measuring the real backend: the step profiler and the kernel tuning caches."""

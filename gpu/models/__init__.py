@@ -1,0 +1,1 @@
+"""Model definitions, loading (safetensors, GGUF) and the bundled default model."""

@@ -1,0 +1,1 @@
+"""The worker: model runner, batch building, KV cache tensors, CUDA graphs, sampling."""

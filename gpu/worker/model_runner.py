@@ -1,0 +1,274 @@
+"""The real backend of the step seam: ``execute(SchedulerOutput) -> ModelRunnerOutput``.
+
+Per step: swap-outs, swap-ins, block copies, then one forward pass over every scheduled token
+(prefill chunks and decodes flattened together) and one batched sampling call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.engine_config import (
+    EngineConfig,
+    Platform,
+    kv_cache_layout_of,
+    resolve_engine_config,
+)
+from twinserve.core.model_config import ModelConfig
+from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from twinserve.core.quantization import resolve_quantization
+from twinserve.core.request import Request
+from twinserve.gpu.engine.tokenizer import Tokenizer
+from twinserve.gpu.executor.shard_worker import kv_cache_spec
+from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
+from twinserve.gpu.layers.pooler import pooled_state
+from twinserve.gpu.lora.lora_manager import LoRAManager
+from twinserve.gpu.measurement.gemm_tuning import tune_cpu_gemm
+from twinserve.gpu.models.default_model import resolve_model_source
+from twinserve.gpu.models.model_loader import load_generation_config, load_model, quantization_config
+from twinserve.gpu.worker.batch import ModelInput, build_model_input
+from twinserve.gpu.worker.kv_cache import KVCache
+from twinserve.gpu.worker.kv_cache_fp8 import use_fp8_kv_cache
+from twinserve.gpu.worker.platform import TORCH_DTYPES, current_platform, resolve_device
+from twinserve.gpu.worker.prompt_logprobs import PromptLogprobsCollector
+from twinserve.gpu.worker.sampler import sample
+from twinserve.gpu.worker.structured_outputs import StructuredOutputs
+
+
+def check_shareable(owner: ModelRunner, runner: ModelRunner, args: EngineArgs) -> None:
+    """Raises ValueError unless ``runner`` (being built from ``args``) can run on ``owner``'s
+    weights: the same files, dtype, device and quantization, positions within the owner's
+    tables, and nothing that changes the model in place (tensor parallelism, LoRA, an fp8 KV
+    cache)."""
+    same = (owner.model_dir, owner.gguf_file, owner.dtype, owner.device, owner.quantization)
+    if same != (runner.model_dir, runner.gguf_file, runner.dtype, runner.device,
+                runner.quantization):
+        raise ValueError(f"weights_from: the runner loaded {same}, not {runner.model_dir} "
+                         f"({runner.dtype}, {runner.device}, {runner.quantization}).")
+    if runner.max_model_len > owner.max_model_len:
+        raise ValueError(f"weights_from: max_model_len {runner.max_model_len} exceeds the "
+                         f"loaded model's {owner.max_model_len}.")
+    changes = [name for name, on in (("tensor_parallel_size > 1", args.tensor_parallel_size > 1),
+                                     ("LoRA", args.lora_config() is not None),
+                                     ("kv_cache_dtype fp8", args.kv_cache_dtype != "auto"))
+               if on]
+    owner_changed = (owner.tp is not None or owner.lora is not None
+                     or owner.kv_cache.spec.dtype != owner.dtype)  # (fp8 KV: another backend)
+    if changes or owner_changed:
+        raise ValueError("weights_from: a runner sharing weights cannot use "
+                         f"{', '.join(changes) or 'a model its owner changed (TP, LoRA, fp8 KV)'}.")
+
+
+class ModelRunner:
+    """Holds the model, its KV cache, the tokenizer and per-request sampling generators.
+
+    The engine's arguments are resolved by ``core.engine_config.resolve_engine_config`` for this
+    device (``engine_config``), as the twin resolves them for its hardware profile. On CUDA the
+    KV budget is what remains after the weights and a profiled forward pass of
+    ``max_num_batched_tokens``, so the arguments are resolved again once that is measured.
+
+    ``weights_from``: run on the weights another runner of the same model loaded (its own KV
+    cache and limits beside them): two loads of the same weights run the same steps a few %
+    apart (on a 2-core EPYC the first load of a process ran 0.8-2.3% slower than the next two,
+    in 8 paired rounds), so a replay compared with a calibration runs on the calibration's."""
+
+    def __init__(self, args: EngineArgs, usage_context: str = "llm",
+                 weights_from: ModelRunner | None = None) -> None:
+        self.model_dir, self.gguf_file = resolve_model_source(args.model)
+        self.quantization = resolve_quantization(args.quantization, args.model,
+                                                 quantization_config(self.model_dir))
+        # the method found in the file (a .gguf, a checkpoint's quantization_config) resolves
+        # the engine's arguments as one given by name would (its dtype on a CPU)
+        args = dataclasses.replace(args, quantization=self.quantization)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.device = resolve_device(args.device)
+        self.block_size = args.block_size
+        self.enforce_eager = args.enforce_eager
+        platform = current_platform(self.device)
+        resolved = resolve_engine_config(args, self.config, platform, usage_context)
+        self.dtype = TORCH_DTYPES[resolved.dtype]
+        self.max_model_len = resolved.max_model_len
+        self.vocab_size = self.config.vocab_size
+        profile = (self.device.type == "cuda" and args.kv_cache_memory_bytes is None
+                   and args.num_gpu_blocks_override is None)
+        if weights_from is not None:  # refused before any TP worker starts
+            check_shareable(weights_from, self, args)
+        # tensor parallelism: workers (ranks 1..) start first, load beside the driver (rank 0)
+        self.tp: TPDriver | None = None
+        if args.tensor_parallel_size > 1:
+            check_tensor_parallel(args, self.config, self.quantization)
+            self.tp = TPDriver(args, str(self.model_dir), resolved.dtype, self.device,
+                               self.max_model_len,
+                               resolved.scheduler.max_num_batched_tokens if profile else 0)
+        try:
+            self._load(args, resolved, platform, usage_context, profile, weights_from)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+
+    def _load(self, args: EngineArgs, resolved: EngineConfig, platform: Platform,
+              usage_context: str, profile: bool, weights_from: ModelRunner | None) -> None:
+        tp_group = None if self.tp is None else self.tp.group
+        self.model = (weights_from.model if weights_from is not None else
+                      load_model(self.model_dir, self.dtype, self.device, self.max_model_len,
+                                 tp_group, self.quantization, self.gguf_file))
+        if profile:
+            from twinserve.gpu.worker.cuda_graphs import profile_peak_memory
+            peak = profile_peak_memory(self.model, resolved.scheduler.max_num_batched_tokens,
+                                       self.block_size, self.max_model_len)
+            resolved = resolve_engine_config(args, self.config, platform, usage_context, peak)
+        if self.tp is not None:
+            self.tp.wait_ready()
+        self.engine_config = resolved
+        self.tokenizer = (Tokenizer.from_dir(self.model_dir)
+                          if (self.model_dir / "tokenizer.json").is_file() else None)
+        self.eos_token_id = self._eos_token_id()
+        self.generator = torch.Generator(device=self.device).manual_seed(args.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._structured: StructuredOutputs | None = None  # made for the first constrained one
+        self._prompt_logprobs = PromptLogprobsCollector()
+        kv_dtype = self.dtype
+        if args.kv_cache_dtype != "auto":  # fp8 (e4m3): the backend quantizes and widens
+            kv_dtype = use_fp8_kv_cache(self.model, self.dtype, self.device, self.tp is not None)
+        spec = kv_cache_spec(self.config, self.block_size, kv_dtype, args.tensor_parallel_size)
+        sched = resolved.scheduler
+        # the scheduler's KV cache groups (one unless a mixed model runs the hybrid layout)
+        self.kv_layout = kv_cache_layout_of(self.config, args.disable_sliding_window,
+                                            bool(sched.kv_cache_group_windows))
+        self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device,
+                                self.kv_layout)
+        if self.tp is not None:
+            self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
+        self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
+        self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
+        self.lora: LoRAManager | None = None
+        lora_config = args.lora_config()
+        if lora_config is not None:
+            self.lora = LoRAManager(self.model, self.config, lora_config,
+                                    use_triton=self.device.type == "cuda")
+        self._graphs = None
+        # the decode graphs capture one block table: hybrid layouts run eagerly; so do models
+        # whose embedding is quantized (its lookup checks the ids on the host)
+        if self.device.type == "cuda" and not args.enforce_eager and \
+                self.kv_layout.num_groups == 1 and \
+                getattr(self.model, "quant_embed", None) is None:
+            from twinserve.gpu.worker.cuda_graphs import DecodeGraphs
+            self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.block_size,
+                                        self.max_model_len)
+        tune_cpu_gemm(self)  # (times decode steps: once the cache and the rest are set up)
+
+    def _eos_token_id(self) -> int | None:
+        eos = load_generation_config(self.model_dir).get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is None and self.config.eos_token_ids:
+            eos = self.config.eos_token_ids[0]
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.tp is None:
+            return self._execute(scheduler_output, None)
+        with self.tp.guard():  # a dead or hung rank: WorkerFailure naming it
+            inputs = self.tp.send_step(scheduler_output, self.block_size, self.max_model_len)
+            return self._execute(scheduler_output, inputs)
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 prepared: ModelInput | None) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if self._structured is not None:
+            self._structured.free(scheduler_output.finished_request_ids)
+        self._prompt_logprobs.free(scheduler_output.finished_request_ids)
+        self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
+        self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
+        self.kv_cache.copy_blocks(scheduler_output.blocks_to_copy)
+        lora = self.lora
+        if lora is not None:
+            lora.load_slots(scheduler_output.lora_loads)
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return ModelRunnerOutput()
+        if lora is not None:
+            scheduled = lora.group_by_adapter(scheduled)
+        inputs = prepared or build_model_input(scheduled, self.block_size, self.max_model_len,
+                                               self.device, self.kv_layout)
+        if lora is not None:
+            lora.begin_step(scheduled)
+        try:
+            hidden = self._forward(inputs)
+        finally:
+            if lora is not None:
+                lora.end_step()
+        out = ModelRunnerOutput()
+        if scheduler_output.num_prefill_tokens and any(
+                sr.request.sampling_params.prompt_logprobs is not None for sr in scheduled):
+            out.prompt_logprobs = self._prompt_logprobs.collect(scheduled, hidden,
+                                                                self.model.compute_logits)
+        if not inputs.sample_index:
+            return out
+        last_hidden = hidden[inputs.sample_rows]
+        logits = self.model.compute_logits(last_hidden)
+        requests = [scheduled[i].request for i in inputs.sample_index]
+        structured = self._structured_outputs(requests)
+        allowed = structured.bitmask(requests) if structured is not None else None
+        result = sample(logits, requests, [self._generator_for(r) for r in requests],
+                        self.generator, allowed)
+        if allowed is not None:
+            structured.advance(requests, result.token_ids)
+        for row, (request, token, logprobs) in enumerate(
+                zip(requests, result.token_ids, result.logprobs)):
+            out.sampled_token_ids[request.request_id] = [token]
+            if logprobs is not None:
+                out.logprobs[request.request_id] = [logprobs]
+            if request.pooling_params is not None:  # an embedding: its last prompt position
+                out.pooled[request.request_id] = pooled_state(last_hidden[row],
+                                                              request.pooling_params)
+        return out
+
+    def _forward(self, inputs: ModelInput) -> torch.Tensor:
+        # A step with adapter rows runs eagerly: the decode graphs hold the base product only.
+        graphs_ok = self.lora is None or self.lora.context.batch is None
+        if self._graphs is not None and graphs_ok and self._graphs.can_run(inputs):
+            return self._graphs.run(inputs)
+        self.model.backend.prepare(inputs.meta, self.block_size)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.gpu, inputs.meta)
+
+    def _structured_outputs(self, requests: list[Request]) -> StructuredOutputs | None:
+        """The runner's matchers, made when the first constrained request samples."""
+        if self._structured is None and any(
+                r.sampling_params.structured_outputs is not None for r in requests):
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer.json.")
+            self._structured = StructuredOutputs(self.model_dir / "tokenizer.json",
+                                                 self.vocab_size, self.eos_token_id)
+        return self._structured
+
+    def prefetch_grammar(self, request: Request) -> None:
+        """Starts compiling a new request's grammar off the step (``StructuredOutputs``)."""
+        so = request.sampling_params.structured_outputs
+        structured = self._structured_outputs([request]) if so is not None else None
+        if so is not None and structured is not None:
+            structured.prefetch(so)
+
+    def _generator_for(self, request: Request) -> torch.Generator | None:
+        """A seeded request's own generator (seed + child index for n > 1), made on first use."""
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed + request.index)
+            self._generators[request.request_id] = gen
+        return gen

@@ -111,9 +111,8 @@ def resolve_dtype(requested: str, checkpoint: str | None, platform: Platform,
     if platform.device_type == "cuda":
         return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
     if quantization is not None:
-        # quantized products compute in float32 and the fused decode step runs in float32 only:
-        # on an AVX-512-bf16 EPYC the bundled Q4_1 file decoded 178 tok/s in float32 against 72
-        # in bf16 at batch 1 (555 against 322 at batch 16; medians of 3 rounds)
+        # quantized products compute in float32 and the fused decode step runs in float32 only,
+        # so float32 is the faster dtype for them even with native bf16 (docs/cpu-backend.md)
         return "float32"
     return "bfloat16" if platform.native_bf16 else "float32"
 

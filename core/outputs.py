@@ -72,10 +72,10 @@ class SchedulerOutput:
     max_decode_context: int = 0
     # Prefill chunks that follow computed tokens (a cached prefix or the prompt's earlier chunks):
     # attention against a prefix runs another kernel than a chunk's from position 0 (on the CPU a
-    # masked one, ~5 ms more per chunk for a 135M model).
+    # masked one, with a cost per chunk; docs/fidelity.md, "The cost model's terms").
     num_prefix_chunks: int = 0
     # Sum over prefill chunks of the tokens before each (its prefix): the masked kernel gathers and
-    # reads that prefix once per chunk, whatever the chunk's length (on this CPU ~11 us a token).
+    # reads that prefix once per chunk, whatever the chunk's length.
     sum_prefix_context_tokens: int = 0
     # Sum over prefill chunks of chunk tokens x (prefix + chunk tokens): the query-by-key rectangle
     # of each chunk. The CPU's attention kernels compute all of it, masked half included (a fresh

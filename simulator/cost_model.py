@@ -71,8 +71,8 @@ from twinserve.simulator.moe_cost import (
 )
 
 # Token counts where the fitted step time may change slope. GEMM kernels run in tiles and pad
-# their width, so time is not linear in the tokens of a step: on this CPU 5 to 16 decodes took
-# about the same 120 ms, 1-2 took 75 and 17-24 150. ``tokens_<a>_<b>`` counts a step's tokens
+# their width, so time is not linear in the tokens of a step: it runs in plateaus (measured
+# ones in docs/fidelity.md, "The cost model's terms"). ``tokens_<a>_<b>`` counts a step's tokens
 # between two knots (``tokens_<a>_up`` past the last); with non-negative coefficients the fitted
 # time is a non-decreasing piecewise-linear function of the token count, linear past the last knot.
 TOKEN_KNOTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -91,33 +91,23 @@ FEATURE_NAMES: tuple[str, ...] = (
 _NUM_LINEAR = len(FEATURE_NAMES) - len(TOKEN_SEGMENTS)
 # Terms that follow the CPU engine's own kernels, fitted by the backend calibrations of this
 # machine (``calibration.fit_backend``/``fit_joint``; generic fits such as the Vidur one keep
-# ``FEATURE_NAMES``). The native decode kernel splits a batch of fewer than 4 x threads decodes
-# over KV heads, so each thread walks whole contexts: the longest one is its critical path.
-# A prefill chunk after a prefix (``num_prefix_chunks``) runs a masked attention kernel: ten
-# chunks of 7 tokens took 63 ms longer after 120 cached tokens than after none (129 ms after
-# 480), where one chunk of 70 took 15 ms less than ten fresh chunks of 7. Fitted on the grid's
-# steps of 4 and 10 such chunks, the count took 5.7 ms a chunk and left ``num_prefill_seqs`` at
-# 47 us; a term by the chunks' context (tokens x context) took none of it.
+# ``FEATURE_NAMES``). Each was added where a measured shape of step time had no term to follow
+# it; the timings behind them are in docs/fidelity.md, "The cost model's terms".
+# ``max_decode_context``: the native decode kernel splits a batch of fewer than 4 x threads
+# decodes over KV heads, so each thread walks whole contexts: the longest one is its critical path.
+# ``num_prefix_chunks``: a prefill chunk after a prefix runs a masked attention kernel whose cost
+# per chunk neither ``num_prefill_seqs`` nor tokens x context follows.
 # ``sum_prefix_context_tokens`` (the chunks' prefixes, summed): the masked kernel gathers each
-# chunk's prefix and reads it whatever the chunk's length. Timed here (bf16, 10 chunks), a prefix
-# of 440 tokens instead of 64 added 55 ms to chunks of 4 tokens, 69 to chunks of 8 and 138 to
-# chunks of 32: ~1.1e-5 s per prefix token per chunk plus the tokens x context term. Without it
-# the grid's 10 chunks of 8 after 480 were fitted 14% short, and Mooncake's bursts 1.06-1.20x.
+# chunk's prefix and reads it whatever the chunk's length.
 # ``sum_prefill_attention_area`` (chunk tokens x (prefix + chunk tokens), summed): torch's CPU
-# flash kernel skips none of a causal prompt's masked half. Timed here (bf16, 1 thread, 30
-# layers), a fresh prompt's causal attention took 65 ms at 256 tokens and 245 at 512, the masked
-# kernel over the same square 67 and 256: ~1 us per element of the rectangle, for both. With
-# ``sum_context_tokens`` alone (the triangle of a fresh prompt, near the rectangle for a short
-# chunk after a long prefix) one coefficient served both shapes: fresh prompts of 384-512 tokens
-# were fitted 5-6% short and Azure code's first tokens came 12-14% early. Refitted with it on the
-# same grids, the fit took 0.82 us per element and code's mean TTFT came within 3.2% (four runs).
+# flash kernel skips none of a causal prompt's masked half, so a fresh prompt costs its whole
+# square where ``sum_context_tokens`` prices the triangle.
 # ``tokens_ge_<k>`` (1 from ``k`` tokens on) lets the step time jump where a GEMM kernel starts
 # another tile of rows (the segments alone only bend at powers of two): at 2, 3 and every 4th
-# count from 5 to 33, where the grid times each batch size (``gpu.profiler.batch_sweep``).
+# count from 5 to 33, where the grid times each batch size (``gpu.measurement.profiler.batch_sweep``).
 # ``prefill_step`` (1 for a step that holds a prefill chunk): on CUDA a decode-only step replays
-# a CUDA graph while a step with a prefill chunk launches every kernel from Python. On an H200
-# (Llama-3-8B, bf16) a 16-token prefill took 18 ms against 6.6 ms for one decode, flat up to 512
-# tokens; fitted, the indicator took 11-12 ms and the grid's error fell from 11.3% to 3.2-3.6%.
+# a CUDA graph while a step with a prefill chunk launches every kernel from Python, a fixed cost
+# per step (docs/gpu-backend.md).
 TOKEN_STEP_KNOTS: tuple[int, ...] = (2, 3, 5, 9, 13, 17, 21, 25, 29, 33)
 TOKEN_STEP_NAMES: tuple[str, ...] = tuple(f"tokens_ge_{k}" for k in TOKEN_STEP_KNOTS)
 KERNEL_FEATURE_NAMES: tuple[str, ...] = ("max_decode_context", "num_prefix_chunks",

@@ -7,11 +7,9 @@ the logits before sampling, inside the step, so a step with ``r`` constrained ro
 longer. ``r`` counts the step's scheduled entries that sample (``sample``) and whose request
 carries ``structured_outputs``. The two coefficients are fields of the hardware profile;
 ``twinserve calibrate`` measures them on the real engine (``gpu/measurement/structured_mask_profile.py``).
-Their defaults are what that measurement gave on the 2-core AVX2 development machine with the
-bundled model's 49,152-token vocabulary (``python -m twinserve.benchmarks.structured_mask_time``,
-medians of 6 rounds on a busy machine: 1.02 ms per row, 1.7 ms per step; the per-step term is
-the noisier, 0 to 6 ms between rounds); a vocabulary of another size scales the per-row cost
-roughly in proportion.
+Their defaults are what that measurement gave on a 2-core CPU with the bundled model's
+49,152-token vocabulary (figures and command in docs/structured-outputs.md); a vocabulary of
+another size scales the per-row cost roughly in proportion.
 
 Which requests are constrained: a trace row marked so, or ``structured_fraction`` of the
 requests, drawn by a seeded hash of the request id (the same requests in every run and policy).

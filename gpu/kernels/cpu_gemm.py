@@ -1,55 +1,29 @@
 """The model's weight products on CPU, shaped where torch's default path is slow.
 
-Measured on this machine's 2-core AVX2 EPYC with SmolLM2-135M's weights
-(``python -m twinserve.benchmarks.cpu_gemm``, all products of one forward):
+Decisions (the figures behind each, per machine, with the command that measures them
+(``python -m twinserve.benchmarks.cpu_gemm``), are in docs/cpu-backend.md, "Weight products"):
 
-- fp32: ``F.linear(x, W)`` (MKL with W transposed) jumps in cost from 1 token to 2 and stays
-  there; ``W @ x.T`` ran 2.0-2.6x faster at 2-4 tokens, 1.1-1.8x at 6-16 and 1.0-1.2x at 64. So
-  products of 2+ tokens are computed feature-major (``[out_features, T]``) in slabs of
-  ``CPU_GEMM_SLAB`` weight rows (one wide product ran below the rate of slabs: 64 x 576 x 49152,
-  80 ms vs 40 ms), and transposed back where the caller needs ``[T, out_features]``.
+- fp32: ``F.linear(x, W)`` (MKL with W transposed) jumps in cost from 1 token to 2, where
+  ``W @ x.T`` does not. So products of 2+ tokens are computed feature-major (``[out_features, T]``)
+  in slabs of ``CPU_GEMM_SLAB`` weight rows (one wide product runs below the rate of slabs), and
+  transposed back where the caller needs ``[T, out_features]``.
 - bf16/fp16 where the CPU has no native half matmuls (no avx512_bf16 / AMX): torch's half GEMM
-  costs about 18 ms more per token here (1.1 s at 64 tokens, about 4x fp32). From
-  ``MIN_WIDEN_TOKENS`` tokens on, each slab of weights is widened to fp32 while it sits in cache
-  and multiplied in fp32, the output rounded back: what a native bf16 GEMM computes (half inputs,
-  fp32 accumulation); 1.3x faster than torch's at 8 tokens, 4.7-5.4x at 64, where it was as fast as
-  fp32. Below, the product is bound by memory bandwidth and torch's half GEMV reads half the
-  bytes: 2.4-2.9x faster than fp32 at 1 token.
-- bf16 where the CPU has native bf16 matmuls (avx512_bf16 on a later 2-core EPYC): torch's own
-  products beat feature-major ones at every width, 1.3-1.4x at 2-9 tokens and 1.9x at 512
-  (products of one forward); whole steps ran 1.45x faster at 2 decodes, 1.19-1.27x at 4-8 and
-  1.28x for a 110-token chunk beside 3 decodes, whose 4 logits rows ran feature-major before (5
-  interleaved rounds). So half weights the CPU multiplies natively take ``F.linear``. That CPU
-  has no fp16 matmuls: widened, a 256-token fp16 prefill took 0.43 s against 6.0 s.
-- Feature-major products of T >= 7 tokens cost as much as, or more than, those of the next
-  multiple of 8 when T % 8 >= 3: MKL's AVX2 tail for 3-7 columns is slow (T=15: 162 ms, padded
-  to 16: 99 ms; T=31: 287 vs 181; T=63: 271 vs 201; median of 9 interleaved runs of every product
-  of one forward). So such T are padded with zero tokens (``padded_width``). In served batches
-  this showed as a step-time sawtooth: 63 decodes took 447 ms, 64 took 358 ms. A tail of 1-2
-  columns is left as it is past 16 tokens (17 and 18 decodes: 135 and 140 ms, against 151-174 ms
-  padded to 24, medians of 9 replays' steps), but 9 and 10 go to 16: unpadded they took 145 and
-  159 ms against 113 ms for 11-16. In-process A/B runs of 96 decode steps agreed less: fp32
-  9 sequences +24% and +6% tok/s, 10 sequences +10% and +1%; bf16 -3% and -2%; an unchanged
-  control batch (17) moved by -5% to -10% in the same runs.
-- Those few-column kernels differ from one CPU to the next: on another 2-core EPYC, 3 columns
-  cost 77 ms per forward and 4 columns 54 ms, and decode steps of 3 sequences took 111 ms
-  against 97 ms for 4. So the runner times one layer's products at 2 to 8 tokens once the model
-  is loaded (``tune_small_widths``, about 0.1 s) and pads a count to a width that ran faster
-  (there 3 to 4; 3-decode steps then took 90 ms).
-- On a third 2-core EPYC, 16 columns ran faster than any width from 6 to 15: one layer's
-  products took 36 ms at 16 tokens against 43-49 ms at 6-8 and 58-86 ms at 9-15 (the LM head
-  17 ms against 17-32 ms), and decode steps of 5-8 sequences took 114-137 ms against 104 ms for
-  16. So the tuning also times ``TUNED_MAX_WIDTH`` (twice the multiple) columns, which counts
-  up to 8 may pad to; 9-15 columns are not timed (the fixed rule pads them to 16 anyway).
-- On a fourth, one layer's products took 1.50 ms at 16 columns against 1.75 ms at 6 and
-  1.41 ms at 5 (medians of 16 rounds). A 10% margin kept 6 at 6 while 7 and 8 went to 16, so
-  6 decodes cost more than 7 or 8, which no fit monotone in tokens follows: the fidelity
-  study's 6-sequence decodes ran 1.00-1.20x its profile, 3-4 sequences 0.78-0.98x. So a count
-  takes the widest width within 5% of the fastest timed at or above it (``choose_widths``;
-  with the narrower of a near-tie, 6 kept 6 while 7 and 8 took 16, and the next study's
-  6-sequence decodes ran 1.11-1.24x its profile). Where a step fits, the runner times whole
-  decode steps instead (``gemm_tuning``: there one layer's products tied 8 and 16 columns
-  while the steps did not).
+  is several times slower than fp32. From ``MIN_WIDEN_TOKENS`` tokens on, each slab of weights is
+  widened to fp32 while it sits in cache and multiplied in fp32, the output rounded back: what a
+  native bf16 GEMM computes (half inputs, fp32 accumulation). Below, the product is bound by
+  memory bandwidth and torch's half GEMV, reading half the bytes, is the faster one.
+- Half weights the CPU multiplies natively take torch's own ``F.linear``: it beats feature-major
+  products at every width there.
+- Feature-major products of T >= 7 tokens cost as much as those of the next multiple of 8 when
+  T % 8 >= 3 (MKL's AVX2 tail for 3-7 columns is slow; in served batches a step-time sawtooth),
+  so such T are padded with zero tokens (``padded_width``). A tail of 1-2 columns is left as it
+  is past 16 tokens, but 9 and 10 go to 16.
+- The few-column kernels differ from one CPU to the next, so the runner times the widths in
+  ``TUNED_WIDTHS`` once the model is loaded (``tune_small_widths``; whole decode steps where one
+  fits, ``gemm_tuning``) and a count takes the widest width within 5% of the fastest timed at or
+  above it (``choose_widths``). The margin and the near-tie rule keep the time of the width a
+  count runs at within 5% of a curve that never falls as the count grows, the shape the cost
+  model's fit assumes.
 """
 
 from __future__ import annotations

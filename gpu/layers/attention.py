@@ -14,9 +14,8 @@ Sequences with one query token (decodes) are batched together. With the native k
 gathered at once, padded to the longest context and masked, then one grouped matmul serves all of
 them (no KV-head expansion: queries are grouped by KV head instead). Longer queries (prefills) run per
 sequence with SDPA
-(4-D inputs + ``enable_gqa`` take torch's CPU flash kernel: ~2x faster than 3-D here). Measured at
-decode shapes (64 sequences x 200 context, fp32, 1 thread): SDPA ``enable_gqa`` 4.6 ms, the grouped
-matmul 3.8 ms per layer.
+(4-D inputs + ``enable_gqa`` take torch's CPU flash kernel, faster than 3-D ones). At decode shapes
+the grouped matmul beat SDPA ``enable_gqa``; the figures are in docs/cpu-backend.md, "Attention".
 
 Sliding window (``window``, Mistral, Gemma's local layers): a query at position p sees keys at
 positions ``(p - window, p]`` only (HF's ``kv_idx > q_idx - sliding_window``), so the gathers start

@@ -1,15 +1,12 @@
 """Which width a loaded model's small CPU products run at, timed on its own decode steps.
 
 ``cpu_gemm.Gemm.small_widths`` pads a product of a few tokens to a wider one where that runs
-faster. Timed on one layer's weights (which stay in the cache between repeats) 8 and 16 columns
-tied within 3%, but whole decode steps, whose weights stream from memory, took 116-124 ms at
-6-8 sequences against 107 ms at 16 and 106 ms at 9 (medians of 5 rounds on a 2-core EPYC), and
-108-118 ms at 6-8 once padded to 16. So the runner times a decode step of each width in
-``TUNED_WIDTHS`` (each count at its own width) and keeps the widths that ran fastest
-(``choose_widths``); the layer's products remain the timing where a step cannot be built here
-(tensor parallel workers, a cache too small for the steps). Either runs once per machine and
-model shape (``gemm_tuning_cache``).
-"""
+faster. One layer's products, whose weights stay in the cache between repeats, can tie widths
+that whole decode steps, whose weights stream from memory, tell apart (docs/cpu-backend.md has
+the figures). So the runner times a decode step of each width in ``TUNED_WIDTHS`` (each count at
+its own width) and keeps the widths that ran fastest (``choose_widths``); the layer's products
+remain the timing where a step cannot be built here (tensor parallel workers, a cache too small
+for the steps). Either runs once per machine and model shape (``gemm_tuning_cache``)."""
 
 from __future__ import annotations
 

@@ -257,12 +257,9 @@ class MicroGrid:
 
     With a ``probe`` step, a pass times the probe between every two steps and each step's time
     is read against the mean of the probes on either side, at the probes' median speed over
-    every pass: the host's speed moves within a pass too (timed here over four minutes, a
-    prefill's medians of 4 passes moved +-9-12% raw, +-4-7% read against the probe), and read
-    raw such moves bent the grid's shape (one calibration timed 48- and 64-token prefills 15%
-    fast beside a 96-token one). What a probe cannot read out is the host speeding up its
-    compute-bound steps more than its memory-bound ones (a 96-token prefill took 3.5x to 3.8x a
-    one-sequence decode an hour apart)."""
+    every pass: the host's speed moves within a pass too, and read raw such moves bent the
+    grid's shape (docs/fidelity.md, "What moves the figures"). What a probe cannot read out is
+    the host speeding up its compute-bound steps more than its memory-bound ones."""
 
     runner: ModelRunner
     specs: list[StepSpec]  # those whose blocks fit

@@ -3,9 +3,8 @@
 ``matmul`` picks the fast path. With fp32 activations: the C++ kernel's direct product for up to
 ``DIRECT_MAX_TOKENS`` tokens (each block decoded in registers once per call), above it the weight
 dequantized ``TILE_ROWS`` rows at a time into fp32 and multiplied by torch's GEMM (the decode is
-then paid once per tile, and the GEMM runs at its own rate). Measured here (Q4_1 3072 x 576, one
-thread, CPU ms per product, direct / tiled): 1 token 0.39 / 1.60, 8: 0.77 / 2.60, 16: 1.53 / 3.66,
-32: 2.98 / 4.16, 64: 5.88 / 5.89. ``reference_matmul`` is the plain version beside it: the whole
+then paid once per tile, and the GEMM runs at its own rate; the two meet near 64 tokens, figures
+in docs/quantization.md). ``reference_matmul`` is the plain version beside it: the whole
 weight dequantized by ``reference_dequantize`` (the ``gguf`` package for GGUF blocks, torch for
 the others), then ``x @ W.T`` in fp32; the tests compare the two.
 
@@ -14,9 +13,8 @@ values to int8 for the products of Q8_0, Q4_0 and Q4_1, as llama.cpp does, and m
 integer dot products (``csrc/quant_q8.h``), up to ``DIRECT_MAX_TOKENS`` rows and, inside
 ``per_sequence_rows`` (decode steps, the LM head), at any row count: one row streams each weight
 row once; two and more run a tiled int8 GEMM (weight blocks repacked once per 16-row panel into
-8-row groups, each maddubs 32 multiply-adds into 8 rows' sums, 4 tokens at a time), which measured
-here (``benchmarks/quant_matmul_paths.py``, 2 threads, 64 tokens) 46-60 GMAC/s on the Q4_1
-projections (2.3-2.7x the tiled dequantize + torch GEMM) and 27 GMAC/s on the Q8_0 LM head.
+8-row groups, each maddubs 32 multiply-adds into 8 rows' sums, 4 tokens at a time), faster than
+the tiled dequantize + torch GEMM (``benchmarks/quant_matmul_paths.py``; docs/quantization.md).
 ``fp32`` keeps them in fp32 (the exact reference: the same values as the fp32 model within
 accumulation order). The other formats always use fp32 activations.
 """

@@ -72,8 +72,8 @@ class ModelRunner:
 
     ``weights_from``: run on the weights another runner of the same model loaded (its own KV
     cache and limits beside them): two loads of the same weights run the same steps a few %
-    apart (on a 2-core EPYC the first load of a process ran 0.8-2.3% slower than the next two,
-    in 8 paired rounds), so a replay compared with a calibration runs on the calibration's."""
+    apart (docs/fidelity.md, "Model loads"), so a replay compared with a calibration runs on the
+    calibration's."""
 
     def __init__(self, args: EngineArgs, usage_context: str = "llm",
                  weights_from: ModelRunner | None = None) -> None:

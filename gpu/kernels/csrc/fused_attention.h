@@ -5,8 +5,8 @@
 // tests/test_fused_decode.py compares them.
 //
 // attend() walks the context token by token and, per token, each query head with a dot of
-// head_dim floats (a horizontal sum each) and then an axpy per head; ~36 us per sequence and layer
-// on the bundled model (9 heads, 96 tokens), 70 ms of a 64-sequence step's 234 ms. Here a block's
+// head_dim floats (a horizontal sum each) and then an axpy per head, a large share of a
+// many-sequence step (figures in docs/quantization.md, "The fused step's kernels"). Here a block's
 // tokens are contiguous rows of the cache, so the scores of 8 tokens for a query head are 8
 // accumulator chains reduced with one hadd tree (one vector store of 8 scores), the softmax's exp
 // is a vector polynomial (exp256), and the weighted sum of values keeps a tile of query heads x 32
@@ -47,12 +47,10 @@ inline __m256 exp256(__m256 x) {
 }
 
 // One sequential read of the sequence's K and V rows before the scores: a step's caches come from
-// memory (a 64-sequence step reads 280 MB of K/V over its 30 layers, evicted between layers by
-// the weights), and the passes below read them in an order the hardware prefetchers follow poorly
-// (a head's 64 floats of each 768-byte row, then the next head's): 7.5 GB/s there, where a plain
-// pass over the same blocks reads 17; with this pass first, the step's attention took 24-32 ms
-// against 36-49 (software prefetches of the next block, at once or spread over the heads, did not
-// help: 33-44 ms). The rows then sit in L2 (147 KB a sequence on the bundled model).
+// memory (evicted between layers by the weights), and the passes below read them in an order the
+// hardware prefetchers follow poorly (a head's floats of each row, then the next head's), at
+// under half the rate of a plain pass; software prefetches of the next block did not help
+// (docs/quantization.md, "The fused step's kernels"). The rows then sit in L2.
 inline void touch_blocks(const float* key_cache, const float* value_cache, const int32_t* table, int64_t seq_len,
                          int64_t bs, int64_t row_len) {
   __m256 a = _mm256_setzero_ps();

@@ -81,8 +81,8 @@ const float* vector_at(const at::Tensor& t, int64_t n, const char* what) {
 }
 
 // Per-token work of a step (norms, RoPE, SiLU, residual adds, quantizing activations) split over
-// tokens where there are enough of them to pay a parallel region (at batch 64 these ran on one
-// thread while the other waited: 12% of the step's CPU time); one token runs inline.
+// tokens where there are enough of them to pay a parallel region (at batch 64, run on one thread
+// while the other waited, they were a tenth of the step's CPU time); one token runs inline.
 constexpr int64_t kTokenGrain = 8;
 
 template <typename Fn>
@@ -166,9 +166,8 @@ void attention(const float* qkv, const Dims& dm, const Attention& a, float* out)
     std::memcpy(vc + a.slots[t] * kv, k + kv, kv * sizeof(float));
   }
   const twinserve_attention::Shape s{dm.heads, dm.kv_heads, dm.head_dim, a.key_cache.size(1), a.max_blocks};
-  // One token: one thread walks its context for every head (its 3 KV heads shared out to the two
-  // threads, each reading only its heads' columns, took 0.83 against 0.69 ms a step on a loaded
-  // host; the earlier 2.1 against 0.9 ms was measured while at::parallel_for ran serially here).
+  // One token: one thread walks its context for every head (sharing its KV heads out to the
+  // threads, each reading only its heads' columns, was slower; docs/quantization.md).
   const int64_t split = dm.tokens >= 4 * at::get_num_threads() || dm.tokens == 1 ? 1 : dm.kv_heads;
   const int64_t per = dm.kv_heads / split, q_row = dm.heads * dm.head_dim;
   at::parallel_for(0, dm.tokens * split, 1, [&](int64_t begin, int64_t end) {
@@ -186,7 +185,7 @@ void attention(const float* qkv, const Dims& dm, const Attention& a, float* out)
 }
 
 // out[i] = silu(g[i]) * g[n + i] (gate, then up, in one row): the exp by exp256 (scalar std::exp
-// here took 6 ns a value, 18 ms of a 64-token step's 234).
+// was a visible share of a many-token step; docs/quantization.md).
 void silu_mul(const float* g, int64_t n, float* out) {
   int64_t i = 0;
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();

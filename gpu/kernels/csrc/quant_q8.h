@@ -108,10 +108,9 @@ inline WBlock load_block(const uint8_t* b) {
 // ---- one token: each row streamed once, in memory order ------------------------------------
 // A batch-1 product is a pass over the weight: rows are read one after another (adjacent in
 // memory, so the hardware prefetcher sees one stream; reading 4 rows side by side, as the fp32
-// path does, ran at a third of the bandwidth on the 49152-row LM head here) with a software
-// prefetch kPrefetch bytes ahead (single thread, weights out of cache: 512 B ahead 7.0 GB/s on
-// the Q8_0 LM head, 4 KiB ahead 10.4; Q4_1 5.9-6.3 against 6.7-7.5), and two accumulator chains
-// over alternate blocks (one chain is FMA-latency bound).
+// path does, ran at a third of the bandwidth on the LM head) with a software prefetch kPrefetch
+// bytes ahead (4 KiB beat 512 B; docs/quantization.md, "The fused step's kernels"), and two
+// accumulator chains over alternate blocks (one chain is FMA-latency bound).
 constexpr int64_t kPrefetch = 4096;
 
 template <typename F>
@@ -349,10 +348,9 @@ inline int64_t chunk_rows(int64_t row_bytes, int64_t multiple) {
 }
 
 // Rows [0, n) for a product of num_tokens tokens: one token (a memory-bound stream) in shared-out
-// chunks, several (compute-bound) in equal shares of `multiple`-row units. (The figures that chose
-// these were taken while the extension was built without -fopenmp, where at::parallel_for runs
-// on the calling thread alone; with the threads really sharing, the 30-layer gate_up stream read
-// 12.9-15.2 GB/s with shared-out chunks, contiguous halves or halves with stealing alike.)
+// chunks, several (compute-bound) in equal shares of `multiple`-row units. (Chosen while the
+// extension was built without -fopenmp; with the threads really sharing, the three ways of
+// splitting a one-token stream read alike: docs/quantization.md.)
 template <typename Fn>
 void parallel_rows(int64_t num_tokens, int64_t n, int64_t row_bytes, int64_t multiple, Fn&& fn) {
   if (num_tokens == 1) return parallel_chunks(n, chunk_rows(row_bytes, multiple), fn);

@@ -16,7 +16,7 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. A
 away (mid-stream or while waiting for a whole response) has its request aborted, which frees its
 KV blocks.
 
-Overload and hostile clients (README, "Limits and security"): a full waiting queue is a 503 with
+Overload and hostile clients (docs/security.md): a full waiting queue is a 503 with
 ``Retry-After`` (the engine's ``--max-waiting-requests``/``--max-waiting-tokens``), a tenant over
 ``--max-tenants`` or ``--max-requests-per-tenant`` a 429, more than ``--max-prompts-per-request``
 sequences a 400; streams send their headers once the engine has queued the request and a

@@ -4,10 +4,11 @@ workload for real, run its twin, compare them into an error table, run a study
 
     engine = EngineArgs(max_model_len=128, max_num_seqs=8)
     workload = TraceSpec("synthetic", num_requests=3, input_len=16, output_len=4).load()
-    profile = calibrate(engine, "profile.json", space=reachable_space(workload.requests, ...))
-    reals = replay(engine, workload, "runs/real", repeats=3)
-    simulate_twin(profile.profile, workload, reals[0], "runs/sim")
-    print(compare("runs/sim", reals, profile.profile).format())
+    space = reachable_space(workload.requests, StepSpace(8, 128, 128))
+    profile = calibrate(engine, "runs/x/profile.json", space=space).profile
+    reals = replay(engine, workload, "runs/x", repeats=3)
+    simulate_twin(profile, workload, reals[0], "runs/x/sim")
+    print(compare("runs/x/sim", reals, profile).format())
 
 It may import ``core``, ``policies``, ``traces``, ``simulator``, ``gpu`` and ``reports``; only
 ``entrypoints`` and ``benchmarks`` import it (``tests/test_layout.py``).

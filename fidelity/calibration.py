@@ -97,9 +97,9 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], out: str | Path,
     dirs = [str(d) for d in run_dirs]
     model = model or _model_from_runs(dirs) or model_dir_or_default(None)
     name = profile_model or load_model_spec(model).name
-    tp = tensor_parallel_size or from_runs(dirs, "tensor_parallel_size") or 1
+    tp = tensor_parallel_size or int(str(from_runs(dirs, "tensor_parallel_size") or 1))
     backend = read_samples(backend_samples) if backend_samples else []
-    cal = fit_runs(dirs, name, int(tp), backend)
+    cal = fit_runs(dirs, name, tp, backend)
     cal.params = dataclasses.replace(
         cal.params, source=f"twinserve calibrate --from-run ({len(dirs)} recorded run(s))")
     path = save_profile(cal, model, base_hardware or "cpu", out, block_size or 16,

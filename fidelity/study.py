@@ -23,6 +23,7 @@ from twinserve.fidelity.interleaved import InterleavedCalibration, loop_schedule
 from twinserve.fidelity.replays import replay
 from twinserve.fidelity.settings import CalibrationSettings
 from twinserve.fidelity.study_table import study_rows
+from twinserve.fidelity.threads import set_threads
 from twinserve.fidelity.validation import ValidateSettings, validate
 from twinserve.fidelity.workload import TraceSpec
 
@@ -92,6 +93,7 @@ def run_study(engine: EngineArgs, workloads: Sequence[StudyWorkload], out: str |
     out.mkdir(parents=True, exist_ok=True)
     log = log or (lambda msg: None)
     engine = with_model(engine)
+    set_threads(settings.calibration.num_threads)  # the replays' too, with a given profile
     profile = Path(settings.profile) if settings.profile else out / "profile.json"
     cal = None
     if not settings.profile and not (settings.resume and profile.is_file()):
@@ -161,8 +163,6 @@ def _calibration(engine: EngineArgs, settings: CalibrationSettings,
                  log: Log) -> InterleavedCalibration:
     """``calibrate``'s defaults at the study's engine limits on a model load of its own: the
     grid now, the engine loop (the profile's level) split between each round's replays."""
-    from twinserve.fidelity.threads import set_threads
-    set_threads(settings.num_threads)
     cal = InterleavedCalibration(settings, engine, load_runner(engine), log)
     cal.measure_grid()
     return cal

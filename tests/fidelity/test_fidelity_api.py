@@ -211,3 +211,31 @@ def test_the_calibrate_command_builds_the_settings_its_flags_describe(tmp_path: 
     assert seen["settings"] == CalibrationSettings(False, 1, 2, False, measurement_threads(),
                                                    "cpu", None)
     assert seen["space"] is None  # calibrate times the engine's whole space
+
+
+@pytest.mark.slow
+def test_run_study_on_the_tiny_model(tmp_path: Path, tiny_model: Path) -> None:
+    """Two workloads, two rounds: one profile, each workload replayed per round on the
+    calibration's weights, judged as calibrated and at the replays' speed."""
+    from twinserve.fidelity.study import StudySettings, StudyWorkload, run_study
+    trace = TraceSpec("synthetic", num_requests=3, input_len=16, output_len=4, max_model_len=64)
+    workloads = [StudyWorkload("a", "fcfs", trace, {"scheduling_policy": "fcfs"}),
+                 StudyWorkload("b", "fair", trace.replace(tenants="x=1,y=1"),
+                               {"scheduling_policy": "fair"})]
+    settings = StudySettings(rounds=2, calibration_model_len=64,
+                             calibration=CalibrationSettings(quick=True, repeats=1, threads=1))
+    rows = run_study(_engine(tiny_model), workloads, tmp_path, settings)
+    for name in ("a", "b"):
+        for round_ in (1, 2):
+            config = json.loads((tmp_path / "real" / f"{name}-{round_}" / "real" /
+                                 "config.json").read_text())
+            assert config["scheduling_policy"] == ("fcfs" if name == "a" else "fair")
+            assert config["max_model_len"] == 64
+    by_key = {(r["workload"], r["metric"]): r for r in rows}
+    assert by_key[("a", "mean_e2el_ms")]["real_runs"] == 2
+    assert by_key[("b", "mean_ttft_ms")]["verdict_at_replay_speed"] in ("ok", "~", "MISS")
+    assert (tmp_path / "profile.json").is_file() and (tmp_path / "fidelity_study.csv").is_file()
+    with pytest.raises(ValueError, match="rounds"):
+        StudySettings(rounds=0)
+    with pytest.raises(ValueError, match="StudyWorkload.name"):
+        StudyWorkload("a/b", "", trace)

@@ -35,7 +35,7 @@
 The workloads (``WORKLOADS``) are small (tens of requests, outputs of at most 32 tokens,
 time-scaled near the saturation of the bundled SmolLM2-135M on one thread of a 2-core EPYC) so
 that the whole study, calibration included, runs in about 35 minutes with three rounds there.
-The engine runs on every core but one (``--threads``, ``calibrate.measurement_threads``): on a
+The engine runs on every core but one (``--threads``, ``fidelity.measurement_threads``): on a
 shared 2-core VM two OpenMP threads spin-wait for each other whenever the hypervisor sets one
 aside, and the same workload's replays scattered two to four times as wide (5.4-9.1% RMS in
 eight five-round runs against 2.0-4.2% in three on one thread).

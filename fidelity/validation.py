@@ -10,6 +10,7 @@ profile's level run before each replay, so the level is the host's during the re
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def validate(engine: EngineArgs, workload: Workload, out: str | Path,
         profile = _scaled(profile, real_dirs, model, settings.at_speed, out, log)
     twin_dir = out / "sim"
     simulate_twin(profile, workload, real_dirs[0], twin_dir, model, log)
-    policy = engine.scheduling_policy if not settings.reuse_real else _policy(real_dirs[0])
+    policy = _policy(real_dirs[0])  # (the real runs' own, as replayed)
     table = compare(twin_dir, real_dirs, profile, model, speed_profile=base_profile,
                     title=f"sim vs real ({policy}, {len(workload.requests)} requests, "
                           f"{len(real_dirs)} real run(s), profile {profile})")
@@ -106,15 +107,12 @@ def validate(engine: EngineArgs, workload: Workload, out: str | Path,
 
 
 def _policy(real_dir: Path) -> str:
-    import json
     return str(json.loads((real_dir / "config.json").read_text())["scheduling_policy"])
 
 
 def _scaled(profile: Path, real_dirs: list[Path], model: str, which: str, out: Path,
             log: Log) -> Path:
     """The profile at the replays' ``which`` speed (``speeds.at_speed``)."""
-    import json
-
     from twinserve.core.step_sample import read_recorded_samples
     tp = int(json.loads((real_dirs[0] / "config.json").read_text()).get("tensor_parallel_size", 1))
     fit = profile_fit(profile, model, tp)

@@ -3,7 +3,9 @@
 - ``core/`` imports no other project folder, and no torch, simpy, fastapi or pandas;
 - ``policies/`` imports ``core/`` only; ``traces/`` imports ``core/`` only;
 - ``simulator/`` and ``gpu/`` import ``core/``, ``policies/`` and ``traces/``, never each other;
-- ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point).
+- ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point);
+- ``fidelity/`` (twin against reality) imports ``core/``, ``policies/``, ``traces/``,
+  ``simulator/``, ``gpu/`` and ``reports/``; only ``entrypoints/`` and ``benchmarks/`` import it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_FOLDERS = ("core", "policies", "simulator", "gpu", "traces", "reports", "entrypoints",
-                   "benchmarks")
+PROJECT_FOLDERS = ("core", "policies", "simulator", "gpu", "traces", "reports", "fidelity",
+                   "entrypoints", "benchmarks")
 ALLOWED = {  # the project folders each folder may import, itself included
     "core": {"core"},
     "policies": {"policies", "core"},
@@ -23,6 +25,7 @@ ALLOWED = {  # the project folders each folder may import, itself included
     "simulator": {"simulator", "core", "policies", "traces"},
     "gpu": {"gpu", "core", "policies", "traces"},
     "reports": {"reports", "core"},
+    "fidelity": {"fidelity", "core", "policies", "traces", "simulator", "gpu", "reports"},
 }
 FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"}}
 

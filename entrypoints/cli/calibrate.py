@@ -45,79 +45,52 @@ contexts; a random-weight model of a bundled shape stands for the real one, e.g.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
-import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from twinserve.gpu.worker.cpu_cores import usable_cores
+from twinserve.fidelity.backend import (
+    Log,
+    base_hardware_for,
+    measure_interconnect,
+    model_dir_or_default,
+)
+from twinserve.fidelity.settings import CalibrationSettings
+from twinserve.fidelity.threads import measurement_threads, set_threads
 
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
+    from twinserve.fidelity.calibration import CalibrationResult
     from twinserve.gpu.worker.model_runner import ModelRunner
 
-Log = Callable[[str], None]
+# (names other commands import from here: the fidelity API's)
+__all__ = ["Log", "add_calibration_flags", "add_parser", "base_hardware_for",
+           "calibration_settings", "engine_of", "load_runner", "measure_interconnect", "measurement_threads",
+           "model_dir_or_default", "run_calibrate", "set_threads"]
 
 
-def _log_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def measure_interconnect(runner: ModelRunner, engine_args: EngineArgs,
-                         log: Log | None = None) -> tuple[float, float] | None:
-    """With tensor parallelism: the all-reduce timed on this backend at the runner's ranks and
-    hidden size, fitted to the profile's (interconnect_bandwidth, interconnect_latency_s)."""
-    tp = engine_args.tensor_parallel_size
-    if tp < 2 or runner.device.type != "cpu":  # (NCCL across GPUs: not measured here)
-        return None
-    from twinserve.gpu.distributed.allreduce_benchmark import fit_interconnect, measure_all_reduce
-    samples = measure_all_reduce(tp, runner.config.hidden_size, dtype=runner.dtype)
-    fit = fit_interconnect(samples)
-    if log is not None:
-        log(f"all-reduce on {tp} ranks ({len(samples)} sizes): bus bandwidth "
-            f"{fit.bandwidth / 1e9:.2f} GB/s, latency {fit.latency_s * 1e6:.0f} us "
-            f"(max error {fit.max_relative_error:.0%})")
-    return fit.bandwidth, fit.latency_s
+def engine_of(args: argparse.Namespace) -> EngineArgs:
+    """The engine the flags describe (resolved as a server's), naming its model."""
+    from twinserve.entrypoints.engine_args import engine_args_from
+    return engine_args_from(args, model=model_dir_or_default(args.model))
 
 
 def load_runner(args: argparse.Namespace,
                 weights_from: ModelRunner | None = None) -> tuple[EngineArgs, ModelRunner]:
-    """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args`` (resolved
-    as a server's: calibration and validate measure the engine a server runs); with
-    ``weights_from``, on that runner's weights (``ModelRunner``)."""
-    from twinserve.entrypoints.engine_args import engine_args_from
-    from twinserve.gpu.worker.model_runner import ModelRunner
-    eargs = engine_args_from(args, model=args.model)
-    return eargs, ModelRunner(eargs, usage_context="server", weights_from=weights_from)
+    """The ``EngineArgs`` and a loaded ``ModelRunner`` for the engine flags in ``args``
+    (``fidelity.backend.load_runner``)."""
+    from twinserve.fidelity.backend import load_runner as load
+    engine = engine_of(args)
+    return engine, load(engine, weights_from)
 
 
-def measurement_threads() -> int:
-    """The torch threads the twin's fidelity is measured with (``twinserve demo``, the fidelity
-    study): every core the process may use but one (``gpu.cpu_cores``), as vLLM's CPU backend
-    leaves one to the host's other work. On a shared 2-core VM two OpenMP threads spin-wait on
-    whichever one the hypervisor has set aside: the same steps timed in alternation scattered
-    twice as wide on two threads as on one (coefficient of variation 7-10% against 4%), and so
-    did whole replays."""
-    return max(1, usable_cores() - 1)
-
-
-def set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
-        torch.set_num_threads(threads)
-
-
-def model_dir_or_default(model: str | None) -> str:
-    if model:
-        return model
-    from twinserve.gpu.models.default_model import default_model_path
-    return str(default_model_path())
+def calibration_settings(args: argparse.Namespace) -> CalibrationSettings:
+    """The calibration flags (``add_calibration_flags``) as settings."""
+    return CalibrationSettings(args.quick, args.warmup, args.repeats, args.engine_loop,
+                               args.threads, args.base_hardware, args.profile_model)
 
 
 def add_calibration_flags(p: argparse.ArgumentParser) -> None:
+    threads = measurement_threads()
     g = p.add_argument_group("calibration")
     g.add_argument("--base-hardware", default=None,
                    help="profile whose roofline numbers the calibrated profile keeps (default: cpu "
@@ -130,8 +103,9 @@ def add_calibration_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=3, help="timed runs per step (median)")
     g.add_argument("--no-engine-loop", dest="engine_loop", action="store_false",
                    help="micro-benchmarks only (no scheduling/sampling overhead measured)")
-    g.add_argument("--threads", type=int, default=2,
-                   help="torch CPU threads (default 2; the CPU only)")
+    g.add_argument("--threads", type=int, default=threads,
+                   help="torch CPU threads (default: every core but one, here "
+                        f"{threads}: fidelity.measurement_threads; the CPU only)")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,116 +130,45 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(handler=run_calibrate)
 
 
-def _relevel(args: argparse.Namespace) -> int:
-    """``--relevel``: the profile at the host's speed now, by its fit's speed probe."""
-    from twinserve.gpu.measurement.profiler import speed_probe
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
-    profile = load_hardware(args.relevel)
-    model = args.model = model_dir_or_default(args.model)
-    name = args.profile_model or load_model_spec(model).name
-    tp = args.tensor_parallel_size or 1
-    fit = profile.find_fitted(name, tp)
-    if fit is None:
-        raise ValueError(f"--relevel: {args.relevel} holds no fit for {name} at TP {tp}.")
-    if args.device != "cuda":
-        set_threads(args.threads)
-    _, runner = load_runner(args)
-    factor = fit.host_speed(speed_probe(runner))
-    path = profile.at_host_speed(factor).save(args.out)
-    print(f"host speed: the probe's steps take {factor:.3f}x their time at calibration; "
-          f"profile written: {path}")
-    return 0
-
-
-def base_hardware_for(device: str | None) -> str:
-    """The bundled profile a calibration on ``device`` keeps the roofline numbers of: ``cpu``, or
-    on CUDA the profile of the GPU's name (ValueError when none matches: pass --base-hardware)."""
-    from twinserve.gpu.worker.platform import current_platform
-    from twinserve.simulator.hardware import bundled_profile_for_device
-    platform = current_platform(device or "auto")
-    if platform.device_type == "cpu":
-        return "cpu"
-    name = bundled_profile_for_device(platform.device_name)
-    if name is None:
-        raise ValueError(f"no bundled profile matches the GPU {platform.device_name!r}: pass "
-                         "--base-hardware (a bundled name or a profile file) for its peaks.")
-    return name
-
-
-def _model_from_runs(run_dirs: list[str]) -> str | None:
-    model = _from_runs(run_dirs, "model")
-    return None if model is None else str(model)
-
-
-def _from_runs(run_dirs: list[str], key: str) -> Any:
-    """``key`` of the first run folder's ``config.json`` that has it."""
-    for d in run_dirs:
-        path = Path(d) / "config.json"
-        if path.is_file():
-            value = json.loads(path.read_text()).get(key)
-            if value:
-                return value
-    return None
+def _log_stderr(msg: str) -> None:
+    import sys
+    print(msg, file=sys.stderr, flush=True)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    """``twinserve calibrate``: the flags as the fidelity API's settings, then
+    ``fidelity.relevel``, ``fidelity.calibrate_from_runs`` or ``fidelity.calibrate``."""
+    from twinserve import fidelity
     if args.relevel:
         if args.from_run:
             raise ValueError("--relevel and --from-run exclude each other.")
-        return _relevel(args)
+        path, factor = fidelity.relevel(args.relevel, engine_of(args), args.out,
+                                        calibration_settings(args))
+        print(f"host speed: the probe's steps take {factor:.3f}x their time at calibration; "
+              f"profile written: {path}")
+        return 0
     if args.backend_samples and not args.from_run:
         raise ValueError("--backend-samples joins a backend calibration's samples to --from-run "
                          "runs: give --from-run too.")
-    from twinserve.core.step_sample import read_samples, write_samples
-    from twinserve.gpu.worker.platform import current_platform
-    from twinserve.simulator.calibration import calibrate_from_runs, save_profile
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
     if args.from_run:
-        model = args.model or _model_from_runs(args.from_run) or model_dir_or_default(None)
-        name = args.profile_model or load_model_spec(model).name
-        tp = args.tensor_parallel_size or _from_runs(args.from_run, "tensor_parallel_size") or 1
-        backend = read_samples(args.backend_samples) if args.backend_samples else []
-        cal = calibrate_from_runs(args.from_run, name, int(tp), backend)
-        block_size = args.block_size or 16
-        note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
-        platform = interconnect = None
-        source = f"twinserve calibrate --from-run ({len(args.from_run)} recorded run(s))"
-        base = args.base_hardware or "cpu"
+        result = fidelity.calibrate_from_runs(
+            args.from_run, args.out, args.model, args.profile_model, args.tensor_parallel_size,
+            args.backend_samples, args.base_hardware, args.block_size)
     else:
-        model = args.model = model_dir_or_default(args.model)
-        name = args.profile_model or load_model_spec(model).name
-        base = args.base_hardware or base_hardware_for(args.device)
-        load_hardware(base)  # a bad --base-hardware fails now, not after the measurement
-        if args.device != "cuda":
-            set_threads(args.threads)
-        eargs, runner = load_runner(args)
-        _log_stderr(f"calibrating {name} on {runner.device} ({runner.dtype}), "
-                    f"{runner.num_gpu_blocks} KV blocks")
-        from twinserve.entrypoints.cli.interleaved_calibration import InterleavedCalibration
-        measurement = InterleavedCalibration(args, eargs, runner, _log_stderr)
-        measurement.measure_grid()
-        measurement.measure_level()
-        cal = measurement.fit(name)
-        block_size = eargs.block_size
-        platform = current_platform(runner.device)
-        interconnect = measure_interconnect(runner, eargs, _log_stderr)
-        dtype = str(runner.dtype).removeprefix("torch.")
-        device = platform.device_name
-        note = f"Calibrated for {name} on {device} {dtype}{' (quick)' if args.quick else ''}."
-        source = f"twinserve calibrate on {device} ({dtype}, {len(cal.samples)} steps)"
-    cal.params = dataclasses.replace(cal.params, source=source)
-    path = save_profile(cal, model, base, args.out, block_size, note, platform, interconnect)
-    if not args.from_run:  # constrained decoding's masks (simulator/structured_cost.py)
-        from twinserve.entrypoints.cli.structured_calibration import add_mask_timing
-        path = add_mask_timing(path, runner, _log_stderr)
-    if args.samples_out:
-        write_samples(args.samples_out, cal.samples)
+        result = fidelity.calibrate(engine_of(args), args.out, calibration_settings(args),
+                                    log=_log_stderr)
+    return _report(result, args.samples_out)
+
+
+def _report(result: CalibrationResult, samples_out: str | None) -> int:
+    from twinserve.core.step_sample import write_samples
+    cal = result.calibration
+    if samples_out:
+        write_samples(samples_out, cal.samples)
     print(cal.report)
     p = cal.params
     coefs = ", ".join(f"{k}={v:.3g}" for k, v in p.coefficients.items() if v)
     print(f"fitted: intercept {p.intercept_s * 1e3:.2f} ms; {coefs or 'no coefficient'}")
-    print(f"profile written: {path} (use: twinserve simulate --hardware {path} --model "
-          f"{model})")
+    print(f"profile written: {result.profile} (use: twinserve simulate --hardware "
+          f"{result.profile} --model {result.model})")
     return 0 if all(math.isfinite(v) for v in p.coefficients.values()) else 1

@@ -26,11 +26,17 @@ measure how far the twin lands.
    steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
-Without ``--profile`` the backend is calibrated on the same model load (``twinserve calibrate``'s
-grid first, ``--quick`` for a smaller one; its engine-loop workloads, which set the profile's
-level, before each replay, so that level is the host's during the replays' minutes) and the
-profile saved as ``OUT/profile.json``, the samples it was fitted on as
-``OUT/profile_samples.csv`` (``calibrate --from-run ... --backend-samples`` refits them).
+Without ``--profile`` the backend is calibrated on the same model load over the part of the step
+space the workload can reach within the engine's limits (batches up to the requests, steps up to
+all its prompts at once, contexts up to its longest prompt + output; ``--calibrate-full-space``
+for ``twinserve calibrate``'s whole grid, ``--quick`` for a smaller one; its engine-loop
+workloads, which set the profile's level, before each replay, so that level is the host's during
+the replays' minutes) and the profile saved as ``OUT/profile.json``, the samples it was fitted on
+as ``OUT/profile_samples.csv`` (``calibrate --from-run ... --backend-samples`` refits them). The
+profile is also kept in ``--profile-cache`` (default ``~/.cache/twinserve/profiles``), and a
+later validate of the same machine (CPU, threads), model, dtype, engine limits and kernel
+settings whose workload it covers reuses it instead of calibrating (the output says which);
+``--no-profile-cache`` always calibrates. docs/fidelity-api.md says what the shortcut gives up.
 ``--reuse-real RUN_DIR [RUN_DIR ...]`` skips the real replay and compares against real run
 folders written before (same workload flags): handy to try another profile.
 
@@ -52,27 +58,27 @@ replays, the rest of the twin's error is its scheduling: batch sizes, queues, pr
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from twinserve.core.step_sample import read_recorded_samples
 from twinserve.entrypoints.cli.calibrate import (
-    Log,
     add_calibration_flags,
-    load_runner,
+    calibration_settings,
+    engine_of,
     model_dir_or_default,
-    set_threads,
 )
-from twinserve.traces import TraceRequest
+from twinserve.fidelity.speeds import HOST_SPEED_METRIC, REPLAY_SPEED_METRIC
+from twinserve.fidelity.workload import TraceSpec, Workload
 
 if TYPE_CHECKING:
-    from twinserve.core.step_sample import StepSample
+    from twinserve.fidelity.validation import ValidateSettings
     from twinserve.gpu.worker.model_runner import ModelRunner
-    from twinserve.simulator.hardware import FittedParams
+    from twinserve.traces import TraceRequest
+
+# (names other commands import from here)
+__all__ = ["HOST_SPEED_METRIC", "REPLAY_SPEED_METRIC", "add_parser", "load_workload",
+           "positive_int", "run_validate", "validate_settings"]
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -86,7 +92,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_trace_args(p)
     p.add_argument("--model", default=None, help="HF model directory (default: bundled model)")
     p.add_argument("--profile", default=None,
-                   help="calibrated hardware profile (default: calibrate first)")
+                   help="calibrated hardware profile (default: a cached one that covers the "
+                        "workload, else calibrate over the workload's reach)")
     p.add_argument("--reuse-real", nargs="+", default=None, metavar="RUN_DIR",
                    help="compare against these real run folders instead of replaying again")
     p.add_argument("--real-repeats", type=positive_int, default=1, metavar="N",
@@ -103,18 +110,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", required=True, help="output folder (real/, sim/, errors.csv, ...)")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false",
                    help="skip incremental detokenization in the real engine")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true",
+                   help="no messages (the progress bar and the error table remain)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--profile-cache", default=None, metavar="DIR",
+                       help="folder of cached profiles (default: ~/.cache/twinserve/profiles)")
+    cache.add_argument("--no-profile-cache", dest="use_profile_cache", action="store_false",
+                       help="neither reuse nor keep a cached profile: always calibrate")
+    p.add_argument("--calibrate-full-space", dest="full_space", action="store_true",
+                   help="without --profile: calibrate over the engine's whole step space (as "
+                        "twinserve calibrate does), not only the part the workload reaches")
     add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_validate)
 
 
 def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
-    from twinserve.traces import trace_from_args
-    trace = trace_from_args(args)
-    if not trace:
-        raise ValueError("the workload flags select no request.")
-    return trace
+    """The requests the workload flags select (ValueError naming the flag)."""
+    return list(TraceSpec.from_namespace(args).load().requests)
 
 
 def positive_int(text: str) -> int:
@@ -124,170 +137,41 @@ def positive_int(text: str) -> int:
     return value
 
 
-# ---- the host's speed during the replays ---------------------------------------------------
-SPEED_PROBE_FILE = "speed_probe.json"
-HOST_SPEED_METRIC = "host_speed_vs_profile"
-REPLAY_SPEED_METRIC = "replay_speed_vs_profile"
-
-
-def write_speed_probe(path: Path, before: dict[str, float], after: dict[str, float]) -> None:
-    """The probe's step times before and after a replay, beside the run it brackets."""
-    path.write_text(json.dumps({"before": before, "after": after}, indent=1) + "\n")
-
-
-def profile_fit(profile: str | Path, model: str,
-                tensor_parallel_size: int = 1) -> FittedParams | None:
-    """The profile's fit for ``model`` at ``tensor_parallel_size`` (None: it holds none)."""
-    from twinserve.simulator.hardware import load_hardware
-    from twinserve.simulator.model_spec import load_model_spec
-    return load_hardware(profile).find_fitted(load_model_spec(model).name, tensor_parallel_size)
-
-
-def host_speeds(real_dirs: list[Path], fit: FittedParams | None) -> list[float]:
-    """Per real run that recorded a speed probe: its steps' time over their time at the
-    calibration of ``fit`` (``FittedParams.host_speed`` of the mean of before and after); empty
-    when no run has a probe or there is no fit holding one."""
-    if fit is None or not fit.speed_probe:
-        return []
-    speeds = []
-    for d in real_dirs:
-        if (d / SPEED_PROBE_FILE).is_file():
-            data = json.loads((d / SPEED_PROBE_FILE).read_text())
-            before, after = data["before"], data["after"]
-            speeds.append(fit.host_speed({k: (before[k] + after[k]) / 2 for k in before}))
-    return speeds
-
-
-_NO_SPEED = {
-    "host": "--at-host-speed needs real runs with a speed probe (replayed by this version of "
-            "validate) and a profile whose fit holds one (calibrated by this version).",
-    "replay": "--at-replay-speed needs a profile with a fit for the model and real runs that "
-              "recorded their steps (step_features.csv).",
-}
-
-
-def at_speed(profile: str | Path, speeds: list[float], which: str, out: Path) -> Path:
-    """``profile`` scaled to the median of the replays' ``which`` speeds (``host``: by their
-    probe; ``replay``: by their own steps), written to ``out``."""
-    from twinserve.simulator.hardware import load_hardware
-    if not speeds:
-        raise ValueError(_NO_SPEED[which])
-    return load_hardware(profile).at_host_speed(statistics.median(speeds)).save(out)
-
-
-def replay_speeds(runs: list[list[StepSample]], fit: FittedParams | None) -> list[float]:
-    """Per real run (its recorded steps): their measured time over ``fit``'s time for the same
-    steps (``calibration.run_speed``), the host's speed read from the replay itself; empty
-    without a fit."""
-    from twinserve.simulator.calibration import run_speed
-    if fit is None:
-        return []
-    return [v for v in (run_speed(fit, steps) for steps in runs) if math.isfinite(v)]
-
-
-def real_runs(args: argparse.Namespace, trace: list[TraceRequest], desc: dict[str, Any],
-              out: Path, model: str, log: Log,
-              weights_from: ModelRunner | None = None) -> tuple[list[Path], str | Path]:
-    """The real replays (``--real-repeats`` of them, on ``weights_from``'s weights when given)
-    and the profile (calibrated when not given, the engine loop before each replay:
-    ``InterleavedCalibration``)."""
-    from twinserve.entrypoints.cli.interleaved_calibration import InterleavedCalibration
-    from twinserve.gpu.engine.llm_engine import LLMEngine
-    from twinserve.gpu.engine.replay import replay_real, write_real_run
-    from twinserve.gpu.measurement.profiler import speed_probe
-    set_threads(args.threads)
-    eargs, runner = load_runner(args, weights_from)
-    log(f"real engine: {runner.device} {runner.dtype}, {runner.num_gpu_blocks} KV blocks; "
-        f"{len(trace)} requests")
-    cal = None
-    if args.profile is None:
-        cal = InterleavedCalibration(args, eargs, runner, log)
-        cal.measure_grid()
-    dirs = []
-    for i in range(args.real_repeats):
-        before = cal.measure_level() if cal is not None else speed_probe(runner)
-        engine = LLMEngine(eargs, runner=runner, usage_context="server")  # fresh scheduler, cache
-        replay = replay_real(engine, trace, progress=not args.quiet, detokenize=args.detokenize)
-        label = f"real {args.scheduling_policy}" + (f" #{i + 1}" if args.real_repeats > 1 else "")
-        dirs.append(write_real_run(replay, engine, out / ("real" if i == 0 else f"real-{i + 1}"),
-                                   desc, model, label))
-        write_speed_probe(dirs[-1] / SPEED_PROBE_FILE, before, speed_probe(runner))
-        log(f"real replay {i + 1}/{args.real_repeats}: {replay.wall_time_s:.1f} s wall, "
-            f"{len(replay.steps)} steps")
-    if cal is None:
-        return dirs, args.profile
-    return dirs, cal.save(out / "profile.json", f"Calibrated by validate"
-                          f"{' (quick)' if args.quick else ''} on the model load it replayed on.")
+def validate_settings(args: argparse.Namespace) -> ValidateSettings:
+    """The flags as ``fidelity.ValidateSettings``."""
+    from twinserve.fidelity.profile_cache import default_folder
+    from twinserve.fidelity.validation import ValidateSettings
+    at_speed = "host" if args.at_host_speed else "replay" if args.at_replay_speed else None
+    cache = None
+    if getattr(args, "use_profile_cache", True):
+        cache = Path(args.profile_cache) if args.profile_cache else default_folder()
+    return ValidateSettings(args.profile, tuple(Path(d) for d in args.reuse_real or ()),
+                            args.real_repeats, at_speed, args.detokenize, cache,
+                            getattr(args, "full_space", False), calibration_settings(args))
 
 
 def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = None) -> int:
-    """``twinserve validate``; ``weights_from``: replay on that runner's weights (the fidelity
-    study's replays run on its calibration's load)."""
+    """``twinserve validate``: the flags as the fidelity API's settings, then
+    ``fidelity.validate``; prints the error table. ``weights_from``: replay on that runner's
+    weights (the fidelity study's replays run on its calibration's load)."""
+    from twinserve.fidelity.progress import Progress
+    from twinserve.fidelity.validation import validate
     from twinserve.reports import write_report
-    from twinserve.reports.fidelity import (
-        error_row,
-        error_rows,
-        format_errors,
-        step_time_row,
-        tenant_ttft_rows,
-        write_errors,
-    )
-    from twinserve.reports.repeatability import (
-        format_repeatability,
-        repeatability,
-        write_repeatability,
-    )
-    from twinserve.simulator.calibration import predicted_seconds
-    from twinserve.simulator.twin_of_run import simulate_like
-    from twinserve.traces import trace_desc
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    args.model = model = model_dir_or_default(args.model)
-    trace = load_workload(args)
-    desc = trace_desc(args)
-    log = (lambda msg: None) if args.quiet else (
-        lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.reuse_real:
-        if args.profile is None:
-            raise ValueError("--reuse-real needs --profile (no backend is loaded to calibrate).")
-        real_dirs, profile = [Path(d) for d in args.reuse_real], args.profile
-    else:
-        real_dirs, profile = real_runs(args, trace, desc, out, model, log, weights_from)
-    real_config = json.loads((real_dirs[0] / "config.json").read_text())
-    summaries = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
-    tp = int(real_config.get("tensor_parallel_size", 1))
-    runs = [read_recorded_samples([d]) for d in real_dirs]  # each replay's steps
-    fit = profile_fit(profile, model, tp)
-    speeds, own_speeds = host_speeds(real_dirs, fit), replay_speeds(runs, fit)
-    which = "host" if args.at_host_speed else "replay" if args.at_replay_speed else None
-    if which is not None:
-        chosen = speeds if which == "host" else own_speeds
-        profile = at_speed(profile, chosen, which, out / f"profile-at-{which}-speed.json")
-        log(f"profile at the replays' {which} speed ({statistics.median(chosen):.3f}x the "
-            f"calibration's time): {profile}")
-    sim = simulate_like(real_config, model, profile, trace, out / "sim", desc, log)
-    rows = error_rows(summaries, sim.summary)
-    if speeds:  # the host's speed alone moves the step times by this much
-        rows.append(error_row(HOST_SPEED_METRIC, speeds, 1.0))
-    if own_speeds:  # ... and by this much, read from the replays' own steps
-        rows.append(error_row(REPLAY_SPEED_METRIC, own_speeds, 1.0))
-    samples = [s for steps in runs for s in steps]
-    predicted = predicted_seconds(samples, model, profile, int(real_config["block_size"]), tp)
-    rows.append(step_time_row(sum(s.seconds for s in samples), predicted,
-                              len(real_dirs) if samples else 0))
-    rows += tenant_ttft_rows(real_dirs, out / "sim")
-    write_errors(out / "errors.csv", rows)
-    print(format_errors(rows, f"sim vs real ({real_config['scheduling_policy']}, "
-                              f"{len(trace)} requests, {len(real_dirs)} real run(s), "
-                              f"profile {profile})"))
-    repeats = repeatability(summaries, sim.summary)
-    (out / "repeatability.csv").unlink(missing_ok=True)
-    if repeats:
-        write_repeatability(out / "repeatability.csv", repeats)
-        print("  " + format_repeatability(repeats))
+    args.model = model_dir_or_default(args.model)
+    workload: Workload = TraceSpec.from_namespace(args).load()
+    settings = validate_settings(args)
+    progress = Progress("validate", messages=not args.quiet, bar=not settings.reuse_real)
     try:
-        report = write_report([*real_dirs, out / "sim"], out / "report.html",
-                              title=f"twinserve validate: {real_config['scheduling_policy']}")
+        result = validate(engine_of(args), workload, args.out, settings,
+                          weights_from=weights_from, progress=progress)
+    finally:
+        progress.close()
+    print(f"profile: {result.profile_source}")
+    print(result.table.format())
+    try:
+        report = write_report([*result.real_runs, result.twin_run],
+                              Path(args.out) / "report.html",
+                              title=f"twinserve validate: {result.policy}")
         print(f"report: {report}")
     except Exception as exc:  # noqa: BLE001 (the error table is the result, not the report)
         print(f"report not written: {exc}", file=sys.stderr)

@@ -144,18 +144,22 @@ def run_engine_loop(engine: LLMEngine, scenarios: Iterable[LoopScenario], detoke
     return recorder.steps
 
 
-def runner_scenarios(runner: ModelRunner, quick: bool = False) -> list[LoopScenario]:
-    """``default_scenarios`` within ``runner``'s limits: the engine loop's workloads."""
+def runner_scenarios(runner: ModelRunner, quick: bool = False,
+                     space: tuple[int, int, int] | None = None) -> list[LoopScenario]:
+    """``default_scenarios`` within ``runner``'s limits (or within ``space``: ``(max_num_seqs,
+    max_num_batched_tokens, max_model_len)``, a part of them): the engine loop's workloads."""
+    if space is not None:
+        return default_scenarios(space[0], space[2], quick)
     return default_scenarios(runner.engine_config.scheduler.max_num_seqs, runner.max_model_len,
                              quick)
 
 
 def measure_engine_loop(runner: ModelRunner, engine_args: EngineArgs, quick: bool = False,
-                        log: Log | None = None,
-                        parts: Iterable[int] | None = None) -> list[StepSample]:
+                        log: Log | None = None, parts: Iterable[int] | None = None,
+                        space: tuple[int, int, int] | None = None) -> list[StepSample]:
     """The synthetic serving workloads (``runner_scenarios``; with ``parts``, those at these
     indices) through a fresh ``LLMEngine`` on ``runner``: their recorded steps."""
-    scenarios = runner_scenarios(runner, quick)
+    scenarios = runner_scenarios(runner, quick, space)
     what = f"{len(scenarios)} synthetic workloads"
     if parts is not None:
         parts = list(parts)

@@ -482,18 +482,17 @@ class BackendMeasurement:
 
 def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = False,
                     warmup: int = 1, repeats: int = 3, engine_loop: bool = True,
-                    log: Log | None = None) -> BackendMeasurement:
+                    log: Log | None = None,
+                    space: tuple[int, int, int] | None = None) -> BackendMeasurement:
     """Micro-benchmarks, swap copies and (with ``engine_loop``) synthetic workloads through an
     ``LLMEngine`` on ``runner`` (a loaded ``ModelRunner``), within the limits of its resolved
-    engine configuration (batch budget, sequences, model length)."""
+    engine configuration (batch budget, sequences, model length), or within ``space``
+    (``(max_num_seqs, max_num_batched_tokens, max_model_len)``, a part of those limits)."""
     log = log or (lambda msg: None)
-    max_len = runner.max_model_len
-    limits = runner.engine_config.scheduler
-    specs = default_grid(limits.max_num_batched_tokens, limits.max_num_seqs, max_len, quick,
-                         gpu=runner.device.type == "cuda")
+    seqs, budget, max_len = space or runner_space(runner)
+    specs = default_grid(budget, seqs, max_len, quick, gpu=runner.device.type == "cuda")
     log(f"micro-benchmarks: {len(specs)} steps x ({warmup} warm-up + {repeats} repeats)")
-    grid = MicroGrid.build(runner, specs, log, probe=grid_probe(
-        limits.max_num_seqs, limits.max_num_batched_tokens, max_len))
+    grid = MicroGrid.build(runner, specs, log, probe=grid_probe(seqs, budget, max_len))
     measured = BackendMeasurement(grid.run(warmup, repeats, log), grid=grid)
     measured.seconds_per_swap_block = measure_swap(runner, warmup=warmup, repeats=repeats)
     if measured.seconds_per_swap_block is not None:
@@ -503,5 +502,11 @@ def measure_backend(runner: ModelRunner, engine_args: EngineArgs, quick: bool = 
         with tempfile.TemporaryDirectory(prefix="twinserve-lora-") as adapter_dir:
             measured.lora = measure_lora(runner, adapter_dir, quick, warmup, repeats, log)
     if engine_loop:
-        measured.loop = measure_engine_loop(runner, engine_args, quick, log)
+        measured.loop = measure_engine_loop(runner, engine_args, quick, log, space=space)
     return measured
+
+
+def runner_space(runner: ModelRunner) -> tuple[int, int, int]:
+    """``(max_num_seqs, max_num_batched_tokens, max_model_len)`` of ``runner``'s engine."""
+    limits = runner.engine_config.scheduler
+    return limits.max_num_seqs, limits.max_num_batched_tokens, runner.max_model_len

@@ -264,7 +264,8 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
                "--policy", "fair", "--tenants", "heavy=3,light=1", "--dtype", "float32",
                "--max-model-len", "256", "--max-num-batched-tokens", "128",
                "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(4 << 20), "--quick",
-               "--repeats", "1", "--real-repeats", "2", "--out", str(out), "--quiet"])
+               "--repeats", "1", "--real-repeats", "2", "--out", str(out), "--quiet",
+               "--profile-cache", str(tmp_path / "cache"), "--calibrate-full-space"])
     assert rc == 0
     assert order == ["measure_engine_loop", "replay_real"] * 2
     printed = capsys.readouterr().out
@@ -291,9 +292,9 @@ def test_validate_end_to_end_on_tiny_model(tmp_path: Path, tiny_model: Path, cap
     assert not (out / "repeatability.csv").exists() and "repeatability:" not in printed
     micro, loop = split_backend_samples(read_samples(out / "profile_samples.csv"))
     assert len(micro) > 10 and len(loop) > 10  # what the profile was fitted on, to refit
-    refit = fit_backend(micro, loop, "tiny-llama").params
+    refit = fit_backend(micro, loop, "tiny-llama").params  # (the CSV keeps whole nanoseconds)
     assert refit.intercept_s == pytest.approx(
-        load_hardware(out / "profile.json").fitted[0].intercept_s, rel=1e-6)
+        load_hardware(out / "profile.json").fitted[0].intercept_s, rel=1e-4)
     assert rows["replayed_step_time_s"]["real_runs"] == "2"  # both replays' steps, as timed
     samples = read_samples(out / "real")
     with open(out / "real" / "steps.csv", newline="") as f:

@@ -60,8 +60,8 @@ def test_fidelity_reproducibility_rows_measure_replays_against_each_other(tmp_pa
 
 
 def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypatch) -> None:
-    """Every workload of the study parses as ``validate`` flags at the study's engine limits and
-    selects requests that fit the model length; the table marks targets, spreads and misses."""
+    """Every workload of the study loads at the study's engine limits and selects requests that
+    fit the model length; the table marks targets, spreads and misses."""
     import functools
 
     from twinserve.traces import cli_args
@@ -72,21 +72,17 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
         format_table,
         study_rows,
     )
-    from twinserve.entrypoints.cli.main import build_parser
-    from twinserve.entrypoints.cli.validate import load_workload
     from twinserve.reports.fidelity import host_check, verdict
     policies, traces = set(), set()
-    parser = build_parser()
     for w in WORKLOADS:
-        args = parser.parse_args(["validate", *w.flags, *ENGINE, "--out", str(tmp_path)])
-        trace = load_workload(args)
+        trace = w.trace.load().requests
+        engine = w.engine_args(ENGINE)
         assert 10 <= len(trace) <= 40, w.name
-        assert all(r.input_tokens + r.output_tokens <= args.max_model_len <= 512
+        assert engine.max_num_seqs == 32 and engine.max_num_batched_tokens == 512, w.name
+        assert all(r.input_tokens + r.output_tokens <= engine.max_model_len <= 512
                    for r in trace), w.name
-        policies.add(args.scheduling_policy)
-        traces.add(args.trace)
-    assert policies == {"fcfs", "fair", "priority"}
-    assert traces == {"azure-conv", "azure-code", "mooncake", "synthetic"}
+        policies.add(engine.scheduling_policy)
+        traces.add(w.trace.trace)
     assert (verdict(4.0, 5.0, 1.0), verdict(7.0, 5.0, 8.0), verdict(7.0, 5.0, 1.0),
             verdict(7.0, None, 1.0)) == ("ok", "~", "MISS", "")
     runs = []
@@ -115,22 +111,23 @@ def test_fidelity_study_workloads_are_valid_and_differ(tmp_path: Path, monkeypat
 
 def test_fidelity_study_rate_scale_slows_every_workloads_arrivals() -> None:
     """``--rate-scale`` multiplies each workload's arrival rate (time scale or request rate) and
-    leaves the rest of its flags alone; 1 changes nothing."""
-    import argparse
+    leaves the rest of it alone; 1 changes nothing."""
+    import dataclasses
 
-    from twinserve.benchmarks.fidelity_study import WORKLOADS, _flags
+    from twinserve.benchmarks.fidelity_study import WORKLOADS, scaled
 
-    def rate(flags: list[str]) -> float:
-        key = "--time-scale" if "--time-scale" in flags else "--request-rate"
-        return float(flags[flags.index(key) + 1])
+    def rate(trace) -> float:
+        return trace.time_scale if trace.time_scale is not None else trace.request_rate
 
     for w in WORKLOADS:
-        plain = _flags(w, argparse.Namespace(num_requests=None, rate_scale=1.0))
-        slow = _flags(w, argparse.Namespace(num_requests=12, rate_scale=0.5))
-        assert plain == list(w.flags), w.name
-        assert rate(slow) == pytest.approx(rate(plain) * 0.5), w.name
-        assert slow[slow.index("--num-requests") + 1] == "12"
-        assert len(slow) == len(plain)
+        plain = scaled(w, None, 1.0)
+        slow = scaled(w, 12, 0.5)
+        assert plain == w, w.name
+        assert rate(slow.trace) == pytest.approx(rate(w.trace) * 0.5), w.name
+        assert slow.trace.num_requests == 12 and len(slow.trace.load().requests) == 12, w.name
+        rest = {"time_scale": None, "request_rate": None, "num_requests": None}
+        assert (dataclasses.replace(slow.trace, **rest) == dataclasses.replace(w.trace, **rest)
+                and slow.engine == w.engine), w.name
     from twinserve.benchmarks.fidelity_study import main
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit):
@@ -143,6 +140,7 @@ def test_fidelity_study_splits_the_level_between_each_rounds_replays(tmp_path: P
     other round), the engine loop's parts between them as ``loop_schedule`` places them, the
     profile saved before any workload is simulated with it."""
     from twinserve.benchmarks import fidelity_study
+    from twinserve.fidelity import study
     events: list[str] = []
     weights = object()  # the calibration's model load, which every replay runs on
 
@@ -162,33 +160,33 @@ def test_fidelity_study_splits_the_level_between_each_rounds_replays(tmp_path: P
             events.append("save")
             return path
 
-    def run_cli(argv: list[str]) -> None:  # the twin's runs
-        assert "--reuse-real" in argv
-        events.append(f"sim {Path(argv[argv.index('--out') + 1]).name}")
+    def judge(engine, workload, runs: list[Path], profile: Path, out: Path) -> list[dict]:
+        assert len(runs) == 3 and profile == tmp_path / "profile.json"
+        events.append(f"sim {workload.name}")
+        return [{"workload": workload.name, "metric": "request_throughput", "real": 1.0,
+                 "sim": 1.0, "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0,
+                 "verdict": "ok", "error_at_replay_speed_pct": 0.0,
+                 "verdict_at_replay_speed": "ok"}]
 
-    def replay(argv: list[str], weights_from: object) -> None:
+    def replay(engine, workload, folder: Path, weights_from: object, log) -> None:
         assert weights_from is weights
-        events.append(f"replay {Path(argv[argv.index('--out') + 1]).name}")
+        events.append(f"replay {folder.name}")
 
-    monkeypatch.setattr(fidelity_study, "_calibration", lambda engine: Recorded())
-    monkeypatch.setattr(fidelity_study, "run_cli", run_cli)
-    monkeypatch.setattr(fidelity_study, "_replay", replay)
-    monkeypatch.setattr(fidelity_study, "study_rows", lambda *a: [
-        {"workload": "w", "metric": "request_throughput", "real": 1.0, "sim": 1.0,
-         "error_pct": 0.0, "spread_pct": 0.0, "target_pct": 5.0, "verdict": "ok",
-         "error_at_replay_speed_pct": 0.0, "verdict_at_replay_speed": "ok"}])
+    monkeypatch.setattr(study, "_calibration", lambda engine, settings, log: Recorded())
+    monkeypatch.setattr(study, "_replay_once", replay)
+    monkeypatch.setattr(study, "_judge", judge)
     assert fidelity_study.main(["--out", str(tmp_path), "--workloads", "conv-600,code",
                                 "--rounds", "3"]) == 0
     # every other round in reverse order, so no workload always comes first after the level
     assert events == ["grid", "loop [0, 1]", "replay conv-600-1", "loop [2]", "replay code-1",
                       "grid", "loop [2]", "replay code-2", "loop [0, 1]", "replay conv-600-2",
                       "grid", "loop [0, 1]", "replay conv-600-3", "loop [2]", "replay code-3",
-                      "save", "sim conv-600", "sim conv-600-at-replay-speed",
-                      "sim code", "sim code-at-replay-speed"]
+                      "save", "sim conv-600", "sim code"]
+    assert (tmp_path / "fidelity_study.csv").read_text().count("request_throughput") == 2
 
 
 def test_the_loop_schedule_spreads_every_part_over_each_round_and_moves_it_between_rounds() -> None:
-    from twinserve.entrypoints.cli.interleaved_calibration import loop_schedule
+    from twinserve.fidelity.interleaved import loop_schedule
     for parts, runs in ((4, 9), (3, 2), (4, 1), (1, 9), (6, 6)):
         for round_ in range(1, 8):
             schedule = loop_schedule(parts, runs, round_)

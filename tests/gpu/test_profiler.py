@@ -195,15 +195,15 @@ def test_each_round_times_the_grid_again_and_its_medians_span_the_rounds(tiny_mo
     time per round, and the micro samples the fit uses are their medians."""
     import statistics
 
-    from twinserve.entrypoints.cli.calibrate import load_runner
-    from twinserve.entrypoints.cli.interleaved_calibration import InterleavedCalibration
+    from twinserve.entrypoints.cli.calibrate import calibration_settings, load_runner
     from twinserve.entrypoints.cli.main import build_parser
+    from twinserve.fidelity.interleaved import InterleavedCalibration
     args = build_parser().parse_args(["calibrate", "--model", str(tiny_model), "--quick",
                                       "--repeats", "2", "--max-num-seqs", "8",
                                       "--max-num-batched-tokens", "64", "--max-model-len", "128",
                                       "--dtype", "float32", "--out", "unused.json"])
     eargs, runner = load_runner(args)
-    cal = InterleavedCalibration(args, eargs, runner, lambda msg: None)
+    cal = InterleavedCalibration(calibration_settings(args), eargs, runner, lambda msg: None)
     cal.measure_grid()
     grid = cal.measured.grid
     assert grid is not None and grid.steps and all(len(t) == 2 for t in grid.times)

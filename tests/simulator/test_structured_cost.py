@@ -115,7 +115,7 @@ def test_mask_measurement_on_the_real_engine(tmp_path):
     # calibrate's hook writes the measured terms into the profile it saved
     from types import SimpleNamespace
 
-    from twinserve.entrypoints.cli.structured_calibration import add_mask_timing
+    from twinserve.fidelity.mask_timing import add_mask_timing
     profile = Path(_profile(tmp_path, DEFAULT_MASK_S_PER_ROW, 0.0))
     runner = SimpleNamespace(model_dir=tmp_path, vocab_size=tok.get_vocab_size(),
                              tokenizer=SimpleNamespace(eos_token_id=1))

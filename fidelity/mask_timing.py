@@ -1,4 +1,4 @@
-"""``twinserve calibrate``'s measurement of constrained decoding's mask time, written into the
+"""A backend calibration's measurement of constrained decoding's mask time, written into the
 profile it saves (``structured_mask_s_per_row`` / ``_per_step``; see
 ``simulator/structured_cost.py``). ``gpu/`` measures, ``simulator/`` reads: they meet here."""
 

@@ -11,7 +11,6 @@ each grid step's median spans the same minutes. ``twinserve calibrate`` is the o
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 from collections.abc import Sequence
@@ -19,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from twinserve.entrypoints.cli.calibrate import Log, base_hardware_for, measure_interconnect
+from twinserve.fidelity.backend import Log, base_hardware_for, measure_interconnect
+from twinserve.fidelity.settings import CalibrationSettings
+from twinserve.fidelity.step_space import StepSpace
 
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
@@ -32,13 +33,14 @@ if TYPE_CHECKING:
 class InterleavedCalibration:
     """``measure_grid`` once, ``measure_level`` before each round (or ``time_grid_pass`` and
     the engine loop split between its runs by ``measure_loop``), then ``fit`` or ``save``
-    (one round: ``twinserve calibrate``'s measurement). ``args``: the calibration flags
-    (``add_calibration_flags``) and ``--model``."""
+    (one round: ``twinserve calibrate``'s measurement). ``space``: the part of the step space
+    timed (``None``: the engine's limits)."""
 
-    args: argparse.Namespace
+    settings: CalibrationSettings
     engine_args: EngineArgs
     runner: ModelRunner
     log: Log
+    space: StepSpace | None = None
     measured: BackendMeasurement | None = None
     grid_probe: dict[str, float] = field(default_factory=dict)  # the probe before the grid
     probes: list[dict[str, float]] = field(default_factory=list)  # one per measure_loop
@@ -47,11 +49,12 @@ class InterleavedCalibration:
         """The micro-benchmarks and swap copies; without the engine loop (``--no-engine-loop``)
         the grid sets the level too, and its probe is the mean of the probe before and after."""
         from twinserve.gpu.measurement.profiler import measure_backend, speed_probe
-        args = self.args
+        s = self.settings
         self.grid_probe = speed_probe(self.runner)
-        self.measured = measure_backend(self.runner, self.engine_args, args.quick, args.warmup,
-                                        args.repeats, engine_loop=False, log=self.log)
-        if not args.engine_loop:
+        self.measured = measure_backend(self.runner, self.engine_args, s.quick, s.warmup,
+                                        s.repeats, engine_loop=False, log=self.log,
+                                        space=self._space())
+        if not s.engine_loop:
             after = self._probe_after()
             self.probes = [{k: (v + after[k]) / 2 for k, v in self.grid_probe.items()}]
 
@@ -60,7 +63,7 @@ class InterleavedCalibration:
         returns the host-speed probe right after, the probe the round's runs start from (the
         grid's alone without the engine loop)."""
         from twinserve.gpu.measurement.profiler import speed_probe
-        if not self.args.engine_loop:
+        if not self.settings.engine_loop:
             return speed_probe(self.runner)
         self.time_grid_pass()
         return self.measure_loop()
@@ -80,7 +83,7 @@ class InterleavedCalibration:
     def num_loop_parts(self) -> int:
         """How many engine-loop workloads ``measure_loop`` can run one by one."""
         from twinserve.gpu.engine.engine_loop import runner_scenarios
-        return len(runner_scenarios(self.runner, self.args.quick))
+        return len(runner_scenarios(self.runner, self.settings.quick, self._space()))
 
     def measure_loop(self, parts: Sequence[int] | None = None) -> dict[str, float]:
         """The engine-loop workloads (those at the indices ``parts``, else all), then the
@@ -89,10 +92,14 @@ class InterleavedCalibration:
         the runs, not only their start."""
         from twinserve.gpu.engine.engine_loop import measure_engine_loop
         self._measured().loop += measure_engine_loop(self.runner, self.engine_args,
-                                                     self.args.quick, self.log, parts)
+                                                     self.settings.quick, self.log, parts,
+                                                     self._space())
         probe = self._probe_after()
         self.probes.append(probe)
         return probe
+
+    def _space(self) -> tuple[int, int, int] | None:
+        return None if self.space is None else self.space.as_tuple()
 
     def _measured(self) -> BackendMeasurement:
         if self.measured is None:
@@ -129,14 +136,15 @@ class InterleavedCalibration:
         from twinserve.gpu.worker.platform import current_platform
         from twinserve.simulator.calibration import save_profile
         from twinserve.simulator.model_spec import load_model_spec
-        cal = self.fit(load_model_spec(self.args.model).name)
+        model = str(self.engine_args.model)
+        cal = self.fit(self.settings.profile_model or load_model_spec(model).name)
         platform = current_platform(self.runner.device)
-        parts = len(self.probes) if self.args.engine_loop else 0
+        parts = len(self.probes) if self.settings.engine_loop else 0
         cal.params = dataclasses.replace(cal.params, source=(
             f"twinserve calibrate on {platform.device_name} ({len(cal.samples)} steps), the "
             f"engine loop in {parts} part(s) between the real runs"))
-        base = self.args.base_hardware or base_hardware_for(self.args.device)
-        out = save_profile(cal, self.args.model, base, path, self.engine_args.block_size, note,
+        base = self.settings.base_hardware or base_hardware_for(self.engine_args.device)
+        out = save_profile(cal, model, base, path, self.engine_args.block_size, note,
                            platform, measure_interconnect(self.runner, self.engine_args, self.log))
         write_samples(samples_path(out), cal.samples)
         self.log(cal.report)

@@ -125,7 +125,7 @@ class SweepPoint:
         """Hash of the resolved engine configuration (so stating a default keeps the id), the
         simulation keys and the resolved workload."""
         cfg = self.sim_config()
-        sim = {**build_engine_config(cfg)[0].to_dict(),
+        sim = {**build_engine_config(cfg).engine_config.to_dict(),
                **{k: getattr(cfg, k) for k in SIM_KEYS if k != "label"}}
         blob = json.dumps({"version": SPEC_VERSION, "sim": sim, "workload": self.workload},
                           sort_keys=True, default=str)

@@ -185,9 +185,10 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
     # a prompt's ids past its shared prefix come from its request id: its own unless another
     # request of the trace has the same id
     unique = len({tr.request_id for tr in trace}) == len(trace)
-    prompts = (map(partial(_lazy_prompt, vocab_size, block_size, unique), trace,
-                   iter_prompt_parts(trace, vocab_size, block_size)) if lazy
-               else iter_prompt_token_ids(trace, vocab_size))
+    prompts: Iterator[list[int] | LazyPrompt] = (
+        map(partial(_lazy_prompt, vocab_size, block_size, unique), trace,
+            iter_prompt_parts(trace, vocab_size, block_size)) if lazy
+        else iter_prompt_token_ids(trace, vocab_size))
     for tr, prompt in zip(trace, prompts):
         params = shared.get(tr.output_tokens)
         if params is None:

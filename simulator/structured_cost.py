@@ -21,12 +21,16 @@ A constrained twin request carries ``STRUCTURED_MARK`` (JSON mode); the twin com
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.structured_outputs import StructuredOutputsParams
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.traces.trace_request import stable_seed
+
+if TYPE_CHECKING:  # hardware.py takes its defaults from here
+    from twinserve.simulator.hardware import HardwareProfile
 
 DEFAULT_MASK_S_PER_ROW = 1.02e-3
 DEFAULT_MASK_S_PER_STEP = 1.7e-3
@@ -103,8 +107,7 @@ class StructuredWorkload:
                               structured_outputs=STRUCTURED_MARK)
 
 
-def structured_cost_of(hardware: object) -> StructuredCost:
-    """The profile's mask coefficients (its defaults where it has none)."""
-    return StructuredCost(
-        float(getattr(hardware, "structured_mask_s_per_row", DEFAULT_MASK_S_PER_ROW)),
-        float(getattr(hardware, "structured_mask_s_per_step", DEFAULT_MASK_S_PER_STEP)))
+def structured_cost_of(hardware: HardwareProfile) -> StructuredCost:
+    """The profile's mask coefficients (a profile file without them reads as the defaults)."""
+    return StructuredCost(hardware.structured_mask_s_per_row,
+                          hardware.structured_mask_s_per_step)

@@ -39,9 +39,10 @@ LAYOUTS = {"hybrid": False, "one group": True}  # name -> disable_hybrid_kv_cach
 def capacity_rows(hardware: str) -> list[str]:
     rows = []
     for name, disabled in LAYOUTS.items():
-        engine, _, spec = build_engine_config(SimConfig(
+        build = build_engine_config(SimConfig(
             model=MODEL, hardware=hardware, max_model_len=32768,
             disable_hybrid_kv_cache_manager=disabled))
+        engine, spec = build.engine_config, build.model
         sched = engine.scheduler
         layout = kv_cache_layout_of(spec, hybrid=not disabled)
         longest = sequence_kv_tokens(layout, sched.num_gpu_blocks, sched.block_size,

@@ -143,13 +143,13 @@ def rate_sweep(runs: list[Run], sweep: pd.DataFrame | None = None) -> go.Figure 
 
 def engine_timeseries(runs: list[Run]) -> go.Figure | None:
     """Queue length, batch size and KV usage over time from steps.csv, one trace per run."""
-    with_steps = [(i, r) for i, r in enumerate(runs) if r.steps is not None]
+    with_steps = [(i, r, r.steps) for i, r in enumerate(runs) if r.steps is not None]
     if not with_steps:
         return None
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=[t for _, t in STEP_SERIES])
-    for i, run in with_steps:
-        steps = decimate_mean(run.steps.sort_values("time"), "time")
+    for i, run, run_steps in with_steps:
+        steps = decimate_mean(run_steps.sort_values("time"), "time")
         for k, (column, _) in enumerate(STEP_SERIES):
             fig.add_trace(go.Scatter(
                 x=steps["time"], y=steps[column], mode="lines", name=run.display_name,
@@ -168,25 +168,27 @@ def tenant_service(tenants: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("time", kind="stable")
 
 
-def _multi_tenant(run: Run) -> bool:
-    return run.tenants is not None and run.tenants["tenant"].nunique() > 1
+def _multi_tenant(run: Run) -> pd.DataFrame | None:
+    """The run's tenants.csv when it holds two or more tenants."""
+    tenants = run.tenants
+    return tenants if tenants is not None and tenants["tenant"].nunique() > 1 else None
 
 
 def fairness(runs: list[Run]) -> go.Figure | None:
     """Per run with two or more tenants: each tenant's service rate over time (left) and cumulative
     service (right); one colour per tenant across runs."""
-    fair = [r for r in runs if _multi_tenant(r)]
+    fair = [(r, tenants) for r in runs if (tenants := _multi_tenant(r)) is not None]
     if not fair:
         return None
-    tenant_names = sorted({t for r in fair for t in r.tenants["tenant"].astype(str)})
+    tenant_names = sorted({t for _, tenants in fair for t in tenants["tenant"].astype(str)})
     colors = {t: color(i) for i, t in enumerate(tenant_names)}
-    titles = [t for r in fair for t in (f"{r.display_name}: service rate (tok/s)",
+    titles = [t for r, _ in fair for t in (f"{r.display_name}: service rate (tok/s)",
                                         f"{r.display_name}: cumulative service (tokens)")]
     fig = make_subplots(rows=len(fair), cols=2, subplot_titles=titles, horizontal_spacing=0.08,
                         vertical_spacing=min(0.12, 0.3 / len(fair)))
     shown: set[str] = set()
-    for row, run in enumerate(fair, start=1):
-        _add_fairness_row(fig, tenant_service(run.tenants), row, colors, shown)
+    for row, (_, tenants) in enumerate(fair, start=1):
+        _add_fairness_row(fig, tenant_service(tenants), row, colors, shown)
         fig.update_xaxes(title_text="time (s)", row=row)
     return _base_layout(fig, "Per-tenant service (prefill + 2 x output tokens)", 120 + 320 * len(fair))
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up everything the tests need, then lints (ruff), type-checks core/ and policies/ (mypy)
-# and runs the whole suite.
+# Sets up everything the tests need, then lints (ruff), type-checks core/, policies/, simulator/,
+# reports/, traces/ and the engine's orchestration, gpu/engine/ (mypy), and runs the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -13,5 +13,6 @@ TYPES=$(mktemp -d)
 trap 'rm -rf "$TYPES"' EXIT
 ln -s "$ROOT" "$TYPES/twinserve"
 (cd "$TYPES" && "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TYPES/.cache" \
-    -p twinserve.core -p twinserve.policies)
+    -p twinserve.core -p twinserve.policies -p twinserve.simulator -p twinserve.reports \
+    -p twinserve.traces -p twinserve.gpu.engine)
 "$PY" -m pytest -q "$@"

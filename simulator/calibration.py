@@ -33,6 +33,7 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,8 @@ _TOKEN_STEPS = frozenset(TOKEN_STEP_NAMES)
 
 def output_of(aggregates: Mapping[str, int]) -> SchedulerOutput:
     """A ``SchedulerOutput`` holding only the aggregate fields (what the cost model reads)."""
-    return SchedulerOutput(**{k: int(aggregates.get(k, 0)) for k in AGGREGATE_FIELDS})
+    fields: dict[str, Any] = {k: int(aggregates.get(k, 0)) for k in AGGREGATE_FIELDS}
+    return SchedulerOutput(**fields)
 
 
 def features_of(aggregates: Mapping[str, int]) -> dict[str, float]:
@@ -352,7 +354,8 @@ def split_backend_samples(samples: Iterable[StepSample]) -> tuple[list[StepSampl
                                                                    list[StepSample]]:
     """A backend calibration's samples (``--samples-out``) back into its micro-benchmarks
     (forward pass only: ``seconds == execute_seconds``) and its engine-loop steps."""
-    micro, loop = [], []
+    micro: list[StepSample] = []
+    loop: list[StepSample] = []
     for s in samples:
         (micro if s.seconds == s.execute_seconds else loop).append(s)
     return micro, loop

@@ -54,8 +54,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -69,6 +70,7 @@ from twinserve.simulator.moe_cost import (
     expert_weights,
     windowed_attention,
 )
+from twinserve.simulator.step_time import StepTimeModel
 
 # Token counts where the fitted step time may change slope. GEMM kernels run in tiles and pad
 # their width, so time is not linear in the tokens of a step: it runs in plateaus (measured
@@ -145,8 +147,9 @@ def _feature_vector(out: SchedulerOutput, max_context: int | None) -> tuple[floa
 def token_segments(num_tokens: int) -> tuple[int, ...]:
     """How many of ``num_tokens`` fall in each ``TOKEN_SEGMENTS`` span (they sum to
     ``num_tokens - 1`` from 1 token on)."""
-    spans = zip(TOKEN_KNOTS, (*TOKEN_KNOTS[1:], math.inf))
-    return tuple(max(0, min(num_tokens, hi) - lo) for lo, hi in spans)
+    spans = zip(TOKEN_KNOTS, TOKEN_KNOTS[1:])
+    return (*(max(0, min(num_tokens, hi) - lo) for lo, hi in spans),
+            max(0, num_tokens - TOKEN_KNOTS[-1]))
 
 
 def token_steps(num_tokens: int) -> tuple[int, ...]:
@@ -182,6 +185,46 @@ class StepCost:
     @property
     def is_compute_bound(self) -> bool:
         return self.compute_s > self.memory_s
+
+
+class DeviceCostModel(StepTimeModel, Protocol):
+    """A cost model of one replica's devices: the step time of ``StepTimeModel`` plus what
+    building a replica needs (memory sizing, swap and adapter copies, a description for the
+    run folder). The roofline (``CostModel``, whose LoRA, MoE and sliding-window terms are
+    parts of it) and the fitted model (``FittedCostModel``, which rests on a roofline)
+    implement it; ``roofline`` names the roofline a model rests on, so that callers need not
+    know which of them they hold."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+
+    @property
+    def hardware(self) -> HardwareProfile: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+    @property
+    def roofline(self) -> CostModel:
+        """The roofline this model's memory sizing and copy times come from (itself for one)."""
+        ...
+
+    def with_lora(self, lora: LoRACost | None) -> DeviceCostModel:
+        """A copy with the LoRA terms ``lora`` (``None``: without)."""
+        ...
+
+    def lora_load_time(self, loads: Sequence[tuple[str, int]]) -> float:
+        """Seconds to copy a step's ``lora_loads`` host-to-device (0 without LoRA)."""
+        ...
+
+    def swap_time(self, num_blocks: int, block_size: int | None = None) -> float: ...
+
+    def num_gpu_blocks(self, gpu_memory_utilization: float, block_size: int | None = None,
+                       activation_reserve_bytes: int | None = None) -> int: ...
+
+    def describe(self) -> str:
+        """Which profile and which data the step times rest on (for run folders)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -264,6 +307,14 @@ class CostModel:
     def weight_bytes_per_gpu(self) -> int:
         return math.ceil(self.model.weight_bytes / self.tensor_parallel_size)
 
+    @property
+    def roofline(self) -> CostModel:
+        return self
+
+    def describe(self) -> str:
+        hw = self.hardware
+        return f"{hw.name}: {hw.describe_roofline(self.model.name, self.tensor_parallel_size)}"
+
     def with_lora(self, lora: LoRACost | None) -> CostModel:
         """A copy with the LoRA terms ``lora`` (``None``: without)."""
         return dataclasses.replace(self, lora=lora)
@@ -299,6 +350,7 @@ class CostModel:
         decode, longest = out.sum_decode_context_tokens, out.num_decode_seqs * self._max_context
         decode = longest if longest < decode else decode
         prefill_tokens, chunks = out.num_prefill_tokens, out.num_prefill_seqs
+        kv_read: float
         if prefill_tokens == 0 or chunks == 0:
             kv_read = decode
         else:
@@ -323,7 +375,7 @@ class CostModel:
         terms that stay fixed over the run computed once and the same float operations in the
         same order (``tests/simulator/test_cost_model.py`` compares the two). None where ``step_time``
         would not take its inlined path, or for a step that is not decode-only; ``out`` is left
-        as it is."""
+        as it is. A subclass that changes ``step_time`` must change this too."""
         tokens = n = out.num_decode_seqs
         if (tokens == 0 or out.total_num_scheduled_tokens != n or out.num_prefill_seqs
                 or out.num_prefill_tokens or out.blocks_to_swap_out or out.blocks_to_swap_in
@@ -536,6 +588,13 @@ class FittedCostModel:
     def tensor_parallel_size(self) -> int:
         return self.base.tensor_parallel_size
 
+    @property
+    def roofline(self) -> CostModel:
+        return self.base
+
+    def describe(self) -> str:
+        return f"{self.hardware.name}: {self.params.describe()}"
+
     def step_time(self, out: SchedulerOutput) -> float:
         """The fitted forward pass plus the roofline's swap and copy time. O(1); equals
         ``step_time_reference`` bit for bit (the same products summed in the same order,
@@ -546,7 +605,7 @@ class FittedCostModel:
             return self.step_time_reference(out)
         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = self._coefficients
         decodes, longest, prefills = out.num_decode_seqs, out.max_decode_context, out.num_prefill_seqs
-        linear = 0
+        linear: float = 0
         linear += c0 * tokens
         linear += c1 * out.num_prefill_tokens
         linear += c2 * prefills
@@ -560,6 +619,11 @@ class FittedCostModel:
         linear += c10 * out.sum_prefill_attention_area
         linear += c11 * (prefills > 0)
         return self._intercept + linear + self._token_time(tokens)
+
+    def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
+                        max_steps: int) -> list[float] | None:
+        """None: a fitted model's decode runs are timed step by step."""
+        return None
 
     def step_time_reference(self, out: SchedulerOutput) -> float:
         """The plain version of ``step_time``."""
@@ -618,31 +682,13 @@ class FittedCostModel:
         return cls(params, base)
 
 
-def decode_run_ends_of(step_time: object) -> Callable[..., list[float] | None] | None:
-    """``CostModel.decode_run_ends`` of the cost model whose own ``step_time`` ``step_time``
-    is (bound to a plain ``CostModel``), else None: a wrapped, fitted or subclassed step time
-    keeps the step-by-step loop."""
-    owner = getattr(step_time, "__self__", None)
-    if type(owner) is CostModel and getattr(step_time, "__func__", None) is CostModel.step_time:
-        return owner.decode_run_ends
-    return None
-
-
 def make_cost_model(model: ModelConfig, hardware: HardwareProfile, tensor_parallel_size: int = 1,
                     block_size: int = DEFAULT_BLOCK_SIZE, lora: LoRACost | None = None,
-                    kv_block_bytes: int | None = None) -> CostModel | FittedCostModel:
+                    kv_block_bytes: int | None = None) -> DeviceCostModel:
     """The fitted model when ``hardware`` holds a fit for this model and TP size, else the roofline."""
     base = CostModel(model, hardware, tensor_parallel_size, block_size, lora, kv_block_bytes)
     params = hardware.find_fitted(model.name, tensor_parallel_size)
     return FittedCostModel(params, base) if params is not None else base
-
-
-def describe_cost_model(cost: CostModel | FittedCostModel) -> str:
-    """Which profile and which data the step times of ``cost`` rest on (for run folders)."""
-    hw = cost.hardware
-    if isinstance(cost, FittedCostModel):
-        return f"{hw.name}: {cost.params.describe()}"
-    return f"{hw.name}: {hw.describe_roofline(cost.model.name, cost.tensor_parallel_size)}"
 
 
 def fit_step_time(samples: Sequence[tuple[dict[str, float], float]], model: str | None = None,

@@ -3,7 +3,7 @@
 Each engine process runs the very same step as the real engine::
 
     out = driver.schedule(env.now)                     # core.step_driver: the one step seam
-    yield env.timeout(cost_model.step_time(out))       # the GPU, modelled
+    yield env.timeout(cost.step_time(out))             # the GPU, modelled (step_time.StepTimeModel)
     driver.complete(out, tokens, start, env.now)       # tokens end each request at its trace length
 
 (The engine's clock runs ahead of SimPy's while no other process could act: see ``engine_process``.)
@@ -27,13 +27,15 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
-from twinserve.simulator.cost_model import decode_run_ends_of
 from twinserve.simulator.router import Router
+from twinserve.simulator.step_time import StepTimeModel
 
 SIMULATED_TOKEN = 17
 # What the twin "samples" for every request, every step: one immutable, shared token list (the
 # scheduler only reads it).
 _SAMPLED: Sequence[int] = (SIMULATED_TOKEN,)
+# StepTimeModel.decode_run_ends, bound: (out, now, horizon, base, max_steps) -> ends or None
+RunEnds = Callable[[SchedulerOutput, float, float, float, int], list[float] | None]
 
 
 class SyntheticTokens:
@@ -60,14 +62,14 @@ class SyntheticTokens:
 
 @dataclass(slots=True)
 class Replica:
-    """One simulated engine: its step driver, the cost model's step time and its tokens."""
+    """One simulated engine: its step driver, its step-time model and its tokens."""
 
     index: int
     driver: StepDriver
-    step_time: Callable[[SchedulerOutput], float]
+    cost: StepTimeModel
     tokens: SyntheticTokens = field(default_factory=SyntheticTokens)
     wakeup: simpy.Event | None = None
-    # Advance runs of decode-only steps in one call (core.decode_run); False: step by step, the
+    # Advance runs of decode-only steps at once (core.decode_run); False: step by step, the
     # reference. Only for step times that read the step's aggregates, not its entries' contexts.
     decode_runs: bool = True
     # The only replica: then the arrival process alone acts while a step runs, and it reads
@@ -120,13 +122,14 @@ def engine_process(env: simpy.Environment, replica: Replica):
     driver = replica.driver
     sched = driver.scheduler
     sampled = replica.tokens.output  # the backend's output: read-only token lists
-    step_time, timeout, peek = replica.step_time, env.timeout, env.peek
+    cost, timeout, peek = replica.cost, env.timeout, env.peek
+    step_time = cost.step_time
     # driver.schedule and driver.complete with their lookups done once (this runs every step)
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
     alone = replica.alone
-    # a plain roofline computes a run's step ends in one call (_decode_run_ends: the reference)
-    run_ends = decode_run_ends_of(step_time)
+    # a model may compute a run's step ends in one call (_segment_ends has the reference)
+    run_ends = cost.decode_run_ends
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     # Only other processes schedule events, and they run only while this one waits: the next
     # event's time is read once per resumption.
@@ -176,8 +179,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],
-                     run_ends: Callable[..., list[float] | None] | None, now: float,
-                     horizon: float, base: float) -> list[float]:
+                     run_ends: RunEnds, now: float, horizon: float, base: float) -> list[float]:
     """The end times of the run's steps that end before anything else is due (``horizon``)
     and where SimPy would put them, ``run.out`` moved past them, segment after segment."""
     ends: list[float] = []
@@ -192,16 +194,15 @@ def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], floa
 
 
 def _segment_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],
-                  run_ends: Callable[..., list[float] | None] | None, now: float,
-                  horizon: float, base: float, limit: int) -> list[float]:
-    """At most ``limit`` step ends of the run's current batch: the cost model's closed loop
+                  run_ends: RunEnds, now: float, horizon: float, base: float,
+                  limit: int) -> list[float]:
+    """At most ``limit`` step ends of the run's current batch: the model's closed loop
     (``run_ends``) where it has one, else ``step_time`` step by step, the reference."""
-    if run_ends is not None:
-        ends = run_ends(run.out, now, horizon, base, limit)
-        if ends is not None:
-            run.next_steps(len(ends))
-            return ends
-    ends = []
+    closed = run_ends(run.out, now, horizon, base, limit)
+    if closed is not None:
+        run.next_steps(len(closed))
+        return closed
+    ends: list[float] = []
     for _ in range(limit):
         end = now + step_time(run.out)
         if end >= horizon or base + (end - base) != end:

@@ -20,6 +20,7 @@ from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.simulator.hardware import HardwareProfile
 from twinserve.simulator.lora_cost import LoRACost
+from twinserve.simulator.step_time import StepTimeModel
 from twinserve.traces.lora import BASE_MODEL, AdapterShape, LoRAAdapters, adapter_names
 from twinserve.traces.trace_request import TraceRequest
 
@@ -46,24 +47,29 @@ def lora_cost_for(args: EngineArgs, model: ModelConfig, hardware: HardwareProfil
 
 
 class LoadTally:
-    """A replica's step time that also counts the adapter loads and the seconds charged for them
-    (``load_time``: the cost model's ``lora_load_time``)."""
+    """A replica's step-time model (``inner``) that also counts the adapter loads and the
+    seconds charged for them (``load_time``: the cost model's ``lora_load_time``). Every step
+    goes through the tally, so it offers no decode-run shortcut."""
 
-    __slots__ = ("step_time", "load_time", "loads", "load_s")
+    __slots__ = ("inner", "load_time", "loads", "load_s")
 
-    def __init__(self, step_time: Callable[[SchedulerOutput], float],
+    def __init__(self, inner: StepTimeModel,
                  load_time: Callable[[Sequence[tuple[str, int]]], float]) -> None:
-        self.step_time = step_time
+        self.inner = inner
         self.load_time = load_time
         self.loads = 0
         self.load_s = 0.0
 
-    def __call__(self, out: SchedulerOutput) -> float:
+    def step_time(self, out: SchedulerOutput) -> float:
         loads = out.lora_loads
         if loads:
             self.loads += len(loads)
             self.load_s += self.load_time(loads)
-        return self.step_time(out)
+        return self.inner.step_time(out)
+
+    def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
+                        max_steps: int) -> list[float] | None:
+        return None
 
 
 def lora_summary(records: Sequence[RequestRecord], trace: Sequence[TraceRequest],

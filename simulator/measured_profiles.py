@@ -94,13 +94,14 @@ def report(hardware: str, model: str) -> str:
     region, the step table and, where an earlier calibration is bundled, how far its fit lands."""
     m = MeasuredProfile.load(hardware, model)
     refit = fit_backend(m.micro, m.loop, model)
+    forward = refit.forward or refit.params
     parts = [f"{hardware} {model}: {m.params.source}",
              format_errors(region_errors(m.params, m.loop, "seconds"),
                            "the bundled fit on the engine loop's whole steps, per region", "region"),
-             format_errors(region_errors(refit.forward, m.micro, "execute_seconds"),
+             format_errors(region_errors(forward, m.micro, "execute_seconds"),
                            "its forward-pass fit on the grid (ModelRunner.execute), per region",
                            "region"),
-             step_table(m, refit.forward)]
+             step_table(m, forward)]
     earlier = MEASURED_DIR / f"{hardware}_{model}_earlier.csv"
     if earlier.is_file():
         other = fit_backend(*split_backend_samples(read_samples(earlier)), model)

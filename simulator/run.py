@@ -25,12 +25,13 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
-from twinserve.simulator.cost_model import describe_cost_model, make_cost_model
+from twinserve.simulator.cost_model import DeviceCostModel, make_cost_model
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.router import ROUTERS, make_router
+from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
 from twinserve.traces.trace_request import (
@@ -112,16 +113,26 @@ class SimResult:
     steps: StepLog  # a Sequence[StepRecord]
     summary: dict[str, Any]
     wall_time_s: float
-    cost_model: str = ""  # which profile and data the step times rest on (describe_cost_model)
+    cost_model: str = ""  # which profile and data the step times rest on (DeviceCostModel.describe)
 
     @property
     def num_gpu_blocks(self) -> int:
         return self.engine_config.scheduler.num_gpu_blocks
 
 
-def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]:
-    """The engine configuration of one replica (the real engine's resolution, for the profile's
-    device), its cost model and the model at the resolved dtype."""
+@dataclass(frozen=True, slots=True)
+class EngineBuild:
+    """One replica as ``build_engine_config`` resolves it: the engine configuration (the real
+    engine's resolution, for the profile's device), its cost model and the model at the
+    resolved dtype and quantization."""
+
+    engine_config: EngineConfig
+    cost_model: DeviceCostModel
+    model: ModelConfig
+
+
+def build_engine_config(cfg: SimConfig) -> EngineBuild:
+    """The engine configuration, cost model and model of one replica of ``cfg``."""
     hardware = load_hardware(cfg.hardware)
     spec = load_model_spec(cfg.model)
     args, platform, tp = cfg.engine, hardware.platform(), cfg.engine.tensor_parallel_size
@@ -134,7 +145,7 @@ def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]
     cost = make_cost_model(spec, hardware, tp, args.block_size)
     resolved = first
     if platform.device_type != "cpu":
-        roofline = cost.base if hasattr(cost, "base") else cost
+        roofline = cost.roofline
         sched = first.scheduler
         non_kv = roofline.weight_bytes_per_gpu + roofline.activation_reserve_bytes(
             sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -142,7 +153,7 @@ def build_engine_config(cfg: SimConfig) -> tuple[EngineConfig, Any, ModelConfig]
     if resolved.scheduler.kv_cache_group_windows:  # a hybrid block spans one group's layers
         cost = make_cost_model(spec, hardware, tp, args.block_size,
                                kv_block_bytes=resolved.block_bytes)
-    return resolved, cost, spec
+    return EngineBuild(resolved, cost, spec)
 
 
 def to_request(tr: TraceRequest, vocab_size: int, block_size: int,
@@ -174,9 +185,10 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
     # a prompt's ids past its shared prefix come from its request id: its own unless another
     # request of the trace has the same id
     unique = len({tr.request_id for tr in trace}) == len(trace)
-    prompts = (map(partial(_lazy_prompt, vocab_size, block_size, unique), trace,
-                   iter_prompt_parts(trace, vocab_size, block_size)) if lazy
-               else iter_prompt_token_ids(trace, vocab_size))
+    prompts: Iterator[list[int] | LazyPrompt] = (
+        map(partial(_lazy_prompt, vocab_size, block_size, unique), trace,
+            iter_prompt_parts(trace, vocab_size, block_size)) if lazy
+        else iter_prompt_token_ids(trace, vocab_size))
     for tr, prompt in zip(trace, prompts):
         params = shared.get(tr.output_tokens)
         if params is None:
@@ -205,7 +217,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     steps one at a time, the reference, with the same results); ``lazy_prompts``: prompts
     as ``LazyPrompt``s (False: plain id lists, the reference, with the same results)."""
     t0 = time.perf_counter()
-    engine_config, cost, spec = build_engine_config(cfg)
+    build = build_engine_config(cfg)
+    engine_config, cost, spec = build.engine_config, build.cost_model, build.model
     lora = lora_cost_for(cfg.engine, spec, cost.hardware, trace, adapters)
     if lora is not None:
         cost = cost.with_lora(lora)
@@ -218,14 +231,15 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     with _cyclic_gc_paused():
         env = simpy.Environment()
         # with LoRA each replica's step time also tallies its adapter loads
-        step = cost.step_time if structured is None else \
-            structured_cost_of(cost.hardware).wrap(cost.step_time)
-        step_times = ([step] * cfg.num_replicas if lora is None else
-                      [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
+        step: StepTimeModel = cost if structured is None else \
+            structured_cost_of(cost.hardware).wrap(cost)
+        tallies = ([] if lora is None else
+                   [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
+        models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
-                                          recorder, i), step_time,
+                                          recorder, i), model,
                             decode_runs=decode_runs, alone=cfg.num_replicas == 1)
-                    for i, (policy, step_time) in enumerate(zip(_policies(cfg), step_times))]
+                    for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
         for replica in replicas:
@@ -237,9 +251,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
     if lora is not None:
-        summary.update(lora_summary(records, trace, step_times))  # type: ignore[arg-type]
+        summary.update(lora_summary(records, trace, tallies))
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
-                     time.perf_counter() - t0, describe_cost_model(cost))
+                     time.perf_counter() - t0, cost.describe())
 
 
 @contextmanager

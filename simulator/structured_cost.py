@@ -18,13 +18,17 @@ A constrained twin request carries ``STRUCTURED_MARK`` (JSON mode); the twin com
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.structured_outputs import StructuredOutputsParams
+from twinserve.simulator.step_time import StepTimeModel
 from twinserve.traces.trace_request import stable_seed
+
+if TYPE_CHECKING:  # hardware.py takes its defaults from here
+    from twinserve.simulator.hardware import HardwareProfile
 
 DEFAULT_MASK_S_PER_ROW = 1.02e-3
 DEFAULT_MASK_S_PER_STEP = 1.7e-3
@@ -55,12 +59,25 @@ class StructuredCost:
         rows = constrained_rows(out)
         return self.mask_s_per_step + self.mask_s_per_row * rows if rows else 0.0
 
-    def wrap(self, step_time: Callable[[SchedulerOutput], float]
-             ) -> Callable[[SchedulerOutput], float]:
-        """``step_time`` plus this mask time."""
-        def with_masks(out: SchedulerOutput) -> float:
-            return step_time(out) + self.mask_time(out)
-        return with_masks
+    def wrap(self, inner: StepTimeModel) -> WithMasks:
+        """``inner``'s step time plus this mask time."""
+        return WithMasks(inner, self)
+
+
+@dataclass(frozen=True, slots=True)
+class WithMasks:
+    """A step-time model (``inner``) whose steps also fill their constrained rows' masks."""
+
+    inner: StepTimeModel
+    masks: StructuredCost
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.inner.step_time(out) + self.masks.mask_time(out)
+
+    def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
+                        max_steps: int) -> list[float] | None:
+        """None: the mask time rides on each step, so runs are timed step by step."""
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +105,7 @@ class StructuredWorkload:
                               structured_outputs=STRUCTURED_MARK)
 
 
-def structured_cost_of(hardware: object) -> StructuredCost:
-    """The profile's mask coefficients (its defaults where it has none)."""
-    return StructuredCost(
-        float(getattr(hardware, "structured_mask_s_per_row", DEFAULT_MASK_S_PER_ROW)),
-        float(getattr(hardware, "structured_mask_s_per_step", DEFAULT_MASK_S_PER_STEP)))
+def structured_cost_of(hardware: HardwareProfile) -> StructuredCost:
+    """The profile's mask coefficients (a profile file without them reads as the defaults)."""
+    return StructuredCost(hardware.structured_mask_s_per_row,
+                          hardware.structured_mask_s_per_step)

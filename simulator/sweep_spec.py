@@ -56,6 +56,7 @@ import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ class SweepPoint:
         """Hash of the resolved engine configuration (so stating a default keeps the id), the
         simulation keys and the resolved workload."""
         cfg = self.sim_config()
-        sim = {**build_engine_config(cfg)[0].to_dict(),
+        sim = {**build_engine_config(cfg).engine_config.to_dict(),
                **{k: getattr(cfg, k) for k in SIM_KEYS if k != "label"}}
         blob = json.dumps({"version": SPEC_VERSION, "sim": sim, "workload": self.workload},
                           sort_keys=True, default=str)
@@ -468,12 +469,12 @@ def _check_points(spec: SweepSpec) -> None:
     """Builds every point's SimConfig and checks the names it uses, naming the key at fault."""
     for point in spec.points():
         where = {k: "[grid]" if k in spec.grid else "[engine]" for k in point.sim}
-        for key, check in (("model", load_model_spec), ("hardware", load_hardware),
-                           ("scheduling_policy", get_policy)):
+        checks: tuple[tuple[str, Callable[[Any], object]], ...] = (
+            ("model", load_model_spec), ("hardware", load_hardware),
+            ("scheduling_policy", get_policy))
+        for key, check in checks:
             if key in point.sim:
-                value = point.sim[key]
-                _run_check(spec.source, where[key], key,
-                           lambda check=check, value=value: check(value))
+                _run_check(spec.source, where[key], key, partial(check, point.sim[key]))
         _run_check(spec.source, "[engine]/[grid]", "SimConfig", point.sim_config)
         _check_workload(spec, point.workload)
     if not any(p.workload["trace"] == SYNTHETIC for p in spec.points()):

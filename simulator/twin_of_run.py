@@ -32,7 +32,7 @@ def twin_config(real_config: dict[str, Any], model: str, profile: str | Path,
     label = f"sim {real_config['scheduling_policy']}"
     cfg = SimConfig(EngineArgs.from_mapping(given, "the real run's config.json", model=model),
                     hardware=str(profile), label=label)
-    resolved = build_engine_config(cfg)[0]
+    resolved = build_engine_config(cfg).engine_config
     twin = resolved.scheduler
     real_blocks = (int(real_config["num_gpu_blocks"]), int(real_config.get("num_cpu_blocks", 0)))
     if (twin.num_gpu_blocks, twin.num_cpu_blocks) == real_blocks:

@@ -456,9 +456,9 @@ def format_all_reduce(network: str) -> str:
         for key in ((size_band(size), str(n)), (size_band(size), "all")):
             groups.setdefault(key, []).append(ape)
     bands = [band_label(b) for b in SIZE_BANDS]
-    for (band, n), apes in sorted(groups.items(), key=lambda kv: (bands.index(kv[0][0]),
-                                                                  kv[0][1] == "all", kv[0][1].zfill(3))):
-        lines.append(f"  {band:<10} {n:>5} {len(apes):>7} {sum(apes) / len(apes):>8.1f} {max(apes):>8.1f}")
+    for (band, gpus), apes in sorted(groups.items(), key=lambda kv: (bands.index(kv[0][0]),
+                                                                     kv[0][1] == "all", kv[0][1].zfill(3))):
+        lines.append(f"  {band:<10} {gpus:>5} {len(apes):>7} {sum(apes) / len(apes):>8.1f} {max(apes):>8.1f}")
     lines.append(f"  {'all':<10} {'all':>5} {ar.num_points:>7} {ar.fit_error['all_mape']:>8.1f} "
                  f"{ar.fit_error['all_max']:>8.1f}")
     return "\n".join(lines)

@@ -128,13 +128,20 @@ class TraceRequest:
         do not depend on it: the same request gives the same prompt under any engine setting.
         """
         _check_count("block_size", block_size, 1)
-        # A memoryview converts the ids to Python ints in about half the time of ``ndarray.tolist``.
-        return memoryview(_prompt_ids((self,), vocab_size)).tolist()
+        return _ids_view(_prompt_ids((self,), vocab_size)).tolist()
+
+
+def _ids_view(ids: np.ndarray) -> memoryview:
+    """A memoryview of ``ids``: it converts them to Python ints in about half the time of
+    ``ndarray.tolist``."""
+    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12; on 3.11 ndarray still
+    # exports the buffer protocol (in C), so the view is valid
+    return memoryview(ids)  # type: ignore[arg-type]
 
 
 def _prompt_ids(requests: Sequence[TraceRequest], vocab_size: int,
-                starts: Sequence[int] | None = None,
-                stops: Sequence[int] | None = None,
+                starts: Sequence[int] | np.ndarray | None = None,
+                stops: Sequence[int] | np.ndarray | None = None,
                 seeds: np.ndarray | None = None) -> np.ndarray:
     """The prompts of ``requests`` back to back, as int64 ids (every id is below 2**63); with
     ``starts``/``stops``, only each prompt's ids at positions ``[start, stop)``; ``seeds``:
@@ -172,7 +179,7 @@ def _request_seeds(requests: Sequence[TraceRequest]) -> np.ndarray:
 def prompt_ids_slice(request: TraceRequest, vocab_size: int, start: int, stop: int) -> list[int]:
     """``request.prompt_token_ids(vocab_size)[start:stop]`` without the rest of the prompt
     (``0 <= start <= stop <= input_tokens``)."""
-    return memoryview(_prompt_ids((request,), vocab_size, [start], [stop])).tolist()
+    return _ids_view(_prompt_ids((request,), vocab_size, [start], [stop])).tolist()
 
 
 _KEY_SALT = _U64(0xB10C_CA5E_0000_0002)
@@ -218,12 +225,12 @@ def _prompt_parts(requests: list[TraceRequest], vocab_size: int,
     num_full = lengths // block_size
     tail_starts = num_full * block_size
     seeds = _request_seeds(requests)
-    tails = memoryview(_prompt_ids(requests, vocab_size, tail_starts, lengths, seeds))
+    tails = _ids_view(_prompt_ids(requests, vocab_size, tail_starts, lengths, seeds))
     offsets = np.cumsum(num_full) - num_full
     keys = np.arange(int(num_full.sum()), dtype=_U64)
     keys -= np.repeat(offsets.astype(_U64), num_full)  # block index within each prompt
     keys += np.repeat(_mix(seeds ^ _KEY_SALT), num_full)
-    all_keys = memoryview(_mix(keys)).tolist()
+    all_keys = _ids_view(_mix(keys)).tolist()
     t = 0
     for r, start, full, off in zip(requests, tail_starts.tolist(), num_full.tolist(),
                                    offsets.tolist()):
@@ -257,7 +264,7 @@ def iter_prompt_token_ids(requests: Iterable[TraceRequest], vocab_size: int,
 
 
 def _split_prompts(requests: list[TraceRequest], vocab_size: int) -> Iterator[list[int]]:
-    ids = memoryview(_prompt_ids(requests, vocab_size))
+    ids = _ids_view(_prompt_ids(requests, vocab_size))
     start = 0
     for r in requests:
         yield ids[start:start + r.input_tokens].tolist()

@@ -17,7 +17,7 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.core.lora import LoRARequest
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request import Request
-from twinserve.core.request_output import RequestOutput
+from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import StepDriver
@@ -134,7 +134,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}.")
         return list(prompt), None
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
         """Ends a request and all its samples, freeing their KV blocks."""
         ids = self.outputs.sample_ids(request_id)
         self.driver.abort(ids, self.now())
@@ -149,7 +149,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         driver = self.driver
         t0 = time.perf_counter()
         start = self.now()

@@ -25,6 +25,7 @@ from twinserve.gpu.worker.structured_outputs import compile_grammar
 class RequestState:
     request: Request
     prompt: str | None
+    prompt_token_ids: list[int]  # the request's, as the list every output carries
     completions: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer | None]
     decode: Callable[[int], str] | None = None  # a token as text, for Logprob.decoded_token
@@ -53,6 +54,8 @@ class OutputProcessor:
             compile_grammar(params.structured_outputs)  # a bad spec: ValueError naming it
 
         tokenizer = self.tokenizer
+        ids = request.prompt_token_ids
+        prompt_ids = ids if isinstance(ids, list) else list(ids)  # a replay's LazyPrompt, made once
         # One stop-string automaton per request, shared by its n samples (each keeps its state).
         stops = StopAutomaton(params.stop) if params.stop else None
 
@@ -60,7 +63,7 @@ class OutputProcessor:
             if tokenizer is None or not detokenize:
                 return None
             return IncrementalDetokenizer(
-                tokenizer, request.prompt_token_ids,
+                tokenizer, prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 stop_automaton=stops)
@@ -70,7 +73,7 @@ class OutputProcessor:
             def decode(token_id: int) -> str:
                 return tokenizer.decode([token_id], skip_special_tokens=False)
         self.states[request.request_id] = RequestState(
-            request, prompt, [CompletionOutput(i) for i in range(params.n)],
+            request, prompt, prompt_ids, [CompletionOutput(i) for i in range(params.n)],
             [detok() for _ in range(params.n)], decode)
 
     def process(self, outputs: list[EngineCoreOutput],
@@ -125,7 +128,7 @@ class OutputProcessor:
         req = state.request
         if req.pooling_params is not None and state.finished and state.pooled is not None:
             return EmbeddingRequestOutput(
-                req.request_id, EmbeddingOutput(state.pooled or []), req.prompt_token_ids,
+                req.request_id, EmbeddingOutput(state.pooled or []), state.prompt_token_ids,
                 True, req.num_cached_tokens or 0, state.prompt)
         outs = []
         for comp, detok in zip(state.completions, state.detokenizers):
@@ -138,7 +141,7 @@ class OutputProcessor:
                                          comp.finish_reason, comp.stop_reason, comp.delta_text,
                                          comp.delta_token_ids))
             comp.delta_text, comp.delta_token_ids = "", []
-        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, outs,
+        return RequestOutput(req.request_id, state.prompt, state.prompt_token_ids, outs,
                              state.finished, req.num_cached_tokens or 0,
                              prompt_logprobs=state.prompt_logprobs)
 

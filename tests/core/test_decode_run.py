@@ -339,11 +339,11 @@ def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins:
 
 
 def test_a_plain_rooflines_run_ends_equal_its_step_time_loop() -> None:
-    from twinserve.simulator.cost_model import decode_run_ends_of
+    from twinserve.simulator.cost_model import CostModel
     from twinserve.simulator.run import SimConfig, build_engine_config
-    cost = build_engine_config(SimConfig())[1]
-    run_ends = decode_run_ends_of(cost.step_time)
-    assert run_ends is not None and decode_run_ends_of(lambda out: 0.0) is None
+    cost = build_engine_config(SimConfig()).cost_model
+    assert isinstance(cost, CostModel)
+    run_ends = cost.decode_run_ends
     lengths = []
     for n, context, cap in [(1, 900, 10**6), (37, 37 * 2100, 10**6), (256, 256 * 700, 10**6),
                             (64, 64 * 8100, 8192)]:

@@ -153,7 +153,7 @@ def _real_and_twin(model: Path, profile: Path, **engine) -> tuple:
     from twinserve.gpu.worker.model_runner import ModelRunner
     args = EngineArgs(model=str(model), **engine)
     real = ModelRunner(args, usage_context="server").engine_config
-    twin = build_engine_config(SimConfig(args, hardware=str(profile)))[0]
+    twin = build_engine_config(SimConfig(args, hardware=str(profile))).engine_config
     return real, twin
 
 

@@ -67,11 +67,11 @@ def test_disabling_the_hybrid_manager_sizes_blocks_of_every_layer() -> None:
 def test_a_hybrid_block_swaps_one_groups_bytes() -> None:
     from twinserve.simulator.run import build_engine_config
     hybrid = SimConfig(model="gemma-3-27b", hardware="h200", kv_cache_memory_bytes=8 * GIB)
-    engine, cost, _ = build_engine_config(hybrid)
-    base = cost.base if hasattr(cost, "base") else cost
-    assert base.block_bytes() == engine.block_bytes == 10 * 2 * 16 * 16 * 128 * 2
-    one_group = hybrid.replace(disable_hybrid_kv_cache_manager=True)
-    engine_one, cost_one, _ = build_engine_config(one_group)
-    base_one = cost_one.base if hasattr(cost_one, "base") else cost_one
-    assert base_one.block_bytes() == engine_one.block_bytes == 62 * 2 * 16 * 16 * 128 * 2
+    build = build_engine_config(hybrid)
+    base = build.cost_model.roofline
+    assert base.block_bytes() == build.engine_config.block_bytes == 10 * 2 * 16 * 16 * 128 * 2
+    one_group = build_engine_config(hybrid.replace(disable_hybrid_kv_cache_manager=True))
+    base_one = one_group.cost_model.roofline
+    assert base_one.block_bytes() == one_group.engine_config.block_bytes \
+        == 62 * 2 * 16 * 16 * 128 * 2
     assert base.swap_time(100) * 6.2 == pytest.approx(base_one.swap_time(100))

@@ -180,9 +180,9 @@ def test_simulation_never_exceeds_max_loras_and_charges_loads(monkeypatch) -> No
     seen: list[int] = []
 
     class Checked(LoadTally):
-        def __call__(self, out):
+        def step_time(self, out):
             seen.append(len({sr.request.lora for sr in out.scheduled} - {None}))
-            return super().__call__(out)
+            return super().step_time(out)
 
     monkeypatch.setattr(sim_run, "LoadTally", Checked)
     loads = {}

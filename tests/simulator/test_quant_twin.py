@@ -13,7 +13,7 @@ import pytest
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.quantization import weight_bytes_per_param
 from twinserve.simulator.model_spec import load_model_spec
-from twinserve.simulator.run import SimConfig, build_engine_config
+from twinserve.simulator.run import EngineBuild, SimConfig, build_engine_config
 
 
 def _decode(batch: int, context: int) -> SchedulerOutput:
@@ -22,7 +22,7 @@ def _decode(batch: int, context: int) -> SchedulerOutput:
                            sum_decode_context_tokens=batch * context)
 
 
-def _twin(**engine: object):
+def _twin(**engine: object) -> EngineBuild:
     return build_engine_config(SimConfig(model="llama-3-8b", hardware="h100-sxm", **engine))
 
 
@@ -42,21 +42,19 @@ def test_weight_bytes_per_format() -> None:
 
 
 def test_the_twin_predicts_more_blocks_and_faster_weight_bound_steps() -> None:
-    base_cfg, base_cost, _ = _twin()
-    int8_cfg, int8_cost, int8_spec = _twin(quantization="int8")
-    fp8kv_cfg, _, _ = _twin(kv_cache_dtype="fp8")
-    both_cfg, both_cost, _ = _twin(quantization="awq", kv_cache_dtype="fp8")
-    blocks = {name: c.scheduler.num_gpu_blocks for name, c in
-              [("base", base_cfg), ("int8", int8_cfg), ("fp8kv", fp8kv_cfg), ("both", both_cfg)]}
+    base, int8 = _twin(), _twin(quantization="int8")
+    fp8kv, both = _twin(kv_cache_dtype="fp8"), _twin(quantization="awq", kv_cache_dtype="fp8")
+    blocks = {name: b.engine_config.scheduler.num_gpu_blocks for name, b in
+              [("base", base), ("int8", int8), ("fp8kv", fp8kv), ("both", both)]}
     assert blocks["int8"] > blocks["base"]  # ~7.5 GB of weights freed for KV
     assert blocks["fp8kv"] == pytest.approx(2 * blocks["base"], abs=1)
     assert blocks["both"] > 2 * blocks["int8"]
-    assert fp8kv_cfg.block_bytes * 2 == base_cfg.block_bytes
+    assert fp8kv.engine_config.block_bytes * 2 == base.engine_config.block_bytes
     step = _decode(1, 512)
-    ratio = int8_cost.step_time(step) / base_cost.step_time(step)
+    ratio = int8.cost_model.step_time(step) / base.cost_model.step_time(step)
     assert 0.5 < ratio < 0.62  # batch 1 streams the weights: ~half the bytes (+ fixed costs)
-    assert both_cost.step_time(step) < int8_cost.step_time(step)
-    assert int8_spec.quantization == "int8"
+    assert both.cost_model.step_time(step) < int8.cost_model.step_time(step)
+    assert int8.model.quantization == "int8"
 
 
 def test_simulate_cli_takes_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

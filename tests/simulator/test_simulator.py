@@ -32,6 +32,7 @@ from twinserve.simulator import SimConfig, SimResult, simulate, write_sim_run
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.router import make_router
 from twinserve.simulator.run import build_engine_config, to_request
+from twinserve.simulator.step_time import StepTimeFunction
 from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace
 
 SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
@@ -52,8 +53,9 @@ class EngineRun:
 def run_engines(cfg: SimConfig, trace: list[TraceRequest], engine=engine_process) -> EngineRun:
     """``simulate`` without the summary, keeping the replicas, counting swap/copy block ops and
     checking that every scheduled token has a KV slot; ``engine`` is the engine process."""
-    engine_config, cost, spec = build_engine_config(cfg)
-    sched_cfg, vocab, block_size = engine_config.scheduler, spec.vocab_size, cfg.engine.block_size
+    build = build_engine_config(cfg)
+    cost, block_size = build.cost_model, cfg.engine.block_size
+    sched_cfg, vocab = build.engine_config.scheduler, build.model.vocab_size
     ops: Counter = Counter()
 
     def step_time(out: SchedulerOutput) -> float:
@@ -70,7 +72,8 @@ def run_engines(cfg: SimConfig, trace: list[TraceRequest], engine=engine_process
     args = cfg.engine
     replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, get_policy(args.scheduling_policy,
                                                                       **args.policy_options),
-                                                stream_outputs=False), recorder, i), step_time)
+                                                stream_outputs=False), recorder, i),
+                        StepTimeFunction(step_time))
                 for i in range(cfg.num_replicas)]
     requests = (to_request(tr, vocab, block_size) for tr in trace)
     env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
@@ -123,15 +126,15 @@ def at_once(trace: list[TraceRequest]) -> list[TraceRequest]:
 
 def service_time_alone(cfg: SimConfig, input_tokens: int, output_tokens: int) -> float:
     """Sum of the cost model's step times for one request alone in the engine (no SimPy)."""
-    engine_config, cost, spec = build_engine_config(cfg)
-    sched = Scheduler(engine_config.scheduler, get_policy(cfg.scheduling_policy),
+    build = build_engine_config(cfg)
+    sched = Scheduler(build.engine_config.scheduler, get_policy(cfg.scheduling_policy),
                       stream_outputs=False)
     sched.add_request(to_request(TraceRequest("alone", 0.0, input_tokens, output_tokens),
-                                 spec.vocab_size, cfg.engine.block_size))
+                                 build.model.vocab_size, cfg.engine.block_size))
     now = 0.0
     while sched.has_unfinished_requests():
         out = sched.schedule(now)
-        now += cost.step_time(out)
+        now += build.cost_model.step_time(out)
         tokens = {sr.request.request_id: [17] for sr in out.scheduled if sr.sample}
         sched.update_from_output(out, ModelRunnerOutput(tokens), now)
     return now
@@ -628,7 +631,7 @@ def _one_event_per_step(env: simpy.Environment, replica: Replica):
         start = env.now
         out = driver.schedule(start)
         result = driver.execute(replica.tokens, out)
-        yield env.timeout(replica.step_time(out))
+        yield env.timeout(replica.cost.step_time(out))
         driver.complete(out, result, start, env.now)
 
 

@@ -219,7 +219,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                          "runs: give --from-run too.")
     from twinserve.core.step_sample import read_samples, write_samples
     from twinserve.gpu.worker.platform import current_platform
-    from twinserve.simulator.calibration import calibrate_from_runs, save_profile
+    from twinserve.simulator.calibration import calibrate_from_runs, runs_kernel_settings, save_profile
     from twinserve.simulator.hardware import load_hardware
     from twinserve.simulator.model_spec import load_model_spec
     if args.from_run:
@@ -232,6 +232,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         note = f"Calibrated from the steps of {', '.join(map(str, args.from_run))}."
         platform = interconnect = None
         source = f"twinserve calibrate --from-run ({len(args.from_run)} recorded run(s))"
+        kernels = runs_kernel_settings(args.from_run)
         base = args.base_hardware or "cpu"
     else:
         model = args.model = model_dir_or_default(args.model)
@@ -255,8 +256,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         device = platform.device_name
         note = f"Calibrated for {name} on {device} {dtype}{' (quick)' if args.quick else ''}."
         source = f"twinserve calibrate on {device} ({dtype}, {len(cal.samples)} steps)"
+        kernels = eargs.kernel_settings()
     cal.params = dataclasses.replace(cal.params, source=source)
-    path = save_profile(cal, model, base, args.out, block_size, note, platform, interconnect)
+    path = save_profile(cal, model, base, args.out, block_size, note, platform, interconnect,
+                        kernels)
     if not args.from_run:  # constrained decoding's masks (simulator/structured_cost.py)
         from twinserve.entrypoints.cli.structured_calibration import add_mask_timing
         path = add_mask_timing(path, runner, _log_stderr)

@@ -137,7 +137,8 @@ class InterleavedCalibration:
             f"engine loop in {parts} part(s) between the real runs"))
         base = self.args.base_hardware or base_hardware_for(self.args.device)
         out = save_profile(cal, self.args.model, base, path, self.engine_args.block_size, note,
-                           platform, measure_interconnect(self.runner, self.engine_args, self.log))
+                           platform, measure_interconnect(self.runner, self.engine_args, self.log),
+                           self.engine_args.kernel_settings())
         write_samples(samples_path(out), cal.samples)
         self.log(cal.report)
         return out

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,29 +45,24 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(64)]
 
 
-# engine name -> (label, environment it runs under: the fused step and the activations' dtype)
-VARIANTS = {
+# engine name -> (label, the kernel engine arguments it runs with beside the defaults)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gguf": ("twinserve gguf (fused, int8 act.)", {}),
-    "gguf-fp32act": ("twinserve gguf (fused, fp32 act.)",
-                     {"TWINSERVE_QUANT_ACTIVATIONS": "fp32"}),
-    "gguf-perop": ("twinserve gguf (per-op, int8 act.)", {"TWINSERVE_FUSED_DECODE": "0"}),
-    "gguf-rows": ("twinserve gguf (fused, unpacked rows)", {"TWINSERVE_FUSED_PACKED": "0"}),
+    "gguf-fp32act": ("twinserve gguf (fused, fp32 act.)", {"quant_activations": "fp32"}),
+    "gguf-perop": ("twinserve gguf (per-op, int8 act.)", {"fused_decode": False}),
+    "gguf-rows": ("twinserve gguf (fused, unpacked rows)", {"fused_packed": False}),
 }
-DEFAULT_ENV = {"TWINSERVE_QUANT_ACTIVATIONS": "int8", "TWINSERVE_FUSED_DECODE": "1",
-               "TWINSERVE_FUSED_PACKED": "1"}
 
 
 class Twinserve:
-    def __init__(self, model: str, label: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, label: str, kernels: dict[str, Any] | None = None) -> None:
         from twinserve import LLM
         self.label = label
-        self.env = {**DEFAULT_ENV, **(env or {})}
-        os.environ.update(self.env)  # read when the model is built and at each product
-        self.llm = LLM(model, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048)
+        self.llm = LLM(model, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048,
+                       **(kernels or {}))
 
     def run(self, batch: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
         from twinserve import SamplingParams
-        os.environ.update(self.env)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         out = self.llm.generate(batch, params, use_tqdm=False)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from twinserve.core.engine_args import NOT_IMPLEMENTED, EngineArgs, check_not_implemented
+from twinserve.core.kernel_settings import CPU_ATTENTION_CHOICES, QUANT_ACTIVATION_CHOICES
 from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
 
 _HELP: dict[str, str] = {
@@ -62,7 +63,18 @@ _HELP: dict[str, str] = {
     "max_loras": "most distinct LoRA adapters in one step (device slots; default 1)",
     "max_lora_rank": "largest LoRA rank an adapter may have (default 16)",
     "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
+    "cpu_attention": "decode attention on a CPU: native (the compiled paged kernel) or torch "
+                     "(the plain-torch path)",
+    "fused_decode": "a quantized Llama-family model's decode step as one C++ call where it "
+                    "applies (off: the per-op path)",
+    "fused_packed": "the fused decode step streams Q4_0/Q4_1 weights repacked into 8-row "
+                    "groups (off: the file's rows)",
+    "quant_activations": "activations of the Q8_0/Q4_0/Q4_1 products: int8 (integer dot "
+                         "products, as llama.cpp) or fp32 (the exact reference)",
 }
+# string arguments with a fixed set of values: argparse (and --config) refuse others by flag name
+_CHOICES: dict[str, tuple[str, ...]] = {"cpu_attention": CPU_ATTENTION_CHOICES,
+                                        "quant_activations": QUANT_ACTIVATION_CHOICES}
 _SHORT = {"tensor_parallel_size": ("-tp",), "scheduling_policy": ("--policy",)}
 
 
@@ -93,7 +105,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(*flags, dest=name, type=json.loads, default=None, help=help_)
         else:
             kind = _field_type(name)
-            g.add_argument(*flags, dest=name, type=kind, default=None, help=help_)
+            g.add_argument(*flags, dest=name, type=kind, default=None, help=help_,
+                           choices=_CHOICES.get(name))
     for name in NOT_IMPLEMENTED:  # refused by name, not as an unknown flag
         flag = "--" + name.replace("_", "-")
         if flag not in parser._option_string_actions:
@@ -105,6 +118,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _field_type(name: str) -> type:
     value = {"dtype": str, "device": str, "scheduling_policy": str, "preemption_mode": str,
              "distributed_executor_backend": str, "quantization": str, "kv_cache_dtype": str,
+             "cpu_attention": str, "quant_activations": str,
              "gpu_memory_utilization": float, "swap_space": float}
     return value.get(name, int)
 

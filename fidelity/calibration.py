@@ -75,7 +75,7 @@ def calibrate(engine: EngineArgs, out: str | Path,
         f"twinserve calibrate on {device} ({dtype}, {len(cal.samples)} steps)"))
     note = f"Calibrated for {name} on {device} {dtype}{' (quick)' if settings.quick else ''}."
     path = save_profile(cal, model, base, out, engine.block_size, note, platform,
-                        measure_interconnect(runner, engine, log))
+                        measure_interconnect(runner, engine, log), engine.kernel_settings())
     return CalibrationResult(add_mask_timing(path, runner, log), cal, model)
 
 
@@ -90,7 +90,7 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], out: str | Path,
     TP degree default to the runs' ``config.json``."""
     from twinserve.core.step_sample import read_samples
     from twinserve.simulator.calibration import calibrate_from_runs as fit_runs
-    from twinserve.simulator.calibration import save_profile
+    from twinserve.simulator.calibration import runs_kernel_settings, save_profile
     from twinserve.simulator.model_spec import load_model_spec
     if not run_dirs:
         raise ValueError("run_dirs: give at least one recorded run folder.")
@@ -103,7 +103,8 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], out: str | Path,
     cal.params = dataclasses.replace(
         cal.params, source=f"twinserve calibrate --from-run ({len(dirs)} recorded run(s))")
     path = save_profile(cal, model, base_hardware or "cpu", out, block_size or 16,
-                        f"Calibrated from the steps of {', '.join(dirs)}.")
+                        f"Calibrated from the steps of {', '.join(dirs)}.",
+                        kernel_settings=runs_kernel_settings(dirs))
     return CalibrationResult(path, cal, model)
 
 

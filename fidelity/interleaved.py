@@ -145,7 +145,8 @@ class InterleavedCalibration:
             f"engine loop in {parts} part(s) between the real runs"))
         base = self.settings.base_hardware or base_hardware_for(self.engine_args.device)
         out = save_profile(cal, model, base, path, self.engine_args.block_size, note,
-                           platform, measure_interconnect(self.runner, self.engine_args, self.log))
+                           platform, measure_interconnect(self.runner, self.engine_args, self.log),
+                           self.engine_args.kernel_settings())
         write_samples(samples_path(out), cal.samples)
         self.log(cal.report)
         return out

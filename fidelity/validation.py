@@ -71,6 +71,7 @@ class ValidationResult:
     profile: Path
     profile_source: str
     policy: str
+    kernel_mismatch: str | None = None
 
 
 def validate(engine: EngineArgs, workload: Workload, out: str | Path,
@@ -103,7 +104,23 @@ def validate(engine: EngineArgs, workload: Workload, out: str | Path,
                     title=f"sim vs real ({policy}, {len(workload.requests)} requests, "
                           f"{len(real_dirs)} real run(s), profile {profile})")
     table.write(out)
-    return ValidationResult(table, tuple(real_dirs), twin_dir, Path(profile), source, policy)
+    mismatch = kernel_mismatch(base_profile, engine, real_dirs[0])
+    if mismatch is not None:
+        log(f"WARNING: {mismatch}")
+    return ValidationResult(table, tuple(real_dirs), twin_dir, Path(profile), source, policy,
+                            mismatch)
+
+
+def kernel_mismatch(profile: str | Path, engine: EngineArgs, real_dir: Path) -> str | None:
+    """How the kernels ``profile``'s fit was measured under differ from the ones the engine
+    ran (None: the same): a profile calibrated under other kernels predicts other step times."""
+    from twinserve.core.kernel_settings import kernel_settings_mismatch
+    tp = int(json.loads((real_dir / "config.json").read_text()).get("tensor_parallel_size", 1))
+    fit = profile_fit(profile, str(engine.model), tp)
+    if fit is None:
+        return None
+    differ = kernel_settings_mismatch(fit.to_dict(), engine.kernel_settings())
+    return None if differ is None else f"profile {profile}: {differ}"
 
 
 def _policy(real_dir: Path) -> str:
@@ -185,8 +202,9 @@ def _known_profile(engine: EngineArgs, runner: ModelRunner, workload: Workload,
 
 def _cache_key(engine: EngineArgs, runner: ModelRunner,
                settings: CalibrationSettings) -> ProfileCacheKey:
+    kernels = {k: str(v) for k, v in engine.kernel_settings().to_dict().items()}
     return ProfileCacheKey.of_runner(runner, engine, settings.num_threads, settings.quick,
-                                     settings.engine_loop, kernel_settings={})
+                                     settings.engine_loop, kernel_settings=kernels)
 
 
 def _describe(space: StepSpace | None) -> str:

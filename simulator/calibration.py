@@ -28,6 +28,7 @@ samples when given); ``save_profile`` writes the result.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from twinserve.core.engine_config import Platform
+from twinserve.core.kernel_settings import KernelSettings
 from twinserve.core.outputs import AGGREGATE_FIELDS, SchedulerOutput
 from twinserve.core.step_sample import STEP_KINDS, StepSample, read_samples, step_kind
 from twinserve.simulator.cost_model import (
@@ -535,10 +537,15 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str,
 
 def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
                  block_size: int = 16, note: str = "", platform: Platform | None = None,
-                 interconnect: tuple[float, float] | None = None) -> Path:
+                 interconnect: tuple[float, float] | None = None,
+                 kernel_settings: KernelSettings | None = None) -> Path:
     """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``.
     ``platform``: the measured device, whose type and bf16 support the profile then records,
-    so the twin resolves the engine arguments as the real engine did there."""
+    so the twin resolves the engine arguments as the real engine did there.
+    ``kernel_settings``: the kernels the measured steps ran, recorded in the fit
+    (``core.kernel_settings.kernel_settings_mismatch`` compares them with an engine's)."""
+    params = cal.params if kernel_settings is None else replace(
+        cal.params, kernel_settings=kernel_settings.to_dict())
     base = load_hardware(base_hardware)
     if platform is not None:
         base = replace(base, device_type=platform.device_type, native_bf16=platform.native_bf16)
@@ -555,8 +562,23 @@ def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Pa
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     name = base.name if base.name.endswith("-calibrated") else f"{base.name}-calibrated"
-    profile = calibrated_profile(base, cal.params, pcie, name=name, note=note)
+    profile = calibrated_profile(base, params, pcie, name=name, note=note)
     return profile.save(out)
+
+
+def runs_kernel_settings(run_dirs: Sequence[str | Path]) -> KernelSettings | None:
+    """The kernel settings every run's ``config.json`` records, or None when a run records none
+    (a run of an older twinserve); ValueError when the runs ran different kernels."""
+    found = set()
+    for run_dir in run_dirs:
+        config = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+        if not all(name in config for name in KernelSettings.field_names()):
+            return None
+        found.add(KernelSettings.from_mapping(config))
+    if len(found) > 1:
+        raise ValueError("the runs ran different kernel settings ("
+                         + "; ".join(sorted(map(str, found))) + "): fit runs of one setting.")
+    return found.pop() if found else None
 
 
 def predicted_seconds(samples: Iterable[StepSample], model: str, profile: str | Path,

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any, TypeGuard
 
 from twinserve.core.engine_config import Platform
+from twinserve.core.kernel_settings import KernelSettings
 from twinserve.simulator.structured_cost import DEFAULT_MASK_S_PER_ROW, DEFAULT_MASK_S_PER_STEP
 
 _HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
@@ -51,6 +52,9 @@ class FittedParams:
     # the host-speed probe's steps (``gpu.profiler.speed_probe``: label -> seconds) timed at
     # calibration, so that a later timing of the same steps tells how fast the host runs now
     speed_probe: Mapping[str, float] = field(default_factory=dict)
+    # the engine's kernel choices while the fitted steps ran (``core.kernel_settings``); empty
+    # for a fit that did not record them (older profiles, other engines' measurements)
+    kernel_settings: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("intercept_s", self.intercept_s)
@@ -69,6 +73,10 @@ class FittedParams:
         for key, value in probe.items():
             _check_positive(f"speed_probe[{key!r}]", value)
         object.__setattr__(self, "speed_probe", MappingProxyType(probe))
+        kernels = dict(self.kernel_settings)
+        if kernels:  # every field, each valid
+            kernels = KernelSettings.from_mapping(kernels).to_dict()
+        object.__setattr__(self, "kernel_settings", MappingProxyType(kernels))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}.")
@@ -114,6 +122,8 @@ class FittedParams:
             data["fit_error"] = dict(self.fit_error)
         if self.speed_probe:
             data["speed_probe"] = dict(self.speed_probe)
+        if self.kernel_settings:
+            data["kernel_settings"] = dict(self.kernel_settings)
         return data
 
     @classmethod

@@ -167,6 +167,8 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
     finally:
         progress.close()
     print(f"profile: {result.profile_source}")
+    if result.kernel_mismatch is not None:  # loud even under --quiet: the comparison is suspect
+        print(f"WARNING: {result.kernel_mismatch}", file=sys.stderr)
     print(result.table.format())
     try:
         report = write_report([*result.real_runs, result.twin_run],

@@ -27,11 +27,12 @@ from typing import Any
 from twinserve.gpu.executor.executor_base import Executor, WorkerFailure
 from twinserve.gpu.executor.shard_worker import ShardSpec, ShardStep, ShardWorker
 
-FAULT_ENV = "TWINSERVE_TP_FAULT"  # tests only: "start:RANK" fails a rank, "hang:RANK:STEP" hangs it
-
 
 class MultiprocExecutor(Executor):
-    def __init__(self, spec: ShardSpec) -> None:
+    """``worker_type``: what each worker process runs (a ``ShardWorker``; the fault tests pass
+    subclasses that fail or hang: ``tests/tp_faults.py``). Spawned workers import it by name."""
+
+    def __init__(self, spec: ShardSpec, worker_type: type[ShardWorker] = ShardWorker) -> None:
         super().__init__(spec)
         ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess] = []
@@ -40,8 +41,8 @@ class MultiprocExecutor(Executor):
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         for rank in range(1, self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(spec, rank, child), daemon=True,
-                               name=f"twinserve-tp-rank{rank}")
+            proc = ctx.Process(target=_worker_main, args=(spec, rank, child, worker_type),
+                               daemon=True, name=f"twinserve-tp-rank{rank}")
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -150,26 +151,14 @@ def _exit_reason(proc: BaseProcess) -> str:
     return f"exited with code {code}"
 
 
-def _fault(rank: int, what: str) -> int | None:
-    """The test hook: the step number at which this rank should ``what`` (0 = at start)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    parts = spec.split(":")
-    if len(parts) >= 2 and parts[0] == what and parts[1] == str(rank):
-        return int(parts[2]) if len(parts) > 2 else 0
-    return None
-
-
-def _worker_main(spec: ShardSpec, rank: int, conn: Connection) -> None:
+def _worker_main(spec: ShardSpec, rank: int, conn: Connection,
+                 worker_type: type[ShardWorker] = ShardWorker) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver ends the workers on Ctrl-C
     worker = None
     try:
-        if _fault(rank, "start") is not None:
-            raise RuntimeError(f"{FAULT_ENV} asked rank {rank} to fail at start")
         conn.send(("joining", None))
-        worker = ShardWorker(spec, rank)
+        worker = worker_type(spec, rank)
         conn.send(("ready", None))
-        hang_at = _fault(rank, "hang")
-        steps = 0
         while True:
             kind, payload = pickle.loads(conn.recv_bytes())
             if kind == "stop":
@@ -177,9 +166,6 @@ def _worker_main(spec: ShardSpec, rank: int, conn: Connection) -> None:
             if kind == "kv":
                 worker.allocate_kv_cache(*payload)
                 continue
-            steps += 1
-            if hang_at is not None and steps >= hang_at:
-                time.sleep(3600)
             worker.execute(payload)
     except (EOFError, KeyboardInterrupt):  # the driver is gone
         pass

@@ -10,13 +10,13 @@ slice of the logits, because the all-gather needs them, and drops the result.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from twinserve.core.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, destroy_tp_group, init_tp_group
 from twinserve.gpu.layers.attention_backend import AttentionMetadata
@@ -26,21 +26,6 @@ from twinserve.gpu.worker.batch import ModelInput
 from twinserve.gpu.worker.cpu_cores import usable_cores
 from twinserve.gpu.worker.kv_cache import KVCache, KVCacheSpec
 from twinserve.gpu.worker.platform import TORCH_DTYPES
-
-TIMEOUT_ENV = "TWINSERVE_TP_TIMEOUT_S"  # seconds any rank waits for another (collectives, startup)
-
-
-def tp_timeout_s(default: float = 120.0) -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}.") from None
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {raw!r}.")
-    return value
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -61,6 +46,7 @@ class ShardSpec:
     num_threads: int
     enforce_eager: bool = True
     profile_tokens: int = 0  # > 0 on CUDA: profile a forward of this many tokens (all ranks)
+    kernels: KernelSettings = DEFAULT_KERNELS  # the engine's kernel choices (every rank the same)
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -109,7 +95,7 @@ class ShardWorker:
         self.group: TPGroup = init_tp_group(spec.address, rank, self.device)
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.model: CausalLM = load_model(spec.model_dir, self.dtype, self.device,
-                                          spec.max_model_len, self.group)
+                                          spec.max_model_len, self.group, kernels=spec.kernels)
         if spec.profile_tokens > 0:  # in step with the driver's profile (its collectives)
             from twinserve.gpu.worker.cuda_graphs import profile_peak_memory
             profile_peak_memory(self.model, spec.profile_tokens, spec.block_size,

@@ -27,18 +27,15 @@ from twinserve.gpu.distributed.parallel_state import (
     init_tp_group,
 )
 from twinserve.gpu.executor.executor_base import Executor, WorkerFailure, make_executor
-from twinserve.gpu.executor.shard_worker import (
-    TIMEOUT_ENV,
-    ShardSpec,
-    ShardStep,
-    inputs_to,
-    threads_per_rank,
-    tp_timeout_s,
-)
+from twinserve.gpu.executor.shard_worker import ShardSpec, ShardStep, inputs_to, threads_per_rank
 from twinserve.gpu.layers.linear import check_heads_divisible
 from twinserve.gpu.worker.batch import ModelInput, build_model_input
 
 START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes minutes
+# How long any rank waits for another in a collective (and to join the group): past it a hung
+# rank fails the step. Not an engine argument (no setting serves better than a generous bound);
+# the tests shorten it by patching this constant.
+COLLECTIVE_TIMEOUT_S = 120.0
 
 
 def check_tensor_parallel(args: EngineArgs, config: ModelConfig,
@@ -67,13 +64,14 @@ class TPDriver:
     def __init__(self, args: EngineArgs, model_dir: str, dtype: str, device: torch.device,
                  max_model_len: int, profile_tokens: int = 0) -> None:
         tp = args.tensor_parallel_size
-        timeout = self.timeout_s = tp_timeout_s()
+        timeout = self.timeout_s = COLLECTIVE_TIMEOUT_S
         torch.set_num_threads(threads_per_rank(tp))
         self.device = device
         self._store = host_store(tp, START_TIMEOUT_S)
         address = GroupAddress("127.0.0.1", self._store.port, tp, backend_for(device), timeout)
         spec = ShardSpec(model_dir, dtype, device.type, max_model_len, args.block_size, address,
-                         threads_per_rank(tp), args.enforce_eager, profile_tokens)
+                         threads_per_rank(tp), args.enforce_eager, profile_tokens,
+                         args.kernel_settings())
         self.executor: Executor = make_executor(args.distributed_executor_backend or "mp", spec)
         self.group: TPGroup | None = None
         self.error: str | None = None
@@ -126,8 +124,8 @@ class TPDriver:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             reason = self.executor.failure(timeout_s=2.0) or (
                 f"tensor-parallel workers {self.executor.worker_pids()} are alive but a "
-                f"collective failed within the {self.timeout_s:.0f} s timeout "
-                f"({TIMEOUT_ENV}): a rank is hung ({first})")
+                f"collective failed within the {self.timeout_s:.0f} s timeout: a rank is "
+                f"hung ({first})")
             self.error = reason
             self.shutdown()
             raise WorkerFailure(reason) from exc

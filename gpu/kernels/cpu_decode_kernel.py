@@ -4,35 +4,28 @@ Compiled once per machine with torch's C++ extension builder (``-march=native``:
 is built) into torch's extension cache; ``scripts/setup.sh`` builds it ahead. It reads each
 sequence's KV straight from the paged cache, once, where the plain-torch path gathers a padded
 copy first (three passes over the KV instead of one; measured 4-7x slower per layer at 64 decodes
-x 256 context here). Set ``TWINSERVE_CPU_ATTENTION=torch`` to use the plain-torch path instead.
+x 256 context here). The engine argument ``cpu_attention=torch`` (``--cpu-attention torch``)
+runs the plain-torch path instead.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from twinserve.core.kernel_settings import CPU_ATTENTION_CHOICES
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
-CHOICES = ("native", "torch")
 
 # (query[B, Hq, D], key_cache, value_cache, block_tables[B, M] int32, seq_lens[B] int32, scale
 #  [, window, softcap]: 0 for none)
 PagedDecode = Callable[..., torch.Tensor]
-
-
-def requested_backend() -> str:
-    choice = os.environ.get("TWINSERVE_CPU_ATTENTION", "native")
-    if choice not in CHOICES:
-        raise ValueError(f"TWINSERVE_CPU_ATTENTION must be one of {', '.join(CHOICES)}, "
-                         f"got {choice!r}.")
-    return choice
 
 
 @functools.cache
@@ -46,9 +39,13 @@ def build_paged_decode() -> PagedDecode:
 
 
 @functools.cache
-def load_paged_decode() -> PagedDecode | None:
-    """The kernel, or None (with one warning) when it is switched off or cannot be built."""
-    if requested_backend() == "torch":
+def load_paged_decode(cpu_attention: str = "native") -> PagedDecode | None:
+    """The kernel, or None: with ``cpu_attention`` ``torch`` (the engine argument), or (with one
+    warning) when it cannot be built."""
+    if cpu_attention not in CPU_ATTENTION_CHOICES:
+        raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION_CHOICES)}; "
+                         f"got {cpu_attention!r}.")
+    if cpu_attention == "torch":
         return None
     try:
         return build_paged_decode()

@@ -8,12 +8,14 @@ same kernels compute the products (fp32 or int8 activations, as ``quant_tensor``
 only where it is valid; elsewhere ``unsupported_reason`` names why and the reference path runs:
 CPU, fp32 activations and KV cache, one RoPE table, SiLU gated MLP, plain RMSNorm, no sliding
 window, soft-capping, q/k norm, bias, MoE, LoRA or tensor parallelism, every projection one
-quantized part. ``TWINSERVE_FUSED_DECODE=0`` switches it off.
+quantized part. The engine argument ``fused_decode=False`` (``--no-fused-decode``) switches it
+off.
 
 Q4_0 and Q4_1 projections are also kept repacked into 8-row groups (``csrc/quant_packed.h``,
 made once when the step is built; the int8 products stream that copy, the fp32-activation ones
-and the per-op path the file's rows): ``TWINSERVE_FUSED_PACKED=0`` leaves them unpacked (the
-reference the tests and the benchmark compare with).
+and the per-op path the file's rows): ``fused_packed=False`` (``--no-fused-packed``) leaves them
+unpacked (the reference the tests and the benchmark compare with). The activations' precision
+is the engine's ``quant_activations``, as for the per-op path.
 """
 
 from __future__ import annotations
@@ -26,31 +28,17 @@ from twinserve.gpu.layers.attention_backend import AttentionMetadata
 from twinserve.gpu.models.model import CausalLM, DecoderLayer
 from twinserve.gpu.quantization import cpu_kernel
 from twinserve.gpu.quantization.quant_linear import QuantizedLinearMethod, quant_state
-from twinserve.gpu.quantization.quant_tensor import (
-    DIRECT_MAX_TOKENS,
-    Q8_DOT_IDS,
-    env_choice,
-    int8_activations,
-)
+from twinserve.gpu.quantization.quant_tensor import DIRECT_MAX_TOKENS, Q8_DOT_IDS
 
-ENV = "TWINSERVE_FUSED_DECODE"
-PACKED_ENV = "TWINSERVE_FUSED_PACKED"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def fused_enabled() -> bool:
-    return env_choice(ENV, "1", ("0", "1")) == "1"
-
-
-def packed_enabled() -> bool:
-    return env_choice(PACKED_ENV, "1", ("0", "1")) == "1"
 
 
 @dataclass(slots=True)
 class FusedDecode:
     """The kernel's flattened arguments for one model: ``weights`` (10 per layer, then the final
     norm), ``formats`` (format id and group of each projection) and ``packed`` (each projection's
-    8-row packed copy, or an empty tensor) as ``fused_decode.cpp`` documents them."""
+    8-row packed copy, or an empty tensor) as ``fused_decode.cpp`` documents them;
+    ``int8_activations``: the model's ``kernels.quant_activations`` is ``int8``."""
 
     weights: list[torch.Tensor]
     formats: list[int]
@@ -61,6 +49,7 @@ class FusedDecode:
     num_kv_heads: int
     eps: float
     scale: float
+    int8_activations: bool
 
     @property
     def all_q8(self) -> bool:
@@ -69,11 +58,12 @@ class FusedDecode:
 
     @classmethod
     def for_model(cls, model: CausalLM, pack: bool | None = None) -> FusedDecode:
-        """``pack``: keep Q4_0/Q4_1 projections repacked (default: ``TWINSERVE_FUSED_PACKED``)."""
+        """``pack``: keep Q4_0/Q4_1 projections repacked (default: the model's
+        ``kernels.fused_packed``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused decode step does not apply: {reason}.")
-        pack = packed_enabled() if pack is None else pack
+        pack = model.kernels.fused_packed if pack is None else pack
         weights: list[torch.Tensor] = []
         formats: list[int] = []
         packed: list[torch.Tensor] = []
@@ -94,7 +84,8 @@ class FusedDecode:
         first = model.layers[0]
         assert isinstance(first, DecoderLayer)
         return cls(weights, formats, packed, model.ropes[0].cos, model.ropes[0].sin, first.num_heads,
-                   first.num_kv_heads, model.config.rms_norm_eps, first.scale)
+                   first.num_kv_heads, model.config.rms_norm_eps, first.scale,
+                   model.kernels.int8_activations)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -104,7 +95,7 @@ class FusedDecode:
             hidden.float().contiguous(), self.weights, self.formats, self.packed,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], self.cos, self.sin,
             positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, self.num_heads,
-            self.num_kv_heads, self.eps, self.scale, int8_activations())
+            self.num_kv_heads, self.eps, self.scale, self.int8_activations)
 
 
 def can_run(input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -115,7 +106,7 @@ def can_run(input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.T
     ``quant_tensor.per_sequence_rows``), else up to ``DIRECT_MAX_TOKENS`` (above it the per-op
     path dequantizes into torch's GEMM)."""
     tokens = input_ids.shape[0]
-    small = tokens <= DIRECT_MAX_TOKENS or (fused.all_q8 and int8_activations())
+    small = tokens <= DIRECT_MAX_TOKENS or (fused.all_q8 and fused.int8_activations)
     return (meta.max_query_len == 1 and small and meta.block_tables.shape[0] == tokens
             and kv_caches[0][0].dtype == torch.float32)
 
@@ -124,8 +115,8 @@ def unsupported_reason(model: CausalLM) -> str | None:
     """Why the fused step cannot serve ``model`` (None: it can)."""
     config = model.config
     arch = config.arch
-    if not fused_enabled():
-        return f"{ENV}=0"
+    if not model.kernels.fused_decode:
+        return "the engine argument fused_decode is off"
     if model.embed_tokens.device.type != "cpu" or model.embed_tokens.dtype != torch.float32:
         return "it runs on the CPU in float32 only"
     if not cpu_kernel.kernel_available():

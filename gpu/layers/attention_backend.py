@@ -42,12 +42,13 @@ class AttentionMetadata:
 
 class AttentionBackend:
     """Writes KV and attends; one instance per model, chosen by device. No shared state.
-    ``windows``: the attention windows of the model's layers (None: full attention)."""
+    ``windows``: the attention windows of the model's layers (None: full attention);
+    ``cpu_attention``: the engine argument choosing the CPU decode kernel (native or torch)."""
 
     __slots__ = ("write_kv_cache", "_paged_attention", "use_plan", "decode_kernel", "windows")
 
-    def __init__(self, device: torch.device,
-                 windows: Iterable[int | None] = (None,)) -> None:
+    def __init__(self, device: torch.device, windows: Iterable[int | None] = (None,),
+                 cpu_attention: str = "native") -> None:
         self.write_kv_cache: Callable[..., None]
         self._paged_attention: Callable[..., torch.Tensor]
         self.decode_kernel: PagedDecode | None = None
@@ -61,7 +62,7 @@ class AttentionBackend:
             self.write_kv_cache = torch_attention.write_kv_cache
             self._paged_attention = torch_attention.paged_attention
             self.use_plan = True
-            self.decode_kernel = load_paged_decode()
+            self.decode_kernel = load_paged_decode(cpu_attention)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute what every layer reuses (the torch path's gather indices): one plan per

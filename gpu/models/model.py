@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinserve.core.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.distributed.parallel_state import TPGroup
 from twinserve.gpu.kernels.cpu_gemm import Gemm
@@ -147,13 +148,17 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and (possibly tied) LM head. Parameters are
-    allocated (uninitialised) in ``dtype`` on ``device``; ``model_loader`` fills them."""
+    allocated (uninitialised) in ``dtype`` on ``device``; ``model_loader`` fills them.
+    ``kernels``: the engine's kernel choices (the attention backend's and, in
+    ``QuantizedCausalLM``, the quantized products' and the fused decode step's)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
                  device: torch.device, tp_group: TPGroup | None = None,
-                 quant_method: LinearMethodBase | None = None) -> None:
+                 quant_method: LinearMethodBase | None = None,
+                 kernels: KernelSettings = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.gemm = Gemm.for_device(device, dtype)
         tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank, tp_group.world_size)
         options = LinearOptions(self.gemm, dtype, device, quant_method=quant_method,
@@ -176,7 +181,8 @@ class CausalLM(nn.Module):
                       for key in distinct]
         self.rope = self.ropes[0]
         self.backend = AttentionBackend(device, (config.layer_window(i)
-                                                 for i in range(config.num_hidden_layers)))
+                                                 for i in range(config.num_hidden_layers)),
+                                        kernels.cpu_attention)
         self.norm_fn = gemma_rms_norm if config.arch.norm_plus_one else rms_norm
         # Gemma scales the embedding by sqrt(hidden_size), rounded to the model's dtype
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from twinserve.core.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.distributed.parallel_state import TPGroup
 from twinserve.gpu.layers.linear import LinearBase
@@ -40,12 +41,14 @@ def quantization_config(model_dir: Path) -> dict[str, Any] | None:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_group: TPGroup | None = None,
-               quantization: str | None = None, gguf_file: Path | None = None) -> CausalLM:
+               quantization: str | None = None, gguf_file: Path | None = None,
+               kernels: KernelSettings = DEFAULT_KERNELS) -> CausalLM:
     """Build the model's (uninitialised) parameters in ``dtype`` on ``device``, then place every
     checkpoint tensor through its layer's ``weight_loader``, by the architecture's weight map
     (with ``tp_group``: this tensor-parallel rank's shard of each). ``quantization`` (resolved:
     gguf, int8, fp8, gptq, awq) loads through ``gpu/quantization/loader.py``; ``gguf_file`` is the
-    file a ``gguf`` model runs from (``model_dir`` then holds its config and tokenizer)."""
+    file a ``gguf`` model runs from (``model_dir`` then holds its config and tokenizer);
+    ``kernels``: the engine's kernel choices (``core/kernel_settings.py``)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory does not exist.")
@@ -56,9 +59,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                              "not implemented.")
         from twinserve.gpu.quantization.loader import load_quantized_model
         return load_quantized_model(model_dir, config, quantization, dtype, device,
-                                    max_positions, gguf_file, quantization_config(model_dir))
+                                    max_positions, gguf_file, quantization_config(model_dir),
+                                    kernels)
     weights = SafetensorsWeights(model_dir)
-    model = CausalLM(config, max_positions, dtype, device, tp_group)
+    model = CausalLM(config, max_positions, dtype, device, tp_group, kernels=kernels)
     load_weights(model, weights)
     model.requires_grad_(False)
     return model.eval()

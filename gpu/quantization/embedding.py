@@ -11,12 +11,15 @@ from twinserve.gpu.quantization.quant_tensor import QuantTensor
 
 
 class QuantizedEmbedding(nn.Module):
-    """``[vocab, hidden]`` as a ``QuantTensor``; ``dtype``: the model's activations."""
+    """``[vocab, hidden]`` as a ``QuantTensor``; ``dtype``: the model's activations;
+    ``int8_activations``: the engine's ``quant_activations`` is ``int8`` (the LM head's
+    product)."""
 
-    def __init__(self, weight: QuantTensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype, int8_activations: bool) -> None:
         super().__init__()
         self.weight_q = weight
         self.dtype = dtype
+        self.int8_activations = int8_activations
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]`` in the model's dtype."""
@@ -27,4 +30,4 @@ class QuantizedEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[N, vocab]``."""
-        return self.weight_q.matmul(hidden)
+        return self.weight_q.matmul(hidden, int8_activations=self.int8_activations)

@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import torch
 
+from twinserve.core.kernel_settings import KernelSettings
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.layers.linear import LinearBase
 from twinserve.gpu.models.gguf_convert import hf_name, permuted_heads, unpermute
@@ -78,10 +79,11 @@ def _dense(entry: TensorEntry, raw: np.ndarray) -> torch.Tensor:
 
 
 def load_gguf_model(gguf_file: Path, config: ModelConfig, dtype: torch.dtype,
-                    device: torch.device, max_positions: int) -> QuantizedCausalLM:
+                    device: torch.device, max_positions: int,
+                    kernels: KernelSettings) -> QuantizedCausalLM:
     entries = tensor_index(gguf_file)
     file = np.memmap(gguf_file, dtype=np.uint8, mode="r")
-    model = QuantizedCausalLM(config, max_positions, dtype, device)
+    model = QuantizedCausalLM(config, max_positions, dtype, device, kernels)
     heads = {"num_attention_heads": config.num_attention_heads,
              "num_key_value_heads": config.num_key_value_heads}
     targets = config.arch.weight_map(config)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from twinserve.core.kernel_settings import KernelSettings
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.kernels.cpu_gemm import Gemm
 from twinserve.gpu.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -33,16 +34,16 @@ from twinserve.gpu.quantization.registry import CHECKPOINT, CHECKPOINT_CHECKS, L
 
 def load_quantized_model(model_dir: Path, config: ModelConfig, quantization: str,
                          dtype: torch.dtype, device: torch.device, max_positions: int,
-                         gguf_file: Path | None,
-                         quant_config: Mapping[str, Any] | None) -> CausalLM:
+                         gguf_file: Path | None, quant_config: Mapping[str, Any] | None,
+                         kernels: KernelSettings) -> CausalLM:
     kind = method_kind(quantization)
     if kind == "gguf":
         if gguf_file is None:
             raise ValueError("quantization='gguf' needs a .gguf model file.")
-        return load_gguf_model(gguf_file, config, dtype, device, max_positions)
+        return load_gguf_model(gguf_file, config, dtype, device, max_positions, kernels)
     if kind == "load_time":
         from twinserve.gpu.models.model_loader import load_weights
-        model = CausalLM(config, max_positions, torch.float32, device)
+        model = CausalLM(config, max_positions, torch.float32, device, kernels=kernels)
         load_weights(model, SafetensorsWeights(model_dir))
         quantize_linears(model, LOAD_TIME[quantization], dtype)  # from the fp32 values
         if dtype != torch.float32:
@@ -55,7 +56,7 @@ def load_quantized_model(model_dir: Path, config: ModelConfig, quantization: str
                          "quantization_config.")
     CHECKPOINT_CHECKS[quantization](quant_config)
     return _load_checkpoint(model_dir, config, quantization, quant_config, dtype, device,
-                            max_positions)
+                            max_positions, kernels)
 
 
 def quantize_linears(model: CausalLM, quantize: Callable[[torch.Tensor], QuantTensor],
@@ -66,15 +67,15 @@ def quantize_linears(model: CausalLM, quantize: Callable[[torch.Tensor], QuantTe
                                                          UnquantizedLinearMethod):
             weight = module._parameters.pop("weight")
             assert weight is not None
-            module.quant_method = QuantizedLinearMethod()
+            module.quant_method = QuantizedLinearMethod(model.kernels.int8_activations)
             set_quant_state(module, QuantState(dtype, [(0, quantize(weight.data))]))
 
 
 def _load_checkpoint(model_dir: Path, config: ModelConfig, quantization: str,
                      quant_config: Mapping[str, Any], dtype: torch.dtype, device: torch.device,
-                     max_positions: int) -> CausalLM:
+                     max_positions: int, kernels: KernelSettings) -> CausalLM:
     weights = SafetensorsWeights(model_dir)
-    model = QuantizedCausalLM(config, max_positions, dtype, device)
+    model = QuantizedCausalLM(config, max_positions, dtype, device, kernels)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     load = CHECKPOINT[quantization]

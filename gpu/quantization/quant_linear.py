@@ -37,7 +37,10 @@ def set_quant_state(layer: nn.Module, state: QuantState) -> None:
 
 class QuantizedLinearMethod(LinearMethodBase):
     """Weights as the layer's ``QuantState``, set by ``load_part`` (shard by shard) and merged
-    by ``finish``."""
+    by ``finish``. ``int8_activations``: the engine's ``quant_activations`` is ``int8``."""
+
+    def __init__(self, int8_activations: bool) -> None:
+        self.int8_activations = int8_activations
 
     def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
@@ -49,12 +52,13 @@ class QuantizedLinearMethod(LinearMethodBase):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         state = quant_state(layer)
         parts = state.parts
+        int8 = self.int8_activations
         if len(parts) == 1:
-            out = parts[0][1].matmul(x)
+            out = parts[0][1].matmul(x, int8_activations=int8)
         else:
             out = x.new_empty(x.shape[0], layer.output_size, dtype=torch.float32)
             for start, part in parts:
-                out[:, start:start + part.rows] = part.matmul(x)
+                out[:, start:start + part.rows] = part.matmul(x, int8_activations=int8)
         out = out.to(state.out_dtype)
         bias = layer._parameters["bias"]
         return out if bias is None else out.add_(bias)

@@ -8,7 +8,8 @@ in docs/quantization.md). ``reference_matmul`` is the plain version beside it: t
 weight dequantized by ``reference_dequantize`` (the ``gguf`` package for GGUF blocks, torch for
 the others), then ``x @ W.T`` in fp32; the tests compare the two.
 
-Activations (``TWINSERVE_QUANT_ACTIVATIONS``): ``int8`` (the default) quantizes them per 32
+Activations (the engine argument ``quant_activations``, passed to ``matmul`` as
+``int8_activations``): ``int8`` (the default) quantizes them per 32
 values to int8 for the products of Q8_0, Q4_0 and Q4_1, as llama.cpp does, and multiplies with
 integer dot products (``csrc/quant_q8.h``), up to ``DIRECT_MAX_TOKENS`` rows and, inside
 ``per_sequence_rows`` (decode steps, the LM head), at any row count: one row streams each weight
@@ -21,7 +22,6 @@ accumulation order). The other formats always use fp32 activations.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -36,21 +36,7 @@ from twinserve.gpu.quantization.formats import GGUF_FORMATS, QuantFormat
 DIRECT_MAX_TOKENS = 32
 TILE_ROWS = 1024
 _EMPTY = torch.empty(0)
-ACTIVATIONS_ENV = "TWINSERVE_QUANT_ACTIVATIONS"
 Q8_DOT_IDS = frozenset({0, 1, 2})  # Q8_0, Q4_0, Q4_1: the formats with an integer product
-
-
-def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """The environment variable ``name`` (``default`` when unset), refused unless in ``choices``."""
-    choice = os.environ.get(name, default)
-    if choice not in choices:
-        raise ValueError(f"{name} must be {' or '.join(choices)}, got {choice!r}.")
-    return choice
-
-
-def int8_activations() -> bool:
-    """Whether the direct products quantize activations to int8 (read per call: cheap)."""
-    return env_choice(ACTIVATIONS_ENV, "int8", ("int8", "fp32")) == "int8"
 
 
 # True inside ``per_sequence_rows()``: the products in progress have one row per sequence.
@@ -110,8 +96,10 @@ class QuantTensor:
     def group(self) -> int:
         return self.fmt.values if self.fmt is not None and self.fmt.fmt_id == 7 else 0
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[T, in] @ W.T`` in fp32: ``[T, rows]``."""
+    def matmul(self, x: torch.Tensor, *, int8_activations: bool) -> torch.Tensor:
+        """``x[T, in] @ W.T`` in fp32: ``[T, rows]``. ``int8_activations``: the engine's
+        ``quant_activations`` is ``int8`` (the products of Q8_0, Q4_0 and Q4_1 then quantize
+        ``x``; the other formats ignore it)."""
         x = x.float().contiguous()
         if self.fmt is None:
             return x @ self.data.t()
@@ -120,7 +108,7 @@ class QuantTensor:
         if not cpu_kernel.kernel_available():
             return reference_matmul(x, self)
         small = x.shape[0] <= DIRECT_MAX_TOKENS
-        if self.fmt.fmt_id in Q8_DOT_IDS and int8_activations() and (small or _PER_SEQUENCE.get()):
+        if self.fmt.fmt_id in Q8_DOT_IDS and int8_activations and (small or _PER_SEQUENCE.get()):
             return cpu_kernel.quant_matmul_q8(x, self.data, self.fmt.fmt_id)
         if small:
             return cpu_kernel.quant_matmul(x, self.data, self.row_scale, self.fmt.fmt_id,

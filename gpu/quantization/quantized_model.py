@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from twinserve.core.kernel_settings import KernelSettings
 from twinserve.core.model_config import ModelConfig
 from twinserve.gpu.kernels import fused_decode
 from twinserve.gpu.layers.attention_backend import AttentionMetadata
@@ -23,9 +24,10 @@ class QuantizedCausalLM(CausalLM):
     dense tables (until then the dense ones serve, filled by the caller)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: KernelSettings) -> None:
         super().__init__(config, max_positions, dtype, device,
-                         quant_method=QuantizedLinearMethod())
+                         quant_method=QuantizedLinearMethod(kernels.int8_activations),
+                         kernels=kernels)
         self.quant_embed: QuantizedEmbedding | None = None
         self.quant_head: QuantizedEmbedding | None = None
         # made at the first decode step (after loading and any LoRA wrapping); None: not valid
@@ -49,19 +51,21 @@ class QuantizedCausalLM(CausalLM):
         if not self._fused_checked:
             self._fused_checked = True
             if fused_decode.unsupported_reason(self) is None:
-                self._fused = fused_decode.FusedDecode.for_model(self)
+                self._fused = fused_decode.FusedDecode.for_model(self, self.kernels.fused_packed)
         return self._fused
 
     def set_embedding(self, weight: QuantTensor) -> None:
         weight = weight.to(self.embed_tokens.device)  # (read on the CPU; no copy there)
-        self.quant_embed = QuantizedEmbedding(weight, self.embed_tokens.dtype)
+        self.quant_embed = QuantizedEmbedding(weight, self.embed_tokens.dtype,
+                                      self.kernels.int8_activations)
         self.embed_tokens = _empty_like_table(self.embed_tokens)
         if self.lm_head is None:  # tied: one table
             self.quant_head = self.quant_embed
 
     def set_lm_head(self, weight: QuantTensor) -> None:
         weight = weight.to(self.embed_tokens.device)
-        self.quant_head = QuantizedEmbedding(weight, self.embed_tokens.dtype)
+        self.quant_head = QuantizedEmbedding(weight, self.embed_tokens.dtype,
+                                      self.kernels.int8_activations)
         if self.lm_head is not None:
             self.lm_head = _empty_like_table(self.lm_head)
 

@@ -40,7 +40,7 @@ from twinserve.gpu.worker.structured_outputs import StructuredOutputs
 
 def check_shareable(owner: ModelRunner, runner: ModelRunner, args: EngineArgs) -> None:
     """Raises ValueError unless ``runner`` (being built from ``args``) can run on ``owner``'s
-    weights: the same files, dtype, device and quantization, positions within the owner's
+    weights: the same files, dtype, device, quantization and kernels, positions within the owner's
     tables, and nothing that changes the model in place (tensor parallelism, LoRA, an fp8 KV
     cache)."""
     same = (owner.model_dir, owner.gguf_file, owner.dtype, owner.device, owner.quantization)
@@ -48,6 +48,9 @@ def check_shareable(owner: ModelRunner, runner: ModelRunner, args: EngineArgs) -
                 runner.quantization):
         raise ValueError(f"weights_from: the runner loaded {same}, not {runner.model_dir} "
                          f"({runner.dtype}, {runner.device}, {runner.quantization}).")
+    if owner.kernels != runner.kernels:  # the loaded model holds its kernel choices
+        raise ValueError(f"weights_from: the runner loaded {owner.kernels}, not "
+                         f"{runner.kernels}.")
     if runner.max_model_len > owner.max_model_len:
         raise ValueError(f"weights_from: max_model_len {runner.max_model_len} exceeds the "
                          f"loaded model's {owner.max_model_len}.")
@@ -87,6 +90,7 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.block_size = args.block_size
         self.enforce_eager = args.enforce_eager
+        self.kernels = args.kernel_settings()
         platform = current_platform(self.device)
         resolved = resolve_engine_config(args, self.config, platform, usage_context)
         self.dtype = TORCH_DTYPES[resolved.dtype]
@@ -115,7 +119,7 @@ class ModelRunner:
         tp_group = None if self.tp is None else self.tp.group
         self.model = (weights_from.model if weights_from is not None else
                       load_model(self.model_dir, self.dtype, self.device, self.max_model_len,
-                                 tp_group, self.quantization, self.gguf_file))
+                                 tp_group, self.quantization, self.gguf_file, self.kernels))
         if profile:
             from twinserve.gpu.worker.cuda_graphs import profile_peak_memory
             peak = profile_peak_memory(self.model, resolved.scheduler.max_num_batched_tokens,

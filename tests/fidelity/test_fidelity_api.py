@@ -239,3 +239,26 @@ def test_run_study_on_the_tiny_model(tmp_path: Path, tiny_model: Path) -> None:
         StudySettings(rounds=0)
     with pytest.raises(ValueError, match="StudyWorkload.name"):
         StudyWorkload("a/b", "", trace)
+
+
+def test_validate_flags_a_profile_calibrated_under_other_kernels(tmp_path: Path) -> None:
+    from twinserve.core.kernel_settings import KernelSettings
+    from twinserve.fidelity.validation import kernel_mismatch
+    from twinserve.simulator.calibration import Calibration, save_profile
+    from twinserve.simulator.hardware import FittedParams
+    from twinserve.simulator.model_spec import load_model_spec
+    name = load_model_spec("llama-3-8b").name
+    cal = Calibration(FittedParams(1e-3, {"num_tokens": 1e-5}, name), [])
+    torch_attention = KernelSettings(cpu_attention="torch")
+    profile = save_profile(cal, "llama-3-8b", "cpu", tmp_path / "p.json",
+                           kernel_settings=torch_attention)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps({"tensor_parallel_size": 1}))
+    same = EngineArgs(model="llama-3-8b", cpu_attention="torch")
+    assert kernel_mismatch(profile, same, real) is None
+    other = EngineArgs(model="llama-3-8b")
+    found = kernel_mismatch(profile, other, real)
+    assert found is not None and "cpu_attention: profile 'torch', engine 'native'" in found
+    bare = save_profile(cal, "llama-3-8b", "cpu", tmp_path / "bare.json")
+    assert "records no kernel settings" in (kernel_mismatch(bare, other, real) or "")

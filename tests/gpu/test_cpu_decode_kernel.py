@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from twinserve.gpu.kernels.cpu_decode_kernel import build_paged_decode, requested_backend
+from twinserve.gpu.kernels.cpu_decode_kernel import build_paged_decode, load_paged_decode
 from twinserve.gpu.layers.attention import paged_attention
 from twinserve.gpu.layers.attention_backend import AttentionBackend
 
@@ -76,14 +76,18 @@ def test_native_decode_rejects_context_outside_the_block_table(bad_len):
         build_paged_decode()(query, key_cache, value_cache, tables, lens, 0.125)
 
 
-def test_cpu_backend_uses_the_native_kernel():
+def test_cpu_backend_uses_the_kernel_the_engine_argument_names():
     assert AttentionBackend(torch.device("cpu")).decode_kernel is not None
+    assert AttentionBackend(torch.device("cpu"), cpu_attention="native").decode_kernel \
+        is build_paged_decode()
+    assert AttentionBackend(torch.device("cpu"), cpu_attention="torch").decode_kernel is None
 
 
-def test_unknown_cpu_attention_choice_is_named(monkeypatch):
-    monkeypatch.setenv("TWINSERVE_CPU_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="TWINSERVE_CPU_ATTENTION.*'fast'"):
-        requested_backend()
+def test_unknown_cpu_attention_choice_is_named():
+    with pytest.raises(ValueError, match="cpu_attention must be one of native, torch; got 'fast'"):
+        load_paged_decode("fast")
+    with pytest.raises(ValueError, match="cpu_attention must be one of native, torch; got 'fast'"):
+        AttentionBackend(torch.device("cpu"), cpu_attention="fast")
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU")

@@ -71,32 +71,29 @@ def test_int8_blocks_match_the_reference(k: int) -> None:
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", ROWS)
-def test_int8_products_match_the_reference(fmt: F.QuantFormat, rows: int,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "int8")
+def test_int8_products_match_the_reference(fmt: F.QuantFormat, rows: int) -> None:
     for k in (32, 64, 576):
         qt = _gguf_tensor(fmt, rows, k, seed=rows + k)
         w = reference_dequantize(qt)
         for tokens in INT8_TOKENS:
             x = _activations(tokens, k, tokens)
             with per_sequence_rows():  # a decode step's products: int8 at every size
-                got = qt.matmul(x)
+                got = qt.matmul(x, int8_activations=True)
             ref = reference_matmul_q8(x, qt)
             d, q = reference_quantize_q8(x)
             bound = (d * q).abs().reshape(x.shape) @ w.abs().t()
             assert bool(((got - ref).abs() <= 1e-5 * bound + 1e-6).all()), (fmt, rows, k, tokens)
 
 
-def test_prompt_products_above_the_direct_size_keep_fp32_activations(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "int8")
+def test_prompt_products_above_the_direct_size_keep_fp32_activations() -> None:
     qt = _gguf_tensor(F.Q4_1, 33, 576, seed=3)
     w = reference_dequantize(qt)
     for tokens, int8 in ((DIRECT_MAX_TOKENS, True), (DIRECT_MAX_TOKENS + 1, False)):
         x = _activations(tokens, 576, tokens)
         ref = reference_matmul_q8(x, qt) if int8 else x @ w.t()
         bound = x.abs() @ w.abs().t()
-        assert bool(((qt.matmul(x) - ref).abs() <= 1e-5 * bound + 1e-6).all()), tokens
+        got = qt.matmul(x, int8_activations=True)
+        assert bool(((got - ref).abs() <= 1e-5 * bound + 1e-6).all()), tokens
 
 
 def test_int8_refuses_the_other_formats() -> None:
@@ -105,11 +102,10 @@ def test_int8_refuses_the_other_formats() -> None:
         cpu_kernel.quant_matmul_q8(torch.randn(1, 256), qt.data, F.Q4_K.fmt_id)
 
 
-def _llm(model: str, monkeypatch: pytest.MonkeyPatch, fused: bool, activations: str) -> LLM:
-    monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
-    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", activations)
+def _llm(model: str, fused: bool, activations: str) -> LLM:
     return LLM(model, max_num_seqs=8, max_num_batched_tokens=512, dtype="float32",
-               kv_cache_memory_bytes=16 << 20, max_model_len=256)
+               kv_cache_memory_bytes=16 << 20, max_model_len=256, fused_decode=fused,
+               quant_activations=activations)
 
 
 def _greedy(llm: LLM, prompts: list, max_tokens: int) -> list:
@@ -138,9 +134,9 @@ def test_fused_greedy_matches_the_per_op_path(kind: str, tmp_path: Path,
     calls = _count_fused_steps(monkeypatch)
     modes = ("fp32", "int8") if kind in ("Q8_0", "Q4_0", "Q4_1") else ("fp32",)
     for mode in modes:
-        plain = _greedy(_llm(str(gguf_file), monkeypatch, False, mode), PROMPTS, 16)
+        plain = _greedy(_llm(str(gguf_file), False, mode), PROMPTS, 16)
         assert calls[0] == 0
-        fused = _greedy(_llm(str(gguf_file), monkeypatch, True, mode), PROMPTS, 16)
+        fused = _greedy(_llm(str(gguf_file), True, mode), PROMPTS, 16)
         assert calls[0] == 15  # every decode step of the batch (the first token is a prefill's)
         calls[0] = 0
         if mode == "fp32":
@@ -167,10 +163,9 @@ def test_fused_step_serves_decode_batches_above_32(tmp_path: Path,
     prompts = [[int(t) for t in rng.integers(3, 250, int(n))] for n in rng.integers(2, 12, 40)]
 
     def greedy(fused: bool, activations: str) -> list:
-        monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
-        monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", activations)
         llm = LLM(str(gguf_file), max_num_seqs=64, max_num_batched_tokens=1024, dtype="float32",
-                  kv_cache_memory_bytes=32 << 20, max_model_len=64)
+                  kv_cache_memory_bytes=32 << 20, max_model_len=64, fused_decode=fused,
+                  quant_activations=activations)
         return _greedy(llm, prompts, 6)
     plain = greedy(False, "int8")
     fused = greedy(True, "int8")
@@ -214,28 +209,29 @@ def _decode_meta(seq_lens: list[int], block_size: int) -> AttentionMetadata:
                              max_query_len=1, max_seq_len=max(seq_lens))
 
 
-def test_fused_hidden_states_match_on_the_bundled_gguf(bundled_gguf: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_hidden_states_match_on_the_bundled_gguf(bundled_gguf: str) -> None:
     """One decode step of 3 sequences (contexts 5, 40, 17 over random KV, 4 draws of it) through
-    both paths, in both activation modes (the module docstring's tolerances)."""
-    llm = _llm(bundled_gguf, monkeypatch, True, "fp32")
-    runner = llm.engine.runner
-    model = runner.model
-    assert model.fused_step() is not None
-    meta = _decode_meta([5, 40, 17], runner.block_size)
+    both paths, in both activation modes (one engine each, on the same KV values; the module
+    docstring's tolerances)."""
+    runners = {mode: _llm(bundled_gguf, True, mode).engine.runner for mode in ("fp32", "int8")}
+    block_size = runners["fp32"].block_size
+    meta = _decode_meta([5, 40, 17], block_size)
     ids = torch.tensor([17, 4000, 123])
     positions = meta.seq_lens.long() - 1
     ratios = []
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
-        for key, value in runner.kv_cache.gpu:
-            key.copy_(torch.randn(key.shape, generator=gen))
-            value.copy_(torch.randn(value.shape, generator=gen))
+        for layer in zip(*(runner.kv_cache.gpu for runner in runners.values())):
+            for values in zip(*layer):  # (key caches, then value caches) of both engines
+                draw = torch.randn(values[0].shape, generator=gen)
+                for cache in values:
+                    cache.copy_(draw)
         out = {}
-        for mode in ("fp32", "int8"):
-            monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", mode)
+        for mode, runner in runners.items():
+            model = runner.model
+            assert model.fused_step() is not None
             out["fused", mode] = model(ids, positions, runner.kv_cache.gpu, meta)
-            model.backend.prepare(meta, runner.block_size)
+            model.backend.prepare(meta, block_size)
             out["plain", mode] = CausalLM.forward(model, ids, positions, runner.kv_cache.gpu, meta)
         ref = out["plain", "fp32"]
         # fp32 sums in another order (the products', attention's, the vector exp's): 0.7-2.3e-5 of
@@ -274,33 +270,33 @@ def test_fused_attention_matches_the_reference(heads: int, kv_heads: int, head_d
 
 def test_fused_step_applies_only_where_valid(tmp_path: Path, bundled_gguf: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    mixed = _llm(str(write_mixed_gguf(tmp_path / "mixed.gguf")), monkeypatch, True, "int8")
+    mixed = _llm(str(write_mixed_gguf(tmp_path / "mixed.gguf")), True, "int8")
     assert "mixed formats" in fused_decode.unsupported_reason(mixed.engine.runner.model)
     assert mixed.engine.runner.model.fused_step() is None
-    off = _llm(bundled_gguf, monkeypatch, False, "int8")
-    assert fused_decode.unsupported_reason(off.engine.runner.model) == "TWINSERVE_FUSED_DECODE=0"
-    with pytest.raises(ValueError, match="does not apply: TWINSERVE_FUSED_DECODE=0"):
+    off = _llm(bundled_gguf, False, "int8")
+    assert fused_decode.unsupported_reason(off.engine.runner.model) == \
+        "the engine argument fused_decode is off"
+    with pytest.raises(ValueError, match="does not apply: the engine argument fused_decode is off"):
         fused_decode.FusedDecode.for_model(off.engine.runner.model)
     monkeypatch.setattr(cpu_kernel, "kernel_available", lambda: False)  # no g++: reference path
-    monkeypatch.setenv(fused_decode.ENV, "1")
-    assert fused_decode.unsupported_reason(off.engine.runner.model) == \
+    assert fused_decode.unsupported_reason(mixed.engine.runner.model) == \
         "the C++ quantized kernel is not built"
-    monkeypatch.setenv(fused_decode.ENV, "yes")
-    with pytest.raises(ValueError, match="TWINSERVE_FUSED_DECODE must be 0 or 1"):
-        fused_decode.fused_enabled()
+    with pytest.raises(ValueError, match="fused_decode must be a boolean, got 'yes'"):
+        _llm(bundled_gguf, "yes", "int8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="quant_activations must be one of int8, fp32; got 'int4'"):
+        _llm(bundled_gguf, True, "int4")
 
 
 @pytest.mark.slow
-def test_bundled_gguf_fused_and_int8_runs(bundled_gguf: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bundled_gguf_fused_and_int8_runs(bundled_gguf: str) -> None:
     """The bundled Q4_1 file, 4 mixed prompts x 16 greedy tokens: fused = per-op (fp32
     activations), and int8 activations close to fp32 ones (the module docstring's measure)."""
     prompts = ["The capital of France is", "def fibonacci(n):\n    ",
                "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
                "1, 1, 2, 3, 5, 8,"]
-    exact = _greedy(_llm(bundled_gguf, monkeypatch, True, "fp32"), prompts, 16)
-    assert_close_runs(exact, _greedy(_llm(bundled_gguf, monkeypatch, False, "fp32"), prompts, 16))
-    int8 = _greedy(_llm(bundled_gguf, monkeypatch, True, "int8"), prompts, 16)
+    exact = _greedy(_llm(bundled_gguf, True, "fp32"), prompts, 16)
+    assert_close_runs(exact, _greedy(_llm(bundled_gguf, False, "fp32"), prompts, 16))
+    int8 = _greedy(_llm(bundled_gguf, True, "int8"), prompts, 16)
     agreeing = 0
     for a, b in zip(int8, exact):
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 16)
@@ -315,19 +311,17 @@ def test_fp8_kv_cache_takes_the_per_op_path(tmp_path: Path,
     gguf_file = write_mixed_gguf(tmp_path / "q4_0.gguf", dict.fromkeys(
         ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q4_0"))
     calls = _count_fused_steps(monkeypatch)
-    monkeypatch.setenv(fused_decode.ENV, "1")
     llm = LLM(str(gguf_file), kv_cache_dtype="fp8", kv_cache_memory_bytes=16 << 20,
               max_model_len=256, dtype="float32")
     assert len(_greedy(llm, PROMPTS[:1], 4)[0].token_ids) == 4
     assert calls[0] == 0 and llm.engine.runner.model.fused_step() is not None
 
 
-def test_step_profile_shows_the_fused_step(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_profile_shows_the_fused_step(tmp_path: Path) -> None:
     from twinserve.benchmarks.step_profile import profile
     gguf_file = write_mixed_gguf(tmp_path / "q4_1.gguf", dict.fromkeys(
         ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q4_1"))
-    llm = _llm(str(gguf_file), monkeypatch, True, "int8")
+    llm = _llm(str(gguf_file), True, "int8")
     parts, steps = profile(llm, PROMPTS, [6, 6, 6])
     assert steps >= 6 and parts["fused decode step (all layers)"] > 0
     assert parts["LM head"] > 0  # the quantized head (QuantizedCausalLM's own compute_logits)

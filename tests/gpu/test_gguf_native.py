@@ -1,8 +1,8 @@
 """GGUF files run as they are (quantization="gguf") against the fp32 directory converted from the
 same file (the same weights after dequantization): greedy tokens equal and the chosen tokens'
 log-probabilities within 2e-3 (fp32 accumulation in another order). These runs keep fp32
-activations (``TWINSERVE_QUANT_ACTIVATIONS=fp32``, the exact path); the default int8 activations
-are compared with them in tests/gpu/test_fused_decode.py."""
+activations (the engine argument ``quant_activations="fp32"``, the exact path); the default int8
+activations are compared with them in tests/gpu/test_fused_decode.py."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(not kernel_available(),
 
 def _run(model: str, prompts: list, max_tokens: int, **kwargs) -> list:
     """Greedy outputs in float32 unless ``dtype`` is given (``auto`` is bfloat16 on a CPU with
-    native bf16, whose greedy tokens part from float32's after a few)."""
+    native bf16, whose greedy tokens part from float32's after a few), with fp32 activations for
+    quantized products unless ``quant_activations`` is given."""
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("quant_activations", "fp32")
     llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20,
               max_model_len=256, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
@@ -48,11 +50,6 @@ def _k_quant_blocks(rng: np.random.Generator, kind, rows: int, k: int) -> np.nda
 MIXED = MappingProxyType({"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0",
                           "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "F32",
                           "ffn_down": "Q6_K"})
-
-
-@pytest.fixture(autouse=True)
-def _fp32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "fp32")
 
 
 def write_mixed_gguf(path: Path, kinds: Mapping[str, str] = MIXED) -> Path:
@@ -165,7 +162,7 @@ def test_serve_runs_a_gguf_file(tmp_path: Path) -> None:
     from tests.server_fixture import live_server
     from twinserve.gpu.models.default_model import gguf_path
     prompt = "The capital of France is"
-    with live_server(["--model", str(gguf_path())]) as srv:
+    with live_server(["--model", str(gguf_path()), "--quant-activations", "fp32"]) as srv:
         reply = httpx.post(srv.url("/v1/completions"), headers=srv.headers, timeout=120, json={
             "model": str(gguf_path()), "prompt": prompt, "max_tokens": 8, "temperature": 0})
         assert reply.status_code == 200, reply.text

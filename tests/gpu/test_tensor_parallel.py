@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 from conftest import TINY_VOCAB, _build_tiny, hf_greedy, with_trained_tokenizer
+from tp_faults import FailsLoadingWorker, HangingWorker, use_worker
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.engine_config import kv_block_bytes
@@ -260,10 +261,10 @@ def test_a_rank_killed_mid_run_fails_the_step_naming_it_and_leaves_no_process(
 
 
 def test_a_rank_that_fails_to_start_is_a_clear_error(llama_kv1, monkeypatch) -> None:
-    monkeypatch.setenv("TWINSERVE_TP_FAULT", "start:1")
+    use_worker(monkeypatch, FailsLoadingWorker)
     before = set(_children(os.getpid()))
     with pytest.raises(WorkerFailure, match="tensor-parallel rank 1 failed to start: "
-                                            "RuntimeError: TWINSERVE_TP_FAULT"):
+                                            "RuntimeError: injected fault: rank 1 cannot load"):
         _engine(llama_kv1, 2)
     spawned = [p for p in _children(os.getpid()) if p not in before]
     assert _gone(spawned)
@@ -271,8 +272,9 @@ def test_a_rank_that_fails_to_start_is_a_clear_error(llama_kv1, monkeypatch) -> 
 
 @pytest.mark.slow
 def test_a_hung_rank_times_out_with_an_error(llama_kv1, monkeypatch) -> None:
-    monkeypatch.setenv("TWINSERVE_TP_FAULT", "hang:1:3")
-    monkeypatch.setenv("TWINSERVE_TP_TIMEOUT_S", "3")
+    from twinserve.gpu.executor import tp_driver
+    use_worker(monkeypatch, HangingWorker)
+    monkeypatch.setattr(tp_driver, "COLLECTIVE_TIMEOUT_S", 3.0)
     engine = _engine(llama_kv1, 2)
     pids = engine.runner.tp.worker_pids()
     t0 = time.monotonic()

@@ -1,0 +1,54 @@
+"""A calibrated profile records the kernel settings its steps ran (simulator/hardware.py's
+``FittedParams.kernel_settings``, written by ``save_profile``), and ``--from-run`` fits take them
+from the runs' config.json (``runs_kernel_settings``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from twinserve.core.kernel_settings import KernelSettings, kernel_settings_mismatch
+from twinserve.simulator.calibration import Calibration, runs_kernel_settings, save_profile
+from twinserve.simulator.hardware import FittedParams, load_hardware
+
+TORCH_FP32 = KernelSettings(cpu_attention="torch", quant_activations="fp32")
+
+
+def test_fitted_params_round_trip_their_kernel_settings() -> None:
+    fit = FittedParams(1e-3, {"num_tokens": 1e-5}, "m", kernel_settings=TORCH_FP32.to_dict())
+    again = FittedParams.from_dict(fit.to_dict())
+    assert again.kernel_settings == TORCH_FP32.to_dict()
+    assert "kernel_settings" not in FittedParams(1e-3, {}).to_dict()  # none recorded: none written
+    with pytest.raises(ValueError, match="cpu_attention must be one of native, torch"):
+        FittedParams(1e-3, {}, kernel_settings={**TORCH_FP32.to_dict(), "cpu_attention": "x"})
+
+
+def test_save_profile_records_the_settings_and_validate_can_compare_them(tmp_path: Path) -> None:
+    cal = Calibration(FittedParams(1e-3, {"num_tokens": 1e-5}, "m"), [])
+    path = save_profile(cal, "llama-3-8b", "cpu", tmp_path / "p.json", kernel_settings=TORCH_FP32)
+    fit = load_hardware(path).find_fitted("m")
+    assert fit is not None and fit.kernel_settings == TORCH_FP32.to_dict()
+    assert json.loads(path.read_text())["fitted"][0]["kernel_settings"]["cpu_attention"] == "torch"
+    assert kernel_settings_mismatch(fit.to_dict(), TORCH_FP32) is None
+    assert "cpu_attention: profile 'torch', engine 'native'" in (
+        kernel_settings_mismatch(fit.to_dict(), KernelSettings()) or "")
+    assert cal.params.kernel_settings == {}  # the caller's calibration is left as it was
+
+
+def _run(folder: Path, **config: object) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"backend": "twinserve", **config}))
+    return folder
+
+
+def test_runs_kernel_settings_agree_or_are_refused(tmp_path: Path) -> None:
+    a = _run(tmp_path / "a", **TORCH_FP32.to_dict())
+    b = _run(tmp_path / "b", **TORCH_FP32.to_dict())
+    assert runs_kernel_settings([a, b]) == TORCH_FP32
+    old = _run(tmp_path / "old", scheduling_policy="fcfs")  # written before the settings were
+    assert runs_kernel_settings([a, old]) is None
+    c = _run(tmp_path / "c", **KernelSettings().to_dict())
+    with pytest.raises(ValueError, match="the runs ran different kernel settings"):
+        runs_kernel_settings([a, c])

@@ -26,7 +26,6 @@ import pandas as pd
 from twinserve.reports import figures
 from twinserve.reports.fidelity import (
     error_rows,
-    format_errors,
     host_check,
     spread_pct,
     tenant_ttft_rows,
@@ -86,11 +85,22 @@ class JudgedTwin:
                 f"within target, {counts['~']} within the replays' spread, {counts['MISS']} missed")
 
 
+@dataclass(slots=True, frozen=True)
+class StoryPages:
+    """What ``write_story_pages`` wrote: the index, the pages (None when a story was not told)
+    and the twins as judged."""
+
+    index: Path
+    policies: Path | None
+    twin: Path | None
+    judged: tuple[JudgedTwin, ...]
+
+
 def write_story_pages(out: Path | str, policy_runs: Sequence[Path], real_runs: Sequence[Path],
                       twin_runs: Sequence[TwinRun], slos_ms: dict[str, float] | None = None,
-                      title: str = "twinserve demo") -> Path:
+                      title: str = "twinserve demo") -> StoryPages:
     """Writes the index ``out`` and, beside it, the policy page (when ``policy_runs``) and the
-    twin page (when ``real_runs``); returns the index's path."""
+    twin page (when ``real_runs``)."""
     out = Path(out)
     policies = [_named(p, "sim", "policy_runs") for p in policy_runs]
     reals, twins = _real_and_twins(real_runs, twin_runs)
@@ -99,18 +109,19 @@ def write_story_pages(out: Path | str, policy_runs: Sequence[Path], real_runs: S
     index = ['<p class="meta">Two stories, each on a page of its own (they share no table and '
              'no axis): the policies compared in simulation, and the twin judged against the '
              'real engine.</p>']
+    policy_page = twin_page = None
     if policies:
-        write_runs_page(policies, out.parent / POLICIES_PAGE, slos_ms,
-                        f"{title}: policies in simulation", sections=POLICY_SECTIONS,
-                        intro=_back_link(out))
+        policy_page = write_runs_page(policies, out.parent / POLICIES_PAGE, slos_ms,
+                                      f"{title}: policies in simulation",
+                                      sections=POLICY_SECTIONS, intro=_back_link(out))
         index.append(_policies_summary(policies))
+    judged = [judge(reals, twin) for twin in twins]
     if reals:
-        judged = [judge(reals, twin) for twin in twins]
-        write_twin_page(out.parent / TWIN_PAGE, reals, judged, slos_ms,
-                        f"{title}: the twin against the real engine", _back_link(out))
+        twin_page = write_twin_page(out.parent / TWIN_PAGE, reals, judged, slos_ms,
+                                    f"{title}: the twin against the real engine", _back_link(out))
         index.append(_twin_summary(reals, judged))
     out.write_text(render_page(title, index, []), encoding="utf-8")
-    return out
+    return StoryPages(out, policy_page, twin_page, tuple(judged))
 
 
 def judge(reals: list[Run], twin: Run) -> JudgedTwin:
@@ -172,11 +183,6 @@ def judgement_html(reals: list[Run], judged: list[JudgedTwin]) -> str:
         repeatability([r.summary for r in reals], j.run.summary), j.run.name))]
     return _table_html(head, rows) + "".join(
         f'<p class="meta">{n if k == 0 else html.escape(n)}</p>' for k, n in enumerate(notes))
-
-
-def console_table(judged: JudgedTwin) -> str:
-    """The judged rows as ``validate`` prints them (``fidelity.format_errors``)."""
-    return format_errors(judged.rows, f"{judged.run.name} against the real replays")
 
 
 def _pct(value: float, signed: bool = False) -> str:

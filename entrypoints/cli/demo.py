@@ -35,7 +35,9 @@ PRIORITIES = {0: 0.2, 1: 0.8}
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="the main job: simulate policies, run the real engine, report",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/demo", help="folder for the runs and report.html")
+    p.add_argument("--out", default="runs/demo",
+                   help="folder for the runs and the pages: report.html (the index), "
+                   "policies.html, twin-vs-real.html")
     p.add_argument("--num-requests", type=int, default=3000,
                    help="requests of the Azure conv trace to simulate (default 3000)")
     p.add_argument("--time-scale", type=float, default=1.3,
@@ -77,16 +79,18 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"step times: {result.cost_model}")
     if result.roofline_gap:
         print(result.roofline_gap)
-    from twinserve.reports.stories import POLICIES_PAGE, TWIN_PAGE, write_story_pages
+    from twinserve.reports.stories import write_story_pages
     reals: list[Path] = []
     twins: list[TwinRun] = []
     if args.real_requests > 0:
         reals, twins = _real_vs_sim(out, args.real_requests, args.seed, args.real_repeats,
                                     args.threads)
-    report = write_story_pages(out / "report.html", policy_dirs, reals, twins,
-                               slos_ms={"ttft": 2000.0, "tpot": 100.0}, title="twinserve demo")
-    print(f"report: {report} (index of {POLICIES_PAGE}"
-          + (f" and {TWIN_PAGE})" if reals else ")"))
+    pages = write_story_pages(out / "report.html", policy_dirs, reals, twins,
+                              slos_ms={"ttft": 2000.0, "tpot": 100.0}, title="twinserve demo")
+    for judged in pages.judged:
+        print(judged.headline())
+    told = [str(p) for p in (pages.policies, pages.twin) if p is not None]
+    print(f"report: {pages.index} (the index of {' and '.join(told)})")
     return 0
 
 

@@ -75,7 +75,10 @@ def test_demo_tells_policies_and_the_twin_against_three_real_replays_apart(tmp_p
     threads = max(1, usable_cores() - 1)
     assert rc == 0 and seen == {"repeats": 3, "num_requests": 4, "threads": threads,
                                 "again": (reals, str(folder / "profile.json"), True, 4)}
-    assert "step times: A100-80GB: fitted to vidur:a100" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "step times: A100-80GB: fitted to vidur:a100" in printed
+    assert "twin cpu fcfs: 6 of 6 targeted metrics within target" in printed
+    assert f"report: {demo / 'report.html'} (the index of {demo / 'policies.html'} and" in printed
     index = (demo / "report.html").read_text()
     assert 'href="policies.html"' in index and 'href="twin-vs-real.html"' in index
     policies = (demo / "policies.html").read_text()

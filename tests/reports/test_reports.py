@@ -335,7 +335,10 @@ def test_story_pages_name_runs_by_role_and_judge_the_twin_as_validate_does(tmp_p
     from twinserve.reports.fidelity import error_rows
     from twinserve.reports.stories import judge, write_story_pages
     policies, reals, twins = _stories(tmp_path)
-    index = write_story_pages(tmp_path / "out" / "report.html", policies, reals, twins, SLOS)
+    pages = write_story_pages(tmp_path / "out" / "report.html", policies, reals, twins, SLOS)
+    index = pages.index
+    assert [j.run.name for j in pages.judged] == ["twin cpu fcfs",
+                                                  "twin cpu fcfs (at the replays' speed)"]
     pages = {name: (tmp_path / "out" / name).read_text() for name in
              ("report.html", "policies.html", "twin-vs-real.html")}
     assert ">sim a100-80gb fcfs<" in pages["policies.html"] and "real cpu" not in pages["policies.html"]
@@ -377,8 +380,9 @@ def test_story_pages_refuse_runs_in_the_wrong_role(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="give both or neither"):
         write_story_pages(tmp_path / "r.html", policies, reals, [])
     only = write_story_pages(tmp_path / "only" / "report.html", policies, [], [])
-    assert (tmp_path / "only" / "policies.html").is_file()
-    assert not (tmp_path / "only" / "twin-vs-real.html").exists() and only.is_file()
+    assert only.policies == tmp_path / "only" / "policies.html" and only.policies.is_file()
+    assert only.twin is None and not (tmp_path / "only" / "twin-vs-real.html").exists()
+    assert only.index.is_file() and only.judged == ()
 
 
 def test_story_pages_render_in_chromium(tmp_path: Path) -> None:
@@ -386,7 +390,7 @@ def test_story_pages_render_in_chromium(tmp_path: Path) -> None:
     if not browser.available():
         pytest.skip(f"{browser.CHROMIUM} is missing (the project's set-up installs Debian chromium)")
     from twinserve.reports.stories import write_story_pages
-    index = write_story_pages(tmp_path / "out" / "report.html", *_stories(tmp_path), SLOS)
+    index = write_story_pages(tmp_path / "out" / "report.html", *_stories(tmp_path), SLOS).index
     # index: no figure; policies: CDFs, load sweep skipped (one rate), engine, fairness,
     # priority; the twin page: its error figure and the same four
     for name, plots in (("report.html", "0"), ("policies.html", "4"), ("twin-vs-real.html", "5")):

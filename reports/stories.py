@@ -48,12 +48,12 @@ from twinserve.reports.tables import summary_table, write_table
 
 POLICIES_PAGE = "policies.html"
 TWIN_PAGE = "twin-vs-real.html"
-# the figures of the policy page: the twin's own comparison has a page of its own
-POLICY_SECTIONS = tuple(s for s in SECTIONS if s[0] != "Simulation against reality")
-TWIN_SECTIONS = tuple(s for s in SECTIONS if s[0] not in ("Simulation against reality",
-                                                          "Load sweep"))
-HEADLINE_METRICS = ("request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms",
-                    "jain_index")
+# the figures of both pages: one workload at one rate each (no load sweep), and the twin's
+# comparison is the twin page's own (against the replays' median, not one replay)
+SECTIONS_SHOWN = tuple(s for s in SECTIONS if s[0] not in ("Simulation against reality",
+                                                           "Load sweep"))
+HEADLINE_METRICS = ("request_throughput", "mean_ttft_ms", "prio0_mean_ttft_ms",
+                    "prio1_mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "jain_index")
 VERDICTS = ("ok", "~", "MISS")
 
 
@@ -113,7 +113,7 @@ def write_story_pages(out: Path | str, policy_runs: Sequence[Path], real_runs: S
     if policies:
         policy_page = write_runs_page(policies, out.parent / POLICIES_PAGE, slos_ms,
                                       f"{title}: policies in simulation",
-                                      sections=POLICY_SECTIONS, intro=_back_link(out))
+                                      sections=SECTIONS_SHOWN, intro=_back_link(out))
         index.append(_policies_summary(policies))
     judged = [judge(reals, twin) for twin in twins]
     if reals:
@@ -150,7 +150,7 @@ def write_twin_page(out: Path, reals: list[Run], judged: list[JudgedTwin],
             "<h2>Engine configuration: what differs</h2>", config_html(runs)]
     built = [("Twin error against the real median", figures.twin_errors(
         [(j.run.name, j.rows) for j in judged]), "no twin to judge.")]
-    built += [(name, builder(runs, None), note) for name, builder, note in TWIN_SECTIONS]
+    built += [(name, builder(runs, None), note) for name, builder, note in SECTIONS_SHOWN]
     out.write_text(render_page(title, body, built), encoding="utf-8")
     return out
 

@@ -15,7 +15,6 @@ from twinserve.entrypoints.engine_args import add_engine_args, config_file_defau
 
 
 def _simulate_parser(sub) -> None:
-    from twinserve.simulator.run import DEFAULT_SIM_HARDWARE, DEFAULT_SIM_MODEL
     from twinserve.traces import add_lora_args, add_trace_args
     p = sub.add_parser("simulate", help="replay a trace through the simulated engine",
                        description="Replay a trace through the SimPy twin of the engine. By "
@@ -26,9 +25,11 @@ def _simulate_parser(sub) -> None:
     add_lora_args(p)
     p.add_argument("--model", default=None,
                    help="bundled model name, config.json or model directory (default "
-                   f"{DEFAULT_SIM_MODEL})")
+                   "llama-3-8b)")
+    # the defaults are simulator.run's, written out: importing the simulator here would load
+    # simpy and numpy for --help (tests/simulator/test_roofline_gap.py keeps them equal)
     p.add_argument("--hardware", default=None,
-                   help=f"bundled profile name or JSON path (default {DEFAULT_SIM_HARDWARE}: "
+                   help="bundled profile name or JSON path (default a100-80gb: "
                    "fitted to measured steps of Llama-3-8B at TP 1-8; h100-sxm and most other "
                    "pairs run on the roofline, saying so)")
     p.add_argument("--usage-context", default=None, choices=USAGE_CONTEXTS,

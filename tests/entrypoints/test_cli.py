@@ -77,6 +77,8 @@ def test_demo_tells_policies_and_the_twin_against_three_real_replays_apart(tmp_p
                                 "again": (reals, str(folder / "profile.json"), True, 4)}
     printed = capsys.readouterr().out
     assert "step times: A100-80GB: fitted to vidur:a100" in printed
+    assert all(f"sim a100-80gb {p}" in printed for p in ("fcfs", "priority", "fair"))
+    assert "(priority 0: " in printed and ", light tenant: " in printed
     assert "twin cpu fcfs: 6 of 6 targeted metrics within target" in printed
     assert f"report: {demo / 'report.html'} (the index of {demo / 'policies.html'} and" in printed
     index = (demo / "report.html").read_text()

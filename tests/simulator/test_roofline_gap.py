@@ -68,6 +68,7 @@ def test_a_roofline_only_run_says_how_far_rooflines_fell_short(tmp_path: Path, c
 def test_simulate_help_names_the_measured_default(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", "--help"])
+    from twinserve.simulator.run import DEFAULT_SIM_HARDWARE, DEFAULT_SIM_MODEL
     text = " ".join(capsys.readouterr().out.split())
-    assert "default a100-80gb: fitted to measured steps of Llama-3-8B" in text
-    assert "default llama-3-8b" in text
+    assert f"(default {DEFAULT_SIM_HARDWARE}: fitted to measured steps of Llama-3-8B" in text
+    assert f"(default {DEFAULT_SIM_MODEL})" in text

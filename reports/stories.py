@@ -102,6 +102,7 @@ def write_story_pages(out: Path | str, policy_runs: Sequence[Path], real_runs: S
     """Writes the index ``out`` and, beside it, the policy page (when ``policy_runs``) and the
     twin page (when ``real_runs``)."""
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     policies = [_named(p, "sim", "policy_runs") for p in policy_runs]
     reals, twins = _real_and_twins(real_runs, twin_runs)
     if not policies and not reals:
@@ -178,11 +179,17 @@ def judgement_html(reals: list[Run], judged: list[JudgedTwin]) -> str:
     targeted = [row for row in first if row["target_pct"] != "" and row["real_runs"] > 1]
     if targeted:
         notes.append(host_check([(spread_pct(r), float(r["target_pct"])) for r in targeted]))
-    notes += [j.headline() for j in judged]
-    notes += [line for j in judged if (line := format_repeatability(
-        repeatability([r.summary for r in reals], j.run.summary), j.run.name))]
+    notes += _verdict_lines(reals, judged)
     return _table_html(head, rows) + "".join(
         f'<p class="meta">{n if k == 0 else html.escape(n)}</p>' for k, n in enumerate(notes))
+
+
+def _verdict_lines(reals: list[Run], judged: list[JudgedTwin]) -> list[str]:
+    """Each twin's verdict counts, then each one's leave-one-out repeatability line (from 3
+    replays on: ``repeatability.format_repeatability``)."""
+    lines = [j.headline() for j in judged]
+    return lines + [line for j in judged if (line := format_repeatability(
+        repeatability([r.summary for r in reals], j.run.summary), j.run.name))]
 
 
 def _pct(value: float, signed: bool = False) -> str:
@@ -251,9 +258,7 @@ def _policies_summary(runs: list[Run]) -> str:
 
 
 def _twin_summary(reals: list[Run], judged: list[JudgedTwin]) -> str:
-    lines = [j.headline() for j in judged]
-    lines += [line for j in judged if (line := format_repeatability(
-        repeatability([r.summary for r in reals], j.run.summary), j.run.name))]
+    lines = _verdict_lines(reals, judged)
     return "\n".join([
         f'<h2><a href="{TWIN_PAGE}">The twin against the real engine</a></h2>',
         f'<p class="meta">{len(reals)} real replay(s) of one workload '

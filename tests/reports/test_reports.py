@@ -400,3 +400,12 @@ def test_story_pages_render_in_chromium(tmp_path: Path) -> None:
         assert browser.body_attribute(shot.dom, "data-plots-rendered") == plots, name
         assert 'href="policies.html"' in shot.dom and 'href="twin-vs-real.html"' in shot.dom
         assert browser.png_info(shot.screenshot).distinct_rows > 50, name
+
+
+def test_story_pages_tell_the_twin_story_alone_into_a_new_folder(tmp_path: Path) -> None:
+    from twinserve.reports.stories import write_story_pages
+    _, reals, twins = _stories(tmp_path)
+    pages = write_story_pages(tmp_path / "new" / "deeper" / "report.html", [], reals, twins[:1])
+    assert pages.policies is None and pages.twin is not None and pages.twin.is_file()
+    assert "Policies in simulation" not in pages.index.read_text()
+    assert "repeatability: each real run" in pages.twin.read_text()

@@ -6,11 +6,11 @@ scheduler's overhead per request-step, in interleaved rounds (the machine is sha
 
 Each round runs both trees once each (the order alternates), every figure in a fresh process
 whose ``twinserve`` is that tree (``PYTHONPATH``). Figures: CPU seconds of the whole Azure conv
-trace and of its first 2,000 requests through ``SimConfig(max_num_seqs=256,
-max_num_batched_tokens=8192)`` on the H100 profile (settings written out, so both trees run the
-same engine whatever their defaults), and the scheduler benchmark's microseconds per running
-request per step (256 running, fcfs). The table gives each tree's median and the ratio of the
-medians (this / base); above 1 is slower.
+trace and of its first 2,000 requests through ``SimConfig(hardware="h100-sxm",
+max_num_seqs=256, max_num_batched_tokens=8192)`` on the H100's roofline (settings written out,
+so both trees run the same engine whatever their defaults), and the scheduler benchmark's
+microseconds per running request per step (256 running, fcfs). The table gives each tree's
+median and the ratio of the medians (this / base); above 1 is slower.
 
 ``--cli``: instead, the command line's wall time, start-up, trace reading, writing the run
 folder and the process's exit included: ``python -m twinserve.entrypoints.cli.main simulate --trace
@@ -37,7 +37,7 @@ from twinserve.traces import first_n, load_trace
 trace = load_trace("azure-conv")
 if {n} > 0:
     trace = first_n(trace, {n})
-cfg = SimConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+cfg = SimConfig(hardware="h100-sxm", max_num_seqs=256, max_num_batched_tokens=8192)
 t0 = time.process_time()
 result = simulate(cfg, trace)
 print("RESULT", time.process_time() - t0, len(result.records))

@@ -4,6 +4,7 @@ one tenant, one priority class, no simulator/real pair), so a page never shows a
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -13,6 +14,7 @@ from plotly.subplots import make_subplots
 
 from twinserve.core.metrics import LATENCY_METRICS
 from twinserve.reports.compare import COMPARED_METRICS, pair_sim_real, sim_vs_real
+from twinserve.reports.fidelity import spread_pct
 from twinserve.reports.runs import Run
 from twinserve.reports.sampling import decimate_last, decimate_mean, ecdf_points, rate_in_windows
 from twinserve.reports.stats import metric_values_ms
@@ -273,3 +275,37 @@ def _add_pair_cdfs(fig: go.Figure, sim: Run, real: Run, metrics: tuple[str, ...]
             fig.add_trace(go.Scatter(
                 x=x, y=y, mode="lines", name=run.display_name, legendgroup=run.display_name,
                 showlegend=col == 1, line={"color": c, "dash": dash}), row=1, col=col)
+
+
+def twin_errors(judged: list[tuple[str, list[dict[str, Any]]]]) -> go.Figure | None:
+    """Each twin's signed error (%) per targeted metric against the real replays' median
+    (``fidelity.error_rows``), with the metric's target and the replays' spread as ticks."""
+    if not judged:
+        return None
+    targeted = [row for row in judged[0][1] if row["target_pct"] != ""]
+    if not targeted:
+        return None
+    metrics = [row["metric"] for row in targeted]
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(judged):
+        by_metric = {row["metric"]: row["rel_error_pct"] for row in rows}
+        fig.add_trace(go.Bar(x=metrics, y=[by_metric[m] for m in metrics], name=name,
+                             marker={"color": color(i)}, texttemplate="%{y:+.1f}%",
+                             textposition="outside", cliponaxis=False))
+    for name, values, symbol in (
+            ("target", [float(row["target_pct"]) for row in targeted], "line-ew"),
+            ("real spread", [spread_of(row) for row in targeted], "line-ew-open")):
+        for sign in (1, -1):
+            fig.add_trace(go.Scatter(
+                x=metrics, y=[sign * v for v in values], mode="markers", name=f"± {name}",
+                legendgroup=name, showlegend=sign == 1,
+                marker={"symbol": symbol, "size": 28, "line": {"width": 2},
+                        "color": "#444" if name == "target" else "#d62728"}))
+    fig.update_layout(barmode="group", yaxis_title="(twin - real median) / real median, %")
+    return _base_layout(fig, "Twin error against the real replays' median", 520)
+
+
+def spread_of(row: dict[str, Any]) -> float:
+    """The replays' spread of an error row in % (0 without several replays)."""
+    value = spread_pct(row) if row.get("real_runs", 0) > 1 else 0.0
+    return 0.0 if math.isnan(value) else value

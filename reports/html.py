@@ -83,35 +83,42 @@ def write_report(
     """Writes the report page ``out`` (and the tables beside it) and returns its path."""
     if not run_dirs:
         raise ValueError("run_dirs is empty: give at least one run folder")
+    return write_runs_page(load_runs(list(run_dirs)), out, slos_ms, title, sweep)
+
+
+def write_runs_page(runs: list[Run], out: Path | str, slos_ms: dict[str, float] | None = None,
+                    title: str = "twinserve run comparison", sweep: pd.DataFrame | None = None,
+                    sections: Sequence[tuple[str, Builder, str]] = SECTIONS,
+                    intro: str = "") -> Path:
+    """``write_report`` over runs already loaded (and named); ``sections``: the figures shown,
+    ``intro``: HTML placed under the title (links to sibling pages)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    runs = load_runs(list(run_dirs))
     table = summary_table(runs, slos_ms)
     write_table(table, out.parent / out.stem)
     errors = sim_vs_real_table(runs)
     if not errors.empty:
         errors.to_csv(out.parent / f"{out.stem}_sim_vs_real.csv", index=False)
-    built = [(name, builder(runs, sweep), note) for name, builder, note in SECTIONS]
-    out.write_text(render_page(title, runs, table, errors, built, slos_ms), encoding="utf-8")
-    return out
-
-
-def render_page(title: str, runs: list[Run], table: pd.DataFrame, errors: pd.DataFrame,
-                built: list[tuple[str, go.Figure | None, str]],
-                slos_ms: dict[str, float] | None) -> str:
-    expected = sum(fig is not None for _, fig, _ in built)
-    body = [f"<h1>{html.escape(title)}</h1>", header_html(runs, slos_ms),
-            "<h2>Summary</h2>", summary_html(table)]
+    built = [(name, builder(runs, sweep), note) for name, builder, note in sections]
+    body = [intro, header_html(runs, slos_ms), "<h2>Summary</h2>", summary_html(table)]
     if len(runs) > 1:
         body += ["<h2>Engine configuration: what differs</h2>", config_html(runs)]
     if not errors.empty:
         body += ["<h2>Simulator error</h2>", errors_html(errors)]
-    body += [section_html(k, name, fig, note) for k, (name, fig, note) in enumerate(built)]
+    out.write_text(render_page(title, body, built), encoding="utf-8")
+    return out
+
+
+def render_page(title: str, body: list[str], built: list[tuple[str, go.Figure | None, str]]) -> str:
+    """The whole page: ``body`` (HTML blocks) under the title, then the figure sections."""
+    expected = sum(fig is not None for _, fig, _ in built)
+    figures_html = [section_html(k, name, fig, note) for k, (name, fig, note) in enumerate(built)]
+    plotly = [f'<script type="text/javascript">{get_plotlyjs()}</script>'] if expected else []
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title>", STYLE,
-        f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head>",
-        f'<body data-plots-expected="{expected}">', *body, RENDER_CHECK, "</body>", "</html>", ""])
+        f"<title>{html.escape(title)}</title>", STYLE, *plotly, "</head>",
+        f'<body data-plots-expected="{expected}">', f"<h1>{html.escape(title)}</h1>",
+        *(b for b in body if b), *figures_html, RENDER_CHECK, "</body>", "</html>", ""])
 
 
 def header_html(runs: list[Run], slos_ms: dict[str, float] | None) -> str:
@@ -125,7 +132,18 @@ def header_html(runs: list[Run], slos_ms: dict[str, float] | None) -> str:
     return "\n".join([
         f'<p class="meta">{len(runs)} run(s) compared; backends: {html.escape(", ".join(backends))}.'
         f" Goodput SLOs: {slo_text}.</p>",
-        _table_html(head, rows)])
+        _table_html(head, rows), roofline_note(runs)])
+
+
+def roofline_note(runs: list[Run]) -> str:
+    """Names the runs whose step times rest on a roofline only, with how far rooflines fell
+    short where measured (their config's ``roofline_gap``); empty when none does."""
+    gapped = [r for r in runs if r.config.get("roofline_gap")]
+    if not gapped:
+        return ""
+    names = ", ".join(r.name for r in gapped)
+    text = str(gapped[0].config["roofline_gap"])
+    return f'<p class="note">{html.escape(names)}: {html.escape(text)}</p>'
 
 
 def summary_html(table: pd.DataFrame) -> str:

@@ -21,6 +21,9 @@ from twinserve.simulator.structured_cost import StructuredWorkload
 from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace
 
 SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
+# Llama-3-8B on the H100's plain roofline (the default before the default moved to a measured
+# fit): decode runs need a plain roofline, and these figures were set on it
+ROOFLINE = {"model": "llama-3-8b", "hardware": "h100-sxm"}
 TOKEN = 17
 
 
@@ -56,7 +59,7 @@ def azure_slice() -> list[TraceRequest]:
 
 
 def test_default_replay_of_an_azure_slice(monkeypatch, azure_slice) -> None:
-    _assert_same(monkeypatch, SimConfig(), azure_slice, 0.5)
+    _assert_same(monkeypatch, SimConfig(**ROOFLINE), azure_slice, 0.5)
 
 
 def test_a_lone_replica_schedules_in_full_only_the_steps_that_admit(monkeypatch,
@@ -71,7 +74,7 @@ def test_a_lone_replica_schedules_in_full_only_the_steps_that_admit(monkeypatch,
         return schedule(self, now)
 
     monkeypatch.setattr(Scheduler, "schedule", counted)
-    result = simulate(SimConfig(), azure_slice)
+    result = simulate(SimConfig(**ROOFLINE), azure_slice)
     prefills = sum(1 for s in result.steps if s.num_prefill_tokens)
     assert prefills <= calls[0] <= prefills + 0.1 * len(azure_slice)
     assert len(result.steps) > 20 * calls[0]
@@ -106,7 +109,7 @@ def test_two_tenants_under_fair_and_priorities_under_priority(monkeypatch) -> No
 
 
 def test_structured_output_mask_costs(monkeypatch, azure_slice) -> None:
-    _assert_same(monkeypatch, SimConfig(), azure_slice[:120], 0.5,
+    _assert_same(monkeypatch, SimConfig(**ROOFLINE), azure_slice[:120], 0.5,
                  structured=StructuredWorkload(0.5))
 
 
@@ -341,7 +344,7 @@ def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins:
 def test_a_plain_rooflines_run_ends_equal_its_step_time_loop() -> None:
     from twinserve.simulator.cost_model import CostModel
     from twinserve.simulator.run import SimConfig, build_engine_config
-    cost = build_engine_config(SimConfig()).cost_model
+    cost = build_engine_config(SimConfig(**ROOFLINE)).cost_model
     assert isinstance(cost, CostModel)
     run_ends = cost.decode_run_ends
     lengths = []

@@ -36,39 +36,68 @@ def test_bad_names_exit_2_with_the_valid_ones(capsys):
     assert "not a run folder" in capsys.readouterr().err
 
 
-def test_demo_compares_the_twin_with_three_real_replays(tmp_path, monkeypatch, capsys):
-    # validate's real replays are stood in for by copies of a simulated run (the wiring is under
-    # test: validate gets the repeats, the report every real replay and the twin)
+def test_demo_tells_policies_and_the_twin_against_three_real_replays_apart(tmp_path, monkeypatch,
+                                                                             capsys):
+    # validate's real replays are stood in for by copies of a simulated run, marked real (the
+    # wiring is under test: validate gets the repeats, the twin page every real replay and both
+    # twins, the policy page the simulated policies alone)
     import shutil
 
     from twinserve.entrypoints.cli import validate
 
     seen = {}
-    folder = tmp_path / "demo" / "real-vs-sim"
+    demo = tmp_path / "demo"
+    folder = demo / "real-vs-sim"
+
+    def copy_sim(to, backend: str = "sim") -> None:
+        shutil.copytree(demo / "sim-fcfs", to, dirs_exist_ok=True)
+        config = json.loads((to / "config.json").read_text())
+        config.update(backend=backend, device_type="cpu")
+        (to / "config.json").write_text(json.dumps(config))
 
     def fake_validate(args) -> int:
         if args.reuse_real:  # then the same twin at the replays' own speed
             seen.update(again=(args.reuse_real, args.profile, args.at_replay_speed,
                                args.num_requests))
+            copy_sim(folder / "at-replay-speed" / "sim")
             return 0
         seen.update(repeats=args.real_repeats, num_requests=args.num_requests,
                     threads=args.threads)
-        for name in ("real", "real-2", "real-3", "sim"):
-            shutil.copytree(tmp_path / "demo" / "sim-fcfs", folder / name, dirs_exist_ok=True)
+        for name in ("real", "real-2", "real-3"):
+            copy_sim(folder / name, "twinserve")
+        copy_sim(folder / "sim")
         return 0
 
     monkeypatch.setattr(validate, "run_validate", fake_validate)
-    rc = main(["demo", "--num-requests", "40", "--real-requests", "4", "--out",
-               str(tmp_path / "demo")])
+    rc = main(["demo", "--num-requests", "40", "--real-requests", "4", "--out", str(demo)])
     reals = [str(folder / name) for name in ("real", "real-2", "real-3")]
     # the real engine runs on every core but one (vLLM's CPU backend reserves one for the host)
     threads = max(1, usable_cores() - 1)
     assert rc == 0 and seen == {"repeats": 3, "num_requests": 4, "threads": threads,
                                 "again": (reals, str(folder / "profile.json"), True, 4)}
-    html = (tmp_path / "demo" / "report.html").read_text()
-    assert all(f">{folder / name}<" in html for name in ("real", "real-2", "real-3", "sim"))
+    printed = capsys.readouterr().out
+    assert "step times: A100-80GB: fitted to vidur:a100" in printed
+    assert all(f"sim a100-80gb {p}" in printed for p in ("fcfs", "priority", "fair"))
+    assert "(priority 0: " in printed and ", light tenant: " in printed
+    assert "twin cpu fcfs: 6 of 6 targeted metrics within target" in printed
+    assert f"report: {demo / 'report.html'} (the index of {demo / 'policies.html'} and" in printed
+    index = (demo / "report.html").read_text()
+    assert 'href="policies.html"' in index and 'href="twin-vs-real.html"' in index
+    policies = (demo / "policies.html").read_text()
+    twin = (demo / "twin-vs-real.html").read_text()
+    for policy in ("fcfs", "priority", "fair"):
+        assert f">sim a100-80gb {policy}<" in policies and f">{demo / f'sim-{policy}'}<" in policies
+        assert f"sim a100-80gb {policy}" not in twin
+    assert "real-vs-sim" not in policies
+    twin_dirs = [*reals, str(folder / "sim"), str(folder / "at-replay-speed" / "sim")]
+    assert all(f">{d}<" in twin for d in twin_dirs)
+    names = ["real cpu fcfs #1", "real cpu fcfs #2", "real cpu fcfs #3", "twin cpu fcfs",
+             "twin cpu fcfs (at the replays&#x27; speed)"]
+    assert all(f">{name}<" in twin for name in names)
+    # the copies are one run: the twin meets their median exactly, every metric within target
+    assert "twin cpu fcfs: 6 of 6 targeted metrics within target" in index and "1 missed" not in index
     assert main(["demo", "--num-requests", "40", "--real-requests", "4", "--threads", "3",
-                 "--out", str(tmp_path / "demo")]) == 0 and seen["threads"] == 3
+                 "--out", str(demo)]) == 0 and seen["threads"] == 3
     with pytest.raises(SystemExit):
-        main(["demo", "--threads", "0", "--out", str(tmp_path / "demo")])
+        main(["demo", "--threads", "0", "--out", str(demo)])
     assert "--threads: must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -315,3 +315,97 @@ def test_report_lists_the_engine_keys_that_differ(tmp_path: Path) -> None:
     assert "Engine configuration: what differs" in page and "num_replicas" in page
     same = write_report([a, a], tmp_path / "s.html").read_text()
     assert "Every run has the same engine configuration." in same
+
+
+# ---- the demo's two stories: policies in simulation, the twin against the real engine -------
+def _stories(root: Path) -> tuple[list[Path], list[Path], list]:
+    from twinserve.reports.stories import TwinRun
+    policies = [make_run(root, f"p-{p}", "sim", slow=s, hardware="a100-80gb", scheduling_policy=p)
+                for p, s in (("fcfs", 1.0), ("fair", 1.1))]
+    reals = [make_run(root, f"r{i}", "twinserve", slow=s, scheduling_policy="fcfs",
+                      device_type="cpu", label="real fcfs") for i, s in enumerate((1.0, 1.04, 0.97))]
+    twins = [TwinRun(make_run(root, "t", "sim", slow=1.25, scheduling_policy="fcfs",
+                              hardware=str(root / "profile.json"), label="sim fcfs")),
+             TwinRun(make_run(root, "t-fast", "sim", slow=1.02, scheduling_policy="fcfs",
+                              label="sim fcfs"), "at the replays' speed")]
+    return policies, reals, twins
+
+
+def test_story_pages_name_runs_by_role_and_judge_the_twin_as_validate_does(tmp_path: Path) -> None:
+    from twinserve.reports.fidelity import error_rows
+    from twinserve.reports.stories import judge, write_story_pages
+    policies, reals, twins = _stories(tmp_path)
+    pages = write_story_pages(tmp_path / "out" / "report.html", policies, reals, twins, SLOS)
+    index = pages.index
+    assert [j.run.name for j in pages.judged] == ["twin cpu fcfs",
+                                                  "twin cpu fcfs (at the replays' speed)"]
+    pages = {name: (tmp_path / "out" / name).read_text() for name in
+             ("report.html", "policies.html", "twin-vs-real.html")}
+    assert ">sim a100-80gb fcfs<" in pages["policies.html"] and "real cpu" not in pages["policies.html"]
+    twin_page = pages["twin-vs-real.html"]
+    assert "sim a100-80gb" not in twin_page and ">sim fcfs<" not in twin_page
+    for name in ("real cpu fcfs #1", "real cpu fcfs #3", "twin cpu fcfs",
+                 "twin cpu fcfs (at the replays&#x27; speed)"):
+        assert f">{name}<" in twin_page
+    # the judgement is validate's: the twin against the median and spread of the three replays
+    loaded = load_runs(reals)
+    expected = {r["metric"]: r for r in error_rows([r.summary for r in loaded],
+                                                   load_run(twins[0].path).summary)}
+    judged = judge(loaded, load_run(twins[0].path))
+    row = next(r for r in judged.rows if r["metric"] == "mean_ttft_ms")
+    ttfts = sorted(r.summary["mean_ttft_ms"] for r in loaded)
+    assert row["real"] == pytest.approx(ttfts[1]) == pytest.approx(expected["mean_ttft_ms"]["real"])
+    assert (row["real_min"], row["real_max"]) == (ttfts[0], ttfts[2])
+    assert row["rel_error_pct"] == pytest.approx(25.0, abs=3) and row["verdict"] == "MISS"
+    assert {r["metric"] for r in judged.rows} >= {"mean_ttft_ms[alice]", "mean_ttft_ms[bob]"}
+    assert judged.verdicts["MISS"] >= 2 and "MISS" in twin_page
+    near = judge(loaded, load_run(twins[1].path))
+    assert next(r for r in near.rows if r["metric"] == "mean_ttft_ms")["verdict"] in ("ok", "~")
+    counts = judged.verdicts
+    assert (f"twin cpu fcfs: {counts['ok']} of {sum(counts.values())} targeted metrics within "
+            f"target, {counts['~']} within") in index.read_text()
+    errors = pd.read_csv(tmp_path / "out" / "twin-vs-real_errors.csv")
+    assert set(errors["twin"]) == {"twin cpu fcfs", "twin cpu fcfs (at the replays' speed)"}
+
+
+def test_story_pages_refuse_runs_in_the_wrong_role(tmp_path: Path) -> None:
+    from twinserve.reports.stories import TwinRun, write_story_pages
+    policies, reals, twins = _stories(tmp_path)
+    with pytest.raises(ValueError, match="real_runs: .* is not a real run"):
+        write_story_pages(tmp_path / "r.html", policies, [twins[0].path], twins)
+    with pytest.raises(ValueError, match="policy_runs: .* is not a simulator run"):
+        write_story_pages(tmp_path / "r.html", [reals[0]], reals, twins)
+    with pytest.raises(ValueError, match="twin_runs: .* is not a simulator run"):
+        write_story_pages(tmp_path / "r.html", policies, reals, [TwinRun(reals[0])])
+    with pytest.raises(ValueError, match="give both or neither"):
+        write_story_pages(tmp_path / "r.html", policies, reals, [])
+    only = write_story_pages(tmp_path / "only" / "report.html", policies, [], [])
+    assert only.policies == tmp_path / "only" / "policies.html" and only.policies.is_file()
+    assert only.twin is None and not (tmp_path / "only" / "twin-vs-real.html").exists()
+    assert only.index.is_file() and only.judged == ()
+
+
+def test_story_pages_render_in_chromium(tmp_path: Path) -> None:
+    browser = _browser()
+    if not browser.available():
+        pytest.skip(f"{browser.CHROMIUM} is missing (the project's set-up installs Debian chromium)")
+    from twinserve.reports.stories import write_story_pages
+    index = write_story_pages(tmp_path / "out" / "report.html", *_stories(tmp_path), SLOS).index
+    # index: no figure; policies: CDFs, load sweep skipped (one rate), engine, fairness,
+    # priority; the twin page: its error figure and the same four
+    for name, plots in (("report.html", "0"), ("policies.html", "4"), ("twin-vs-real.html", "5")):
+        shot = browser.render(index.parent / name, tmp_path / f"{name}.png")
+        assert shot.console_errors == [], name
+        assert browser.body_attribute(shot.dom, "data-plots-expected") == plots, name
+        assert browser.body_attribute(shot.dom, "data-plots-rendered") == plots, name
+        assert 'href="policies.html"' in shot.dom and 'href="twin-vs-real.html"' in shot.dom
+        assert browser.png_info(shot.screenshot).distinct_rows > 50, name
+
+
+def test_story_pages_tell_the_twin_story_alone_into_a_new_folder(tmp_path: Path) -> None:
+    from twinserve.reports.stories import write_story_pages
+    _, reals, twins = _stories(tmp_path)
+    pages = write_story_pages(tmp_path / "new" / "deeper" / "report.html", [], reals, twins[:1])
+    assert pages.policies is None and pages.twin is not None and pages.twin.is_file()
+    assert "Policies in simulation" not in pages.index.read_text()
+    assert "repeatability: each real run" in pages.twin.read_text()

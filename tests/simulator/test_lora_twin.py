@@ -187,7 +187,8 @@ def test_simulation_never_exceeds_max_loras_and_charges_loads(monkeypatch) -> No
     monkeypatch.setattr(sim_run, "LoadTally", Checked)
     loads = {}
     for max_loras in (2, 8):
-        cfg = SimConfig(model="llama-3.1-8b", enable_lora=True, max_loras=max_loras)
+        cfg = SimConfig(model="llama-3.1-8b", hardware="h100-sxm", enable_lora=True,
+                        max_loras=max_loras)
         result = simulate(cfg, _cycling_trace())
         s = result.summary
         assert s["completed"] == 120 and max(seen) <= max_loras
@@ -202,16 +203,17 @@ def test_simulation_never_exceeds_max_loras_and_charges_loads(monkeypatch) -> No
 
 def test_adapter_steps_take_longer_than_the_base_models() -> None:
     trace = [TraceRequest(f"q{i}", 0.0, 100, 50, lora=f"l{i % 4}") for i in range(32)]
-    base = simulate(SimConfig(model="llama-3.1-8b"), [TraceRequest(r.request_id, 0.0, 100, 50)
-                                                    for r in trace])
-    lora = simulate(SimConfig(model="llama-3.1-8b", enable_lora=True, max_loras=4), trace)
+    base = simulate(SimConfig(model="llama-3.1-8b", hardware="h100-sxm"),
+                    [TraceRequest(r.request_id, 0.0, 100, 50) for r in trace])
+    lora = simulate(SimConfig(model="llama-3.1-8b", hardware="h100-sxm", enable_lora=True,
+                              max_loras=4), trace)
     assert lora.summary["duration"] > base.summary["duration"]
     assert "lora_loads" not in base.summary
 
 
 def test_adapters_without_enable_lora_are_refused() -> None:
     with pytest.raises(ValueError, match="add --enable-lora"):
-        simulate(SimConfig(model="llama-3.1-8b"), _cycling_trace(4))
+        simulate(SimConfig(model="llama-3.1-8b", hardware="h100-sxm"), _cycling_trace(4))
 
 
 # ---- the policy --------------------------------------------------------------------------------
@@ -297,7 +299,7 @@ def test_the_wait_bound_keeps_a_cold_adapter_from_starving() -> None:
                    key=lambda r: r.arrival_time)
 
     def cold_ttft(policy: str) -> float:
-        cfg = SimConfig(model="llama-3.1-8b", enable_lora=True, max_loras=1,
+        cfg = SimConfig(model="llama-3.1-8b", hardware="h100-sxm", enable_lora=True, max_loras=1,
                         scheduling_policy=policy, policy_options={"max_wait_s": 1.0}
                         if policy == "lora_affinity" else {})
         records = simulate(cfg, trace).records

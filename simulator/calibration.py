@@ -568,10 +568,14 @@ def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Pa
 
 def runs_kernel_settings(run_dirs: Sequence[str | Path]) -> KernelSettings | None:
     """The kernel settings every run's ``config.json`` records, or None when a run records none
-    (a run of an older twinserve); ValueError when the runs ran different kernels."""
+    (a run of an older twinserve, or steps without a config); ValueError when the runs ran
+    different kernels."""
     found = set()
     for run_dir in run_dirs:
-        config = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+        path = Path(run_dir) / "config.json"
+        if not path.is_file():
+            return None
+        config = json.loads(path.read_text(encoding="utf-8"))
         if not all(name in config for name in KernelSettings.field_names()):
             return None
         found.add(KernelSettings.from_mapping(config))

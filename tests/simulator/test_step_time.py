@@ -54,7 +54,7 @@ def test_a_fitted_build_sizes_memory_from_its_roofline(tmp_path: Path) -> None:
 
 
 def test_wrappers_add_their_terms_and_decline_the_decode_run_shortcut() -> None:
-    cost = build_engine_config(SimConfig()).cost_model  # the roofline of Llama-3-8B on an H100
+    cost = build_engine_config(SimConfig(hardware="h100-sxm")).cost_model  # the roofline of Llama-3-8B on an H100
     out = _decodes(8, 300)
     ends = cost.decode_run_ends(out, 0.0, 10.0, 0.0, 3)  # the roofline's own shortcut
     assert ends is not None and len(ends) == 3 and ends[0] == cost.step_time(out)
@@ -102,7 +102,7 @@ def _replay(build: EngineBuild, model: StepTimeModel, trace: list[TraceRequest])
 
 
 def test_the_engine_loop_takes_a_models_shortcut_with_the_reference_results() -> None:
-    build = build_engine_config(SimConfig())
+    build = build_engine_config(SimConfig(hardware="h100-sxm"))
     assert isinstance(build.cost_model, CostModel)
     trace = [TraceRequest(f"r{i}", 0.02 * i, 30 + 11 * i, 40 + 9 * i) for i in range(12)]
     spy = _Spy(build.cost_model)

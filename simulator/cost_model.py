@@ -622,8 +622,46 @@ class FittedCostModel:
 
     def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
                         max_steps: int) -> list[float] | None:
-        """None: a fitted model's decode runs are timed step by step."""
-        return None
+        """The end times of a decode run's steps from ``now``, as ``CostModel.decode_run_ends``
+        states: ``step_time``'s sum with the run's fixed terms computed once and the others in
+        the same order (``tests/simulator/test_cost_model.py`` compares the two). None for a
+        step that is not decode-only or one ``step_time`` would not take its inlined path."""
+        n = out.num_decode_seqs
+        if (n == 0 or out.total_num_scheduled_tokens != n or out.num_prefill_seqs
+                or out.num_prefill_tokens or out.num_prefix_chunks or out.sum_prefix_context_tokens
+                or out.sum_prefill_attention_area or out.blocks_to_swap_out
+                or out.blocks_to_swap_in or out.blocks_to_copy or self.base.lora is not None):
+            return None
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = self._coefficients
+        head: float = 0  # the terms that stay fixed over the run, summed as step_time sums them
+        head += c0 * n
+        head += c1 * 0
+        head += c2 * 0
+        head += c3 * n
+        tail8, tail9, tail10, tail11 = c8 * 0, c9 * 0, c10 * 0, c11 * False
+        intercept, token_time = self._intercept, self._token_time(n)
+        context, decode, longest = (out.sum_context_tokens, out.sum_decode_context_tokens,
+                                    out.max_decode_context)
+        ends: list[float] = []
+        for _ in range(max_steps):
+            linear = head
+            linear += c4 * context
+            linear += c5 * decode
+            linear += c6 * (n * longest)
+            linear += c7 * longest
+            linear += tail8
+            linear += tail9
+            linear += tail10
+            linear += tail11
+            end = now + (intercept + linear + token_time)
+            if end >= horizon or base + (end - base) != end:
+                break
+            ends.append(end)
+            now = end
+            context += n
+            decode += n
+            longest += 1
+        return ends
 
     def step_time_reference(self, out: SchedulerOutput) -> float:
         """The plain version of ``step_time``."""

@@ -341,6 +341,57 @@ def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins:
     assert taken == [not twins]  # equal hashes: the at-once path declines, the reference runs
 
 
+@pytest.mark.parametrize("hardware", ["a100-80gb", "h200", "random"])
+def test_a_fitted_models_run_ends_equal_its_step_time_loop(hardware: str) -> None:
+    """The fitted model's decode-run shortcut (``FittedCostModel.decode_run_ends``) against its
+    ``step_time`` step by step: the bundled fits, and one with random coefficients on every
+    feature (the bundled fits leave some at zero)."""
+    import random
+
+    from twinserve.simulator.cost_model import ALL_FEATURE_NAMES, FittedCostModel
+    from twinserve.simulator.run import SimConfig, build_engine_config
+    cost = build_engine_config(SimConfig(hardware="h200" if hardware == "random" else hardware)
+                               ).cost_model
+    assert isinstance(cost, FittedCostModel)
+    if hardware == "random":
+        rng = random.Random(5)
+        coefficients = {f: rng.uniform(0.0, 1e-5) for f in ALL_FEATURE_NAMES}
+        cost = FittedCostModel(dataclasses.replace(cost.params, coefficients=coefficients),
+                               cost.base)
+    lengths = []
+    for n, context in [(1, 900), (37, 37 * 2100), (256, 256 * 700)]:
+        run = plan_decode_run(_decoding(num=1), TOKEN)
+        assert run is not None
+        out = run.out
+        out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
+        out.sum_context_tokens = out.sum_decode_context_tokens = context
+        for now, base, horizon, max_steps in [(12.5, 12.5, 13.0, 500), (7.25, 7.0, 99.0, 50),
+                                              (3.0, 3.0, 3.001, 500), (1e6, 0.1, 2e6, 30)]:
+            saved = (out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context)
+            fast = cost.decode_run_ends(out, now, horizon, base, max_steps)
+            assert (out.sum_context_tokens, out.sum_decode_context_tokens,
+                    out.max_decode_context) == saved  # left as it is
+            ends, t = [], now
+            for _ in range(max_steps):
+                end = t + cost.step_time(out)
+                if end >= horizon or base + (end - base) != end:
+                    break
+                ends.append(end)
+                t = end
+                run.next_step()
+            assert fast == ends
+            lengths.append(len(ends))
+            out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context = saved
+    assert min(lengths) == 0 and max(lengths) > 20
+
+
+def test_a_fitted_profiles_runs_equal_the_step_by_step_reference(
+        monkeypatch: pytest.MonkeyPatch, azure_slice: list[TraceRequest]) -> None:
+    """The default profile (a measured fit) through whole runs: decode runs give the reference's
+    records and steps."""
+    _assert_same(monkeypatch, SimConfig(), azure_slice, 0.3)
+
+
 def test_a_plain_rooflines_run_ends_equal_its_step_time_loop() -> None:
     from twinserve.simulator.cost_model import CostModel
     from twinserve.simulator.run import SimConfig, build_engine_config

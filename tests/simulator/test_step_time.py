@@ -54,17 +54,17 @@ def test_a_fitted_build_sizes_memory_from_its_roofline(tmp_path: Path) -> None:
 
 
 def test_wrappers_add_their_terms_and_decline_the_decode_run_shortcut() -> None:
-    cost = build_engine_config(SimConfig(hardware="h100-sxm")).cost_model  # the roofline of Llama-3-8B on an H100
+    cost = build_engine_config(SimConfig(hardware="h100-sxm")).cost_model  # Llama-3-8B's roofline
     out = _decodes(8, 300)
-    ends = cost.decode_run_ends(out, 0.0, 10.0, 0.0, 3)  # the roofline's own shortcut
-    assert ends is not None and len(ends) == 3 and ends[0] == cost.step_time(out)
+    fitted = make_cost_model(load_model_spec("llama-3-8b"), load_hardware("h200"))
+    for model in (cost, fitted):  # each cost model's own shortcut
+        ends = model.decode_run_ends(out, 0.0, 10.0, 0.0, 3)
+        assert ends is not None and len(ends) == 3 and ends[0] == model.step_time(out)
     loading = dataclasses.replace(out, lora_loads=[("a", 0), ("b", 1)])
     tally = LoadTally(cost, lambda loads: 0.5 * len(loads))
     masks = StructuredCost(mask_s_per_row=1e-3, mask_s_per_step=2e-3).wrap(cost)
     function = StepTimeFunction(lambda o: 0.25)
-    wrappers: list[StepTimeModel] = [tally, masks, function,
-                                     make_cost_model(load_model_spec("llama-3-8b"),
-                                                     load_hardware("h200"))]
+    wrappers: list[StepTimeModel] = [tally, masks, function]
     for model in wrappers:
         assert model.decode_run_ends(out, 0.0, 10.0, 0.0, 3) is None
     assert tally.step_time(loading) == cost.step_time(loading)

@@ -3,11 +3,11 @@
 1. Policies in simulation: a slice of the bundled Azure conv trace, with a heavy and a light
    tenant and two priority classes, through the default twin (Llama-3-8B on an A100-80GB, its
    step times fitted to measurements) under fcfs, priority and fair.
-2. The twin against reality: the twin of the bundled SmolLM2-135M model (CPU) is calibrated with
-   ``twinserve calibrate``'s defaults, then a short slice is replayed through the real engine
+2. The twin against reality (``twinserve.fidelity.validate``): the twin of the bundled
+   SmolLM2-135M model (CPU) is calibrated over the step space a short slice can reach (or
+   reused from this machine's profile cache), the slice is replayed through the real engine
    (three times) and through that twin, which is judged against the median and spread of the
-   replays as ``validate`` judges it; then again at the replays' own speed
-   (``--at-replay-speed``).
+   replays; then again at the replays' own speed.
 3. ``report.html``: an index linking ``policies.html`` and ``twin-vs-real.html``, one page per
    story (they share no table and no axis: one is an A100's simulation, the other a CPU's).
 """
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from twinserve.entrypoints.cli.calibrate import measurement_threads
 from twinserve.entrypoints.cli.validate import positive_int
+from twinserve.fidelity import measurement_threads
 from twinserve.simulator import SimConfig, simulate, write_sim_run
 from twinserve.simulator.run import DEFAULT_SIM_HARDWARE
 from twinserve.traces import assign_priorities, assign_tenants, first_n, load_trace, scale_time
@@ -110,30 +110,37 @@ def run_demo(args: argparse.Namespace) -> int:
 def _real_vs_sim(out: Path, num_requests: int, seed: int, repeats: int,
                  threads: int) -> tuple[list[Path], list[TwinRun]]:
     """The real engine on the bundled model (CPU) and its twin on one short slice of the same
-    trace: lengths clipped so a 2-core CPU replays it in a minute or two, and slowed down (time
-    scale 0.14) so the small engine on one of those cores (``measurement_threads``) runs near
-    saturation. The twin's profile comes from
-    ``twinserve calibrate``'s defaults at the same engine limits (the whole step space, no
-    trace), as a user would calibrate once for every workload: ``validate`` without a profile
-    calibrates the very model load it then replays on (a fresh load of the same weights ran the
-    same steps up to 19% apart here), and writes ``profile.json`` beside the runs."""
-    from twinserve.entrypoints.cli.main import build_parser
+    trace, through the fidelity API as ``twinserve validate`` runs it: lengths clipped so a
+    2-core CPU replays it in a minute or two, and slowed down (time scale 0.14) so the small
+    engine on ``threads`` cores runs near saturation. The twin's profile is calibrated over the
+    step space the slice can reach, on the very model load the replays run on (or reused from
+    this machine's profile cache); then the same twin again at the replays' own speed."""
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.fidelity import CalibrationSettings, Progress, TraceSpec, ValidateSettings
+    from twinserve.fidelity.profile_cache import default_folder
+    from twinserve.fidelity.validation import validate
     from twinserve.reports.stories import TwinRun
     folder = out / "real-vs-sim"
-    engine = ["--max-model-len", "128", "--max-num-seqs", "64",
-              "--max-num-batched-tokens", "256"]
-    argv = ["validate", "--trace", "azure-conv", "--num-requests", str(num_requests),
-            "--max-output-tokens", "32", "--time-scale", "0.14", "--tenants", "heavy=4,light=1",
-            "--seed", str(seed), "--policy", "fcfs", "--threads", str(threads), *engine]
-    args = build_parser().parse_args([*argv, "--real-repeats", str(repeats),
-                                      "--out", str(folder)])
-    args.handler(args)
-    reals = [folder / "real", *(folder / f"real-{i}" for i in range(2, repeats + 1))]
-    print("the same twin at the replays' own speed (validate --at-replay-speed: one number "
-          "taken from the replays; what remains is its scheduling, not the host's drift):")
-    again = build_parser().parse_args([
-        *argv, "--profile", str(folder / "profile.json"), "--reuse-real", *map(str, reals),
-        "--at-replay-speed", "--quiet", "--out", str(folder / "at-replay-speed")])
-    again.handler(again)
-    return reals, [TwinRun(folder / "sim"),
-                   TwinRun(folder / "at-replay-speed" / "sim", "at the replays' speed")]
+    engine = EngineArgs(max_model_len=128, max_num_seqs=64, max_num_batched_tokens=256,
+                        scheduling_policy="fcfs")
+    workload = TraceSpec("azure-conv", num_requests=num_requests, max_output_tokens=32,
+                         max_model_len=128, time_scale=0.14, tenants="heavy=4,light=1",
+                         seed=seed).load()
+    calibration = CalibrationSettings(threads=threads)
+    progress = Progress("real engine and twin")
+    try:
+        first = validate(engine, workload, folder,
+                         ValidateSettings(real_repeats=repeats, profile_cache=default_folder(),
+                                          calibration=calibration), progress=progress)
+    finally:
+        progress.close()
+    print(f"profile: {first.profile_source}")
+    print(first.table.format())
+    print("the same twin at the replays' own speed (one number taken from the replays; what "
+          "remains is its scheduling, not the host's drift):")
+    again = validate(engine, workload, folder / "at-replay-speed",
+                     ValidateSettings(profile=str(first.profile), reuse_real=first.real_runs,
+                                      at_speed="replay", calibration=calibration))
+    print(again.table.format())
+    return list(first.real_runs), [TwinRun(first.twin_run),
+                                   TwinRun(again.twin_run, "at the replays' speed")]

@@ -42,8 +42,9 @@ def test_demo_tells_policies_and_the_twin_against_three_real_replays_apart(tmp_p
     # wiring is under test: validate gets the repeats, the twin page every real replay and both
     # twins, the policy page the simulated policies alone)
     import shutil
+    from types import SimpleNamespace
 
-    from twinserve.entrypoints.cli import validate
+    from twinserve.fidelity import validation
 
     seen = {}
     demo = tmp_path / "demo"
@@ -55,26 +56,29 @@ def test_demo_tells_policies_and_the_twin_against_three_real_replays_apart(tmp_p
         config.update(backend=backend, device_type="cpu")
         (to / "config.json").write_text(json.dumps(config))
 
-    def fake_validate(args) -> int:
-        if args.reuse_real:  # then the same twin at the replays' own speed
-            seen.update(again=(args.reuse_real, args.profile, args.at_replay_speed,
-                               args.num_requests))
-            copy_sim(folder / "at-replay-speed" / "sim")
-            return 0
-        seen.update(repeats=args.real_repeats, num_requests=args.num_requests,
-                    threads=args.threads)
-        for name in ("real", "real-2", "real-3"):
-            copy_sim(folder / name, "twinserve")
-        copy_sim(folder / "sim")
-        return 0
+    def fake_validate(engine, workload, out, settings, progress=None):
+        table = SimpleNamespace(format=lambda: "")
+        if settings.reuse_real:  # then the same twin at the replays' own speed
+            seen.update(again=([str(d) for d in settings.reuse_real], settings.profile,
+                               settings.at_speed, len(workload.requests)))
+            copy_sim(out / "sim")
+            return SimpleNamespace(table=table, twin_run=out / "sim")
+        seen.update(repeats=settings.real_repeats, num_requests=len(workload.requests),
+                    threads=settings.calibration.num_threads)
+        reals = tuple(out / name for name in ("real", "real-2", "real-3"))
+        for real in reals:
+            copy_sim(real, "twinserve")
+        copy_sim(out / "sim")
+        return SimpleNamespace(table=table, twin_run=out / "sim", real_runs=reals,
+                               profile=out / "profile.json", profile_source="calibrated")
 
-    monkeypatch.setattr(validate, "run_validate", fake_validate)
+    monkeypatch.setattr(validation, "validate", fake_validate)
     rc = main(["demo", "--num-requests", "40", "--real-requests", "4", "--out", str(demo)])
     reals = [str(folder / name) for name in ("real", "real-2", "real-3")]
     # the real engine runs on every core but one (vLLM's CPU backend reserves one for the host)
     threads = max(1, usable_cores() - 1)
     assert rc == 0 and seen == {"repeats": 3, "num_requests": 4, "threads": threads,
-                                "again": (reals, str(folder / "profile.json"), True, 4)}
+                                "again": (reals, str(folder / "profile.json"), "replay", 4)}
     printed = capsys.readouterr().out
     assert "step times: A100-80GB: fitted to vidur:a100" in printed
     assert all(f"sim a100-80gb {p}" in printed for p in ("fcfs", "priority", "fair"))

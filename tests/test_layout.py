@@ -97,3 +97,13 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
              for folder in PROJECT_FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
     assert found - listed == set()
     assert "twinserve" in listed and listed - found == {"twinserve"}
+
+
+def test_the_engines_orchestration_imports_no_torch() -> None:
+    """``gpu/engine/`` (requests in, outputs out) names no torch or triton itself: the tensors
+    stay behind the worker (``gpu/worker/``), so mypy checks it and a reader finds no kernels."""
+    found = [f"{path.relative_to(ROOT)}:{line}: imports {module}"
+             for path in sorted((ROOT / "gpu" / "engine").rglob("*.py"))
+             for line, module in imported_modules(path)
+             if module.split(".")[0] in ("torch", "triton")]
+    assert found == []

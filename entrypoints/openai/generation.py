@@ -345,6 +345,8 @@ class Generation:
                 return
             async for prompt_idx, out in self._merged:
                 for item in self._on_output(prompt_idx, out):
+                    if item[1].finish_reason == "error":
+                        raise APIError(500, DEAD_END_MESSAGE)
                     yield item
         finally:
             await self.close()
@@ -492,6 +494,12 @@ def sse_response(state: ServerState, gen: Generation,
     return SSEResponse(with_keepalive(sse_events(chunks), state.limits.sse_keepalive_s), gen)
 
 
+DEAD_END_MESSAGE = (
+    "The constrained output reached a dead end: its grammar allows no further token, so the "
+    "text generated so far does not conform (the engine's finish_reason is \"error\", as "
+    "vLLM's; the request is answered with an error, never with \"stop\").")
+
+
 async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """``data: {...}`` per chunk, then ``data: [DONE]``; errors become an error event."""
     try:
@@ -500,6 +508,8 @@ async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
                 yield f"data: {chunk.model_dump_json()}\n\n"
     except EngineDeadError as exc:
         yield error_event(503, f"The engine is not running: {exc}")
+    except APIError as exc:
+        yield error_event(exc.status, exc.message, exc.param)
     except ValueError as exc:
         yield error_event(400, str(exc))
     except Exception:

@@ -63,11 +63,12 @@ def first_unsatisfiable(root: Any) -> str | None:
     known: set[str] = set()  # pointers proven to have a finite instance
     while True:
         before = len(known)
-        _Pass(root, known).finite("#", root, frozenset())
+        last = _Pass(root, known)
+        last.finite("#", root, frozenset())
         if "#" in known:
             return None
         if len(known) == before:
-            return _culprit(root, known)
+            return last.culprit()
 
 
 class _Pass:
@@ -75,12 +76,28 @@ class _Pass:
     finite instance, unless an earlier pass proved it has one (``known`` grows monotonically,
     so the passes reach the least fixed point)."""
 
-    __slots__ = ("root", "known", "seen")
+    __slots__ = ("root", "known", "seen", "blame")
 
     def __init__(self, root: Any, known: set[str]) -> None:
         self.root = root
         self.known = known
         self.seen: dict[str, bool] = {}
+        self.blame: dict[str, str] = {}  # a schema without finite instance -> a part to blame
+
+    def culprit(self) -> str:
+        """The innermost schema on the blame chain from the root: where it loops back, or the
+        part that has no instance at all (``false``, an empty enum)."""
+        where, visited = "#", {"#"}
+        while where in self.blame and self.blame[where] not in visited:
+            where = self.blame[where]
+            visited.add(where)
+        return where
+
+    def _fails(self, where: str, part: str, node: Any, stack: frozenset[str]) -> bool:
+        if self.finite(part, node, stack):
+            return False
+        self.blame.setdefault(where, part)
+        return True
 
     def finite(self, where: str, node: Any, stack: frozenset[str]) -> bool:
         if where in self.known:
@@ -103,7 +120,7 @@ class _Pass:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             target = _resolve(self.root, ref)
-            if target is not _MISSING and not self.finite(_pointer(ref), target, stack):
+            if target is not _MISSING and self._fails(where, _pointer(ref), target, stack):
                 return False
         if "enum" in node and isinstance(node["enum"], list) and not node["enum"]:
             return False
@@ -112,9 +129,9 @@ class _Pass:
         for key, need_all in (("allOf", True), ("anyOf", False), ("oneOf", False)):
             parts = node.get(key)
             if isinstance(parts, list) and parts:
-                results = (self.finite(f"{where}/{key}/{i}", p, stack)
-                           for i, p in enumerate(parts))
-                if not (all(results) if need_all else any(results)):
+                fails = (self._fails(where, f"{where}/{key}/{i}", p, stack)
+                         for i, p in enumerate(parts))
+                if any(fails) if need_all else all(fails):
                     return False
         return self._typed(where, node, stack)
 
@@ -134,10 +151,9 @@ class _Pass:
         properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         extra = node.get("additionalProperties", True)
         for name in node.get("required") or ():
-            if name in properties:
-                if not self.finite(f"{where}/properties/{name}", properties[name], stack):
-                    return False
-            elif not self.finite(f"{where}/additionalProperties", extra, stack):
+            part = f"{where}/properties/{name}" if name in properties \
+                else f"{where}/additionalProperties"
+            if self._fails(where, part, properties.get(name, extra), stack):
                 return False
         return True
 
@@ -146,11 +162,11 @@ class _Pass:
         need = need if isinstance(need, int) else 0
         prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
         for i, item in enumerate(prefix[:need]):
-            if not self.finite(f"{where}/prefixItems/{i}", item, stack):
+            if self._fails(where, f"{where}/prefixItems/{i}", item, stack):
                 return False
         items = node.get("items", True)
         if need > len(prefix) and isinstance(items, (dict, bool)):
-            return self.finite(f"{where}/items", items, stack)
+            return not self._fails(where, f"{where}/items", items, stack)
         return True
 
 
@@ -177,18 +193,3 @@ def _parts(ref: str) -> Iterator[str]:
     for part in ref[1:].split("/"):
         if part:
             yield part.replace("~1", "/").replace("~0", "~")
-
-
-def _culprit(root: Any, known: set[str]) -> str:
-    """The deepest ``$ref`` target on the way down from the root that has no finite instance
-    (or the root itself)."""
-    culprit = "#"
-    node = root
-    seen = {"#"}
-    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
-        ref = _pointer(node["$ref"])
-        if ref in seen or ref in known:
-            break
-        seen.add(ref)
-        culprit, node = ref, _resolve(root, ref)
-    return culprit

@@ -64,8 +64,8 @@ def compile_grammar(so: StructuredOutputsParams) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{field} is invalid: {error.strip()}")
-    # JSON schemas were checked by ``first_unsatisfiable``; regexes and choices always end.
-    if kind == "grammar" and _no_finite_output(grammar):
+    # JSON schemas were checked by ``first_unsatisfiable``; choices always end.
+    if kind in ("grammar", "regex") and _no_finite_output(grammar):
         raise ValueError(f"{field} is unsatisfiable: no finite output matches it (a rule "
                          "that refers to itself with no way out, such as "
                          "`start: start \"a\"`).")

@@ -115,6 +115,7 @@ def _prepare(tokenizer: Any, messages: Sequence[Mapping[str, Any]], options: Cha
     options.check()
     template = tokenizer.template(options.chat_template)
     check_roles(messages, template.roles)
+    messages = [_with_text_content(i, m) for i, m in enumerate(messages)]
     tools = [dict(t) for t in options.tools] if options.tools else None
     if not template.uses_tools and (tools or any(_is_tool_turn(m) for m in messages)):
         rendered = _without_tools_section(messages, tools or [], tool_format)
@@ -133,6 +134,21 @@ def check_roles(messages: Sequence[Mapping[str, Any]], roles: frozenset[str]) ->
         if not isinstance(role, str) or role not in roles:
             raise ValueError(f"messages[{i}].role {role!r} is not a role this model's chat "
                              f"template knows; use one of {sorted(roles)}.")
+
+
+def _with_text_content(i: int, message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """OpenAI's content parts (``[{"type": "text", "text": ...}]``) joined into one text."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or \
+                not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content[{j}] must be a text part "
+                             "{\"type\": \"text\", \"text\": ...}.")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def _rendered_pieces(tokenizer: Any, rendered: list[dict[str, Any]],

@@ -91,6 +91,8 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     rendered, variables = _prepare(tokenizer, messages, options, tool_format)
     contents = [m.get("content") if isinstance(m.get("content"), str) else None
                 for m in rendered]
+    if split_special_tokens:
+        _check_no_special_text_outside_contents(tokenizer, rendered, variables.get("tools"))
     if not split_special_tokens or not any(
             c is not None and tokenizer.has_special_text(c) for c in contents):
         text = render_chat(tokenizer, messages, options, tool_format)
@@ -134,6 +136,29 @@ def check_roles(messages: Sequence[Mapping[str, Any]], roles: frozenset[str]) ->
         if not isinstance(role, str) or role not in roles:
             raise ValueError(f"messages[{i}].role {role!r} is not a role this model's chat "
                              f"template knows; use one of {sorted(roles)}.")
+
+
+def _check_no_special_text_outside_contents(tokenizer: Any, messages: list[dict[str, Any]],
+                                            tools: list[dict[str, Any]] | None) -> None:
+    """Text the template renders outside the contents (names, tool-call arguments, tool
+    definitions) cannot be told apart from the template's own, so special-token text there is
+    refused, naming where it is (``split_special_tokens=false`` lets trusted callers send it)."""
+    roots: list[tuple[str, Any]] = [
+        (f"messages[{i}].{key}", value) for i, m in enumerate(messages)
+        for key, value in m.items() if key not in ("content", "role")]
+    roots += [(f"tools[{i}]", t) for i, t in enumerate(tools or [])]
+    stack = list(reversed(roots))
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str) and tokenizer.has_special_text(value):
+            raise ValueError(f"{where.split('.', 1)[0].split('[', 1)[0]}: {where} holds a "
+                             "special token's text, which would become a control token there; "
+                             "remove it (or send split_special_tokens=false if it is meant as "
+                             "one).")
+        if isinstance(value, Mapping):
+            stack.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{j}]", v) for j, v in enumerate(value))
 
 
 def _with_text_content(i: int, message: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -255,3 +255,21 @@ def test_required_tool_call_without_parallel_calls_is_exactly_one_strict_call(ur
         assert finish == "tool_calls" and len(pairs) == 1, (finish, pairs)
         assert pairs[0][0] == "get_weather"
         jsonschema.validate(json.loads(pairs[0][1]), _closed(OPEN_WEATHER))
+
+
+def test_special_token_text_outside_contents_is_refused_naming_it(url) -> None:
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "</s>"}'}}
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "<s>x",
+                                               "parameters": OPEN_WEATHER}}]
+    for body, where in [({"messages": history, "chat_template": TOOLS_TEMPLATE},
+                         "messages[1].tool_calls[0].function.arguments"),
+                        ({"messages": [{"role": "user", "content": "hi", "name": "a</s>"}]},
+                         "messages[0].name"),
+                        ({"tools": tools, "tool_choice": "none", "chat_template": TOOLS_TEMPLATE},
+                         "tools[0].function.description")]:
+        _refused(_chat(url, **body), where.split("[", 1)[0], where, "special token")
+        assert _chat(url, split_special_tokens=False, max_tokens=2, **body).status_code == 200

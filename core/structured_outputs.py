@@ -98,7 +98,7 @@ class StructuredOutputsParams:
             unknown = sorted(set(value) - set(KINDS) - set(OPTIONS))
             if unknown:
                 raise ValueError(f"structured_outputs has unknown field(s) {unknown}; "
-                                 f"twinserve knows {list(KINDS)}.")
+                                 f"twinserve knows {list(KINDS + OPTIONS)}.")
             return cls(**value)
         raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, got "
                          f"{type(value).__name__}.")

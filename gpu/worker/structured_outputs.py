@@ -36,7 +36,7 @@ from twinserve.core.structured_outputs import StructuredOutputsParams
 from twinserve.gpu.worker.schema_contract import first_unsatisfiable, strict_schema
 
 MATCHER_CACHE_SIZE = 128  # distinct specs kept compiled per runner
-PROBE_NODES = 256  # states the search of a Lark grammar visits at most (a few ms each)
+PROBE_NODES = 64  # states the search of a grammar or regex visits at most (~0.1-3 ms each)
 
 
 def compile_grammar(so: StructuredOutputsParams) -> str:
@@ -85,13 +85,16 @@ def _json_schema(so: StructuredOutputsParams) -> Any:
 
 
 class _ByteTokens:
-    """A 256-byte vocabulary plus EOS: enough for llguidance to tell whether a grammar allows
-    any first byte, without the model's tokenizer."""
+    """A 256-byte vocabulary plus EOS (id 256): enough for llguidance to search a grammar's
+    outputs without the model's tokenizer."""
 
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-    special_token_ids = [256]
+    EOS = 256
+
+    def __init__(self) -> None:
+        self.eos_token_id = self.EOS
+        self.bos_token_id = None
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        self.special_token_ids = [self.EOS]
 
     def __call__(self, text: bytes) -> list[int]:
         return list(text)
@@ -114,7 +117,7 @@ def _no_finite_output(grammar: str) -> bool:
                              bitorder="little")[:257]
         if matcher.is_error():
             continue
-        if bits[_ByteTokens.eos_token_id]:
+        if bits[_ByteTokens.EOS]:
             return False
         for byte in reversed(np.flatnonzero(bits).tolist()):  # the lowest byte first
             child = matcher.deep_copy()

@@ -6,7 +6,9 @@ schema that names its ``properties`` and says nothing about others gets
 ``"items": false``. Decisions: an object schema that names no properties (``{"type": "object"}``)
 stays a free-form object, since that is what it asks for; members of an ``allOf`` and schemas
 holding one are left open, because closing each part of an intersection would forbid the
-properties its other parts name.
+properties its other parts name. llguidance's JSON options (separators, whitespace, ``lenient``:
+ignore unsupported keywords) set no default for ``additionalProperties``, so the schema itself is
+rewritten, as vLLM's guidance backend does for its ``disable_additional_properties``.
 
 ``first_unsatisfiable`` finds a schema that no finite JSON value satisfies (a required property
 whose schema refers back to itself, ``{"$ref": "#"}``, ``false``, ``{"enum": []}``): the least

@@ -3,6 +3,11 @@
 Exactly one of ``json`` (a JSON schema, dict or string), ``regex``, ``choice`` (a list of
 strings), ``grammar`` (a Lark grammar) or ``json_object=True`` (any JSON object). The backend that
 samples compiles it (``gpu/worker/structured_outputs.py``); here only the shape is checked.
+
+``disable_additional_properties`` (vLLM's name, default True here: strict, as xgrammar and OpenAI's
+strict mode): an object schema that names its properties gets no others, an array with
+``prefixItems`` no further items, unless the schema says otherwise; False keeps JSON Schema's
+lenient reading (anything not forbidden may be generated).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+OPTIONS = ("disable_additional_properties",)
 
 
 @dataclass(slots=True)
@@ -21,6 +27,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +61,9 @@ class StructuredOutputsParams:
                                  "non-empty strings.")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean.")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError("structured_outputs.disable_additional_properties must be a "
+                             "boolean.")
 
     @property
     def kind(self) -> str:
@@ -75,7 +85,8 @@ class StructuredOutputsParams:
     @property
     def key(self) -> tuple[str, str]:
         """What a compiled grammar is cached by."""
-        return self.kind, self.spec
+        strict = "" if self.disable_additional_properties else "lenient:"
+        return self.kind, strict + self.spec
 
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputsParams:
@@ -84,10 +95,10 @@ class StructuredOutputsParams:
             value.validate()
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(KINDS))
+            unknown = sorted(set(value) - set(KINDS) - set(OPTIONS))
             if unknown:
                 raise ValueError(f"structured_outputs has unknown field(s) {unknown}; "
-                                 f"twinserve knows {list(KINDS)}.")
+                                 f"twinserve knows {list(KINDS + OPTIONS)}.")
             return cls(**value)
         raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, got "
                          f"{type(value).__name__}.")

@@ -12,6 +12,10 @@ message in the tool-call parser's own format (Hermes': a ``<tools>`` block and t
 ``<tool_call>`` instruction, as Qwen2.5's template writes it), an assistant's calls are written
 out as the parser reads them, and ``tool`` messages become ``<tool_response>`` user turns.
 
+Roles are checked against those the template knows (``ChatTemplate.roles``), and
+``encode_chat`` encodes the messages' contents as text (HF's ``split_special_tokens``), so text
+relayed from a third party cannot open a turn of its own.
+
 ``continue_final_message`` renders without a generation prompt and cuts the text after the last
 message's content, as HF does, so the model continues that message.
 """
@@ -19,6 +23,8 @@ message's content, as HF does, so the model continues that message.
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,8 +71,53 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     """The prompt text; ValueError naming the field (``chat_template``, ``messages``,
     ``chat_template_kwargs``, ``continue_final_message``) when it cannot be rendered.
     ``tool_format``: the parser whose format a template without tools is told to use."""
+    rendered, variables = _prepare(tokenizer, messages, options, tool_format)
+    text = tokenizer.apply_chat_template(
+        rendered, add_generation_prompt=options.add_generation_prompt,
+        chat_template=options.chat_template, **variables)
+    if options.continue_final_message:
+        text = _cut_after_final_message(text, rendered)
+    return text
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                options: ChatTemplateOptions, tool_format: ToolParser | None = None, *,
+                split_special_tokens: bool = True,
+                add_special_tokens: bool = False) -> ChatPrompt:
+    """The conversation rendered and encoded. With ``split_special_tokens`` (the default, HF's
+    name) the messages' contents are encoded as text: special-token strings written in them
+    (``<|im_end|>``) stay text and never become the template's control tokens. False lets
+    them through, for trusted callers that write control tokens on purpose."""
+    rendered, variables = _prepare(tokenizer, messages, options, tool_format)
+    contents = [m.get("content") if isinstance(m.get("content"), str) else None
+                for m in rendered]
+    if split_special_tokens:
+        _check_no_special_text_outside_contents(tokenizer, rendered, variables.get("tools"))
+    if not split_special_tokens or not any(
+            c is not None and tokenizer.has_special_text(c) for c in contents):
+        text = render_chat(tokenizer, messages, options, tool_format)
+        return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    pieces = _rendered_pieces(tokenizer, rendered, contents, options, variables)
+    if options.continue_final_message:
+        cut = len(_cut_after_final_message("".join(p for p, _ in pieces), rendered))
+        pieces = _truncated(pieces, cut)
+    return ChatPrompt("".join(p for p, _ in pieces),
+                      tokenizer.encode_pieces(pieces, add_special_tokens=add_special_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    text: str
+    token_ids: list[int]
+
+
+def _prepare(tokenizer: Any, messages: Sequence[Mapping[str, Any]], options: ChatTemplateOptions,
+             tool_format: ToolParser | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages as the template receives them and the template's variables."""
     options.check()
     template = tokenizer.template(options.chat_template)
+    check_roles(messages, template.roles)
+    messages = [_with_text_content(i, m) for i, m in enumerate(messages)]
     tools = [dict(t) for t in options.tools] if options.tools else None
     if not template.uses_tools and (tools or any(_is_tool_turn(m) for m in messages)):
         rendered = _without_tools_section(messages, tools or [], tool_format)
@@ -75,12 +126,86 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     variables = dict(options.chat_template_kwargs or {})
     if tools:
         variables["tools"] = tools
+    return rendered, variables
+
+
+def check_roles(messages: Sequence[Mapping[str, Any]], roles: frozenset[str]) -> None:
+    """Every message's role is one the template knows (``ChatTemplate.roles``)."""
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or role not in roles:
+            raise ValueError(f"messages[{i}].role {role!r} is not a role this model's chat "
+                             f"template knows; use one of {sorted(roles)}.")
+
+
+def _check_no_special_text_outside_contents(tokenizer: Any, messages: list[dict[str, Any]],
+                                            tools: list[dict[str, Any]] | None) -> None:
+    """Text the template renders outside the contents (names, tool-call arguments, tool
+    definitions) cannot be told apart from the template's own, so special-token text there is
+    refused, naming where it is (``split_special_tokens=false`` lets trusted callers send it)."""
+    roots: list[tuple[str, Any]] = [
+        (f"messages[{i}].{key}", value) for i, m in enumerate(messages)
+        for key, value in m.items() if key not in ("content", "role")]
+    roots += [(f"tools[{i}]", t) for i, t in enumerate(tools or [])]
+    stack = list(reversed(roots))
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str) and tokenizer.has_special_text(value):
+            raise ValueError(f"{where.split('.', 1)[0].split('[', 1)[0]}: {where} holds a "
+                             "special token's text, which would become a control token there; "
+                             "remove it (or send split_special_tokens=false if it is meant as "
+                             "one).")
+        if isinstance(value, Mapping):
+            stack.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{j}]", v) for j, v in enumerate(value))
+
+
+def _with_text_content(i: int, message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """OpenAI's content parts (``[{"type": "text", "text": ...}]``) joined into one text."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or \
+                not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content[{j}] must be a text part "
+                             "{\"type\": \"text\", \"text\": ...}.")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
+
+
+def _rendered_pieces(tokenizer: Any, rendered: list[dict[str, Any]],
+                     contents: list[str | None], options: ChatTemplateOptions,
+                     variables: dict[str, Any]) -> list[tuple[str, bool]]:
+    """The rendered text as ``(piece, is_content)``: each content is rendered as a marker
+    (private-use characters around a random nonce), so the template's own text and the
+    messages' contents are told apart exactly, whatever the template does around them."""
+    nonce = uuid.uuid4().hex
+    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if c is not None else m
+              for i, (m, c) in enumerate(zip(rendered, contents))]
     text = tokenizer.apply_chat_template(
-        rendered, add_generation_prompt=options.add_generation_prompt,
+        marked, add_generation_prompt=options.add_generation_prompt,
         chat_template=options.chat_template, **variables)
-    if options.continue_final_message:
-        text = _cut_after_final_message(text, rendered)
-    return text
+    pieces: list[tuple[str, bool]] = []
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
+    for k, part in enumerate(parts):
+        if k % 2 == 0:
+            pieces.append((part, False))
+        else:
+            pieces.append((contents[int(part)] or "", True))
+    return [p for p in pieces if p[0]]
+
+
+def _truncated(pieces: list[tuple[str, bool]], length: int) -> list[tuple[str, bool]]:
+    out: list[tuple[str, bool]] = []
+    for piece, is_content in pieces:
+        if length <= 0:
+            break
+        out.append((piece[:length], is_content))
+        length -= len(piece)
+    return out
 
 
 def _is_tool_turn(message: Mapping[str, Any]) -> bool:

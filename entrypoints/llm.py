@@ -66,12 +66,15 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             split_special_tokens: bool = True) -> list[RequestOutput]:
         """Applies the chat template (the model's, or ``chat_template``) to each conversation,
         then generates. ``tools`` (OpenAI's function tools) go to the template as HF's
         ``apply_chat_template(tools=...)`` passes them; the output is text (parse tool calls
-        with a parser of ``twinserve.entrypoints.tool_parsers``)."""
-        from twinserve.entrypoints.chat_template import ChatTemplateOptions, render_chat
+        with a parser of ``twinserve.entrypoints.tool_parsers``). Special-token text inside the
+        messages' contents stays text (HF's ``split_special_tokens``; False for trusted callers
+        whose contents hold control tokens on purpose)."""
+        from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
         from twinserve.entrypoints.chat_tools import check_history, parse_tools
         tok = self.engine.tokenizer
         if tok is None:
@@ -82,13 +85,15 @@ class LLM:
         options = ChatTemplateOptions(chat_template, chat_template_kwargs,
                                       add_generation_prompt, continue_final_message,
                                       definitions)
-        rendered = []
+        batch: list[Prompt] = []
+        texts: list[str | None] = []
         for conversation in conversations:
             check_history(list(conversation))
-            rendered.append(render_chat(tok, list(conversation), options))
-        # The template already holds the special tokens: encode without adding more.
-        batch: list[Prompt] = [tok.encode(t) for t in rendered]
-        texts: list[str | None] = list(rendered)
+            # The template already holds the special tokens: encode without adding more.
+            prompt = encode_chat(tok, list(conversation), options,
+                                 split_special_tokens=split_special_tokens)
+            batch.append(prompt.token_ids)
+            texts.append(prompt.text)
         return self._run(batch, texts, sampling_params, priority, tenant, lora_request, use_tqdm)
 
     def embed(self, prompts: PromptLike | Sequence[PromptLike],

@@ -345,6 +345,8 @@ class Generation:
                 return
             async for prompt_idx, out in self._merged:
                 for item in self._on_output(prompt_idx, out):
+                    if item[1].finish_reason == "error":
+                        raise APIError(400, DEAD_END_MESSAGE)
                     yield item
         finally:
             await self.close()
@@ -492,6 +494,12 @@ def sse_response(state: ServerState, gen: Generation,
     return SSEResponse(with_keepalive(sse_events(chunks), state.limits.sse_keepalive_s), gen)
 
 
+DEAD_END_MESSAGE = (
+    "The constrained output reached a dead end: its grammar allows no further token after the "
+    "text generated so far, which therefore does not conform (finish_reason \"error\"). "
+    "Give a grammar or schema in which every prefix it allows can be completed.")
+
+
 async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """``data: {...}`` per chunk, then ``data: [DONE]``; errors become an error event."""
     try:
@@ -500,6 +508,8 @@ async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
                 yield f"data: {chunk.model_dump_json()}\n\n"
     except EngineDeadError as exc:
         yield error_event(503, f"The engine is not running: {exc}")
+    except APIError as exc:
+        yield error_event(exc.status, exc.message, exc.param)
     except ValueError as exc:
         yield error_event(400, str(exc))
     except Exception:

@@ -1,5 +1,9 @@
 """Request and response bodies of the OpenAI-compatible server, in OpenAI's (and vLLM's) shape.
 
+Request bodies are strictly typed (pydantic's strict mode: ``"yes"`` is not a boolean, ``"3"`` not
+a number) and their numbers finite (``1e400`` is infinity in JSON: refused); ``temperature`` is at
+most 2, as OpenAI's.
+
 Requests accept vLLM's extra sampling fields at the top level (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``priority``, ``add_special_tokens``, ``bad_words``; on completions
@@ -35,6 +39,11 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+# Request bodies and their parts: strict types, finite numbers.
+STRICT_REQUEST = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
 
 
 def find_lone_surrogate(data: Any) -> str | None:
@@ -76,6 +85,7 @@ class RequestModel(OpenAIBaseModel):
     does not declare can be checked against ``UNIMPLEMENTED`` and the unknown ones logged.
     Text holding a lone surrogate is refused first, naming its field."""
 
+    model_config = STRICT_REQUEST
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
@@ -122,6 +132,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 # ---- shared request parts --------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
+    model_config = STRICT_REQUEST
     include_usage: bool | None = False
 
 
@@ -130,7 +141,7 @@ class SamplingFields(RequestModel):
 
     model: str | None = None
     n: int = 1
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -266,11 +277,13 @@ class CompletionRequest(SamplingFields):
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
 class ContentPart(OpenAIBaseModel):
+    model_config = STRICT_REQUEST
     type: str
     text: str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
+    model_config = STRICT_REQUEST
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -304,6 +317,9 @@ class ChatTemplateFields(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    # HF's name: special-token text inside message contents stays text (false: trusted callers
+    # whose contents hold control tokens on purpose)
+    split_special_tokens: bool = True
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.entrypoints.chat_template import ChatTemplateOptions, render_chat
+from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
 from twinserve.entrypoints.chat_tools import ToolRequest, check_history, parse_tools, tool_request
 from twinserve.entrypoints.openai.generation import (
     Generation,
@@ -80,14 +80,16 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
             chat_template_kwargs=body.chat_template_kwargs,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, tools=tools.template_tools)
-        text = render_chat(state.tokenizer, messages, options, opts.tool_format())
+        # The template holds the special tokens itself: encode without adding more (unless
+        # asked); the contents' special-token text stays text unless split_special_tokens=false.
+        prompt = encode_chat(state.tokenizer, messages, options, opts.tool_format(),
+                             split_special_tokens=body.split_special_tokens,
+                             add_special_tokens=body.add_special_tokens)
     except APIError:
         raise
     except ValueError as exc:
         raise APIError(400, str(exc), _field(exc)) from None
-    # The template holds the special tokens itself: encode without adding more (unless asked).
-    return PromptInput(state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens),
-                       text)
+    return PromptInput(prompt.token_ids, prompt.text)
 
 
 def chat_tool_request(state: ServerState, body: ChatCompletionRequest) -> ToolRequest:

@@ -156,7 +156,8 @@ class LLMEngine:
         out = driver.schedule(start)
         result = driver.execute(self.runner, out)
         end = self.now()
-        results, stopped = self.outputs.process(driver.complete(out, result, start, end))
+        results, stopped = self.outputs.process(driver.complete(out, result, start, end),
+                                                self.runner.take_dead_ends())
         if stopped:
             driver.finish(stopped, end)
         if self._lora_of:

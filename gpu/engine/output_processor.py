@@ -3,7 +3,7 @@ strings, logprobs, and the n > 1 samples of one request gathered under its id.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from twinserve.core.logprobs import PromptLogprobs
@@ -76,10 +76,11 @@ class OutputProcessor:
             request, prompt, prompt_ids, [CompletionOutput(i) for i in range(params.n)],
             [detok() for _ in range(params.n)], decode)
 
-    def process(self, outputs: list[EngineCoreOutput],
+    def process(self, outputs: list[EngineCoreOutput], dead_ends: Collection[str] = (),
                 ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the updated requests and the sample ids a stop string ended (the engine
-        finishes those in the scheduler)."""
+        finishes those in the scheduler). ``dead_ends``: sample ids whose grammar reached a
+        dead end this step; when they finish, their finish reason is ``"error"``."""
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
         for o in outputs:
@@ -90,6 +91,8 @@ class OutputProcessor:
             idx = int(index) if state.request.request_id != o.request_id else 0
             if self._apply(state, idx, o):
                 stopped.append(o.request_id)
+            if o.request_id in dead_ends:
+                self._dead_end(state.completions[idx], o.request_id, stopped)
             touched[state.request.request_id] = state
         results = []
         for rid, state in touched.items():
@@ -123,6 +126,14 @@ class OutputProcessor:
             comp.finish_reason = "stop" if hit is not None else o.finish_reason
             comp.stop_reason = hit if hit is not None else o.stop_reason
         return False
+
+    @staticmethod
+    def _dead_end(comp: CompletionOutput, sample_id: str, stopped: list[str]) -> None:
+        """The sample ends with ``"error"`` (its grammar allows nothing more but EOS, and the
+        output does not conform)."""
+        if not comp.finished and sample_id not in stopped:
+            stopped.append(sample_id)
+        comp.finish_reason, comp.stop_reason = "error", None
 
     def _snapshot(self, state: RequestState) -> RequestOutput | EmbeddingRequestOutput:
         req = state.request

@@ -1,12 +1,19 @@
 """What the engine does to a request's prompt and parameters before queuing it, for the
 request-surface extras: ``truncate_prompt_tokens`` (keep the last k tokens), ``bad_words``
-(tokenized here), embedding requests (``PoolingParams``: one prompt, prefill only)."""
+(tokenized here), embedding requests (``PoolingParams``: one prompt, prefill only), and finite
+sampling numbers (an infinite ``temperature`` or ``repetition_penalty`` would sample noise or
+NaNs; the server also bounds ``temperature`` at OpenAI's 2, the Python API as vLLM's does not)."""
 
 from __future__ import annotations
+
+import math
 
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.engine.tokenizer import Tokenizer
+
+FINITE_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 class RequestSurface:
@@ -19,6 +26,10 @@ class RequestSurface:
     def prepare(self, token_ids: list[int], params: SamplingParams,
                 pooling: PoolingParams | None) -> list[int]:
         """The prompt as the engine queues it; raises ValueError naming a bad field."""
+        for name in FINITE_FIELDS:
+            value = getattr(params, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}.")
         if pooling is not None:
             pooling.validate()
             self._check_pooling(params, pooling)

@@ -4,6 +4,7 @@ a sandboxed environment with HF's ``tojson``, ``raise_exception`` and ``strftime
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
@@ -14,6 +15,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.sandbox
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 from twinserve.gpu.engine.detokenizer import IncrementalDetokenizer
@@ -22,12 +24,39 @@ TEMPLATE_CACHE_SIZE = 16  # compiled templates kept per tokenizer (the model's, 
 MAX_TEMPLATE_CHARS = 1 << 18
 
 
+# OpenAI's roles: every chat template is given these (a template that cannot render one fails
+# on its own terms, as HF's do).
+STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# A string literal compared with a role in a template: `message['role'] == 'ipython'`,
+# `'ipython' == message.role`, `role in ['a', 'b']`.
+_ROLE_COMPARE = re.compile(
+    r"""role['"]?\]?\s*(?:==|!=)\s*['"]([A-Za-z_][\w-]*)['"]"""
+    r"""|['"]([A-Za-z_][\w-]*)['"]\s*(?:==|!=)\s*[\w.\[\]'"]*role"""
+    r"""|role['"]?\]?\s+(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")
+_QUOTED = re.compile(r"""['"]([A-Za-z_][\w-]*)['"]""")
+
+
+def template_roles(source: str) -> frozenset[str]:
+    """The roles a template knows: OpenAI's standard ones and every literal it compares a
+    role with (Llama 3.1's ``ipython``, for instance)."""
+    named: set[str] = set()
+    for match in _ROLE_COMPARE.finditer(source):
+        one, other, listed = match.groups()
+        if listed is not None:
+            named.update(_QUOTED.findall(listed))
+        else:
+            named.add(one or other)
+    return STANDARD_ROLES | named
+
+
 @dataclass(frozen=True, slots=True)
 class ChatTemplate:
-    """A compiled chat template; ``uses_tools``: its source reads the ``tools`` variable."""
+    """A compiled chat template; ``uses_tools``: its source reads the ``tools`` variable;
+    ``roles``: the message roles it knows (``template_roles``)."""
 
     template: jinja2.Template
     uses_tools: bool
+    roles: frozenset[str] = STANDARD_ROLES
 
     def render(self, **variables: Any) -> str:
         return self.template.render(**variables)
@@ -37,7 +66,7 @@ class Tokenizer:
     """Encode, decode, chat-template and stream-decode for one model."""
 
     __slots__ = ("_tok", "chat_template", "bos_token", "eos_token", "eos_token_id",
-                 "special_ids", "_env", "_templates")
+                 "special_ids", "special_texts", "_text_tok", "_env", "_templates")
 
     def __init__(self, tokenizer: HFTokenizer, *, chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None) -> None:
@@ -48,6 +77,10 @@ class Tokenizer:
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.special_ids = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self.special_texts = tuple(sorted(
+            {t.content for t in tokenizer.get_added_tokens_decoder().values()
+             if t.special and t.content}))
+        self._text_tok: HFTokenizer | None = None  # made on first use (split specials)
         self._env = _template_env()
         self._templates: OrderedDict[str, ChatTemplate] = OrderedDict()
         if chat_template:
@@ -77,6 +110,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def has_special_text(self, text: str) -> bool:
+        """True when ``text`` holds a special token's text (``<|im_end|>``)."""
+        return any(t in text for t in self.special_texts)
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]],
+                      add_special_tokens: bool = False) -> list[int]:
+        """``pieces`` of ``(text, is_content)`` encoded one after another: a template piece as
+        ``encode`` does, a content piece with special-token text kept as text (HF's
+        ``split_special_tokens``)."""
+        if self._text_tok is None:
+            self._text_tok = HFTokenizer.from_str(self._tok.to_str())
+            self._text_tok.encode_special_tokens = True
+        encodings = [(self._text_tok if is_content else self._tok).encode(
+            text, add_special_tokens=False) for text, is_content in pieces]
+        merged = Encoding.merge(encodings, growing_offsets=True) if encodings else \
+            self._tok.encode("", add_special_tokens=False)
+        if add_special_tokens:
+            merged = self._tok.post_process(merged, add_special_tokens=True)
+        return merged.ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
@@ -101,7 +154,8 @@ class Tokenizer:
         try:
             ast = self._env.parse(source)
             compiled = ChatTemplate(self._env.from_string(ast),
-                                    "tools" in jinja2.meta.find_undeclared_variables(ast))
+                                    "tools" in jinja2.meta.find_undeclared_variables(ast),
+                                    template_roles(source))
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat_template does not compile: {exc}") from None
         self._templates[source] = compiled

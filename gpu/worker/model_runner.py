@@ -266,6 +266,10 @@ class ModelRunner:
         if so is not None and structured is not None:
             structured.prefetch(so)
 
+    def take_dead_ends(self) -> list[str]:
+        """Constrained requests whose grammar reached a dead end since the last call."""
+        return self._structured.take_dead_ends() if self._structured is not None else []
+
     def _generator_for(self, request: Request) -> torch.Generator | None:
         """A seeded request's own generator (seed + child index for n > 1), made on first use."""
         seed = request.sampling_params.seed

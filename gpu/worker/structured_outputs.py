@@ -9,6 +9,9 @@ output tokens: before a step's mask it consumes the tokens it has not seen (afte
 that is none; after a recompute preemption the output is kept, so none either) and rebuilds it
 when the output is shorter than what it consumed. Once the grammar is complete the mask allows
 only the EOS token, so the request ends the way the scheduler already knows: EOS -> "stop".
+A matcher that reaches a dead end (an error state: llguidance then allows only EOS) is recorded;
+``take_dead_ends`` hands those request ids to the engine, which reports them as finished with
+``"error"`` (vLLM's ``FinishReason.ERROR``) rather than "stop" with non-conforming text.
 
 Compilation off the step: ``prefetch`` (called when a request is added) compiles a spec not yet
 cached on one background thread, so the step that first masks the request usually finds it
@@ -22,6 +25,7 @@ import json
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -29,18 +33,22 @@ import torch
 
 from twinserve.core.request import Request
 from twinserve.core.structured_outputs import StructuredOutputsParams
+from twinserve.gpu.worker.schema_contract import first_unsatisfiable, strict_schema
 
 MATCHER_CACHE_SIZE = 128  # distinct specs kept compiled per runner
+PROBE_NODES = 64  # states the search of a grammar or regex visits at most (~0.1-3 ms each)
 
 
 def compile_grammar(so: StructuredOutputsParams) -> str:
-    """The llguidance grammar for ``so``; ``ValueError`` naming the field when it is invalid."""
+    """The llguidance grammar for ``so``; ``ValueError`` naming the field when it is invalid or
+    when no finite output satisfies it. JSON schemas are closed first unless
+    ``so.disable_additional_properties`` is False (``schema_contract.strict_schema``)."""
     kind = so.kind
     field = f"structured_outputs.{kind}"
     try:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                so.json if so.json is not None else {}, defaults={"whitespace_flexible": False})
+                _json_schema(so), defaults={"whitespace_flexible": False})
         elif kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults={"whitespace_flexible": False})
@@ -56,7 +64,66 @@ def compile_grammar(so: StructuredOutputsParams) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{field} is invalid: {error.strip()}")
+    # JSON schemas were checked by ``first_unsatisfiable``; choices always end.
+    if kind in ("grammar", "regex") and _no_finite_output(grammar):
+        raise ValueError(f"{field} is unsatisfiable: no finite output matches it (a rule "
+                         "that refers to itself with no way out, such as "
+                         "`start: start \"a\"`).")
     return grammar
+
+
+def _json_schema(so: StructuredOutputsParams) -> Any:
+    schema = so.json if so.json is not None else {}
+    if isinstance(schema, str):
+        schema = json.loads(schema)  # validated by StructuredOutputsParams
+    where = first_unsatisfiable(schema)
+    if where is not None:
+        raise ValueError(f"the schema at {where} is unsatisfiable: every value it allows "
+                         "would be infinite or impossible (a required property that refers "
+                         "back to its own schema, {\"$ref\": \"#\"}, false or an empty enum).")
+    return strict_schema(schema) if so.disable_additional_properties else schema
+
+
+class _ByteTokens:
+    """A 256-byte vocabulary plus EOS (id 256): enough for llguidance to search a grammar's
+    outputs without the model's tokenizer."""
+
+    EOS = 256
+
+    def __init__(self) -> None:
+        self.eos_token_id = self.EOS
+        self.bos_token_id = None
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        self.special_token_ids = [self.EOS]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def _no_finite_output(grammar: str) -> bool:
+    """True when a bounded search over bytes proves that no output completes the grammar:
+    every path llguidance allows ends in its error state before one where EOS is allowed
+    (left recursion with no base case, ``b: "c" b``). A search that runs out of its
+    ``PROBE_NODES`` budget proves nothing, and the grammar is accepted."""
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()))
+    stack = [llguidance.LLMatcher(tokenizer, grammar, log_level=0)]
+    for _ in range(PROBE_NODES):
+        if not stack:
+            return True
+        matcher = stack.pop()
+        if matcher.is_error():
+            continue
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                             bitorder="little")[:257]
+        if matcher.is_error():
+            continue
+        if bits[_ByteTokens.EOS]:
+            return False
+        for byte in reversed(np.flatnonzero(bits).tolist()):  # the lowest byte first
+            child = matcher.deep_copy()
+            child.consume_token(byte)
+            stack.append(child)
+    return False
 
 
 class _State:
@@ -80,6 +147,7 @@ class StructuredOutputs:
         self._pending: dict[tuple[str, str], Future[llguidance.LLMatcher]] = {}
         self._pool: ThreadPoolExecutor | None = None  # started by the first prefetch
         self._states: dict[str, _State] = {}
+        self._dead_ends: list[str] = []
         self._words = (vocab_size + 31) // 32
 
     def __len__(self) -> int:
@@ -176,6 +244,8 @@ class StructuredOutputs:
         assert self._executor is not None
         self._executor.unsafe_compute_mask_ptr(matchers, words.ctypes.data, self._words * 4,
                                                len(rows))
+        self._dead_ends.extend(requests[i].request_id for (m, _), i in zip(matchers, rows)
+                               if m.is_error())
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
         return rows, torch.from_numpy(bits[:, :self.vocab_size].astype(bool))
 
@@ -190,6 +260,11 @@ class StructuredOutputs:
             if not state.matcher.is_stopped():
                 state.matcher.consume_token(token)
             state.num_consumed += 1
+
+    def take_dead_ends(self) -> list[str]:
+        """The requests whose grammar reached a dead end since the last call."""
+        dead, self._dead_ends = self._dead_ends, []
+        return dead
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -256,3 +256,107 @@ def test_prefetched_grammar_gives_the_same_masks_and_stays_bounded(tiny_dir):
         warm.prefetch(StructuredOutputsParams(regex=f"a{{{i + 1}}}"))
     assert len(warm._pending) <= MATCHER_CACHE_SIZE
     warm.close()
+
+
+# ---- strict by default: nothing the schema does not name ---------------------------------------
+OPEN_SCHEMAS = [  # no additionalProperties anywhere: JSON Schema's lenient reading allows more
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["name"]},
+    {"type": "object", "properties": {
+        "items": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}}},
+        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}]}},
+     "required": ["items", "pair"]},
+]
+
+
+def _closed(schema):
+    """``schema`` with every object closed and every tuple ended, as strict mode reads it."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: ({n: _closed(s) for n, s in v.items()} if k == "properties" else
+               [_closed(s) for s in v] if k == "prefixItems" else
+               _closed(v) if k == "items" else v) for k, v in schema.items()}
+    if "properties" in out:
+        out.setdefault("additionalProperties", False)
+    if "prefixItems" in out:
+        out.setdefault("items", False)
+    return out
+
+
+def _sampled(tiny_llm, schema, lenient: bool, n: int = 12):
+    so = StructuredOutputsParams(json=schema, disable_additional_properties=not lenient)
+    params = [SamplingParams(structured_outputs=so, temperature=1.0, seed=s, max_tokens=120)
+              for s in range(n)]
+    return [o.outputs[0] for o in tiny_llm.generate([PROMPTS[s % 4] for s in range(n)], params,
+                                                    use_tqdm=False)]
+
+
+@pytest.mark.parametrize("schema", OPEN_SCHEMAS)
+def test_strict_outputs_never_hold_what_the_schema_does_not_name(tiny_llm, schema):
+    for c in _sampled(tiny_llm, schema, lenient=False):
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), _closed(schema))
+
+
+def test_disable_additional_properties_false_keeps_the_lenient_reading(tiny_llm):
+    """The noise model invents properties as soon as the mask lets it (so the strict test
+    above would fail without strict mode); the outputs still validate against the schema."""
+    outs = _sampled(tiny_llm, OPEN_SCHEMAS[0], lenient=True)
+    extra = 0
+    for c in outs:
+        if c.finish_reason == "stop":
+            value = json.loads(c.text)
+            jsonschema.validate(value, OPEN_SCHEMAS[0])
+            extra += bool(set(value) - {"name", "age"})
+        else:
+            extra += 1  # ran on inventing properties until max_tokens
+    assert extra > 0
+
+
+@pytest.mark.parametrize("spec, where", [
+    ({"json": {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                "required": ["c"]}}, "$ref": "#/$defs/n"}},
+     "#/$defs/n/properties/c"),
+    ({"json": {"$ref": "#"}}, "the schema at # "),
+    ({"json": {"type": "array", "minItems": 1, "items": False}}, "#/items"),
+    ({"grammar": 'start: start "a"'}, "structured_outputs.grammar is unsatisfiable"),
+    ({"grammar": 'start: "a" b\nb: "c" b'}, "structured_outputs.grammar is unsatisfiable"),
+    ({"regex": "a[^\\s\\S]"}, "structured_outputs.regex is unsatisfiable"),
+])
+def test_specs_no_finite_output_satisfies_are_value_errors(tiny_llm, spec, where):
+    with pytest.raises(ValueError, match="unsatisfiable") as err:
+        tiny_llm.generate("abc", SamplingParams(structured_outputs=spec, max_tokens=8),
+                          use_tqdm=False)
+    assert where in str(err.value)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_satisfiable_recursion_and_long_records_are_accepted():
+    from twinserve.gpu.worker.structured_outputs import compile_grammar
+    tree = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}},
+            "$ref": "#/$defs/n"}  # c is optional: {} ends it
+    either = {"$defs": {"n": {"anyOf": [{"type": "integer"}, {
+        "type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}]}},
+        "$ref": "#/$defs/n"}
+    long = {"type": "object", "properties": {"t": {"type": "string", "minLength": 4000}},
+            "required": ["t"]}
+    for spec in ({"json": tree}, {"json": either}, {"json": long},
+                 {"grammar": 'start: "a" start | "b"'}, {"grammar": 'start: /[a-z]{300}/'}):
+        assert compile_grammar(StructuredOutputsParams(**spec))
+
+
+def test_a_dead_end_finishes_with_error_not_stop(tiny_llm, monkeypatch):
+    """A dead end the checks cannot see (here: the search switched off) ends the request with
+    "error" (vLLM's FinishReason.ERROR), never "stop" with text the grammar does not match."""
+    import twinserve.gpu.worker.structured_outputs as so_module
+    monkeypatch.setattr(so_module, "_no_finite_output", lambda grammar: False)
+    params = SamplingParams(structured_outputs={"grammar": 'start: "a" b\nb: "c" b'},
+                            temperature=0.0, max_tokens=20)
+    outs = tiny_llm.generate(["abc", "red green"], [params, _so(regex="[0-9]{3}")],
+                             use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error", outs[0].outputs[0]
+    assert outs[1].outputs[0].finish_reason == "stop"  # its batch neighbour is untouched
+    assert re.fullmatch("[0-9]{3}", outs[1].outputs[0].text)
+    assert not tiny_llm.engine.has_unfinished_requests()

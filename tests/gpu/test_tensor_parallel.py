@@ -363,3 +363,33 @@ def test_workers_exit_when_the_engine_process_is_killed(llama_kv1) -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1 and _gone(pids, timeout_s=30)  # the pipe's end-of-file ends it
+
+
+def test_tp2_starts_from_a_script_on_standard_input(llama_kv1, llama_tp1) -> None:
+    """``python - <<EOF``: spawned ranks cannot re-run ``<stdin>``; they start all the same and
+    the script's greedy tokens equal TP=1's."""
+    import subprocess
+    import sys
+    script = (
+        "from twinserve import LLM, SamplingParams\n"
+        f"llm = LLM({str(llama_kv1)!r}, dtype='float32', tensor_parallel_size=2, "
+        "max_model_len=64)\n"
+        "out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, "
+        "ignore_eos=True), use_tqdm=False)\n"
+        "print('TOKENS', *out[0].outputs[0].token_ids, flush=True)\n")
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS"))
+    expected = _run_n(llama_tp1, [5, 6, 7, 8], 8)
+    assert [int(t) for t in line.split()[1:]] == expected
+
+
+def _run_n(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return list(out.outputs[0].token_ids)
+    raise AssertionError("the request did not finish")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need, then lints (ruff), type-checks core/, policies/, simulator/,
-# reports/, traces/ and the engine's orchestration, gpu/engine/ (mypy), and runs the whole suite.
+# reports/, traces/, fidelity/ and the engine's orchestration, gpu/engine/ (mypy), and runs the
+# whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -14,5 +15,5 @@ trap 'rm -rf "$TYPES"' EXIT
 ln -s "$ROOT" "$TYPES/twinserve"
 (cd "$TYPES" && "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TYPES/.cache" \
     -p twinserve.core -p twinserve.policies -p twinserve.simulator -p twinserve.reports \
-    -p twinserve.traces -p twinserve.gpu.engine)
+    -p twinserve.traces -p twinserve.gpu.engine -p twinserve.fidelity)
 "$PY" -m pytest -q "$@"

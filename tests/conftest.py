@@ -125,9 +125,14 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     return outs
 
 
-def with_trained_tokenizer(src: Path, dst: Path, corpus: list[str]) -> Path:
+PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+def with_trained_tokenizer(src: Path, dst: Path, corpus: list[str],
+                           chat_template: str = PLAIN_CHAT_TEMPLATE) -> Path:
     """A copy of tiny model ``src`` at ``dst`` with a byte-level BPE tokenizer trained on
-    ``corpus`` (``<unk>``, ``<s>``, ``</s>`` = ids 0, 1, 2) and a plain chat template."""
+    ``corpus`` (``<unk>``, ``<s>``, ``</s>`` = ids 0, 1, 2) and ``chat_template`` (a plain one by
+    default)."""
     import json
     import shutil
 
@@ -142,8 +147,7 @@ def with_trained_tokenizer(src: Path, dst: Path, corpus: list[str]) -> Path:
     assert tok.token_to_id("</s>") == 2 and tok.get_vocab_size() <= TINY_VOCAB
     tok.save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}))
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template}))
     return dst
 
 

@@ -341,6 +341,39 @@ def test_block_events_at_once_equal_their_step_by_step_order(monkeypatch, twins:
     assert taken == [not twins]  # equal hashes: the at-once path declines, the reference runs
 
 
+RUN_CASES = [(12.5, 12.5, 13.0, 500), (7.25, 7.0, 99.0, 50), (3.0, 3.0, 3.001, 500),
+             (1e6, 0.1, 2e6, 30)]  # (now, base, horizon, max_steps)
+
+
+def _run_ends_lengths(cost, n: int, context: int) -> list[int]:
+    """``cost.decode_run_ends`` against ``cost.step_time`` step by step, from a decode step of
+    ``n`` sequences holding ``context`` tokens, in each of ``RUN_CASES``: equal end times, ``out``
+    left as it was. Returns each case's number of steps."""
+    run = plan_decode_run(_decoding(num=1), TOKEN)
+    assert run is not None
+    out = run.out
+    out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
+    out.sum_context_tokens = out.sum_decode_context_tokens = context
+    lengths = []
+    for now, base, horizon, max_steps in RUN_CASES:
+        saved = (out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context)
+        fast = cost.decode_run_ends(out, now, horizon, base, max_steps)
+        assert (out.sum_context_tokens, out.sum_decode_context_tokens,
+                out.max_decode_context) == saved  # left as it is
+        ends, t = [], now
+        for _ in range(max_steps):
+            end = t + cost.step_time(out)
+            if end >= horizon or base + (end - base) != end:
+                break
+            ends.append(end)
+            t = end
+            run.next_step()
+        assert fast == ends
+        lengths.append(len(ends))
+        out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context = saved
+    return lengths
+
+
 @pytest.mark.parametrize("hardware", ["a100-80gb", "h200", "random"])
 def test_a_fitted_models_run_ends_equal_its_step_time_loop(hardware: str) -> None:
     """The fitted model's decode-run shortcut (``FittedCostModel.decode_run_ends``) against its
@@ -358,30 +391,8 @@ def test_a_fitted_models_run_ends_equal_its_step_time_loop(hardware: str) -> Non
         coefficients = {f: rng.uniform(0.0, 1e-5) for f in ALL_FEATURE_NAMES}
         cost = FittedCostModel(dataclasses.replace(cost.params, coefficients=coefficients),
                                cost.base)
-    lengths = []
-    for n, context in [(1, 900), (37, 37 * 2100), (256, 256 * 700)]:
-        run = plan_decode_run(_decoding(num=1), TOKEN)
-        assert run is not None
-        out = run.out
-        out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
-        out.sum_context_tokens = out.sum_decode_context_tokens = context
-        for now, base, horizon, max_steps in [(12.5, 12.5, 13.0, 500), (7.25, 7.0, 99.0, 50),
-                                              (3.0, 3.0, 3.001, 500), (1e6, 0.1, 2e6, 30)]:
-            saved = (out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context)
-            fast = cost.decode_run_ends(out, now, horizon, base, max_steps)
-            assert (out.sum_context_tokens, out.sum_decode_context_tokens,
-                    out.max_decode_context) == saved  # left as it is
-            ends, t = [], now
-            for _ in range(max_steps):
-                end = t + cost.step_time(out)
-                if end >= horizon or base + (end - base) != end:
-                    break
-                ends.append(end)
-                t = end
-                run.next_step()
-            assert fast == ends
-            lengths.append(len(ends))
-            out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context = saved
+    lengths = [k for n, context in [(1, 900), (37, 37 * 2100), (256, 256 * 700)]
+               for k in _run_ends_lengths(cost, n, context)]
     assert min(lengths) == 0 and max(lengths) > 20
 
 
@@ -397,37 +408,12 @@ def test_a_plain_rooflines_run_ends_equal_its_step_time_loop() -> None:
     from twinserve.simulator.run import SimConfig, build_engine_config
     cost = build_engine_config(SimConfig(**ROOFLINE)).cost_model
     assert isinstance(cost, CostModel)
-    run_ends = cost.decode_run_ends
     lengths = []
     for n, context, cap in [(1, 900, 10**6), (37, 37 * 2100, 10**6), (256, 256 * 700, 10**6),
                             (64, 64 * 8100, 8192)]:
-        sched = _decoding(num=1)
-        run = plan_decode_run(sched, TOKEN)
-        assert run is not None
-        out = run.out
-        out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
-        out.sum_context_tokens = out.sum_decode_context_tokens = context
         cost._max_context, max_context = cap, cost._max_context  # the n * max_context cap
         try:
-            for now, base, horizon, max_steps in [(12.5, 12.5, 13.0, 500), (7.25, 7.0, 99.0, 50),
-                                                  (3.0, 3.0, 3.001, 500), (1e6, 0.1, 2e6, 30)]:
-                saved = (out.sum_context_tokens, out.sum_decode_context_tokens,
-                         out.max_decode_context)
-                fast = run_ends(out, now, horizon, base, max_steps)
-                assert (out.sum_context_tokens, out.sum_decode_context_tokens,
-                        out.max_decode_context) == saved  # left as it is
-                ends, t = [], now
-                for _ in range(max_steps):
-                    end = t + cost.step_time(out)
-                    if end >= horizon or base + (end - base) != end:
-                        break
-                    ends.append(end)
-                    t = end
-                    run.next_step()
-                assert fast == ends
-                lengths.append(len(ends))
-                out.sum_context_tokens, out.sum_decode_context_tokens, out.max_decode_context = \
-                    saved
+            lengths += _run_ends_lengths(cost, n, context)
         finally:
             cost._max_context = max_context
     assert min(lengths) == 0 and max(lengths) > 20  # cut by the horizon, by SimPy's sum, by none

@@ -41,13 +41,8 @@ RECURSIVE = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_dirs, tmp_path_factory) -> Path:
-    path = with_trained_tokenizer(tiny_model_dirs["llama-tied"],
-                                  tmp_path_factory.mktemp("contract") / "llama-tok", CORPUS)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return path
+    return with_trained_tokenizer(tiny_model_dirs["llama-tied"],
+                                  tmp_path_factory.mktemp("contract") / "llama-tok", CORPUS, TEMPLATE)
 
 
 @pytest.fixture(scope="module")

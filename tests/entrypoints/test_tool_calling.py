@@ -244,13 +244,8 @@ def test_tool_choice_modes_and_refusals() -> None:
 # ---- chat templates ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_dirs, tmp_path_factory) -> Path:
-    path = with_trained_tokenizer(tiny_model_dirs["llama-tied"],
-                                  tmp_path_factory.mktemp("tools") / "llama-tok", CORPUS)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return path
+    return with_trained_tokenizer(tiny_model_dirs["llama-tied"],
+                                  tmp_path_factory.mktemp("tools") / "llama-tok", CORPUS, TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

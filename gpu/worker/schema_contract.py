@@ -21,11 +21,27 @@ from collections.abc import Iterator
 from typing import Any
 
 Schema = dict[str, Any] | bool
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema; the checks below recurse over it
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_ONE = ("additionalProperties", "additionalItems", "contains", "not", "if", "then",
                "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def check_depth(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """ValueError when ``schema`` nests objects and arrays deeper than ``limit``: a client's
+    schema is bounded before anything recurses over it. Iterative, so any depth is measured."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict | list):
+            continue
+        if depth > limit:
+            raise ValueError(f"the schema nests deeper than {limit} levels of objects and "
+                             "arrays; flatten it (or use $defs and $ref).")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children)
 
 
 def strict_schema(schema: Any) -> Any:

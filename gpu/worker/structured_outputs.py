@@ -33,7 +33,7 @@ import torch
 
 from twinserve.core.request import Request
 from twinserve.core.structured_outputs import StructuredOutputsParams
-from twinserve.gpu.worker.schema_contract import first_unsatisfiable, strict_schema
+from twinserve.gpu.worker.schema_contract import check_depth, first_unsatisfiable, strict_schema
 
 MATCHER_CACHE_SIZE = 128  # distinct specs kept compiled per runner
 PROBE_NODES = 64  # states the search of a grammar or regex visits at most (~0.1-3 ms each)
@@ -76,6 +76,7 @@ def _json_schema(so: StructuredOutputsParams) -> Any:
     schema = so.json if so.json is not None else {}
     if isinstance(schema, str):
         schema = json.loads(schema)  # validated by StructuredOutputsParams
+    check_depth(schema)
     where = first_unsatisfiable(schema)
     if where is not None:
         raise ValueError(f"the schema at {where} is unsatisfiable: every value it allows "

@@ -37,6 +37,9 @@ TOOLS_TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }
                   "{{ '\\n' }}{% endif %}" + TEMPLATE)
 RECURSIVE = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                              "required": ["c"]}}, "$ref": "#/$defs/n"}
+DEEP: dict = {"type": "string"}  # 300 levels of objects: parsed fine, bounded before any check
+for _ in range(300):
+    DEEP = {"type": "object", "properties": {"a": DEEP}, "required": ["a"]}
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +180,7 @@ def test_temperature_two_is_accepted_and_the_python_api_wants_finite_numbers(url
     ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs", ["unsatisfiable"]),
     ({"structured_outputs": {"grammar": 'start: start "a"'}}, "structured_outputs",
      ["grammar is unsatisfiable"]),
+    ({"structured_outputs": {"json": DEEP}}, "structured_outputs", ["nests deeper than 64"]),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n",
                                                                  "schema": RECURSIVE}}},
      "response_format", ["json_schema.schema", "unsatisfiable"]),

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from twinserve.gpu.worker.schema_contract import first_unsatisfiable, strict_schema
+from twinserve.gpu.worker.schema_contract import (
+    MAX_SCHEMA_DEPTH,
+    check_depth,
+    first_unsatisfiable,
+    strict_schema,
+)
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}}
 
@@ -64,3 +69,22 @@ def test_schemas_without_a_finite_instance_name_the_part_to_blame(schema, where)
 ])
 def test_schemas_with_a_finite_instance_pass(schema) -> None:
     assert first_unsatisfiable(schema) is None
+
+
+def test_a_schema_is_bounded_in_depth_before_anything_recurses_over_it() -> None:
+    deepest: object = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH - 1):
+        deepest = [deepest]
+    check_depth(deepest)  # at the limit: accepted
+    with pytest.raises(ValueError, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels"):
+        check_depth([deepest])
+    nested: dict = {"type": "string"}
+    for _ in range(2000):  # far past Python's recursion limit: still measured, and refused
+        nested = {"type": "object", "properties": {"a": nested}}
+    with pytest.raises(ValueError, match="nests deeper"):
+        check_depth(nested)
+    allowed: dict = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):  # the deepest object nesting the bound admits
+        allowed = {"type": "object", "properties": {"a": allowed}, "required": ["a"]}
+    check_depth(allowed)
+    assert first_unsatisfiable(allowed) is None and "additionalProperties" in strict_schema(allowed)

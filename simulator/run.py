@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_engine_config
+from twinserve.core.kernel_settings import kernel_settings_mismatch
 from twinserve.core.metrics import RequestRecord, StepLog, summarize
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
@@ -25,7 +26,12 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
-from twinserve.simulator.cost_model import CostModel, DeviceCostModel, make_cost_model
+from twinserve.simulator.cost_model import (
+    CostModel,
+    DeviceCostModel,
+    FittedCostModel,
+    make_cost_model,
+)
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
@@ -123,6 +129,7 @@ class SimResult:
     wall_time_s: float
     cost_model: str = ""  # which profile and data the step times rest on (DeviceCostModel.describe)
     roofline_gap: str = ""  # on a roofline only: how far rooflines fell short where measured
+    kernel_mismatch: str = ""  # the fit records other kernel settings than the engine's
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -263,7 +270,16 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         summary.update(lora_summary(records, trace, tallies))
     gap = roofline_caveat() if isinstance(cost, CostModel) else ""
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
-                     time.perf_counter() - t0, cost.describe(), gap)
+                     time.perf_counter() - t0, cost.describe(), gap, _kernel_mismatch(cost, cfg))
+
+
+def _kernel_mismatch(cost: DeviceCostModel, cfg: SimConfig) -> str:
+    """How the kernel settings the fit was measured under differ from the engine's ("": the
+    same, or a fit that records none, such as the bundled GPU fits): the twin prices the
+    measured kernels whatever the engine arguments name."""
+    if not isinstance(cost, FittedCostModel) or not cost.params.kernel_settings:
+        return ""
+    return kernel_settings_mismatch(cost.params.to_dict(), cfg.engine.kernel_settings()) or ""
 
 
 @contextmanager

@@ -72,6 +72,9 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"step times: {result.cost_model}")
     if result.roofline_gap:
         print(result.roofline_gap)
+    if result.kernel_mismatch:
+        print(f"WARNING: the profile's fit ran other kernels: {result.kernel_mismatch}",
+              file=sys.stderr)
     print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
     return 0
 

@@ -52,3 +52,21 @@ def test_runs_kernel_settings_agree_or_are_refused(tmp_path: Path) -> None:
     c = _run(tmp_path / "c", **KernelSettings().to_dict())
     with pytest.raises(ValueError, match="the runs ran different kernel settings"):
         runs_kernel_settings([a, c])
+
+
+def test_simulate_says_when_the_fit_ran_other_kernels(tmp_path: Path, capsys) -> None:
+    from twinserve.entrypoints.cli.main import main
+    from twinserve.simulator.model_spec import load_model_spec
+    cal = Calibration(FittedParams(1e-3, {"num_tokens": 1e-5},
+                                   load_model_spec("llama-3-8b").name), [])
+    profile = save_profile(cal, "llama-3-8b", "h100-sxm", tmp_path / "p.json",
+                           kernel_settings=TORCH_FP32)
+    base = ["simulate", "--num-requests", "3", "--hardware", str(profile), "--model", "llama-3-8b"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "the profile's fit ran other kernels" in err and "cpu_attention: profile 'torch'" in err
+    assert main([*base, "--cpu-attention", "torch", "--quant-activations", "fp32",
+                 "--out", str(tmp_path / "b")]) == 0
+    assert "other kernels" not in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "3", "--out", str(tmp_path / "c")]) == 0
+    assert "other kernels" not in capsys.readouterr().err  # the bundled fits record none

@@ -39,6 +39,10 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     group_block_ids: tuple[list[int], ...] = ()
+    # Speculation: the drafts this entry verifies (``num_new_tokens == 1 + len(spec_token_ids)``)
+    # and how many drafts the backend proposes for the request after sampling (0: none).
+    spec_token_ids: Sequence[int] = ()  # a list when there are drafts
+    num_draft_next: int = 0
 
     @property
     def request_id(self) -> str:
@@ -46,6 +50,9 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
+        spec = self.spec_token_ids
+        if spec:  # the drafts are not the request's tokens (yet): they follow its last one
+            return self.request.all_token_ids[self.start:self.start + 1] + list(spec)
         return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
 
     @property
@@ -56,7 +63,8 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes. ``num_prefill_tokens``/``num_decode_tokens`` and the context sums
-    feed the simulator's cost model; a decode is a request past its prompt."""
+    feed the simulator's cost model; a decode is a request past its prompt. An entry verifying
+    k drafts is one decode sequence of 1 + k decode tokens (``num_spec_tokens`` counts the k)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
@@ -81,6 +89,8 @@ class SchedulerOutput:
     # of each chunk. The CPU's attention kernels compute all of it, masked half included (a fresh
     # 512-token prompt's causal flash kernel took about as long as the masked one over the square).
     sum_prefill_attention_area: int = 0
+    # Draft tokens verified this step (speculative decoding), part of num_decode_tokens.
+    num_spec_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
@@ -100,6 +110,7 @@ AGGREGATE_FIELDS: tuple[str, ...] = (
     "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
     "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens", "max_decode_context",
     "num_prefix_chunks", "sum_prefix_context_tokens", "sum_prefill_attention_area",
+    "num_spec_tokens",
 )
 
 
@@ -109,12 +120,17 @@ class ModelRunnerOutput:
     ``logprobs`` maps request id to one ``TokenLogprobs`` per sampled token (requests that asked
     for logprobs). In the step that completes a prompt: ``prompt_logprobs`` (requests with
     ``prompt_logprobs``) holds one entry per prompt token after the first, and ``pooled``
-    (requests with ``pooling_params``) the prompt's pooled, normalised hidden state."""
+    (requests with ``pooling_params``) the prompt's pooled, normalised hidden state.
+
+    Speculation: for an entry verifying k drafts, ``sampled_token_ids`` holds the accepted
+    drafts and then one sampled token (1..k + 1 tokens); ``spec_token_ids`` the drafts proposed
+    for the next step (at most the entry's ``num_draft_next``; fewer or none is fine)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -49,8 +49,12 @@ def make_router(name: str, block_size: int, **options: Any) -> Router:
         if cls is None:
             raise ValueError(f"unknown router {name!r}; valid: {', '.join(routers)}")
     try:
-        if "block_size" in inspect.signature(cls).parameters:
-            options = {"block_size": block_size, **options}
+        takes_block_size = "block_size" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # not a class with a readable signature
+        raise ValueError(f"router {name!r} is not a router class: {cls!r}") from None
+    if takes_block_size:
+        options = {"block_size": block_size, **options}
+    try:
         router = cls(**options)
     except TypeError as exc:
         raise ValueError(f"bad options for router {name!r}: {exc}") from None

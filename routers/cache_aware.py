@@ -20,28 +20,33 @@ class CacheAwareRouter:
     stored or matched is moved to the young end; past the cap the oldest is forgotten, which can
     only make a replica look emptier than it is.
 
-    The score of replica ``i``, each term within [0, 1] so the weights read as priorities::
+    The score of replica ``i``::
 
-        prefix_weight * matched_i / prompt_blocks           # the precise prefix scorer
-      + queue_weight  * (max_q - q_i) / (max_q - min_q)     # the queue scorer, q = running + waiting
-      + kv_weight     * (1 - kv_usage_i)                    # the KV-utilisation scorer
+        prefix_weight * matched_i / prompt_blocks       # the precise prefix scorer, in [0, 1]
+      - queue_weight  * (q_i - min_q) / queue_span      # the queue scorer, q = running + waiting
+      + kv_weight     * (1 - kv_usage_i)                # the KV-utilisation scorer, in [0, 1]
 
     ``matched_i``: the request's prompt block hashes (``routers.hashing``), walked from the first,
     until the first one replica ``i`` does not hold, as the prefix cache itself would hit. The
-    queue term is min-max normalised over the healthy replicas (1 for all when their queues are
-    equal). The highest score wins; ties go to the fewest running + waiting requests, then to
+    queue term counts the requests a replica has beyond the emptiest healthy one: every
+    ``queue_span`` of them cost ``queue_weight``, without bound, so a long enough queue outweighs
+    any prefix (llm-d normalises it to [0, 1], which lets a hot prefix pile requests onto one
+    replica). The highest score wins; ties go to the fewest running + waiting requests, then to
     the lowest index. A prompt shorter than a block scores on load alone.
 
-    With ``prefix_weight`` above ``queue_weight`` a replica holding a long prefix keeps its
-    application's requests while its queue is no longer than the others' by much; the load terms
-    move a hot application onto a second replica, whose events then let it share the traffic."""
+    A replica holding a long prefix keeps its application's requests while its queue is within
+    about ``queue_span * prefix_weight / queue_weight`` requests of the emptiest; past that the
+    load moves a hot application onto a second replica, whose events then let it share the
+    traffic."""
 
-    __slots__ = ("block_size", "max_blocks", "prefix_weight", "queue_weight", "kv_weight", "_index")
+    __slots__ = ("block_size", "max_blocks", "prefix_weight", "queue_weight", "queue_span",
+                 "kv_weight", "_index")
 
     uses_kv_events = True  # a constant of the class: the backend turns the replicas' events on
 
     def __init__(self, block_size: int, max_blocks: int = 1 << 18, prefix_weight: float = 2.0,
-                 queue_weight: float = 1.0, kv_weight: float = 0.5) -> None:
+                 queue_weight: float = 1.0, queue_span: float = 8.0,
+                 kv_weight: float = 0.5) -> None:
         for name, value in (("block_size", block_size), ("max_blocks", max_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -49,10 +54,14 @@ class CacheAwareRouter:
                              ("kv_weight", kv_weight)):
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
                 raise ValueError(f"{name} must be a non-negative number, got {weight!r}.")
+        if isinstance(queue_span, bool) or not isinstance(queue_span, (int, float)) \
+                or not queue_span > 0:
+            raise ValueError(f"queue_span must be a positive number, got {queue_span!r}.")
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.prefix_weight = float(prefix_weight)
         self.queue_weight = float(queue_weight)
+        self.queue_span = float(queue_span)
         self.kv_weight = float(kv_weight)
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> bitmask of replicas
 
@@ -70,12 +79,12 @@ class CacheAwareRouter:
         num_blocks = len(request.prompt_token_ids) // self.block_size
         matched = self.matched_blocks(request, up)
         queues = [replicas[i].outstanding for i in up]
-        low, high = min(queues), max(queues)
+        low = min(queues)
+        per_request = self.queue_weight / self.queue_span
         best, best_key = up[0], None
         for i, q in zip(up, queues):
             score = (self.prefix_weight * matched[i] / num_blocks if num_blocks else 0.0) \
-                + self.queue_weight * ((high - q) / (high - low) if high > low else 1.0) \
-                + self.kv_weight * (1.0 - replicas[i].kv_usage)
+                - per_request * (q - low) + self.kv_weight * (1.0 - replicas[i].kv_usage)
             key = (-score, q, i)
             if best_key is None or key < best_key:
                 best, best_key = i, key

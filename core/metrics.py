@@ -336,6 +336,16 @@ class StepLog(Sequence[StepRecord]):
         queued[-1] = waiting
         running[-1] = n - num_finished
 
+    def sort_by_time(self) -> None:
+        """Orders the rows by (start time, replica), in place: a fleet's replicas record their
+        steps as each runs ahead, not in time order (one replica's rows already are)."""
+        time, rep = self._cols[0], self._cols[-1]
+        order = [i for _, _, i in sorted(zip(time, rep, range(len(time))))]
+        self._cols = tuple([col[i] for i in order] for col in self._cols)
+        if self._tenants:
+            at = {old: new for new, old in enumerate(order)}
+            self._tenants = {at[old]: tokens for old, tokens in self._tenants.items()}
+
     def columns(self) -> tuple[list, ...]:
         """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast
         writers."""

@@ -1,12 +1,17 @@
 """The twin at fleet scale: routers on a multi-application workload, and a fleet's replay cost.
 
 4 replicas of Llama-3-8B on H100s behind each router, fed the multi-application workload
-(``traces.multi_app``: 24 applications with their own 256-2,048-token system prompts, Zipf
+(``traces.multi_app``: applications with their own 256-2,048-token system prompts, Zipf
 popularity, Poisson arrivals at 40 req/s): mean and p99 TTFT, mean TPOT and prefix hit rate per
 router; then the CPU time of the 4-replica round-robin replay against one replica fed the same
 requests at a quarter of the rate (the same load per replica), per request.
 
-    PYTHONPATH=... python -m twinserve.benchmarks.fleet_routers --num-requests 4000
+The default, 400 applications, is a workload whose system prompts (about 450k tokens) do not fit
+in every replica's KV cache (about 445k tokens each, less the running batches): where to send an
+application decides its hits. With ``--num-apps 24`` every replica holds every system prompt and
+the routers differ only in how they spread the load.
+
+    PYTHONPATH=... python -m twinserve.benchmarks.fleet_routers [--num-apps 24]
 """
 
 from __future__ import annotations
@@ -31,20 +36,24 @@ def _row(name: str, summary: dict, wall: float, n: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-requests", type=int, default=4000)
+    p.add_argument("--num-requests", type=int, default=8000)
+    p.add_argument("--num-apps", type=int, default=400)
+    p.add_argument("--zipf-s", type=float, default=0.8)
     p.add_argument("--rate", type=float, default=40.0)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--routers", default=",".join(ROUTERS))
-    p.add_argument("--input-len", type=int, default=1024, help="the user turn, after the system prompt")
+    p.add_argument("--input-len", type=int, default=256, help="the user turn, after the system prompt")
     p.add_argument("--output-len", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs of the cost comparison")
     args = p.parse_args()
     workload = MultiAppConfig(num_requests=args.num_requests, request_rate=args.rate,
-                              input_len=args.input_len, output_len=args.output_len, seed=args.seed)
+                              num_apps=args.num_apps, zipf_s=args.zipf_s, input_len=args.input_len,
+                              output_len=args.output_len, seed=args.seed)
     trace = multi_app_trace(workload)
-    print(f"{len(trace)} requests, {workload.num_apps} applications, {args.rate} req/s, "
-          f"{args.replicas} x {MODEL} on {HARDWARE}\n")
+    print(f"{len(trace)} requests over {trace[-1].arrival_time:.0f} s, {workload.num_apps} "
+          f"applications (Zipf s={workload.zipf_s}), {args.rate} req/s, {args.replicas} x {MODEL} "
+          f"on {HARDWARE}\n")
     print("| router | mean TTFT | p99 TTFT | mean TPOT | prefix hit rate | req/s | CPU | CPU/req |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.routers.split(","):

@@ -12,7 +12,7 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from operator import sub
+from operator import itemgetter, sub
 from typing import overload
 
 import numpy as np
@@ -340,8 +340,11 @@ class StepLog(Sequence[StepRecord]):
         """Orders the rows by (start time, replica), in place: a fleet's replicas record their
         steps as each runs ahead, not in time order (one replica's rows already are)."""
         time, rep = self._cols[0], self._cols[-1]
-        order = [i for _, _, i in sorted(zip(time, rep, range(len(time))))]
-        self._cols = tuple([col[i] for i in order] for col in self._cols)
+        if len(time) < 2:
+            return
+        order = np.lexsort((np.asarray(rep), np.asarray(time, dtype=np.float64))).tolist()
+        pick = itemgetter(*order)  # the rows' values in C, column by column
+        self._cols = tuple(list(pick(col)) for col in self._cols)
         if self._tenants:
             at = {old: new for new, old in enumerate(order)}
             self._tenants = {at[old]: tokens for old, tokens in self._tenants.items()}

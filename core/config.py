@@ -41,6 +41,9 @@ class SchedulerConfig:
     # speculation policy's plugin name (policies/speculation/).
     num_speculative_tokens: int = 0
     speculation_policy: str = "adaptive"
+    # Record the prefix cache's block-hash events for a router (core.kv_events; drained by
+    # Scheduler.take_kv_events). Off: nothing is recorded.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import speculation_policy_for
+from twinserve.routers import Router, available_routers, make_router, reads_loads, uses_kv_events
 from twinserve.simulator.cost_model import (
     CostModel,
     DeviceCostModel,
@@ -35,6 +37,7 @@ from twinserve.simulator.cost_model import (
 )
 from twinserve.simulator.engine import (
     AcceptanceModel,
+    ArrivalHorizons,
     Replica,
     SyntheticTokens,
     arrival_process,
@@ -44,7 +47,6 @@ from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.roofline_gap import roofline_caveat
-from twinserve.simulator.router import ROUTERS, make_router
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
@@ -98,8 +100,9 @@ class SimConfig:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
                 or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}.")
-        if router not in ROUTERS:
-            raise ValueError(f"unknown router {router!r}; valid: {', '.join(ROUTERS)}")
+        routers = available_routers()
+        if router not in routers:
+            raise ValueError(f"unknown router {router!r}; valid: {', '.join(routers)}")
 
     @classmethod
     def from_flat(cls, values: dict[str, Any], source: str = "SimConfig") -> SimConfig:
@@ -232,13 +235,16 @@ def _lazy_prompt(vocab_size: int, block_size: int, unique_ids: bool, tr: TraceRe
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              adapters: LoRAAdapters | None = None,
              structured: StructuredWorkload | None = None,
-             decode_runs: bool = True, lazy_prompts: bool = True) -> SimResult:
+             decode_runs: bool = True, lazy_prompts: bool = True,
+             router: Router | None = None) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
     ``decode_runs``: advance runs of decode-only steps at once (``core.decode_run``; False
     steps one at a time, the reference, with the same results); ``lazy_prompts``: prompts
-    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results)."""
+    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results);
+    ``router``: a router object in place of ``cfg.router``'s defaults (a tuned one); the
+    replicas record KV events only when the router reads them."""
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -247,6 +253,10 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         cost = cost.with_lora(lora)
     sched_cfg, vocab, block_size = (engine_config.scheduler, spec.vocab_size,
                                     cfg.engine.block_size)
+    if router is None:
+        router = make_router(cfg.router, block_size)
+    if uses_kv_events(router):
+        sched_cfg = replace(sched_cfg, kv_events=True)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
     # tqdm starts a monitor thread even when disabled: no bar at all without progress.
     bar = tqdm(total=len(trace), unit="req", desc="simulating", mininterval=0.5) if progress else None
@@ -265,15 +275,26 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                                           recorder, i), model,
                             SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i)),
                             decode_runs=decode_runs, alone=cfg.num_replicas == 1)
+        fleet = cfg.num_replicas > 1
+        # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
+        horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
+                    if fleet and decode_runs else None)
+        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
+                                          recorder, i), model, decode_runs=decode_runs,
+                            alone=not fleet or not reads_loads(router), horizons=horizons)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
-        env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
+        env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
         for replica in replicas:
             env.process(engine_process(env, replica))
         env.run()
     if bar is not None:
         bar.close()
-    records = sorted(recorder.requests, key=lambda r: r.arrival_time)
+    if fleet:  # the replicas' rows interleaved as in time, whichever ran ahead
+        recorder.steps.sort_by_time()
+        records = sorted(recorder.requests, key=lambda r: (r.arrival_time, r.request_id))
+    else:
+        records = sorted(recorder.requests, key=lambda r: r.arrival_time)
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
     if lora is not None:

@@ -270,18 +270,16 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
         spec_cfg = cfg.engine.speculation
-        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
-                                                    speculation=speculation_policy_for(spec_cfg)),
-                                          recorder, i), model,
-                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i)),
-                            decode_runs=decode_runs, alone=cfg.num_replicas == 1)
         fleet = cfg.num_replicas > 1
         # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
         horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
                     if fleet and decode_runs else None)
-        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
-                                          recorder, i), model, decode_runs=decode_runs,
-                            alone=not fleet or not reads_loads(router), horizons=horizons)
+        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
+                                                    speculation=speculation_policy_for(spec_cfg)),
+                                          recorder, i), model,
+                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i)),
+                            decode_runs=decode_runs, alone=not fleet or not reads_loads(router),
+                            horizons=horizons)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, router, recorder, horizons))

@@ -167,8 +167,8 @@ def check_after_update(s: Scheduler) -> None:
     s.kv.check_consistency()
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, max_size=40), k=st.integers(1, 5),
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, max_size=60), k=st.integers(1, 5),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        chunked=st.booleans(), hit=st.sampled_from([0.0, 0.5, 0.9, 1.0]), seed=st.integers(0, 9),
        layout=st.sampled_from(["full", "full", "sliding", "hybrid"]))

@@ -616,11 +616,11 @@ class Scheduler:
                 continue
             if spec is not None and sr.sample and (sr.spec_token_ids or sr.num_draft_next):
                 num_others += 1
-                output = self._apply_speculative(sr, result, now)
+                spec_output = self._apply_speculative(sr, result, now)
                 if request.status > _PREEMPTED:
                     any_finished = True
-                if output is not None:
-                    outputs.append(output)
+                if spec_output is not None:
+                    outputs.append(spec_output)
                 continue
             start = sr.start
             n = sr.num_new_tokens

@@ -67,7 +67,8 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1
+    pipeline_parallel_size: int = 1  # layers split into this many stages (world = tp * pp)
+    distributed_executor_backend: str | None = None  # None: mp when tp * pp > 1
     enforce_eager: bool = False
     # vLLM's: serve a sliding-window model as full attention, max_model_len capped to the window
     disable_sliding_window: bool = False
@@ -96,6 +97,7 @@ class EngineArgs:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size",
+                  "pipeline_parallel_size",
                   "max_waiting_requests", "max_waiting_tokens", "max_loras", "max_lora_rank",
                   "max_cpu_loras")
         if not self.enable_lora:

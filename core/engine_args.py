@@ -22,12 +22,12 @@ from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-EXECUTOR_BACKENDS = ("mp", "ray")  # tensor parallelism's workers: local processes or Ray actors
+EXECUTOR_BACKENDS = ("mp", "ray")  # tensor / pipeline parallelism's workers: local processes or Ray actors
 
 # vLLM engine arguments twinserve does not implement (yet), each with the value that means
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
-    "pipeline_parallel_size": 1, "data_parallel_size": 1,
+    "data_parallel_size": 1,
     "speculative_config": None, "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
     "tokenizer_revision": None, "download_dir": None, "load_format": "auto",

@@ -112,6 +112,16 @@ def test_pp2_greedy_tokens_equal_pp1_under_prefix_caching_chunks_and_recompute(
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
 
 
+def test_pp2_refuses_what_the_driver_cannot_serve_by_name(llama3_pp2) -> None:
+    from twinserve.core.pooling_params import PoolingParams
+    with pytest.raises(ValueError, match="prompt_logprobs with tensor_parallel_size or pipeline"):
+        llama3_pp2.add_request([5, 6, 7], SamplingParams(prompt_logprobs=1))
+    with pytest.raises(ValueError, match=r"pooling_params\) with pipeline_parallel_size > 1"):
+        llama3_pp2.add_request([5, 6, 7], SamplingParams(max_tokens=1),
+                               pooling_params=PoolingParams())
+    assert not llama3_pp2.has_unfinished_requests()
+
+
 def test_pp2_leaves_no_process_after_shutdown(llama3_pp2) -> None:
     pids = llama3_pp2.runner.tp.worker_pids()
     assert len(pids) == 1 and _gone(pids, 0.1) is False

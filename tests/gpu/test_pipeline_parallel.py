@@ -162,3 +162,17 @@ def test_what_the_stages_cannot_serve_is_refused_by_name(llama3) -> None:
                                          enable_lora=True), config)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be"):
         EngineArgs(model=str(llama3), pipeline_parallel_size=0)
+
+
+@pytest.mark.slow
+def test_pp2_on_the_ray_executor_equals_pp1(llama3, llama3_expected) -> None:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        engine = _engine(llama3, 2, distributed_executor_backend="ray")
+        pids = engine.runner.tp.worker_pids()
+        assert _run(engine, _prompts()) == llama3_expected
+        engine.shutdown()
+        assert _gone(pids)
+    finally:
+        ray.shutdown()

@@ -6,6 +6,8 @@ holds the embedding as its head), TP=2 x PP=2 (slow), refusals, and no process l
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from twinserve.core.model_config import ModelConfig
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.distributed.pipeline import StageLayout, stage_layer_range
 from twinserve.gpu.engine.llm_engine import LLMEngine
+from twinserve.gpu.executor.executor_base import WorkerFailure
 from twinserve.gpu.executor.tp_driver import check_tensor_parallel
 
 MAX_TOKENS = 16
@@ -140,6 +143,23 @@ def test_pp2_tied_qwen2_with_swap_preemption_equals_pp1(tiny_model_dirs) -> None
     finally:
         engine.shutdown()
     assert _gone(engine.runner.tp.worker_pids())
+
+
+def test_a_stage_killed_mid_run_fails_the_step_naming_it_and_leaves_no_process(llama3) -> None:
+    engine = _engine(llama3, 2)
+    pids = engine.runner.tp.worker_pids()
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for prompt in _prompts():
+        engine.add_request(prompt, params)
+    engine.step()
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(WorkerFailure, match=r"rank 1 \(pid \d+\) died: killed by signal SIGKILL"):
+        for _ in range(50):
+            engine.step()
+    with pytest.raises(WorkerFailure, match="the tensor-parallel group is down"):
+        engine.step()
+    engine.shutdown()
+    assert _gone(pids)
 
 
 @pytest.mark.slow

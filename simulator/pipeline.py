@@ -10,6 +10,11 @@ residual (``2 x tokens x hidden x dtype`` bytes) over the profile's link, and th
 the sampled rows' float32 logits back to the driver; each transfer costs the link's latency plus
 its bytes over the link's bandwidth (``interconnect_bandwidth``/``interconnect_latency_s``, the
 terms TP's all-reduce is charged with).
+
+``step_time`` is the engine's one batch in flight. ``PipelineStepCost.interval(k)`` is the steady
+interval with ``k`` batches in flight (vLLM's batch queue, which the engine does not run yet): a
+batch's latency shared among them, bounded below by the slowest stage; it is not wired into the
+engine loop, whose scheduler would first have to hold in-flight requests back.
 """
 
 from __future__ import annotations
@@ -49,8 +54,25 @@ class PipelineStepCost:
 
     @property
     def bubble_fraction(self) -> float:
-        busy = sum(self.stage_s)
-        return 0.0 if self.total_s <= 0 else 1.0 - busy / (len(self.stage_s) * self.total_s)
+        """The idle share with one batch in flight (the engine's)."""
+        return self.bubble_with(1)
+
+    def interval(self, batches_in_flight: int) -> float:
+        """Seconds between step starts in steady state with ``batches_in_flight`` batches like
+        this one in the pipeline (vLLM's batch queue): a batch's whole latency shared among them,
+        but never shorter than the slowest stage with its outgoing transfer."""
+        pp = len(self.stage_s)
+        if not 1 <= batches_in_flight <= pp:
+            raise ValueError(f"batches_in_flight must be in [1, {pp}], got {batches_in_flight}.")
+        hop = self.transfer_s / (pp - 1) if pp > 1 else 0.0
+        slowest = max([*(s + hop for s in self.stage_s[:-1]), self.stage_s[-1] + self.logits_s])
+        return max(self.total_s / batches_in_flight, slowest)
+
+    def bubble_with(self, batches_in_flight: int) -> float:
+        """The share of device time idle at ``interval(batches_in_flight)``: each interval every
+        device computes its stage of one batch."""
+        step = self.interval(batches_in_flight)
+        return 0.0 if step <= 0 else 1.0 - sum(self.stage_s) / (len(self.stage_s) * step)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,3 +83,18 @@ def test_simulate_with_pipeline_parallel_size_charges_the_stages() -> None:
     assert two.summary["mean_tpot_ms"] > one.summary["mean_tpot_ms"]
     with pytest.raises(ValueError, match="pipeline_parallel_size must be in"):
         simulate(SimConfig(max_num_seqs=16, pipeline_parallel_size=64), trace)
+
+
+def test_more_batches_in_flight_shorten_the_interval_down_to_the_slowest_stage() -> None:
+    model = PipelineCost(StepTimeFunction(lambda out: 0.040), SPEC, HW, pipeline_parallel_size=4)
+    cost = model.breakdown(_decodes(8, 512))
+    hop = cost.transfer_s / 3
+    slowest = max(*(s + hop for s in cost.stage_s[:-1]), cost.stage_s[-1] + cost.logits_s)
+    assert cost.interval(1) == pytest.approx(cost.total_s)
+    assert cost.interval(2) == pytest.approx(max(cost.total_s / 2, slowest))
+    assert cost.interval(4) == pytest.approx(slowest)  # the stages overlap fully: the bottleneck
+    bubbles = [cost.bubble_with(k) for k in (1, 2, 3, 4)]
+    assert bubbles == sorted(bubbles, reverse=True) and bubbles[0] > 0.7 and bubbles[3] < 0.1
+    assert cost.bubble_fraction == bubbles[0]
+    with pytest.raises(ValueError, match=r"batches_in_flight must be in \[1, 4\]"):
+        cost.interval(5)

@@ -170,7 +170,6 @@ class CausalLM(nn.Module):
         stage = None if self.pipeline is None else self.pipeline.layout
         first, last = stage is None or stage.is_first, stage is None or stage.is_last
         self.layer_range = (0, config.num_hidden_layers) if stage is None else (stage.start, stage.end)
-        self.dtype = dtype
         embedding = (self.vocab.rows_per_rank, config.hidden_size)
         self.embed_tokens = (_parameter(torch.empty(embedding, dtype=dtype, device=device))
                              if first or (last and config.tie_word_embeddings) else None)
@@ -227,7 +226,8 @@ class CausalLM(nn.Module):
             if self.embed_scale is not None:
                 hidden = hidden * self.embed_scale
         else:
-            hidden, residual = pp.recv_prev(input_ids.shape[0], self.config.hidden_size, self.dtype)
+            dtype = self.layers[pp.layout.start].input_layernorm.dtype  # (follows ``to(dtype)``)
+            hidden, residual = pp.recv_prev(input_ids.shape[0], self.config.hidden_size, dtype)
         ropes = [rope.lookup(positions) for rope in self.ropes]
         start, end = self.layer_range
         for i in range(start, end):  # a stage's KV cache holds its layers only

@@ -23,13 +23,12 @@ from twinserve.core.speculative_config import SpeculativeConfig
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-EXECUTOR_BACKENDS = ("mp", "ray")  # tensor parallelism's workers: local processes or Ray actors
+EXECUTOR_BACKENDS = ("mp", "ray")  # tensor / pipeline parallelism's workers: local processes or Ray actors
 
 # vLLM engine arguments twinserve does not implement (yet), each with the value that means
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
-    "pipeline_parallel_size": 1, "data_parallel_size": 1,
-    "cpu_offload_gb": 0, "trust_remote_code": False,
+    "data_parallel_size": 1, "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
     "tokenizer_revision": None, "download_dir": None, "load_format": "auto",
     "hf_overrides": None, "rope_scaling": None, "rope_theta": None, "max_logprobs": 20,
@@ -68,7 +67,8 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1
+    pipeline_parallel_size: int = 1  # layers split into this many stages (world = tp * pp)
+    distributed_executor_backend: str | None = None  # None: mp when tp * pp > 1
     enforce_eager: bool = False
     # vLLM's: serve a sliding-window model as full attention, max_model_len capped to the window
     disable_sliding_window: bool = False
@@ -100,6 +100,7 @@ class EngineArgs:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size",
+                  "pipeline_parallel_size",
                   "max_waiting_requests", "max_waiting_tokens", "max_loras", "max_lora_rank",
                   "max_cpu_loras")
         if not self.enable_lora:

@@ -46,7 +46,9 @@ _HELP: dict[str, str] = {
                           "refused (server: 4 x the KV cache's tokens; offline: unbounded)",
     "tensor_parallel_size": "devices one replica is sharded over (on a CPU: processes, the "
                             "cores split between them)",
-    "distributed_executor_backend": "tensor parallelism's workers: mp (local processes) or ray "
+    "pipeline_parallel_size": "stages the model's layers are split into, one batch in flight per "
+                              "stage (world = tp x pp processes)",
+    "distributed_executor_backend": "tensor and pipeline parallelism's workers: mp (local processes) or ray "
                                     "(Ray actors) (default: mp)",
     "enforce_eager": "no CUDA graphs",
     "disable_sliding_window": "serve a sliding-window model as full attention, max_model_len "
@@ -77,7 +79,8 @@ _HELP: dict[str, str] = {
 # string arguments with a fixed set of values: argparse (and --config) refuse others by flag name
 _CHOICES: dict[str, tuple[str, ...]] = {"cpu_attention": CPU_ATTENTION_CHOICES,
                                         "quant_activations": QUANT_ACTIVATION_CHOICES}
-_SHORT = {"tensor_parallel_size": ("-tp",), "scheduling_policy": ("--policy",)}
+_SHORT = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
+          "scheduling_policy": ("--policy",)}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

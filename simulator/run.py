@@ -46,6 +46,7 @@ from twinserve.simulator.engine import (
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
+from twinserve.simulator.pipeline import PipelineCost
 from twinserve.simulator.roofline_gap import roofline_caveat
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
@@ -266,6 +267,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         # with LoRA each replica's step time also tallies its adapter loads
         step: StepTimeModel = cost if structured is None else \
             structured_cost_of(cost.hardware).wrap(cost)
+        if cfg.engine.pipeline_parallel_size > 1:  # the stages, their transfers, the bubble
+            step = PipelineCost(step, spec, cost.hardware, cfg.engine.pipeline_parallel_size,
+                                cfg.engine.tensor_parallel_size)
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from twinserve.gpu.distributed.pipeline import PipelineLinks
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -64,6 +67,7 @@ class TPGroup:
     store: dist.TCPStore | None = None
     stats: CommStats = field(default_factory=CommStats)
     timed: bool = False  # time collectives into ``stats`` (a sync per call on CUDA)
+    pipeline: PipelineLinks | None = None  # pipeline parallelism: this rank's stage and links
 
     @property
     def is_driver(self) -> bool:
@@ -103,7 +107,10 @@ def init_tp_group(address: GroupAddress, rank: int, device: torch.device,
 
 
 def destroy_tp_group(group: TPGroup) -> None:
-    """Drops the process group (and the store, for the driver); safe to call twice."""
+    """Drops the process group, the pipeline links (and the store, for the driver); safe to
+    call twice."""
+    if group.pipeline is not None:
+        group.pipeline.close()
     pg, group.pg, group.store = group.pg, None, None
     if pg is not None and hasattr(pg, "shutdown"):
         try:

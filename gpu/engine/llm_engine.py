@@ -69,7 +69,11 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()  # attributes may have changed since construction
         if self.runner.tp is not None and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs with tensor_parallel_size > 1 is not implemented.")
+            raise ValueError("prompt_logprobs with tensor_parallel_size or pipeline_parallel_size "
+                             "> 1 is not implemented.")
+        if pooling_params is not None and getattr(self.runner.model, "pipeline", None) is not None:
+            raise ValueError("embedding requests (pooling_params) with pipeline_parallel_size > 1 "
+                             "are not implemented (the last stage holds the hidden states).")
         if priority != 0 and not self.policy.uses_priority:
             raise ValueError(f"Got priority {priority} but the {self.policy.name!r} scheduling "
                              "policy does not use priorities (use scheduling_policy='priority').")

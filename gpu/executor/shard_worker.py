@@ -18,7 +18,8 @@ import torch
 
 from twinserve.core.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from twinserve.core.model_config import ModelConfig
-from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, destroy_tp_group, init_tp_group
+from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, destroy_tp_group
+from twinserve.gpu.distributed.pipeline import init_parallel_groups
 from twinserve.gpu.layers.attention_backend import AttentionMetadata
 from twinserve.gpu.models.model import CausalLM
 from twinserve.gpu.models.model_loader import load_model
@@ -47,6 +48,11 @@ class ShardSpec:
     enforce_eager: bool = True
     profile_tokens: int = 0  # > 0 on CUDA: profile a forward of this many tokens (all ranks)
     kernels: KernelSettings = DEFAULT_KERNELS  # the engine's kernel choices (every rank the same)
+    tensor_parallel_size: int = 0  # 0: the whole world (no pipeline parallelism)
+
+    @property
+    def tp_size(self) -> int:
+        return self.tensor_parallel_size or self.address.world_size
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -64,9 +70,10 @@ class ShardStep:
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                  tp_size: int) -> KVCacheSpec:
-    """A rank's cache holds only its KV heads (one replicated head when fewer than ranks)."""
-    return KVCacheSpec(config.num_hidden_layers, block_size,
+                  tp_size: int, num_layers: int | None = None) -> KVCacheSpec:
+    """A rank's cache holds only its KV heads (one replicated head when fewer than ranks), and
+    only its stage's ``num_layers`` under pipeline parallelism."""
+    return KVCacheSpec(num_layers or config.num_hidden_layers, block_size,
                        max(1, config.num_key_value_heads // tp_size), config.head_dim, dtype)
 
 
@@ -92,7 +99,9 @@ class ShardWorker:
         self.device = spec.device(rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.group: TPGroup = init_tp_group(spec.address, rank, self.device)
+        config = ModelConfig.from_dir(spec.model_dir)
+        self.group: TPGroup = init_parallel_groups(spec.address, rank, self.device, spec.tp_size,
+                                                   config.num_hidden_layers)
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.model: CausalLM = load_model(spec.model_dir, self.dtype, self.device,
                                           spec.max_model_len, self.group, kernels=spec.kernels)
@@ -105,8 +114,9 @@ class ShardWorker:
 
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The driver's block counts (every rank the same); then the decode graphs on CUDA."""
+        start, end = self.model.layer_range
         spec = kv_cache_spec(self.model.config, self.spec.block_size, self.dtype,
-                             self.group.world_size)
+                             self.group.world_size, end - start)
         self.kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, self.device)
         if self.device.type == "cuda" and not self.spec.enforce_eager:
             from twinserve.gpu.worker.cuda_graphs import DecodeGraphs
@@ -130,7 +140,9 @@ class ShardWorker:
         else:
             self.model.backend.prepare(inputs.meta, self.spec.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions, kv.gpu, inputs.meta)
-        if inputs.sample_index:  # the logits' all-gather; rank 0 samples
+        pp = self.group.pipeline
+        if inputs.sample_index and (pp is None or pp.layout.is_last):
+            # the logits' all-gather (and, under pipeline parallelism, their send); rank 0 samples
             self.model.compute_logits(hidden[inputs.sample_rows])
 
     def close(self) -> None:

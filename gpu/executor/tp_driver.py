@@ -1,4 +1,5 @@
-"""Rank 0 of a tensor-parallel group: the engine process itself, which also computes.
+"""Rank 0 of a tensor-parallel group (and of the first pipeline stage): the engine process
+itself, which also computes.
 
 The driver computes (as vLLM's ``mp`` executor does) rather than only coordinating: the scheduler,
 the sampler and every per-request state (generators, grammars, LoRA slots) then stay in the engine
@@ -6,6 +7,11 @@ process exactly as without TP, and only the forward pass is replicated across pr
 that the driver blocks inside a collective when a worker fails; the group's timeout and the gloo /
 NCCL errors on a dead peer bound that wait, and ``guard`` turns it into a ``WorkerFailure`` naming
 the rank, after which every worker is ended.
+
+Pipeline parallelism (``gpu/distributed/pipeline.py``) runs over the same workers and messages:
+the world is ``tp * pp`` ranks, every rank receives every step's inputs, and the stages meet in
+their point-to-point sends instead of (besides) the collectives; the driver's forward ends at its
+stage and its ``compute_logits`` receives the last stage's logits.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from twinserve.gpu.distributed.parallel_state import (
     backend_for,
     destroy_tp_group,
     host_store,
-    init_tp_group,
 )
+from twinserve.gpu.distributed.pipeline import init_parallel_groups, stage_layer_range
 from twinserve.gpu.executor.executor_base import Executor, WorkerFailure, make_executor
 from twinserve.gpu.executor.shard_worker import ShardSpec, ShardStep, inputs_to, threads_per_rank
 from twinserve.gpu.layers.linear import check_heads_divisible
@@ -40,8 +46,10 @@ COLLECTIVE_TIMEOUT_S = 120.0
 
 def check_tensor_parallel(args: EngineArgs, config: ModelConfig,
                           quantization: str | None = None) -> None:
-    """What tensor parallelism cannot serve, refused before any worker starts."""
+    """What tensor and pipeline parallelism cannot serve, refused before any worker starts."""
     tp = args.tensor_parallel_size
+    if args.pipeline_parallel_size > 1:
+        check_pipeline_parallel(args, config)
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} with tensor_parallel_size > 1 is not "
                          "implemented (the quantized layers hold whole weights).")
@@ -58,26 +66,42 @@ def check_tensor_parallel(args: EngineArgs, config: ModelConfig,
                          "(LoRA runs on one rank only).")
 
 
+def check_pipeline_parallel(args: EngineArgs, config: ModelConfig) -> None:
+    """What the pipeline stages cannot serve, named."""
+    pp = args.pipeline_parallel_size
+    stage_layer_range(config.num_hidden_layers, pp, 0)  # (at least one layer per stage)
+    if len({config.layer_window(i) for i in range(config.num_hidden_layers)}) > 1:
+        raise ValueError("pipeline_parallel_size > 1 with a model mixing sliding-window and full "
+                         "layers is not implemented.")
+
+
 class TPDriver:
     """Starts the workers, joins the group as rank 0, and sends them every step."""
 
     def __init__(self, args: EngineArgs, model_dir: str, dtype: str, device: torch.device,
                  max_model_len: int, profile_tokens: int = 0) -> None:
-        tp = args.tensor_parallel_size
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        if pp > 1 and profile_tokens > 0:
+            raise ValueError("pipeline_parallel_size > 1 on CUDA needs kv_cache_memory_bytes or "
+                             "num_gpu_blocks_override (profiling memory across stages is not "
+                             "implemented).")
+        world = tp * pp
         timeout = self.timeout_s = COLLECTIVE_TIMEOUT_S
-        torch.set_num_threads(threads_per_rank(tp))
+        torch.set_num_threads(threads_per_rank(world))
         self.device = device
-        self._store = host_store(tp, START_TIMEOUT_S)
-        address = GroupAddress("127.0.0.1", self._store.port, tp, backend_for(device), timeout)
+        self._store = host_store(world, START_TIMEOUT_S)
+        address = GroupAddress("127.0.0.1", self._store.port, world, backend_for(device), timeout)
+        # (decode graphs would capture the stages' sends: pipeline stages run eagerly)
         spec = ShardSpec(model_dir, dtype, device.type, max_model_len, args.block_size, address,
-                         threads_per_rank(tp), args.enforce_eager, profile_tokens,
-                         args.kernel_settings())
+                         threads_per_rank(world), args.enforce_eager or pp > 1, profile_tokens,
+                         args.kernel_settings(), tp)
+        num_layers = ModelConfig.from_dir(model_dir).num_hidden_layers
         self.executor: Executor = make_executor(args.distributed_executor_backend or "mp", spec)
         self.group: TPGroup | None = None
         self.error: str | None = None
         try:
             self.executor.wait_joining(START_TIMEOUT_S)
-            self.group = init_tp_group(address, 0, device, self._store)
+            self.group = init_parallel_groups(address, 0, device, tp, num_layers, self._store)
         except RuntimeError as exc:  # a worker that failed between "joining" and joining
             reason = None if isinstance(exc, WorkerFailure) else self.executor.failure(2.0)
             self.shutdown()

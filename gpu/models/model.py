@@ -164,14 +164,24 @@ class CausalLM(nn.Module):
         options = LinearOptions(self.gemm, dtype, device, quant_method=quant_method,
                                 tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.vocab = VocabParallel(config.vocab_size, tp_group)  # embedding and LM head rows
+        # pipeline parallelism: this stage's layers only; the first holds the embedding, the
+        # last the norm and the head (and the embedding too when the head is tied to it)
+        self.pipeline = None if tp_group is None else tp_group.pipeline
+        stage = None if self.pipeline is None else self.pipeline.layout
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        self.layer_range = (0, config.num_hidden_layers) if stage is None else (stage.start, stage.end)
         embedding = (self.vocab.rows_per_rank, config.hidden_size)
-        self.embed_tokens = _parameter(torch.empty(embedding, dtype=dtype, device=device))
+        self.embed_tokens = (_parameter(torch.empty(embedding, dtype=dtype, device=device))
+                             if first or (last and config.tie_word_embeddings) else None)
         ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
         distinct = list(dict.fromkeys(repr(r) for r in ropes))  # theta + scaling, in layer order
-        self.layers = nn.ModuleList(DecoderLayer(config, options, i, distinct.index(repr(r)))
-                                    for i, r in enumerate(ropes))
-        self.norm = _parameter(torch.ones(config.hidden_size, dtype=dtype, device=device))
-        self.lm_head = (None if config.tie_word_embeddings else
+        start, end = self.layer_range
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, options, i, distinct.index(repr(r))) if start <= i < end
+            else MissingLayer() for i, r in enumerate(ropes))
+        self.norm = (_parameter(torch.ones(config.hidden_size, dtype=dtype, device=device))
+                     if last else None)
+        self.lm_head = (None if config.tie_word_embeddings or not last else
                         _parameter(torch.empty(embedding, dtype=dtype, device=device)))
         for head in (self.embed_tokens, self.lm_head):
             if head is not None and tp_size > 1:
@@ -206,25 +216,53 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` (normed) for every scheduled token."""
-        hidden = self.embed(input_ids)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
-        residual = None
+        """Final hidden states ``[T, hidden]`` (normed) for every scheduled token. A stage
+        before the last sends its hidden states and residual on and returns its hidden states
+        (a placeholder of the right shape: the logits come back in ``compute_logits``)."""
+        pp = self.pipeline
+        residual: torch.Tensor | None = None
+        if pp is None or pp.layout.is_first:
+            hidden = self.embed(input_ids)
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
+        else:
+            dtype = self.layers[pp.layout.start].input_layernorm.dtype  # (follows ``to(dtype)``)
+            hidden, residual = pp.recv_prev(input_ids.shape[0], self.config.hidden_size, dtype)
         ropes = [rope.lookup(positions) for rope in self.ropes]
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        start, end = self.layer_range
+        for i in range(start, end):  # a stage's KV cache holds its layers only
+            layer = self.layers[i]
             index: int = layer.rope_index  # type: ignore[assignment]
-            hidden, residual = layer(hidden, residual, ropes[index], kv_cache, meta.for_layer(i),
-                                     self.backend)
+            hidden, residual = layer(hidden, residual, ropes[index], kv_caches[i - start],
+                                     meta.for_layer(i), self.backend)
+        assert residual is not None
+        if pp is not None and not pp.layout.is_last:
+            pp.send_next(hidden, residual)
+            return hidden
+        assert self.norm is not None
         return self.norm_fn(residual + hidden, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` (a quantized model reads them from its blocks)."""
+        assert self.embed_tokens is not None  # (the first stage's)
         return self.vocab.embed(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]`` for the rows that sample."""
+        """float32 logits ``[N, vocab]`` for the rows that sample. Under pipeline parallelism
+        the last stage computes them and sends them to the driver, which receives them here."""
+        pp = self.pipeline
+        if pp is not None and not pp.layout.is_last:
+            if pp.logits is None:
+                raise RuntimeError("only the last pipeline stage and the driver hold logits.")
+            return pp.recv_logits(hidden.shape[0], self.config.vocab_size)
+        logits = self._logits(hidden)
+        if pp is not None and pp.logits is not None:
+            pp.send_logits(logits)
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        assert head is not None
         if self.gemm.plain(hidden.shape[0]):
             logits = self.vocab.gather_logits(F.linear(hidden, head).float())
         else:
@@ -232,6 +270,13 @@ class CausalLM(nn.Module):
                 self.gemm.feature_major(hidden, head).t().contiguous().float())
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds (vLLM's ``PPMissingLayer``): no parameters, never run."""
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("this decoder layer belongs to another pipeline stage.")
 
 
 def _parameter(tensor: torch.Tensor) -> nn.Parameter:

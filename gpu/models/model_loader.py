@@ -70,10 +70,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
 
 def load_weights(model: CausalLM, weights: SafetensorsWeights) -> None:
     """Every tensor of ``model.config.arch.weight_map`` into its parameter (shapes checked);
-    raises ValueError for a missing tensor or a parameter left unloaded."""
+    raises ValueError for a missing tensor or a parameter left unloaded. A pipeline stage reads
+    only its own tensors (safetensors reads a tensor only when asked for it)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for hf_name, target in model.config.arch.weight_map(model.config).items():
+        if model.pipeline is not None and target.param not in params:
+            continue  # another stage's layer, embedding, norm or head
         tensor = weights.get(hf_name, target.shape)
         param = params[target.param]
         module_name, _, _ = target.param.rpartition(".")

@@ -102,7 +102,7 @@ class ModelRunner:
             check_shareable(weights_from, self, args)
         # tensor parallelism: workers (ranks 1..) start first, load beside the driver (rank 0)
         self.tp: TPDriver | None = None
-        if args.tensor_parallel_size > 1:
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             check_tensor_parallel(args, self.config, self.quantization)
             self.tp = TPDriver(args, str(self.model_dir), resolved.dtype, self.device,
                                self.max_model_len,
@@ -138,13 +138,14 @@ class ModelRunner:
         kv_dtype = self.dtype
         if args.kv_cache_dtype != "auto":  # fp8 (e4m3): the backend quantizes and widens
             kv_dtype = use_fp8_kv_cache(self.model, self.dtype, self.device, self.tp is not None)
-        spec = kv_cache_spec(self.config, self.block_size, kv_dtype, args.tensor_parallel_size)
+        spec = kv_cache_spec(self.config, self.block_size, kv_dtype, args.tensor_parallel_size,
+                             self.model.layer_range[1] - self.model.layer_range[0])  # (its stage's)
         sched = resolved.scheduler
         # the scheduler's KV cache groups (one unless a mixed model runs the hybrid layout)
         self.kv_layout = kv_cache_layout_of(self.config, args.disable_sliding_window,
                                             bool(sched.kv_cache_group_windows))
         self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device,
-                                self.kv_layout)
+                                self.kv_layout if args.pipeline_parallel_size == 1 else None)
         if self.tp is not None:
             self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
@@ -157,7 +158,7 @@ class ModelRunner:
         self._graphs = None
         # the decode graphs capture one block table: hybrid layouts run eagerly; so do models
         # whose embedding is quantized (its lookup checks the ids on the host)
-        if self.device.type == "cuda" and not args.enforce_eager and \
+        if self.device.type == "cuda" and not args.enforce_eager and args.pipeline_parallel_size == 1 and \
                 self.kv_layout.num_groups == 1 and \
                 getattr(self.model, "quant_embed", None) is None:
             from twinserve.gpu.worker.cuda_graphs import DecodeGraphs

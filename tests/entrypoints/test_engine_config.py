@@ -110,12 +110,12 @@ def test_bad_engine_arguments_name_the_field(field: str, value, match: str) -> N
 def test_unknown_and_unimplemented_arguments_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
         EngineArgs.from_mapping({"max_num_seq": 8}, "engine.yaml")
-    for name in ("data_parallel_size", "pipeline_parallel_size"):
-        value = {"data_parallel_size": 2, "pipeline_parallel_size": 2}[name]
+    for name in ("cpu_offload_gb", "trust_remote_code"):
+        value = {"cpu_offload_gb": 2, "trust_remote_code": True}[name]
         with pytest.raises(ValueError, match=f"engine argument '{name}' is not implemented"):
             EngineArgs.from_mapping({name: value}, "engine.yaml")
     # vLLM's "not used" values are accepted: nothing is asked that twinserve lacks
-    assert EngineArgs.from_mapping({"pipeline_parallel_size": 1, "quantization": None}) \
+    assert EngineArgs.from_mapping({"cpu_offload_gb": 0, "quantization": None}) \
         == EngineArgs()
     with pytest.raises(ValueError, match="max_loras is set but enable_lora is not"):
         EngineArgs.from_mapping({"max_loras": 4}, "engine.yaml")

@@ -1,0 +1,128 @@
+"""Pipeline parallelism in the twin: a ``StepTimeModel`` over the stages of one step.
+
+The engine runs one batch in flight through ``pp`` stages (``gpu/distributed/pipeline.py``), so a
+step takes every stage in turn plus the transfers between them, and each device idles while the
+others compute (the bubble). The base model's step time (the roofline or a fitted model, for the
+whole model on ``tp`` devices) is split as the engine splits the layers: the LM head goes to the
+last stage, the per-step fixed overhead (scheduling, input preparation) to the first, the rest
+to each stage in proportion to its layers. Each stage boundary moves the hidden states and the
+residual (``2 x tokens x hidden x dtype`` bytes) over the profile's link, and the last stage sends
+the sampled rows' float32 logits back to the driver; each transfer costs the link's latency plus
+its bytes over the link's bandwidth (``interconnect_bandwidth``/``interconnect_latency_s``, the
+terms TP's all-reduce is charged with).
+
+``step_time`` is the engine's one batch in flight. ``PipelineStepCost.interval(k)`` is the steady
+interval with ``k`` batches in flight (vLLM's batch queue, which the engine does not run yet): a
+batch's latency shared among them, bounded below by the slowest stage; it is not wired into the
+engine loop, whose scheduler would first have to hold in-flight requests back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinserve.core.model_config import ModelConfig
+from twinserve.core.outputs import SchedulerOutput
+from twinserve.simulator.hardware import HardwareProfile
+from twinserve.simulator.step_time import StepTimeModel
+
+LOGITS_BYTES = 4  # the engine sends float32 logits
+
+
+def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage, as the engine splits them (vLLM's even split, the remainder on the
+    stages before the last)."""
+    if pp < 1 or num_layers < pp:
+        raise ValueError(f"pipeline_parallel_size must be in [1, num_hidden_layers={num_layers}], "
+                         f"got {pp}.")
+    sizes = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        sizes[-i % pp] += 1
+    return tuple(sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStepCost:
+    """One step, stage by stage: ``stage_s`` (compute), ``transfer_s`` (all boundaries),
+    ``logits_s`` (last stage to driver), ``total_s`` (one batch in flight: their sum) and the
+    share of device time idle in the bubble."""
+
+    stage_s: tuple[float, ...]
+    transfer_s: float
+    logits_s: float
+    total_s: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share with one batch in flight (the engine's)."""
+        return self.bubble_with(1)
+
+    def interval(self, batches_in_flight: int) -> float:
+        """Seconds between step starts in steady state with ``batches_in_flight`` batches like
+        this one in the pipeline (vLLM's batch queue): a batch's whole latency shared among them,
+        but never shorter than the slowest stage with its outgoing transfer."""
+        pp = len(self.stage_s)
+        if not 1 <= batches_in_flight <= pp:
+            raise ValueError(f"batches_in_flight must be in [1, {pp}], got {batches_in_flight}.")
+        hop = self.transfer_s / (pp - 1) if pp > 1 else 0.0
+        slowest = max([*(s + hop for s in self.stage_s[:-1]), self.stage_s[-1] + self.logits_s])
+        return max(self.total_s / batches_in_flight, slowest)
+
+    def bubble_with(self, batches_in_flight: int) -> float:
+        """The share of device time idle at ``interval(batches_in_flight)``: each interval every
+        device computes its stage of one batch."""
+        step = self.interval(batches_in_flight)
+        return 0.0 if step <= 0 else 1.0 - sum(self.stage_s) / (len(self.stage_s) * step)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCost:
+    """``base`` (the whole model's step time on ``tp`` devices) run as ``pipeline_parallel_size``
+    stages of ``model`` on ``hardware``'s link."""
+
+    base: StepTimeModel
+    model: ModelConfig
+    hardware: HardwareProfile
+    pipeline_parallel_size: int
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        stage_layers(self.model.num_hidden_layers, self.pipeline_parallel_size)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.breakdown(out).total_s
+
+    def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
+                        max_steps: int) -> list[float] | None:
+        return None  # step by step (the reference)
+
+    def head_time(self, num_rows: int) -> float:
+        """The LM head over ``num_rows`` sampled rows on the last stage (its share per TP rank):
+        its weights streamed once, its FLOPs per row, whichever is slower."""
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
+        flops = m.arch.lm_head_flops_per_seq(m) * num_rows / tp
+        nbytes = m.vocab_size * m.hidden_size * m.dtype_bytes / tp
+        return max(flops / (hw.eff_compute * hw.peak_flops), nbytes / (hw.eff_memory * hw.mem_bandwidth))
+
+    def link_time(self, nbytes: float) -> float:
+        return self.hardware.interconnect_latency_s + nbytes / self.hardware.interconnect_bandwidth
+
+    def breakdown(self, out: SchedulerOutput) -> PipelineStepCost:
+        total = self.base.step_time(out)
+        tokens = out.total_num_scheduled_tokens
+        layers = stage_layers(self.model.num_hidden_layers, self.pipeline_parallel_size)
+        if tokens == 0 or self.pipeline_parallel_size == 1:
+            return PipelineStepCost((total,) + (0.0,) * (len(layers) - 1), 0.0, 0.0, total)
+        rows = out.num_prefill_seqs + out.num_decode_seqs
+        head = min(total, self.head_time(rows))
+        fixed = min(total - head, self.hardware.step_overhead_s)
+        body = total - head - fixed
+        stages = [body * n / self.model.num_hidden_layers for n in layers]
+        stages[0] += fixed
+        stages[-1] += head
+        m = self.model
+        transfer = (len(layers) - 1) * self.link_time(2 * tokens * m.hidden_size * m.dtype_bytes)
+        logits = self.link_time(rows * m.vocab_size * LOGITS_BYTES)
+        return PipelineStepCost(tuple(stages), transfer, logits, sum(stages) + transfer + logits)

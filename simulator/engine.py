@@ -124,6 +124,8 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         return
     schedulers = [r.scheduler for r in replicas]
     events = uses_kv_events(router)
+    # a router that reads nothing of the replicas gets the same (unread) loads every time
+    idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
     for request in requests:
         delay = request.arrival_time - env.now
         if horizons is not None:
@@ -133,7 +135,7 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         if events:
             for i, sched in enumerate(schedulers):
                 router.on_kv_events(i, sched.take_kv_events())
-        loads = [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
+        loads = idle or [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf

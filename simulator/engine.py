@@ -196,7 +196,9 @@ def engine_process(env: simpy.Environment, replica: Replica):
     run ahead when one addition brings SimPy's clock exactly to its end), so only the number of
     events differs, not the results. A lone replica's decode run also takes in the step during
     which the next event comes: the run yields for it before it applies its steps, as the
-    step-by-step path yields between that step's schedule and its update.
+    step-by-step path yields between that step's schedule and its update (a fleet's replicas
+    too, behind a router that reads nothing of them). A fleet's replica takes its horizon from
+    ``ArrivalHorizons`` instead of the next event of any process.
     """
     driver = replica.driver
     sched = driver.scheduler

@@ -181,6 +181,8 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         return
     schedulers = [r.scheduler for r in replicas]
     events = uses_kv_events(router)
+    # a router that reads nothing of the replicas gets the same (unread) loads every time
+    idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
     for request in requests:
         delay = request.arrival_time - env.now
         if horizons is not None:
@@ -190,7 +192,7 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         if events:
             for i, sched in enumerate(schedulers):
                 router.on_kv_events(i, sched.take_kv_events())
-        loads = [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
+        loads = idle or [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
@@ -251,7 +253,9 @@ def engine_process(env: simpy.Environment, replica: Replica):
     run ahead when one addition brings SimPy's clock exactly to its end), so only the number of
     events differs, not the results. A lone replica's decode run also takes in the step during
     which the next event comes: the run yields for it before it applies its steps, as the
-    step-by-step path yields between that step's schedule and its update.
+    step-by-step path yields between that step's schedule and its update (a fleet's replicas
+    too, behind a router that reads nothing of them). A fleet's replica takes its horizon from
+    ``ArrivalHorizons`` instead of the next event of any process.
     """
     driver = replica.driver
     sched = driver.scheduler

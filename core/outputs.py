@@ -39,6 +39,10 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     group_block_ids: tuple[list[int], ...] = ()
+    # Speculative decoding: the drafts this entry verifies (num_new_tokens == 1 + k, sample is
+    # True), and how many drafts the backend should propose after sampling this step.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_next: int = 0
 
     @property
     def request_id(self) -> str:
@@ -46,6 +50,8 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
+        if self.spec_token_ids:
+            return self.request.all_token_ids[self.start:self.start + 1] + self.spec_token_ids
         return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
 
     @property
@@ -92,6 +98,7 @@ class SchedulerOutput:
     # LoRA adapters made resident this step, (adapter name, device slot), in order: a backend
     # loads them before the forward pass (a later load into the same slot replaces an earlier).
     lora_loads: Sequence[tuple[str, int]] = ()
+    num_spec_tokens: int = 0  # drafts verified this step
 
 
 # The step totals the scheduler fills in every SchedulerOutput: what the simulator's cost model
@@ -100,6 +107,7 @@ AGGREGATE_FIELDS: tuple[str, ...] = (
     "total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
     "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens", "max_decode_context",
     "num_prefix_chunks", "sum_prefix_context_tokens", "sum_prefill_attention_area",
+    "num_spec_tokens",
 )
 
 
@@ -115,6 +123,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Drafts the backend proposed for each request's next step (speculative decoding).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -201,6 +201,7 @@ class Request:
     swapped_out: bool = False
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     num_prompt_tokens: int = field(init=False, default=0)
     # Output length at which the request is capped (max_tokens, or what max_model_len leaves);
     # set by the scheduler when the request is added.

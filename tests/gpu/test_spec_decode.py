@@ -1,0 +1,137 @@
+"""Speculative decoding in the model runner: verification entries give the tokens decoding
+without speculation gives (greedy), whatever the drafts, with logprobs for every token.
+
+The runner is driven by hand here (``_decode``), applying the scheduler's rule of the step seam
+(``num_computed_tokens = start + len(tokens)``), so these tests do not depend on the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu.worker.rejection_sampler import VerifySettings
+from twinserve.spec_decode.ngram import NgramProposer
+from twinserve.spec_decode.suffix import SuffixProposer
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6]
+NUM_TOKENS = 24
+
+
+class _Scripted:
+    """Proposes ``script(tokens so far)`` (an oracle, or drafts that are always wrong)."""
+
+    def __init__(self, script: Callable[[list[int]], list[int]]) -> None:
+        self.script = script
+        self.calls = 0
+
+    def propose(self, requests: Sequence[tuple[object, int]]) -> dict[str, list[int]]:
+        self.calls += 1
+        return {r.request_id: self.script(list(r.all_token_ids))[:n] for r, n in requests}
+
+    def on_finished(self, request_ids: Sequence[str]) -> None:
+        del request_ids
+
+
+def _decode(runner, params: SamplingParams, k: int, rid: str = "r") -> tuple[Request, int]:
+    """Prefill, then steps verifying the drafts the runner proposed; returns the request and the
+    number of steps."""
+    request = Request(rid, list(PROMPT), params, 0.0)
+    blocks = list(range(64))
+    entry = ScheduledRequest(request, 0, len(PROMPT), blocks, True, num_draft_next=k)
+    steps = 0
+    while request.num_output_tokens < NUM_TOKENS:
+        out = runner.execute(SchedulerOutput(scheduled=[entry]))
+        steps += 1
+        tokens = out.sampled_token_ids[rid][:NUM_TOKENS - request.num_output_tokens]
+        for token in tokens:
+            request.append_output_token(token, 0.0)
+        request.num_computed_tokens = entry.start + len(tokens) if entry.spec_token_ids else \
+            entry.start + entry.num_new_tokens
+        if request.num_output_tokens >= NUM_TOKENS:
+            break
+        assert len(out.logprobs.get(rid, tokens)) == len(tokens)
+        drafts = out.spec_token_ids.get(rid, [])[:NUM_TOKENS - request.num_output_tokens - 1]
+        assert len(drafts) <= k
+        entry = ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), blocks,
+                                 True, spec_token_ids=drafts, num_draft_next=k)
+    return request, steps
+
+
+def _reference(runner, params: SamplingParams) -> list[int]:
+    runner._spec = None
+    return _decode(runner, params, 0)[0].output_token_ids
+
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2),
+    "penalties": SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                                repetition_penalty=1.3, frequency_penalty=0.2),
+}
+
+
+@pytest.mark.parametrize("params", PARAMS.values(), ids=PARAMS.keys())
+def test_greedy_tokens_equal_decoding_without_speculation(tiny_runner, params):
+    _, runner = tiny_runner
+    expected = _reference(runner, params)
+    whole = PROMPT + expected
+    oracle = _Scripted(lambda tokens: whole[len(tokens):])
+    wrong = _Scripted(lambda tokens: [(t + 1) % 256 for t in whole[len(tokens):]])
+    steps = {}
+    for name, proposer in (("oracle", oracle), ("wrong", wrong),
+                           ("ngram", NgramProposer(1, 3)), ("suffix", SuffixProposer())):
+        runner.configure_speculation(proposer, VerifySettings("probabilistic"))
+        request, steps[name] = _decode(runner, params, k=4, rid=name)
+        assert request.output_token_ids == expected, name
+    assert steps["oracle"] <= 1 + -(-(NUM_TOKENS - 1) // 5)  # every draft accepted
+    assert steps["wrong"] == NUM_TOKENS  # every draft rejected: one token a step
+    assert oracle.calls > 0 and wrong.calls > 0
+    # the tiny model repeats itself: lookups find drafts and some are accepted
+    assert steps["ngram"] < NUM_TOKENS and steps["suffix"] < NUM_TOKENS
+
+
+def test_logprobs_of_verified_tokens_equal_those_without_speculation(tiny_runner):
+    _, runner = tiny_runner
+    params = PARAMS["greedy"]
+    runner._spec = None
+    plain = _logprobs_run(runner, params)
+    expected_tokens = [lp.token_id for lp in plain]
+    whole = PROMPT + expected_tokens
+    runner.configure_speculation(_Scripted(lambda tokens: whole[len(tokens):]),
+                                 VerifySettings("strict"))
+    spec = _logprobs_run(runner, params)
+    assert [lp.token_id for lp in spec] == expected_tokens
+    for a, b in zip(plain, spec):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert a.rank == b.rank and a.top_ids == b.top_ids
+
+
+def _logprobs_run(runner, params):
+    collected = []
+    original = runner.execute
+
+    def spy(out):
+        res = original(out)
+        collected.extend(res.logprobs.get(out.scheduled[0].request_id, []))
+        return res
+
+    runner.execute = spy
+    try:
+        _decode(runner, params, k=3, rid=f"lp{len(collected)}")
+    finally:
+        del runner.execute
+    return collected[:NUM_TOKENS]
+
+
+def test_synthetic_rate_one_accepts_every_draft(tiny_runner):
+    _, runner = tiny_runner
+    params = PARAMS["greedy"]
+    runner.configure_speculation(_Scripted(lambda tokens: [3] * 8),
+                                 VerifySettings("synthetic", (1.0,)))
+    request, steps = _decode(runner, params, k=4)
+    assert steps == 1 + -(-(NUM_TOKENS - 1) // 5)
+    assert request.output_token_ids.count(3) >= 4 * (steps - 2)

@@ -276,6 +276,15 @@ class ModelRunner:
         self._spec.propose(scheduled, inputs.sample_index, out)
         return out
 
+    @torch.inference_mode()
+    def sample_logits(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """One forward pass over ``scheduled`` (no swaps, LoRA or sampling): the float32
+        logits at every sampling row (all 1 + k rows of a verification entry). For a runner
+        driven by another, as a draft model's is."""
+        inputs = build_model_input(scheduled, self.block_size, self.max_model_len, self.device,
+                                   self.kv_layout)
+        return self.model.compute_logits(self._forward(inputs)[inputs.sample_rows]).float()
+
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
         # A step with adapter rows runs eagerly: the decode graphs hold the base product only.
         graphs_ok = self.lora is None or self.lora.context.batch is None

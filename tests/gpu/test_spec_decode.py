@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pytest
+import torch
 
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
@@ -135,3 +136,59 @@ def test_synthetic_rate_one_accepts_every_draft(tiny_runner):
     request, steps = _decode(runner, params, k=4)
     assert steps == 1 + -(-(NUM_TOKENS - 1) // 5)
     assert request.output_token_ids.count(3) >= 4 * (steps - 2)
+
+
+@pytest.fixture(scope="module")
+def other_tiny_model(tmp_path_factory):
+    """A second random model of the same vocabulary (other weights): a poor draft."""
+    import json
+
+    from conftest import make_tiny_llama
+    from safetensors.torch import load_file, save_file
+    path = make_tiny_llama(tmp_path_factory.mktemp("models") / "other-llama")
+    tensors = {name: t.flip(0) if t.dim() == 2 else t
+               for name, t in load_file(str(path / "model.safetensors")).items()}
+    save_file(tensors, str(path / "model.safetensors"))
+    assert json.loads((path / "config.json").read_text())["vocab_size"] == 256
+    return path
+
+
+def _draft_proposer(eargs, model):
+    import dataclasses
+
+    from twinserve.gpu.spec_decode.draft_model import DraftModelProposer
+    return DraftModelProposer(dataclasses.replace(eargs, kv_cache_memory_bytes=1 << 20),
+                              str(model), 256)
+
+
+@pytest.mark.parametrize("params", PARAMS.values(), ids=PARAMS.keys())
+def test_draft_model_greedy_tokens_equal_decoding_without_speculation(
+        tiny_runner, tiny_model, other_tiny_model, params):
+    eargs, runner = tiny_runner
+    expected = _reference(runner, params)
+    steps = {}
+    for name, model in (("self", tiny_model), ("other", other_tiny_model)):
+        proposer = _draft_proposer(eargs, model)
+        runner.configure_speculation(proposer, VerifySettings("probabilistic"))
+        request, steps[name] = _decode(runner, params, k=4, rid=name)
+        assert request.output_token_ids == expected, name
+        runner.execute(SchedulerOutput(finished_request_ids=[name]))
+        assert len(proposer._free) == proposer.runner.num_gpu_blocks  # every block back
+    if params.repetition_penalty == 1.0:  # the draft is the target: every draft accepted
+        assert steps["self"] == 1 + -(-(NUM_TOKENS - 1) // 5)
+    assert steps["other"] > steps["self"]
+
+
+def test_draft_model_returns_the_distributions_it_drew_sampled_drafts_from(tiny_runner,
+                                                                           tiny_model):
+    eargs, _ = tiny_runner
+    proposer = _draft_proposer(eargs, tiny_model)
+    params = SamplingParams(temperature=0.7, top_k=20, max_tokens=8)
+    request = Request("s", list(PROMPT), params, 0.0)
+    drafts = proposer.propose([(request, 3)])["s"]
+    probs = proposer.draft_probs("s", drafts[:2])
+    assert len(drafts) == 3 and probs.shape == (2, 256)
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(2))
+    assert all(int((row > 0).sum()) <= 20 for row in probs)  # top-k applied
+    assert all(float(probs[j, d]) > 0 for j, d in enumerate(drafts[:2]))
+    assert proposer.draft_probs("s", drafts) is None  # taken once

@@ -192,3 +192,24 @@ def test_draft_model_returns_the_distributions_it_drew_sampled_drafts_from(tiny_
     assert all(int((row > 0).sum()) <= 20 for row in probs)  # top-k applied
     assert all(float(probs[j, d]) > 0 for j, d in enumerate(drafts[:2]))
     assert proposer.draft_probs("s", drafts) is None  # taken once
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_verification_on_cuda_equals_decoding_without_speculation(tiny_model, enforce_eager):
+    """On CUDA (Triton attention; decodes in CUDA graphs, verification steps eager)."""
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.worker.model_runner import ModelRunner
+    eargs = EngineArgs(str(tiny_model), dtype="float32", device="cuda", max_model_len=256,
+                       max_num_seqs=8, max_num_batched_tokens=128, kv_cache_memory_bytes=4 << 20,
+                       enforce_eager=enforce_eager)
+    runner = ModelRunner(eargs, usage_context="server")
+    params = PARAMS["greedy"]
+    expected = _reference(runner, params)
+    whole = PROMPT + expected
+    proposers = {"oracle": _Scripted(lambda tokens: whole[len(tokens):]),
+                 "ngram": NgramProposer(1, 3), "draft": _draft_proposer(eargs, tiny_model)}
+    for name, proposer in proposers.items():
+        runner.configure_speculation(proposer, VerifySettings("probabilistic"))
+        assert _decode(runner, params, k=4, rid=name)[0].output_token_ids == expected, name

@@ -213,3 +213,24 @@ def test_verification_on_cuda_equals_decoding_without_speculation(tiny_model, en
     for name, proposer in proposers.items():
         runner.configure_speculation(proposer, VerifySettings("probabilistic"))
         assert _decode(runner, params, k=4, rid=name)[0].output_token_ids == expected, name
+
+
+def test_bundled_model_greedy_tokens_with_ngram_and_suffix(default_model_dir):
+    """The bundled model (fp32) copying its prompt: drafts are accepted, tokens unchanged."""
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.worker.model_runner import ModelRunner
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = ModelRunner(EngineArgs(str(default_model_dir), dtype="float32", max_model_len=256,
+                                        kv_cache_memory_bytes=16 << 20), usage_context="server")
+        params = PARAMS["greedy"]
+        expected = _reference(runner, params)
+        steps = {}
+        for name, proposer in (("ngram", NgramProposer(1, 4)), ("suffix", SuffixProposer())):
+            runner.configure_speculation(proposer, VerifySettings("probabilistic"))
+            request, steps[name] = _decode(runner, params, k=4, rid=name)
+            assert request.output_token_ids == expected, name
+    finally:
+        torch.set_num_threads(threads)
+    assert min(steps.values()) < NUM_TOKENS

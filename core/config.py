@@ -37,6 +37,10 @@ class SchedulerConfig:
     # A hybrid layout's KV cache groups, each one's window (None: full attention), when the
     # model mixes layers (Gemma 2/3); empty for one group (core/kv_cache_groups.py).
     kv_cache_group_windows: tuple[int | None, ...] = ()
+    # Speculative decoding: the most drafts a request verifies per step (k_max; 0: off) and the
+    # speculation policy's plugin name (policies/speculation/).
+    num_speculative_tokens: int = 0
+    speculation_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -44,7 +48,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        for name in ("long_prefill_token_threshold", "num_cpu_blocks", "max_loras"):
+        for name in ("long_prefill_token_threshold", "num_cpu_blocks", "max_loras",
+                     "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")

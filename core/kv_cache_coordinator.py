@@ -180,6 +180,10 @@ class HybridKVCacheManager(KVCacheManager):
         for group in self.groups:
             group.free(request)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        for group in self.groups:
+            group.free_tail(request, num_tokens)
+
     def fork(self, parent: Request, child: Request) -> None:
         for group in self.groups:
             group.fork(parent, child)

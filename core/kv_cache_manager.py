@@ -353,6 +353,19 @@ class KVCacheManager:
         self.pool.free(reversed(table.blocks[table.num_dropped:]))
         self.host_pool.free(table.host_blocks)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Releases the request's blocks past those ``num_tokens`` tokens need (speculation:
+        the lookahead slots of rejected drafts). Such blocks were never registered in the
+        prefix cache: only blocks of verified tokens are."""
+        table = self.tables.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table.blocks) <= keep:
+            return
+        tail = table.blocks[keep:]
+        del table.blocks[keep:], table.ids[keep:]  # in place: entries hold ``ids``
+        table.num_cached_blocks = min(table.num_cached_blocks, keep)
+        self.pool.free(reversed(tail))
+
     def fork(self, parent: Request, child: Request) -> None:
         """Child shares all of the parent's blocks; a later write into a shared block copies it."""
         src = self.tables[parent.request_id]

@@ -39,9 +39,9 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     group_block_ids: tuple[list[int], ...] = ()
-    # Speculative decoding: the drafts this entry verifies (num_new_tokens == 1 + k, sample is
-    # True), and how many drafts the backend should propose after sampling this step.
-    spec_token_ids: list[int] = field(default_factory=list)
+    # Speculation: the drafts this entry verifies (``num_new_tokens == 1 + len(spec_token_ids)``)
+    # and how many drafts the backend proposes for the request after sampling (0: none).
+    spec_token_ids: Sequence[int] = ()  # a list when there are drafts
     num_draft_next: int = 0
 
     @property
@@ -50,8 +50,9 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        if self.spec_token_ids:
-            return self.request.all_token_ids[self.start:self.start + 1] + self.spec_token_ids
+        spec = self.spec_token_ids
+        if spec:  # the drafts are not the request's tokens (yet): they follow its last one
+            return self.request.all_token_ids[self.start:self.start + 1] + list(spec)
         return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
 
     @property
@@ -62,7 +63,8 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes. ``num_prefill_tokens``/``num_decode_tokens`` and the context sums
-    feed the simulator's cost model; a decode is a request past its prompt."""
+    feed the simulator's cost model; a decode is a request past its prompt. An entry verifying
+    k drafts is one decode sequence of 1 + k decode tokens (``num_spec_tokens`` counts the k)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
@@ -87,6 +89,8 @@ class SchedulerOutput:
     # of each chunk. The CPU's attention kernels compute all of it, masked half included (a fresh
     # 512-token prompt's causal flash kernel took about as long as the masked one over the square).
     sum_prefill_attention_area: int = 0
+    # Draft tokens verified this step (speculative decoding), part of num_decode_tokens.
+    num_spec_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step (finished or aborted): backends drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
@@ -98,7 +102,6 @@ class SchedulerOutput:
     # LoRA adapters made resident this step, (adapter name, device slot), in order: a backend
     # loads them before the forward pass (a later load into the same slot replaces an earlier).
     lora_loads: Sequence[tuple[str, int]] = ()
-    num_spec_tokens: int = 0  # drafts verified this step
 
 
 # The step totals the scheduler fills in every SchedulerOutput: what the simulator's cost model
@@ -117,13 +120,16 @@ class ModelRunnerOutput:
     ``logprobs`` maps request id to one ``TokenLogprobs`` per sampled token (requests that asked
     for logprobs). In the step that completes a prompt: ``prompt_logprobs`` (requests with
     ``prompt_logprobs``) holds one entry per prompt token after the first, and ``pooled``
-    (requests with ``pooling_params``) the prompt's pooled, normalised hidden state."""
+    (requests with ``pooling_params``) the prompt's pooled, normalised hidden state.
+
+    Speculation: for an entry verifying k drafts, ``sampled_token_ids`` holds the accepted
+    drafts and then one sampled token (1..k + 1 tokens); ``spec_token_ids`` the drafts proposed
+    for the next step (at most the entry's ``num_draft_next``; fewer or none is fine)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
-    # Drafts the backend proposed for each request's next step (speculative decoding).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 

@@ -201,7 +201,6 @@ class Request:
     swapped_out: bool = False
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     num_prompt_tokens: int = field(init=False, default=0)
     # Output length at which the request is capped (max_tokens, or what max_model_len leaves);
     # set by the scheduler when the request is added.
@@ -215,6 +214,13 @@ class Request:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     admitted_time: float | None = None
+    # Speculative decoding: the drafts proposed for the next step (empty: none; cleared when the
+    # request is preempted or finishes) and the request's verification counts (vLLM's names).
+    # (a shared empty tuple until drafts come: no list per request for the collector to track)
+    spec_token_ids: Sequence[int] = ()
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # The scheduler's entry for this request while it runs as a decode, updated in place from
     # step to step (one attribute read per decode and step, where a dict would need a lookup).
     decode_entry: ScheduledRequest | None = field(default=None, init=False, repr=False)

@@ -19,6 +19,15 @@ No prefill or decode phases: each step hands out tokens so that every scheduled 
       advance num_computed_tokens, cache full blocks, append sampled tokens, stop checks,
       fork n > 1 children after the first token, free the blocks of finished requests.
 
+Speculative decoding (``num_speculative_tokens`` > 0, a ``SpeculationPolicy``): a running decode
+with drafts verifies them in the same entry (1 + k tokens, k clipped to the step's budget and to
+the request's remaining output); ``update_from_output`` rolls ``num_computed_tokens`` back by the
+rejected drafts, caches only verified blocks and releases the lookahead blocks past them::
+
+    before   | computed ... start | t d1 d2 d3 |        1 + k = 4 tokens, slots allocated
+    verified | computed ... start | t d1 |             d1 accepted, d2 rejected: 2 tokens back
+    after    num_computed = start + 2, blocks kept for start + 2 + 1 tokens, the rest freed
+
 ``schedule`` and ``update_from_output`` are pure CPU work over plain data; time is passed in.
 """
 
@@ -36,6 +45,7 @@ from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, Schedule
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request, RequestStatus
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.speculation import SpeculationPolicy
 
 # Enum class attributes cost ~0.1 us a lookup on Python 3.11: the hot paths read these instead.
 _RUNNING = RequestStatus.RUNNING
@@ -68,11 +78,20 @@ class SchedulerStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Speculative decoding, vLLM's names: verifications, drafts verified, drafts accepted (and
+    # per draft position, k_max of them).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] | None = None
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy,
-                 stream_outputs: bool = True) -> None:
+                 stream_outputs: bool = True, speculation: SpeculationPolicy | None = None) -> None:
+        if config.num_speculative_tokens and speculation is None:
+            raise ValueError("num_speculative_tokens > 0 needs a speculation policy "
+                             "(policies.speculation.get_speculation_policy).")
         self.config = config
         self.policy = policy
         self.stream_outputs = stream_outputs
@@ -99,6 +118,10 @@ class Scheduler:
         if self.loras is not None:
             policy.attach_lora_slots(self.loras)
         self._on_schedule = policy.on_schedule if policy.wants_clock else None
+        # None: speculation off (the hot paths test this one attribute).
+        self.speculation = speculation if config.num_speculative_tokens else None
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,7 +175,7 @@ class Scheduler:
     def is_plain_decoding(self) -> bool:
         """No n > 1 request seen and no policy watching the clock: a decode-only step changes
         nothing but tokens and blocks (``core.decode_run`` may then advance several at once)."""
-        return not self._multi_sample and self._on_schedule is None
+        return not self._multi_sample and self._on_schedule is None and self.speculation is None
 
     def drop_finished_ids(self) -> None:
         """Forgets the ids finished since the last step, as a step whose output nobody reads
@@ -201,7 +224,10 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.policy), self.kv.usage,
                               self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
-                              self.num_prompt_tokens, self.num_generation_tokens)
+                              self.num_prompt_tokens, self.num_generation_tokens,
+                              self.spec_num_drafts, self.spec_num_draft_tokens,
+                              self.spec_num_accepted_tokens,
+                              list(self.spec_num_accepted_tokens_per_pos))
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -248,7 +274,9 @@ class Scheduler:
         # starts a block gets it from ``append_slot``). With forks ``start % 1`` is 0 and every
         # decode takes the general path.
         forks = self._multi_sample
-        in_block = 1 if forks else self.kv.block_size
+        spec = self.speculation
+        # (under speculation every decode takes the general path: its drafts need slots)
+        in_block = 1 if forks or spec is not None else self.kv.block_size
         scheduled = out.scheduled
         append = scheduled.append
         preempted = False
@@ -277,6 +305,14 @@ class Scheduler:
                 if n != 1:
                     n = self._num_new_tokens(request, budget)
                     table = allocate(request, n)
+                elif spec is not None and start >= request.num_prompt_tokens:
+                    n, lost = self._schedule_verification(request, start, budget, out, now)
+                    preempted |= lost
+                    if not n:  # the request itself was preempted
+                        break
+                    budget -= n
+                    num_others += 1
+                    continue
                 elif forks:
                     table = allocate(request, 1)
                 else:
@@ -309,11 +345,59 @@ class Scheduler:
         if num_decodes:  # the decode-only totals are still zero: no decode was counted yet
             decode_context = decode_starts + num_decodes  # each decode attends to start + 1
             out.total_num_scheduled_tokens += num_decodes
-            out.num_decode_tokens = out.num_decode_seqs = num_decodes
+            out.num_decode_tokens += num_decodes
+            out.num_decode_seqs += num_decodes
             out.sum_context_tokens += decode_context
-            out.sum_decode_context_tokens = decode_context
-            out.max_decode_context = max_start + 1
+            out.sum_decode_context_tokens += decode_context
+            if max_start >= out.max_decode_context:
+                out.max_decode_context = max_start + 1
         return budget, preempted
+
+    def _schedule_verification(self, request: Request, start: int, budget: int,
+                               out: SchedulerOutput, now: float) -> tuple[int, bool]:
+        """A running decode's entry under speculation: its token and up to k of its drafts,
+        k clipped so that the step stays within ``budget`` and the request's output cannot pass
+        ``max_output_tokens``; the drafts are dropped (never the token) when blocks lack. Returns
+        the tokens scheduled (0: the request itself was preempted) and whether anyone was."""
+        drafts = request.spec_token_ids
+        k = min(len(drafts), budget - 1,
+                request.max_output_tokens - len(request.output_token_ids) - 1)
+        table = self.kv.allocate_slots(request, 1 + k) if k > 0 else None
+        if table is None:
+            k = 0
+            table = self.kv.allocate_slots(request, 1)
+        preempted = table is None
+        if table is None:
+            table = self._preempt_until_allocated(request, 1, out, now)
+            if table is None:
+                return 0, True
+        entry = request.decode_entry
+        if entry is None:
+            entry = request.decode_entry = ScheduledRequest(request, start, 1 + k, table.ids, True,
+                                                            table.group_ids)
+        else:
+            entry.start, entry.num_new_tokens = start, 1 + k
+            entry.block_ids, entry.group_block_ids = table.ids, table.group_ids
+        entry.spec_token_ids = list(drafts[:k]) if k > 0 else ()
+        out.scheduled.append(entry)
+        self._count(out, entry, 1)
+        entry.num_draft_next = self._num_draft_next(request, 1 + k, out)
+        return 1 + k, preempted
+
+    def _num_draft_next(self, request: Request, num_new: int, out: SchedulerOutput) -> int:
+        """The speculation policy's drafts for ``request`` after this step, clipped to what its
+        next step could verify (``num_new`` tokens of this step may all become output). A request
+        under a grammar gets none: its drafts are not constrained by it (docs)."""
+        spec = self.speculation
+        if spec is None or request.sampling_params.structured_outputs is not None \
+                or request.pooling_params is not None:
+            return 0
+        room = request.max_output_tokens - len(request.output_token_ids) - num_new - 1
+        if room <= 0:
+            return 0
+        budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
+        wanted = spec.num_drafts(request, len(self.running), budget)
+        return max(0, min(wanted, spec.k_max, self.config.num_speculative_tokens, room))
 
     def _preempt_until_allocated(self, request: Request, n: int, out: SchedulerOutput,
                                  now: float) -> BlockTable | None:
@@ -449,6 +533,7 @@ class Scheduler:
         if victim.lora is not None and self.loras is not None:
             self.loras.release(victim.lora)
         victim.decode_entry = None
+        victim.spec_token_ids = ()
         self.kv.register_own(victim)  # it may look its blocks up again
         swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(victim)
         if not swapped:
@@ -470,18 +555,24 @@ class Scheduler:
                               table.group_ids)
         out.scheduled.append(sr)
         self._count(out, sr, 1)
+        if sr.sample and self.speculation is not None:  # drafts right after the prompt
+            sr.num_draft_next = self._num_draft_next(request, 1, out)
 
     @staticmethod
     def _count(out: SchedulerOutput, sr: ScheduledRequest, sign: int) -> None:
         n, start = sr.num_new_tokens, sr.start
         out.total_num_scheduled_tokens += sign * n
-        if n == 1 and start >= sr.request.num_prompt_tokens:
-            out.sum_context_tokens += sign * (start + 1)
-            out.sum_decode_context_tokens += sign * (start + 1)
-            out.num_decode_tokens += sign
+        num_spec = len(sr.spec_token_ids)
+        if num_spec or (n == 1 and start >= sr.request.num_prompt_tokens):
+            # a decode of n = 1 + num_spec tokens: its i-th token attends to start + i
+            context = n * start + n * (n + 1) // 2
+            out.sum_context_tokens += sign * context
+            out.sum_decode_context_tokens += sign * context
+            out.num_decode_tokens += sign * n
             out.num_decode_seqs += sign
+            out.num_spec_tokens += sign * num_spec
             if sign > 0:  # after an unschedule the maximum is an upper bound
-                out.max_decode_context = max(out.max_decode_context, start + 1)
+                out.max_decode_context = max(out.max_decode_context, start + n)
         else:
             out.sum_context_tokens += sign * (n * start + n * (n + 1) // 2)
             if start:
@@ -513,6 +604,7 @@ class Scheduler:
         stream = self.stream_outputs
         no_forks = not self._multi_sample
         on_tokens = self._on_tokens
+        spec = self.speculation
         scheduled = out.scheduled
         # Entries without a token appended inline (the rest got exactly one: counted at the end).
         num_others = 0
@@ -521,6 +613,14 @@ class Scheduler:
             request = sr.request
             if request.status > _PREEMPTED:  # aborted while the step ran
                 num_others += 1
+                continue
+            if spec is not None and sr.sample and (sr.spec_token_ids or sr.num_draft_next):
+                num_others += 1
+                output = self._apply_speculative(sr, result, now)
+                if request.status > _PREEMPTED:
+                    any_finished = True
+                if output is not None:
+                    outputs.append(output)
                 continue
             start = sr.start
             n = sr.num_new_tokens
@@ -576,6 +676,60 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status <= _PREEMPTED]
         return outputs
+
+    def _apply_speculative(self, sr: ScheduledRequest, result: ModelRunnerOutput,
+                           now: float) -> EngineCoreOutput | None:
+        """``update_from_output`` for an entry that verified drafts or asked for some: the
+        rollback of the rejected drafts, caching of the verified blocks only, release of the
+        lookahead blocks past them, then the tokens and the next drafts."""
+        request, kv = sr.request, self.kv
+        rid = request.request_id
+        tokens = result.sampled_token_ids.get(rid)
+        k = len(sr.spec_token_ids)
+        if not tokens or len(tokens) > k + 1:
+            raise RuntimeError(f"backend returned {len(tokens or ())} tokens for {rid!r}, which "
+                               f"verified {k} drafts (expected 1 to {k + 1}).")
+        start, n = sr.start, sr.num_new_tokens
+        if start < request.num_prompt_tokens:
+            self.num_prompt_tokens += min(n, request.num_prompt_tokens - start)
+        num_computed = request.num_computed_tokens = start + n - (k + 1 - len(tokens))
+        if k:
+            self._record_verification(request, k, len(tokens) - 1)
+        kv.free_tail(request, num_computed + 1)
+        proposals = result.spec_token_ids.get(rid)
+        tokens, status = self._append_tokens(request, list(tokens), now)
+        if status is not None:
+            self._finish(request, status, now)
+            proposals = None
+        else:  # the accepted drafts are the request's tokens now: their full blocks are cached
+            kv.cache_full_blocks(request)
+        if proposals:
+            request.spec_token_ids = list(proposals[:sr.num_draft_next])
+        else:
+            request.spec_token_ids = ()
+        if status is None and not self.stream_outputs:
+            return None
+        logprobs = result.logprobs
+        output = EngineCoreOutput(rid, tokens, status is not None,
+                                  None if status is None else request.finish_reason,
+                                  request.stop_reason, request.num_cached_tokens or 0,
+                                  logprobs.get(rid) if logprobs else None)
+        if result.prompt_logprobs or result.pooled:
+            attach_prompt_results(output, result)
+        return output
+
+    def _record_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.spec_num_drafts += 1
+        request.spec_num_draft_tokens += num_drafts
+        request.spec_num_accepted_tokens += num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+        if self.speculation is not None:
+            self.speculation.on_verified(request, num_drafts, num_accepted)
 
     def _append_tokens(self, request: Request, tokens: list[int],
                        now: float) -> tuple[list[int], RequestStatus | None]:
@@ -659,6 +813,7 @@ class Scheduler:
         request.finish_time = now
         self.kv.free(request)
         request.decode_entry = None
+        request.spec_token_ids = ()
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.policy.on_finish(request)

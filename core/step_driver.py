@@ -127,10 +127,14 @@ class StepDriver:
         update = sched.update_from_output
         record_step = rec.steps.record_step if rec.record_steps else None
         tenants = rec.record_tenants
+        # the speculation policy learns the step-time curve from the steps it sees
+        on_spec_step = sched.speculation.on_step if sched.speculation is not None else None
 
         def complete(out: SchedulerOutput, result: ModelRunnerOutput, start: float,
                      end: float) -> list[EngineCoreOutput]:
             outputs = update(out, result, end)
+            if on_spec_step is not None and out.scheduled:
+                on_spec_step(out, start, end)
             if record_step is not None and out.scheduled:
                 record_step(out, sched, start, end - start, replica, tenants)
             if outputs:

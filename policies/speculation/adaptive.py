@@ -1,0 +1,199 @@
+"""The self-tuning speculation policy: drafts only where they buy throughput.
+
+The rule. A step that schedules ``T`` tokens takes ``t(T)`` seconds, a curve measured from the
+steps this policy has seen (``StepCurve``). A request whose drafts are accepted with probability
+``a`` each (position after position, until the first rejection) turns ``k`` drafts into
+``g(k) = a + a^2 + ... + a^k`` expected extra tokens. The policy builds the next step request by
+request: with ``E`` expected tokens and ``T`` scheduled tokens granted so far (every running
+request yields one token and costs one), it gives the request the ``k`` in ``0..k_max`` that
+maximises the step's expected tokens per second ``(E + g(k)) / t(T + k)``, and takes ``k > 0``
+only when that beats ``k = 0`` by ``margin`` (relative). Hence:
+
+- a batch so large that ``k`` more tokens cost more time than ``g(k)`` tokens are worth in it
+  gets ``k = 0`` for everyone (``E`` grows with the batch, ``g(k)`` does not), and a step curve
+  that rises steeply (compute-bound verification) turns speculation off at any batch size;
+- a request whose drafts are seldom accepted gets none, whatever the batch;
+- the margin keeps noise in the measured curve from making the workload slower than ``k = 0``.
+
+Acceptance per request is a Beta estimate over its verified positions (an accepted draft is a
+success, the first rejected one a failure) whose prior is the estimate over all requests so far
+(``prior_weight`` pseudo-positions), so a new request starts from what the workload showed.
+Until the curve has seen token counts above the current step's, it is extrapolated flat
+(optimistic): drafting then measures the curve, and the measurement decides afterwards.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from twinserve.core.outputs import SchedulerOutput
+from twinserve.core.request import Request
+
+_MAX_TRACKED = 65536  # requests whose rejection counts are kept (oldest dropped first)
+
+
+def _bucket(tokens: int) -> int:
+    """A step-curve bucket: exact up to 32 tokens, then 8 buckets per doubling."""
+    if tokens < 32:
+        return tokens
+    shift = tokens.bit_length() - 4
+    return ((tokens >> shift) << shift)
+
+
+class StepCurve:
+    """Seconds per step as a function of its scheduled tokens: a running mean per bucket of
+    token counts (exponentially forgetting, ``decay``), linear between the buckets' mean token
+    counts, flat below the first, and beyond the last along the slope of the last two
+    buckets (flat with one bucket)."""
+
+    __slots__ = ("decay", "_stats", "_xs", "_ys", "_dirty")
+
+    def __init__(self, decay: float = 0.95) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}.")
+        self.decay = decay
+        self._stats: dict[int, list[float]] = {}  # bucket -> [weight, sum tokens, sum seconds]
+        self._xs: list[float] = []
+        self._ys: list[float] = []
+        self._dirty = False
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not seconds >= 0.0:
+            return
+        stats = self._stats.setdefault(_bucket(tokens), [0.0, 0.0, 0.0])
+        d = self.decay
+        stats[0] = stats[0] * d + 1.0
+        stats[1] = stats[1] * d + tokens
+        stats[2] = stats[2] * d + seconds
+        self._dirty = True
+
+    def _refresh(self) -> None:
+        points = sorted((s[1] / s[0], s[2] / s[0]) for s in self._stats.values())
+        self._xs = [x for x, _ in points]
+        self._ys = [y for _, y in points]
+        self._dirty = False
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._stats)
+
+    def max_tokens_seen(self) -> float:
+        if self._dirty:
+            self._refresh()
+        return self._xs[-1] if self._xs else 0.0
+
+    def seconds(self, tokens: float) -> float | None:
+        """The predicted step time; None before any observation."""
+        if self._dirty:
+            self._refresh()
+        xs, ys = self._xs, self._ys
+        if not xs:
+            return None
+        i = bisect_left(xs, tokens)
+        if i == 0:
+            return ys[0]
+        if i == len(xs):
+            if len(xs) == 1:
+                return ys[0]
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            return ys[-1] + slope * (tokens - xs[-1])
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+
+class AdaptiveSpeculation:
+    """Chooses each request's drafts per step (0..k_max) from the measured step-time curve, the
+    batch and the request's measured acceptance; the rule is in the module docstring."""
+
+    __slots__ = ("k_max", "disable_by_batch_size", "margin", "prior_acceptance", "prior_weight",
+                 "curve", "_accepted", "_rejected", "_failures", "_round_tokens", "_round_gain",
+                 "_last_tokens")
+
+    def __init__(self, k_max: int, disable_by_batch_size: int | None = None, margin: float = 0.05,
+                 prior_acceptance: float = 0.5, prior_weight: float = 4.0,
+                 curve_decay: float = 0.95) -> None:
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max <= 0:
+            raise ValueError(f"k_max must be a positive integer, got {k_max!r}.")
+        if disable_by_batch_size is not None and (
+                isinstance(disable_by_batch_size, bool) or not isinstance(disable_by_batch_size, int)
+                or disable_by_batch_size <= 0):
+            raise ValueError("disable_by_batch_size must be a positive integer or None, "
+                             f"got {disable_by_batch_size!r}.")
+        if not margin >= 0.0:
+            raise ValueError(f"margin must be non-negative, got {margin!r}.")
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance!r}.")
+        if not prior_weight > 0.0:
+            raise ValueError(f"prior_weight must be positive, got {prior_weight!r}.")
+        self.k_max = k_max
+        self.disable_by_batch_size = disable_by_batch_size
+        self.margin = margin
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.curve = StepCurve(curve_decay)
+        self._accepted = 0  # over all requests: accepted drafts and first rejections
+        self._rejected = 0
+        self._failures: dict[str, int] = {}  # per request: verifications with a rejection
+        self._round_tokens = 0  # drafts granted for the step being built
+        self._round_gain = 0.0  # their expected accepted tokens
+        self._last_tokens = 0  # the last step's tokens without its drafts
+
+    # ---- acceptance ----------------------------------------------------------------------
+    def acceptance(self, request: Request) -> float:
+        """The request's estimated per-position acceptance probability."""
+        total = self._accepted + self._rejected
+        prior = (self._accepted + self.prior_acceptance * self.prior_weight) / \
+            (total + self.prior_weight)
+        accepted = request.spec_num_accepted_tokens
+        failures = self._failures.get(request.request_id, 0)
+        return (accepted + prior * self.prior_weight) / (accepted + failures + self.prior_weight)
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self._accepted += num_accepted
+        if num_accepted < num_drafts:
+            self._rejected += 1
+            rid = request.request_id
+            failures = self._failures
+            failures[rid] = failures.pop(rid, 0) + 1  # re-inserted: the newest
+            if len(failures) > _MAX_TRACKED:
+                del failures[next(iter(failures))]
+
+    # ---- the step ------------------------------------------------------------------------
+    def on_step(self, out: SchedulerOutput, start: float, end: float) -> None:
+        self.curve.observe(out.total_num_scheduled_tokens, end - start)
+        self._last_tokens = out.total_num_scheduled_tokens - out.num_spec_tokens
+        self._round_tokens = 0
+        self._round_gain = 0.0
+
+    def num_drafts(self, request: Request, num_running: int, budget: int) -> int:
+        limit = self.disable_by_batch_size
+        if (limit is not None and num_running > limit) or budget <= 0:
+            return 0
+        k_cap = min(self.k_max, budget)
+        base_tokens = max(num_running, self._last_tokens) + self._round_tokens
+        base_gain = max(num_running, 1) + self._round_gain
+        k, gain = self.best_k(self.acceptance(request), base_tokens, base_gain, k_cap)
+        self._round_tokens += k
+        self._round_gain += gain
+        return k
+
+    def best_k(self, acceptance: float, base_tokens: int, base_gain: float,
+               k_cap: int) -> tuple[int, float]:
+        """The k in 0..k_cap maximising (base_gain + g(k)) / t(base_tokens + k), k > 0 only if it
+        beats k = 0 by ``margin``; returns it and its g(k)."""
+        curve = self.curve
+        t0 = curve.seconds(base_tokens)
+        if t0 is None or t0 <= 0.0:
+            return k_cap, sum(acceptance ** j for j in range(1, k_cap + 1))  # measure first
+        best_rate = base_gain / t0 * (1.0 + self.margin)
+        best_k, best_gain, gain, term = 0, 0.0, 0.0, 1.0
+        for k in range(1, k_cap + 1):
+            term *= acceptance
+            gain += term
+            seconds = curve.seconds(base_tokens + k)
+            if seconds is None or seconds <= 0.0:
+                continue
+            rate = (base_gain + gain) / seconds
+            if rate > best_rate:
+                best_rate, best_k, best_gain = rate, k, gain
+        return best_k, best_gain

@@ -18,6 +18,7 @@ from typing import Any
 from twinserve.core.kernel_settings import KernelSettings
 from twinserve.core.lora import LoRAConfig
 from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
+from twinserve.core.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -28,7 +29,7 @@ EXECUTOR_BACKENDS = ("mp", "ray")  # tensor parallelism's workers: local process
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
     "pipeline_parallel_size": 1, "data_parallel_size": 1,
-    "speculative_config": None, "cpu_offload_gb": 0, "trust_remote_code": False,
+    "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
     "tokenizer_revision": None, "download_dir": None, "load_format": "auto",
     "hf_overrides": None, "rope_scaling": None, "rope_theta": None, "max_logprobs": 20,
@@ -89,6 +90,9 @@ class EngineArgs:
     fused_decode: bool = True
     fused_packed: bool = True
     quant_activations: str = "int8"
+    # Speculative decoding (vLLM's --speculative-config): the object, its keys as a mapping or
+    # as JSON text; held as a SpeculativeConfig once built (None: off).
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         hints = _hints()  # (resolving the annotations once, not per field: 14 ms -> 0.5 ms)
@@ -123,6 +127,13 @@ class EngineArgs:
                              f"{self.gpu_memory_utilization}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """``speculative_config`` as built (``__post_init__`` builds it from what was given)."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.of(spec)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

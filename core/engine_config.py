@@ -274,9 +274,19 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         max_waiting_requests=waiting_requests, max_waiting_tokens=waiting_tokens,
         max_loras=lora.max_loras if lora is not None else 0,
         sliding_window=None if args.disable_sliding_window else model.kv_sliding_window,
-        kv_cache_group_windows=layout.group_windows if layout.num_groups > 1 else ())
+        kv_cache_group_windows=layout.group_windows if layout.num_groups > 1 else (),
+        **_speculation_fields(args))
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
                         num_blocks * block_bytes, block_bytes, scheduler)
+
+
+def _speculation_fields(args: EngineArgs) -> dict[str, Any]:
+    """The scheduler's speculation settings (k_max 0: off)."""
+    spec = args.speculation
+    if spec is None:
+        return {}
+    return {"num_speculative_tokens": spec.num_speculative_tokens,
+            "speculation_policy": spec.policy}
 
 
 def _fit_max_model_len(args: EngineArgs, max_len: int, kv_tokens: int) -> int:

@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from operator import sub
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -44,6 +44,10 @@ class RequestRecord:
     finish_reason: str = "length"
     success: bool = True
     error: str = ""
+    # speculative decoding (vLLM's names): verifications, drafts verified, drafts accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # seconds; a compact array (8 bytes a gap) since a long simulation holds millions of them
     itls: Sequence[float] = field(default_factory=lambda: array("d"))
 
@@ -86,6 +90,9 @@ class RequestRecord:
             finish_reason=req.finish_reason or "",
             success=req.first_token_time is not None,
             itls=_gaps(times),
+            spec_num_drafts=req.spec_num_drafts,
+            spec_num_draft_tokens=req.spec_num_draft_tokens,
+            spec_num_accepted_tokens=req.spec_num_accepted_tokens,
         )
 
 
@@ -197,7 +204,23 @@ def summarize(
     summary["prefix_cache_hit_rate"] = (
         sum(r.cached_tokens for r in ok) / in_tok if in_tok else 0.0)
     summary.update(tenant_summary(ok))
+    summary.update(speculation_summary(records))
     return summary
+
+
+def speculation_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """vLLM's speculative-decoding figures over the run (empty without verified drafts): the
+    counts, the draft acceptance rate and the mean acceptance length (tokens per verification,
+    the sampled one included)."""
+    drafts = sum(r.spec_num_drafts for r in records)
+    if not drafts:
+        return {}
+    draft_tokens = sum(r.spec_num_draft_tokens for r in records)
+    accepted = sum(r.spec_num_accepted_tokens for r in records)
+    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": draft_tokens,
+            "spec_num_accepted_tokens": accepted,
+            "spec_draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "spec_mean_acceptance_length": 1.0 + accepted / drafts}
 
 
 def peak_output_throughput(records: Sequence[RequestRecord]) -> float:

@@ -31,6 +31,9 @@ REQUEST_COLUMNS = (
     "first_token_time", "finish_time", "input_tokens", "output_tokens", "cached_tokens", "num_preemptions",
     "finish_reason", "success", "error", "ttft_ms", "tpot_ms", "e2el_ms", "queue_ms", "itls_ms",
 )
+# Appended to requests.csv when some request verified drafts (speculative decoding), so the
+# files of runs without speculation stay as they were.
+SPEC_REQUEST_COLUMNS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 STEP_COLUMNS = (
     "time", "duration", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_running",
     "num_waiting", "kv_usage", "num_preempted", "replica",
@@ -57,15 +60,21 @@ def fmt(x: float) -> str:
     return _fmt(x)
 
 
-def _request_row(r: RequestRecord) -> list[Any]:
+def _has_speculation(records: Sequence[RequestRecord]) -> bool:
+    return any(r.spec_num_drafts for r in records)
+
+
+def _request_row(r: RequestRecord, speculation: bool = False) -> list[Any]:
     """The plain requests.csv row (``_write_requests`` writes the same, faster)."""
+    spec = [r.spec_num_drafts, r.spec_num_draft_tokens, r.spec_num_accepted_tokens] \
+        if speculation else []
     return [
         r.request_id, r.tenant, r.priority, r.lora, _fmt(r.arrival_time),
         _fmt(r.first_scheduled_time), _fmt(r.first_token_time), _fmt(r.finish_time),
         r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions, r.finish_reason,
         int(r.success), r.error,
         _fmt(r.ttft * 1e3), _fmt(r.tpot * 1e3), _fmt(r.e2el * 1e3), _fmt(r.queue_time * 1e3),
-        " ".join(f"{g * 1e3:.6g}" for g in r.itls),
+        " ".join(f"{g * 1e3:.6g}" for g in r.itls), *spec,
     ]
 
 
@@ -73,6 +82,7 @@ def _write_requests(f: TextIO, records: list[RequestRecord]) -> None:
     """requests.csv's rows as ``_request_row`` and csv.writer write them; the ITL column (digits,
     dots, signs, spaces: never quoted) is appended without csv's scan of every character."""
     w = csv.writer(f, lineterminator="")
+    speculation = _has_speculation(records)
     for r, itls in zip(records, _itl_texts(records)):
         w.writerow((
             r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
@@ -80,6 +90,8 @@ def _write_requests(f: TextIO, records: list[RequestRecord]) -> None:
             r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions, r.finish_reason,
             int(r.success), r.error,
             fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
+        if speculation:
+            itls += f",{r.spec_num_drafts},{r.spec_num_draft_tokens},{r.spec_num_accepted_tokens}"
         f.write("," + itls + "\n")
 
 
@@ -131,7 +143,8 @@ def write_run(
     writer = _fork_steps_writer(out, steps) if steps is not None else None
     try:
         with open(out / "requests.csv", "w", newline="") as f:
-            csv.writer(f, lineterminator="\n").writerow(REQUEST_COLUMNS)
+            columns = REQUEST_COLUMNS + (SPEC_REQUEST_COLUMNS if _has_speculation(records) else ())
+            csv.writer(f, lineterminator="\n").writerow(columns)
             _write_requests(f, records)
     finally:  # the child is waited for whatever happens here
         written = writer is not None and _joined(writer)

@@ -26,13 +26,20 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
+from twinserve.policies.speculation import speculation_policy_for
 from twinserve.simulator.cost_model import (
     CostModel,
     DeviceCostModel,
     FittedCostModel,
     make_cost_model,
 )
-from twinserve.simulator.engine import Replica, arrival_process, engine_process
+from twinserve.simulator.engine import (
+    AcceptanceModel,
+    Replica,
+    SyntheticTokens,
+    arrival_process,
+    engine_process,
+)
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
@@ -252,8 +259,11 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
-        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
+        spec_cfg = cfg.engine.speculation
+        replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
+                                                    speculation=speculation_policy_for(spec_cfg)),
                                           recorder, i), model,
+                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i)),
                             decode_runs=decode_runs, alone=cfg.num_replicas == 1)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)

@@ -110,9 +110,8 @@ def test_bad_engine_arguments_name_the_field(field: str, value, match: str) -> N
 def test_unknown_and_unimplemented_arguments_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
         EngineArgs.from_mapping({"max_num_seq": 8}, "engine.yaml")
-    for name in ("speculative_config", "pipeline_parallel_size"):
-        value = {"speculative_config": {"num_speculative_tokens": 2},
-                 "pipeline_parallel_size": 2}[name]
+    for name in ("data_parallel_size", "pipeline_parallel_size"):
+        value = {"data_parallel_size": 2, "pipeline_parallel_size": 2}[name]
         with pytest.raises(ValueError, match=f"engine argument '{name}' is not implemented"):
             EngineArgs.from_mapping({name: value}, "engine.yaml")
     # vLLM's "not used" values are accepted: nothing is asked that twinserve lacks
@@ -250,8 +249,13 @@ def test_a_file_that_is_not_a_mapping_is_refused(tmp_path: Path, capsys) -> None
 
 def test_unimplemented_flags_are_refused_by_name(capsys) -> None:
     from twinserve.entrypoints.cli.main import main
+    assert main(["simulate", "--pipeline-parallel-size", "2", "--num-requests", "2"]) == 2
+    assert "'pipeline_parallel_size' is not implemented" in capsys.readouterr().err
     assert main(["simulate", "--speculative-config", "x", "--num-requests", "2"]) == 2
-    assert "'speculative_config' is not implemented" in capsys.readouterr().err
+    assert "speculative_config is not valid JSON" in capsys.readouterr().err
+    assert main(["simulate", "--speculative-config", '{"method": "eagle"}',
+                 "--num-requests", "2"]) == 2
+    assert "'eagle' is not implemented in twinserve" in capsys.readouterr().err
     assert main(["simulate", "--quantization", "bitsandbytes", "--num-requests", "2"]) == 2
     assert "supported: gguf, int8, fp8, gptq, awq" in capsys.readouterr().err
 

@@ -46,7 +46,8 @@ class DraftModelProposer:
                  usage_context: str = "server", seed: int = 0) -> None:
         draft_args = dataclasses.replace(args, model=model, enable_lora=False, max_loras=None,
                                          max_lora_rank=None, max_cpu_loras=None,
-                                         tensor_parallel_size=1)
+                                         tensor_parallel_size=1, speculative_config=None,
+                                         quantization=None)
         self.runner = ModelRunner(draft_args, usage_context)
         if self.runner.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary has "

@@ -139,6 +139,11 @@ class ModelRunner:
         self._structured: StructuredOutputs | None = None  # made for the first constrained one
         self._prompt_logprobs = PromptLogprobsCollector()
         self._spec: SpecStep | None = None  # speculative decoding (configure_speculation)
+        spec = args.speculation
+        if spec is not None:  # (imported here: the draft model proposer holds a ModelRunner)
+            from twinserve.gpu.spec_decode.factory import build_proposer, verify_settings
+            self.configure_speculation(build_proposer(spec, args, self.vocab_size, usage_context),
+                                       verify_settings(spec))
         kv_dtype = self.dtype
         if args.kv_cache_dtype != "auto":  # fp8 (e4m3): the backend quantizes and widens
             kv_dtype = use_fp8_kv_cache(self.model, self.dtype, self.device, self.tp is not None)

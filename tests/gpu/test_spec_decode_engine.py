@@ -105,3 +105,38 @@ def test_n2_children_with_speculation_equal_those_without(engine_runner, tiny_mo
     runner.configure_speculation(NgramProposer(1, 3), VerifySettings("probabilistic"))
     assert _run(runner, REGIMES["plain"], 4, n=2) == expected
     runner._spec = None
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "policy": "fixed"},
+    {"method": "suffix", "num_speculative_tokens": 4, "policy": "adaptive"},
+    {"method": "draft_model", "num_speculative_tokens": 2, "policy": "fixed"},
+], ids=lambda spec: spec["method"])
+def test_llm_engine_builds_speculation_from_speculative_config(tiny_model, spec):
+    """EngineArgs(speculative_config=...) -> the scheduler's policy and the runner's proposer;
+    greedy tokens equal the engine's without it (with logprobs for every token)."""
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.engine.llm_engine import LLMEngine
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": str(tiny_model)}
+    common = dict(model=str(tiny_model), dtype="float32", max_model_len=256,
+                  kv_cache_memory_bytes=1 << 22)
+    outputs = []
+    for speculative_config in (None, spec):
+        engine = LLMEngine(EngineArgs(**common, speculative_config=speculative_config))
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+        for i, prompt in enumerate(_requests()):
+            engine.add_request(list(prompt.prompt_token_ids), params, request_id=f"q{i}")
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (list(out.outputs[0].token_ids),
+                                            len(out.outputs[0].logprobs))
+        outputs.append(done)
+    assert outputs[0] == outputs[1]
+    assert all(n == 20 for _, n in outputs[1].values())
+    sched = engine.scheduler
+    assert sched.speculation is not None and sched.spec_num_drafts > 0
+    if spec["policy"] == "fixed":
+        assert sched.spec_num_accepted_tokens > 0

@@ -3,8 +3,9 @@
 - ``core/`` imports no other project folder, and no torch, simpy, fastapi or pandas;
 - ``policies/`` imports ``core/`` only; ``traces/`` imports ``core/`` only; ``routers/`` imports
   ``core/`` only (the twin and the data-parallel front route through the same objects);
-- ``simulator/`` and ``gpu/`` import ``core/``, ``policies/`` and ``traces/``, never each other;
-  ``simulator/`` may import ``routers/``;
+- ``spec_decode/`` (draft proposers without a model) imports ``core/`` only, and no torch;
+- ``simulator/`` and ``gpu/`` import ``core/``, ``policies/``, ``traces/`` and ``spec_decode/``,
+  never each other; ``simulator/`` may import ``routers/``;
 - ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point);
 - ``fidelity/`` (twin against reality) imports ``core/``, ``policies/``, ``traces/``,
   ``simulator/``, ``gpu/`` and ``reports/``; only ``entrypoints/`` and ``benchmarks/`` import it.
@@ -19,20 +20,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FOLDERS = ("core", "policies", "routers", "simulator", "gpu", "traces", "reports", "fidelity",
-                   "entrypoints", "benchmarks")
+                   "entrypoints", "benchmarks", "spec_decode")
 ALLOWED = {  # the project folders each folder may import, itself included
     "core": {"core"},
     "policies": {"policies", "core"},
     "traces": {"traces", "core"},
     "routers": {"routers", "core"},
-    "simulator": {"simulator", "core", "policies", "traces", "routers"},
-    "gpu": {"gpu", "core", "policies", "traces"},
+    "spec_decode": {"spec_decode", "core"},
+    "simulator": {"simulator", "core", "policies", "traces", "routers", "spec_decode"},
+    "gpu": {"gpu", "core", "policies", "traces", "spec_decode"},
     "reports": {"reports", "core"},
     "fidelity": {"fidelity", "core", "policies", "traces", "simulator", "gpu", "reports",
                  "routers"},
 }
 FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"},
-                      "routers": {"torch", "simpy", "fastapi", "pandas"}}
+                      "routers": {"torch", "simpy", "fastapi", "pandas"},
+                      "spec_decode": {"torch", "simpy", "fastapi", "pandas"}}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
+from twinserve.core.metrics import RequestRecord
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
@@ -30,6 +32,7 @@ from twinserve.gpu.engine.engine_process import Refusal
 
 START_TIMEOUT_S = 600.0
 POLL_S = 0.2
+MAX_PENDING_RECORDS = 10_000  # finished-request records kept for the next metrics scrape
 REPLICA_STATES = ("starting", "ready", "dead")
 
 
@@ -110,6 +113,7 @@ class DataParallelFront:
         self._stop = threading.Event()
         self._ready = threading.Condition(self._lock)
         self.error: str | None = None
+        self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
         for i in range(n):
             self._set.start(i)
         self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
@@ -209,9 +213,11 @@ class DataParallelFront:
                 self._ready.notify_all()
 
     def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
-                 refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any]) -> None:
+                 refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
+                 records: list[RequestRecord]) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         with self._lock:
+            self._records.extend(records)
             replica = self.replicas[index]
             replica.stats = stats
             replica.served += len(accepted)
@@ -269,6 +275,14 @@ class DataParallelFront:
         with self._lock:
             return [ReplicaState(r.state, r.stats, r.restarts, r.served, r.was_ready)
                     for r in self.replicas]
+
+    def take_records(self) -> list[RequestRecord]:
+        """The finished-request records the replicas sent since the last call (the newest
+        MAX_PENDING_RECORDS)."""
+        with self._lock:
+            taken = list(self._records)
+            self._records.clear()
+        return taken
 
     def shutdown(self) -> None:
         """Ends the reader and every replica; requests in flight end with ``ReplicaDied``."""

@@ -90,37 +90,43 @@ class InfoCollector(Collector):
 
 
 class SchedulerCollector(Collector):
-    """Exposes the latest scheduler snapshot (taken on the engine thread at scrape time)."""
+    """Exposes the latest scheduler snapshot (taken on the engine thread at scrape time). With
+    data parallelism, one sample per replica with vLLM's ``engine`` label (``engine="0"``...);
+    a replica that is down has none."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: SchedulerStats | None = None
+        self.per_engine: list[SchedulerStats | None] | None = None
+
+    def _rows(self) -> tuple[list[str], list[tuple[list[str], SchedulerStats]]]:
+        if self.per_engine is not None:
+            return (["model_name", "engine"],
+                    [([self.model_name, str(i)], s) for i, s in enumerate(self.per_engine)
+                     if s is not None])
+        return ["model_name"], [] if self.stats is None else [([self.model_name], self.stats)]
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        if stats is None:
+        names, rows = self._rows()
+        if not rows:
             return
-        labels = [self.model_name]
-        gauges = (("vllm:num_requests_running", "Requests in the running batch.",
-                   stats.num_running),
+        gauges = (("vllm:num_requests_running", "Requests in the running batch.", "num_running"),
                   ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                   stats.num_waiting),
-                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", stats.kv_cache_usage),
+                   "num_waiting"),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", "kv_cache_usage"),
                   ("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full), older name.",
-                   stats.kv_cache_usage))
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
-            yield family
+                   "kv_cache_usage"))
         counters = (("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
-                     stats.prefix_cache_queries),
+                     "prefix_cache_queries"),
                     ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
-                     stats.prefix_cache_hits),
-                    ("vllm:num_preemptions", "Preemptions.", stats.num_preemptions))
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
-            yield family
+                     "prefix_cache_hits"),
+                    ("vllm:num_preemptions", "Preemptions.", "num_preemptions"))
+        for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, attr in table:
+                family = kind(name, doc, labels=names)
+                for labels, stats in rows:
+                    family.add_metric(labels, float(getattr(stats, attr)))
+                yield family
 
 
 class LoRAInfoCollector(Collector):
@@ -237,6 +243,14 @@ class ServerMetrics:
         """Called with the engine thread's snapshot: ``records`` are the finished-request
         records not seen before."""
         self.scheduler.stats = stats
+        for record in records:
+            self._observe_record(record)
+
+    def take_replica_snapshot(self, stats: list[SchedulerStats | None],
+                              records: list[RequestRecord]) -> None:
+        """The data-parallel front's snapshot: each replica's stats (None: down) and the
+        finished-request records its replicas sent since the last one."""
+        self.scheduler.per_engine = list(stats)
         for record in records:
             self._observe_record(record)
 

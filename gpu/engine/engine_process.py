@@ -4,8 +4,9 @@ The front sends commands on the replica's inbox (a bounded ``multiprocessing`` q
 ``("add", request_id, prompt, params, kwargs)``, ``("abort", request_id)``, ``("stop",)``. The
 replica answers on its end of a pipe, one message per loop turn that did something:
 ``("ready",)`` once its engine is built, ``("failed", reason)`` if it could not be built, and
-``("step", outputs, accepted, refused, stats, kv_events)`` after each step (or after commands
-when idle). ``refused`` holds ``Refusal`` rows: exceptions travel as plain fields, so their
+``("step", outputs, accepted, refused, stats, kv_events, records)`` after each step (or after commands
+when idle; ``records``: the finished requests' ``RequestRecord``s, for the server's
+latency histograms). ``refused`` holds ``Refusal`` rows: exceptions travel as plain fields, so their
 classes need not pickle. Commands are read only between steps, as the in-process engine thread
 reads them.
 
@@ -104,7 +105,7 @@ def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> No
         outputs = engine.step() if engine.has_unfinished_requests() else []
         if outputs or accepted or refused or commands:
             outbox.send(("step", outputs, accepted, refused, engine.scheduler.stats(),
-                         _kv_events(engine)))
+                         _kv_events(engine), engine.metrics.take_requests()))
 
 
 def _take_commands(inbox: Any, block: bool) -> list[tuple] | None:

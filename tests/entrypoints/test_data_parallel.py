@@ -1,0 +1,114 @@
+"""Data parallelism through LLM and the front: replicas in processes, routing, faults, shutdown."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from twinserve import LLM, SamplingParams
+from twinserve.core.engine_args import EngineArgs
+from twinserve.entrypoints.dp_front import DataParallelFront, ReplicaDied
+
+SMALL = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+             kv_cache_memory_bytes=32 << 20)
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Hello, my name is", "Water boils at"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, item: Any) -> None:
+        self.items.put(item)
+
+    def last(self, timeout_s: float = 120.0) -> Any:
+        """The final output, or the exception that ended the request."""
+        while True:
+            item = self.items.get(timeout=timeout_s)
+            if isinstance(item, BaseException) or (item is not None and item.finished):
+                return item
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie still answers kill(0)
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_until(predicate: Any, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_llm_data_parallel_matches_one_engine() -> None:
+    one = LLM(**SMALL)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(data_parallel_size=2, **SMALL)
+    try:
+        outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.prompt for o in outs] == PROMPTS
+        served = [r.served for r in two.engine.front.snapshot()]
+        assert served == [2, 2]  # round-robin: both replicas worked
+        pids = [two.engine.front.pid(i) for i in range(2)]
+    finally:
+        two.shutdown()
+    assert not any(alive(p) for p in pids if p is not None)
+
+
+def test_bad_data_parallel_arguments_name_the_field() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(data_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_backend"):
+        EngineArgs(data_parallel_backend="threads")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_killed_replica_ends_its_requests_and_the_other_serves(restart: bool) -> None:
+    args = EngineArgs(data_parallel_size=2, restart_dead_replicas=restart, **SMALL)
+    front = DataParallelFront(args, "llm", on_cuda=False)
+    try:
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        sinks = [Collect() for _ in range(4)]
+        where = [front.submit(f"r{i}", [1, 2, 3, 4 + i], long, {}, s) for i, s in enumerate(sinks)]
+        assert sorted(where) == [0, 0, 1, 1]
+        wait_until(lambda: all(r.served for r in front.snapshot()))
+        victim = front.pid(0)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        for sink, replica in zip(sinks, where):
+            last = sink.last()
+            if replica == 0:
+                assert isinstance(last, ReplicaDied)
+            else:
+                assert not isinstance(last, BaseException)
+                assert len(last.outputs[0].token_ids) == 200
+        wait_until(lambda: not alive(victim))
+        if restart:
+            wait_until(lambda: front.health() == ["ready", "ready"])
+            assert front.snapshot()[0].restarts == 1
+        else:
+            assert front.health() == ["dead", "ready"]
+        after = [Collect() for _ in range(2)]
+        where = [front.submit(f"after{i}", [5, 6, 7], GREEDY, {}, s) for i, s in enumerate(after)]
+        assert sorted(where) == ([0, 1] if restart else [1, 1])
+        assert all(not isinstance(s.last(), BaseException) for s in after)
+    finally:
+        pids = [front.pid(i) for i in range(2)]
+        front.shutdown()
+    assert not any(alive(p) for p in pids if p is not None)
+    assert front.health() == ["dead", "dead"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from twinserve.core.kv_events import KVEventBuffer
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -121,7 +123,7 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """A fixed set of blocks with reference counts and, optionally, a prefix-cache index."""
 
-    __slots__ = ("blocks", "free_queue", "enable_caching", "cached", "num_evictions")
+    __slots__ = ("blocks", "free_queue", "enable_caching", "cached", "num_evictions", "events")
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 0:
@@ -131,6 +133,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[int, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Where stores, evictions and resets are recorded (None: not recorded, the default). The
+        # checks sit off the hot paths: in the eviction branch, and in cache_recorded, which the
+        # KV manager calls in place of cache/cache_all when this is set.
+        self.events: KVEventBuffer | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -162,6 +168,8 @@ class BlockPool:
             if block_hash is not None:
                 del cached[block_hash]
                 block.block_hash = None
+                if self.events is not None:
+                    self.events.removed(block_hash)
         self.num_evictions += num_cached - len(cached)
         return out
 
@@ -197,6 +205,20 @@ class BlockPool:
                 block.block_hash = block_hash
                 cached[block_hash] = block
 
+    def cache_recorded(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[int],
+                       parent_block_hash: int | None, lora: str | None) -> None:
+        """``cache_all``, recording the blocks it registered as one ``BlockStored`` (needs
+        ``events``). ``parent_block_hash``: the hash of the block before ``blocks[0]``."""
+        assert self.events is not None
+        cached = self.cached
+        stored: list[int] = []
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
+                stored.append(block_hash)
+        self.events.stored(stored, parent_block_hash, lora)
+
     def reset_prefix_cache(self, num_reserved: int = 0) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use, as in vLLM
         (``num_reserved``: blocks the owner holds for good, such as a null block)."""
@@ -205,4 +227,6 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

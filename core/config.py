@@ -37,6 +37,9 @@ class SchedulerConfig:
     # A hybrid layout's KV cache groups, each one's window (None: full attention), when the
     # model mixes layers (Gemma 2/3); empty for one group (core/kv_cache_groups.py).
     kv_cache_group_windows: tuple[int | None, ...] = ()
+    # Record the prefix cache's block-hash events for a router (core.kv_events; drained by
+    # Scheduler.take_kv_events). Off: nothing is recorded.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -323,7 +323,12 @@ class KVCacheManager:
     def _register(self, request: Request, table: BlockTable, first: int, stop: int) -> None:
         hashes = update_block_hashes(request, self.block_size, stop * self.block_size)
         salt = self.key_salt
-        if salt is not None:  # a hybrid layout's group: its own keys for the new blocks only
+        if self.pool.events is not None:  # recorded for routers (core.kv_events)
+            keys = hashes[first - 1:stop] if first else [None, *hashes[:stop]]
+            if salt is not None:
+                keys = [k if k is None else hash((k, salt)) for k in keys]
+            self.pool.cache_recorded(table.blocks[first:stop], keys[1:], keys[0], request.lora)
+        elif salt is not None:  # a hybrid layout's group: its own keys for the new blocks only
             self.pool.cache_all(table.blocks[first:stop],
                                 [hash((h, salt)) for h in hashes[first:stop]])
         elif first + 1 == stop:  # one block (a decode crossed a boundary): no slices

@@ -31,6 +31,7 @@ from twinserve.core.config import SchedulerConfig
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_cache_coordinator import make_kv_cache_manager
 from twinserve.core.kv_cache_manager import BlockTable
+from twinserve.core.kv_events import KVCacheEvent, KVEventBuffer
 from twinserve.core.lora import LoRASlots
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.policy import SchedulingPolicy
@@ -79,6 +80,8 @@ class Scheduler:
         self.kv = make_kv_cache_manager(config.num_gpu_blocks, config.block_size,
                                         config.enable_prefix_caching, config.num_cpu_blocks,
                                         config.sliding_window, config.kv_cache_group_windows)
+        if config.kv_events:
+            self.kv.pool.events = KVEventBuffer()
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
@@ -190,6 +193,12 @@ class Scheduler:
         """Ends requests wherever they are; unknown or finished ids are ignored. Call between
         steps (from the thread that runs them)."""
         return self.finish_requests(request_ids, now, RequestStatus.FINISHED_ABORTED)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's block-hash events since the last call (empty when the config's
+        ``kv_events`` is off)."""
+        events = self.kv.pool.events
+        return [] if events is None else events.take()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.policy) > 0

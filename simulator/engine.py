@@ -27,7 +27,7 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
-from twinserve.simulator.router import Router
+from twinserve.routers import ReplicaLoad, Router, uses_kv_events
 from twinserve.simulator.step_time import StepTimeModel
 
 SIMULATED_TOKEN = 17
@@ -87,13 +87,20 @@ class Replica:
 
 def arrival_process(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
                     router: Router, recorder: RunRecorder):
-    """Releases each request at its arrival time to the replica the router picks."""
+    """Releases each request at its arrival time to the replica the router picks, which sees
+    each replica as a real front would (``routers.ReplicaLoad``, and the replicas' KV events
+    when it reads them)."""
     schedulers = [r.scheduler for r in replicas]
+    events = uses_kv_events(router)
     for request in requests:
         delay = request.arrival_time - env.now
         if delay > 0:
             yield env.timeout(delay)
-        replica = replicas[router.route(request, schedulers)]
+        if events:
+            for i, sched in enumerate(schedulers):
+                router.on_kv_events(i, sched.take_kv_events())
+        loads = [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
+        replica = replicas[router.route(request, loads)]
         try:
             replica.driver.add_request(request)
         except (ValueError, EngineOverloaded) as exc:  # can never run (400) or not now (503):

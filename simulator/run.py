@@ -6,7 +6,7 @@ import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
+from twinserve.routers import Router, available_routers, make_router, uses_kv_events
 from twinserve.simulator.cost_model import (
     CostModel,
     DeviceCostModel,
@@ -37,7 +38,6 @@ from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.roofline_gap import roofline_caveat
-from twinserve.simulator.router import ROUTERS, make_router
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
@@ -91,8 +91,9 @@ class SimConfig:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
                 or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}.")
-        if router not in ROUTERS:
-            raise ValueError(f"unknown router {router!r}; valid: {', '.join(ROUTERS)}")
+        routers = available_routers()
+        if router not in routers:
+            raise ValueError(f"unknown router {router!r}; valid: {', '.join(routers)}")
 
     @classmethod
     def from_flat(cls, values: dict[str, Any], source: str = "SimConfig") -> SimConfig:
@@ -225,13 +226,16 @@ def _lazy_prompt(vocab_size: int, block_size: int, unique_ids: bool, tr: TraceRe
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              adapters: LoRAAdapters | None = None,
              structured: StructuredWorkload | None = None,
-             decode_runs: bool = True, lazy_prompts: bool = True) -> SimResult:
+             decode_runs: bool = True, lazy_prompts: bool = True,
+             router: Router | None = None) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
     ``decode_runs``: advance runs of decode-only steps at once (``core.decode_run``; False
     steps one at a time, the reference, with the same results); ``lazy_prompts``: prompts
-    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results)."""
+    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results);
+    ``router``: a router object in place of ``cfg.router``'s defaults (a tuned one); the
+    replicas record KV events only when the router reads them."""
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -240,6 +244,10 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         cost = cost.with_lora(lora)
     sched_cfg, vocab, block_size = (engine_config.scheduler, spec.vocab_size,
                                     cfg.engine.block_size)
+    if router is None:
+        router = make_router(cfg.router, block_size)
+    if uses_kv_events(router):
+        sched_cfg = replace(sched_cfg, kv_events=True)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
     # tqdm starts a monitor thread even when disabled: no bar at all without progress.
     bar = tqdm(total=len(trace), unit="req", desc="simulating", mininterval=0.5) if progress else None
@@ -257,7 +265,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                             decode_runs=decode_runs, alone=cfg.num_replicas == 1)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
-        env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
+        env.process(arrival_process(env, requests, replicas, router, recorder))
         for replica in replicas:
             env.process(engine_process(env, replica))
         env.run()

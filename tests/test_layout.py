@@ -1,8 +1,10 @@
 """The dependency rule of DESIGN.md, checked on every import statement (inside functions too):
 
 - ``core/`` imports no other project folder, and no torch, simpy, fastapi or pandas;
-- ``policies/`` imports ``core/`` only; ``traces/`` imports ``core/`` only;
+- ``policies/`` imports ``core/`` only; ``traces/`` imports ``core/`` only; ``routers/`` imports
+  ``core/`` only (the twin and the data-parallel front route through the same objects);
 - ``simulator/`` and ``gpu/`` import ``core/``, ``policies/`` and ``traces/``, never each other;
+  ``simulator/`` may import ``routers/``;
 - ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point);
 - ``fidelity/`` (twin against reality) imports ``core/``, ``policies/``, ``traces/``,
   ``simulator/``, ``gpu/`` and ``reports/``; only ``entrypoints/`` and ``benchmarks/`` import it.
@@ -16,18 +18,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_FOLDERS = ("core", "policies", "simulator", "gpu", "traces", "reports", "fidelity",
+PROJECT_FOLDERS = ("core", "policies", "routers", "simulator", "gpu", "traces", "reports", "fidelity",
                    "entrypoints", "benchmarks")
 ALLOWED = {  # the project folders each folder may import, itself included
     "core": {"core"},
     "policies": {"policies", "core"},
     "traces": {"traces", "core"},
-    "simulator": {"simulator", "core", "policies", "traces"},
+    "routers": {"routers", "core"},
+    "simulator": {"simulator", "core", "policies", "traces", "routers"},
     "gpu": {"gpu", "core", "policies", "traces"},
     "reports": {"reports", "core"},
-    "fidelity": {"fidelity", "core", "policies", "traces", "simulator", "gpu", "reports"},
+    "fidelity": {"fidelity", "core", "policies", "traces", "simulator", "gpu", "reports",
+                 "routers"},
 }
-FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"}}
+FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"},
+                      "routers": {"torch", "simpy", "fastapi", "pandas"}}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -37,7 +37,7 @@ def _simulate_parser(sub) -> None:
                         "workload) or llm (offline batches)")
     p.add_argument("--num-replicas", type=int, default=None, help="engines behind a router")
     p.add_argument("--router", default=None,
-                   help="round-robin, least-outstanding or prefix-affinity")
+                   help="round-robin, least-outstanding, prefix-affinity, cache-aware or a plugin's")
     add_engine_args(p)
     p.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
                    help="share of requests decoding under a grammar (JSON mode), charged the "

@@ -28,9 +28,9 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import available_policies, get_policy
 from twinserve.policies.static import StaticBatchingPolicy
+from twinserve.routers import make_router
 from twinserve.simulator import SimConfig, SimResult, simulate, write_sim_run
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
-from twinserve.simulator.router import make_router
 from twinserve.simulator.run import build_engine_config, to_request
 from twinserve.simulator.step_time import StepTimeFunction
 from twinserve.traces import SyntheticConfig, TraceRequest, first_n, load_trace, synthetic_trace
@@ -76,7 +76,7 @@ def run_engines(cfg: SimConfig, trace: list[TraceRequest], engine=engine_process
                         StepTimeFunction(step_time))
                 for i in range(cfg.num_replicas)]
     requests = (to_request(tr, vocab, block_size) for tr in trace)
-    env.process(arrival_process(env, requests, replicas, make_router(cfg.router), recorder))
+    env.process(arrival_process(env, requests, replicas, make_router(cfg.router, block_size), recorder))
     for replica in replicas:
         env.process(engine(env, replica))
     env.run()

@@ -13,12 +13,12 @@ from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
+from twinserve.routers import make_router
 from twinserve.simulator.cost_model import CostModel, FittedCostModel, make_cost_model
 from twinserve.simulator.engine import Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally
 from twinserve.simulator.model_spec import load_model_spec
-from twinserve.simulator.router import make_router
 from twinserve.simulator.run import EngineBuild, SimConfig, build_engine_config, to_request
 from twinserve.simulator.step_time import StepTimeFunction, StepTimeModel
 from twinserve.simulator.structured_cost import StructuredCost
@@ -94,7 +94,7 @@ def _replay(build: EngineBuild, model: StepTimeModel, trace: list[TraceRequest])
                                   stream_outputs=False), recorder, 0)
     replica = Replica(0, driver, model, alone=True)
     requests = (to_request(tr, build.model.vocab_size, 16) for tr in trace)
-    env.process(arrival_process(env, requests, [replica], make_router("round-robin"), recorder))
+    env.process(arrival_process(env, requests, [replica], make_router("round-robin", 16), recorder))
     env.process(engine_process(env, replica))
     env.run()
     return ([dataclasses.astuple(r) for r in recorder.requests],

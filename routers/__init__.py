@@ -1,0 +1,63 @@
+"""Routers by name: the built-in ones, plus third-party routers from the entry-point group
+``twinserve.routers`` (``name = "package.module:RouterClass"``). One package for the twin and the
+data-parallel front: both route through the objects ``make_router`` returns."""
+
+from __future__ import annotations
+
+import inspect
+from importlib.metadata import entry_points
+from typing import Any
+
+from twinserve.routers.cache_aware import CacheAwareRouter
+from twinserve.routers.least_outstanding import LeastOutstandingRouter
+from twinserve.routers.prefix_affinity import PrefixAffinityRouter
+from twinserve.routers.round_robin import RoundRobinRouter
+from twinserve.routers.router import NoHealthyReplica, ReplicaLoad, Router, uses_kv_events
+
+ENTRY_POINT_GROUP = "twinserve.routers"
+
+# A read-only table of the built-in classes (each caller builds its own router instance).
+_BUILTIN: dict[str, type] = {
+    "round-robin": RoundRobinRouter,
+    "least-outstanding": LeastOutstandingRouter,
+    "prefix-affinity": PrefixAffinityRouter,
+    "cache-aware": CacheAwareRouter,
+}
+ROUTERS: tuple[str, ...] = tuple(_BUILTIN)
+
+__all__ = ["ROUTERS", "ENTRY_POINT_GROUP", "CacheAwareRouter", "LeastOutstandingRouter",
+           "NoHealthyReplica", "PrefixAffinityRouter", "ReplicaLoad", "RoundRobinRouter", "Router",
+           "available_routers", "make_router", "uses_kv_events"]
+
+
+def available_routers() -> dict[str, type]:
+    """Built-in routers and those installed through the entry-point group (a built-in name wins)."""
+    found = dict(_BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in found:
+            found[ep.name] = ep.load()
+    return found
+
+
+def make_router(name: str, block_size: int, **options: Any) -> Router:
+    """A fresh router. ``block_size`` (the replicas' KV block size) reaches the routers whose
+    constructor takes one; unknown names and bad options raise ValueError."""
+    cls = _BUILTIN.get(name)
+    if cls is None:
+        routers = available_routers()
+        cls = routers.get(name)
+        if cls is None:
+            raise ValueError(f"unknown router {name!r}; valid: {', '.join(routers)}")
+    try:
+        takes_block_size = "block_size" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # not a class with a readable signature
+        raise ValueError(f"router {name!r} is not a router class: {cls!r}") from None
+    if takes_block_size:
+        options = {"block_size": block_size, **options}
+    try:
+        router = cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for router {name!r}: {exc}") from None
+    if not isinstance(router, Router):
+        raise ValueError(f"router {name!r} lacks route, on_kv_events or on_replica_reset")
+    return router

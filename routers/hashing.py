@@ -1,0 +1,28 @@
+"""A prompt's block hashes as the replicas' prefix caches key them (``core.block_hash``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from twinserve.core.block_hash import ROOT_HASH
+from twinserve.core.request import LazyPrompt, Request
+
+
+def prompt_block_hashes(request: Request, block_size: int) -> Iterator[int]:
+    """The hashes of the prompt's full blocks, first to last, made as they are read (a router
+    stops at its first miss). The same keys as ``core.block_hash.update_block_hashes``: a
+    ``LazyPrompt``'s keys for this block size, else the chain over the ids; the request is not
+    changed."""
+    prompt = request.prompt_token_ids
+    lora = request.lora
+    num_full = len(prompt) // block_size
+    done = 0
+    parent = ROOT_HASH
+    if isinstance(prompt, LazyPrompt) and prompt.key_block_size == block_size:
+        for key in prompt.keys[:num_full]:
+            parent = key if lora is None else hash((key, lora))
+            yield parent
+        done = min(len(prompt.keys), num_full)
+    for start in range(done * block_size, num_full * block_size, block_size):
+        parent = hash((parent, tuple(prompt[start:start + block_size]), lora))
+        yield parent

@@ -1,0 +1,75 @@
+"""The router seam: which replica serves a request, seen only through what a real front knows.
+
+The twin (``simulator/``) and the data-parallel front (``entrypoints/``) import these same objects:
+a router reads one ``ReplicaLoad`` per replica, refreshed before each ``route``, and the block-hash
+events each replica's KV manager emits (``core.kv_events``), never a scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from twinserve.core.kv_events import KVCacheEvent
+from twinserve.core.request import Request
+
+
+class NoHealthyReplica(RuntimeError):
+    """Every replica is marked unhealthy: the request cannot be routed."""
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What a router may read about one replica, refreshed before each ``route()``."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # 0..1
+    healthy: bool = True  # a dead or restarting replica: never chosen
+
+    def __post_init__(self) -> None:
+        for name in ("num_running", "num_waiting"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be within [0, 1], got {self.kv_usage!r}.")
+
+    @property
+    def outstanding(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@runtime_checkable
+class Router(Protocol):
+    def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
+        """The index of the replica for ``request``; raises ``NoHealthyReplica`` when none is."""
+        ...
+
+    def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        """The replica's own block-hash events, in order; routers that ignore them do nothing."""
+        ...
+
+    def on_replica_reset(self, replica: int) -> None:
+        """The replica died or restarted: forget what it held."""
+        ...
+
+
+def uses_kv_events(router: Router) -> bool:
+    """Whether the router reads KV events (its ``uses_kv_events`` attribute; False without one):
+    a backend turns the replicas' events on only then, since recording them costs a little."""
+    return bool(getattr(router, "uses_kv_events", False))
+
+
+def healthy(replicas: Sequence[ReplicaLoad]) -> list[int]:
+    """The indices of the healthy replicas; raises ``NoHealthyReplica`` when there is none."""
+    found = [i for i, r in enumerate(replicas) if r.healthy]
+    if not found:
+        raise NoHealthyReplica(f"none of the {len(replicas)} replicas is healthy")
+    return found
+
+
+def least_outstanding(replicas: Sequence[ReplicaLoad], among: Sequence[int]) -> int:
+    """The replica in ``among`` with the fewest running + waiting requests (lowest index on ties)."""
+    return min(among, key=lambda i: replicas[i].outstanding)

@@ -1,0 +1,174 @@
+"""The routers package: registry, the four routers, their bounded state, prompt hashing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from core_helpers import make_req, make_scheduler, run_to_completion
+
+from twinserve import routers as registry
+from twinserve.core.block_hash import update_block_hashes
+from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from twinserve.routers import (
+    ROUTERS,
+    CacheAwareRouter,
+    NoHealthyReplica,
+    PrefixAffinityRouter,
+    ReplicaLoad,
+    make_router,
+    uses_kv_events,
+)
+from twinserve.routers.hashing import prompt_block_hashes
+
+BS = 4
+
+
+def loads(*outstanding: int, usage: float = 0.0) -> list[ReplicaLoad]:
+    return [ReplicaLoad(n, 0, usage) for n in outstanding]
+
+
+def test_registry_names_and_errors() -> None:
+    assert ROUTERS == ("round-robin", "least-outstanding", "prefix-affinity", "cache-aware")
+    assert isinstance(make_router("cache-aware", BS), CacheAwareRouter)
+    assert make_router("cache-aware", BS).block_size == BS
+    assert uses_kv_events(make_router("cache-aware", BS))
+    assert not uses_kv_events(make_router("round-robin", BS))
+    with pytest.raises(ValueError, match="unknown router 'random'.*cache-aware"):
+        make_router("random", BS)
+    with pytest.raises(ValueError, match="bad options for router 'round-robin'"):
+        make_router("round-robin", BS, bogus=1)
+    with pytest.raises(ValueError, match="prefix_weight"):
+        make_router("cache-aware", BS, prefix_weight=-1)
+    with pytest.raises(ValueError, match="max_prefixes"):
+        make_router("prefix-affinity", BS, max_prefixes=0)
+
+
+def test_a_plugin_loads_from_the_entry_point_group(monkeypatch) -> None:
+    class Fixed:
+        def route(self, request, replicas):
+            return len(replicas) - 1
+
+        def on_kv_events(self, replica, events):
+            pass
+
+        def on_replica_reset(self, replica):
+            pass
+
+    point = SimpleNamespace(name="last", load=lambda: Fixed)
+    monkeypatch.setattr(registry, "entry_points",
+                        lambda group: [point] if group == "twinserve.routers" else [])
+    assert "last" in registry.available_routers()
+    assert make_router("last", BS).route(make_req("a", 8), loads(0, 0, 0)) == 2
+    class NotARouter:
+        pass
+
+    point.load = lambda: NotARouter
+    with pytest.raises(ValueError, match="router 'last' lacks route"):
+        make_router("last", BS)
+    point.load = lambda: len  # not a class
+    with pytest.raises(ValueError, match="router 'last'"):
+        make_router("last", BS)
+
+
+def test_replica_load_validates() -> None:
+    with pytest.raises(ValueError, match="num_waiting"):
+        ReplicaLoad(1, -1, 0.5)
+    with pytest.raises(ValueError, match="kv_usage"):
+        ReplicaLoad(1, 0, 1.5)
+
+
+@pytest.mark.parametrize("name", ROUTERS)
+def test_every_router_skips_unhealthy_replicas_and_raises_when_none_is(name: str) -> None:
+    router = make_router(name, BS)
+    replicas = loads(0, 0, 0)
+    replicas[0].healthy = replicas[2].healthy = False
+    for i in range(5):
+        assert router.route(make_req(f"r{i}", 9), replicas) == 1
+    for r in replicas:
+        r.healthy = False
+    with pytest.raises(NoHealthyReplica):
+        router.route(make_req("x", 9), replicas)
+
+
+def test_round_robin_cycles_and_least_outstanding_takes_the_emptiest() -> None:
+    rr = make_router("round-robin", BS)
+    assert [rr.route(make_req(f"r{i}", 5), loads(0, 0, 0)) for i in range(5)] == [0, 1, 2, 0, 1]
+    assert make_router("least-outstanding", BS).route(make_req("a", 5), loads(3, 1, 1)) == 1
+
+
+def test_prefix_affinity_keeps_a_home_and_stays_bounded() -> None:
+    router = PrefixAffinityRouter(prefix_tokens=4, max_imbalance=2, max_prefixes=8)
+    shared = [5, 6, 7, 8]
+    assert router.route(make_req("a", 10, prefix=shared), loads(1, 0)) == 1
+    assert router.route(make_req("b", 10, prefix=shared), loads(0, 2)) == 1  # within imbalance
+    assert router.route(make_req("c", 10, prefix=shared), loads(0, 3)) == 0  # too loaded: moves
+    for i in range(100):
+        router.route(make_req(f"d{i}", 10, prefix=[i, i, i, i]), loads(i % 2, 1 - i % 2))
+        assert len(router) <= 8
+    router.on_replica_reset(0)
+    assert len(router) == 4  # the homes on replica 0 are forgotten
+
+
+def test_prompt_hashes_are_the_prefix_caches_keys() -> None:
+    for lora in (None, "sql"):
+        request = make_req("a", 23, prefix=list(range(9)), lora=lora)
+        mine = list(prompt_block_hashes(request, BS))
+        assert request.block_hashes == []  # the request is not touched
+        assert mine == update_block_hashes(request, BS, 23)
+        assert len(mine) == 5
+
+
+def _stored(request, replica: int, router: CacheAwareRouter, blocks: int) -> None:
+    hashes = list(prompt_block_hashes(request, BS))[:blocks]
+    router.on_kv_events(replica, [BlockStored(hashes, None, None)])
+
+
+def test_cache_aware_routes_to_the_replica_holding_the_longest_prefix() -> None:
+    router = CacheAwareRouter(BS)
+    shared = list(range(40))
+    _stored(make_req("seed1", 48, prefix=shared), 1, router, 4)
+    _stored(make_req("seed2", 48, prefix=shared), 2, router, 10)
+    request = make_req("a", 48, prefix=shared)
+    assert router.matched_blocks(request, [0, 1, 2]) == {0: 0, 1: 4, 2: 10}
+    assert router.route(request, loads(0, 0, 1)) == 2  # the prefix outweighs one more request
+    assert router.route(request, loads(0, 0, 20, usage=0.5)) == 1  # a long queue does not
+    # removal and reset forget the blocks
+    hashes = list(prompt_block_hashes(request, BS))
+    router.on_kv_events(2, [BlockRemoved(hashes[5:6])])
+    assert router.matched_blocks(request, [2]) == {2: 5}
+    router.on_kv_events(2, [AllBlocksCleared()])
+    assert router.matched_blocks(request, [1, 2]) == {1: 4, 2: 0}
+    assert router.holders(hashes[0]) == [1]
+
+
+def test_cache_aware_ties_go_to_the_least_loaded() -> None:
+    router = CacheAwareRouter(BS, kv_weight=0.0, queue_weight=0.0)
+    assert router.route(make_req("a", 12), loads(3, 1, 2)) == 1
+
+
+def test_cache_aware_index_stays_bounded() -> None:
+    router = CacheAwareRouter(BS, max_blocks=50)
+    for i in range(200):
+        _stored(make_req(f"p{i}", 40), i % 3, router, 10)
+        assert len(router) <= 50
+    newest = make_req("p199", 40)
+    assert router.matched_blocks(newest, [0, 1, 2])[199 % 3] == 10
+    with pytest.raises(ValueError, match="events"):
+        router.on_kv_events(0, ["stored"])  # type: ignore[list-item]
+
+
+def test_cache_aware_follows_a_real_schedulers_events() -> None:
+    sched = make_scheduler(num_blocks=12, block_size=BS, kv_events=True)
+    router = CacheAwareRouter(BS)
+    shared = list(range(16))
+    sched.add_request(make_req("a", 20, prefix=shared))
+    run_to_completion(sched)
+    router.on_kv_events(0, sched.take_kv_events())
+    assert router.matched_blocks(make_req("b", 20, prefix=shared), [0, 1]) == {0: 4, 1: 0}
+    # other prompts evict it: the router learns that too
+    for i in range(4):
+        sched.add_request(make_req(f"x{i}", 40))
+        run_to_completion(sched)
+    router.on_kv_events(0, sched.take_kv_events())
+    assert router.matched_blocks(make_req("c", 20, prefix=shared), [0]) == {0: 0}

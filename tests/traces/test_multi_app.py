@@ -1,0 +1,38 @@
+"""The multi-application workload generator."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+
+
+def test_apps_share_their_own_system_prompt_with_zipf_popularity() -> None:
+    cfg = MultiAppConfig(num_requests=4000, request_rate=40.0, num_apps=24, seed=3)
+    trace = multi_app_trace(cfg)
+    assert trace == multi_app_trace(cfg)  # seeded
+    assert len(trace) == 4000
+    assert all(b.arrival_time >= a.arrival_time for a, b in zip(trace, trace[1:]))
+    assert 80 < trace[-1].arrival_time < 120  # ~100 s at 40 req/s
+    prompts: dict[str, set] = {}
+    for tr in trace:
+        prompts.setdefault(tr.tenant, set()).add((tr.prefix_blocks, tr.prefix_block_tokens))
+        assert 256 <= tr.prefix_block_tokens <= 2048
+        assert tr.input_tokens > tr.prefix_block_tokens
+    assert all(len(p) == 1 for p in prompts.values())  # one system prompt per application
+    assert len({next(iter(p)) for p in prompts.values()}) == len(prompts)  # and its own
+    counts = Counter(tr.tenant for tr in trace)
+    share = cfg.popularity()
+    assert counts["app-0"] / 4000 == pytest.approx(share[0], abs=0.03)
+    assert counts["app-0"] > 2 * counts["app-1"] * 0.8 and counts["app-1"] > counts["app-5"]
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="system_len_max"):
+        MultiAppConfig(system_len_min=512, system_len_max=256)
+    with pytest.raises(ValueError, match="request_rate"):
+        MultiAppConfig(request_rate=0.0)
+    with pytest.raises(ValueError, match="num_apps"):
+        MultiAppConfig(num_apps=0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
 from twinserve.gpu.engine.dp_client import ReplicaEvent, ReplicaInboxFull, ReplicaSet
 from twinserve.gpu.engine.engine_process import Refusal
+from twinserve.routers import NoHealthyReplica, ReplicaLoad, Router, make_router, uses_kv_events
 
 START_TIMEOUT_S = 600.0
 POLL_S = 0.2
@@ -45,46 +46,6 @@ class Sink(Protocol):
 
 
 @dataclass(slots=True)
-class ReplicaLoad:  # stand-in for twinserve.routers.ReplicaLoad until that package lands
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    healthy: bool = True
-
-
-class NoHealthyReplica(RuntimeError):
-    """Every replica is down: the request cannot be routed."""
-
-
-class RoundRobin:
-    """Stand-in for twinserve.routers' round-robin until that package lands."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
-        n = len(replicas)
-        for k in range(n):
-            i = (self._next + k) % n
-            if replicas[i].healthy:
-                self._next = i + 1
-                return i
-        raise NoHealthyReplica(f"none of the {n} replicas is healthy")
-
-    def on_kv_events(self, replica: int, events: Sequence[Any]) -> None:
-        pass
-
-    def on_replica_reset(self, replica: int) -> None:
-        pass
-
-
-def make_front_router(args: EngineArgs) -> RoundRobin:
-    if args.router != "round-robin":
-        raise ValueError(f"router {args.router!r} is not available (round-robin).")
-    return RoundRobin()
-
-
-@dataclass(slots=True)
 class ReplicaState:
     """One replica as the front sees it (``/health``, metrics)."""
 
@@ -98,13 +59,13 @@ class ReplicaState:
 class DataParallelFront:
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 router: Any = None) -> None:
+                 router: Router | None = None) -> None:
         if args.enable_lora:
             raise ValueError("enable_lora with data_parallel_size > 1 is not implemented.")
         self.args = args
-        self.router = router if router is not None else make_front_router(args)
+        self.router = router if router is not None else make_router(args.router, args.block_size)
         self._tokenize = tokenize
-        self._set = ReplicaSet(args, usage_context, on_cuda)
+        self._set = ReplicaSet(args, usage_context, on_cuda, uses_kv_events(self.router))
         n = self._set.size
         self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
         self.replicas = [ReplicaState() for _ in range(n)]

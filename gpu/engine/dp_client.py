@@ -56,7 +56,8 @@ class ReplicaSet:
     """``data_parallel_size`` engine processes. Only one thread calls ``poll`` (the front's
     reader); ``send`` may be called from any thread."""
 
-    def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool) -> None:
+    def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
+                 kv_events: bool = False) -> None:
         if args.data_parallel_backend != "mp":
             raise ValueError(f"data_parallel_backend={args.data_parallel_backend!r} is not "
                              "implemented yet (use mp).")
@@ -65,6 +66,7 @@ class ReplicaSet:
         self._size = args.data_parallel_size
         self._usage_context = usage_context
         self._on_cuda = on_cuda
+        self._kv_events = kv_events
         self._threads = replica_threads(args, on_cuda)
         self._replicas: list[_Replica | None] = [None] * self._size
 
@@ -76,7 +78,7 @@ class ReplicaSet:
         """Starts (or restarts) replica ``index``; it reports ``("ready",)`` once loaded."""
         self._reap(index)
         spec = ReplicaSpec(index, self._args, self._usage_context, self._threads,
-                           index if self._on_cuda else None, os.getpid())
+                           index if self._on_cuda else None, os.getpid(), self._kv_events)
         inbox = self._ctx.Queue(maxsize=INBOX_SIZE)
         ours, theirs = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(target=replica_main, args=(spec, inbox, theirs),

@@ -25,6 +25,7 @@ from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
+from twinserve.core.kv_events import KVEventBuffer
 
 IDLE_POLL_S = 0.5
 
@@ -40,6 +41,7 @@ class ReplicaSpec:
     num_threads: int
     gpu: int | None
     parent_pid: int
+    kv_events: bool = False  # record the prefix cache's block-hash events for the router
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -79,6 +81,8 @@ def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
         outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     engine.metrics.record_steps = False  # a replica runs for days: keep no per-step rows
+    if spec.kv_events:  # as Scheduler.__init__ does for SchedulerConfig.kv_events, before any step
+        engine.scheduler.kv.pool.events = KVEventBuffer()
     outbox.send(("ready",))
     try:
         _serve(engine, spec, inbox, outbox)
@@ -141,6 +145,5 @@ def _apply(engine: Any, command: tuple, accepted: list[str], refused: list[Refus
 
 
 def _kv_events(engine: Any) -> list[Any]:
-    """The scheduler's block-hash events since the last step (none where it records none)."""
-    take = getattr(engine.scheduler, "take_kv_events", None)
-    return take() if take is not None else []
+    """The scheduler's block-hash events since the last step (none when it records none)."""
+    return engine.scheduler.take_kv_events()

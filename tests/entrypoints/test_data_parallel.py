@@ -112,3 +112,43 @@ def test_a_killed_replica_ends_its_requests_and_the_other_serves(restart: bool) 
         front.shutdown()
     assert not any(alive(p) for p in pids if p is not None)
     assert front.health() == ["dead", "dead"]
+
+
+@pytest.mark.slow
+def test_requests_sharing_a_prefix_reach_the_replica_holding_it() -> None:
+    args = EngineArgs(data_parallel_size=2, router="cache-aware", **SMALL)
+    front = DataParallelFront(args, "llm", on_cuda=False)
+    try:
+        prefix = list(range(100, 164))  # four full blocks
+        busy, first = Collect(), Collect()
+        # replica 0 busy (ties go to the lowest index), so the prefix lands on replica 1: later
+        # requests at equal load would go to 0 if the router ignored what 1 holds
+        assert front.submit("busy", [1, 2, 3], GREEDY, {}, busy) == 0
+        home = front.submit("first", prefix + [7], GREEDY, {}, first)
+        assert home == 1
+        assert not isinstance(first.last(), BaseException)
+        assert not isinstance(busy.last(), BaseException)
+        wait_until(lambda: front.snapshot()[home].stats is not None)
+        where = []
+        for i in range(4):  # one at a time: equal load, so the held prefix decides
+            sink = Collect()
+            where.append(front.submit(f"same{i}", prefix + [8 + i], GREEDY, {}, sink))
+            assert not isinstance(sink.last(), BaseException)
+        assert where == [home] * 4
+        stats = front.snapshot()[home].stats
+        assert stats is not None and stats.prefix_cache_hits >= 4 * len(prefix)
+    finally:
+        front.shutdown()
+
+
+def test_block_hashes_agree_between_processes() -> None:
+    """The front hashes prompts in its process; the replicas' KV events carry theirs."""
+    import subprocess
+    import sys
+    code = ("from twinserve.core.request import Request\n"
+            "from twinserve.core.sampling_params import SamplingParams\n"
+            "from twinserve.routers.hashing import prompt_block_hashes\n"
+            "print(list(prompt_block_hashes(Request('r', list(range(64)), SamplingParams(), 0.0), 16)))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)}
+    assert len(runs) == 1 and len(eval(runs.pop())) == 4

@@ -46,6 +46,16 @@ class ReplicaEvent:
     message: Any = field(default=None)
 
 
+def replica_cores(index: int, size: int, on_cuda: bool) -> tuple[int, ...]:
+    """The cores replica ``index`` of ``size`` is pinned to on a CPU: its own contiguous share of
+    the process's affinity mask (none where there are fewer cores than replicas, or on CUDA)."""
+    if on_cuda or not hasattr(os, "sched_getaffinity"):
+        return ()
+    mask = sorted(os.sched_getaffinity(0))
+    share = len(mask) // size
+    return tuple(mask[index * share:(index + 1) * share]) if share else ()
+
+
 def replica_threads(args: EngineArgs, on_cuda: bool) -> int:
     """Each replica's torch threads: its share of the usable cores (at least one)."""
     cores = usable_cores()
@@ -78,7 +88,8 @@ class ReplicaSet:
         """Starts (or restarts) replica ``index``; it reports ``("ready",)`` once loaded."""
         self._reap(index)
         spec = ReplicaSpec(index, self._args, self._usage_context, self._threads,
-                           index if self._on_cuda else None, os.getpid(), self._kv_events)
+                           index if self._on_cuda else None, os.getpid(), self._kv_events,
+                           replica_cores(index, self._size, self._on_cuda))
         inbox = self._ctx.Queue(maxsize=INBOX_SIZE)
         ours, theirs = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(target=replica_main, args=(spec, inbox, theirs),

@@ -33,7 +33,7 @@ IDLE_POLL_S = 0.5
 @dataclass(slots=True, frozen=True)
 class ReplicaSpec:
     """What a replica process is built from. ``gpu``: the CUDA device it owns (None on a CPU);
-    ``num_threads``: its torch threads (its share of the cores)."""
+    ``num_threads``: its torch threads (its share of the cores), on ``cores`` where given."""
 
     index: int
     args: EngineArgs
@@ -42,6 +42,7 @@ class ReplicaSpec:
     gpu: int | None
     parent_pid: int
     kv_events: bool = False  # record the prefix cache's block-hash events for the router
+    cores: tuple[int, ...] = ()  # the CPU cores it is pinned to (empty: not pinned)
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -71,10 +72,11 @@ def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.gpu is not None:  # before torch initialises CUDA: this process sees its GPU only
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
-    import torch
-
+    if spec.cores:
+        os.sched_setaffinity(0, spec.cores)
     from twinserve.gpu.engine.llm_engine import LLMEngine
-    torch.set_num_threads(spec.num_threads)
+    from twinserve.gpu.worker.threads import set_torch_threads
+    set_torch_threads(spec.num_threads)
     try:
         engine = LLMEngine(spec.args, usage_context=spec.usage_context)
     except BaseException as exc:  # the front reports it and does not restart a replica that never ran

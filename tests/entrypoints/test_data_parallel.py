@@ -152,3 +152,18 @@ def test_block_hashes_agree_between_processes() -> None:
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout for _ in range(2)}
     assert len(runs) == 1 and len(eval(runs.pop())) == 4
+
+
+def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None:
+    import argparse
+
+    from twinserve.entrypoints.cli.validate_dp import FleetRow, format_table, run_validate_dp
+    with pytest.raises(ValueError, match="--profile"):
+        run_validate_dp(argparse.Namespace(profile=None), EngineArgs(data_parallel_size=2), [])
+    row = FleetRow("cache-aware", {"mean_ttft_ms": 12.0, "p99_ttft_ms": 30.0, "mean_tpot_ms": 5.0,
+                                   "prefix_cache_hit_rate": 0.5},
+                   {"mean_ttft_ms": 10.0, "p99_ttft_ms": 25.0, "mean_tpot_ms": 4.5,
+                    "prefix_cache_hit_rate": 0.25})
+    table = format_table([row]).splitlines()
+    assert table[2] == ("| cache-aware | 12.0 ms | 10.0 ms | 30.0 ms | 25.0 ms | 5.0 ms | 4.5 ms "
+                        "| 50.0% | 25.0% |")

@@ -127,6 +127,9 @@ class DataParallelFront:
             except ReplicaInboxFull as exc:
                 raise EngineOverloaded(str(exc), "max_waiting_requests",
                                        ADMISSION_RETRY_AFTER_S) from exc
+            except RuntimeError as exc:  # it died after its last load was read: not routed
+                raise EngineOverloaded(f"{exc}; retry later", "replica_down",
+                                       ADMISSION_RETRY_AFTER_S) from exc
             self._owner[request_id] = (index, sink)
             self.loads[index].num_waiting += 1  # seen by the next route, before its stats come
         return index

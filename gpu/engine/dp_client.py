@@ -112,6 +112,8 @@ class ReplicaSet:
             replica.inbox.put_nowait(command)
         except queue.Full as exc:
             raise ReplicaInboxFull(f"replica {index} has {INBOX_SIZE} commands queued") from exc
+        except (ValueError, OSError) as exc:  # its queue was closed: the replica just died
+            raise RuntimeError(f"replica {index} is not running") from exc
 
     def poll(self, timeout_s: float) -> list[ReplicaEvent]:
         """Messages from replicas and deaths of replicas, waiting up to ``timeout_s``."""

@@ -27,7 +27,7 @@ from twinserve.core.metrics import RequestRecord
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
-from twinserve.gpu.engine.dp_client import ReplicaEvent, ReplicaInboxFull, ReplicaSet
+from twinserve.gpu.engine.dp_client import ReplicaEvent, ReplicaInboxFull, make_replica_set
 from twinserve.gpu.engine.engine_process import Refusal
 from twinserve.routers import NoHealthyReplica, ReplicaLoad, Router, make_router, uses_kv_events
 
@@ -65,7 +65,7 @@ class DataParallelFront:
         self.args = args
         self.router = router if router is not None else make_router(args.router, args.block_size)
         self._tokenize = tokenize
-        self._set = ReplicaSet(args, usage_context, on_cuda, uses_kv_events(self.router))
+        self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router))
         n = self._set.size
         self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
         self.replicas = [ReplicaState() for _ in range(n)]

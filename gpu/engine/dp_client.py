@@ -68,9 +68,6 @@ class ReplicaSet:
 
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
                  kv_events: bool = False) -> None:
-        if args.data_parallel_backend != "mp":
-            raise ValueError(f"data_parallel_backend={args.data_parallel_backend!r} is not "
-                             "implemented yet (use mp).")
         self._ctx = mp.get_context("spawn")
         self._args = args.replace(data_parallel_size=1)
         self._size = args.data_parallel_size
@@ -169,3 +166,12 @@ class ReplicaSet:
             replica.process.join(timeout=STOP_GRACE_S)
         for i, _ in live:
             self._reap(i)
+
+
+def make_replica_set(args: EngineArgs, usage_context: str, on_cuda: bool,
+                     kv_events: bool = False) -> Any:
+    """The replicas on ``args.data_parallel_backend``: local processes (mp) or Ray actors."""
+    if args.data_parallel_backend == "ray":
+        from twinserve.gpu.engine.dp_ray import RayReplicaSet
+        return RayReplicaSet(args, usage_context, on_cuda, kv_events)
+    return ReplicaSet(args, usage_context, on_cuda, kv_events)

@@ -107,11 +107,11 @@ def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> No
         for command in commands:
             if command[0] == "stop":
                 return
-            _apply(engine, command, accepted, refused)
+            apply_command(engine, command, accepted, refused)
         outputs = engine.step() if engine.has_unfinished_requests() else []
         if outputs or accepted or refused or commands:
             outbox.send(("step", outputs, accepted, refused, engine.scheduler.stats(),
-                         _kv_events(engine), engine.metrics.take_requests()))
+                         kv_events(engine), engine.metrics.take_requests()))
 
 
 def _take_commands(inbox: Any, block: bool) -> list[tuple] | None:
@@ -128,7 +128,7 @@ def _take_commands(inbox: Any, block: bool) -> list[tuple] | None:
         return None
 
 
-def _apply(engine: Any, command: tuple, accepted: list[str], refused: list[Refusal]) -> None:
+def apply_command(engine: Any, command: tuple, accepted: list[str], refused: list[Refusal]) -> None:
     kind = command[0]
     if kind == "add":
         _, request_id, prompt, params, kwargs = command
@@ -146,6 +146,6 @@ def _apply(engine: Any, command: tuple, accepted: list[str], refused: list[Refus
         raise ValueError(f"unknown replica command {kind!r}")
 
 
-def _kv_events(engine: Any) -> list[Any]:
+def kv_events(engine: Any) -> list[Any]:
     """The scheduler's block-hash events since the last step (none when it records none)."""
     return engine.scheduler.take_kv_events()

@@ -167,3 +167,33 @@ def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None
     table = format_table([row]).splitlines()
     assert table[2] == ("| cache-aware | 12.0 ms | 10.0 ms | 30.0 ms | 25.0 ms | 5.0 ms | 4.5 ms "
                         "| 50.0% | 25.0% |")
+
+
+@pytest.mark.slow
+def test_ray_backend_matches_one_engine_and_survives_a_killed_actor() -> None:
+    pytest.importorskip("ray")
+    one = LLM(**SMALL)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(data_parallel_size=2, data_parallel_backend="ray", **SMALL)
+    front = two.engine.front
+    try:
+        outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [r.served for r in front.snapshot()] == [2, 2]
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        sinks = [Collect() for _ in range(2)]
+        where = [front.submit(f"long{i}", [1, 2, 3, 4 + i], long, {}, s)
+                 for i, s in enumerate(sinks)]
+        assert sorted(where) == [0, 1]
+        wait_until(lambda: all(r.served == 3 for r in front.snapshot()))
+        victim = front.pid(where.index(0))
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        assert isinstance(sinks[where.index(0)].last(), ReplicaDied)
+        assert len(sinks[where.index(1)].last().outputs[0].token_ids) == 200
+        wait_until(lambda: front.health() == ["ready", "ready"])
+        assert front.snapshot()[0].restarts == 1
+    finally:
+        two.shutdown()
+    assert front.health() == ["dead", "dead"]

@@ -197,3 +197,16 @@ def test_ray_backend_matches_one_engine_and_survives_a_killed_actor() -> None:
     finally:
         two.shutdown()
     assert front.health() == ["dead", "dead"]
+
+
+def test_simulate_takes_data_parallel_size_as_its_replicas(tmp_path: Any) -> None:
+    import json
+
+    from twinserve.entrypoints.cli.main import main
+    base = ["simulate", "--trace", "synthetic", "--num-requests", "8", "--disable-tqdm"]
+    assert main([*base, "--data-parallel-size", "2", "--out", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (config["num_replicas"], config["data_parallel_size"]) == (2, 1)
+    assert main([*base, "--data-parallel-size", "2", "--num-replicas", "3",
+                 "--out", str(tmp_path / "b")]) == 2
+    assert not (tmp_path / "b" / "config.json").exists()

@@ -74,6 +74,9 @@ def test_bad_data_parallel_arguments_name_the_field() -> None:
         EngineArgs(data_parallel_size=0)
     with pytest.raises(ValueError, match="data_parallel_backend"):
         EngineArgs(data_parallel_backend="threads")
+    from twinserve.gpu.engine.llm_engine import LLMEngine
+    with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine is one replica"):
+        LLMEngine(EngineArgs(data_parallel_size=2))  # refused, not run as one replica
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from operator import sub
+from operator import itemgetter, sub
 from typing import overload
 
 import numpy as np
@@ -335,6 +335,19 @@ class StepLog(Sequence[StepRecord]):
         rep += [replica] * k
         queued[-1] = waiting
         running[-1] = n - num_finished
+
+    def sort_by_time(self) -> None:
+        """Orders the rows by (start time, replica), in place: a fleet's replicas record their
+        steps as each runs ahead, not in time order (one replica's rows already are)."""
+        time, rep = self._cols[0], self._cols[-1]
+        if len(time) < 2:
+            return
+        order = np.lexsort((np.asarray(rep), np.asarray(time, dtype=np.float64))).tolist()
+        pick = itemgetter(*order)  # the rows' values in C, column by column
+        self._cols = tuple(list(pick(col)) for col in self._cols)
+        if self._tenants:
+            at = {old: new for new, old in enumerate(order)}
+            self._tenants = {at[old]: tokens for old, tokens in self._tenants.items()}
 
     def columns(self) -> tuple[list, ...]:
         """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast

@@ -13,6 +13,7 @@ class RoundRobinRouter:
     """Each request to the next replica in turn; an unhealthy replica's turn passes to the next."""
 
     __slots__ = ("_next",)
+    reads_loads = False  # a constant of the class: it reads nothing of the replicas
 
     def __init__(self) -> None:
         self._next = 0

@@ -62,6 +62,14 @@ def uses_kv_events(router: Router) -> bool:
     return bool(getattr(router, "uses_kv_events", False))
 
 
+def reads_loads(router: Router) -> bool:
+    """Whether the router reads the replicas' loads or KV events at all (its ``reads_loads``
+    attribute; True without one). They change within a twin's run of decode steps (requests
+    finish, blocks are taken), so the twin's fleet fast path takes in the step an arrival comes
+    during only for a router that reads none (round robin)."""
+    return bool(getattr(router, "reads_loads", True))
+
+
 def healthy(replicas: Sequence[ReplicaLoad]) -> list[int]:
     """The indices of the healthy replicas; raises ``NoHealthyReplica`` when there is none."""
     found = [i for i, r in enumerate(replicas) if r.healthy]

@@ -14,6 +14,8 @@ its trace output length whatever token the twin "samples".
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +29,7 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
-from twinserve.routers import ReplicaLoad, Router, uses_kv_events
+from twinserve.routers import ReplicaLoad, Router, reads_loads, uses_kv_events
 from twinserve.simulator.step_time import StepTimeModel
 
 SIMULATED_TOKEN = 17
@@ -60,6 +62,27 @@ class SyntheticTokens:
         return self.output
 
 
+# Requests a reads-nothing router routes ahead of their release (ArrivalHorizons), per replica.
+_ROUTE_AHEAD = 64
+
+
+@dataclass(slots=True)
+class ArrivalHorizons:
+    """Lower bounds on when each replica of a fleet may next receive a request: its horizon.
+
+    A router that reads the replicas' loads routes each request at its arrival, so every
+    replica's bound is the next arrival (``read_until``). One that reads nothing (round robin)
+    is asked ahead, so each replica's bound is its own next request (``pending``), or, when it
+    has none among those routed ahead, the latest routed: later ones come no earlier."""
+
+    pending: list[deque[float]]
+    read_until: float = 0.0
+
+    def of(self, replica: int) -> float:
+        queue = self.pending[replica]
+        return queue[0] if queue else self.read_until
+
+
 @dataclass(slots=True)
 class Replica:
     """One simulated engine: its step driver, its step-time model and its tokens."""
@@ -72,10 +95,15 @@ class Replica:
     # Advance runs of decode-only steps at once (core.decode_run); False: step by step, the
     # reference. Only for step times that read the step's aggregates, not its entries' contexts.
     decode_runs: bool = True
-    # The only replica: then the arrival process alone acts while a step runs, and it reads
-    # nothing a decode run changes before its last update (running and waiting counts), so a
-    # run may take in the step during which the next arrival comes (see ``engine_process``).
+    # Nothing that acts while a step runs reads what a decode run changes before its last
+    # update: the only replica (the arrival process alone acts, reading running and waiting
+    # counts), or replicas behind a router that reads only those counts. A run may then take in
+    # the step during which the next arrival comes (see ``engine_process``).
     alone: bool = False
+    # A fleet's horizons (None: the next event of any process). Replicas act on one another only
+    # through the router, so each runs ahead up to its horizon, past the other replicas' events
+    # (a fleet's run then sorts its step rows by time, as the step-by-step path interleaves them).
+    horizons: ArrivalHorizons | None = None
 
     def __post_init__(self) -> None:
         self.driver.on_release = self.tokens.release
@@ -86,32 +114,76 @@ class Replica:
 
 
 def arrival_process(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
-                    router: Router, recorder: RunRecorder):
+                    router: Router, recorder: RunRecorder, horizons: ArrivalHorizons | None = None):
     """Releases each request at its arrival time to the replica the router picks, which sees
     each replica as a real front would (``routers.ReplicaLoad``, and the replicas' KV events
-    when it reads them)."""
+    when it reads them). ``horizons``: kept up to date for a fleet's replicas; a router that
+    reads nothing of the replicas (``routers.reads_loads``) is then asked ahead of time."""
+    if horizons is not None and not reads_loads(router):
+        yield from _routed_ahead(env, requests, replicas, router, recorder, horizons)
+        return
     schedulers = [r.scheduler for r in replicas]
     events = uses_kv_events(router)
+    # a router that reads nothing of the replicas gets the same (unread) loads every time
+    idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
     for request in requests:
         delay = request.arrival_time - env.now
+        if horizons is not None:
+            horizons.read_until = request.arrival_time
         if delay > 0:
             yield env.timeout(delay)
         if events:
             for i, sched in enumerate(schedulers):
                 router.on_kv_events(i, sched.take_kv_events())
-        loads = [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
-        replica = replicas[router.route(request, loads)]
-        try:
-            replica.driver.add_request(request)
-        except (ValueError, EngineOverloaded) as exc:  # can never run (400) or not now (503):
-            # recorded as failed, as a server's client would see it
-            recorder.requests.append(_rejected(request, str(exc)))
-            if recorder.on_finish:
-                recorder.on_finish(1)
-            continue
-        replica.tokens.admit(request.request_id)
-        if replica.wakeup is not None and not replica.wakeup.triggered:
-            replica.wakeup.succeed()
+        loads = idle or [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
+        _release(request, replicas[router.route(request, loads)], recorder)
+    if horizons is not None:
+        horizons.read_until = math.inf
+
+
+def _routed_ahead(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
+                  router: Router, recorder: RunRecorder, horizons: ArrivalHorizons):
+    """``arrival_process`` for a router that reads nothing of the replicas: it routes requests
+    ahead of their release until every replica has one coming (at most ``_ROUTE_AHEAD`` per
+    replica), in the same order, so it picks as it would at their arrivals."""
+    ahead: deque[tuple[Request, int]] = deque()
+    pending = horizons.pending
+    cap = _ROUTE_AHEAD * len(replicas)
+    loads = [ReplicaLoad(0, 0, 0.0) for _ in replicas]  # never read
+    source = iter(requests)
+    while True:
+        while len(ahead) < cap and not all(pending):
+            request = next(source, None)
+            if request is None:
+                horizons.read_until = math.inf
+                break
+            index = router.route(request, loads)
+            pending[index].append(request.arrival_time)
+            ahead.append((request, index))
+            horizons.read_until = request.arrival_time
+        if not ahead:
+            return
+        request, index = ahead.popleft()
+        delay = request.arrival_time - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        pending[index].popleft()
+        _release(request, replicas[index], recorder)
+
+
+def _release(request: Request, replica: Replica, recorder: RunRecorder) -> None:
+    """Adds the request to the replica's engine, waking it, or records its rejection."""
+    try:
+        replica.driver.add_request(request)
+    except (ValueError, EngineOverloaded) as exc:  # can never run (400) or not now (503):
+        # recorded as failed, as a server's client would see it
+        recorder.requests.append(_rejected(request, str(exc)))
+        if recorder.on_finish:
+            recorder.on_finish(1)
+        return
+    replica.tokens.admit(request.request_id)
+    if replica.wakeup is not None and not replica.wakeup.triggered:
+        replica.wakeup.succeed()
 
 
 def engine_process(env: simpy.Environment, replica: Replica):
@@ -124,7 +196,9 @@ def engine_process(env: simpy.Environment, replica: Replica):
     run ahead when one addition brings SimPy's clock exactly to its end), so only the number of
     events differs, not the results. A lone replica's decode run also takes in the step during
     which the next event comes: the run yields for it before it applies its steps, as the
-    step-by-step path yields between that step's schedule and its update.
+    step-by-step path yields between that step's schedule and its update (a fleet's replicas
+    too, behind a router that reads nothing of them). A fleet's replica takes its horizon from
+    ``ArrivalHorizons`` instead of the next event of any process.
     """
     driver = replica.driver
     sched = driver.scheduler
@@ -135,6 +209,10 @@ def engine_process(env: simpy.Environment, replica: Replica):
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
     alone = replica.alone
+    horizons, index = replica.horizons, replica.index
+    if horizons is not None:  # the horizon: its next arrival, not the other replicas' steps
+        def peek() -> float:
+            return horizons.of(index)
     # a model may compute a run's step ends in one call (_segment_ends has the reference)
     run_ends = cost.decode_run_ends
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)

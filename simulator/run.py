@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -26,14 +27,14 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
-from twinserve.routers import Router, available_routers, make_router, uses_kv_events
+from twinserve.routers import Router, available_routers, make_router, reads_loads, uses_kv_events
 from twinserve.simulator.cost_model import (
     CostModel,
     DeviceCostModel,
     FittedCostModel,
     make_cost_model,
 )
-from twinserve.simulator.engine import Replica, arrival_process, engine_process
+from twinserve.simulator.engine import ArrivalHorizons, Replica, arrival_process, engine_process
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
@@ -260,18 +261,26 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
+        fleet = cfg.num_replicas > 1
+        # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
+        horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
+                    if fleet and decode_runs else None)
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False),
-                                          recorder, i), model,
-                            decode_runs=decode_runs, alone=cfg.num_replicas == 1)
+                                          recorder, i), model, decode_runs=decode_runs,
+                            alone=not fleet or not reads_loads(router), horizons=horizons)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
-        env.process(arrival_process(env, requests, replicas, router, recorder))
+        env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
         for replica in replicas:
             env.process(engine_process(env, replica))
         env.run()
     if bar is not None:
         bar.close()
-    records = sorted(recorder.requests, key=lambda r: r.arrival_time)
+    if fleet:  # the replicas' rows interleaved as in time, whichever ran ahead
+        recorder.steps.sort_by_time()
+        records = sorted(recorder.requests, key=lambda r: (r.arrival_time, r.request_id))
+    else:
+        records = sorted(recorder.requests, key=lambda r: r.arrival_time)
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
     if lora is not None:

@@ -2,9 +2,11 @@
 
 ``trace_from_args`` applies them in this order:
 
-1. ``--trace``: a bundled trace, a file, or ``synthetic`` (built from ``--num-requests``,
+1. ``--trace``: a bundled trace, a file, ``synthetic`` (built from ``--num-requests``,
    ``--request-rate``, ``--burstiness``, ``--input-len``, ``--output-len``, ``--range-ratio``,
-   ``--prefix-len``, ``--prefix-share`` and ``--seed``; those flags are refused with a real trace);
+   ``--prefix-len``, ``--prefix-share`` and ``--seed``; those flags are refused with a real trace)
+   or ``multi-app`` (``traces.multi_app``: ``--num-apps``, ``--zipf-s``, ``--system-len-min``,
+   ``--system-len-max``, and the rate, lengths and seed flags as for ``synthetic``);
 2. ``--time-window START:END`` (seconds of the trace, re-based to 0);
 3. ``--num-requests N`` (the first N, for a real trace);
 4. ``--time-scale K`` (K times the rate);
@@ -22,10 +24,11 @@ import math
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from twinserve.traces.cli_flags import SYNTHETIC, SYNTHETIC_FLAGS
+from twinserve.traces.cli_flags import MULTI_APP, MULTI_APP_FLAGS, SYNTHETIC, SYNTHETIC_FLAGS
 from twinserve.traces.errors import TraceError
 from twinserve.traces.loaders import load_trace
 from twinserve.traces.lora import AdapterShape, LoRAAdapters, assign_loras, parse_loras, parse_target_modules
+from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 from twinserve.traces.synthetic import SyntheticConfig, synthetic_trace
 from twinserve.traces.trace_request import TraceRequest
 from twinserve.traces.transforms import (
@@ -38,6 +41,8 @@ from twinserve.traces.transforms import (
 )
 
 K = TypeVar("K", str, int)
+# Flags of the generated workloads, each one's or both's
+_GENERATED_FLAGS = tuple(dict.fromkeys((*SYNTHETIC_FLAGS, *MULTI_APP_FLAGS)))
 
 
 def lora_adapters_from_args(args: argparse.Namespace,
@@ -70,7 +75,7 @@ def _flag(name: str) -> Iterator[None]:
 
 def trace_desc(args: argparse.Namespace) -> dict[str, object]:
     """The workload flags that were given, for a run folder's config (what reruns the workload)."""
-    keys = ("trace", "num_requests", "time_window", "time_scale", *SYNTHETIC_FLAGS, "tenants",
+    keys = ("trace", "num_requests", "time_window", "time_scale", *_GENERATED_FLAGS, "tenants",
             "priorities", "loras", "lora_rank", "lora_target_modules", "max_model_len",
             "max_output_tokens", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
@@ -84,7 +89,7 @@ def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
     if args.time_window is not None:
         with _flag("--time-window"):
             reqs = time_window(reqs, *parse_window(args.time_window))
-    if args.num_requests is not None and args.trace != SYNTHETIC:
+    if args.num_requests is not None and args.trace not in (SYNTHETIC, MULTI_APP):
         with _flag("--num-requests"):
             reqs = first_n(reqs, args.num_requests)
     if args.time_scale is not None:
@@ -107,11 +112,15 @@ def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
 
 
 def _source(args: argparse.Namespace) -> list[TraceRequest]:
-    given = {dest: getattr(args, dest) for dest in SYNTHETIC_FLAGS if getattr(args, dest) is not None}
+    given = {dest: getattr(args, dest) for dest in _GENERATED_FLAGS
+             if getattr(args, dest, None) is not None}
+    if args.trace == MULTI_APP:
+        return _multi_app(args, given)
     if args.trace != SYNTHETIC:
         if given:
-            flag = "--" + next(iter(given)).replace("_", "-")
-            raise ValueError(f"{flag} applies only to --trace {SYNTHETIC}.")
+            dest = next(iter(given))
+            raise ValueError(f"--{dest.replace('_', '-')} applies only to --trace "
+                             f"{SYNTHETIC if dest in SYNTHETIC_FLAGS else MULTI_APP}.")
         n = args.num_requests  # read only the first N where they are what step 3 keeps
         limit = n if args.time_window is None and type(n) is int and n >= 1 else None
         with _flag("--trace"):
@@ -121,8 +130,25 @@ def _source(args: argparse.Namespace) -> list[TraceRequest]:
         SyntheticConfig(num_requests=num)
     for dest, value in given.items():  # validate one flag at a time so the error names it
         with _flag("--" + dest.replace("_", "-")):
+            if dest not in SYNTHETIC_FLAGS:
+                raise ValueError(f"applies only to --trace {MULTI_APP}.")
             SyntheticConfig(**{dest: value})
     return synthetic_trace(SyntheticConfig(num_requests=num, seed=args.seed, **given))
+
+
+def _multi_app(args: argparse.Namespace, given: dict[str, object]) -> list[TraceRequest]:
+    """The multi-application workload (``traces.multi_app``) from its flags."""
+    with _flag("--num-requests"):
+        num = 1000 if args.num_requests is None else args.num_requests
+        MultiAppConfig(num_requests=num)
+    for dest, value in given.items():
+        with _flag("--" + dest.replace("_", "-")):
+            if dest not in MULTI_APP_FLAGS:
+                raise ValueError(f"applies only to --trace {SYNTHETIC}.")
+            MultiAppConfig(**{dest: value})
+    with _flag("--system-len-max"):
+        config = MultiAppConfig(num_requests=num, seed=args.seed, **given)
+    return multi_app_trace(config)
 
 
 def parse_window(text: str) -> tuple[float, float]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 
 import pytest
 
+from twinserve.traces.cli_args import trace_desc, trace_from_args
+from twinserve.traces.cli_flags import add_trace_args
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
 
@@ -36,3 +39,26 @@ def test_bad_config_names_the_field() -> None:
         MultiAppConfig(request_rate=0.0)
     with pytest.raises(ValueError, match="num_apps"):
         MultiAppConfig(num_apps=0)
+
+
+def _parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_trace_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_cli_builds_it_from_its_flags_and_refuses_the_others() -> None:
+    args = _parse("--trace", "multi-app", "--num-requests", "50", "--num-apps", "30",
+                  "--zipf-s", "0.5", "--request-rate", "10", "--seed", "2")
+    trace = trace_from_args(args)
+    assert trace == multi_app_trace(MultiAppConfig(num_requests=50, num_apps=30, zipf_s=0.5,
+                                                   request_rate=10.0, seed=2))
+    assert trace_desc(args)["num_apps"] == 30
+    with pytest.raises(ValueError, match="--prefix-len: applies only to --trace synthetic"):
+        trace_from_args(_parse("--trace", "multi-app", "--prefix-len", "8"))
+    with pytest.raises(ValueError, match="--num-apps: applies only to --trace multi-app"):
+        trace_from_args(_parse("--trace", "synthetic", "--num-apps", "8"))
+    with pytest.raises(ValueError, match="--zipf-s applies only to --trace multi-app"):
+        trace_from_args(_parse("--trace", "azure-conv", "--zipf-s", "2"))
+    with pytest.raises(ValueError, match="--num-apps: num_apps must be a positive"):
+        trace_from_args(_parse("--trace", "multi-app", "--num-apps", "0"))

@@ -1,0 +1,84 @@
+"""The twin at fleet scale: a fleet's fast path (each replica runs ahead to its own horizon)
+against the step-by-step reference, run folder for run folder, for every router."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+
+from twinserve.core import decode_run
+from twinserve.core.decode_run import DecodeRun
+from twinserve.routers import ROUTERS
+from twinserve.simulator import SimConfig, simulate, write_sim_run
+from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+
+SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return multi_app_trace(MultiAppConfig(num_requests=150, request_rate=30.0, num_apps=6,
+                                          system_len_max=1024, input_len=200, output_len=120))
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("changes", [{}, {"num_gpu_blocks_override": 300}],
+                         ids=["roomy", "evicting"])
+def test_fleet_fast_path_writes_the_references_run_folder(monkeypatch, tmp_path, workload,
+                                                           router, changes) -> None:
+    cfg = SimConfig(num_replicas=3, router=router, **SMALL, **changes)
+    reference = simulate(cfg, workload, decode_runs=False)
+    in_runs = [0]
+    apply = DecodeRun.apply
+
+    def counting_apply(self: DecodeRun, ends: list[float]) -> list[int]:
+        in_runs[0] += len(ends)
+        return apply(self, ends)
+
+    monkeypatch.setattr(decode_run.DecodeRun, "apply", counting_apply)
+    fast = simulate(cfg, workload)
+    assert in_runs[0] >= 0.3 * len(fast.steps)  # the fast path was taken
+    assert len({s.replica for s in fast.steps}) == 3
+    desc = {"trace": "multi-app"}
+    a = write_sim_run(reference, tmp_path / "reference", desc)
+    b = write_sim_run(fast, tmp_path / "fast", desc)
+    names = sorted(p.name for p in a.iterdir())
+    assert "steps.csv" in names and "requests.csv" in names
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+
+def test_fleet_step_rows_are_in_time_order(workload) -> None:
+    result = simulate(SimConfig(num_replicas=3, router="round-robin", **SMALL), workload)
+    keys = [(s.time, s.replica) for s in result.steps]
+    assert keys == sorted(keys)
+
+
+class _Skewed:
+    """Reads nothing of the replicas (routed ahead), never picks replica 0, and sends two of
+    three requests to replica 1: some replicas have no request among those routed ahead."""
+
+    reads_loads = False
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def route(self, request, replicas) -> int:
+        self.n += 1
+        return 2 if self.n % 3 == 0 else 1
+
+    def on_kv_events(self, replica, events) -> None:
+        pass
+
+    def on_replica_reset(self, replica) -> None:
+        pass
+
+
+def test_a_router_routed_ahead_that_skips_replicas_matches_the_reference(workload) -> None:
+    cfg = SimConfig(num_replicas=3, **SMALL)
+    reference = simulate(cfg, workload, decode_runs=False, router=_Skewed())
+    fast = simulate(cfg, workload, router=_Skewed())
+    assert fast.records == reference.records
+    assert list(fast.steps) == list(reference.steps)
+    assert {s.replica for s in fast.steps} == {1, 2}

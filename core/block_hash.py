@@ -10,6 +10,10 @@ from __future__ import annotations
 from twinserve.core.request import LazyTokenIds, Request
 
 ROOT_HASH = 0x5EED
+# A block's extra key without an adapter. Not None: before Python 3.12 ``hash(None)`` is derived
+# from None's address, which differs between processes, and a data-parallel front hashes prompts
+# in its own process to match the keys its replicas' events carry.
+NO_LORA_KEY = 0
 
 
 def update_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[int]:
@@ -44,11 +48,12 @@ def _chain(request: Request, block_size: int, num_done: int, num_full: int) -> l
     if num_done + 1 == num_full:  # one more block (a decode crossed a block boundary)
         start = num_done * block_size
         parent = hashes[-1] if hashes else ROOT_HASH
+        lora = request.lora
         hashes.append(hash((parent, tuple(request.all_token_ids[start:start + block_size]),
-                            request.lora)))
+                            NO_LORA_KEY if lora is None else lora)))
     elif num_done < num_full:
         parent = hashes[-1] if hashes else ROOT_HASH
-        extra = request.lora
+        extra = NO_LORA_KEY if request.lora is None else request.lora
         # zip over one iterator, block_size times: the new blocks' token tuples, built in C.
         tokens = iter(request.all_token_ids[num_done * block_size:num_full * block_size])
         for block in zip(*(tokens,) * block_size):

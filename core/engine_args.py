@@ -28,7 +28,7 @@ EXECUTOR_BACKENDS = ("mp", "ray")  # tensor / pipeline parallelism's workers: lo
 # vLLM engine arguments twinserve does not implement (yet), each with the value that means
 # "not used": that value is accepted, any other is refused naming the argument.
 NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
-    "data_parallel_size": 1, "cpu_offload_gb": 0, "trust_remote_code": False,
+    "cpu_offload_gb": 0, "trust_remote_code": False,
     "tokenizer": None, "tokenizer_mode": "auto", "revision": None, "code_revision": None,
     "tokenizer_revision": None, "download_dir": None, "load_format": "auto",
     "hf_overrides": None, "rope_scaling": None, "rope_theta": None, "max_logprobs": 20,
@@ -69,6 +69,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # layers split into this many stages (world = tp * pp)
     distributed_executor_backend: str | None = None  # None: mp when tp * pp > 1
+    # Data parallelism (vLLM's names): replicas behind one front that routes each request
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    restart_dead_replicas: bool = True
+    router: str = "round-robin"
     enforce_eager: bool = False
     # vLLM's: serve a sliding-window model as full attention, max_model_len capped to the window
     disable_sliding_window: bool = False
@@ -100,9 +105,8 @@ class EngineArgs:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size",
-                  "pipeline_parallel_size",
-                  "max_waiting_requests", "max_waiting_tokens", "max_loras", "max_lora_rank",
-                  "max_cpu_loras")
+                  "pipeline_parallel_size", "data_parallel_size", "max_waiting_requests",
+                  "max_waiting_tokens", "max_loras", "max_lora_rank", "max_cpu_loras")
         if not self.enable_lora:
             for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
                 if getattr(self, name) is not None:
@@ -123,6 +127,7 @@ class EngineArgs:
         if self.distributed_executor_backend is not None:
             _one_of("distributed_executor_backend", self.distributed_executor_backend,
                     EXECUTOR_BACKENDS)
+        _one_of("data_parallel_backend", self.data_parallel_backend, EXECUTOR_BACKENDS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}.")

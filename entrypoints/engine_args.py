@@ -14,7 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from twinserve.core.engine_args import NOT_IMPLEMENTED, EngineArgs, check_not_implemented
+from twinserve.core.engine_args import (
+    EXECUTOR_BACKENDS,
+    NOT_IMPLEMENTED,
+    EngineArgs,
+    check_not_implemented,
+)
 from twinserve.core.kernel_settings import CPU_ATTENTION_CHOICES, QUANT_ACTIVATION_CHOICES
 from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
 
@@ -50,6 +55,12 @@ _HELP: dict[str, str] = {
                               "stage (world = tp x pp processes)",
     "distributed_executor_backend": "tensor and pipeline parallelism's workers: mp (local processes) or ray "
                                     "(Ray actors) (default: mp)",
+    "data_parallel_size": "engine replicas (processes, each with its share of the cores on a "
+                          "CPU, one GPU each on CUDA) behind one front that routes each request",
+    "data_parallel_backend": "the replicas: mp (local processes) or ray (Ray actors)",
+    "restart_dead_replicas": "restart a replica that died (its in-flight requests end with an "
+                             "error either way)",
+    "router": "how the front picks a replica for each request (a name of twinserve.routers)",
     "enforce_eager": "no CUDA graphs",
     "disable_sliding_window": "serve a sliding-window model as full attention, max_model_len "
                               "capped to its window (vLLM's)",
@@ -78,7 +89,8 @@ _HELP: dict[str, str] = {
 }
 # string arguments with a fixed set of values: argparse (and --config) refuse others by flag name
 _CHOICES: dict[str, tuple[str, ...]] = {"cpu_attention": CPU_ATTENTION_CHOICES,
-                                        "quant_activations": QUANT_ACTIVATION_CHOICES}
+                                        "quant_activations": QUANT_ACTIVATION_CHOICES,
+                                        "data_parallel_backend": EXECUTOR_BACKENDS}
 _SHORT = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
           "scheduling_policy": ("--policy",)}
 
@@ -132,7 +144,8 @@ def _speculative_config(text: str) -> str:
 def _field_type(name: str) -> type:
     value = {"dtype": str, "device": str, "scheduling_policy": str, "preemption_mode": str,
              "distributed_executor_backend": str, "quantization": str, "kv_cache_dtype": str,
-             "cpu_attention": str, "quant_activations": str,
+             "cpu_attention": str, "quant_activations": str, "data_parallel_backend": str,
+             "router": str,
              "gpu_memory_utilization": float, "swap_space": float}
     return value.get(name, int)
 

@@ -38,13 +38,18 @@ class LLM:
         unknown one, or one twinserve does not implement, raises ValueError naming it.
         ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a ``--config`` file."""
         args = EngineArgs.from_mapping(engine_args, "LLM", model=model)
-        self.engine = LLMEngine(args, usage_context="llm")
+        self.engine = _make_engine(args)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args, usage_context="llm")
+        llm.engine = _make_engine(args)
         return llm
+
+    def shutdown(self) -> None:
+        """Ends the engine's processes (data-parallel replicas, tensor-parallel workers); also
+        done at exit."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -156,6 +161,14 @@ class LLM:
             if text is not None:
                 out.prompt = text
         return results
+
+
+def _make_engine(args: EngineArgs) -> Any:
+    """One engine, or with ``data_parallel_size`` > 1 the replicas behind a routing front."""
+    if args.data_parallel_size > 1:
+        from twinserve.entrypoints.dp_llm_engine import DataParallelEngine
+        return DataParallelEngine(args, usage_context="llm")
+    return LLMEngine(args, usage_context="llm")
 
 
 def _as_batch(prompts: Any) -> tuple[list[Prompt], list[str | None]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from twinserve.core.block_hash import ROOT_HASH
+from twinserve.core.block_hash import NO_LORA_KEY, ROOT_HASH
 from twinserve.core.request import LazyPrompt, Request
 
 
@@ -23,6 +23,7 @@ def prompt_block_hashes(request: Request, block_size: int) -> Iterator[int]:
             parent = key if lora is None else hash((key, lora))
             yield parent
         done = min(len(prompt.keys), num_full)
+    extra = NO_LORA_KEY if lora is None else lora
     for start in range(done * block_size, num_full * block_size, block_size):
-        parent = hash((parent, tuple(prompt[start:start + block_size]), lora))
+        parent = hash((parent, tuple(prompt[start:start + block_size]), extra))
         yield parent

@@ -53,7 +53,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from twinserve.simulator.run import DEFAULT_SIM_MODEL, SIM_KEYS
     from twinserve.traces import lora_adapters_from_args, trace_desc, trace_from_args
     sim = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k, None) is not None}
-    cfg = SimConfig(engine_args_from(args, model=args.model or DEFAULT_SIM_MODEL), **sim)
+    engine = engine_args_from(args, model=args.model or DEFAULT_SIM_MODEL)
+    if engine.data_parallel_size > 1:  # vLLM's name for the twin's replicas
+        if sim.setdefault("num_replicas", engine.data_parallel_size) != engine.data_parallel_size:
+            raise ValueError("--num-replicas and --data-parallel-size differ: give one of them.")
+        engine = engine.replace(data_parallel_size=1)
+    cfg = SimConfig(engine, **sim)
     trace = trace_from_args(args)
     lora = cfg.engine.lora_config()
     adapters = lora_adapters_from_args(args, lora.max_lora_rank) if lora is not None else None

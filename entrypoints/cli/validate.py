@@ -159,10 +159,14 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
     from twinserve.reports import write_report
     args.model = model_dir_or_default(args.model)
     workload: Workload = TraceSpec.from_namespace(args).load()
+    engine = engine_of(args)
+    if engine.data_parallel_size > 1:  # replicas behind a router: entrypoints/cli/validate_dp.py
+        from twinserve.entrypoints.cli.validate_dp import run_validate_dp
+        return run_validate_dp(args, engine, list(workload.requests))
     settings = validate_settings(args)
     progress = Progress("validate", messages=not args.quiet, bar=not settings.reuse_real)
     try:
-        result = validate(engine_of(args), workload, args.out, settings,
+        result = validate(engine, workload, args.out, settings,
                           weights_from=weights_from, progress=progress)
     finally:
         progress.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -123,7 +124,11 @@ def _engine_snapshot(engine: Any) -> tuple[Any, Any, dict[str, int] | None]:
 
 async def render_metrics(state: ServerState) -> Response:
     metrics = state.metrics
-    if state.async_engine.is_alive:
+    replicas = getattr(state.async_engine, "replicas", None)
+    if replicas is not None:  # data parallel: the front holds each replica's last stats
+        front = state.async_engine.front  # type: ignore[attr-defined]
+        metrics.take_replica_snapshot([r.stats for r in replicas()], front.take_records())
+    elif state.async_engine.is_alive:
         try:
             stats, records, running = await asyncio.wait_for(
                 state.async_engine.call(_engine_snapshot), timeout=METRICS_SNAPSHOT_TIMEOUT_S)
@@ -244,7 +249,10 @@ def add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if _state(request).async_engine.is_alive:
+        engine = _state(request).async_engine
+        if getattr(engine, "replicas", None) is not None:
+            return replica_health(engine.replicas(), engine.is_alive)  # type: ignore[attr-defined]
+        if engine.is_alive:
             return Response(status_code=200)
         return error_response(503, "The engine thread is not running.")
 
@@ -411,10 +419,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def build_async_engine(args: argparse.Namespace) -> AsyncEngine:
+def replica_health(replicas: list[Any], front_alive: bool) -> Response:
+    """vLLM answers /health 200 while its engine cores all run and 503 once one is dead (its
+    data-parallel client does not restart one). Here: 200 when every replica is ready, else
+    503 in OpenAI's error shape; both carry each replica's state (``engine`` as vLLM's label)."""
+    rows = [{"engine": str(i), "state": r.state, "restarts": r.restarts}
+            for i, r in enumerate(replicas)]
+    if front_alive and all(r.state == "ready" for r in replicas):
+        return JSONResponse({"replicas": rows})
+    down = ", ".join(f"{row['engine']} ({row['state']})" for row in rows
+                     if row["state"] != "ready") or "the front"
+    response = error_response(503, f"Replicas not serving: {down}.")
+    body = json.loads(bytes(response.body))
+    body["replicas"] = rows
+    return JSONResponse(body, status_code=503)
+
+
+def build_async_engine(args: argparse.Namespace) -> Any:
     from twinserve.gpu.engine.llm_engine import LLMEngine
     resolve_model_tag(args)
-    engine = LLMEngine(engine_args_from(args, model=args.model), usage_context="server")
+    engine_args = engine_args_from(args, model=args.model)
+    if engine_args.data_parallel_size > 1:
+        from twinserve.entrypoints.openai.dp_async_engine import DPAsyncEngine
+        return DPAsyncEngine(engine_args)
+    engine = LLMEngine(engine_args, usage_context="server")
     engine.metrics.record_steps = False  # a server runs for days: keep no per-step rows
     return AsyncEngine(engine)
 

@@ -91,60 +91,68 @@ class InfoCollector(Collector):
 
 
 class SchedulerCollector(Collector):
-    """Exposes the latest scheduler snapshot (taken on the engine thread at scrape time)."""
+    """Exposes the latest scheduler snapshot (taken on the engine thread at scrape time). With
+    data parallelism, one sample per replica with vLLM's ``engine`` label (``engine="0"``...);
+    a replica that is down has none."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: SchedulerStats | None = None
+        self.per_engine: list[SchedulerStats | None] | None = None
+
+    def _rows(self) -> tuple[list[str], list[tuple[list[str], SchedulerStats]]]:
+        if self.per_engine is not None:
+            return (["model_name", "engine"],
+                    [([self.model_name, str(i)], s) for i, s in enumerate(self.per_engine)
+                     if s is not None])
+        return ["model_name"], [] if self.stats is None else [([self.model_name], self.stats)]
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        if stats is None:
+        names, rows = self._rows()
+        if not rows:
             return
-        labels = [self.model_name]
-        gauges = (("vllm:num_requests_running", "Requests in the running batch.",
-                   stats.num_running),
+        gauges = (("vllm:num_requests_running", "Requests in the running batch.", "num_running"),
                   ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                   stats.num_waiting),
-                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", stats.kv_cache_usage),
+                   "num_waiting"),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", "kv_cache_usage"),
                   ("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full), older name.",
-                   stats.kv_cache_usage))
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
-            yield family
+                   "kv_cache_usage"))
         counters = (("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
-                     stats.prefix_cache_queries),
+                     "prefix_cache_queries"),
                     ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
-                     stats.prefix_cache_hits),
-                    ("vllm:num_preemptions", "Preemptions.", stats.num_preemptions))
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
-            yield family
-        yield from self._speculation(stats, labels)
+                     "prefix_cache_hits"),
+                    ("vllm:num_preemptions", "Preemptions.", "num_preemptions"))
+        for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, attr in table:
+                family = kind(name, doc, labels=names)
+                for labels, stats in rows:
+                    family.add_metric(labels, float(getattr(stats, attr)))
+                yield family
+        yield from self._speculation(names, rows)
 
     @staticmethod
-    def _speculation(stats: SchedulerStats, labels: list[str]) -> Iterator[Metric]:
+    def _speculation(names: list[str], rows: list[tuple[list[str], SchedulerStats]],
+                     ) -> Iterator[Metric]:
         """vLLM's ``vllm:spec_decode_*`` counters, when speculation is on (k_max positions)."""
-        per_pos = stats.spec_num_accepted_tokens_per_pos
-        if not per_pos:
+        rows = [(labels, s) for labels, s in rows if s.spec_num_accepted_tokens_per_pos]
+        if not rows:
             return
-        counters = (("vllm:spec_decode_num_drafts", "Verifications of drafts.",
-                     stats.spec_num_drafts),
+        counters = (("vllm:spec_decode_num_drafts", "Verifications of drafts.", "spec_num_drafts"),
                     ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
-                     stats.spec_num_draft_tokens),
+                     "spec_num_draft_tokens"),
                     ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                     stats.spec_num_accepted_tokens))
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
+                     "spec_num_accepted_tokens"))
+        for name, doc, attr in counters:
+            family = CounterMetricFamily(name, doc, labels=names)
+            for labels, stats in rows:
+                family.add_metric(labels, float(getattr(stats, attr)))
             yield family
         family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, per draft position.",
-                                     labels=["model_name", "position"])
-        for position, value in enumerate(per_pos):
-            family.add_metric([*labels, str(position)], float(value))
+                                     labels=[*names, "position"])
+        for labels, stats in rows:
+            for position, value in enumerate(stats.spec_num_accepted_tokens_per_pos or ()):
+                family.add_metric([*labels, str(position)], float(value))
         yield family
 
 
@@ -262,6 +270,14 @@ class ServerMetrics:
         """Called with the engine thread's snapshot: ``records`` are the finished-request
         records not seen before."""
         self.scheduler.stats = stats
+        for record in records:
+            self._observe_record(record)
+
+    def take_replica_snapshot(self, stats: list[SchedulerStats | None],
+                              records: list[RequestRecord]) -> None:
+        """The data-parallel front's snapshot: each replica's stats (None: down) and the
+        finished-request records its replicas sent since the last one."""
+        self.scheduler.per_engine = list(stats)
         for record in records:
             self._observe_record(record)
 

@@ -47,6 +47,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, runner: ModelRunner | None = None,
                  usage_context: str = "llm") -> None:
+        if args.data_parallel_size > 1:  # refused, not dropped: replicas need a front
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one "
+                             "replica; LLM(data_parallel_size=N) and serve start N behind a router.")
         self.args = args
         self.runner = runner or ModelRunner(args, usage_context)
         self.engine_config = self.runner.engine_config

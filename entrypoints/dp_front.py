@@ -1,0 +1,262 @@
+"""The data-parallel front: one router over ``data_parallel_size`` engine processes.
+
+Both the server (``openai/dp_async_engine.py``) and ``LLM(data_parallel_size=N)`` drive it. A
+request is routed when it is submitted; its replica's outputs come back on the front's reader
+thread and go to the request's ``Sink`` (an output, ``None`` once accepted, or the exception that
+ends it). The reader also refreshes each replica's ``ReplicaLoad`` from the scheduler stats that
+come with every step, hands the replica's KV events to the router, and sees a replica die:
+its in-flight requests end with ``ReplicaDied``, the router marks it unhealthy and forgets
+what it held, and it is restarted unless ``restart_dead_replicas`` is off.
+
+The front's state is bounded: one entry per request in flight (bounded by the replicas'
+queues) and one per replica.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.errors import EngineOverloaded
+from twinserve.core.metrics import RequestRecord
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
+from twinserve.gpu.engine.dp_client import ReplicaEvent, ReplicaInboxFull, make_replica_set
+from twinserve.gpu.engine.engine_process import Refusal
+from twinserve.routers import NoHealthyReplica, ReplicaLoad, Router, make_router, uses_kv_events
+
+START_TIMEOUT_S = 600.0
+POLL_S = 0.2
+MAX_PENDING_RECORDS = 10_000  # finished-request records kept for the next metrics scrape
+REPLICA_STATES = ("starting", "ready", "dead")
+
+
+class ReplicaDied(RuntimeError):
+    """The replica serving a request died; the request ended with it."""
+
+
+class Sink(Protocol):
+    def put(self, item: Any) -> None: ...
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """One replica as the front sees it (``/health``, metrics)."""
+
+    state: str = "starting"
+    stats: SchedulerStats | None = None
+    restarts: int = 0
+    served: int = 0  # requests it accepted
+    was_ready: bool = False
+
+
+class DataParallelFront:
+    def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 router: Router | None = None) -> None:
+        if args.enable_lora:
+            raise ValueError("enable_lora with data_parallel_size > 1 is not implemented.")
+        self.args = args
+        self.router = router if router is not None else make_router(args.router, args.block_size)
+        self._tokenize = tokenize
+        self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router))
+        n = self._set.size
+        self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
+        self.replicas = [ReplicaState() for _ in range(n)]
+        self._owner: dict[str, tuple[int, Sink]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Condition(self._lock)
+        self.error: str | None = None
+        self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
+        for i in range(n):
+            self._set.start(i)
+        self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
+        self._reader.start()
+        self._wait_ready(START_TIMEOUT_S)
+
+    @property
+    def size(self) -> int:
+        return self._set.size
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._stop.is_set() and self.error is None and self._reader.is_alive()
+
+    def pid(self, index: int) -> int | None:
+        return self._set.pid(index)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._ready:
+            while not all(r.state == "ready" for r in self.replicas):
+                failed = [i for i, r in enumerate(self.replicas) if r.state == "dead"]
+                left = deadline - time.monotonic()
+                if failed or left <= 0 or self.error is not None:
+                    break
+                self._ready.wait(left)
+            failed = [i for i, r in enumerate(self.replicas) if r.state != "ready"]
+        if failed:
+            self.shutdown()
+            raise RuntimeError(f"replicas {failed} did not start: {self.error or 'timed out'}")
+
+    # ---- requests ------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               kwargs: dict[str, Any], sink: Sink) -> int:
+        """Routes the request and queues it on its replica; returns the replica. Its sink gets
+        ``None`` when accepted, then outputs, or an exception (a refusal, ``ReplicaDied``)."""
+        tokens = prompt if isinstance(prompt, list) else (
+            self._tokenize(prompt) if self._tokenize is not None else [])
+        routed = Request(request_id, list(tokens) or [0], params, 0.0)
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"request_id {request_id!r} is already in flight.")
+            try:
+                index = self.router.route(routed, self.loads)
+            except NoHealthyReplica as exc:
+                raise EngineOverloaded(f"no replica can serve now: {exc}", "no_healthy_replica",
+                                       ADMISSION_RETRY_AFTER_S) from exc
+            try:
+                self._set.send(index, ("add", request_id, prompt, params, kwargs))
+            except ReplicaInboxFull as exc:
+                raise EngineOverloaded(str(exc), "max_waiting_requests",
+                                       ADMISSION_RETRY_AFTER_S) from exc
+            except RuntimeError as exc:  # it died after its last load was read: not routed
+                raise EngineOverloaded(f"{exc}; retry later", "replica_down",
+                                       ADMISSION_RETRY_AFTER_S) from exc
+            self._owner[request_id] = (index, sink)
+            self.loads[index].num_waiting += 1  # seen by the next route, before its stats come
+        return index
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            owner = self._owner.pop(request_id, None)
+            if owner is not None and self.replicas[owner[0]].state == "ready":
+                try:
+                    self._set.send(owner[0], ("abort", request_id))
+                except RuntimeError:
+                    pass  # the replica died meanwhile: its requests are gone with it
+
+    # ---- the reader thread ---------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for event in self._set.poll(POLL_S):
+                    self._handle(event)
+        except BaseException as exc:  # the front is broken: every waiter learns why
+            self.error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                owners, self._owner = self._owner, {}
+                self._ready.notify_all()
+            for _, sink in owners.values():
+                sink.put(ReplicaDied(f"the data-parallel front failed: {self.error}"))
+
+    def _handle(self, event: ReplicaEvent) -> None:
+        if event.kind == "died":
+            self._on_death(event.replica, event.message)
+            return
+        message = event.message
+        if message[0] == "step":
+            self._on_step(event.replica, *message[1:])
+        elif message[0] == "ready":
+            with self._lock:
+                replica = self.replicas[event.replica]
+                replica.state, replica.was_ready = "ready", True
+                self.loads[event.replica] = ReplicaLoad(0, 0, 0.0, healthy=True)
+                self._ready.notify_all()
+        elif message[0] == "failed":
+            with self._lock:
+                self.error = f"replica {event.replica}: {message[1]}"
+                self.replicas[event.replica].state = "dead"
+                self._ready.notify_all()
+
+    def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
+                 refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
+                 records: list[RequestRecord]) -> None:
+        deliveries: list[tuple[Sink, Any]] = []
+        with self._lock:
+            self._records.extend(records)
+            replica = self.replicas[index]
+            replica.stats = stats
+            replica.served += len(accepted)
+            self.loads[index] = ReplicaLoad(stats.num_running, stats.num_waiting,
+                                            min(1.0, max(0.0, stats.kv_cache_usage)), healthy=True)
+            for rid in accepted:
+                owner = self._owner.get(rid)
+                if owner is not None:
+                    deliveries.append((owner[1], None))
+            for refusal in refused:
+                owner = self._owner.pop(refusal.request_id, None)
+                if owner is not None:
+                    deliveries.append((owner[1], refusal.to_exception()))
+            for out in outputs:
+                owner = self._owner.get(out.request_id)
+                if owner is None:
+                    continue
+                if out.finished:
+                    del self._owner[out.request_id]
+                deliveries.append((owner[1], out))
+        if kv_events:
+            self.router.on_kv_events(index, kv_events)
+        for sink, item in deliveries:
+            sink.put(item)
+
+    def _on_death(self, index: int, exitcode: int | None) -> None:
+        with self._lock:
+            replica = self.replicas[index]
+            restart = (replica.was_ready and self.args.restart_dead_replicas
+                       and not self._stop.is_set())
+            replica.state = "starting" if restart else "dead"
+            if not replica.was_ready and self.error is None:
+                self.error = f"replica {index} exited with code {exitcode} while starting"
+            replica.stats = None
+            self.loads[index] = ReplicaLoad(0, 0, 0.0, healthy=False)
+            lost = [rid for rid, (i, _) in self._owner.items() if i == index]
+            sinks = [self._owner.pop(rid)[1] for rid in lost]
+            if restart:
+                replica.restarts += 1
+            self._ready.notify_all()
+        self.router.on_replica_reset(index)
+        error = ReplicaDied(f"replica {index} died (exit code {exitcode}); its requests ended.")
+        for sink in sinks:
+            sink.put(error)
+        if restart:
+            self._set.start(index)
+
+    # ---- state ---------------------------------------------------------------------------
+    def health(self) -> list[str]:
+        """Each replica's state (one of REPLICA_STATES)."""
+        with self._lock:
+            return [r.state for r in self.replicas]
+
+    def snapshot(self) -> list[ReplicaState]:
+        with self._lock:
+            return [ReplicaState(r.state, r.stats, r.restarts, r.served, r.was_ready)
+                    for r in self.replicas]
+
+    def take_records(self) -> list[RequestRecord]:
+        """The finished-request records the replicas sent since the last call (the newest
+        MAX_PENDING_RECORDS)."""
+        with self._lock:
+            taken = list(self._records)
+            self._records.clear()
+        return taken
+
+    def shutdown(self) -> None:
+        """Ends the reader and every replica; requests in flight end with ``ReplicaDied``."""
+        self._stop.set()
+        if self._reader.is_alive() and threading.current_thread() is not self._reader:
+            self._reader.join(timeout=POLL_S * 10)
+        self._set.shutdown()
+        with self._lock:
+            owners, self._owner = self._owner, {}
+            for replica in self.replicas:
+                replica.state = "dead"
+        for _, sink in owners.values():
+            sink.put(ReplicaDied("the server is shutting down."))

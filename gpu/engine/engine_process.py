@@ -1,0 +1,151 @@
+"""One data-parallel replica: an ``LLMEngine`` in its own (spawned) process.
+
+The front sends commands on the replica's inbox (a bounded ``multiprocessing`` queue):
+``("add", request_id, prompt, params, kwargs)``, ``("abort", request_id)``, ``("stop",)``. The
+replica answers on its end of a pipe, one message per loop turn that did something:
+``("ready",)`` once its engine is built, ``("failed", reason)`` if it could not be built, and
+``("step", outputs, accepted, refused, stats, kv_events, records)`` after each step (or after commands
+when idle; ``records``: the finished requests' ``RequestRecord``s, for the server's
+latency histograms). ``refused`` holds ``Refusal`` rows: exceptions travel as plain fields, so their
+classes need not pickle. Commands are read only between steps, as the in-process engine thread
+reads them.
+
+A replica whose parent died exits at its next idle poll (no orphan serves nobody), and ignores
+SIGINT: Ctrl-C reaches the whole process group, and the front ends its replicas itself.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.errors import EngineOverloaded
+from twinserve.core.kv_events import KVEventBuffer
+
+IDLE_POLL_S = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaSpec:
+    """What a replica process is built from. ``gpu``: the CUDA device it owns (None on a CPU);
+    ``num_threads``: its torch threads (its share of the cores), on ``cores`` where given."""
+
+    index: int
+    args: EngineArgs
+    usage_context: str
+    num_threads: int
+    gpu: int | None
+    parent_pid: int
+    kv_events: bool = False  # record the prefix cache's block-hash events for the router
+    cores: tuple[int, ...] = ()  # the CPU cores it is pinned to (empty: not pinned)
+
+    def __post_init__(self) -> None:
+        if self.index < 0:
+            raise ValueError(f"index must be >= 0, got {self.index}.")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}.")
+
+
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    """A request the replica's engine refused: ``reason``/``retry_after_s`` set when it was
+    overloaded (``EngineOverloaded``), None for a ValueError."""
+
+    request_id: str
+    message: str
+    reason: str | None = None
+    retry_after_s: float | None = None
+
+    def to_exception(self) -> ValueError | EngineOverloaded:
+        if self.reason is None:
+            return ValueError(self.message)
+        return EngineOverloaded(self.message, self.reason, self.retry_after_s or 0.0)
+
+
+def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
+    """The replica process's entry point (a module-level function: spawn pickles it by name)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.gpu is not None:  # before torch initialises CUDA: this process sees its GPU only
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+    if spec.cores:
+        os.sched_setaffinity(0, spec.cores)
+    from twinserve.gpu.engine.llm_engine import LLMEngine
+    from twinserve.gpu.worker.threads import set_torch_threads
+    set_torch_threads(spec.num_threads)
+    try:
+        engine = LLMEngine(spec.args, usage_context=spec.usage_context)
+    except BaseException as exc:  # the front reports it and does not restart a replica that never ran
+        outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    engine.metrics.record_steps = False  # a replica runs for days: keep no per-step rows
+    if spec.kv_events:  # as Scheduler.__init__ does for SchedulerConfig.kv_events, before any step
+        engine.scheduler.kv.pool.events = KVEventBuffer()
+    outbox.send(("ready",))
+    try:
+        _serve(engine, spec, inbox, outbox)
+    except (BrokenPipeError, EOFError):
+        pass  # the front is gone
+    finally:
+        engine.shutdown()
+
+
+def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
+    while True:
+        accepted: list[str] = []
+        refused: list[Refusal] = []
+        idle = not engine.has_unfinished_requests()
+        commands = _take_commands(inbox, block=idle)
+        if commands is None:
+            return
+        if idle and not commands and os.getppid() != spec.parent_pid:
+            return  # orphaned
+        for command in commands:
+            if command[0] == "stop":
+                return
+            apply_command(engine, command, accepted, refused)
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        if outputs or accepted or refused or commands:
+            outbox.send(("step", outputs, accepted, refused, engine.scheduler.stats(),
+                         kv_events(engine), engine.metrics.take_requests()))
+
+
+def _take_commands(inbox: Any, block: bool) -> list[tuple] | None:
+    """Every queued command (waiting up to IDLE_POLL_S for the first when ``block``); None when
+    the inbox is closed."""
+    commands: list[tuple] = []
+    try:
+        commands.append(inbox.get(timeout=IDLE_POLL_S) if block else inbox.get_nowait())
+        while True:
+            commands.append(inbox.get_nowait())
+    except queue.Empty:
+        return commands
+    except (EOFError, OSError):
+        return None
+
+
+def apply_command(engine: Any, command: tuple, accepted: list[str], refused: list[Refusal]) -> None:
+    kind = command[0]
+    if kind == "add":
+        _, request_id, prompt, params, kwargs = command
+        try:
+            engine.add_request(prompt, params, request_id=request_id, **kwargs)
+        except EngineOverloaded as exc:
+            refused.append(Refusal(request_id, str(exc), exc.reason, exc.retry_after_s))
+        except ValueError as exc:
+            refused.append(Refusal(request_id, str(exc)))
+        else:
+            accepted.append(request_id)
+    elif kind == "abort":
+        engine.abort_request(command[1])
+    else:
+        raise ValueError(f"unknown replica command {kind!r}")
+
+
+def kv_events(engine: Any) -> list[Any]:
+    """The scheduler's block-hash events since the last step (none when it records none)."""
+    return engine.scheduler.take_kv_events()

@@ -1,0 +1,215 @@
+"""Data parallelism through LLM and the front: replicas in processes, routing, faults, shutdown."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from twinserve import LLM, SamplingParams
+from twinserve.core.engine_args import EngineArgs
+from twinserve.entrypoints.dp_front import DataParallelFront, ReplicaDied
+
+SMALL = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+             kv_cache_memory_bytes=32 << 20)
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Hello, my name is", "Water boils at"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, item: Any) -> None:
+        self.items.put(item)
+
+    def last(self, timeout_s: float = 120.0) -> Any:
+        """The final output, or the exception that ended the request."""
+        while True:
+            item = self.items.get(timeout=timeout_s)
+            if isinstance(item, BaseException) or (item is not None and item.finished):
+                return item
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie still answers kill(0)
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_until(predicate: Any, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_llm_data_parallel_matches_one_engine() -> None:
+    one = LLM(**SMALL)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(data_parallel_size=2, **SMALL)
+    try:
+        outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.prompt for o in outs] == PROMPTS
+        served = [r.served for r in two.engine.front.snapshot()]
+        assert served == [2, 2]  # round-robin: both replicas worked
+        pids = [two.engine.front.pid(i) for i in range(2)]
+    finally:
+        two.shutdown()
+    assert not any(alive(p) for p in pids if p is not None)
+
+
+def test_bad_data_parallel_arguments_name_the_field() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(data_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_backend"):
+        EngineArgs(data_parallel_backend="threads")
+    from twinserve.gpu.engine.llm_engine import LLMEngine
+    with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine is one replica"):
+        LLMEngine(EngineArgs(data_parallel_size=2))  # refused, not run as one replica
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_killed_replica_ends_its_requests_and_the_other_serves(restart: bool) -> None:
+    args = EngineArgs(data_parallel_size=2, restart_dead_replicas=restart, **SMALL)
+    front = DataParallelFront(args, "llm", on_cuda=False)
+    try:
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        sinks = [Collect() for _ in range(4)]
+        where = [front.submit(f"r{i}", [1, 2, 3, 4 + i], long, {}, s) for i, s in enumerate(sinks)]
+        assert sorted(where) == [0, 0, 1, 1]
+        wait_until(lambda: all(r.served for r in front.snapshot()))
+        victim = front.pid(0)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        for sink, replica in zip(sinks, where):
+            last = sink.last()
+            if replica == 0:
+                assert isinstance(last, ReplicaDied)
+            else:
+                assert not isinstance(last, BaseException)
+                assert len(last.outputs[0].token_ids) == 200
+        wait_until(lambda: not alive(victim))
+        if restart:
+            wait_until(lambda: front.health() == ["ready", "ready"])
+            assert front.snapshot()[0].restarts == 1
+        else:
+            assert front.health() == ["dead", "ready"]
+        after = [Collect() for _ in range(2)]
+        where = [front.submit(f"after{i}", [5, 6, 7], GREEDY, {}, s) for i, s in enumerate(after)]
+        assert sorted(where) == ([0, 1] if restart else [1, 1])
+        assert all(not isinstance(s.last(), BaseException) for s in after)
+    finally:
+        pids = [front.pid(i) for i in range(2)]
+        front.shutdown()
+    assert not any(alive(p) for p in pids if p is not None)
+    assert front.health() == ["dead", "dead"]
+
+
+@pytest.mark.slow
+def test_requests_sharing_a_prefix_reach_the_replica_holding_it() -> None:
+    args = EngineArgs(data_parallel_size=2, router="cache-aware", **SMALL)
+    front = DataParallelFront(args, "llm", on_cuda=False)
+    try:
+        prefix = list(range(100, 164))  # four full blocks
+        busy, first = Collect(), Collect()
+        # replica 0 busy (ties go to the lowest index), so the prefix lands on replica 1: later
+        # requests at equal load would go to 0 if the router ignored what 1 holds
+        assert front.submit("busy", [1, 2, 3], GREEDY, {}, busy) == 0
+        home = front.submit("first", prefix + [7], GREEDY, {}, first)
+        assert home == 1
+        assert not isinstance(first.last(), BaseException)
+        assert not isinstance(busy.last(), BaseException)
+        wait_until(lambda: front.snapshot()[home].stats is not None)
+        where = []
+        for i in range(4):  # one at a time: equal load, so the held prefix decides
+            sink = Collect()
+            where.append(front.submit(f"same{i}", prefix + [8 + i], GREEDY, {}, sink))
+            assert not isinstance(sink.last(), BaseException)
+        assert where == [home] * 4
+        stats = front.snapshot()[home].stats
+        assert stats is not None and stats.prefix_cache_hits >= 4 * len(prefix)
+    finally:
+        front.shutdown()
+
+
+def test_block_hashes_agree_between_processes() -> None:
+    """The front hashes prompts in its process; the replicas' KV events carry theirs."""
+    import subprocess
+    import sys
+    code = ("from twinserve.core.request import Request\n"
+            "from twinserve.core.sampling_params import SamplingParams\n"
+            "from twinserve.routers.hashing import prompt_block_hashes\n"
+            "print(list(prompt_block_hashes(Request('r', list(range(64)), SamplingParams(), 0.0), 16)))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)}
+    assert len(runs) == 1 and len(eval(runs.pop())) == 4
+
+
+def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None:
+    import argparse
+
+    from twinserve.entrypoints.cli.validate_dp import FleetRow, format_table, run_validate_dp
+    with pytest.raises(ValueError, match="--profile"):
+        run_validate_dp(argparse.Namespace(profile=None), EngineArgs(data_parallel_size=2), [])
+    row = FleetRow("cache-aware", {"mean_ttft_ms": 12.0, "p99_ttft_ms": 30.0, "mean_tpot_ms": 5.0,
+                                   "prefix_cache_hit_rate": 0.5},
+                   {"mean_ttft_ms": 10.0, "p99_ttft_ms": 25.0, "mean_tpot_ms": 4.5,
+                    "prefix_cache_hit_rate": 0.25})
+    table = format_table([row]).splitlines()
+    assert table[2] == ("| cache-aware | 12.0 ms | 10.0 ms | 30.0 ms | 25.0 ms | 5.0 ms | 4.5 ms "
+                        "| 50.0% | 25.0% |")
+
+
+@pytest.mark.slow
+def test_ray_backend_matches_one_engine_and_survives_a_killed_actor() -> None:
+    pytest.importorskip("ray")
+    one = LLM(**SMALL)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(data_parallel_size=2, data_parallel_backend="ray", **SMALL)
+    front = two.engine.front
+    try:
+        outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [r.served for r in front.snapshot()] == [2, 2]
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        sinks = [Collect() for _ in range(2)]
+        where = [front.submit(f"long{i}", [1, 2, 3, 4 + i], long, {}, s)
+                 for i, s in enumerate(sinks)]
+        assert sorted(where) == [0, 1]
+        wait_until(lambda: all(r.served == 3 for r in front.snapshot()))
+        victim = front.pid(where.index(0))
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        assert isinstance(sinks[where.index(0)].last(), ReplicaDied)
+        assert len(sinks[where.index(1)].last().outputs[0].token_ids) == 200
+        wait_until(lambda: front.health() == ["ready", "ready"])
+        assert front.snapshot()[0].restarts == 1
+    finally:
+        two.shutdown()
+    assert front.health() == ["dead", "dead"]
+
+
+def test_simulate_takes_data_parallel_size_as_its_replicas(tmp_path: Any) -> None:
+    import json
+
+    from twinserve.entrypoints.cli.main import main
+    base = ["simulate", "--trace", "synthetic", "--num-requests", "8", "--disable-tqdm"]
+    assert main([*base, "--data-parallel-size", "2", "--out", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (config["num_replicas"], config["data_parallel_size"]) == (2, 1)
+    assert main([*base, "--data-parallel-size", "2", "--num-replicas", "3",
+                 "--out", str(tmp_path / "b")]) == 2
+    assert not (tmp_path / "b" / "config.json").exists()

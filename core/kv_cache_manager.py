@@ -327,7 +327,8 @@ class KVCacheManager:
             keys = hashes[first - 1:stop] if first else [None, *hashes[:stop]]
             if salt is not None:
                 keys = [k if k is None else hash((k, salt)) for k in keys]
-            self.pool.cache_recorded(table.blocks[first:stop], keys[1:], keys[0], request.lora)
+            self.pool.cache_recorded(table.blocks[first:stop], keys[1:], keys[0],  # type: ignore[arg-type]
+                                    request.lora)
         elif salt is not None:  # a hybrid layout's group: its own keys for the new blocks only
             self.pool.cache_all(table.blocks[first:stop],
                                 [hash((h, salt)) for h in hashes[first:stop]])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need, then lints (ruff), type-checks core/, policies/, simulator/,
-# reports/, traces/, fidelity/ and the engine's orchestration, gpu/engine/ (mypy), and runs the
+# reports/, traces/, fidelity/, routers/, spec_decode/ and the engine's orchestration, gpu/engine/ (mypy), and runs the
 # whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,5 +15,6 @@ trap 'rm -rf "$TYPES"' EXIT
 ln -s "$ROOT" "$TYPES/twinserve"
 (cd "$TYPES" && "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TYPES/.cache" \
     -p twinserve.core -p twinserve.policies -p twinserve.simulator -p twinserve.reports \
-    -p twinserve.traces -p twinserve.gpu.engine -p twinserve.fidelity)
+    -p twinserve.traces -p twinserve.gpu.engine -p twinserve.fidelity -p twinserve.routers \
+    -p twinserve.spec_decode)
 "$PY" -m pytest -q "$@"

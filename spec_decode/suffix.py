@@ -79,11 +79,12 @@ class SuffixTrie:
         return []
 
     def _walk(self, path: Sequence[int]) -> _Node | None:
-        node: _Node | None = self.root
+        node = self.root
         for token in path:
-            node = node.children.get(token)
-            if node is None:
+            child = node.children.get(token)
+            if child is None:
                 return None
+            node = child
         return node
 
 

@@ -22,7 +22,7 @@ import argparse
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from twinserve.traces.cli_flags import MULTI_APP, MULTI_APP_FLAGS, SYNTHETIC, SYNTHETIC_FLAGS
 from twinserve.traces.errors import TraceError
@@ -136,7 +136,7 @@ def _source(args: argparse.Namespace) -> list[TraceRequest]:
     return synthetic_trace(SyntheticConfig(num_requests=num, seed=args.seed, **given))
 
 
-def _multi_app(args: argparse.Namespace, given: dict[str, object]) -> list[TraceRequest]:
+def _multi_app(args: argparse.Namespace, given: dict[str, Any]) -> list[TraceRequest]:
     """The multi-application workload (``traces.multi_app``) from its flags."""
     with _flag("--num-requests"):
         num = 1000 if args.num_requests is None else args.num_requests

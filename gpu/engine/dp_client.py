@@ -127,7 +127,7 @@ class ReplicaSet:
             index, kind = handles[ready]
             if kind == "message":
                 try:
-                    events.append(ReplicaEvent(index, "message", ready.recv()))  # type: ignore[union-attr]
+                    events.append(ReplicaEvent(index, "message", ready.recv()))  # type: ignore[union-attr,call-arg]
                     continue
                 except (EOFError, OSError):
                     pass  # its pipe closed: the process is ending

@@ -94,9 +94,9 @@ class RayReplicaSet:
         spec = ReplicaSpec(index, self._args, self._usage_context, self._threads, None,
                            os.getpid(), self._kv_events)
         options = {"num_gpus": 1} if self._on_cuda else {"num_cpus": self._threads}
-        handle = self._cls.options(**options).remote(spec)
+        handle = self._cls.options(**options).remote(spec)  # type: ignore[attr-defined]
         with self._lock:
-            self._actors[index] = _Actor(handle, handle.pid.remote())
+            self._actors[index] = _Actor(handle, handle.pid.remote())  # type: ignore[attr-defined]
 
     def pid(self, index: int) -> int | None:
         actor = self._actors[index]

@@ -249,8 +249,8 @@ def test_a_file_that_is_not_a_mapping_is_refused(tmp_path: Path, capsys) -> None
 
 def test_unimplemented_flags_are_refused_by_name(capsys) -> None:
     from twinserve.entrypoints.cli.main import main
-    assert main(["simulate", "--pipeline-parallel-size", "2", "--num-requests", "2"]) == 2
-    assert "'pipeline_parallel_size' is not implemented" in capsys.readouterr().err
+    assert main(["simulate", "--cpu-offload-gb", "2", "--num-requests", "2"]) == 2
+    assert "'cpu_offload_gb' is not implemented" in capsys.readouterr().err
     assert main(["simulate", "--speculative-config", "x", "--num-requests", "2"]) == 2
     assert "speculative_config is not valid JSON" in capsys.readouterr().err
     assert main(["simulate", "--speculative-config", '{"method": "eagle"}',

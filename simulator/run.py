@@ -27,6 +27,7 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import speculation_policy_for
+from twinserve.simulator.acceptance import AcceptanceModel, AcceptanceProfile
 from twinserve.simulator.cost_model import (
     CostModel,
     DeviceCostModel,
@@ -34,7 +35,6 @@ from twinserve.simulator.cost_model import (
     make_cost_model,
 )
 from twinserve.simulator.engine import (
-    AcceptanceModel,
     Replica,
     SyntheticTokens,
     arrival_process,
@@ -45,6 +45,7 @@ from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.roofline_gap import roofline_caveat
 from twinserve.simulator.router import ROUTERS, make_router
+from twinserve.simulator.spec_cost import with_speculation
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
@@ -232,13 +233,17 @@ def _lazy_prompt(vocab_size: int, block_size: int, unique_ids: bool, tr: TraceRe
 def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              adapters: LoRAAdapters | None = None,
              structured: StructuredWorkload | None = None,
-             decode_runs: bool = True, lazy_prompts: bool = True) -> SimResult:
+             decode_runs: bool = True, lazy_prompts: bool = True,
+             acceptance: AcceptanceProfile | None = None) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
     ``decode_runs``: advance runs of decode-only steps at once (``core.decode_run``; False
     steps one at a time, the reference, with the same results); ``lazy_prompts``: prompts
-    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results)."""
+    as ``LazyPrompt``s (False: plain id lists, the reference, with the same results);
+    ``acceptance``: the drafts' measured acceptance (with speculation; else the configuration's
+    ``synthetic_acceptance_rate``), the step time charged for verification and proposer
+    (``spec_cost``)."""
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -256,14 +261,15 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         # with LoRA each replica's step time also tallies its adapter loads
         step: StepTimeModel = cost if structured is None else \
             structured_cost_of(cost.hardware).wrap(cost)
+        spec_cfg = cfg.engine.speculation
+        step = with_speculation(step, cost, spec_cfg)
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
-        spec_cfg = cfg.engine.speculation
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
                                                     speculation=speculation_policy_for(spec_cfg)),
                                           recorder, i), model,
-                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i)),
+                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i, acceptance)),
                             decode_runs=decode_runs, alone=cfg.num_replicas == 1)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)

@@ -12,7 +12,9 @@
 #              (paged attention, multi-LoRA shrink/expand, quantized matvec, MoE; GGUF files on
 #              CUDA against the CPU) against their torch references, and the engine's greedy
 #              tokens on CUDA (every scheduling regime, CUDA graphs against eager) against HF
-#              transformers (through the tensor-parallel layers at TP=1);
+#              transformers (through the tensor-parallel layers at TP=1); speculative decoding's
+#              verification batches (Triton attention, 1 + k queries per sequence) and greedy
+#              tokens with drafts equal to those without, CUDA graphs on and off;
 #   calibrate  `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
 #              ($OUT/gpu-calibrated.json, the CPU calibration's format) and its samples;
 #   simulate   a simulation that loads that profile;
@@ -78,6 +80,7 @@ run_tests() {
     python3 -m pytest -q -p no:cacheprovider -m cuda $workers --junitxml="$OUT/cuda_tests.xml" \
         tests/gpu/test_triton_attention.py tests/gpu/test_triton_lora.py tests/gpu/test_engine_equivalence.py \
         tests/gpu/test_triton_quant.py tests/gpu/test_triton_moe.py tests/gpu/test_quant_torch_dequant.py \
+        tests/gpu/test_spec_decode_triton.py tests/gpu/test_spec_decode.py \
         > "$OUT/cuda_tests.log" 2>&1
 }
 

@@ -2,7 +2,9 @@
 
 - ``core/`` imports no other project folder, and no torch, simpy, fastapi or pandas;
 - ``policies/`` imports ``core/`` only; ``traces/`` imports ``core/`` only;
-- ``simulator/`` and ``gpu/`` import ``core/``, ``policies/`` and ``traces/``, never each other;
+- ``spec_decode/`` (draft proposers without a model) imports ``core/`` only, and no torch;
+- ``simulator/`` and ``gpu/`` import ``core/``, ``policies/``, ``traces/`` and ``spec_decode/``,
+  never each other;
 - ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point);
 - ``fidelity/`` (twin against reality) imports ``core/``, ``policies/``, ``traces/``,
   ``simulator/``, ``gpu/`` and ``reports/``; only ``entrypoints/`` and ``benchmarks/`` import it.
@@ -17,17 +19,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FOLDERS = ("core", "policies", "simulator", "gpu", "traces", "reports", "fidelity",
-                   "entrypoints", "benchmarks")
+                   "entrypoints", "benchmarks", "spec_decode")
 ALLOWED = {  # the project folders each folder may import, itself included
     "core": {"core"},
     "policies": {"policies", "core"},
     "traces": {"traces", "core"},
-    "simulator": {"simulator", "core", "policies", "traces"},
-    "gpu": {"gpu", "core", "policies", "traces"},
+    "spec_decode": {"spec_decode", "core"},
+    "simulator": {"simulator", "core", "policies", "traces", "spec_decode"},
+    "gpu": {"gpu", "core", "policies", "traces", "spec_decode"},
     "reports": {"reports", "core"},
     "fidelity": {"fidelity", "core", "policies", "traces", "simulator", "gpu", "reports"},
 }
-FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"}}
+FORBIDDEN_PACKAGES = {"core": {"torch", "simpy", "fastapi", "pandas"},
+                      "spec_decode": {"torch", "simpy", "fastapi", "pandas"}}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.lora import LoRARequest
 from twinserve.core.pooling_params import PoolingParams
@@ -20,11 +21,22 @@ from twinserve.core.request import Request
 from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
+from twinserve.core.speculation import SpeculationPolicy
 from twinserve.core.step_driver import StepDriver
 from twinserve.gpu.engine.output_processor import OutputProcessor
 from twinserve.gpu.engine.request_surface import RequestSurface
 from twinserve.gpu.worker.model_runner import ModelRunner
 from twinserve.policies import get_policy
+from twinserve.policies.speculation import get_speculation_policy
+
+
+def speculation_policy(args: EngineArgs, config: SchedulerConfig) -> SpeculationPolicy | None:
+    """The scheduler's speculation policy for ``args.speculative_config`` (None: off)."""
+    spec = args.speculation
+    if spec is None or not config.num_speculative_tokens:
+        return None
+    return get_speculation_policy(config.speculation_policy, config.num_speculative_tokens,
+                                  disable_by_batch_size=spec.disable_by_batch_size)
 
 
 class LLMEngine:
@@ -40,7 +52,8 @@ class LLMEngine:
         self.engine_config = self.runner.engine_config
         self.config = self.engine_config.scheduler
         self.policy = get_policy(args.scheduling_policy, **args.policy_options)
-        self.scheduler = Scheduler(self.config, self.policy)
+        self.scheduler = Scheduler(self.config, self.policy,
+                                   speculation=speculation_policy(args, self.config))
         self.driver = StepDriver(self.scheduler)
         self.metrics = self.driver.recorder
         self.tokenizer = self.runner.tokenizer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -15,14 +15,17 @@ from twinserve.gpu.layers.attention_backend import AttentionMetadata
 @dataclass(slots=True)
 class ModelInput:
     """``input_ids[T]``, ``positions[T]``, attention metadata, and which rows sample:
-    ``sample_rows[N]`` (row of each sampling request's last token) for ``sample_index[N]``
-    (its index in the scheduled list)."""
+    ``sample_rows`` (row of each sampling request's last token) for ``sample_index[N]``
+    (its index in the scheduled list). A verification entry (speculative decoding, k drafts)
+    samples at all its 1 + k rows: ``sample_counts[N]`` says how many rows each takes in
+    ``sample_rows`` (empty when every entry takes one)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor
     sample_index: list[int]
+    sample_counts: list[int] = field(default_factory=list)
 
 
 def build_model_input(scheduled: list[ScheduledRequest], block_size: int,
@@ -53,6 +56,9 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int,
              + positions % block_size)
     sample_index = [i for i, sr in enumerate(scheduled) if sr.sample]
     sample_rows = query_start_loc[1:][sample_index] - 1
+    sample_counts: list[int] = []
+    if any(scheduled[i].spec_token_ids for i in sample_index):
+        sample_rows, sample_counts = _verification_rows(scheduled, sample_index, query_start_loc)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
         block_tables=torch.from_numpy(block_tables).to(device),
@@ -66,7 +72,24 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int,
         positions=torch.from_numpy(positions).to(device),
         meta=meta,
         sample_rows=torch.from_numpy(sample_rows).to(device),
-        sample_index=sample_index)
+        sample_index=sample_index, sample_counts=sample_counts)
+
+
+def _verification_rows(scheduled: list[ScheduledRequest], sample_index: list[int],
+                       query_start_loc: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Every sampling entry's last row, or all 1 + k rows of a verification entry."""
+    rows: list[int] = []
+    counts: list[int] = []
+    for i in sample_index:
+        sr = scheduled[i]
+        count = 1 + len(sr.spec_token_ids) if sr.spec_token_ids else 1
+        if sr.spec_token_ids and sr.num_new_tokens != count:
+            raise ValueError(f"request {sr.request_id!r} verifies {count - 1} drafts in "
+                             f"{sr.num_new_tokens} tokens (must be 1 + drafts).")
+        end = int(query_start_loc[i + 1])
+        rows.extend(range(end - count, end))
+        counts.append(count)
+    return np.asarray(rows, np.int64), counts
 
 
 def _with_groups(meta: AttentionMetadata, scheduled: list[ScheduledRequest],

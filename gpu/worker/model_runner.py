@@ -18,7 +18,7 @@ from twinserve.core.engine_config import (
     resolve_engine_config,
 )
 from twinserve.core.model_config import ModelConfig
-from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from twinserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.quantization import resolve_quantization
 from twinserve.core.request import Request
 from twinserve.gpu.engine.tokenizer import Tokenizer
@@ -34,8 +34,11 @@ from twinserve.gpu.worker.kv_cache import KVCache
 from twinserve.gpu.worker.kv_cache_fp8 import use_fp8_kv_cache
 from twinserve.gpu.worker.platform import TORCH_DTYPES, current_platform, resolve_device
 from twinserve.gpu.worker.prompt_logprobs import PromptLogprobsCollector
+from twinserve.gpu.worker.rejection_sampler import VerifySettings
 from twinserve.gpu.worker.sampler import sample
+from twinserve.gpu.worker.spec_step import SpecStep
 from twinserve.gpu.worker.structured_outputs import StructuredOutputs
+from twinserve.spec_decode.proposer import Proposer
 
 
 def check_shareable(owner: ModelRunner, runner: ModelRunner, args: EngineArgs) -> None:
@@ -135,6 +138,12 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._structured: StructuredOutputs | None = None  # made for the first constrained one
         self._prompt_logprobs = PromptLogprobsCollector()
+        self._spec: SpecStep | None = None  # speculative decoding (configure_speculation)
+        spec = args.speculation
+        if spec is not None:  # (imported here: the draft model proposer holds a ModelRunner)
+            from twinserve.gpu.spec_decode.factory import build_proposer, verify_settings
+            self.configure_speculation(build_proposer(spec, args, self.vocab_size, usage_context),
+                                       verify_settings(spec))
         kv_dtype = self.dtype
         if args.kv_cache_dtype != "auto":  # fp8 (e4m3): the backend quantizes and widens
             kv_dtype = use_fp8_kv_cache(self.model, self.dtype, self.device, self.tp is not None)
@@ -175,6 +184,10 @@ class ModelRunner:
             eos = self.tokenizer.eos_token_id
         return eos
 
+    def configure_speculation(self, proposer: Proposer, settings: VerifySettings) -> None:
+        """Verifies drafts with ``settings`` and asks ``proposer`` for the next steps' drafts."""
+        self._spec = SpecStep(proposer, settings)
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.tp is None:
             return self._execute(scheduler_output, None)
@@ -195,6 +208,8 @@ class ModelRunner:
         if self._structured is not None:
             self._structured.free(scheduler_output.finished_request_ids)
         self._prompt_logprobs.free(scheduler_output.finished_request_ids)
+        if self._spec is not None:
+            self._spec.proposer.on_finished(scheduler_output.finished_request_ids)
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.kv_cache.copy_blocks(scheduler_output.blocks_to_copy)
@@ -222,6 +237,8 @@ class ModelRunner:
                                                                 self.model.compute_logits)
         if not inputs.sample_index:
             return out
+        if inputs.sample_counts:
+            return self._sample_verifying(scheduled, inputs, hidden, out)
         last_hidden = hidden[inputs.sample_rows]
         logits = self.model.compute_logits(last_hidden)
         requests = [scheduled[i].request for i in inputs.sample_index]
@@ -239,7 +256,39 @@ class ModelRunner:
             if request.pooling_params is not None:  # an embedding: its last prompt position
                 out.pooled[request.request_id] = pooled_state(last_hidden[row],
                                                               request.pooling_params)
+        if self._spec is not None:
+            self._spec.propose(scheduled, inputs.sample_index, out)
         return out
+
+    def _sample_verifying(self, scheduled: list[ScheduledRequest], inputs: ModelInput,
+                          hidden: torch.Tensor, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """A step with verification entries: logits at every drafted position."""
+        if self._spec is None:
+            raise ValueError("a step verifies drafts but the runner has no speculative_config.")
+        sampled_hidden = hidden[inputs.sample_rows]
+        logits = self.model.compute_logits(sampled_hidden)
+        entries = [scheduled[i] for i in inputs.sample_index]
+        row = 0
+        for sr, count in zip(entries, inputs.sample_counts):
+            if sr.request.pooling_params is not None:  # one row: its last prompt position
+                out.pooled[sr.request_id] = pooled_state(sampled_hidden[row],
+                                                         sr.request.pooling_params)
+            row += count
+        requests = [sr.request for sr in entries]
+        structured = self._structured_outputs(requests)
+        self._spec.sample(entries, inputs.sample_counts, logits, structured,
+                          [self._generator_for(r) for r in requests], self.generator, out)
+        self._spec.propose(scheduled, inputs.sample_index, out)
+        return out
+
+    @torch.inference_mode()
+    def sample_logits(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """One forward pass over ``scheduled`` (no swaps, LoRA or sampling): the float32
+        logits at every sampling row (all 1 + k rows of a verification entry). For a runner
+        driven by another, as a draft model's is."""
+        inputs = build_model_input(scheduled, self.block_size, self.max_model_len, self.device,
+                                   self.kv_layout)
+        return self.model.compute_logits(self._forward(inputs)[inputs.sample_rows]).float()
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:
         # A step with adapter rows runs eagerly: the decode graphs hold the base product only.

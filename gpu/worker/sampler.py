@@ -13,12 +13,13 @@ request's own ``torch.Generator`` when it has a seed. Logprobs come from the raw
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from twinserve.core.logprobs import TokenLogprobs
-from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.worker.logprobs import token_logprobs
 
@@ -29,7 +30,31 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def sample(logits: torch.Tensor, requests: list[Request],
+class SamplingRow(Protocol):
+    """What sampling reads of a request: a ``Request``, or one draft position of a verification
+    entry (``rejection_sampler``), whose output then includes the drafts before it."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class DraftPosition:
+    """A request seen from a draft position: its output followed by the drafts before it."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRow],
            generators: list[torch.Generator | None],
            default_generator: torch.Generator,
            allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
@@ -39,6 +64,23 @@ def sample(logits: torch.Tensor, requests: list[Request],
     (the other rows' logits are left as they are)."""
     params = [r.sampling_params for r in requests]
     raw = logits
+    logits = process_logits(logits, requests, allowed)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        drawn = _draw(logits[idx], [params[i] for i in random_rows],
+                      [generators[i] for i in random_rows], default_generator)
+        tokens[idx] = drawn
+    token_ids = tokens.tolist()
+    return SamplerOutput(token_ids, _logprobs(raw, params, token_ids))
+
+
+def process_logits(logits: torch.Tensor, requests: Sequence[SamplingRow],
+                   allowed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """The logits greedy decoding takes the argmax of: grammar masks, token filters, bad words,
+    min_tokens and penalties applied (a copy when anything applies)."""
+    params = [r.sampling_params for r in requests]
     constrained: frozenset[int] = frozenset()
     if allowed is not None:
         rows, mask = allowed
@@ -58,18 +100,24 @@ def sample(logits: torch.Tensor, requests: list[Request],
                 _apply_bad_words(logits[row], p.bad_words_token_ids, r.output_token_ids)
             _apply_min_tokens(logits[row], p, r, row in constrained)
             _apply_penalties(logits[row], p, r)
-    tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        drawn = _draw(logits[idx], [params[i] for i in random_rows],
-                      [generators[i] for i in random_rows], default_generator)
-        tokens[idx] = drawn
-    token_ids = tokens.tolist()
-    return SamplerOutput(token_ids, _logprobs(raw, params, token_ids))
+    return logits
 
 
-def _needs_processing(p: SamplingParams, r: Request) -> bool:
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, min_p, top-k, top-p, softmax."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        probs = torch.softmax(logits, dim=-1)
+        cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        logits = logits.masked_fill(probs < cutoff, float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    return torch.softmax(logits, dim=-1)
+
+
+def _needs_processing(p: SamplingParams, r: SamplingRow) -> bool:
     return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0 or len(r.output_token_ids) < p.min_tokens
             or p.logit_bias is not None or p.allowed_token_ids is not None
@@ -77,7 +125,7 @@ def _needs_processing(p: SamplingParams, r: Request) -> bool:
 
 
 def _apply_logits_processors(logits: torch.Tensor, row: int, p: SamplingParams,
-                             r: Request) -> None:
+                             r: SamplingRow) -> None:
     """vLLM v0's logits processors on one row: ``fn(output_ids, logits)`` or ``fn(prompt_ids,
     output_ids, logits)`` (by the number of parameters), each returning the new row."""
     for fn in p.logits_processors or ():
@@ -126,7 +174,7 @@ def _apply_token_filters(row: torch.Tensor, p: SamplingParams) -> None:
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
 
 
-def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: Request,
+def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: SamplingRow,
                       constrained: bool = False) -> None:
     if len(r.output_token_ids) >= p.min_tokens:
         return
@@ -141,12 +189,12 @@ def _apply_min_tokens(row: torch.Tensor, p: SamplingParams, r: Request,
             row[idx] = kept  # the grammar is complete: it wins over min_tokens
 
 
-def _apply_penalties(row: torch.Tensor, p: SamplingParams, r: Request) -> None:
+def _apply_penalties(row: torch.Tensor, p: SamplingParams, r: SamplingRow) -> None:
     """vLLM's ``apply_penalties`` on one row, in place."""
     vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
         seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[torch.tensor(r.prompt_token_ids + r.output_token_ids, device=row.device)] = True
+        seen[torch.tensor([*r.prompt_token_ids, *r.output_token_ids], device=row.device)] = True
         penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
         row.copy_(torch.where(seen, penalised, row))
     if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and r.output_token_ids:
@@ -158,16 +206,7 @@ def _apply_penalties(row: torch.Tensor, p: SamplingParams, r: Request) -> None:
 def _draw(logits: torch.Tensor, params: list[SamplingParams],
           generators: list[torch.Generator | None],
           default_generator: torch.Generator) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temps[:, None]
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-        probs = torch.softmax(logits, dim=-1)
-        cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-        logits = logits.masked_fill(probs < cutoff, float("-inf"))
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = _top_k_top_p(logits, params)
-    probs = torch.softmax(logits, dim=-1)
+    probs = target_probs(logits, params)
     q = torch.empty_like(probs)
     for row, gen in enumerate(generators):
         q[row].exponential_(generator=gen or default_generator)

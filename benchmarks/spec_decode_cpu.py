@@ -1,0 +1,128 @@
+"""Speculative decoding on this CPU at batch 1: generated tokens per second with ``ngram`` and
+``suffix`` drafts against none, on prompts the bundled model answers by copying or editing its
+input (code edits, rewrites, JSON changes), greedy.
+
+    python -m twinserve.benchmarks.spec_decode_cpu [--rounds 3] [--max-tokens 128] [-k 4]
+
+One load of the weights; one engine per method on it (``ModelRunner(weights_from=...)``), so
+the methods differ only in speculation. Each round runs every prompt once per method, one
+request at a time, the methods' order rotating from round to round (interleaved rounds); the
+figures are the medians over rounds of each method's tokens per second, its ratio to none, and
+the mean acceptance length (1 + accepted / drafted proposals, vLLM's definition) from the
+scheduler's totals. Greedy outputs with speculation are checked equal to those without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+PROMPTS = [
+    "Rename the variable `total` to `running_sum` in this Python function and return the whole "
+    "function:\n\n```python\ndef add_all(values):\n    total = 0\n    for value in values:\n"
+    "        total = total + value\n    return total\n```",
+    "Add type hints to this function and return the whole code:\n\n```python\n"
+    "def scale(points, factor):\n    result = []\n    for x, y in points:\n"
+    "        result.append((x * factor, y * factor))\n    return result\n```",
+    'Change the "city" of this JSON object to "Paris" and return the whole object:\n\n'
+    '{"name": "Alice Martin", "age": 34, "city": "London", "email": "alice@example.com", '
+    '"skills": ["python", "sql", "docker"], "active": true}',
+    "Rewrite this paragraph replacing every occurrence of 'car' with 'bicycle':\n\n"
+    "The car was parked near the station. Every morning the car took her to work, and in the "
+    "evening the car brought her back home. She loved her car.",
+    "Convert this list into a JSON array of objects with keys name and price:\n\n"
+    "apple 1.20\nbanana 0.50\ncherry 3.10\ndate 2.75\nelderberry 4.00",
+]
+
+
+def _engines(methods: list[str], k: int, policy: str, dtype: str) -> dict:
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.engine.llm_engine import LLMEngine
+    from twinserve.gpu.worker.model_runner import ModelRunner
+    base = EngineArgs(dtype=dtype, max_num_seqs=1)
+    owner = ModelRunner(base)
+    engines = {}
+    for method in methods:
+        spec = None if method == "none" else {"method": method, "num_speculative_tokens": k,
+                                              "policy": policy}
+        args = EngineArgs(dtype=dtype, max_num_seqs=1, speculative_config=spec)
+        engines[method] = LLMEngine(args, ModelRunner(args, weights_from=owner))
+    return engines
+
+
+def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """(seconds, outputs) of the prompts one at a time."""
+    from twinserve.core.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = []
+    seconds = 0.0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        engine.add_request(list(prompt), params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = list(out.outputs[0].token_ids)
+        seconds += time.perf_counter() - t0
+        outputs.append(tokens)
+    return seconds, outputs
+
+
+def _acceptance_length(engine, before: tuple[int, int]) -> float:
+    drafts, accepted = _spec_totals(engine)
+    drafts -= before[0]
+    accepted -= before[1]
+    return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def _spec_totals(engine) -> tuple[int, int]:
+    stats = engine.scheduler.spec_stats
+    return stats.num_drafts, stats.num_accepted_tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--policy", default="fixed", help="speculation policy (fixed: always k)")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    methods = ["none", "ngram", "suffix"]
+    engines = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype)
+    tok = engines["none"].tokenizer
+    from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
+    prompts = [encode_chat(tok, [{"role": "user", "content": text}], ChatTemplateOptions()).token_ids
+               for text in PROMPTS]
+    _run(engines["none"], prompts[:1], 8)  # warm-up
+    rates: dict[str, list[float]] = {m: [] for m in methods}
+    lengths: dict[str, list[float]] = {m: [] for m in methods}
+    reference: list[list[int]] | None = None
+    for r in range(args.rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for method in order:
+            engine = engines[method]
+            before = _spec_totals(engine) if method != "none" else (0, 0)
+            seconds, outputs = _run(engine, prompts, args.max_tokens)
+            tokens = sum(len(o) for o in outputs)
+            rates[method].append(tokens / seconds)
+            lengths[method].append(_acceptance_length(engine, before) if method != "none" else 1.0)
+            if method == "none":
+                reference = reference or outputs
+        print(f"round {r + 1}: " + ", ".join(f"{m} {rates[m][-1]:.1f} tok/s" for m in methods))
+    base = statistics.median(rates["none"])
+    print(f"\nbatch 1, {len(prompts)} prompts x up to {args.max_tokens} tokens, greedy, "
+          f"k={args.num_speculative_tokens}, policy {args.policy}, {args.rounds} rounds (medians)")
+    print(f"{'method':8} {'tok/s':>8} {'vs none':>8} {'accept len':>11}")
+    for m in methods:
+        rate = statistics.median(rates[m])
+        print(f"{m:8} {rate:8.1f} {rate / base:7.2f}x {statistics.median(lengths[m]):11.2f}")
+    # the same greedy tokens with and without speculation
+    for m in methods[1:]:
+        _, outputs = _run(engines[m], prompts, args.max_tokens)
+        print(f"{m}: outputs equal to none's: {outputs == reference}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Draft proposers that run a model (torch)."""

@@ -1,0 +1,88 @@
+"""The model-free proposers: prompt lookup (ngram) and suffix decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.spec_decode.ngram import NgramProposer
+from twinserve.spec_decode.suffix import SuffixProposer, SuffixTrie
+
+
+def _request(rid: str, prompt: list[int], output: list[int] = ()) -> Request:
+    request = Request(rid, prompt, SamplingParams(max_tokens=64), 0.0)
+    for token in output:
+        request.append_output_token(token, 0.0)
+    return request
+
+
+def test_ngram_takes_the_longest_match_and_its_latest_occurrence():
+    ngram = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+    # "2 3" occurs twice; the longest suffix that recurs is "1 2 3" (followed by 4 5)
+    assert ngram.lookup([1, 2, 3, 4, 5, 2, 3, 9, 1, 2, 3], 2) == [4, 5]
+    # only "3" recurs: its latest earlier occurrence is followed by 9
+    assert ngram.lookup([1, 3, 7, 3, 9, 8, 3], 3) == [9, 8, 3]
+    assert ngram.lookup([1, 2, 3, 4], 3) == []
+    assert NgramProposer(2, 3).lookup([1, 3, 7, 3, 9, 8, 3], 3) == []  # n = 1 below the minimum
+
+
+def test_ngram_proposes_at_most_the_number_wanted_and_none_for_zero():
+    ngram = NgramProposer(1, 4)
+    request = _request("a", [5, 6, 7, 8, 5, 6], [7])
+    assert ngram.propose([(request, 1)]) == {"a": [8]}
+    assert ngram.propose([(request, 0)]) == {}
+
+
+@pytest.mark.parametrize("bad", [dict(prompt_lookup_min=0), dict(prompt_lookup_min=3,
+                                                                 prompt_lookup_max=2)])
+def test_ngram_refuses_bad_bounds_by_name(bad):
+    with pytest.raises(ValueError, match="prompt_lookup_m"):
+        NgramProposer(**bad)
+
+
+def test_suffix_trie_counts_paths_and_remove_restores_it():
+    trie = SuffixTrie(max_depth=3)
+    trie.extend([1, 2, 3, 1, 2, 4])
+    trie.end_sequence()
+    assert trie.root.children[1].count == 2
+    assert trie.root.children[1].children[2].count == 2
+    assert set(trie.root.children[1].children[2].children) == {3, 4}
+    assert 1 not in trie.root.children[1].children[2].children[3].children  # depth 3 at most
+    trie.extend([7, 8])
+    trie.remove([1, 2, 3, 1, 2, 4])
+    assert set(trie.root.children) == {7, 8} and trie.root.children[7].children[8].count == 1
+
+
+def test_suffix_follows_the_most_frequent_continuation_within_the_spec_factor():
+    trie = SuffixTrie(max_depth=8)
+    for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 9, 9, 9]):
+        trie.extend(seq)
+        trie.end_sequence()
+    assert trie.propose([7, 1, 2], 4, max_spec_factor=2.0, min_token_prob=0.1) == [3, 4, 5]
+    # match length 2 x factor 1 = at most 2 drafts
+    assert trie.propose([7, 1, 2], 4, max_spec_factor=1.0, min_token_prob=0.1) == [3, 4]
+    # 3 follows "1 2" with probability 2/3 only
+    assert trie.propose([7, 1, 2], 4, max_spec_factor=2.0, min_token_prob=0.7) == []
+
+
+def test_suffix_uses_the_request_and_finished_requests_outputs():
+    suffix = SuffixProposer(max_tree_depth=8, max_cached_requests=1)
+    own = _request("a", [4, 5, 6, 7, 4, 5])
+    assert suffix.propose([(own, 2)]) == {"a": [6, 7]}  # from its own prompt
+    done = _request("b", [1], [20, 21, 22, 23, 24])
+    suffix.propose([(done, 1)])
+    suffix.on_finished(["b"])
+    later = _request("c", [9, 9, 20, 21])
+    assert suffix.propose([(later, 3)]) == {"c": [22, 23]}  # match 2, factor 1
+    other = _request("d", [30], [31, 32, 33])
+    suffix.propose([(other, 1)])
+    suffix.on_finished(["d"])  # evicts b's output (one cached request at most)
+    assert suffix.propose([(_request("e", [8, 20, 21]), 3)]) == {}
+
+
+def test_suffix_refuses_bad_settings_by_name():
+    with pytest.raises(ValueError, match="suffix_decoding_min_token_prob"):
+        SuffixProposer(min_token_prob=1.5)
+    with pytest.raises(ValueError, match="suffix_decoding_max_tree_depth"):
+        SuffixProposer(max_tree_depth=0)

@@ -1,0 +1,66 @@
+"""The drafts' acceptance of a real run, kept beside it, and the acceptance a twin replays.
+
+A real replay with speculation writes ``acceptance.json`` (an ``AcceptanceProfile``) into its
+run folder: vLLM's per-position counters of the engine's scheduler when the replay had them,
+else the per-request totals of ``requests.csv``. The twin of a run takes a profile given by the
+user (measured on another workload: the held-out check), else the run's own (then the error
+table is not held out for acceptance, and the log says so), else none (speculation off, or
+``synthetic`` acceptance whose rates the run's config already holds).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from twinserve.fidelity.backend import Log
+from twinserve.simulator.acceptance import AcceptanceProfile
+
+ACCEPTANCE_FILE = "acceptance.json"
+
+
+def record_acceptance(run_dir: Path, workload: str,
+                      per_pos: tuple[int, Sequence[int]] | None = None) -> AcceptanceProfile | None:
+    """Writes ``run_dir/acceptance.json`` from ``per_pos`` (verifications, accepted per position)
+    or the run's requests.csv; None (nothing written) when no draft was verified."""
+    profile = None
+    if per_pos is not None and per_pos[0] > 0:
+        profile = AcceptanceProfile.from_counts(workload, per_pos[0], per_pos[1],
+                                                source=str(run_dir))
+    else:
+        profile = _from_requests(run_dir / "requests.csv", workload)
+    if profile is not None:
+        profile.save(run_dir / ACCEPTANCE_FILE)
+    return profile
+
+
+def _from_requests(path: Path, workload: str) -> AcceptanceProfile | None:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "spec_num_drafts" not in rows[0]:
+        return None
+    drafts = sum(int(r["spec_num_drafts"]) for r in rows)
+    tokens = sum(int(r["spec_num_draft_tokens"]) for r in rows)
+    if not drafts or not tokens:
+        return None
+    accepted = sum(int(r["spec_num_accepted_tokens"]) for r in rows)
+    return AcceptanceProfile.from_totals(workload, drafts, tokens, accepted, str(path.parent))
+
+
+def twin_acceptance(real_dir: Path, given: Path | None, log: Log) -> AcceptanceProfile | None:
+    """The acceptance the twin of ``real_dir`` replays (module doc)."""
+    if given is not None:
+        profile = AcceptanceProfile.load(given)
+        log(f"acceptance: given ({given}, measured on {profile.workload or 'an unnamed workload'}"
+            f", mean acceptance length {profile.mean_acceptance_length:.2f})")
+        return profile
+    own = real_dir / ACCEPTANCE_FILE
+    spec = json.loads((real_dir / "config.json").read_text()).get("speculative_config") or {}
+    if not own.is_file() or spec.get("rejection_sample_method") == "synthetic":
+        return None  # no drafts verified, or the config's synthetic rates
+    profile = AcceptanceProfile.load(own)
+    log(f"acceptance: measured on this workload ({own}; not held out: pass --acceptance-profile "
+        "to replay the twin with another workload's)")
+    return profile

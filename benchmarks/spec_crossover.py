@@ -166,6 +166,38 @@ def real_points(num_requests: int, folder: Path) -> Any:
     return point
 
 
+def lookup_costs(steps: int = 40, context: int = 300) -> dict[str, tuple[float, float]]:
+    """Seconds per step and per sequence of the ngram and suffix proposers on this host: each
+    proposes k drafts for batches of 1 and 32 requests whose tokens grow one per step (ids of
+    a 500-token vocabulary, so matches occur), and the two batch sizes give the two terms. The
+    first proposal (a suffix trie's build over the prompt) is left out: it happens once."""
+    import random
+    import time
+
+    from twinserve.core.request import Request
+    from twinserve.core.sampling_params import SamplingParams
+    from twinserve.spec_decode.ngram import NgramProposer
+    from twinserve.spec_decode.suffix import SuffixProposer
+    rng = random.Random(0)
+    costs = {}
+    for name, make in (("ngram", NgramProposer), ("suffix", SuffixProposer)):
+        per_batch = []
+        for batch in (1, 32):
+            proposer = make()
+            requests = [Request(f"r{i}", [rng.randrange(500) for _ in range(context)],
+                                SamplingParams(max_tokens=steps + 1), 0.0) for i in range(batch)]
+            proposer.propose([(r, K) for r in requests])  # a suffix trie is built once
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                for r in requests:
+                    r.append_output_token(rng.randrange(500), 0.0)
+                proposer.propose([(r, K) for r in requests])
+            per_batch.append((time.perf_counter() - t0) / steps)
+        per_seq = max(0.0, (per_batch[1] - per_batch[0]) / 31)
+        costs[name] = (max(0.0, per_batch[0] - per_seq), per_seq)
+    return costs
+
+
 def cpu_setting(model_dir: str, profile: str) -> Setting:
     return Setting(f"this CPU's calibrated profile ({profile}), SmolLM2-135M", model_dir, profile,
                    (0.5, 1, 2, 4, 6, 8), 64, 48, 40, 2048, 128)
@@ -182,7 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--real", action="store_true", help="also measure on this CPU's real engine")
     p.add_argument("--real-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     p.add_argument("--real-requests", type=int, default=24)
+    p.add_argument("--lookup-costs", action="store_true",
+                   help="only time the ngram and suffix proposers on this host and exit")
     args = p.parse_args(argv)
+    if args.lookup_costs:
+        for name, (per_step, per_seq) in lookup_costs().items():
+            print(f"{name}: {per_step * 1e6:.1f} us per step + {per_seq * 1e6:.1f} us per sequence")
+        return 0
     rates: tuple[float, ...] = (
         AcceptanceProfile.load(args.acceptance_profile).rates if args.acceptance_profile
         else (args.acceptance_rate,))

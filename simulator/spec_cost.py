@@ -15,8 +15,7 @@ per-sequence overhead, whatever the inner model, since fits hold no per-row term
 Proposer, charged in the step whose entries ask for drafts (``num_draft_next > 0``: the backend
 proposes after sampling, before the step returns):
 - ``ngram`` and ``suffix``: host lookups, ``lookup_s_per_step`` once plus ``lookup_s_per_seq``
-  per proposing sequence (defaults: ``LOOKUP_COSTS``, measured on this CPU with
-  ``benchmarks/spec_crossover.py --lookup-costs``; the lookups run on the host whatever the GPU).
+  per proposing sequence (``LOOKUP_COSTS``; the lookups run on the host whatever the GPU).
 - ``draft_model``: the draft model's forward passes on the same hardware, timed by its own cost
   model (``make_cost_model`` of its spec: fitted when the profile holds a fit for it, else the
   roofline): a first pass that catches the draft's KV up (one token per sequence; the whole
@@ -37,10 +36,12 @@ from twinserve.simulator.cost_model import DeviceCostModel, make_cost_model
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.step_time import StepTimeModel
 
-# (seconds per step with proposals, seconds per proposing sequence) of the host lookups
+# (seconds per step with proposals, seconds per proposing sequence) of twinserve's pure-Python
+# lookups over 300-token requests (``benchmarks/spec_crossover.py --lookup-costs`` on the 2-core
+# development machine while it was shared, load ~7: upper bounds for an idle host)
 LOOKUP_COSTS: Mapping[str, tuple[float, float]] = MappingProxyType({
-    "ngram": (2e-5, 3e-5),
-    "suffix": (2e-5, 6e-5),
+    "ngram": (1e-5, 8.5e-5),
+    "suffix": (2e-5, 4.5e-4),
 })
 
 

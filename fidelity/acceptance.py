@@ -22,31 +22,27 @@ ACCEPTANCE_FILE = "acceptance.json"
 
 
 def record_acceptance(run_dir: Path, workload: str,
-                      per_pos: tuple[int, Sequence[int]] | None = None) -> AcceptanceProfile | None:
-    """Writes ``run_dir/acceptance.json`` from ``per_pos`` (verifications, accepted per position)
-    or the run's requests.csv; None (nothing written) when no draft was verified."""
-    profile = None
-    if per_pos is not None and per_pos[0] > 0:
-        profile = AcceptanceProfile.from_counts(workload, per_pos[0], per_pos[1],
-                                                source=str(run_dir))
-    else:
-        profile = _from_requests(run_dir / "requests.csv", workload)
-    if profile is not None:
-        profile.save(run_dir / ACCEPTANCE_FILE)
-    return profile
-
-
-def _from_requests(path: Path, workload: str) -> AcceptanceProfile | None:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+                      accepted_per_pos: Sequence[int] = ()) -> AcceptanceProfile | None:
+    """Writes ``run_dir/acceptance.json`` from the run's requests.csv, its config's k_max and
+    ``accepted_per_pos`` (vLLM's counters, when known); None (nothing written) when no draft
+    was verified."""
+    with open(run_dir / "requests.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("success") == "1"]
     if not rows or "spec_num_drafts" not in rows[0]:
         return None
     drafts = sum(int(r["spec_num_drafts"]) for r in rows)
     tokens = sum(int(r["spec_num_draft_tokens"]) for r in rows)
     if not drafts or not tokens:
         return None
-    accepted = sum(int(r["spec_num_accepted_tokens"]) for r in rows)
-    return AcceptanceProfile.from_totals(workload, drafts, tokens, accepted, str(path.parent))
+    spec = json.loads((run_dir / "config.json").read_text()).get("speculative_config") or {}
+    profile = AcceptanceProfile.measured(
+        workload, num_drafts=drafts, num_draft_tokens=tokens,
+        num_accepted_tokens=sum(int(r["spec_num_accepted_tokens"]) for r in rows),
+        k_max=int(spec.get("num_speculative_tokens", 1)),
+        output_tokens=sum(int(r["output_tokens"]) for r in rows), num_requests=len(rows),
+        accepted_per_pos=accepted_per_pos, source=str(run_dir))
+    profile.save(run_dir / ACCEPTANCE_FILE)
+    return profile
 
 
 def twin_acceptance(real_dir: Path, given: Path | None, log: Log) -> AcceptanceProfile | None:

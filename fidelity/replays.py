@@ -52,12 +52,11 @@ def replay(engine: EngineArgs, workload: Workload, out: str | Path, repeats: int
                                    str(engine.model), label))
         if engine.speculation is not None:
             # per-position counters give exact rates only when every verification had k_max
-            # drafts (the fixed policy); else the per-request totals
-            stats = llm.scheduler.stats()
+            # drafts (the fixed policy; record_acceptance checks the lengths); else the totals
+            per_pos = llm.scheduler.stats().spec_num_accepted_tokens_per_pos or []
             fixed = engine.speculation.policy == "fixed"
             record_acceptance(dirs[-1], str(workload.desc.get("trace", "")),
-                              (stats.spec_num_drafts, stats.spec_num_accepted_tokens_per_pos or [])
-                              if fixed else None)
+                              per_pos if fixed else ())
         write_speed_probe(dirs[-1] / SPEED_PROBE_FILE, before, speed_probe(runner))
         log(f"real replay {i + 1}/{repeats}: {run.wall_time_s:.1f} s wall, "
             f"{len(run.steps)} steps")

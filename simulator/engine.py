@@ -70,6 +70,7 @@ class SyntheticTokens:
 
     def _speculate(self, out: SchedulerOutput) -> ModelRunnerOutput:
         num_accepted = self.acceptance.num_accepted  # type: ignore[union-attr]
+        proposed = self.acceptance.num_proposed  # type: ignore[union-attr]
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         for sr in out.scheduled:
@@ -81,7 +82,10 @@ class SyntheticTokens:
             sampled[rid] = ([SIMULATED_TOKEN] * (num_accepted(rid, sr.start + 1, k) + 1) if k
                             else _SAMPLED)  # type: ignore[assignment]
             if sr.num_draft_next:
-                drafts[rid] = [SIMULATED_TOKEN] * sr.num_draft_next
+                # proposals follow the newest token, at start + num_new_tokens
+                found = proposed(rid, sr.start + sr.num_new_tokens, sr.num_draft_next)
+                if found:
+                    drafts[rid] = [SIMULATED_TOKEN] * found
         return ModelRunnerOutput(sampled, spec_token_ids=drafts)
 
 

@@ -34,8 +34,11 @@ def test_run_folder_records_its_acceptance(tmp_path):
     assert profile.num_drafts == s["spec_num_drafts"]
     assert profile.mean_acceptance_length == pytest.approx(s["spec_mean_acceptance_length"])
     assert profile.rates[0] == pytest.approx(0.6, abs=0.06)
-    counted = record_acceptance(folder, "synthetic", (1000, [600, 300, 90]))
-    assert counted is not None and counted.rates == pytest.approx((0.6, 0.5, 0.3))
+    per_pos = [profile.num_drafts // 2, profile.num_drafts // 4, profile.num_drafts // 16]
+    counted = record_acceptance(folder, "synthetic", per_pos)
+    assert counted is not None and counted.rates == pytest.approx(
+        (per_pos[0] / profile.num_drafts, per_pos[1] / per_pos[0], per_pos[2] / per_pos[1]))
+    assert counted.proposal_rate > 0.9 and counted.mean_draft_length == 0
     plain = write_sim_run(simulate(SimConfig(EngineArgs(max_num_seqs=8)), TRACE),
                           tmp_path / "plain", {"trace": "synthetic"})
     assert record_acceptance(plain, "synthetic") is None

@@ -163,3 +163,27 @@ def test_profiles_from_counters_and_totals(tmp_path):
         AcceptanceProfile.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="num_drafts"):
         AcceptanceProfile("w", (0.5,), num_drafts=-1)
+
+
+def test_measured_profile_carries_how_often_and_how_many_drafts_were_found():
+    # a lookup proposer's run: 100 verifications of 2.6 drafts on average (k_max 4), 220
+    # accepted, 8 requests of 48 tokens: 384 - 220 - 8 = 156 steps could have verified
+    profile = AcceptanceProfile.measured("code-edits", num_drafts=100, num_draft_tokens=260,
+                                         num_accepted_tokens=220, k_max=4, output_tokens=384,
+                                         num_requests=8, accepted_per_pos=(90, 65, 45, 20))
+    assert profile.proposal_rate == pytest.approx(100 / 156)
+    assert profile.mean_draft_length == pytest.approx(2.6)
+    r = profile.rates[0]  # per-position counters are biased by short drafts: the totals' fit
+    assert 0.4 * (r + r**2) + 0.6 * (r + r**2 + r**3) == pytest.approx(2.2, rel=1e-4)
+    full = AcceptanceProfile.measured("w", num_drafts=100, num_draft_tokens=400,
+                                      num_accepted_tokens=130, k_max=4, output_tokens=1000,
+                                      num_requests=4, accepted_per_pos=(60, 40, 20, 10))
+    assert full.rates == pytest.approx((0.6, 40 / 60, 0.5, 0.5)) and full.mean_draft_length == 0
+    model = AcceptanceModel(profile.rates, 1, profile.proposal_rate, profile.mean_draft_length)
+    found = [model.num_proposed(f"r{i}", 50, 4) for i in range(20_000)]
+    assert sum(1 for n in found if n) / len(found) == pytest.approx(100 / 156, rel=0.03)
+    lengths = [n for n in found if n]
+    assert sum(lengths) / len(lengths) == pytest.approx(2.6, rel=0.03)
+    assert max(model.num_proposed(f"r{i}", 50, 2) for i in range(100)) == 2
+    with pytest.raises(ValueError, match="proposal_rate"):
+        AcceptanceModel([0.5], proposal_rate=1.5)

@@ -9,8 +9,10 @@ none.
         [--num-requests 300] [--gpu-only | --cpu-only] [--real]
 
 ``--real`` then measures the same on this CPU with the real engine (bundled model, a few rates,
-short runs; acceptance ``synthetic`` at the same rates, so the real and the twin verify drafts
-accepted alike and differ only in what a step costs) and prints the twin's prediction beside it.
+short runs, ngram drafts verified for real) and prints the twin's prediction at those rates
+beside it: pass the ``--acceptance-profile`` of a real replay of this kind of workload (a
+``validate`` run folder's ``acceptance.json``), so that the twin proposes and accepts as the
+engine does.
 """
 
 from __future__ import annotations
@@ -51,16 +53,23 @@ GPU = Setting("A100-80GB, Llama-3-8B (Vidur fit)", "llama-3-8b", "a100-80gb",
               (1, 2, 4, 8, 12, 16, 24, 32), 512, 256, 256, 8192)
 
 
-def speculative_config(mode: str, rates: Sequence[float]) -> dict[str, Any] | None:
+def speculative_config(mode: str, rates: Sequence[float] | None) -> dict[str, Any] | None:
+    """ngram drafts under ``mode``'s policy; ``rates``: synthetic acceptance (None: the real
+    verification, greedy as the replays sample)."""
     if mode == "none":
         return None
-    return {"method": "ngram", "num_speculative_tokens": K,
-            "policy": "fixed" if mode.startswith("fixed") else "adaptive",
-            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": list(rates)}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": K,
+                            "policy": "fixed" if mode.startswith("fixed") else "adaptive"}
+    if rates is not None:
+        spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rate=list(rates))
+    return spec
 
 
 def twin_point(setting: Setting, mode: str, rate: float, rates: Sequence[float],
-               num_requests: int, seed: int = 0) -> dict[str, float]:
+               num_requests: int, profile: AcceptanceProfile | None = None,
+               seed: int = 0) -> dict[str, float]:
+    """The twin at ``rate``: acceptance ``profile`` when given (with its proposal rate and
+    draft lengths), else the synthetic ``rates``."""
     trace = synthetic_trace(SyntheticConfig(num_requests=num_requests, request_rate=rate,
                                             input_len=setting.input_len,
                                             output_len=setting.output_len, seed=seed))
@@ -68,9 +77,9 @@ def twin_point(setting: Setting, mode: str, rate: float, rates: Sequence[float],
                               "max_num_batched_tokens": setting.max_num_batched_tokens}
     if setting.max_model_len is not None:
         limits["max_model_len"] = setting.max_model_len
-    args = EngineArgs(model=setting.model, speculative_config=speculative_config(mode, rates),
-                      **limits)
-    s = simulate(SimConfig(args, hardware=setting.hardware), trace).summary
+    spec = speculative_config(mode, None if profile is not None else rates)
+    args = EngineArgs(model=setting.model, speculative_config=spec, **limits)
+    s = simulate(SimConfig(args, hardware=setting.hardware), trace, acceptance=profile).summary
     return {"tpot": s["mean_tpot_ms"], "throughput": s["output_throughput"],
             "length": s.get("spec_mean_acceptance_length", 1.0)}
 
@@ -154,7 +163,7 @@ def real_points(num_requests: int, folder: Path) -> Any:
         engine = EngineArgs(model=setting.model, max_model_len=setting.max_model_len,
                             max_num_seqs=setting.max_num_seqs,
                             max_num_batched_tokens=setting.max_num_batched_tokens,
-                            speculative_config=speculative_config(mode, rates))
+                            speculative_config=speculative_config(mode, None))
         runner = runner or load_runner(engine)
         workload = TraceSpec("synthetic", num_requests=num_requests, request_rate=rate,
                              input_len=setting.input_len, output_len=setting.output_len,
@@ -200,7 +209,7 @@ def lookup_costs(steps: int = 40, context: int = 300) -> dict[str, tuple[float, 
 
 def cpu_setting(model_dir: str, profile: str) -> Setting:
     return Setting(f"this CPU's calibrated profile ({profile}), SmolLM2-135M", model_dir, profile,
-                   (0.5, 1, 2, 4, 6, 8), 64, 48, 40, 2048, 128)
+                   (0.5, 1, 2, 4, 6, 8, 12, 16), 64, 48, 40, 2048, 128)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,21 +230,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, (per_step, per_seq) in lookup_costs().items():
             print(f"{name}: {per_step * 1e6:.1f} us per step + {per_seq * 1e6:.1f} us per sequence")
         return 0
-    rates: tuple[float, ...] = (
-        AcceptanceProfile.load(args.acceptance_profile).rates if args.acceptance_profile
-        else (args.acceptance_rate,))
+    profile = AcceptanceProfile.load(args.acceptance_profile) if args.acceptance_profile else None
+    rates: tuple[float, ...] = profile.rates if profile is not None else (args.acceptance_rate,)
     expected = sum(math.prod(rates[min(i, len(rates) - 1)] for i in range(j + 1)) for j in range(K))
     print(f"acceptance per position {list(rates)}: mean acceptance length at k={K} "
-          f"{1 + expected:.2f}")
+          f"{1 + expected:.2f}" + ("" if profile is None else
+                                   f" (measured on {profile.workload}: drafts found in "
+                                   f"{profile.proposal_rate:.0%} of steps, "
+                                   f"{profile.mean_draft_length or K:.2f} long)"))
 
     def point(setting: Setting, mode: str, rate: float, r: Sequence[float]) -> dict[str, float]:
-        return twin_point(setting, mode, rate, r, args.num_requests)
+        return twin_point(setting, mode, rate, r, args.num_requests, profile)
 
     if not args.cpu_only:
         print(report("twin", GPU, sweep(GPU, point, rates)))
     if not args.gpu_only:
-        model_dir, profile = cpu_profile()
-        setting = cpu_setting(model_dir, profile)
+        model_dir, hardware = cpu_profile()
+        setting = cpu_setting(model_dir, hardware)
         print(report("twin", setting, sweep(setting, point, rates)))
         if args.real:
             real = Setting(setting.name, setting.model, setting.hardware, args.real_rates,

@@ -187,3 +187,19 @@ def test_measured_profile_carries_how_often_and_how_many_drafts_were_found():
     assert max(model.num_proposed(f"r{i}", 50, 2) for i in range(100)) == 2
     with pytest.raises(ValueError, match="proposal_rate"):
         AcceptanceModel([0.5], proposal_rate=1.5)
+
+
+def test_simulate_command_replays_an_acceptance_profile(tmp_path, capsys):
+    from twinserve.entrypoints.cli.main import main
+    profile = AcceptanceProfile("code-edits", (0.9,), proposal_rate=0.5).save(tmp_path / "a.json")
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"})
+    base = ["simulate", "--trace", "synthetic", "--num-requests", "20", "--disable-tqdm"]
+    assert main([*base, "--speculative-config", spec, "--acceptance-profile", str(profile),
+                 "--out", str(tmp_path / "run")]) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["acceptance_profile"]["workload"] == "code-edits"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # half the steps verify drafts: far fewer verifications than decode steps
+    assert 0 < summary["spec_num_drafts"] < 0.7 * summary["total_output_tokens"] / 3
+    assert main([*base, "--acceptance-profile", str(profile), "--out", str(tmp_path / "off")]) != 0
+    assert "needs --speculative-config" in capsys.readouterr().err

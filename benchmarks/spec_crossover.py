@@ -97,7 +97,13 @@ def crossover(rates: Sequence[float], ratio: Sequence[float]) -> float | None:
 
 
 def sweep(setting: Setting, point: Any, rates: Sequence[float]) -> dict[str, list[dict[str, float]]]:
-    return {mode: [point(setting, mode, rate, rates) for rate in setting.rates] for mode in MODES}
+    """Every mode at every rate, rate by rate with the modes' order rotating (a real host's
+    drift then falls on all modes alike)."""
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    for i, rate in enumerate(setting.rates):
+        for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
+            results[mode].append(point(setting, mode, rate, rates))
+    return results
 
 
 def report(title: str, setting: Setting, results: dict[str, list[dict[str, float]]]) -> str:
@@ -156,15 +162,16 @@ def real_points(num_requests: int, folder: Path) -> Any:
     from twinserve.fidelity import replay
     from twinserve.fidelity.backend import load_runner
     from twinserve.fidelity.workload import TraceSpec
-    runner = None
+    runners: dict[str, Any] = {}  # one runner per mode (its proposer), on one load of weights
 
     def point(setting: Setting, mode: str, rate: float, rates: Sequence[float]) -> dict[str, float]:
-        nonlocal runner
         engine = EngineArgs(model=setting.model, max_model_len=setting.max_model_len,
                             max_num_seqs=setting.max_num_seqs,
                             max_num_batched_tokens=setting.max_num_batched_tokens,
                             speculative_config=speculative_config(mode, None))
-        runner = runner or load_runner(engine)
+        runner = runners.get(mode)
+        if runner is None:
+            runner = runners[mode] = load_runner(engine, next(iter(runners.values()), None))
         workload = TraceSpec("synthetic", num_requests=num_requests, request_rate=rate,
                              input_len=setting.input_len, output_len=setting.output_len,
                              max_model_len=setting.max_model_len).load()

@@ -169,12 +169,13 @@ def real_points(num_requests: int, folder: Path) -> Any:
                             max_num_seqs=setting.max_num_seqs,
                             max_num_batched_tokens=setting.max_num_batched_tokens,
                             speculative_config=speculative_config(mode, None))
-        runner = runners.get(mode)
-        if runner is None:
-            runner = runners[mode] = load_runner(engine, next(iter(runners.values()), None))
         workload = TraceSpec("synthetic", num_requests=num_requests, request_rate=rate,
                              input_len=setting.input_len, output_len=setting.output_len,
                              max_model_len=setting.max_model_len).load()
+        runner = runners.get(mode)
+        if runner is None:
+            runner = runners[mode] = load_runner(engine, next(iter(runners.values()), None))
+            replay(engine, workload, folder / f"warmup-{mode.split()[0]}", runner=runner)
         run = replay(engine, workload, folder / f"{mode.split()[0]}-{rate:g}", runner=runner)[0]
         s = json.loads((run / "summary.json").read_text())
         return {"tpot": s["mean_tpot_ms"], "throughput": s["output_throughput"],

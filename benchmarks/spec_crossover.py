@@ -260,7 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             real = Setting(setting.name, setting.model, setting.hardware, args.real_rates,
                            setting.input_len, setting.output_len, setting.max_num_seqs,
                            setting.max_num_batched_tokens, setting.max_model_len)
-            twin = sweep(real, point, rates)
+            def real_sized(setting: Setting, mode: str, rate: float,
+                           r: Sequence[float]) -> dict[str, float]:  # the replays' request count
+                return twin_point(setting, mode, rate, r, args.real_requests, profile)
+            twin = sweep(real, real_sized, rates)
             with tempfile.TemporaryDirectory() as folder:
                 measured = sweep(real, real_points(args.real_requests, Path(folder)), rates)
             print(report("twin at the real rates", real, twin))

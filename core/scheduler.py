@@ -616,11 +616,11 @@ class Scheduler:
                 continue
             if spec is not None and sr.sample and (sr.spec_token_ids or sr.num_draft_next):
                 num_others += 1
-                output = self._apply_speculative(sr, result, now)
+                spec_output = self._apply_speculative(sr, result, now)
                 if request.status > _PREEMPTED:
                     any_finished = True
-                if output is not None:
-                    outputs.append(output)
+                if spec_output is not None:
+                    outputs.append(spec_output)
                 continue
             start = sr.start
             n = sr.num_new_tokens
@@ -696,12 +696,14 @@ class Scheduler:
         if k:
             self._record_verification(request, k, len(tokens) - 1)
         kv.free_tail(request, num_computed + 1)
+        if not k:  # as without drafts: cached before the token (and an n > 1 fork)
+            kv.cache_full_blocks(request)
         proposals = result.spec_token_ids.get(rid)
         tokens, status = self._append_tokens(request, list(tokens), now)
         if status is not None:
             self._finish(request, status, now)
             proposals = None
-        else:  # the accepted drafts are the request's tokens now: their full blocks are cached
+        elif k:  # the accepted drafts are the request's tokens now: their full blocks are cached
             kv.cache_full_blocks(request)
         if proposals:
             request.spec_token_ids = list(proposals[:sr.num_draft_next])

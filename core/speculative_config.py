@@ -92,13 +92,14 @@ class SpeculativeConfig:
                              "rejection_sample_method 'synthetic' and only with it.")
         if rate is None:
             return
+        value: float | tuple[float, ...]
         if isinstance(rate, (list, tuple)):
             if not rate:
                 raise ValueError("speculative_config.synthetic_acceptance_rate must not be empty.")
-            rates = tuple(_rate("synthetic_acceptance_rate", r) for r in rate)
+            value = tuple(_rate("synthetic_acceptance_rate", r) for r in rate)
         else:
-            rates = _rate("synthetic_acceptance_rate", rate)
-        object.__setattr__(self, "synthetic_acceptance_rate", rates)
+            value = _rate("synthetic_acceptance_rate", rate)
+        object.__setattr__(self, "synthetic_acceptance_rate", value)
 
     @property
     def acceptance_rates(self) -> tuple[float, ...]:

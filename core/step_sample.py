@@ -31,6 +31,8 @@ _PREFIX_CHUNKS = "num_prefix_chunks"
 _PREFIX_CONTEXT = "sum_prefix_context_tokens"
 _AREA = "sum_prefill_attention_area"
 _DERIVED = (_PREFIX_CHUNKS, _PREFIX_CONTEXT, _AREA)
+# Columns newer than some recorded files, read as 0 where absent (drafts: speculative decoding).
+_OPTIONAL = ("num_spec_tokens",)
 SAMPLES_FILE = "step_features.csv"
 
 
@@ -95,11 +97,15 @@ def write_samples(path: str | Path, samples: Iterable[StepSample]) -> Path:
     path = Path(path)
     samples = list(samples)
     lora = LORA_FEATURE_NAMES if any(s.lora_features for s in samples) else ()
+    # an optional column is written only when some sample has it (files without drafts keep
+    # their bytes)
+    fields = [k for k in AGGREGATE_FIELDS
+              if k not in _OPTIONAL or any(s.aggregates.get(k) for s in samples)]
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow((*SAMPLE_COLUMNS, *lora))
+        w.writerow(("kind", *fields, "seconds", "execute_seconds", *lora))
         for s in samples:
-            w.writerow([s.kind, *(int(s.aggregates.get(k, 0)) for k in AGGREGATE_FIELDS),
+            w.writerow([s.kind, *(int(s.aggregates.get(k, 0)) for k in fields),
                         repr(round(s.seconds, 9)),
                         "" if math.isnan(s.execute_seconds) else repr(round(s.execute_seconds, 9)),
                         *(repr(s.lora_features[n]) if n in s.lora_features else "" for n in lora)])
@@ -119,7 +125,9 @@ def read_samples(path: str | Path) -> list[StepSample]:
     with open(path, newline="") as f:
         for i, row in enumerate(csv.DictReader(f), start=2):
             try:
-                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS if k not in _DERIVED}
+                counts = {k: int(row[k]) for k in AGGREGATE_FIELDS
+                          if k not in _DERIVED and k not in _OPTIONAL}
+                counts.update({k: int(row.get(k) or 0) for k in _OPTIONAL})
                 counts[_PREFIX_CHUNKS] = _prefix_chunks(row, counts)
                 counts[_PREFIX_CONTEXT] = _prefix_context(row, counts)
                 counts[_AREA] = _attention_area(row, counts)

@@ -33,9 +33,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """``engine_args`` are ``EngineArgs`` fields (vLLM's names, e.g. ``max_num_seqs``,
-        ``scheduling_policy``); an unknown one, or one twinserve does not implement, raises
-        ValueError naming it. ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a
-        ``--config`` file."""
+        ``scheduling_policy``, ``speculative_config={"method": "ngram",
+        "num_speculative_tokens": 4}``: a ``SpeculativeConfig``, its keys or their JSON); an
+        unknown one, or one twinserve does not implement, raises ValueError naming it.
+        ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a ``--config`` file."""
         args = EngineArgs.from_mapping(engine_args, "LLM", model=model)
         self.engine = LLMEngine(args, usage_context="llm")
 

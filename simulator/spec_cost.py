@@ -38,10 +38,10 @@ from twinserve.simulator.step_time import StepTimeModel
 
 # (seconds per step with proposals, seconds per proposing sequence) of twinserve's pure-Python
 # lookups over 300-token requests (``benchmarks/spec_crossover.py --lookup-costs`` on the 2-core
-# development machine while it was shared, load ~7: upper bounds for an idle host)
+# development machine, quiet host; under a load of ~7 the same took 5-15x longer)
 LOOKUP_COSTS: Mapping[str, tuple[float, float]] = MappingProxyType({
-    "ngram": (1e-5, 8.5e-5),
-    "suffix": (2e-5, 4.5e-4),
+    "ngram": (2e-6, 1.6e-5),
+    "suffix": (1e-6, 3e-5),
 })
 
 

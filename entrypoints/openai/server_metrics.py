@@ -6,7 +6,8 @@ Three sources, each read where it is exact:
   while still waiting), so the counters match the ``usage`` the clients received; and the
   requests it refused for overload (``twinserve:request_rejected`` by ``reason``);
 - at scrape time, on the engine thread, a snapshot of ``scheduler.stats()`` (running, waiting,
-  KV usage, prefix-cache queries/hits, preemptions);
+  KV usage, prefix-cache queries/hits, preemptions; with speculation vLLM's
+  ``vllm:spec_decode_*`` counters, accepted tokens also per draft position);
 - at scrape time, the engine's finished ``RequestRecord``s not seen before feed the latency
   histograms (TTFT, ITL, E2E, queue time) with the engine's own timestamps;
 - the same records feed vLLM's per-request histograms (prefill time, decode time, mean time
@@ -121,6 +122,30 @@ class SchedulerCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(labels, float(value))
             yield family
+        yield from self._speculation(stats, labels)
+
+    @staticmethod
+    def _speculation(stats: SchedulerStats, labels: list[str]) -> Iterator[Metric]:
+        """vLLM's ``vllm:spec_decode_*`` counters, when speculation is on (k_max positions)."""
+        per_pos = stats.spec_num_accepted_tokens_per_pos
+        if not per_pos:
+            return
+        counters = (("vllm:spec_decode_num_drafts", "Verifications of drafts.",
+                     stats.spec_num_drafts),
+                    ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                     stats.spec_num_draft_tokens),
+                    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                     stats.spec_num_accepted_tokens))
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, float(value))
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, per draft position.",
+                                     labels=["model_name", "position"])
+        for position, value in enumerate(per_pos):
+            family.add_metric([*labels, str(position)], float(value))
+        yield family
 
 
 class LoRAInfoCollector(Collector):

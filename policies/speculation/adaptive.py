@@ -4,10 +4,13 @@ The rule. A step that schedules ``T`` tokens takes ``t(T)`` seconds, a curve mea
 steps this policy has seen (``StepCurve``). A request whose drafts are accepted with probability
 ``a`` each (position after position, until the first rejection) turns ``k`` drafts into
 ``g(k) = a + a^2 + ... + a^k`` expected extra tokens. The policy builds the next step request by
-request: with ``E`` expected tokens and ``T`` scheduled tokens granted so far (every running
-request yields one token and costs one), it gives the request the ``k`` in ``0..k_max`` that
-maximises the step's expected tokens per second ``(E + g(k)) / t(T + k)``, and takes ``k > 0``
-only when that beats ``k = 0`` by ``margin`` (relative). Hence:
+request: with ``E`` useful tokens and ``T`` scheduled tokens granted so far (the step's tokens
+without drafts, prefill chunks included, count in both: drafts that take a step's time from
+prefills must be worth more than the prompt tokens they displace), it gives the request the
+``k`` in ``0..k_max`` that
+maximises the step's expected tokens per second ``(E + g(k)) / t(T + k)``, taking ``k > 0``
+only when the drafts' own return, ``g(k)`` tokens for the ``t(T + k) - t(T)`` seconds they add,
+beats the step's rate without them, ``E / t(T)``, by ``margin`` (relative). Hence:
 
 - a batch so large that ``k`` more tokens cost more time than ``g(k)`` tokens are worth in it
   gets ``k = 0`` for everyone (``E`` grows with the batch, ``g(k)`` does not), and a step curve
@@ -170,8 +173,9 @@ class AdaptiveSpeculation:
         if (limit is not None and num_running > limit) or budget <= 0:
             return 0
         k_cap = min(self.k_max, budget)
-        base_tokens = max(num_running, self._last_tokens) + self._round_tokens
-        base_gain = max(num_running, 1) + self._round_gain
+        work = max(num_running, self._last_tokens, 1)  # the step's tokens without drafts
+        base_tokens = work + self._round_tokens
+        base_gain = work + self._round_gain
         k, gain = self.best_k(self.acceptance(request), base_tokens, base_gain, k_cap)
         self._round_tokens += k
         self._round_gain += gain
@@ -185,13 +189,20 @@ class AdaptiveSpeculation:
         t0 = curve.seconds(base_tokens)
         if t0 is None or t0 <= 0.0:
             return k_cap, sum(acceptance ** j for j in range(1, k_cap + 1))  # measure first
-        best_rate = base_gain / t0 * (1.0 + self.margin)
+        # the margin is on the drafts' own return: their tokens per extra second must beat the
+        # step's rate without them by ``margin`` (on the whole step's rate it would forbid
+        # drafts in any batch where one request is a small share)
+        hurdle = base_gain / t0 * (1.0 + self.margin)
+        best_rate = base_gain / t0
         best_k, best_gain, gain, term = 0, 0.0, 0.0, 1.0
         for k in range(1, k_cap + 1):
             term *= acceptance
             gain += term
             seconds = curve.seconds(base_tokens + k)
             if seconds is None or seconds <= 0.0:
+                continue
+            extra = seconds - t0
+            if extra > 0.0 and gain / extra <= hurdle:
                 continue
             rate = (base_gain + gain) / seconds
             if rate > best_rate:

@@ -115,6 +115,7 @@ def test_combine_adds_and_features_match_cost_model(tmp_path: Path) -> None:
 def test_step_samples_are_validated_and_written_as_before(tmp_path: Path) -> None:
     """The CSV is the run folders' step_features.csv: its bytes stay what they were."""
     agg = {k: i for i, k in enumerate(AGGREGATE_FIELDS)}
+    agg["num_spec_tokens"] = 0  # (its column is written only for steps with drafts)
     samples = [StepSample(agg, 0.0123456789, 0.01), StepSample({}, 0.5, kind="swap")]
     path = write_samples(tmp_path / "s.csv", samples)
     assert path.read_text() == (
@@ -125,6 +126,9 @@ def test_step_samples_are_validated_and_written_as_before(tmp_path: Path) -> Non
         "mixed,0,1,2,3,4,5,6,7,8,9,10,0.012345679,0.01\n"
         "swap,0,0,0,0,0,0,0,0,0,0,0,0.5,\n")
     assert [s.kind for s in read_samples(path)] == ["mixed", "swap"]
+    drafts = write_samples(tmp_path / "d.csv", [StepSample({**agg, "num_spec_tokens": 3}, 0.5)])
+    assert "sum_prefill_attention_area,num_spec_tokens,seconds" in drafts.read_text()
+    assert read_samples(drafts)[0].aggregates["num_spec_tokens"] == 3
     # a file from before the prefixes' column: derived from the chunks' tokens x context, exact
     # for equal chunks (3 chunks of 8 after 100, 50 and 0 tokens, beside 2 decodes at 10)
     older = tmp_path / "older.csv"

@@ -80,6 +80,7 @@ def test_adaptive_turns_off_for_large_batches():
     # a step is flat up to 64 tokens, then linear: a batch of 200 pays full price per draft
     policy = AdaptiveSpeculation(4, prior_acceptance=0.8)
     feed(policy, lambda t: 0.01 if t <= 64 else 0.01 * t / 64)
+    policy.on_step(SchedulerOutput(total_num_scheduled_tokens=2), 0.0, 0.01)  # two decodes ran
     assert policy.num_drafts(req("small"), 2, 512) > 0
     policy.on_step(SchedulerOutput(total_num_scheduled_tokens=200), 0.0, 0.01 * 200 / 64)
     assert all(policy.num_drafts(req(f"r{i}"), 200, 512) == 0 for i in range(200))
@@ -87,8 +88,9 @@ def test_adaptive_turns_off_for_large_batches():
 
 def test_adaptive_stops_drafting_for_a_request_whose_drafts_are_rejected():
     policy = AdaptiveSpeculation(4, prior_acceptance=0.7)
-    # each extra token costs 2% of a step: drafts pay only if they are accepted often
-    feed(policy, lambda t: 0.01 * (1 + 0.02 * t))
+    # each extra token costs a tenth of the fixed cost: drafts pay only if accepted often
+    feed(policy, lambda t: 0.01 * (1 + 0.1 * t))
+    policy.on_step(SchedulerOutput(total_num_scheduled_tokens=4), 0.0, 0.01 * 1.4)
     good, bad = req("good"), req("bad")
     assert policy.num_drafts(good, 4, 512) > 0
     for _ in range(30):
@@ -96,10 +98,21 @@ def test_adaptive_stops_drafting_for_a_request_whose_drafts_are_rejected():
         policy.on_verified(bad, 4, 0)
         good.spec_num_accepted_tokens += 4
         policy.on_verified(good, 4, 4)
-    policy.on_step(SchedulerOutput(total_num_scheduled_tokens=4), 0.0, 0.01 * 1.08)
+    policy.on_step(SchedulerOutput(total_num_scheduled_tokens=4), 0.0, 0.01 * 1.4)
     assert policy.acceptance(bad) < 0.2 < 0.8 < policy.acceptance(good)
     assert policy.num_drafts(bad, 4, 512) == 0
     assert policy.num_drafts(good, 4, 512) > 0
+
+
+def test_adaptive_counts_displaced_prefill_tokens():
+    """A step busy with a prompt chunk on a linear curve: drafts would take its time from
+    prompt tokens, each worth a token, while a draft is worth less than one."""
+    policy = AdaptiveSpeculation(4, prior_acceptance=0.9)
+    feed(policy, lambda t: 0.005 + 1e-4 * t)
+    policy.on_step(SchedulerOutput(total_num_scheduled_tokens=2), 0.0, 0.005 + 2e-4)
+    assert policy.num_drafts(req("decode-only"), 2, 512) > 0  # the fixed cost dominates
+    policy.on_step(SchedulerOutput(total_num_scheduled_tokens=2048), 0.0, 0.005 + 0.2048)
+    assert policy.num_drafts(req("beside-prefill"), 2, 512) == 0
 
 
 def test_adaptive_validates_its_options():

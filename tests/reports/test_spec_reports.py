@@ -54,7 +54,9 @@ def test_table_has_acceptance_length_and_speedup(runs: list[Path], tmp_path: Pat
     assert high["spec_mean_acceptance_length"] > 3.5 > 1.5 > low["spec_mean_acceptance_length"]
     assert high["spec_tpot_speedup"] == pytest.approx(
         table.loc["none", "mean_tpot_ms"] / high["mean_tpot_ms"])
-    assert high["spec_tpot_speedup"] > 1.5 and low["spec_tpot_speedup"] < 1.0
+    assert low["spec_tpot_speedup"] == pytest.approx(
+        table.loc["none", "mean_tpot_ms"] / low["mean_tpot_ms"])
+    assert high["spec_tpot_speedup"] > 1.5 > 1.1 > low["spec_tpot_speedup"]
     page = out.read_text()
     assert "Speculative decoding" in page and "no run verified draft tokens" not in page
 

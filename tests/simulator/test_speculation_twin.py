@@ -65,3 +65,24 @@ def test_the_twin_needs_acceptance_rates():
         AcceptanceModel([1.5])
     model = AcceptanceModel([1.0, 0.0], seed=1)
     assert [model.num_accepted("r", p, 3) for p in range(5)] == [1] * 5
+
+
+def _twin(spec: dict | None, qps: float):
+    trace = synthetic_trace(SyntheticConfig(num_requests=200, input_len=512, output_len=128,
+                                            request_rate=qps, seed=1))
+    return simulate(SimConfig(EngineArgs(speculative_config=spec, max_num_seqs=256)),
+                    trace).summary
+
+
+def test_adaptive_pays_at_low_load_and_does_not_lose_at_saturation():
+    """The self-tuning policy against none and fixed k = 4 (acceptance 0.7 per position): at
+    low load it cuts TPOT as fixed k does; saturated, where fixed k loses throughput, it keeps
+    at least 0.97x of no speculation's."""
+    adaptive, fixed = spec_config(0.7, k=4, policy="adaptive"), spec_config(0.7, k=4)
+    low = {name: _twin(spec, 1.0) for name, spec in
+           (("none", None), ("adaptive", adaptive))}
+    assert low["adaptive"]["mean_tpot_ms"] < 0.6 * low["none"]["mean_tpot_ms"]
+    high = {name: _twin(spec, 64.0) for name, spec in
+            (("none", None), ("fixed", fixed), ("adaptive", adaptive))}
+    assert high["fixed"]["output_throughput"] < 0.95 * high["none"]["output_throughput"]
+    assert high["adaptive"]["output_throughput"] >= 0.97 * high["none"]["output_throughput"]

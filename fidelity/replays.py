@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from twinserve.fidelity.acceptance import record_acceptance
 from twinserve.fidelity.backend import Log, with_model
 from twinserve.fidelity.speeds import SPEED_PROBE_FILE, write_speed_probe
 from twinserve.fidelity.workload import Workload
@@ -49,6 +50,13 @@ def replay(engine: EngineArgs, workload: Workload, out: str | Path, repeats: int
         label = f"real {engine.scheduling_policy}" + (f" #{i + 1}" if repeats > 1 else "")
         dirs.append(write_real_run(run, llm, out / run_dir_name(i), workload.desc,
                                    str(engine.model), label))
+        if engine.speculation is not None:
+            # per-position counters give exact rates only when every verification had k_max
+            # drafts (the fixed policy; record_acceptance checks the lengths); else the totals
+            per_pos = llm.scheduler.stats().spec_num_accepted_tokens_per_pos or []
+            fixed = engine.speculation.policy == "fixed"
+            record_acceptance(dirs[-1], str(workload.desc.get("trace", "")),
+                              per_pos if fixed else ())
         write_speed_probe(dirs[-1] / SPEED_PROBE_FILE, before, speed_probe(runner))
         log(f"real replay {i + 1}/{repeats}: {run.wall_time_s:.1f} s wall, "
             f"{len(run.steps)} steps")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from twinserve.fidelity.acceptance import twin_acceptance
 from twinserve.fidelity.backend import Log, load_runner, with_model
 from twinserve.fidelity.comparison import ErrorTable, compare
 from twinserve.fidelity.profile_cache import ProfileCache, ProfileCacheKey
@@ -39,7 +40,9 @@ class ValidateSettings:
     ``reuse_real``: compare with these real run folders instead of replaying; ``real_repeats``:
     replays (the twin is judged against their median); ``at_speed``: ``host`` or ``replay`` to
     simulate at the replays' speed; ``profile_cache``: the cache folder (``None``: no cache);
-    ``full_space``: calibrate over the engine's whole step space, not the workload's reach."""
+    ``full_space``: calibrate over the engine's whole step space, not the workload's reach;
+    ``acceptance_profile``: with speculation, the drafts' acceptance measured on another
+    workload that the twin replays (``None``: the replay's own, ``fidelity.acceptance``)."""
 
     profile: str | None = None
     reuse_real: tuple[Path, ...] = ()
@@ -49,6 +52,7 @@ class ValidateSettings:
     profile_cache: Path | None = None
     full_space: bool = False
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    acceptance_profile: Path | None = None
 
     def __post_init__(self) -> None:
         if self.real_repeats < 1:
@@ -98,7 +102,8 @@ def validate(engine: EngineArgs, workload: Workload, out: str | Path,
     if settings.at_speed is not None:
         profile = _scaled(profile, real_dirs, model, settings.at_speed, out, log)
     twin_dir = out / "sim"
-    simulate_twin(profile, workload, real_dirs[0], twin_dir, model, log)
+    acceptance = twin_acceptance(real_dirs[0], settings.acceptance_profile, log)
+    simulate_twin(profile, workload, real_dirs[0], twin_dir, model, log, acceptance)
     policy = _policy(real_dirs[0])  # (the real runs' own, as replayed)
     table = compare(twin_dir, real_dirs, profile, model, speed_profile=base_profile,
                     title=f"sim vs real ({policy}, {len(workload.requests)} requests, "

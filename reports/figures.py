@@ -143,6 +143,28 @@ def rate_sweep(runs: list[Run], sweep: pd.DataFrame | None = None) -> go.Figure 
     return _base_layout(fig, "Throughput and latency against request rate", 760)
 
 
+def speculation(table: pd.DataFrame) -> go.Figure | None:
+    """Mean acceptance length and TPOT speedup over no speculation, a bar per speculating run
+    (``tables.SPEC_COLUMNS``); None when no run speculated."""
+    if "spec_mean_acceptance_length" not in table.columns:
+        return None
+    spec = table[table["spec_mean_acceptance_length"].notna()]
+    if spec.empty:
+        return None
+    panels = [("Mean acceptance length (tokens per verification)", "spec_mean_acceptance_length"),
+              ("Mean TPOT speedup over no speculation", "spec_tpot_speedup")]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=[t for t, _ in panels],
+                        horizontal_spacing=0.1)
+    for k, (_, column) in enumerate(panels):
+        values = spec[column] if column in spec.columns else pd.Series(np.nan, index=spec.index)
+        fig.add_trace(go.Bar(x=spec["run"], y=values, showlegend=False,
+                             marker={"color": [color(i) for i in range(len(spec))]},
+                             hovertemplate=f"{column}: %{{y:.3g}}<extra>%{{x}}</extra>"),
+                      row=1, col=k + 1)
+    fig.add_hline(y=1.0, line={"dash": "dot", "color": "gray"}, row=1, col=2)
+    return _base_layout(fig, "Speculative decoding", 420)
+
+
 def engine_timeseries(runs: list[Run]) -> go.Figure | None:
     """Queue length, batch size and KV usage over time from steps.csv, one trace per run."""
     with_steps = [(i, r, r.steps) for i, r in enumerate(runs) if r.steps is not None]

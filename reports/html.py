@@ -39,6 +39,8 @@ SECTIONS: tuple[tuple[str, Builder, str], ...] = (
      "no run served two or more tenants with tenants.csv recorded."),
     ("TTFT by priority class", lambda runs, sweep: figures.ttft_by_priority(runs),
      "every request has the same priority class."),
+    ("Speculative decoding", lambda runs, sweep: figures.speculation(summary_table(runs)),
+     "no run verified draft tokens."),
     ("Simulation against reality", lambda runs, sweep: figures.sim_vs_real_figure(runs),
      "needs a simulator run (backend sim) and a real one (twinserve or vllm) of the same trace "
      "and request rate."),

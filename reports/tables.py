@@ -31,6 +31,9 @@ HEADLINE_COLUMNS = (
 CONFIG_COLUMNS = ("request_rate", "model", "policy", "trace")
 # A LoRA run's figures (``simulator.lora_run``), shown only for runs that have them.
 LORA_COLUMNS = ("lora_loads", "lora_load_time_s", "num_lora_adapters", "lora_request_share")
+# A speculating run's figures (vLLM's acceptance; ``spec_tpot_speedup``: the mean TPOT of the run
+# without speculation of the same backend, trace and rate over this run's), shown only with them.
+SPEC_COLUMNS = ("spec_mean_acceptance_length", "spec_draft_acceptance_rate", "spec_tpot_speedup")
 
 
 def summary_row(run: Run, slos_ms: dict[str, float] | None = None) -> dict[str, Any]:
@@ -42,6 +45,7 @@ def summary_row(run: Run, slos_ms: dict[str, float] | None = None) -> dict[str, 
     row["request_goodput"] = (
         goodput(run, slos_ms) if slos_ms else _number(run.summary.get("request_goodput")))
     row.update({k: _number(merged[k]) for k in LORA_COLUMNS if k in merged})
+    row.update({k: _number(merged[k]) for k in SPEC_COLUMNS if k in merged})
     service = merged.get("tenant_service") or {}
     row.update({f"service_{t}": float(v) for t, v in sorted(service.items())})
     row.update(priority_stats(run))
@@ -52,8 +56,27 @@ def summary_table(runs: list[Run], slos_ms: dict[str, float] | None = None) -> p
     """One row per run; per-tenant (``service_<tenant>``) and per-priority (``prio<p>_*``) columns
     are the union over the runs (NaN where a run has no such tenant or class)."""
     rows = [summary_row(run, slos_ms) for run in runs]
+    _add_spec_speedups(rows, runs)
     df = pd.DataFrame(rows)
     return df[_ordered_columns(list(df.columns))]
+
+
+def speculates(run: Run) -> bool:
+    return bool(run.summary.get("spec_num_drafts"))
+
+
+def _add_spec_speedups(rows: list[dict[str, Any]], runs: list[Run]) -> None:
+    """``spec_tpot_speedup`` of each speculating run that has a baseline (module constant)."""
+    def key(run: Run) -> tuple[Any, ...]:
+        return (run.backend, *(_scalar(run.config.get(k)) for k in ("trace", "request_rate")))
+    baselines: dict[tuple[Any, ...], float] = {}
+    for run, row in zip(runs, rows):
+        if not speculates(run):
+            baselines.setdefault(key(run), row["mean_tpot_ms"])
+    for run, row in zip(runs, rows):
+        base = baselines.get(key(run))
+        if speculates(run) and base is not None and row["mean_tpot_ms"] > 0:
+            row["spec_tpot_speedup"] = base / row["mean_tpot_ms"]
 
 
 def _merged_summary(run: Run) -> dict[str, Any]:
@@ -75,8 +98,8 @@ def _number(value: Any) -> float:
 
 
 def _ordered_columns(columns: list[str]) -> list[str]:
-    fixed = [c for c in (*ID_COLUMNS, *CONFIG_COLUMNS, *HEADLINE_COLUMNS, *LORA_COLUMNS)
-             if c in columns]
+    fixed = [c for c in (*ID_COLUMNS, *CONFIG_COLUMNS, *HEADLINE_COLUMNS, *LORA_COLUMNS,
+                         *SPEC_COLUMNS) if c in columns]
     service = sorted(c for c in columns if c.startswith("service_"))
     prio = sorted((c for c in columns if c.startswith("prio")), key=_priority_sort_key)
     rest = [c for c in columns if c not in fixed and c not in service and c not in prio]

@@ -15,7 +15,6 @@ its trace output length whatever token the twin "samples".
 from __future__ import annotations
 
 import math
-import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +28,9 @@ from twinserve.core.metrics import RequestRecord
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
-from twinserve.core.speculative_config import SpeculativeConfig
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.routers import ReplicaLoad, Router, reads_loads, uses_kv_events
+from twinserve.simulator.acceptance import AcceptanceModel
 from twinserve.simulator.step_time import StepTimeModel
 
 SIMULATED_TOKEN = 17
@@ -42,49 +41,14 @@ _SAMPLED: Sequence[int] = (SIMULATED_TOKEN,)
 RunEnds = Callable[[SchedulerOutput, float, float, float, int], list[float] | None]
 
 
-class AcceptanceModel:
-    """How many of a verification's drafts the twin accepts: draft position ``j`` is accepted
-    with probability ``rates[j]`` once the drafts before it were (the last rate repeats), the
-    count stopping at the first rejection, as a rejection sampler's does. Seeded: a replay is
-    repeatable. (A per-position model; the twin's refined acceptance replaces it later.)"""
-
-    __slots__ = ("rates", "_rng")
-
-    def __init__(self, rates: Sequence[float], seed: int = 0) -> None:
-        if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
-            raise ValueError(f"acceptance rates must be a non-empty list of numbers in [0, 1], "
-                             f"got {list(rates)!r}.")
-        self.rates = tuple(float(r) for r in rates)
-        self._rng = random.Random(seed)
-
-    @classmethod
-    def of(cls, spec: SpeculativeConfig | None, seed: int = 0) -> AcceptanceModel | None:
-        """The model a configuration gives the twin (None: speculation off). The twin needs
-        the per-position rates: ``synthetic_acceptance_rate`` (measured acceptance from real
-        runs is not recorded yet)."""
-        if spec is None:
-            return None
-        if not spec.acceptance_rates:
-            raise ValueError("the twin needs speculative_config.synthetic_acceptance_rate (with "
-                             "rejection_sample_method 'synthetic') to draw draft acceptance.")
-        return cls(spec.acceptance_rates, seed)
-
-    def num_accepted(self, num_drafts: int) -> int:
-        rates, draw = self.rates, self._rng.random
-        last = len(rates) - 1
-        for j in range(num_drafts):
-            if draw() >= rates[j if j < last else last]:
-                return j
-        return num_drafts
-
-
 class SyntheticTokens:
     """The twin's backend of the step seam: every live request samples ``SIMULATED_TOKEN``.
 
     The output is one ``ModelRunnerOutput`` kept across steps, holding ``_SAMPLED`` for every
     live request id (a plain dict, so the scheduler's per-request lookup stays in C rather than
     a Python ``get``). With speculation (an ``AcceptanceModel``) each step gets its own output:
-    a verification's accepted count is drawn, and every request asking for drafts gets
+    a verification's accepted count is drawn (``simulator/acceptance.py``: per position, seeded
+    per request and token), and every request asking for drafts gets
     ``num_draft_next`` synthetic ones, so the scheduler runs speculation as in the engine."""
 
     __slots__ = ("output", "acceptance")
@@ -98,6 +62,8 @@ class SyntheticTokens:
 
     def release(self, request_id: str) -> None:
         del self.output.sampled_token_ids[request_id]
+        if self.acceptance is not None:
+            self.acceptance.release(request_id)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.acceptance is None:
@@ -106,6 +72,7 @@ class SyntheticTokens:
 
     def _speculate(self, out: SchedulerOutput) -> ModelRunnerOutput:
         num_accepted = self.acceptance.num_accepted  # type: ignore[union-attr]
+        proposed = self.acceptance.num_proposed  # type: ignore[union-attr]
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         for sr in out.scheduled:
@@ -113,9 +80,14 @@ class SyntheticTokens:
                 continue
             rid = sr.request.request_id
             k = len(sr.spec_token_ids)
-            sampled[rid] = [SIMULATED_TOKEN] * (num_accepted(k) + 1) if k else _SAMPLED  # type: ignore[assignment]
+            # the first draft stands at token start + 1 (the entry's own token is at start)
+            sampled[rid] = ([SIMULATED_TOKEN] * (num_accepted(rid, sr.start + 1, k) + 1) if k
+                            else _SAMPLED)  # type: ignore[assignment]
             if sr.num_draft_next:
-                drafts[rid] = [SIMULATED_TOKEN] * sr.num_draft_next
+                # proposals follow the newest token, at start + num_new_tokens
+                found = proposed(rid, sr.start + sr.num_new_tokens, sr.num_draft_next)
+                if found:
+                    drafts[rid] = [SIMULATED_TOKEN] * found
         return ModelRunnerOutput(sampled, spec_token_ids=drafts)
 
 

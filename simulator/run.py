@@ -29,6 +29,7 @@ from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import speculation_policy_for
 from twinserve.routers import Router, available_routers, make_router, reads_loads, uses_kv_events
+from twinserve.simulator.acceptance import AcceptanceModel, AcceptanceProfile
 from twinserve.simulator.cost_model import (
     CostModel,
     DeviceCostModel,
@@ -36,7 +37,6 @@ from twinserve.simulator.cost_model import (
     make_cost_model,
 )
 from twinserve.simulator.engine import (
-    AcceptanceModel,
     ArrivalHorizons,
     Replica,
     SyntheticTokens,
@@ -48,6 +48,7 @@ from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.pipeline import PipelineCost
 from twinserve.simulator.roofline_gap import roofline_caveat
+from twinserve.simulator.spec_cost import with_speculation
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
@@ -237,7 +238,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              adapters: LoRAAdapters | None = None,
              structured: StructuredWorkload | None = None,
              decode_runs: bool = True, lazy_prompts: bool = True,
-             router: Router | None = None) -> SimResult:
+             router: Router | None = None,
+             acceptance: AcceptanceProfile | None = None) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
@@ -245,7 +247,10 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     steps one at a time, the reference, with the same results); ``lazy_prompts``: prompts
     as ``LazyPrompt``s (False: plain id lists, the reference, with the same results);
     ``router``: a router object in place of ``cfg.router``'s defaults (a tuned one); the
-    replicas record KV events only when the router reads them."""
+    replicas record KV events only when the router reads them;
+    ``acceptance``: the drafts' measured acceptance (with speculation; else the configuration's
+    ``synthetic_acceptance_rate``), the step time charged for verification and proposer
+    (``spec_cost``)."""
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -270,10 +275,11 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         if cfg.engine.pipeline_parallel_size > 1:  # the stages, their transfers, the bubble
             step = PipelineCost(step, spec, cost.hardware, cfg.engine.pipeline_parallel_size,
                                 cfg.engine.tensor_parallel_size)
+        spec_cfg = cfg.engine.speculation
+        step = with_speculation(step, cost, spec_cfg)
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
-        spec_cfg = cfg.engine.speculation
         fleet = cfg.num_replicas > 1
         # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
         horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
@@ -281,7 +287,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
                                                     speculation=speculation_policy_for(spec_cfg)),
                                           recorder, i), model,
-                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i)),
+                            SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i,
+                                                               acceptance)),
                             decode_runs=decode_runs, alone=not fleet or not reads_loads(router),
                             horizons=horizons)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
+from twinserve.simulator.acceptance import AcceptanceProfile
 from twinserve.simulator.run import (
     SimConfig,
     SimResult,
@@ -49,9 +50,14 @@ def twin_config(real_config: dict[str, Any], model: str, profile: str | Path,
 
 def simulate_like(real_config: dict[str, Any], model: str, profile: str | Path,
                   trace: list[TraceRequest], out_dir: Path, trace_desc: dict[str, Any],
-                  log: Callable[[str], None] | None = None) -> SimResult:
+                  log: Callable[[str], None] | None = None,
+                  acceptance: AcceptanceProfile | None = None) -> SimResult:
     """Simulates ``trace`` as the twin of a real run (``twin_config``) and writes its run folder
-    to ``out_dir`` (the profile recorded in its config)."""
-    result = simulate(twin_config(real_config, model, profile, log), trace)
-    write_sim_run(result, out_dir, {**trace_desc, "profile": str(profile)})
+    to ``out_dir`` (the profile recorded in its config); ``acceptance``: the drafts' measured
+    acceptance when the run speculated (recorded in the config too)."""
+    result = simulate(twin_config(real_config, model, profile, log), trace, acceptance=acceptance)
+    desc = {**trace_desc, "profile": str(profile)}
+    if acceptance is not None:
+        desc["acceptance_profile"] = acceptance.to_dict()
+    write_sim_run(result, out_dir, desc)
     return result

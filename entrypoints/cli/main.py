@@ -42,6 +42,10 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
                    help="share of requests decoding under a grammar (JSON mode), charged the "
                         "profile's mask time (simulator/structured_cost.py); default 0")
+    p.add_argument("--acceptance-profile", default=None, metavar="FILE",
+                   help="with --speculative-config: the drafts' per-position acceptance measured "
+                        "on real runs (a JSON profile that calibrate and validate write); "
+                        "default: the config's synthetic_acceptance_rate")
     p.add_argument("--label", default=None, help="name of the run in reports")
     p.add_argument("--out", default=None, help="run folder (default runs/sim-<policy>)")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -65,12 +69,15 @@ def _simulate(args: argparse.Namespace) -> int:
     from twinserve.simulator.structured_cost import StructuredWorkload
     fraction = getattr(args, "structured_fraction", 0.0) or 0.0
     structured = StructuredWorkload(fraction, cfg.engine.seed or 0) if fraction else None
+    acceptance = _acceptance_profile(args, cfg)
     result = simulate(cfg, trace, progress=not args.disable_tqdm, adapters=adapters,
-                      structured=structured)
+                      structured=structured, acceptance=acceptance)
     out = Path(args.out or f"runs/sim-{cfg.scheduling_policy}")
     desc = trace_desc(args)
     if structured is not None:
         desc = {**desc, "structured_fraction": fraction}
+    if acceptance is not None:
+        desc = {**desc, "acceptance_profile": acceptance.to_dict()}
     write_sim_run(result, out, desc)
     _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "
                                     f"{cfg.scheduling_policy})")
@@ -82,6 +89,17 @@ def _simulate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
     return 0
+
+
+def _acceptance_profile(args: argparse.Namespace, cfg: Any) -> Any:
+    """``--acceptance-profile``'s profile (None without the flag); refused without speculation."""
+    path = getattr(args, "acceptance_profile", None)
+    if path is None:
+        return None
+    if cfg.engine.speculation is None:
+        raise ValueError("--acceptance-profile needs --speculative-config (speculation is off).")
+    from twinserve.simulator.acceptance import AcceptanceProfile
+    return AcceptanceProfile.load(path)
 
 
 def _print_summary(summary: dict, title: str) -> None:

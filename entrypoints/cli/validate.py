@@ -120,6 +120,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--calibrate-full-space", dest="full_space", action="store_true",
                    help="without --profile: calibrate over the engine's whole step space (as "
                         "twinserve calibrate does), not only the part the workload reaches")
+    p.add_argument("--acceptance-profile", default=None, metavar="FILE",
+                   help="with --speculative-config: the drafts' acceptance the twin replays, "
+                        "measured on another workload (a replay's acceptance.json); default: "
+                        "the replay's own")
     add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_validate)
@@ -147,7 +151,12 @@ def validate_settings(args: argparse.Namespace) -> ValidateSettings:
         cache = Path(args.profile_cache) if args.profile_cache else default_folder()
     return ValidateSettings(args.profile, tuple(Path(d) for d in args.reuse_real or ()),
                             args.real_repeats, at_speed, args.detokenize, cache,
-                            getattr(args, "full_space", False), calibration_settings(args))
+                            getattr(args, "full_space", False), calibration_settings(args),
+                            _path(getattr(args, "acceptance_profile", None)))
+
+
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text else None
 
 
 def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = None) -> int:

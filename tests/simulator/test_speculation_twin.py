@@ -64,7 +64,7 @@ def test_the_twin_needs_acceptance_rates():
     with pytest.raises(ValueError, match="acceptance rates"):
         AcceptanceModel([1.5])
     model = AcceptanceModel([1.0, 0.0], seed=1)
-    assert [model.num_accepted(3) for _ in range(5)] == [1] * 5
+    assert [model.num_accepted("r", p, 3) for p in range(5)] == [1] * 5
 
 
 def _twin(spec: dict | None, qps: float):

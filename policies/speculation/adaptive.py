@@ -31,6 +31,7 @@ from bisect import bisect_left
 
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
+from twinserve.policies.speculation.fixed import check_limits
 
 _MAX_TRACKED = 65536  # requests whose rejection counts are kept (oldest dropped first)
 
@@ -115,13 +116,7 @@ class AdaptiveSpeculation:
     def __init__(self, k_max: int, disable_by_batch_size: int | None = None, margin: float = 0.05,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0,
                  curve_decay: float = 0.95) -> None:
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max <= 0:
-            raise ValueError(f"k_max must be a positive integer, got {k_max!r}.")
-        if disable_by_batch_size is not None and (
-                isinstance(disable_by_batch_size, bool) or not isinstance(disable_by_batch_size, int)
-                or disable_by_batch_size <= 0):
-            raise ValueError("disable_by_batch_size must be a positive integer or None, "
-                             f"got {disable_by_batch_size!r}.")
+        check_limits(k_max, disable_by_batch_size)
         if not margin >= 0.0:
             raise ValueError(f"margin must be non-negative, got {margin!r}.")
         if not 0.0 <= prior_acceptance <= 1.0:

@@ -6,6 +6,18 @@ from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 
 
+def check_limits(k_max: int, disable_by_batch_size: int | None) -> None:
+    """Raises ValueError unless ``k_max`` is a positive integer and ``disable_by_batch_size``
+    one or None (both speculation policies take them)."""
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max <= 0:
+        raise ValueError(f"k_max must be a positive integer, got {k_max!r}.")
+    if disable_by_batch_size is not None and (
+            isinstance(disable_by_batch_size, bool) or not isinstance(disable_by_batch_size, int)
+            or disable_by_batch_size <= 0):
+        raise ValueError("disable_by_batch_size must be a positive integer or None, "
+                         f"got {disable_by_batch_size!r}.")
+
+
 class FixedSpeculation:
     """Always ``k_max`` drafts; none while more than ``disable_by_batch_size`` requests run
     (vLLM's option of that name)."""
@@ -13,13 +25,7 @@ class FixedSpeculation:
     __slots__ = ("k_max", "disable_by_batch_size")
 
     def __init__(self, k_max: int, disable_by_batch_size: int | None = None) -> None:
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max <= 0:
-            raise ValueError(f"k_max must be a positive integer, got {k_max!r}.")
-        if disable_by_batch_size is not None and (
-                isinstance(disable_by_batch_size, bool) or not isinstance(disable_by_batch_size, int)
-                or disable_by_batch_size <= 0):
-            raise ValueError("disable_by_batch_size must be a positive integer or None, "
-                             f"got {disable_by_batch_size!r}.")
+        check_limits(k_max, disable_by_batch_size)
         self.k_max = k_max
         self.disable_by_batch_size = disable_by_batch_size
 

@@ -18,6 +18,12 @@
 #   calibrate  `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
 #              ($OUT/gpu-calibrated.json, the CPU calibration's format) and its samples;
 #   simulate   a simulation that loads that profile;
+#   validate   (not in the default run: `SECTIONS="model validate"`, a second call) the twin
+#              against real replays on this GPU, the fidelity study's error table: three short
+#              workloads (chat lengths from the Azure conversation trace, long prompts, prefix
+#              hits), each replayed 3 times for real and through the twin, on
+#              $OUT/gpu-calibrated.json when present, else on a calibration of the step space
+#              the workloads reach (`validate` without --profile);
 #   profile    one 16-token prefill and one decode at context 512, op by op (torch.profiler):
 #              host-bound launches against device time (benchmarks/kernel_profile.py);
 #   offline    the offline benchmark (64 x 128 and batch 1 x 128 generated tokens) with CUDA
@@ -31,8 +37,8 @@
 #       simpy==4.1.2 gguf==0.19.0 llguidance==1.9.1
 set -uo pipefail
 OUT=${OUT:-/tmp/twinserve-cuda}
-ALL_SECTIONS="env model tests calibrate simulate profile offline"
-SECTIONS=${SECTIONS:-$ALL_SECTIONS}
+ALL_SECTIONS="env model tests calibrate simulate profile offline validate"
+SECTIONS=${SECTIONS:-env model tests calibrate simulate profile offline}
 for s in $SECTIONS; do
     [[ " $ALL_SECTIONS " == *" $s "* ]] || { echo "unknown section '$s'; sections: $ALL_SECTIONS" >&2; exit 2; }
 done
@@ -100,6 +106,15 @@ simulate() {
         --model llama-3-8b --num-requests 200 --disable-tqdm --out /tmp/sim-gpu-calibrated | tail -3
 }
 
+validate_workload() {  # NAME, then the workload's flags
+    local name=$1; shift
+    local profile=()
+    [ -f "$OUT/gpu-calibrated.json" ] && profile=(--profile "$OUT/gpu-calibrated.json")
+    python3 -m twinserve.entrypoints.cli.main validate --device cuda --dtype bfloat16 \
+        --model "$MODEL" --max-model-len 4096 --max-num-batched-tokens 4096 --real-repeats 3 \
+        --profile-cache "$OUT/profile-cache" "${profile[@]}" --quiet --out "$OUT/validate-$name" "$@"
+}
+
 kernel_profile() {
     python3 -m twinserve.benchmarks.kernel_profile --model "$MODEL" --device cuda --dtype bfloat16 \
         --max-model-len 8192 --step prefill:16 --step prefill:1024 --step decode:1x512 \
@@ -115,7 +130,7 @@ offline() {
         --enforce-eager --skip-hf
 }
 
-export -f run_tests make_model calibrate simulate kernel_profile
+export -f run_tests make_model calibrate simulate kernel_profile validate_workload
 
 if wanted env; then
     echo "== env"
@@ -147,6 +162,14 @@ if wanted calibrate; then
 fi
 if wanted simulate; then section simulate 45 simulate; fi
 if wanted profile; then section profile 90 kernel_profile; fi
+if wanted validate; then
+    section "validate chat" 150 validate_workload chat --trace azure-conv --num-requests 48 \
+        --time-scale 0.5 --max-output-tokens 128
+    section "validate long" 120 validate_workload long --trace synthetic --num-requests 16 \
+        --request-rate 2 --input-len 3000 --output-len 64
+    section "validate prefix" 120 validate_workload prefix --trace synthetic --num-requests 48 \
+        --request-rate 8 --input-len 1024 --output-len 64 --prefix-len 768 --prefix-share 0.9
+fi
 if wanted offline; then offline; fi
 
 echo "== summary (section, status, seconds)"

@@ -157,13 +157,8 @@ class AsyncEngine:
         """Yields the request's outputs until it finishes. Raises ValueError (or
         EngineOverloaded) if the engine refuses it. Leaving early (client gone) aborts the
         request and frees its blocks."""
-        request = self.submit(prompt, params, request_id, **kwargs)
-        try:
-            await request.accepted()
-            async for out in request.outputs():
-                yield out
-        finally:
-            request.close()
+        async for out in outputs_until_done(self.submit(prompt, params, request_id, **kwargs)):
+            yield out
 
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
@@ -292,3 +287,14 @@ def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> Non
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+async def outputs_until_done(request: RequestStream) -> AsyncIterator[RequestOutput]:
+    """A submitted request's outputs once it is accepted (raising what refused it); leaving
+    early aborts it (the engine's and the data-parallel front's ``generate``)."""
+    try:
+        await request.accepted()
+        async for out in request.outputs():
+            yield out
+    finally:
+        request.close()

@@ -21,7 +21,11 @@ from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.dp_front import DataParallelFront, ReplicaDied, ReplicaState
 from twinserve.entrypoints.dp_llm_engine import on_cuda
-from twinserve.entrypoints.openai.async_engine import EngineDeadError, RequestStream
+from twinserve.entrypoints.openai.async_engine import (
+    EngineDeadError,
+    RequestStream,
+    outputs_until_done,
+)
 from twinserve.entrypoints.openai.http_errors import APIError
 from twinserve.gpu.engine.llm_engine import LLMEngine
 
@@ -90,13 +94,8 @@ class DPAsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        request = self.submit(prompt, params, request_id, **kwargs)
-        try:
-            await request.accepted()
-            async for out in request.outputs():
-                yield out
-        finally:
-            request.close()
+        async for out in outputs_until_done(self.submit(prompt, params, request_id, **kwargs)):
+            yield out
 
     def abort(self, request_id: str) -> None:
         self.front.abort(request_id)

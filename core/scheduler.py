@@ -595,10 +595,9 @@ class Scheduler:
                 failed = self._fail_load(load, now)
                 if failed is not None:
                     outputs.append(failed)
-        for rid in report.finished_sending:
-            request = self.sending.pop(rid, None)
-            if request is not None:
-                self.kv.free(request)
+        if report.finished_sending:  # in finishing order: a set's order varies between runs
+            for rid in [rid for rid in self.sending if rid in report.finished_sending]:
+                self.kv.free(self.sending.pop(rid))
         connector.update_connector_output(report)
         return outputs
 

@@ -28,6 +28,12 @@ rejected drafts, caches only verified blocks and releases the lookahead blocks p
     verified | computed ... start | t d1 |             d1 accepted, d2 rejected: 2 tokens back
     after    num_computed = start + 2, blocks kept for start + 2 + 1 tokens, the rest freed
 
+A KV connector (``core.kv_connector``, None without one): a waiting request whose prompt can be
+loaded from outside takes its blocks and waits in ``waiting_for_remote`` (no seat, no step) until
+the worker side reports the load; a producer's finished request keeps its blocks in ``sending``
+until its reader is done. ``_start_remote_load``, ``_update_connector`` and ``_delay_free`` hold
+the hooks.
+
 ``schedule`` and ``update_from_output`` are pure CPU work over plain data; time is passed in.
 """
 

@@ -89,10 +89,10 @@ LINK_NAMES = ("nvlink", "infiniband", "pcie")
 
 
 def _generation(profile_name: str) -> str | None:
-    name = profile_name.lower()
-    if name.startswith(("h100", "h200")):
+    name = profile_name.lower()  # a bundled name, or a device's ("NVIDIA H100 80GB HBM3")
+    if "h100" in name or "h200" in name:
         return "hopper"
-    if name.startswith("a100"):
+    if "a100" in name:
         return "ampere"
     return None
 

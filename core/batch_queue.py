@@ -11,10 +11,17 @@ skips its entry when its batch returns::
 
     step:  schedule -> push(out, handle)          queue not full, something was scheduled: return
            pop() -> (out, handle) -> finish -> update_from_output    (queue full, or nothing new)
+
+``schedule`` spreads the running requests over the batches the queue has room for: without it,
+requests that arrived together would all sit in one batch, the next schedule would find every
+one of them in flight, and the stages would take turns as with one batch in flight. (vLLM V0 got
+the same split from one scheduler per virtual engine.) Waiting requests are admitted into
+whichever batch is being scheduled.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -54,6 +61,20 @@ class BatchQueue(Generic[H]):
     @property
     def full(self) -> bool:
         return len(self._batches) >= self.depth
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """``Scheduler.schedule`` over this batch's share of the running requests not in flight
+        (an even split over the batches there is room for; the rest are held back for now)."""
+        sched = self.scheduler
+        held = sched.in_flight
+        free = [r for r in sched.running if r.request_id not in held]
+        share = math.ceil(len(free) / max(1, self.depth - len(self._batches)))
+        later = [r.request_id for r in free[share:]]
+        held.update(later)
+        try:
+            return sched.schedule(now)
+        finally:
+            held.difference_update(later)
 
     def push(self, out: SchedulerOutput, handle: H, start: float) -> None:
         """Holds ``out``'s requests in flight until ``pop`` hands the batch back."""

@@ -187,7 +187,7 @@ def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: Pip
             replica.wakeup = None
         now = env.now
         if not queue.full and sched.has_unfinished_requests():
-            out = sched.schedule(now)
+            out = queue.schedule(now)
             if out.scheduled:
                 driver_free, done = clock.enter(pipe.breakdown(out), now)
                 queue.push(out, done, now)

@@ -10,6 +10,7 @@ while the later stages finish batch ``i``.
 The scheduler skips the requests of batches in flight (``core.batch_queue``), so the batches
 hold different requests; a lone request still takes its steps one at a time. A step with no
 tokens (only finished ids to forget or blocks to move) runs at once, as without the queue.
+``core.batch_queue.BatchQueue.schedule`` spreads the running requests over the batches.
 """
 
 from __future__ import annotations
@@ -32,19 +33,18 @@ def step_with_batch_queue(engine: LLMEngine, queue: BatchQueue[QueuedStep]
     """One ``engine.step()`` with the batch queue: submits a new batch, finishes the oldest,
     or both (see the module doc)."""
     driver, runner = engine.driver, engine.runner
-    results: list[RequestOutput | EmbeddingRequestOutput] = []
     if not queue.full and engine.scheduler.has_unfinished_requests():
         t0, start = time.perf_counter(), engine.now()
-        out = driver.schedule(start)
+        out = queue.schedule(start)
         if out.scheduled:
             queue.push(out, (runner.submit(out), t0), start)
             if not queue.full:
-                return results
+                return []
         else:  # nothing new to run (its requests in flight, or no room): ids, block moves
-            results = engine.complete_step(out, driver.execute(runner, out), start, engine.now(), t0)
+            driver.execute(runner, out)
     if not len(queue):
-        return results
+        return []
     batch = queue.pop()
     pending, t0 = batch.handle
     result = runner.finish(pending)
-    return results + engine.complete_step(batch.out, result, batch.start, engine.now(), t0)
+    return engine.complete_step(batch.out, result, batch.start, engine.now(), t0)

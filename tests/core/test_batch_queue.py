@@ -78,3 +78,22 @@ def test_an_abort_in_flight_frees_blocks_and_its_result_is_skipped() -> None:
         s.update_from_output(out, fake_execute(out), 1.1)
     assert s.kv.num_free_blocks == 8
     s.kv.check_consistency()
+
+
+def test_schedule_spreads_the_running_requests_over_the_batches() -> None:
+    s = make_scheduler(max_num_batched_tokens=64)
+    queue: BatchQueue[None] = BatchQueue(s, 2)
+    for i in range(5):
+        s.add_request(make_req(f"r{i}", 4, max_tokens=8))
+    out = queue.schedule(0.0)  # all waiting: admitted together
+    assert len(out.scheduled) == 5
+    s.update_from_output(out, fake_execute(out), 0.1)
+    first = queue.schedule(1.0)
+    assert _ids(first) == ["r0", "r1", "r2"] and not s.in_flight  # ceil(5 / 2), nothing held
+    queue.push(first, None, 1.0)
+    second = queue.schedule(1.1)
+    assert _ids(second) == ["r3", "r4"]
+    queue.push(second, None, 1.1)
+    batch = queue.pop()
+    s.update_from_output(batch.out, fake_execute(batch.out), 1.2)
+    assert _ids(queue.schedule(1.3)) == ["r0", "r1", "r2"]  # one slot left: all that are free

@@ -5,15 +5,16 @@ the batch queue, side by side.
 
 Both engines use every core: PP=1 one process with all the threads, PP=2 two processes with half
 each, the bundled model's 30 layers split 15 + 15 (pipeline parallelism needs no head split, so
-the bundled SmolLM2-135M runs as it is). PP=2 runs twice: with vLLM's batch queue (up to 2 batches
-in flight, the engine's default; ``queue``) and with ``LLMEngine.batch_queue = None`` (one batch at
-a time, the stages taking turns; vLLM has no switch for this). Timed on the driver (stage 0): its
-send of the hidden states and residual to stage 1 (and the bytes; a send also waits until stage 1
-takes it), and its wait for the logits, which is stage 1's compute plus both transfers less what
-the driver overlapped: the driver's idle share, its side of the bubble. Workloads: 16 prompts x
-64 generated tokens and 1 x 64 (32-token prompts, greedy, ignore_eos), in interleaved rounds;
-medians are printed. ``batch ms`` is the wall time per batch completed (with the queue, batches
-overlap: two of half the requests each).
+the bundled SmolLM2-135M runs as it is). PP=2 runs three ways: with vLLM's batch queue (up to 2
+batches in flight, the engine's default; ``2+queue``), with the queue balancing the running
+requests over both batches (``BatchQueue.balance``; ``2+bal``), and with
+``LLMEngine.batch_queue = None`` (one batch at a time, the stages taking turns; vLLM has no
+switch for this; ``2``). Timed on the driver (stage 0): its send of the hidden states and
+residual to stage 1 (and the bytes; a send also waits until stage 1 takes it), and its wait for
+the logits (stage 1's compute plus both transfers, less what the driver overlapped): the
+driver's idle share, its side of the bubble. Workloads: 16 prompts x 64 generated tokens and
+1 x 64 (32-token prompts, greedy, ignore_eos), in interleaved rounds; medians are printed.
+``batch ms``: wall time per batch completed; ``in flight``: the most batches in the pipeline.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def _engine(model: str, pp: int, dtype: str):
                                 max_model_len=512, max_num_seqs=64))
 
 
-MODES = (("1", 1, False), ("2", 2, False), ("2+queue", 2, True))  # label, pp, batch queue
+# label, pp, batch queue (None: off; else its balance)
+MODES: tuple[tuple[str, int, bool | None], ...] = (
+    ("1", 1, None), ("2", 2, None), ("2+queue", 2, False), ("2+bal", 2, True))
 
 
-def _run(engine, mode: tuple[str, int, bool], num: int, out_len: int, vocab: int,
+def _run(engine, mode: tuple[str, int, bool | None], num: int, out_len: int, vocab: int,
          threads: int) -> dict[str, float]:
     from twinserve.core.sampling_params import SamplingParams
     _, pp, queued = mode
@@ -90,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in (MODES if r % 2 == 0 else MODES[::-1]):
                     engine = engines[mode[1]]
                     if mode[1] > 1:
-                        engine.batch_queue = queue if mode[2] else None
+                        engine.batch_queue = None if mode[2] is None else queue
+                        if queue is not None and mode[2] is not None:
+                            queue.balance = mode[2]
                     row = _run(engine, mode, num, out_len, vocab, args.threads)
                     rows.setdefault((name, mode[0]), []).append(row)
                     print(f"round {r + 1} {name} pp={mode[0]}: {row['tok_s']:.1f} tok/s, send "

@@ -12,11 +12,14 @@ skips its entry when its batch returns::
     step:  schedule -> push(out, handle)          queue not full, something was scheduled: return
            pop() -> (out, handle) -> finish -> update_from_output    (queue full, or nothing new)
 
-``schedule`` spreads the running requests over the batches the queue has room for: without it,
-requests that arrived together would all sit in one batch, the next schedule would find every
-one of them in flight, and the stages would take turns as with one batch in flight. (vLLM V0 got
-the same split from one scheduler per virtual engine.) Waiting requests are admitted into
-whichever batch is being scheduled.
+As in vLLM V1, requests that were scheduled together stay together: a batch of every running
+request leaves nothing for a second one until it returns, and batches overlap where requests
+arrive (or chunk their prompts) while others are in flight. With ``balance`` (vLLM V0's virtual
+engines split requests likewise) ``schedule`` spreads the running requests evenly over the
+batches the queue has room for, so even requests admitted together fill ``depth`` batches: that
+buys overlap where a stage's time grows with its batch (compute-bound steps), and costs where it
+does not (memory-bound decodes read every weight once per batch, so two half batches read them
+twice: measured slower on the 2-core CPU, docs/pipeline-parallel.md).
 """
 
 from __future__ import annotations
@@ -42,16 +45,18 @@ class InFlightBatch(Generic[H]):
 
 
 class BatchQueue(Generic[H]):
-    """At most ``depth`` batches in flight for ``scheduler``, oldest first. ``max_in_flight``:
-    the most there ever were at once."""
+    """At most ``depth`` batches in flight for ``scheduler``, oldest first; ``balance``: spread
+    the running requests over them (see the module doc). ``max_in_flight``: the most there
+    ever were at once."""
 
-    __slots__ = ("scheduler", "depth", "_batches", "max_in_flight")
+    __slots__ = ("scheduler", "depth", "balance", "_batches", "max_in_flight")
 
-    def __init__(self, scheduler: Scheduler, depth: int) -> None:
+    def __init__(self, scheduler: Scheduler, depth: int, balance: bool = False) -> None:
         if depth < 1:
             raise ValueError(f"depth (batches in flight) must be >= 1, got {depth}.")
         self.scheduler = scheduler
         self.depth = depth
+        self.balance = balance
         self._batches: deque[InFlightBatch[H]] = deque()
         self.max_in_flight = 0
 
@@ -63,9 +68,12 @@ class BatchQueue(Generic[H]):
         return len(self._batches) >= self.depth
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """``Scheduler.schedule`` over this batch's share of the running requests not in flight
-        (an even split over the batches there is room for; the rest are held back for now)."""
+        """``Scheduler.schedule``; with ``balance``, over this batch's share of the running
+        requests not in flight (an even split over the batches there is room for; the rest are
+        held back for now)."""
         sched = self.scheduler
+        if not self.balance:
+            return sched.schedule(now)
         held = sched.in_flight
         free = [r for r in sched.running if r.request_id not in held]
         share = math.ceil(len(free) / max(1, self.depth - len(self._batches)))

@@ -80,9 +80,9 @@ def test_an_abort_in_flight_frees_blocks_and_its_result_is_skipped() -> None:
     s.kv.check_consistency()
 
 
-def test_schedule_spreads_the_running_requests_over_the_batches() -> None:
+def test_balance_spreads_the_running_requests_over_the_batches() -> None:
     s = make_scheduler(max_num_batched_tokens=64)
-    queue: BatchQueue[None] = BatchQueue(s, 2)
+    queue: BatchQueue[None] = BatchQueue(s, 2, balance=True)
     for i in range(5):
         s.add_request(make_req(f"r{i}", 4, max_tokens=8))
     out = queue.schedule(0.0)  # all waiting: admitted together
@@ -97,3 +97,15 @@ def test_schedule_spreads_the_running_requests_over_the_batches() -> None:
     batch = queue.pop()
     s.update_from_output(batch.out, fake_execute(batch.out), 1.2)
     assert _ids(queue.schedule(1.3)) == ["r0", "r1", "r2"]  # one slot left: all that are free
+
+
+def test_without_balance_requests_scheduled_together_stay_together() -> None:
+    s = make_scheduler(max_num_batched_tokens=64)
+    queue: BatchQueue[None] = BatchQueue(s, 2)
+    for i in range(3):
+        s.add_request(make_req(f"r{i}", 4, max_tokens=8))
+    out = queue.schedule(0.0)
+    s.update_from_output(out, fake_execute(out), 0.1)
+    first = queue.schedule(1.0)
+    queue.push(first, None, 1.0)
+    assert len(first.scheduled) == 3 and queue.schedule(1.1).scheduled == []

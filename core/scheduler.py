@@ -127,7 +127,8 @@ class Scheduler:
         self.spec_num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
         # Ids of requests in a batch still in the pipeline (the engine's batch queue under
         # pipeline parallelism, core.batch_queue): neither scheduled again nor preempted until
-        # their batch returns. Empty otherwise (one truthiness test a step).
+        # their batch returns. Empty otherwise (a step then tests it once, and each running
+        # request one local against None).
         self.in_flight: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------

@@ -297,10 +297,10 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
         # the engine's batch queue (pp batches in flight), where the engine runs one
-        queued = pipe is not None and spec_cfg is None and lora is None
+        queued = pipe if spec_cfg is None and lora is None else None
         for replica in replicas:
-            env.process(pipelined_engine_process(env, replica, pipe) if queued and pipe is not None
-                        else engine_process(env, replica))
+            env.process(engine_process(env, replica) if queued is None
+                        else pipelined_engine_process(env, replica, queued))
         env.run()
     if bar is not None:
         bar.close()

@@ -142,11 +142,11 @@ class TPDriver:
     def submitted(self, num_rows: int, vocab_size: int) -> PendingLogits | None:
         """A batch entered the pipeline (the driver ran its stage): counts it, and posts the
         receive of its ``num_rows`` logits (None: it samples nothing)."""
-        self.batches_in_flight += 1
-        self.max_batches_in_flight = max(self.max_batches_in_flight, self.batches_in_flight)
         links = None if self.group is None else self.group.pipeline
         if links is None:
             raise RuntimeError("submitted: the group has no pipeline links (pipeline_parallel_size 1).")
+        self.batches_in_flight += 1
+        self.max_batches_in_flight = max(self.max_batches_in_flight, self.batches_in_flight)
         return links.post_recv_logits(num_rows, vocab_size) if num_rows else None
 
     def finished(self, pending: PendingLogits | None) -> torch.Tensor | None:

@@ -238,6 +238,7 @@ def test_pp2_on_the_ray_executor_equals_pp1(llama3, llama3_expected) -> None:
         engine = _engine(llama3, 2, distributed_executor_backend="ray")
         pids = engine.runner.tp.worker_pids()
         assert _run(engine, _prompts()) == llama3_expected
+        assert engine.runner.tp.max_batches_in_flight == 2  # the batch queue over Ray actors
         engine.shutdown()
         assert _gone(pids)
     finally:

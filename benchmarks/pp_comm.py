@@ -1,15 +1,20 @@
-"""Pipeline parallelism on this machine: PP=1 against PP=2 (one thread per stage), side by side.
+"""Pipeline parallelism on this machine: PP=1 against PP=2 (one thread per stage), with and without
+the batch queue, side by side.
 
     python -m twinserve.benchmarks.pp_comm [--rounds 2] [--dtype float32] [--model DIR]
 
 Both engines use every core: PP=1 one process with all the threads, PP=2 two processes with half
 each, the bundled model's 30 layers split 15 + 15 (pipeline parallelism needs no head split, so
-the bundled SmolLM2-135M runs as it is). One batch is in flight, so the stages take turns: what
-the run shows is what the pipeline costs here, timed on the driver (stage 0): its send of the
-hidden states and residual to stage 1 (and the bytes), and its wait for the logits, which is
-stage 1's compute plus both transfers (the driver idles meanwhile: the bubble). Workloads: 16
-prompts x 64 generated tokens and 1 x 64 (32-token prompts, greedy, ignore_eos), in interleaved
-rounds; medians are printed.
+the bundled SmolLM2-135M runs as it is). PP=2 runs three ways: with vLLM's batch queue (up to 2
+batches in flight, the engine's default; ``2+queue``), with the queue balancing the running
+requests over both batches (``BatchQueue.balance``; ``2+bal``), and with
+``LLMEngine.batch_queue = None`` (one batch at a time, the stages taking turns; vLLM has no
+switch for this; ``2``). Timed on the driver (stage 0): its send of the hidden states and
+residual to stage 1 (and the bytes; a send also waits until stage 1 takes it), and its wait for
+the logits (stage 1's compute plus both transfers, less what the driver overlapped): the
+driver's idle share, its side of the bubble. Workloads: 16 prompts x 64 generated tokens and
+1 x 64 (32-token prompts, greedy, ignore_eos), in interleaved rounds; medians are printed.
+``batch ms``: wall time per batch completed; ``in flight``: the most batches in the pipeline.
 """
 
 from __future__ import annotations
@@ -33,28 +38,37 @@ def _engine(model: str, pp: int, dtype: str):
                                 max_model_len=512, max_num_seqs=64))
 
 
-def _run(engine, pp: int, num: int, out_len: int, vocab: int, threads: int) -> dict[str, float]:
+# label, pp, batch queue (None: off; else its balance)
+MODES: tuple[tuple[str, int, bool | None], ...] = (
+    ("1", 1, None), ("2", 2, None), ("2+queue", 2, False), ("2+bal", 2, True))
+
+
+def _run(engine, mode: tuple[str, int, bool | None], num: int, out_len: int, vocab: int,
+         threads: int) -> dict[str, float]:
     from twinserve.core.sampling_params import SamplingParams
+    _, pp, queued = mode
     torch.set_num_threads(threads if pp == 1 else max(1, threads // pp))
     rng = random.Random(num)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    links = None if engine.runner.tp is None else engine.runner.tp.group.pipeline
+    tp = engine.runner.tp
+    links = None if tp is None else tp.group.pipeline
     if links is not None:
         links.timed = True
         links.send_s = links.recv_s = 0.0
         links.bytes_sent = 0
+        tp.max_batches_in_flight = 0
     for _ in range(num):
         engine.add_request([rng.randrange(100, vocab) for _ in range(PROMPT_LEN)], params)
     t0 = time.perf_counter()
-    steps = 0
+    first = engine.num_steps
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
     wall = time.perf_counter() - t0
-    row = {"tok_s": num * out_len / wall, "wall_s": wall, "steps": steps,
-           "send_s": 0.0, "wait_s": 0.0, "bytes": 0.0}
+    row = {"tok_s": num * out_len / wall, "wall_s": wall, "steps": engine.num_steps - first,
+           "send_s": 0.0, "wait_s": 0.0, "bytes": 0.0, "in_flight": 1.0}
     if links is not None:
-        row.update(send_s=links.send_s, wait_s=links.recv_s, bytes=float(links.bytes_sent))
+        row.update(send_s=links.send_s, wait_s=links.recv_s, bytes=float(links.bytes_sent),
+                   in_flight=float(tp.max_batches_in_flight or 1))
     return row
 
 
@@ -69,34 +83,42 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = args.model or str(default_model_path())
     engines = {pp: _engine(model, pp, args.dtype) for pp in (1, 2)}
+    queue = engines[2].batch_queue
     vocab = engines[1].runner.vocab_size
-    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
         for r in range(args.rounds):
             for name in args.workloads.split(","):
                 num, out_len = WORKLOADS[name]
-                for pp in ((1, 2) if r % 2 == 0 else (2, 1)):
-                    row = _run(engines[pp], pp, num, out_len, vocab, args.threads)
-                    rows.setdefault((name, pp), []).append(row)
-                    print(f"round {r + 1} {name} pp={pp}: {row['tok_s']:.1f} tok/s, send "
+                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                    engine = engines[mode[1]]
+                    if mode[1] > 1:
+                        engine.batch_queue = None if mode[2] is None else queue
+                        if queue is not None and mode[2] is not None:
+                            queue.balance = mode[2]
+                    row = _run(engine, mode, num, out_len, vocab, args.threads)
+                    rows.setdefault((name, mode[0]), []).append(row)
+                    print(f"round {r + 1} {name} pp={mode[0]}: {row['tok_s']:.1f} tok/s, send "
                           f"{row['send_s']:.2f} s, logits wait {row['wait_s']:.2f} s of "
                           f"{row['wall_s']:.1f} s", file=sys.stderr, flush=True)
     finally:
         for engine in engines.values():
             engine.shutdown()
     print(f"model {model} ({args.dtype}), {args.rounds} rounds, medians")
-    print(f"{'workload':<8} {'pp':>2} {'tok/s':>8} {'vs pp1':>7} {'step ms':>8} "
-          f"{'send ms/step':>13} {'share':>6} {'KB/step':>8} {'logits wait ms/step':>20}")
+    print(f"{'workload':<8} {'pp':>8} {'in flight':>9} {'tok/s':>8} {'vs pp1':>7} {'batch ms':>9} "
+          f"{'send ms/batch':>14} {'share':>6} {'KB/batch':>9} {'logits wait ms/batch':>21} "
+          f"{'driver idle':>12}")
     for name in args.workloads.split(","):
-        base = statistics.median(r["tok_s"] for r in rows[(name, 1)])
-        for pp in (1, 2):
-            rs = rows[(name, pp)]
+        base = statistics.median(r["tok_s"] for r in rows[(name, "1")])
+        for label, _, _ in MODES:
+            rs = rows[(name, label)]
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-            per_step = 1e3 / med["steps"]
-            print(f"{name:<8} {pp:>2} {med['tok_s']:>8.1f} {med['tok_s'] / base:>7.2f} "
-                  f"{med['wall_s'] * per_step:>8.1f} {med['send_s'] * per_step:>13.2f} "
-                  f"{med['send_s'] / med['wall_s']:>6.1%} "
-                  f"{med['bytes'] / med['steps'] / 1024:>8.1f} {med['wait_s'] * per_step:>20.1f}")
+            per = 1e3 / med["steps"]
+            print(f"{name:<8} {label:>8} {med['in_flight']:>9.0f} {med['tok_s']:>8.1f} "
+                  f"{med['tok_s'] / base:>7.2f} {med['wall_s'] * per:>9.1f} "
+                  f"{med['send_s'] * per:>14.2f} {med['send_s'] / med['wall_s']:>6.1%} "
+                  f"{med['bytes'] / med['steps'] / 1024:>9.1f} {med['wait_s'] * per:>21.1f} "
+                  f"{med['wait_s'] / med['wall_s']:>12.1%}")
     return 0
 
 

@@ -150,6 +150,11 @@ class Scheduler:
         self.waiting_for_remote: dict[str, RemoteLoad] = {}
         self.sending: dict[str, Request] = {}
         self._outgoing_params: dict[str, dict[str, Any]] = {}  # producer params, until output
+        # Ids of requests in a batch still in the pipeline (the engine's batch queue under
+        # pipeline parallelism, core.batch_queue): neither scheduled again nor preempted until
+        # their batch returns. Empty otherwise (a step then tests it once, and each running
+        # request one local against None).
+        self.in_flight: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -328,11 +333,14 @@ class Scheduler:
         num_others = decode_starts = 0  # decodes are counted once, after the loop
         max_start = -1
         table: BlockTable | None
+        held = self.in_flight or None
         # Preemption only removes requests at or after the current one (and stops the loop when
         # it removes the current one), so iterating while it shrinks the list is safe.
         for request in running:
             if budget <= 0:
                 break
+            if held is not None and request.request_id in held:
+                continue
             start = request.num_computed_tokens
             n = len(request.all_token_ids) - start
             if n == 1 and start % in_block:
@@ -451,7 +459,7 @@ class Scheduler:
         running = self.running
         index = running.index(request)
         while True:
-            victim = self.policy.select_victim(running[index:])
+            victim = self.policy.select_victim(self._victims(running[index:]))
             self._preempt(victim, out, now)
             if victim is request:
                 return None
@@ -654,14 +662,20 @@ class Scheduler:
     def _preempt_for(self, request: Request, out: SchedulerOutput, now: float) -> int | None:
         """Lets the policy evict a running request that ``request`` outranks. Returns the
         tokens given back to the step's budget, or None when nobody is evicted."""
-        if not self.running:
+        candidates = self._victims(self.running)
+        if not candidates:
             return None
-        victim = self.policy.select_victim(self.running)
+        victim = self.policy.select_victim(candidates)
         if not self.policy.should_preempt(request, victim):
             return None
         freed = self._unschedule(victim, out)
         self._preempt(victim, out, now)
         return freed
+
+    def _victims(self, requests: list[Request]) -> list[Request]:
+        """Who may be preempted: not a request in flight (its batch still computes it)."""
+        held = self.in_flight
+        return [r for r in requests if r.request_id not in held] if held else requests
 
     def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
         for k, sr in enumerate(out.scheduled):

@@ -49,10 +49,12 @@ class ProfileCacheKey:
     quick: bool = False
     engine_loop: bool = True
     kernel_settings: dict[str, str] = field(default_factory=dict)
+    # a PP=N step runs the stages on other processes and threads: another profile
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("threads", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "block_size", "tensor_parallel_size"):
+                     "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ProfileCacheKey.{name} must be >= 1, got {getattr(self, name)}.")
         if not all(isinstance(k, str) and isinstance(v, str)
@@ -72,13 +74,16 @@ class ProfileCacheKey:
                    limits.max_num_batched_tokens, runner.max_model_len, runner.block_size,
                    engine.tensor_parallel_size, runner.quantization or "",
                    engine.kv_cache_dtype, engine.enable_lora, quick, engine_loop,
-                   dict(kernel_settings or {}))
+                   dict(kernel_settings or {}), engine.pipeline_parallel_size)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        text = json.dumps({"format": FORMAT, **self.as_dict()}, sort_keys=True)
+        key = self.as_dict()
+        if key["pipeline_parallel_size"] == 1:  # the keys cached before it was one
+            del key["pipeline_parallel_size"]
+        text = json.dumps({"format": FORMAT, **key}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

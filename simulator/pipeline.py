@@ -1,28 +1,34 @@
-"""Pipeline parallelism in the twin: a ``StepTimeModel`` over the stages of one step.
+"""Pipeline parallelism in the twin: a ``StepTimeModel`` over the stages of one step, and the
+engine loop with vLLM's batch queue (up to ``pp`` batches in flight) that the engine runs.
 
-The engine runs one batch in flight through ``pp`` stages (``gpu/distributed/pipeline.py``), so a
-step takes every stage in turn plus the transfers between them, and each device idles while the
-others compute (the bubble). The base model's step time (the roofline or a fitted model, for the
-whole model on ``tp`` devices) is split as the engine splits the layers: the LM head goes to the
-last stage, the per-step fixed overhead (scheduling, input preparation) to the first, the rest
-to each stage in proportion to its layers. Each stage boundary moves the hidden states and the
-residual (``2 x tokens x hidden x dtype`` bytes) over the profile's link, and the last stage sends
-the sampled rows' float32 logits back to the driver; each transfer costs the link's latency plus
-its bytes over the link's bandwidth (``interconnect_bandwidth``/``interconnect_latency_s``, the
-terms TP's all-reduce is charged with).
+The base model's step time (the roofline or a fitted model, for the whole model on ``tp``
+devices) is split as the engine splits the layers: the LM head goes to the last stage, the
+per-step fixed overhead (scheduling, input preparation) to the first, the rest to each stage in
+proportion to its layers. Each stage boundary moves the hidden states and the residual
+(``2 x tokens x hidden x dtype`` bytes) over the profile's link, and the last stage sends the
+sampled rows' float32 logits back to the driver; each transfer costs the link's latency plus its
+bytes over the link's bandwidth (``interconnect_bandwidth``/``interconnect_latency_s``, the terms
+TP's all-reduce is charged with).
 
-``step_time`` is the engine's one batch in flight. ``PipelineStepCost.interval(k)`` is the steady
-interval with ``k`` batches in flight (vLLM's batch queue, which the engine does not run yet): a
-batch's latency shared among them, bounded below by the slowest stage; it is not wired into the
-engine loop, whose scheduler would first have to hold in-flight requests back.
+``step_time`` is one batch alone in the pipeline: the stages in turn. ``pipelined_engine_process``
+runs the engine's batch queue (``gpu/engine/batch_queue.py``, the same ``core.batch_queue`` and
+the same in-flight skip in the scheduler): the driver computes the first stage of a batch, hands
+it on (a send completes when the next stage takes it), and schedules the next batch while the
+later stages work; with the queue full it waits for the oldest batch's logits. Each stage works
+on one batch at a time, in order (``StageClock``). For a steady run of equal batches that gives
+``PipelineStepCost.interval(k)`` between steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import simpy
+
+from twinserve.core.batch_queue import BatchQueue
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
+from twinserve.simulator.engine import Replica
 from twinserve.simulator.hardware import HardwareProfile
 from twinserve.simulator.step_time import StepTimeModel
 
@@ -59,14 +65,20 @@ class PipelineStepCost:
 
     def interval(self, batches_in_flight: int) -> float:
         """Seconds between step starts in steady state with ``batches_in_flight`` batches like
-        this one in the pipeline (vLLM's batch queue): a batch's whole latency shared among them,
-        but never shorter than the slowest stage with its outgoing transfer."""
-        pp = len(self.stage_s)
+        this one in the pipeline (the batch queue): a batch's whole latency shared among them,
+        but never shorter than the busiest stage. A stage's sends and receives block it (the
+        engine's links are blocking, the driver's receive of the logits aside), so a stage is
+        busy for its compute plus its incoming and outgoing transfers."""
+        stages = self.stage_s
+        pp = len(stages)
         if not 1 <= batches_in_flight <= pp:
             raise ValueError(f"batches_in_flight must be in [1, {pp}], got {batches_in_flight}.")
-        hop = self.transfer_s / (pp - 1) if pp > 1 else 0.0
-        slowest = max([*(s + hop for s in self.stage_s[:-1]), self.stage_s[-1] + self.logits_s])
-        return max(self.total_s / batches_in_flight, slowest)
+        if pp == 1:
+            return self.total_s
+        hop = self.transfer_s / (pp - 1)
+        busiest = max(stages[0] + hop, *(hop + s + hop for s in stages[1:-1]),
+                      hop + stages[-1] + self.logits_s)
+        return max(self.total_s / batches_in_flight, busiest)
 
     def bubble_with(self, batches_in_flight: int) -> float:
         """The share of device time idle at ``interval(batches_in_flight)``: each interval every
@@ -126,3 +138,67 @@ class PipelineCost:
         transfer = (len(layers) - 1) * self.link_time(2 * tokens * m.hidden_size * m.dtype_bytes)
         logits = self.link_time(rows * m.vocab_size * LOGITS_BYTES)
         return PipelineStepCost(tuple(stages), transfer, logits, sum(stages) + transfer + logits)
+
+
+@dataclass(slots=True)
+class StageClock:
+    """When each stage after the driver's is next free. ``enter`` places a batch the driver
+    submits at ``now`` (the driver is the first stage, free when it submits)."""
+
+    free: list[float] = field(default_factory=list)
+
+    def enter(self, cost: PipelineStepCost, now: float) -> tuple[float, float]:
+        """The batch through every stage: (when the driver's send to stage 1 completes, free
+        to schedule again; when the batch's logits reach the driver)."""
+        stages = cost.stage_s
+        pp = len(stages)
+        if len(self.free) != pp:
+            self.free = [now] * pp
+        hop = cost.transfer_s / (pp - 1) if pp > 1 else 0.0
+        t = now + stages[0]
+        driver_free = t
+        for s in range(1, pp):
+            start = max(t, self.free[s]) + hop  # the send waits until stage s takes it
+            if s == 1:
+                driver_free = start
+            else:
+                self.free[s - 1] = start
+            t = start + stages[s]
+        done = t + cost.logits_s
+        self.free[-1] = done
+        return driver_free, done
+
+
+def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: PipelineCost):
+    """``simulator.engine.engine_process`` with the engine's batch queue (``pipe``'s
+    ``pipeline_parallel_size`` batches in flight): schedule and submit while the queue has room
+    and something new is scheduled, else wait for the oldest batch and apply it. Step by step,
+    one SimPy event per submit and per finish (no decode runs)."""
+    driver = replica.driver
+    sched = driver.scheduler
+    sampled = replica.tokens.output
+    complete = driver.completer()
+    queue: BatchQueue[float] = BatchQueue(sched, pipe.pipeline_parallel_size)  # handle: done at
+    clock = StageClock()
+    while True:
+        if not len(queue) and not sched.has_unfinished_requests():
+            replica.wakeup = env.event()
+            yield replica.wakeup
+            replica.wakeup = None
+        now = env.now
+        if not queue.full and sched.has_unfinished_requests():
+            out = queue.schedule(now)
+            if out.scheduled:
+                driver_free, done = clock.enter(pipe.breakdown(out), now)
+                queue.push(out, done, now)
+                yield env.timeout(driver_free - now)  # the driver's stage, then its send
+                if not queue.full:
+                    continue
+            elif not len(queue):
+                raise RuntimeError(f"replica {replica.index}: scheduler made no progress at "
+                                   f"t={now}")
+        batch = queue.oldest()
+        if batch.handle > env.now:
+            yield env.timeout(batch.handle - env.now)
+        queue.pop()
+        complete(batch.out, sampled, batch.start, env.now)

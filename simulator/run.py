@@ -46,7 +46,7 @@ from twinserve.simulator.engine import (
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
-from twinserve.simulator.pipeline import PipelineCost
+from twinserve.simulator.pipeline import PipelineCost, pipelined_engine_process
 from twinserve.simulator.roofline_gap import roofline_caveat
 from twinserve.simulator.spec_cost import with_speculation
 from twinserve.simulator.step_time import StepTimeModel
@@ -316,9 +316,11 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         # with LoRA each replica's step time also tallies its adapter loads
         step: StepTimeModel = cost if structured is None else \
             structured_cost_of(cost.hardware).wrap(cost)
+        pipe = None
         if cfg.engine.pipeline_parallel_size > 1:  # the stages, their transfers, the bubble
-            step = PipelineCost(step, spec, cost.hardware, cfg.engine.pipeline_parallel_size,
-                                cfg.engine.tensor_parallel_size)
+            step = pipe = PipelineCost(step, spec, cost.hardware,
+                                       cfg.engine.pipeline_parallel_size,
+                                       cfg.engine.tensor_parallel_size)
         spec_cfg = cfg.engine.speculation
         step = with_speculation(step, cost, spec_cfg)
         tallies = ([] if lora is None else
@@ -338,8 +340,11 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
+        # the engine's batch queue (pp batches in flight), where the engine runs one
+        queued = pipe if spec_cfg is None and lora is None else None
         for replica in replicas:
-            env.process(engine_process(env, replica))
+            env.process(engine_process(env, replica) if queued is None
+                        else pipelined_engine_process(env, replica, queued))
         env.run()
     if bar is not None:
         bar.close()

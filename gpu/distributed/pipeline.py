@@ -102,6 +102,15 @@ class PipelineLinks:
         self._recv(self.logits, buf)
         return buf
 
+    def post_recv_logits(self, num_rows: int, vocab_size: int) -> PendingLogits:
+        """Posts the receive of a batch's logits without waiting (the batch queue): the last
+        stage's send of them can then complete while the driver runs its stage of the next
+        batch, whose own send to stage 1 would otherwise wait on it. Receives on the link
+        complete in the order they are posted."""
+        assert self.logits is not None
+        buf = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=self.device)
+        return PendingLogits(self, self.logits.recv([buf], 1 - self.logits.rank(), 0), buf)
+
     def _send(self, pg: dist.ProcessGroup, x: torch.Tensor) -> None:
         t0 = _now(x) if self.timed else 0.0
         pg.send([x], 1 - pg.rank(), 0).wait()
@@ -123,6 +132,23 @@ class PipelineLinks:
                     pg.shutdown()
                 except RuntimeError:  # a link whose peer died cannot shut down cleanly
                     pass
+
+
+@dataclass(slots=True)
+class PendingLogits:
+    """A posted receive of one batch's logits; ``wait`` returns them (its wait is timed as
+    ``recv_s``: the driver idles there)."""
+
+    links: PipelineLinks
+    work: dist.Work
+    buf: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        t0 = _now(self.buf) if self.links.timed else 0.0
+        self.work.wait()
+        if self.links.timed:
+            self.links.recv_s += _now(self.buf) - t0
+        return self.buf
 
 
 def _now(x: torch.Tensor) -> float:

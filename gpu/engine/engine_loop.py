@@ -169,4 +169,8 @@ def measure_engine_loop(runner: ModelRunner, engine_args: EngineArgs, quick: boo
         log(f"engine loop: {what}")
     engine = LLMEngine(engine_args, runner=runner, usage_context="server")
     engine.metrics.record_steps = False
+    # Under pipeline parallelism the profile models one batch alone in the pipeline (the stages
+    # in turn: simulator.pipeline splits it and overlaps the batches itself), so the loop runs
+    # without the batch queue, whose overlapping batches would time each other's waits.
+    engine.batch_queue = None
     return run_engine_loop(engine, scenarios, progress=log)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import itertools
 import time
 
+from twinserve.core.batch_queue import BatchQueue
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.lora import LoRARequest
+from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request import Request
 from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
@@ -23,6 +25,7 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.speculation import SpeculationPolicy
 from twinserve.core.step_driver import StepDriver
+from twinserve.gpu.engine.batch_queue import QueuedStep, step_with_batch_queue
 from twinserve.gpu.engine.output_processor import OutputProcessor
 from twinserve.gpu.engine.request_surface import RequestSurface
 from twinserve.gpu.worker.model_runner import ModelRunner
@@ -67,6 +70,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self._lora_of: dict[str, str] = {}  # request id -> its adapter, pinned until it ends
+        # vLLM's batch queue under pipeline parallelism: up to pp batches in flight (None: one
+        # step at a time; set it to None to run a pipeline without it, as benchmarks/pp_comm does)
+        self.batch_queue: BatchQueue[QueuedStep] | None = (
+            BatchQueue(self.scheduler, args.pipeline_parallel_size)
+            if self.runner.can_queue_batches else None)
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -170,12 +178,20 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        if self.batch_queue is not None:
+            return step_with_batch_queue(self, self.batch_queue)
         driver = self.driver
         t0 = time.perf_counter()
         start = self.now()
         out = driver.schedule(start)
         result = driver.execute(self.runner, out)
-        end = self.now()
+        return self.complete_step(out, result, start, self.now(), t0)
+
+    def complete_step(self, out: SchedulerOutput, result: ModelRunnerOutput, start: float,
+                      end: float, t0: float) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """A step's results applied at ``end`` and processed into request outputs (``t0``: its
+        ``perf_counter`` start, for the observers)."""
+        driver = self.driver
         results, stopped = self.outputs.process(driver.complete(out, result, start, end),
                                                 self.runner.take_dead_ends())
         if stopped:

@@ -31,7 +31,11 @@ from twinserve.gpu.distributed.parallel_state import (
     destroy_tp_group,
     host_store,
 )
-from twinserve.gpu.distributed.pipeline import init_parallel_groups, stage_layer_range
+from twinserve.gpu.distributed.pipeline import (
+    PendingLogits,
+    init_parallel_groups,
+    stage_layer_range,
+)
 from twinserve.gpu.executor.executor_base import Executor, WorkerFailure, make_executor
 from twinserve.gpu.executor.shard_worker import ShardSpec, ShardStep, inputs_to, threads_per_rank
 from twinserve.gpu.layers.linear import check_heads_divisible
@@ -99,6 +103,9 @@ class TPDriver:
         self.executor: Executor = make_executor(args.distributed_executor_backend or "mp", spec)
         self.group: TPGroup | None = None
         self.error: str | None = None
+        # The batch queue's batches in the pipeline now, and the most there ever were at once.
+        self.batches_in_flight = 0
+        self.max_batches_in_flight = 0
         try:
             self.executor.wait_joining(START_TIMEOUT_S)
             self.group = init_parallel_groups(address, 0, device, tp, num_layers, self._store)
@@ -131,6 +138,21 @@ class TPDriver:
                 or step.blocks_to_copy:
             self.executor.send_step(step)
         return None if inputs is None else inputs_to(inputs, self.device)
+
+    def submitted(self, num_rows: int, vocab_size: int) -> PendingLogits | None:
+        """A batch entered the pipeline (the driver ran its stage): counts it, and posts the
+        receive of its ``num_rows`` logits (None: it samples nothing)."""
+        links = None if self.group is None else self.group.pipeline
+        if links is None:
+            raise RuntimeError("submitted: the group has no pipeline links (pipeline_parallel_size 1).")
+        self.batches_in_flight += 1
+        self.max_batches_in_flight = max(self.max_batches_in_flight, self.batches_in_flight)
+        return links.post_recv_logits(num_rows, vocab_size) if num_rows else None
+
+    def finished(self, pending: PendingLogits | None) -> torch.Tensor | None:
+        """The oldest batch's logits (waiting for them); it leaves the count."""
+        self.batches_in_flight -= 1
+        return None if pending is None else pending.wait()
 
     @contextmanager
     def guard(self) -> Iterator[None]:

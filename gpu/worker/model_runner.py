@@ -21,6 +21,7 @@ from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.quantization import resolve_quantization
 from twinserve.core.request import Request
+from twinserve.gpu.distributed.pipeline import PendingLogits
 from twinserve.gpu.engine.tokenizer import Tokenizer
 from twinserve.gpu.executor.shard_worker import kv_cache_spec
 from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
@@ -66,6 +67,16 @@ def check_shareable(owner: ModelRunner, runner: ModelRunner, args: EngineArgs) -
     if changes or owner_changed:
         raise ValueError("weights_from: a runner sharing weights cannot use "
                          f"{', '.join(changes) or 'a model its owner changed (TP, LoRA, fp8 KV)'}.")
+
+
+@dataclasses.dataclass(slots=True)
+class PendingStep:
+    """A step the driver ran its pipeline stage of (``ModelRunner.submit``): its entries, its
+    inputs, and the posted receive of its logits (None: it samples nothing)."""
+
+    scheduled: list[ScheduledRequest]
+    inputs: ModelInput
+    logits: PendingLogits | None
 
 
 class ModelRunner:
@@ -201,9 +212,58 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.shutdown()
 
+    @property
+    def can_queue_batches(self) -> bool:
+        """Whether steps may overlap in the pipeline (``submit``/``finish``): pipeline
+        parallelism, without speculative decoding (a verification's drafts come from the step
+        before it)."""
+        pp = getattr(self.model, "pipeline", None)
+        return pp is not None and pp.layout.pp_size > 1 and self._spec is None
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """The batch queue's first half of ``execute`` (pipeline parallelism): the step to every
+        worker, the driver's stage of the forward pass, the receive of its logits posted;
+        ``finish`` samples them. A batch with tokens only."""
+        assert self.tp is not None
+        with self.tp.guard(), torch.inference_mode():
+            inputs = self.tp.send_step(scheduler_output, self.block_size, self.max_model_len)
+            scheduled, inputs, _ = self._forward_step(scheduler_output, inputs)
+            rows = int(inputs.sample_rows.numel()) if inputs.sample_index else 0
+            return PendingStep(scheduled, inputs, self.tp.submitted(rows, self.vocab_size))
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput:
+        """The batch's logits (the last stage's), sampled: its ``ModelRunnerOutput``."""
+        assert self.tp is not None
+        with self.tp.guard(), torch.inference_mode():
+            logits = self.tp.finished(pending.logits)
+            out = ModelRunnerOutput()
+            if logits is None:
+                return out
+            return self._sample(pending.scheduled, pending.inputs, logits, None, out)
+
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput,
                  prepared: ModelInput | None) -> ModelRunnerOutput:
+        if not scheduler_output.scheduled:
+            self._begin_step(scheduler_output)
+            return ModelRunnerOutput()
+        scheduled, inputs, hidden = self._forward_step(scheduler_output, prepared)
+        out = ModelRunnerOutput()
+        if scheduler_output.num_prefill_tokens and any(
+                sr.request.sampling_params.prompt_logprobs is not None for sr in scheduled):
+            out.prompt_logprobs = self._prompt_logprobs.collect(scheduled, hidden,
+                                                                self.model.compute_logits)
+        if not inputs.sample_index:
+            return out
+        if inputs.sample_counts:
+            return self._sample_verifying(scheduled, inputs, hidden, out)
+        last_hidden = hidden[inputs.sample_rows]
+        return self._sample(scheduled, inputs, self.model.compute_logits(last_hidden), last_hidden,
+                            out)
+
+    def _begin_step(self, scheduler_output: SchedulerOutput) -> None:
+        """What precedes the forward pass: finished requests forgotten, blocks moved, adapters
+        loaded."""
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
         if self._structured is not None:
@@ -214,12 +274,16 @@ class ModelRunner:
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.kv_cache.copy_blocks(scheduler_output.blocks_to_copy)
+        if self.lora is not None:
+            self.lora.load_slots(scheduler_output.lora_loads)
+
+    def _forward_step(self, scheduler_output: SchedulerOutput, prepared: ModelInput | None
+                      ) -> tuple[list[ScheduledRequest], ModelInput, torch.Tensor]:
+        """``_begin_step``, then the forward pass over a step with tokens: its entries (grouped
+        by adapter), inputs and final hidden states."""
+        self._begin_step(scheduler_output)
         lora = self.lora
-        if lora is not None:
-            lora.load_slots(scheduler_output.lora_loads)
         scheduled = scheduler_output.scheduled
-        if not scheduled:
-            return ModelRunnerOutput()
         if lora is not None:
             scheduled = lora.group_by_adapter(scheduled)
         inputs = prepared or build_model_input(scheduled, self.block_size, self.max_model_len,
@@ -231,17 +295,12 @@ class ModelRunner:
         finally:
             if lora is not None:
                 lora.end_step()
-        out = ModelRunnerOutput()
-        if scheduler_output.num_prefill_tokens and any(
-                sr.request.sampling_params.prompt_logprobs is not None for sr in scheduled):
-            out.prompt_logprobs = self._prompt_logprobs.collect(scheduled, hidden,
-                                                                self.model.compute_logits)
-        if not inputs.sample_index:
-            return out
-        if inputs.sample_counts:
-            return self._sample_verifying(scheduled, inputs, hidden, out)
-        last_hidden = hidden[inputs.sample_rows]
-        logits = self.model.compute_logits(last_hidden)
+        return scheduled, inputs, hidden
+
+    def _sample(self, scheduled: list[ScheduledRequest], inputs: ModelInput, logits: torch.Tensor,
+                last_hidden: torch.Tensor | None, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """One token per sampling row from ``logits`` (``last_hidden``: the rows' hidden states,
+        for embedding requests; None under the batch queue, which serves none)."""
         requests = [scheduled[i].request for i in inputs.sample_index]
         structured = self._structured_outputs(requests)
         allowed = structured.bitmask(requests) if structured is not None else None
@@ -254,7 +313,7 @@ class ModelRunner:
             out.sampled_token_ids[request.request_id] = [token]
             if logprobs is not None:
                 out.logprobs[request.request_id] = [logprobs]
-            if request.pooling_params is not None:  # an embedding: its last prompt position
+            if request.pooling_params is not None and last_hidden is not None:  # its last prompt
                 out.pooled[request.request_id] = pooled_state(last_hidden[row],
                                                               request.pooling_params)
         if self._spec is not None:

@@ -59,7 +59,7 @@ def test_the_profile_cache_serves_an_equal_key_whose_space_covers_the_request(tm
     assert cache.find(_key(), StepSpace(3, 48, 20)) == stored
     assert cache.find(_key(), StepSpace(5, 48, 20)) is None  # wider than what was timed
     for other in (_key(threads=2), _key(dtype="bfloat16"), _key(max_num_seqs=16),
-                  _key(kernel_settings={"cpu_attention": "sdpa"})):
+                  _key(kernel_settings={"cpu_attention": "sdpa"}), _key(pipeline_parallel_size=2)):
         assert cache.find(other, StepSpace(3, 48, 20)) is None
     meta = json.loads(stored.with_name(stored.stem + ".meta.json").read_text())
     assert meta["space"] == {"max_num_seqs": 4, "max_num_batched_tokens": 64,

@@ -108,11 +108,56 @@ def test_pp2_greedy_tokens_equal_pp1_under_prefix_caching_chunks_and_recompute(
     model = engine.runner.model
     assert model.layer_range == (0, 2) and model.norm is None and model.lm_head is None
     assert engine.runner.kv_cache.spec.num_layers == 2  # the driver's stage's layers only
+    assert engine.batch_queue is not None and engine.batch_queue.depth == 2
     assert _run(engine, _prompts()) == llama3_expected
     sched = engine.scheduler
     assert sched.num_preemptions > 0 and sched.kv.prefix_hits > 0
     assert max(s.num_prefill_tokens for s in engine.metrics.steps) <= 16
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+    # the batches overlapped: two were in the pipeline at once, never with a request in both
+    assert engine.runner.tp.max_batches_in_flight == 2 and engine.runner.tp.batches_in_flight == 0
+    assert not sched.in_flight and _overlapping_batches_share_no_request(engine.metrics.steps)
+
+
+def _overlapping_batches_share_no_request(steps) -> bool:
+    """Some recorded steps overlap in time (a step's record spans its batch's submit to its
+    finish); ``BatchQueue.push`` refuses a request already in flight, so none shared one."""
+    spans = sorted((s.time, s.time + s.duration) for s in steps)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def test_pp2_without_the_batch_queue_runs_one_batch_at_a_time(llama3, llama3_expected) -> None:
+    engine = _engine(llama3, 2)
+    engine.batch_queue = None  # the synchronous step: each stage in turn
+    try:
+        assert _run(engine, _prompts()) == llama3_expected
+        assert engine.runner.tp.max_batches_in_flight == 0  # submit was never used
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_aborted_in_flight_ends_cleanly_without_a_block_leak(
+        llama3_pp2, llama3_expected) -> None:
+    engine = llama3_pp2
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in _prompts()]
+    engine.step()  # one batch submitted, not finished: the queue has room for another
+    queue = engine.batch_queue
+    assert len(queue) == 1
+    victim = queue.oldest().out.scheduled[0].request_id
+    assert victim in engine.scheduler.in_flight
+    engine.abort_request(victim)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    assert not len(queue) and not engine.scheduler.in_flight
+    assert victim not in tokens
+    assert {i: tokens[i] for i in ids if i != victim} == {
+        i: t for i, t in zip(ids, llama3_expected) if i != victim}
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free == pool.num_blocks
 
 
 def test_pp2_refuses_what_the_driver_cannot_serve_by_name(llama3_pp2) -> None:
@@ -140,6 +185,7 @@ def test_pp2_tied_qwen2_with_swap_preemption_equals_pp1(tiny_model_dirs) -> None
         assert engine.runner.model.embed_tokens is not None
         assert _run(engine, _prompts()) == expected
         assert engine.scheduler.num_preemptions > 0
+        assert engine.runner.tp.max_batches_in_flight == 2
     finally:
         engine.shutdown()
     assert _gone(engine.runner.tp.worker_pids())
@@ -192,6 +238,7 @@ def test_pp2_on_the_ray_executor_equals_pp1(llama3, llama3_expected) -> None:
         engine = _engine(llama3, 2, distributed_executor_backend="ray")
         pids = engine.runner.tp.worker_pids()
         assert _run(engine, _prompts()) == llama3_expected
+        assert engine.runner.tp.max_batches_in_flight == 2  # the batch queue over Ray actors
         engine.shutdown()
         assert _gone(pids)
     finally:

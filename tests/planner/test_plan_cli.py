@@ -138,3 +138,14 @@ def test_the_command_writes_the_plan(tmp_path, capsys) -> None:
         assert (out / name).is_file(), name
     assert "tpot_p99_ms=80" in (out / "best.yaml").read_text()
     assert "needs 1 x h100-sxm" in printed or "checkpoint" in printed  # not verifiable here
+
+
+def test_the_example_spec_parses() -> None:
+    from pathlib import Path
+
+    from twinserve.planner.spec import load_plan_file
+    path = Path(__file__).resolve().parents[2] / "examples" / "plan_azure.yaml"
+    spec = parse_plan(load_plan_file(path), str(path))
+    assert spec.space.hardware == ("a100-80gb", "h100-sxm", "h200")
+    assert [s.key for s in spec.slos] == ["ttft_p90_ms", "tpot_p99_ms"]
+    assert spec.duration_s == 60.0 and spec.price("h100-sxm") == 3.5

@@ -10,6 +10,7 @@ many stopped early), wall time, and the answer.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,13 +23,14 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2
 
 
 def plan_spec(model: str, num_requests: int, duration: float, trace: str, seqs: list[int],
-              tokens: list[int]) -> dict:
+              tokens: list[int], slack: float) -> dict:
     return {"model": model, "hardware": ["a100-80gb", "h100-sxm", "h200"], "max_gpus": 8,
             "workload": {"trace": trace, "num_requests": num_requests, "duration_s": duration},
             "slo": {"ttft_p90_ms": 2000, "tpot_p99_ms": 100},
             "space": {"replicas": [1, 2, 4, 8], "router": ["round-robin"], "max_num_seqs": seqs,
                       "max_num_batched_tokens": tokens},
-            "search": {"tolerance": 0.1, "base_rps": 2.0, "min_rps": 0.1, "max_rps": 400}}
+            "search": {"tolerance": 0.1, "base_rps": 2.0, "min_rps": 0.1, "max_rps": 400,
+                       "dominance_slack": slack}}
 
 
 def main() -> None:
@@ -40,12 +42,15 @@ def main() -> None:
                         help=f"bundled name or file (the shared copy: {TRACE})")
     parser.add_argument("--max-num-seqs", default="128,256")
     parser.add_argument("--max-num-batched-tokens", default="2048,8192")
+    parser.add_argument("--models", default="llama-3-8b,llama-3-70b")
+    parser.add_argument("--dominance-slack", type=float, default=1.5, help="0: search everything")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="plan-search-"))
-    for model in ("llama-3-8b", "llama-3-70b"):
+    for model in args.models.split(","):
         spec = parse_plan(plan_spec(model, args.num_requests, args.duration, args.trace,
-                                    _ints(args.max_num_seqs), _ints(args.max_num_batched_tokens)))
+                                    _ints(args.max_num_seqs), _ints(args.max_num_batched_tokens),
+                                    args.dominance_slack))
         t0 = time.perf_counter()
         result = run_plan(spec, out / model, workers=args.workers)
         write_outputs(result, spec, out / model)
@@ -53,9 +58,14 @@ def main() -> None:
         print(f"\n== {model}: {stats['configurations']} configurations, {stats['pruned_memory']} pruned "
               f"by memory, {stats['dominated']} dominated, {stats['fitted'] + stats['no_capacity']} "
               f"searched; {stats['replays_run']} replays ({stats['stopped_early']} stopped early); "
-              f"{time.perf_counter() - t0:.1f} s wall")
+              f"{time.perf_counter() - t0:.1f} s wall, {_replay_seconds(out / model):.1f} s of replays")
         print(top_table(result, 3))
     print(f"\noutputs: {out}")
+
+
+def _replay_seconds(folder: Path) -> float:
+    """The replays' own wall time, summed over the point files (the search's CPU work)."""
+    return sum(json.loads(p.read_text())["wall_time_s"] for p in folder.glob("points/*/r*.json"))
 
 
 def _ints(text: str) -> list[int]:

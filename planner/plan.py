@@ -26,6 +26,7 @@ from twinserve.planner.space import Candidate, memory_verdict
 from twinserve.planner.spec import PlanSpec
 from twinserve.simulator.acceptance import AcceptanceProfile
 from twinserve.simulator.sweep import POINTS_DIR, execute
+from twinserve.simulator.sweep import _check_run_args as check_run_args
 from twinserve.traces import TraceRequest, load_trace
 
 FITTED, PRUNED, DOMINATED, NO_CAPACITY = "fitted", "pruned-memory", "dominated", "no-capacity"
@@ -53,6 +54,7 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
              log: Callable[[str], None] | None = None) -> PlanResult:
     """Searches the plan's space into ``out_dir``; ``resume``: reuse the replays a previous run
     of the same plan left there (without it, a folder already holding replays is refused)."""
+    check_run_args(backend, workers, address)
     t0 = time.perf_counter()
     log = log or (lambda msg: None)
     out = Path(out_dir)
@@ -109,7 +111,9 @@ def _wave_tasks(wave: list[Candidate], spec: PlanSpec, searched: list[Searched],
                 f"capacity <= {bound:.3g} req/s (bound), so <= {bound / (cand.gpus * price):.3g} "
                 f"req/s per $/h, below the best found ({best:.3g})"))
             continue
-        start = spec.grid.index_near(bound / spec.dominance_slack) if bound else 0
+        # the search starts where linear scaling from the smaller siblings puts it
+        estimate = capacity_bound(cand.replica_key, cand.gpus, searched, 1.0)
+        start = spec.grid.index_near(estimate) if estimate else 0
         tasks.append(SearchTask(str(points_dir / cand.folder), f"{fingerprint}:{cand.candidate_id}",
                                 cand.sim(spec.space.model, spec.space.fixed), trace, spec.slos,
                                 spec.grid, start, spec.early_stop, acceptance, spec.duration_s))

@@ -114,8 +114,6 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     from twinserve.planner.plan import run_plan
     from twinserve.planner.report import write_report
     from twinserve.planner.spec import parse_plan
-    if args.ray_address is not None and args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}.")
     spec = parse_plan(*plan_mapping(args))
     out = Path(args.out)
     result = run_plan(spec, out, backend="ray" if args.ray_address else "local", workers=args.workers,
@@ -178,9 +176,8 @@ def verify_top(result: Any, spec: Any, out: Path, k: int) -> list[dict[str, Any]
     from twinserve.fidelity.workload import Workload
     from twinserve.planner.output import best_config
     from twinserve.planner.plan import plan_trace
+    from twinserve.planner.search import replay_requests
     from twinserve.planner.slo import table_verdict
-    from twinserve.simulator.sweep_spec import mean_rate
-    from twinserve.traces import scale_time
     trace = plan_trace(spec)
     rows = []
     for row in result.fitted()[:k]:
@@ -189,7 +186,7 @@ def verify_top(result: Any, spec: Any, out: Path, k: int) -> list[dict[str, Any]
                  "reason": why}
         if not why:
             engine = _engine_of(best_config(row, spec), _real_model(spec.space.model))
-            requests = scale_time(trace, row["capacity_rps"] / mean_rate(trace))
+            requests = replay_requests(trace, row["capacity_rps"], spec.duration_s)  # the twin's
             folder = replay(engine, Workload(tuple(requests), {"trace": spec.trace}),
                             out / "verify" / row["candidate_id"])[0]
             table = pd.read_csv(folder / "requests.csv")

@@ -149,3 +149,23 @@ def test_the_example_spec_parses() -> None:
     assert spec.space.hardware == ("a100-80gb", "h100-sxm", "h200")
     assert [s.key for s in spec.slos] == ["ttft_p90_ms", "tpot_p99_ms"]
     assert spec.duration_s == 60.0 and spec.price("h100-sxm") == 3.5
+
+
+def test_only_what_this_machine_runs_is_verifiable() -> None:
+    import torch
+
+    from twinserve.entrypoints.cli.plan import verifiable
+    gpu = {"hardware": "h100-sxm", "gpus": 2}
+    cpu = {"hardware": "cpu", "gpus": 1}
+    assert "checkpoint" in verifiable(gpu, "llama-3-8b")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU cases assume a machine without CUDA")
+    assert "needs 2 x h100-sxm (cuda); this machine has cpu" in verifiable(gpu, "smollm2-135m")
+    assert verifiable(cpu, "smollm2-135m") == ""
+    assert "needs 2 devices" in verifiable({**cpu, "gpus": 2}, "smollm2-135m")
+
+
+def test_serve_refuses_an_unknown_planned_hardware() -> None:
+    from twinserve.entrypoints.openai.server import warn_other_hardware
+    with pytest.raises(ValueError, match="b200"):
+        warn_other_hardware("b200")

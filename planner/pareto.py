@@ -3,8 +3,10 @@ configurations that cannot beat the best found.
 
 **The bound.** A plan ranks configurations by capacity per dollar: ``capacity_rps / (gpus *
 price)``. Before searching a configuration, it looks up the configurations already searched with
-the same hardware and engine arguments (``Candidate.replica_key``) on fewer GPUs, and bounds its
-capacity per GPU by ``slack`` times the best of theirs::
+the same hardware and engine arguments (``Candidate.replica_key``) on fewer GPUs, whose step times
+rest on the same kind of model (a measured fit, or a roofline: the twin may hold a fit at TP 1 and
+only a roofline at TP 2, and the two differ by more than any slack), and bounds its capacity per
+GPU by ``slack`` times the best of theirs::
 
     capacity(C) / gpus(C)  <=  slack * max { capacity(B) / gpus(B) : B searched, same key, gpus(B) < gpus(C) }
 

@@ -16,13 +16,13 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from twinserve.planner.pareto import Searched, capacity_bound, is_dominated
-from twinserve.planner.search import SearchOutcome, SearchTask, search_candidate
-from twinserve.planner.space import Candidate, memory_verdict
+from twinserve.planner.search import RateGrid, SearchOutcome, SearchTask, search_candidate
+from twinserve.planner.space import Candidate, size_candidate
 from twinserve.planner.spec import PlanSpec
 from twinserve.simulator.acceptance import AcceptanceProfile
 from twinserve.simulator.sweep import POINTS_DIR, execute
@@ -68,26 +68,28 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
     acceptance = (AcceptanceProfile.load(spec.acceptance_profile)
                   if spec.acceptance_profile is not None else None)
     fingerprint = _fingerprint(spec, len(trace))
+    grid = rate_grid(spec, len(trace))
     rows: dict[str, dict[str, Any]] = {}
-    live: list[Candidate] = []
+    live: dict[str, tuple[Candidate, tuple[Any, ...]]] = {}  # id -> candidate, dominance key
     for cand in spec.space.candidates():
-        reason = memory_verdict(cand, spec.space.model, spec.space.fixed, longest)
-        rows[cand.candidate_id] = _row(cand, spec, PRUNED if reason else "", reason)
-        if not reason:
-            live.append(cand)
+        sizing = size_candidate(cand, spec.space.model, spec.space.fixed, longest)
+        rows[cand.candidate_id] = _row(cand, spec, PRUNED if sizing.reason else "", sizing.reason)
+        if not sizing.reason:  # the bound compares step times of one kind (a fit, a roofline)
+            live[cand.candidate_id] = (cand, (*cand.replica_key, sizing.cost_basis))
     log(f"{len(rows)} configurations, {len(rows) - len(live)} pruned by memory")
     searched: list[Searched] = []
     totals = {"replays_run": 0, "replays_reused": 0, "stopped_early": 0}
-    for gpus in sorted({c.gpus for c in live}):
-        wave = [c for c in live if c.gpus == gpus]
-        tasks = _wave_tasks(wave, spec, searched, rows, points_dir, trace, fingerprint, acceptance)
+    for gpus in sorted({c.gpus for c, _ in live.values()}):
+        wave = [(c, key) for c, key in live.values() if c.gpus == gpus]
+        tasks = _wave_tasks(wave, spec, grid, searched, rows, points_dir, trace, fingerprint,
+                            acceptance)
         log(f"{gpus} GPU(s): searching {len(tasks)} of {len(wave)} configurations")
         outcomes: list[SearchOutcome] = []
         execute(tasks, backend, workers, address, outcomes.append, run=search_candidate)
         for outcome in outcomes:
-            row = rows[outcome.candidate_id.split(":")[1]]
-            _fill(row, outcome, spec)
-            searched.append(Searched(_key_of(row, live), row["gpus"], row["capacity_rps"]))
+            cid = outcome.candidate_id.split(":")[1]
+            _fill(rows[cid], outcome, grid)
+            searched.append(Searched(live[cid][1], rows[cid]["gpus"], rows[cid]["capacity_rps"]))
             totals["replays_run"] += outcome.replays_run
             totals["replays_reused"] += len(outcome.points) - outcome.replays_run
             totals["stopped_early"] += outcome.stopped_early
@@ -97,31 +99,44 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
     return PlanResult(ranked, stats)
 
 
-def _wave_tasks(wave: list[Candidate], spec: PlanSpec, searched: list[Searched],
-                rows: dict[str, dict[str, Any]], points_dir: Path, trace: list[TraceRequest],
-                fingerprint: str, acceptance: AcceptanceProfile | None) -> list[SearchTask]:
+def rate_grid(spec: PlanSpec, num_requests: int) -> RateGrid:
+    """The spec's grid, its highest rate lowered so that a replay of ``duration_s`` never runs
+    out of the trace's requests (a shorter replay at a high rate is one burst, see
+    ``search.replay_requests``)."""
+    if spec.duration_s is None:
+        return spec.grid
+    most = (num_requests - 1) / spec.duration_s
+    if most >= spec.grid.max_rps:
+        return spec.grid
+    if most < spec.grid.base_rps:
+        raise ValueError(f"workload: {num_requests} requests over duration_s {spec.duration_s:g} s "
+                         f"reach only {most:.3g} req/s, below search.base_rps "
+                         f"{spec.grid.base_rps:g}: take more requests or a shorter duration.")
+    return replace(spec.grid, max_rps=most)
+
+
+def _wave_tasks(wave: list[tuple[Candidate, tuple[Any, ...]]], spec: PlanSpec, grid: RateGrid,
+                searched: list[Searched], rows: dict[str, dict[str, Any]], points_dir: Path,
+                trace: list[TraceRequest], fingerprint: str,
+                acceptance: AcceptanceProfile | None) -> list[SearchTask]:
     best = max((r["capacity_per_dollar_hour"] for r in rows.values() if r["status"] == FITTED),
                default=math.nan)
     tasks = []
-    for cand in wave:
+    for cand, key in wave:
         price = spec.price(cand.hardware)
-        bound = capacity_bound(cand.replica_key, cand.gpus, searched, spec.dominance_slack)
+        bound = capacity_bound(key, cand.gpus, searched, spec.dominance_slack)
         if is_dominated(bound, cand.gpus, price, best):
             rows[cand.candidate_id].update(status=DOMINATED, capacity_bound_rps=bound, reason=(
                 f"capacity <= {bound:.3g} req/s (bound), so <= {bound / (cand.gpus * price):.3g} "
                 f"req/s per $/h, below the best found ({best:.3g})"))
             continue
         # the search starts where linear scaling from the smaller siblings puts it
-        estimate = capacity_bound(cand.replica_key, cand.gpus, searched, 1.0)
-        start = spec.grid.index_near(estimate) if estimate else 0
+        estimate = capacity_bound(key, cand.gpus, searched, 1.0)
+        start = grid.index_near(estimate) if estimate else 0
         tasks.append(SearchTask(str(points_dir / cand.folder), f"{fingerprint}:{cand.candidate_id}",
                                 cand.sim(spec.space.model, spec.space.fixed), trace, spec.slos,
-                                spec.grid, start, spec.early_stop, acceptance, spec.duration_s))
+                                grid, start, spec.early_stop, acceptance, spec.duration_s))
     return tasks
-
-
-def _key_of(row: dict[str, Any], live: list[Candidate]) -> tuple[Any, ...]:
-    return next(c.replica_key for c in live if c.candidate_id == row["candidate_id"])
 
 
 def _row(cand: Candidate, spec: PlanSpec, status: str, reason: str) -> dict[str, Any]:
@@ -137,11 +152,11 @@ def _row(cand: Candidate, spec: PlanSpec, status: str, reason: str) -> dict[str,
             "folder": f"{POINTS_DIR}/{cand.folder}"}
 
 
-def _fill(row: dict[str, Any], outcome: SearchOutcome, spec: PlanSpec) -> None:
+def _fill(row: dict[str, Any], outcome: SearchOutcome, grid: RateGrid) -> None:
     """The row of a searched configuration, from its replay at capacity."""
     row["replays"] = len(outcome.points)
     if outcome.capacity_index is None:
-        row.update(status=NO_CAPACITY, reason=f"fails the SLOs even at {spec.grid.min_rps:g} req/s")
+        row.update(status=NO_CAPACITY, reason=f"fails the SLOs even at {grid.min_rps:g} req/s")
         return
     summary = outcome.at_capacity["summary"]
     gpus, price = row["gpus"], row["price_per_gpu_hour"]
@@ -153,8 +168,9 @@ def _fill(row: dict[str, Any], outcome: SearchOutcome, spec: PlanSpec) -> None:
                output_tokens_per_s_per_user=1000.0 / tpot if tpot else math.nan,
                p90_ttft_ms=summary.get("p90_ttft_ms"), p99_tpot_ms=summary.get("p99_tpot_ms"),
                cost_per_m_output_tokens=gpus * price / (tokens * 3600.0) * 1e6 if tokens
-               else math.nan, reason="" if outcome.capacity_index < spec.grid.highest else
-               f"lower bound: passes at the grid's highest rate {spec.grid.max_rps:g} req/s")
+               else math.nan, reason="" if outcome.capacity_index < grid.highest else
+               f"lower bound: passes at the grid's highest rate {grid.rate(grid.highest):.4g} "
+               "req/s (search.max_rps, or the most the trace holds over duration_s)")
 
 
 def _rank(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -173,6 +189,6 @@ def _fingerprint(spec: PlanSpec, num_requests: int) -> str:
     blob = json.dumps({"model": spec.space.model, "fixed": spec.space.fixed,
                        "slos": [asdict(s) for s in spec.slos], "trace": spec.trace,
                        "num_requests": num_requests, "duration_s": spec.duration_s,
-                       "grid": asdict(spec.grid),
+                       "grid": asdict(rate_grid(spec, num_requests)),
                        "acceptance": spec.acceptance_profile}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -21,6 +21,7 @@ from typing import Any
 from twinserve.core.engine_args import EngineArgs
 from twinserve.policies import available_policies
 from twinserve.routers import available_routers
+from twinserve.simulator.cost_model import CostModel
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.run import SimConfig, build_engine_config
 
@@ -195,22 +196,37 @@ def _known(name: str, values: tuple[Any, ...], valid: Any) -> None:
                              f"{', '.join(str(v) for v in valid)}.")
 
 
-def memory_verdict(candidate: Candidate, model: str, fixed: dict[str, Any],
-                   longest_request: int) -> str:
-    """Why ``candidate`` cannot serve the workload ("" when it can): one replica must hold the
-    weights and the KV cache of at least one request of ``longest_request`` tokens (prompt and
-    output), as the twin sizes them (``simulator.run.build_engine_config``, vLLM's memory
-    accounting: per-GPU weights at this TP, activations, ``gpu_memory_utilization``)."""
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """A candidate as the twin sizes it: why it cannot serve the workload ("" when it can) and
+    what its step times rest on (``roofline``, or ``fitted`` to measurements)."""
+
+    reason: str
+    cost_basis: str
+
+
+def size_candidate(candidate: Candidate, model: str, fixed: dict[str, Any],
+                   longest_request: int) -> Sizing:
+    """One replica must hold the weights and the KV cache of at least one request of
+    ``longest_request`` tokens (prompt and output), as the twin sizes them
+    (``simulator.run.build_engine_config``, vLLM's memory accounting: per-GPU weights at this TP,
+    activations, ``gpu_memory_utilization``)."""
     try:
         build = build_engine_config(SimConfig.from_flat(candidate.sim(model, fixed)))
     except ValueError as exc:
-        return str(exc)
-    sched = build.engine_config.scheduler
-    kv_tokens = sched.num_gpu_blocks * candidate_block_size(fixed)
+        return Sizing(str(exc), "")
+    basis = "roofline" if isinstance(build.cost_model, CostModel) else "fitted"
+    kv_tokens = build.engine_config.scheduler.num_gpu_blocks * candidate_block_size(fixed)
     if kv_tokens < longest_request:
-        return (f"the KV cache holds {kv_tokens} tokens per replica, less than the longest "
-                f"request's {longest_request}.")
-    return ""
+        return Sizing(f"the KV cache holds {kv_tokens} tokens per replica, less than the longest "
+                      f"request's {longest_request}.", basis)
+    return Sizing("", basis)
+
+
+def memory_verdict(candidate: Candidate, model: str, fixed: dict[str, Any],
+                   longest_request: int) -> str:
+    """Why ``candidate`` cannot serve the workload ("" when it can): ``size_candidate``'s reason."""
+    return size_candidate(candidate, model, fixed, longest_request).reason
 
 
 def candidate_block_size(fixed: dict[str, Any]) -> int:

@@ -12,11 +12,18 @@ from hypothesis import strategies as st
 
 from twinserve.core.metrics import RequestRecord
 from twinserve.planner.output import front_table
-from twinserve.planner.plan import FITTED, PlanResult, _fill, _rank, plan_trace, run_plan
-from twinserve.planner.search import RateGrid, SearchOutcome, SearchTask, bracket, replay_point
+from twinserve.planner.plan import FITTED, PlanResult, _fill, _rank, plan_trace, rate_grid, run_plan
+from twinserve.planner.search import (
+    RateGrid,
+    SearchOutcome,
+    SearchTask,
+    bracket,
+    replay_point,
+    replay_requests,
+)
 from twinserve.planner.slo import FAIL, PASS, Slo, VerdictTracker, parse_slo
 from twinserve.planner.spec import parse_plan
-from twinserve.simulator.run import SimConfig
+from twinserve.simulator.run import SimConfig, simulate
 
 SMALL = {"model": "llama-3-8b", "hardware": ["a100-80gb", "h100-sxm"], "max_gpus": 2,
          "workload": {"trace": "azure-conv", "num_requests": 400, "duration_s": 8},
@@ -47,23 +54,24 @@ def _exhaustive(spec, out) -> PlanResult:
     the highest rate below the first failing one."""
     planned = run_plan(spec, out / "plan")
     trace = plan_trace(spec)
+    grid = rate_grid(spec, len(trace))
     rows = []
     for row in planned.rows:
         row = dict(row)
-        task = SearchTask("", row["candidate_id"], {}, trace, spec.slos, spec.grid,
+        task = SearchTask("", row["candidate_id"], {}, trace, spec.slos, grid,
                           early_stop=False, duration_s=spec.duration_s)
         cfg = SimConfig.from_flat(_sim(row, spec))
         points, best = {}, None
-        for k in range(spec.grid.lowest, spec.grid.highest + 1):
+        for k in range(grid.lowest, grid.highest + 1):
             points[k] = replay_point(cfg, task, k)
             if points[k]["verdict"] == FAIL:
                 break
             best = k
         outcome = SearchOutcome(row["candidate_id"], best,
-                                spec.grid.rate(best) if best is not None else math.nan,
+                                grid.rate(best) if best is not None else math.nan,
                                 points[best] if best is not None else {},
                                 {k: p["verdict"] for k, p in points.items()}, len(points), 0, 0.0)
-        _fill(row, outcome, spec)
+        _fill(row, outcome, grid)
         rows.append(row)
     return planned, PlanResult(sorted(rows, key=_rank))
 
@@ -121,6 +129,12 @@ def test_early_stopping_never_changes_a_verdict(hardware, seqs, k, ttft, tpot, p
     full = replay_point(cfg, replace(task, early_stop=False), k)
     assert early["verdict"] == full["verdict"]
     assert full["finished"] == full["num_requests"]
+    # stopping on either decided verdict (a pass too) gives the full replay's verdict as well
+    requests = replay_requests(trace, task.grid.rate(k), task.duration_s)
+    both = VerdictTracker(slos, len(requests), stop_on=(FAIL, PASS))
+    stopped = simulate(cfg, requests, stop_when=both.update)
+    both.update(stopped.records)
+    assert both.final() == full["verdict"]
 
 
 def test_early_stopping_stops_an_overloaded_replay() -> None:
@@ -148,3 +162,12 @@ def test_the_tracker_decides_as_soon_as_the_verdict_is_known() -> None:
     passing = VerdictTracker((slo,), total=4, stop_on=(PASS,))
     assert passing.update([_record(0.01), _record(0.02)]) and passing.decided == PASS
     assert VerdictTracker((slo,), total=4).final() == FAIL  # requests never recorded miss
+
+
+def test_the_grid_stops_where_the_trace_runs_out() -> None:
+    spec = parse_plan({**SMALL, "workload": {"num_requests": 401, "duration_s": 20}})
+    grid = rate_grid(spec, 401)
+    assert grid.max_rps == pytest.approx(20.0) and grid.rate(grid.highest) <= 20.0
+    assert len(replay_requests(plan_trace(spec), grid.rate(grid.highest), 20.0)) <= 401
+    with pytest.raises(ValueError, match="base_rps"):
+        rate_grid(parse_plan({**SMALL, "workload": {"num_requests": 5, "duration_s": 20}}), 5)

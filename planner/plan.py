@@ -158,9 +158,12 @@ def _fill(row: dict[str, Any], outcome: SearchOutcome, grid: RateGrid) -> None:
     if outcome.capacity_index is None:
         row.update(status=NO_CAPACITY, reason=f"fails the SLOs even at {grid.min_rps:g} req/s")
         return
-    summary = outcome.at_capacity["summary"]
+    point = outcome.at_capacity
+    summary = point["summary"]
     gpus, price = row["gpus"], row["price_per_gpu_hour"]
-    tokens = float(summary["output_throughput"])
+    # sustained output: the capacity times the tokens a request asks for (the replay's own
+    # output_throughput divides by its whole length, the drain after the last arrival included)
+    tokens = outcome.capacity_rps * float(point["mean_output_tokens"])
     tpot = summary.get("mean_tpot_ms")
     row.update(status=FITTED, capacity_rps=outcome.capacity_rps,
                capacity_per_dollar_hour=outcome.capacity_rps / (gpus * price),

@@ -37,7 +37,7 @@ from twinserve.simulator.run import SimConfig, simulate
 from twinserve.simulator.sweep_spec import mean_rate
 from twinserve.traces import TraceRequest, scale_time
 
-POINT_VERSION = 1  # part of every point file: bump when a point's meaning changes
+POINT_VERSION = 2  # part of every point file: bump when a point's meaning changes
 SUMMARY_KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "p90_ttft_ms",
                 "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "p90_e2el_ms")
 
@@ -199,6 +199,7 @@ def replay_point(cfg: SimConfig, task: SearchTask, k: int) -> dict[str, Any]:
     summary = {key: result.summary.get(key) for key in SUMMARY_KEYS} if verdict == PASS else {}
     return {"version": POINT_VERSION, "candidate_id": task.candidate_id, "k": k, "rate_rps": rate,
             "num_requests": len(trace), "span_s": trace[-1].arrival_time - trace[0].arrival_time,
+            "mean_output_tokens": sum(r.output_tokens for r in trace) / len(trace),
             "verdict": verdict, "attainment": tracker.attainment(),
             "finished": len(result.records), "stopped_early": len(result.records) < len(trace),
             "summary": summary, "wall_time_s": result.wall_time_s}

@@ -32,9 +32,9 @@ FRONTS = (("throughput", "output_tokens_per_s_per_gpu", "output_tokens_per_s_per
 RESOLVED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
                  "max_waiting_tokens")
 VLLM_POLICIES = ("fcfs", "priority")
-TOP_COLUMNS = ("name", "gpus", "capacity_rps", "capacity_per_dollar_hour",
+TOP_COLUMNS = ("name", "gpus", "capacity_rps", "cost_per_m_output_tokens",
                "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_user", "p90_ttft_ms",
-               "cost_per_m_output_tokens")
+               "capacity_per_dollar_hour")
 
 
 def plan_table(result: PlanResult) -> pd.DataFrame:
@@ -131,7 +131,7 @@ def write_outputs(result: PlanResult, spec: PlanSpec, out: Path) -> dict[str, Pa
 
 
 def top_table(result: PlanResult, n: int = 10) -> str:
-    """The ``n`` best configurations, as text."""
+    """The ``n`` best configurations (the cheapest per output token first), as text."""
     fitted = [r for r in result.rows if r["status"] == FITTED][:n]
     if not fitted:
         return "no configuration meets the SLOs."

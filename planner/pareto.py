@@ -1,22 +1,23 @@
 """Pareto fronts of the searched configurations, and the bound that lets a plan skip the
 configurations that cannot beat the best found.
 
-**The bound.** A plan ranks configurations by capacity per dollar: ``capacity_rps / (gpus *
-price)``. Before searching a configuration, it looks up the configurations already searched with
-the same hardware and engine arguments (``Candidate.replica_key``) on fewer GPUs, whose step times
-rest on the same kind of model (a measured fit, or a roofline: the twin may hold a fit at TP 1 and
-only a roofline at TP 2, and the two differ by more than any slack), and bounds its capacity per
-GPU by ``slack`` times the best of theirs::
+**The bound.** A plan ranks configurations by cost per output token, that is by sustained output
+tokens/s (at capacity) per dollar-hour: ``tokens / (gpus * price)``. Before searching a
+configuration, it looks up the configurations already searched with the same hardware and engine
+arguments (``Candidate.replica_key``) on fewer GPUs, whose step times rest on the same kind of
+model (a measured fit, or a roofline: the twin may hold a fit at TP 1 and only a roofline at TP 2,
+and the two differ by more than any slack), and bounds its throughput per GPU by ``slack`` times
+the best of theirs::
 
-    capacity(C) / gpus(C)  <=  slack * max { capacity(B) / gpus(B) : B searched, same key, gpus(B) < gpus(C) }
+    tokens(C) / gpus(C)  <=  slack * max { tokens(B) / gpus(B) : B searched, same key, gpus(B) < gpus(C) }
 
 that is, adding GPUs to the same engine (more replicas, a larger TP or PP) does not raise the
-capacity per GPU by more than ``slack``. Replicas behind a router scale about linearly (a router
+throughput per GPU by more than ``slack``. Replicas behind a router scale about linearly (a router
 can only pool load: a little better than linear at most), a larger TP pays all-reduces, PP a
 bubble; the slack (default 1.5) covers what a larger TP gains from the KV memory its weights free,
 and what pooling gains. It is an assumption about serving, not a theorem: ``slack`` 0 turns
 skipping off, and the plan then searches every configuration. A configuration is skipped
-(``dominated``) when its bound on capacity per dollar is below the best capacity per dollar
+(``dominated``) when its bound per dollar is below the best throughput per dollar
 already found. A base with no capacity bounds nothing.
 """
 
@@ -54,7 +55,8 @@ class Searched:
 
 def capacity_bound(key: tuple[object, ...], gpus: int, searched: Sequence[Searched],
                    slack: float) -> float | None:
-    """The bound above on the capacity (req/s) of a configuration of ``key`` on ``gpus`` GPUs;
+    """The bound above on the capacity (the unit of ``searched``'s) of a configuration of ``key`` on
+    ``gpus`` GPUs;
     ``None`` when no base bounds it (none searched, or none with capacity, or slack 0)."""
     if slack <= 0:
         return None
@@ -65,9 +67,9 @@ def capacity_bound(key: tuple[object, ...], gpus: int, searched: Sequence[Search
     return slack * max(per_gpu) * gpus
 
 
-def is_dominated(bound_rps: float | None, gpus: int, price: float, best_per_dollar: float) -> bool:
-    """Whether a configuration whose capacity is at most ``bound_rps`` cannot beat the best
-    capacity per dollar-hour found (req/s per $/h)."""
-    if bound_rps is None or not best_per_dollar > 0:
+def is_dominated(bound: float | None, gpus: int, price: float, best_per_dollar: float) -> bool:
+    """Whether a configuration whose capacity is at most ``bound`` (any unit: output tokens/s
+    for the plan) cannot beat the best capacity per dollar-hour found, in the same unit."""
+    if bound is None or not best_per_dollar > 0:
         return False
-    return bound_rps / (gpus * price) < best_per_dollar
+    return bound / (gpus * price) < best_per_dollar

@@ -34,7 +34,7 @@ FITTED, PRUNED, DOMINATED, NO_CAPACITY = "fitted", "pruned-memory", "dominated",
 
 @dataclass(slots=True)
 class PlanResult:
-    rows: list[dict[str, Any]]  # one per configuration, ranked: fitted by capacity per dollar
+    rows: list[dict[str, Any]]  # one per configuration, ranked: fitted by cost per output token
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -77,19 +77,22 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
         if not sizing.reason:  # the bound compares step times of one kind (a fit, a roofline)
             live[cand.candidate_id] = (cand, (*cand.replica_key, sizing.cost_basis))
     log(f"{len(rows)} configurations, {len(rows) - len(live)} pruned by memory")
-    searched: list[Searched] = []
+    searched: list[Searched] = []  # their capacity in req/s (where a search starts)
+    sustained: list[Searched] = []  # in output tokens/s (the dominance bound)
     totals = {"replays_run": 0, "replays_reused": 0, "stopped_early": 0}
     for gpus in sorted({c.gpus for c, _ in live.values()}):
         wave = [(c, key) for c, key in live.values() if c.gpus == gpus]
-        tasks = _wave_tasks(wave, spec, grid, searched, rows, points_dir, trace, fingerprint,
-                            acceptance)
+        tasks = _wave_tasks(wave, spec, grid, (searched, sustained), rows, points_dir, trace,
+                            fingerprint, acceptance)
         log(f"{gpus} GPU(s): searching {len(tasks)} of {len(wave)} configurations")
         outcomes: list[SearchOutcome] = []
         execute(tasks, backend, workers, address, outcomes.append, run=search_candidate)
         for outcome in outcomes:
             cid = outcome.candidate_id.split(":")[1]
             _fill(rows[cid], outcome, grid)
-            searched.append(Searched(live[cid][1], rows[cid]["gpus"], rows[cid]["capacity_rps"]))
+            key, row = live[cid][1], rows[cid]
+            searched.append(Searched(key, row["gpus"], row["capacity_rps"]))
+            sustained.append(Searched(key, row["gpus"], row["output_tokens_per_s"]))
             totals["replays_run"] += outcome.replays_run
             totals["replays_reused"] += len(outcome.points) - outcome.replays_run
             totals["stopped_early"] += outcome.stopped_early
@@ -116,22 +119,24 @@ def rate_grid(spec: PlanSpec, num_requests: int) -> RateGrid:
 
 
 def _wave_tasks(wave: list[tuple[Candidate, tuple[Any, ...]]], spec: PlanSpec, grid: RateGrid,
-                searched: list[Searched], rows: dict[str, dict[str, Any]], points_dir: Path,
+                searched: tuple[list[Searched], list[Searched]], rows: dict[str, dict[str, Any]],
+                points_dir: Path,
                 trace: list[TraceRequest], fingerprint: str,
                 acceptance: AcceptanceProfile | None) -> list[SearchTask]:
-    best = max((r["capacity_per_dollar_hour"] for r in rows.values() if r["status"] == FITTED),
-               default=math.nan)
+    by_rate, by_tokens = searched
+    best = max((r["output_tokens_per_s"] / (r["gpus"] * r["price_per_gpu_hour"])
+                for r in rows.values() if r["status"] == FITTED), default=math.nan)
     tasks = []
     for cand, key in wave:
         price = spec.price(cand.hardware)
-        bound = capacity_bound(key, cand.gpus, searched, spec.dominance_slack)
+        bound = capacity_bound(key, cand.gpus, by_tokens, spec.dominance_slack)
         if is_dominated(bound, cand.gpus, price, best):
-            rows[cand.candidate_id].update(status=DOMINATED, capacity_bound_rps=bound, reason=(
-                f"capacity <= {bound:.3g} req/s (bound), so <= {bound / (cand.gpus * price):.3g} "
-                f"req/s per $/h, below the best found ({best:.3g})"))
+            rows[cand.candidate_id].update(status=DOMINATED, bound_tokens_per_s=bound, reason=(
+                f"output <= {bound:.4g} tok/s (bound), so <= {bound / (cand.gpus * price):.4g} "
+                f"tok/s per $/h, below the best found ({best:.4g})"))
             continue
         # the search starts where linear scaling from the smaller siblings puts it
-        estimate = capacity_bound(key, cand.gpus, searched, 1.0)
+        estimate = capacity_bound(key, cand.gpus, by_rate, 1.0)
         start = grid.index_near(estimate) if estimate else 0
         tasks.append(SearchTask(str(points_dir / cand.folder), f"{fingerprint}:{cand.candidate_id}",
                                 cand.sim(spec.space.model, spec.space.fixed), trace, spec.slos,
@@ -148,7 +153,7 @@ def _row(cand: Candidate, spec: PlanSpec, status: str, reason: str) -> dict[str,
             "output_tokens_per_s": math.nan, "output_tokens_per_s_per_gpu": math.nan,
             "output_tokens_per_s_per_user": math.nan, "p90_ttft_ms": math.nan,
             "p99_tpot_ms": math.nan, "cost_per_m_output_tokens": math.nan,
-            "capacity_bound_rps": math.nan, "replays": 0, "reason": reason,
+            "bound_tokens_per_s": math.nan, "replays": 0, "reason": reason,
             "folder": f"{POINTS_DIR}/{cand.folder}"}
 
 
@@ -177,9 +182,10 @@ def _fill(row: dict[str, Any], outcome: SearchOutcome, grid: RateGrid) -> None:
 
 
 def _rank(row: dict[str, Any]) -> tuple[Any, ...]:
+    """Fitted first, by cost per million output tokens (then fewer GPUs), then the others."""
     order = {FITTED: 0, NO_CAPACITY: 1, DOMINATED: 2, PRUNED: 3}[row["status"]]
-    value = row["capacity_per_dollar_hour"]
-    return (order, -(value if value == value else 0.0), row["gpus"], row["name"])
+    cost = row["cost_per_m_output_tokens"]
+    return (order, cost if cost == cost else math.inf, row["gpus"], row["name"])
 
 
 def _count(rows: list[dict[str, Any]]) -> dict[str, int]:

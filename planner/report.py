@@ -64,7 +64,7 @@ def write_report(result: PlanResult, front: pd.DataFrame, path: Path, title: str
     top = [[r[c] if not isinstance(r[c], float) else f"{r[c]:.4g}" for c in TOP_COLUMNS]
            for r in result.fitted()[:10]]
     body = [f'<p class="meta">{html.escape(settings)}</p>', f'<p class="meta">{html.escape(stats)}</p>',
-            "<h2>Top configurations (capacity per dollar)</h2>",
+            "<h2>Top configurations (the cheapest per output token first)</h2>",
             _table_html(list(TOP_COLUMNS), top) if top else '<p class="note">None met the SLOs.</p>']
     path.write_text(render_page(title, body, built), encoding="utf-8")
     return path

@@ -52,6 +52,15 @@ def canonical_hardware(name: str) -> str:
         raise ValueError(f"hardware {name!r}: {exc}") from None
 
 
+def plan_hardware(name: str) -> str:
+    """The name a plan carries for a hardware profile: a profile file (a calibrated one) by its
+    path as given, a bundled profile by its own name (``h100`` -> ``h100-sxm``)."""
+    if Path(name).expanduser().is_file():
+        canonical_hardware(name)  # ValueError naming a file that is not a profile
+        return name
+    return canonical_hardware(name)
+
+
 def check_price(name: str, price: object) -> float:
     if isinstance(price, bool) or not isinstance(price, (int, float)) or not math.isfinite(price) \
             or price <= 0:

@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from twinserve.planner.prices import PriceTable, bundled_prices, canonical_hardware, check_price
+from twinserve.planner.prices import PriceTable, bundled_prices, check_price, plan_hardware
 from twinserve.planner.search import RateGrid
 from twinserve.planner.slo import Slo, parse_slo
 from twinserve.planner.space import PlanSpace
@@ -152,7 +152,7 @@ def _space(data: Mapping[str, Any]) -> PlanSpace:
     hardware = hardware.split(",") if isinstance(hardware, str) else hardware
     if not isinstance(hardware, list) or not all(isinstance(h, str) for h in hardware):
         raise ValueError(f"hardware: expected a list of profile names, got {hardware!r}.")
-    names = tuple(dict.fromkeys(canonical_hardware(h.strip()) for h in hardware))
+    names = tuple(dict.fromkeys(plan_hardware(h.strip()) for h in hardware))
     axes = _table(data, "space")
     _check_keys(axes, tuple(SPACE_KEYS), "space")
     kwargs: dict[str, Any] = {}

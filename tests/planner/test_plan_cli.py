@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -141,8 +143,6 @@ def test_the_command_writes_the_plan(tmp_path, capsys) -> None:
 
 
 def test_the_example_spec_parses() -> None:
-    from pathlib import Path
-
     from twinserve.planner.spec import load_plan_file
     path = Path(__file__).resolve().parents[2] / "examples" / "plan_azure.yaml"
     spec = parse_plan(load_plan_file(path), str(path))
@@ -169,3 +169,15 @@ def test_serve_refuses_an_unknown_planned_hardware() -> None:
     from twinserve.entrypoints.openai.server import warn_other_hardware
     with pytest.raises(ValueError, match="b200"):
         warn_other_hardware("b200")
+
+
+def test_a_calibrated_profile_file_is_planned_by_its_path(tmp_path) -> None:
+    import shutil
+
+    from twinserve.simulator import hardware
+    profile = tmp_path / "my-cpu.json"
+    shutil.copy(Path(hardware.__file__).parent / "data" / "hardware" / "cpu.json", profile)
+    spec = parse_plan({**BASE, "model": "smollm2-135m", "hardware": [str(profile)],
+                       "prices": {"cpu": 0.05}})
+    assert spec.space.hardware == (str(profile),)
+    assert spec.price(str(profile)) == 0.05  # priced by the profile's name

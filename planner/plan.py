@@ -130,7 +130,7 @@ def _wave_tasks(wave: list[tuple[Candidate, tuple[Any, ...]]], spec: PlanSpec, g
     for cand, key in wave:
         price = spec.price(cand.hardware)
         bound = capacity_bound(key, cand.gpus, by_tokens, spec.dominance_slack)
-        if is_dominated(bound, cand.gpus, price, best):
+        if bound is not None and is_dominated(bound, cand.gpus, price, best):
             rows[cand.candidate_id].update(status=DOMINATED, bound_tokens_per_s=bound, reason=(
                 f"output <= {bound:.4g} tok/s (bound), so <= {bound / (cand.gpus * price):.4g} "
                 f"tok/s per $/h, below the best found ({best:.4g})"))

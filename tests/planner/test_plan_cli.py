@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -139,6 +140,12 @@ def test_the_command_writes_the_plan(tmp_path, capsys) -> None:
     for name in ("plan.csv", "front.csv", "best.yaml", "plan.html", "verify.csv"):
         assert (out / name).is_file(), name
     assert "tpot_p99_ms=80" in (out / "best.yaml").read_text()
+    page = (out / "plan.html").read_text()
+    assert 'data-plots-expected="3"' in page and "Top configurations" in page
+    plan = pd.read_csv(out / "plan.csv")
+    assert set(plan["status"]) <= {"fitted", "no-capacity", "dominated", "pruned-memory"}
+    assert {"capacity_rps", "cost_per_m_output_tokens", "output_tokens_per_s_per_gpu",
+            "output_tokens_per_s_per_user"} <= set(plan.columns)
     assert "needs 1 x h100-sxm" in printed or "checkpoint" in printed  # not verifiable here
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -280,7 +280,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              structured: StructuredWorkload | None = None,
              decode_runs: bool = True, lazy_prompts: bool = True,
              router: Router | None = None,
-             acceptance: AcceptanceProfile | None = None) -> SimResult:
+             acceptance: AcceptanceProfile | None = None,
+             stop_when: Callable[[Sequence[RequestRecord]], bool] | None = None) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
@@ -291,8 +292,12 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     replicas record KV events only when the router reads them;
     ``acceptance``: the drafts' measured acceptance (with speculation; else the configuration's
     ``synthetic_acceptance_rate``), the step time charged for verification and proposer
-    (``spec_cost``)."""
+    (``spec_cost``); ``stop_when``: asked with the records finished so far each time requests
+    finish, ends the replay early when it returns True (the planner's decided verdicts): the
+    result then holds only the requests finished by then."""
     if cfg.disaggregated:
+        if stop_when is not None:
+            raise ValueError("stop_when is not supported with a disaggregated fleet yet.")
         return _simulate_disaggregated(cfg, trace, adapters, structured, router, acceptance,
                                        lazy_prompts)
     t0 = time.perf_counter()
@@ -345,6 +350,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         for replica in replicas:
             env.process(engine_process(env, replica) if queued is None
                         else pipelined_engine_process(env, replica, queued))
+        if stop_when is not None:
+            recorder.on_finish = _stopper(env, recorder, stop_when, recorder.on_finish)
         env.run()
     if bar is not None:
         bar.close()
@@ -383,6 +390,22 @@ def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
     spec = load_model_spec(cfg.model)
     requests = _engine_requests(trace, spec.vocab_size, args.block_size, None, lazy_prompts)
     return simulate_disaggregated(cfg, trace, requests)
+
+
+def _stopper(env: simpy.Environment, recorder: RunRecorder,
+             stop_when: Callable[[Sequence[RequestRecord]], bool],
+             then: Callable[[int], None] | None) -> Callable[[int], None]:
+    """``recorder.on_finish`` that stops ``env`` (SimPy's own ``until`` mechanism: an event
+    whose callback raises ``StopSimulation``) once ``stop_when`` holds."""
+    stop = env.event()
+    stop.callbacks.append(simpy.core.StopSimulation.callback)
+
+    def on_finish(n: int) -> None:
+        if then is not None:
+            then(n)
+        if not stop.triggered and stop_when(recorder.requests):
+            stop.succeed()
+    return on_finish
 
 
 def _kernel_mismatch(cost: DeviceCostModel, cfg: SimConfig) -> str:

@@ -134,35 +134,39 @@ def _trace_desc(point: SweepPoint, trace: list[TraceRequest]) -> dict[str, Any]:
 # ---------------------------------------------------------------- running many
 
 
-def execute(tasks: list[PointTask], backend: str, workers: int | None, address: str | None,
-            on_done: Callable[[PointDone], None]) -> None:
-    """Runs the tasks on the backend, calling ``on_done`` as each finishes."""
+def execute(tasks: list[Any], backend: str, workers: int | None, address: str | None,
+            on_done: Callable[[Any], None], run: Callable[[Any], Any] = run_point) -> None:
+    """Runs ``run(task)`` for each task on the backend, calling ``on_done`` with each result as
+    it finishes. ``run`` (a module-level function, for the worker processes to import) and the
+    tasks (picklable, with a ``folder`` named on errors) default to the sweep's points; the
+    planner passes its own."""
     if not tasks:
         return
     if backend == "ray":
-        _run_ray(tasks, address, workers, on_done)
+        _run_ray(tasks, address, workers, on_done, run)
     else:
-        _run_local(tasks, workers or os.cpu_count() or 1, on_done)
+        _run_local(tasks, workers or os.cpu_count() or 1, on_done, run)
 
 
-def _run_local(tasks: list[PointTask], workers: int, on_done: Callable[[PointDone], None]) -> None:
+def _run_local(tasks: list[Any], workers: int, on_done: Callable[[Any], None],
+               run: Callable[[Any], Any]) -> None:
     if workers == 1 or len(tasks) == 1:
         for task in tasks:
-            on_done(_named(task, partial(run_point, task)))
+            on_done(_named(task, partial(run, task)))
         return
     # spawn, not fork: the parent may hold threads (tqdm's monitor, a Ray driver).
     pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)),
                                mp_context=multiprocessing.get_context("spawn"))
     try:
-        futures = {pool.submit(run_point, task): task for task in tasks}
+        futures = {pool.submit(run, task): task for task in tasks}
         for future in as_completed(futures):
             on_done(_named(futures[future], future.result))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _run_ray(tasks: list[PointTask], address: str | None, workers: int | None,
-             on_done: Callable[[PointDone], None]) -> None:
+def _run_ray(tasks: list[Any], address: str | None, workers: int | None,
+             on_done: Callable[[Any], None], run: Callable[[Any], Any]) -> None:
     import ray  # optional dependency: pip install twinserve[ray]
 
     started = not ray.is_initialized()
@@ -171,7 +175,7 @@ def _run_ray(tasks: list[PointTask], address: str | None, workers: int | None,
                  include_dashboard=False, configure_logging=False)
     pending: dict[Any, PointTask] = {}
     try:
-        remote = ray.remote(num_cpus=1)(run_point)
+        remote = ray.remote(num_cpus=1)(run)
         pending.update({remote.remote(task): task for task in tasks})
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
@@ -184,14 +188,13 @@ def _run_ray(tasks: list[PointTask], address: str | None, workers: int | None,
             ray.shutdown()
 
 
-def _ray_result(ref: Any) -> PointDone:
+def _ray_result(ref: Any) -> Any:
     import ray
 
-    done: PointDone = ray.get(ref)
-    return done
+    return ray.get(ref)
 
 
-def _named(task: PointTask, result: Callable[[], PointDone]) -> PointDone:
+def _named(task: Any, result: Callable[[], Any]) -> Any:
     """``result()``, with the folder of the point it belongs to noted on any error."""
     try:
         return result()

@@ -6,6 +6,8 @@
 - ``spec_decode/`` (draft proposers without a model) imports ``core/`` only, and no torch;
 - ``simulator/`` and ``gpu/`` import ``core/``, ``policies/``, ``traces/`` and ``spec_decode/``,
   never each other; ``simulator/`` may import ``routers/``;
+- ``planner/`` (the deployment search over twin runs) imports ``core/``, ``policies/``,
+  ``traces/``, ``routers/``, ``simulator/`` and ``reports/``;
 - ``reports/`` imports ``core/`` only (it reads run results; no backend, no entry point);
 - ``fidelity/`` (twin against reality) imports ``core/``, ``policies/``, ``traces/``,
   ``simulator/``, ``gpu/`` and ``reports/``; only ``entrypoints/`` and ``benchmarks/`` import it.
@@ -20,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FOLDERS = ("core", "policies", "routers", "simulator", "gpu", "traces", "reports", "fidelity",
-                   "entrypoints", "benchmarks", "spec_decode")
+                   "entrypoints", "benchmarks", "spec_decode", "planner")
 ALLOWED = {  # the project folders each folder may import, itself included
     "core": {"core"},
     "policies": {"policies", "core"},
@@ -30,6 +32,7 @@ ALLOWED = {  # the project folders each folder may import, itself included
     "simulator": {"simulator", "core", "policies", "traces", "routers", "spec_decode"},
     "gpu": {"gpu", "core", "policies", "traces", "spec_decode"},
     "reports": {"reports", "core"},
+    "planner": {"planner", "core", "policies", "traces", "routers", "simulator", "reports"},
     "fidelity": {"fidelity", "core", "policies", "traces", "simulator", "gpu", "reports",
                  "routers"},
 }

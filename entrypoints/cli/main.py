@@ -195,6 +195,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("the main job: simulate policies, run the real engine, report", "subcommands:demo"),
     "sweep": ("grid of simulations (local processes or Ray), capacity, report",
               "subcommands:sweep"),
+    "plan": ("the deployment meeting the SLOs at the least cost (twin search)", "subcommands:plan"),
     "serve": ("OpenAI-compatible HTTP server on the real engine", "subcommands:serve"),
     "calibrate": ("fit the simulator's step time to the real backend", "subcommands:calibrate"),
     "validate": ("replay a trace on the real engine and its twin; errors",

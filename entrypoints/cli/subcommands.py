@@ -33,6 +33,15 @@ def sweep(sub) -> None:
     p.set_defaults(handler=run_sweep_cli)
 
 
+def plan(sub) -> None:
+    from twinserve.entrypoints.cli.plan import add_plan_args, run_plan_cli
+    p = sub.add_parser("plan", help="the deployment meeting the SLOs at the least cost (twin search)",
+                       description="Search hardware, parallelism, replicas, routers and engine "
+                       "settings on the twin for the cheapest deployment meeting the SLOs.")
+    add_plan_args(p)
+    p.set_defaults(handler=run_plan_cli)
+
+
 def serve(sub) -> None:
     from twinserve.entrypoints.openai.server import add_serve_args, run_server
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the real engine",

@@ -364,6 +364,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="HF model directory (default: the bundled SmolLM2-135M-Instruct)")
     add_engine_args(parser)
     server = parser.add_argument_group("server")
+    server.add_argument("--hardware", default=None, metavar="PROFILE",
+                        help="the GPU profile a planned configuration was sized for (twinserve "
+                             "plan's best.yaml): the server warns when this machine differs")
     server.add_argument("--served-model-name", default=None,
                         help="the model id clients send (default: --model as given)")
     server.add_argument("--host", default="127.0.0.1")
@@ -447,6 +450,27 @@ def build_async_engine(args: argparse.Namespace) -> Any:
     return AsyncEngine(engine)
 
 
+def warn_other_hardware(profile: str | None) -> None:
+    """With ``--hardware`` (a planned configuration), warns when this machine's device is not the
+    profile's kind or its memory differs by more than 5% (batch limits were sized for it)."""
+    if profile is None:
+        return
+    import torch
+
+    from twinserve.simulator.hardware import load_hardware
+    hw = load_hardware(profile)  # ValueError naming an unknown profile, before the engine loads
+    wanted = hw.platform().device_type
+    have = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted != have:
+        logger.warning("twinserve: this configuration was planned for %s (%s); running on %s",
+                       hw.name, wanted, have)
+    elif have == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        if abs(total - hw.mem_capacity) > 0.05 * hw.mem_capacity:
+            logger.warning("twinserve: this configuration was planned for %s (%.0f GiB); this "
+                           "device has %.0f GiB", hw.name, hw.mem_capacity / 2**30, total / 2**30)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Builds the engine from ``args``, serves until SIGINT/SIGTERM, then stops the engine."""
     import uvicorn
@@ -456,6 +480,7 @@ def run_server(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules needs --enable-lora (LoRA adapters are served only "
                          "with LoRA enabled).")
     static_lora_modules(args, served_model_name(args, None))  # a bad entry before the engine
+    warn_other_hardware(getattr(args, "hardware", None))
     async_engine = build_async_engine(args)
     try:
         app = build_app(async_engine, args)

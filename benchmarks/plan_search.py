@@ -1,0 +1,76 @@
+"""The planner's search on the Azure conv trace: Llama-3-8B and Llama-3-70B across A100-80GB,
+H100-SXM and H200, up to 8 GPUs, TTFT-P90 <= 2 s and TPOT-P99 <= 100 ms (Vidur-Search's question).
+Prints, per model: configurations in the space, pruned, dominated, searched, replays run (and how
+many stopped early), wall time, and the answer.
+
+    python -m twinserve.benchmarks.plan_search [--num-requests N] [--duration S] [--workers W]
+        [--max-num-seqs 128,256] [--max-num-batched-tokens 2048,8192] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from twinserve.planner.output import top_table, write_outputs
+from twinserve.planner.plan import run_plan
+from twinserve.planner.spec import parse_plan
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023"
+
+
+def plan_spec(model: str, num_requests: int, duration: float, trace: str, seqs: list[int],
+              tokens: list[int], slack: float) -> dict:
+    return {"model": model, "hardware": ["a100-80gb", "h100-sxm", "h200"], "max_gpus": 8,
+            "workload": {"trace": trace, "num_requests": num_requests, "duration_s": duration},
+            "slo": {"ttft_p90_ms": 2000, "tpot_p99_ms": 100},
+            "space": {"replicas": [1, 2, 4, 8], "router": ["round-robin"], "max_num_seqs": seqs,
+                      "max_num_batched_tokens": tokens},
+            "search": {"tolerance": 0.1, "base_rps": 2.0, "min_rps": 0.1, "max_rps": 400,
+                       "dominance_slack": slack}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=3000)
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--trace", default="azure-conv",
+                        help=f"bundled name or file (the shared copy: {TRACE})")
+    parser.add_argument("--max-num-seqs", default="128,256")
+    parser.add_argument("--max-num-batched-tokens", default="2048,8192")
+    parser.add_argument("--models", default="llama-3-8b,llama-3-70b")
+    parser.add_argument("--dominance-slack", type=float, default=1.5, help="0: search everything")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="plan-search-"))
+    for model in args.models.split(","):
+        spec = parse_plan(plan_spec(model, args.num_requests, args.duration, args.trace,
+                                    _ints(args.max_num_seqs), _ints(args.max_num_batched_tokens),
+                                    args.dominance_slack))
+        t0 = time.perf_counter()
+        result = run_plan(spec, out / model, workers=args.workers)
+        write_outputs(result, spec, out / model)
+        stats = result.stats
+        print(f"\n== {model}: {stats['configurations']} configurations, {stats['pruned_memory']} pruned "
+              f"by memory, {stats['dominated']} dominated, {stats['fitted'] + stats['no_capacity']} "
+              f"searched; {stats['replays_run']} replays ({stats['stopped_early']} stopped early); "
+              f"{time.perf_counter() - t0:.1f} s wall, {_replay_seconds(out / model):.1f} s of replays")
+        print(top_table(result, 3))
+    print(f"\noutputs: {out}")
+
+
+def _replay_seconds(folder: Path) -> float:
+    """The replays' own wall time, summed over the point files (the search's CPU work)."""
+    return sum(json.loads(p.read_text())["wall_time_s"] for p in folder.glob("points/*/r*.json"))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""What a plan writes: ``plan.csv`` (every configuration), ``front.csv`` (the Pareto fronts),
+``best.yaml`` (the recommendation as ``--config`` keys), and the top-N table it prints.
+
+``best.yaml`` holds the keys both ``twinserve simulate --config`` and ``twinserve serve --config``
+accept: the model, the hardware profile, the replicas as ``data_parallel_size`` and the router,
+and every engine argument with the value the twin resolved for that hardware (so a server on
+another device starts with the batch limits the plan simulated, not its own defaults). Its comment
+lines carry the predicted capacity and the equivalent vLLM command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from twinserve.planner.pareto import pareto_mask
+from twinserve.planner.plan import FITTED, PlanResult
+from twinserve.planner.spec import PlanSpec
+from twinserve.simulator.run import SimConfig, build_engine_config
+
+# (name, x, y, maximize x, maximize y)
+FRONTS = (("throughput", "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_user", True, True),
+          ("cost-latency", "cost_per_m_output_tokens", "p90_ttft_ms", False, False))
+# the resolved values of these come from the engine configuration the twin built
+RESOLVED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
+                 "max_waiting_tokens")
+VLLM_POLICIES = ("fcfs", "priority")
+TOP_COLUMNS = ("name", "gpus", "capacity_rps", "cost_per_m_output_tokens",
+               "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_user", "p90_ttft_ms",
+               "capacity_per_dollar_hour")
+
+
+def plan_table(result: PlanResult) -> pd.DataFrame:
+    return pd.DataFrame(result.rows)
+
+
+def front_table(result: PlanResult) -> pd.DataFrame:
+    """One row per configuration on each front: the front's name, its two values, the settings."""
+    fitted = result.fitted()
+    rows = []
+    for name, x, y, max_x, max_y in FRONTS:
+        mask = pareto_mask([(float(r[x]), float(r[y])) for r in fitted], (max_x, max_y))
+        on = sorted((r for r, keep in zip(fitted, mask) if keep), key=lambda r: r[x])
+        rows += [{"front": name, "x": x, "x_value": r[x], "y": y, "y_value": r[y], **r} for r in on]
+    return pd.DataFrame(rows)
+
+
+def best_config(row: dict[str, Any], spec: PlanSpec) -> dict[str, Any]:
+    """The recommended configuration as ``--config`` keys (dashes in vLLM's style)."""
+    sim = SimConfig.from_flat(_sim_of(row, spec))
+    resolved = build_engine_config(sim).engine_config
+    scheduler = asdict(resolved.scheduler)
+    args = {k: v for k, v in asdict(sim.engine).items() if k != "model"}
+    args.update({k: scheduler[k] for k in RESOLVED_KEYS if k in scheduler})
+    args["max_model_len"] = resolved.max_model_len
+    args["data_parallel_size"] = sim.num_replicas
+    args["router"] = sim.router
+    keep = {k: v for k, v in args.items() if v is not None and v != {}}
+    return {"model": sim.model, "hardware": row["hardware"], **keep}
+
+
+def _sim_of(row: dict[str, Any], spec: PlanSpec) -> dict[str, Any]:
+    keys = ("hardware", "tensor_parallel_size", "pipeline_parallel_size", "num_replicas", "router",
+            "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
+            "quantization")
+    sim = {k: row[k] for k in keys if _given(row.get(k))}
+    if _given(row.get("speculative_config")):
+        sim["speculative_config"] = json.loads(row["speculative_config"])
+    return {**spec.space.fixed, "model": spec.space.model, **sim}
+
+
+def _given(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def vllm_command(config: dict[str, Any]) -> str:
+    """The ``vllm serve`` line for the same engine (vLLM's flags; twinserve-only ones left out)."""
+    parts = ["vllm", "serve", str(config["model"])]
+    flags = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_num_seqs",
+             "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "block_size",
+             "quantization", "kv_cache_dtype")
+    for key in flags:
+        if config.get(key) is not None:
+            parts += [f"--{key.replace('_', '-')}", str(config[key])]
+    for key in ("enable_chunked_prefill", "enable_prefix_caching"):
+        if key in config:
+            parts.append(f"--{'' if config[key] else 'no-'}{key.replace('_', '-')}")
+    if config.get("scheduling_policy") in VLLM_POLICIES:
+        parts += ["--scheduling-policy", config["scheduling_policy"]]
+    if config.get("speculative_config"):
+        parts += ["--speculative-config", json.dumps(config["speculative_config"], sort_keys=True)]
+    return shlex.join(parts)
+
+
+def write_best(row: dict[str, Any], spec: PlanSpec, path: Path) -> dict[str, Any]:
+    config = best_config(row, spec)
+    slos = ", ".join(f"{s.key}={s.limit_ms:g}" for s in spec.slos)
+    notes = [f"capacity_rps: {row['capacity_rps']:.4g}",
+             f"the cheapest configuration meeting {slos} (attainment as planned)"
+             f" at {row['capacity_rps']:.4g} req/s: ${row['cost_per_m_output_tokens']:.4g} per million "
+             f"output tokens, {row['gpus']} x {row['hardware']}",
+             "twinserve simulate --config best.yaml --trace T  |  twinserve serve --config best.yaml "
+             "--model YOUR_CHECKPOINT",
+             f"vLLM: {vllm_command(config)}"]
+    if config.get("data_parallel_size", 1) > 1:
+        notes.append(f"vLLM: {config['data_parallel_size']} replicas behind a {config['router']} "
+                     "router in front")
+    if config.get("scheduling_policy") not in VLLM_POLICIES:
+        notes.append(f"vLLM has no {config.get('scheduling_policy')!r} scheduling policy")
+    body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+    path.write_text("".join(f"# {n}\n" for n in notes) + body, encoding="utf-8")
+    return config
+
+
+def write_outputs(result: PlanResult, spec: PlanSpec, out: Path) -> dict[str, Path]:
+    """plan.csv, front.csv and (when a configuration meets the SLOs) best.yaml."""
+    paths = {"plan": out / "plan.csv", "front": out / "front.csv"}
+    plan_table(result).to_csv(paths["plan"], index=False)
+    front_table(result).to_csv(paths["front"], index=False)
+    if result.best is not None:
+        paths["best"] = out / "best.yaml"
+        write_best(result.best, spec, paths["best"])
+    return paths
+
+
+def top_table(result: PlanResult, n: int = 10) -> str:
+    """The ``n`` best configurations (the cheapest per output token first), as text."""
+    fitted = [r for r in result.rows if r["status"] == FITTED][:n]
+    if not fitted:
+        return "no configuration meets the SLOs."
+    frame = pd.DataFrame([{k: r[k] for k in TOP_COLUMNS} for r in fitted])
+    frame.index = range(1, len(frame) + 1)
+    return frame.to_string(float_format=lambda v: f"{v:.4g}")

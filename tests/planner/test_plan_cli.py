@@ -1,0 +1,190 @@
+"""best.yaml against serve and simulate, memory pruning, bad input refused by name, the command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from twinserve.entrypoints.cli.main import build_parser, main, parse_args
+from twinserve.entrypoints.engine_args import engine_args_from
+from twinserve.planner.output import best_config, vllm_command, write_best
+from twinserve.planner.pareto import Searched, capacity_bound, is_dominated, pareto_mask
+from twinserve.planner.plan import PRUNED
+from twinserve.planner.space import Candidate, PlanSpace, memory_verdict
+from twinserve.planner.spec import parse_plan
+
+BASE = {"model": "llama-3-8b", "hardware": ["h100-sxm"], "max_gpus": 2,
+        "workload": {"num_requests": 200, "duration_s": 5}, "slo": {"ttft_p90_ms": 2000}}
+
+
+def _row(**changes) -> dict:
+    row = {"hardware": "h100-sxm", "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+           "num_replicas": 2, "router": "cache-aware", "max_num_seqs": 64,
+           "max_num_batched_tokens": 2048, "enable_chunked_prefill": True,
+           "scheduling_policy": "fcfs", "quantization": None, "speculative_config": None,
+           "capacity_rps": 12.5, "cost_per_m_output_tokens": 0.3, "gpus": 4}
+    return {**row, **changes}
+
+
+def test_best_yaml_gives_serve_and_simulate_the_same_configuration(tmp_path) -> None:
+    spec = parse_plan({**BASE, "max_gpus": 4})
+    path = tmp_path / "best.yaml"
+    written = write_best(_row(), spec, path)
+    text = path.read_text()
+    assert text.startswith("# capacity_rps: 12.5\n") and "# vLLM: vllm serve llama-3-8b" in text
+    assert yaml.safe_load(text) == written
+    resolved = {}
+    for command in ("serve", "simulate"):
+        args = parse_args(build_parser(only=command), [command, "--config", str(path)])
+        engine = engine_args_from(args, model=args.model)
+        # simulate's own --router (the twin's replicas) takes the key; serve's is the engine's
+        router = args.router if command == "simulate" else engine.router
+        resolved[command] = (engine.replace(router=router), args.hardware)
+    assert resolved["serve"] == resolved["simulate"]
+    engine, hardware = resolved["simulate"]
+    assert (hardware, engine.tensor_parallel_size, engine.data_parallel_size, engine.router,
+            engine.max_num_seqs) == ("h100-sxm", 2, 2, "cache-aware", 64)
+
+
+def test_the_vllm_line_names_vllm_flags_only() -> None:
+    config = best_config(_row(scheduling_policy="fair"), parse_plan({**BASE, "max_gpus": 4}))
+    line = vllm_command(config)
+    assert "--tensor-parallel-size 2" in line and "--data-parallel-size 2" in line
+    assert "fair" not in line and "--router" not in line
+
+
+def test_memory_prunes_what_cannot_hold_the_weights_or_one_request() -> None:
+    seventy = dict(pipeline_parallel_size=1, num_replicas=1, router="round-robin", engine=())
+    assert "no memory is left" in memory_verdict(
+        Candidate("a100-80gb", tensor_parallel_size=1, **seventy), "llama-3-70b", {}, 1000)
+    assert memory_verdict(Candidate("a100-80gb", tensor_parallel_size=2, **seventy),
+                          "llama-3-70b", {}, 1000) == ""
+    reason = memory_verdict(Candidate("a100-80gb", tensor_parallel_size=2, **seventy), "llama-3-70b",
+                            {}, 10_000_000)
+    assert "KV cache holds" in reason
+
+
+def test_a_plan_marks_pruned_configurations(tmp_path) -> None:
+    from twinserve.planner.plan import run_plan
+    spec = parse_plan({**BASE, "model": "llama-3-70b", "hardware": ["a100-80gb"], "max_gpus": 2,
+                       "space": {"pipeline_parallel_size": [1], "max_num_seqs": [64],
+                                 "max_num_batched_tokens": [2048]},
+                       "search": {"tolerance": 0.5, "max_rps": 4}})
+    result = run_plan(spec, tmp_path)
+    status = {r["name"].split(" enable")[0]: r["status"] for r in result.rows}
+    assert status["a100-80gb tp1 pp1 x1"] == PRUNED and status["a100-80gb tp1 pp1 x2 round-robin"] == PRUNED
+    assert status["a100-80gb tp2 pp1 x1"] != PRUNED
+
+
+def test_the_space_respects_gpus_and_nodes() -> None:
+    space = PlanSpace("llama-3-8b", ("h100-sxm",), max_gpus=8, max_num_seqs=(64,),
+                      max_num_batched_tokens=(2048,))
+    cands = list(space.candidates())
+    assert all(c.gpus <= 8 for c in cands)
+    assert all(c.router == "round-robin" for c in cands if c.num_replicas == 1)
+    assert {c.tensor_parallel_size for c in cands} == {1, 2, 4, 8}
+    assert len({c.candidate_id for c in cands}) == len(cands)
+
+
+def test_the_bound_and_the_fronts() -> None:
+    key = ("h100-sxm", ())
+    searched = [Searched(key, 1, 10.0), Searched(key, 2, 16.0), Searched(("a100-80gb", ()), 1, 50.0)]
+    assert capacity_bound(key, 4, searched, 1.5) == pytest.approx(1.5 * 10.0 * 4)
+    assert capacity_bound(key, 1, searched, 1.5) is None  # nothing smaller
+    assert capacity_bound(key, 4, searched, 0) is None
+    assert is_dominated(60.0, 4, 3.5, best_per_dollar=5.0)  # 60 / 14 < 5
+    assert not is_dominated(60.0, 4, 3.5, best_per_dollar=4.0)
+    assert pareto_mask([(1, 5), (2, 4), (1, 4), (3, 1), (float("nan"), 9)], (True, True)) == \
+        [True, True, False, True, False]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"hardware": ["b200"]}, "hardware 'b200'"),
+    ({"slo": {"ttft_p90": 2000}}, "slo key 'ttft_p90'"),
+    ({"slo": {"latency_ms": 5}}, "slo key 'latency_ms'"),
+    ({"slo": {"ttft_p90_ms": -1}}, "ttft_p90_ms"),
+    ({"max_gpus": 0}, "max_gpus"),
+    ({"model": "gpt-9"}, "unknown model 'gpt-9'"),
+    ({"prices": {"h100-sxm": 0}}, "price of 'h100-sxm'"),
+    ({"space": {"tensor_parallel_sizes": [1]}}, "space.tensor_parallel_sizes: unknown key"),
+    ({"space": {"router": ["teleport"]}}, "routers: unknown value 'teleport'"),
+    ({"space": {"prefill_instances": [1]}}, "prefill_instances/decode_instances"),
+    ({"space": {"quantization": ["gptq"]}}, "quantizations: unknown value 'gptq'"),
+    ({"search": {"tolerance": 0}}, "tolerance"),
+    ({"attainment": 1.5}, "attainment"),
+    ({"hardware": ["a100-40gb"]}, "no price for hardware"),
+])
+def test_bad_input_is_refused_by_name(change, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        parse_plan({**BASE, **change}, "plan.yaml")
+
+
+def test_the_command_refuses_bad_flags_by_name(tmp_path, capsys) -> None:
+    code = main(["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--max-gpus", "1",
+                 "--slo", "ttft_p90=2000", "--out", str(tmp_path)])
+    assert code == 2 and "slo key 'ttft_p90'" in capsys.readouterr().err
+
+
+def test_the_command_writes_the_plan(tmp_path, capsys) -> None:
+    spec = tmp_path / "plan.yaml"
+    spec.write_text(yaml.safe_dump({**BASE, "max_gpus": 1, "space": {"max_num_seqs": [64, 128],
+                                    "max_num_batched_tokens": [2048]}}))
+    out = tmp_path / "out"
+    code = main(["plan", "--spec", str(spec), "--slo", "ttft_p90_ms=1500", "--slo", "tpot_p99_ms=80",
+                 "--out", str(out), "--workers", "1", "--verify-top", "1"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    for name in ("plan.csv", "front.csv", "best.yaml", "plan.html", "verify.csv"):
+        assert (out / name).is_file(), name
+    assert "tpot_p99_ms=80" in (out / "best.yaml").read_text()
+    page = (out / "plan.html").read_text()
+    assert 'data-plots-expected="3"' in page and "Top configurations" in page
+    plan = pd.read_csv(out / "plan.csv")
+    assert set(plan["status"]) <= {"fitted", "no-capacity", "dominated", "pruned-memory"}
+    assert {"capacity_rps", "cost_per_m_output_tokens", "output_tokens_per_s_per_gpu",
+            "output_tokens_per_s_per_user"} <= set(plan.columns)
+    assert "needs 1 x h100-sxm" in printed or "checkpoint" in printed  # not verifiable here
+
+
+def test_the_example_spec_parses() -> None:
+    from twinserve.planner.spec import load_plan_file
+    path = Path(__file__).resolve().parents[2] / "examples" / "plan_azure.yaml"
+    spec = parse_plan(load_plan_file(path), str(path))
+    assert spec.space.hardware == ("a100-80gb", "h100-sxm", "h200")
+    assert [s.key for s in spec.slos] == ["ttft_p90_ms", "tpot_p99_ms"]
+    assert spec.duration_s == 60.0 and spec.price("h100-sxm") == 3.5
+
+
+def test_only_what_this_machine_runs_is_verifiable() -> None:
+    import torch
+
+    from twinserve.entrypoints.cli.plan import verifiable
+    gpu = {"hardware": "h100-sxm", "gpus": 2}
+    cpu = {"hardware": "cpu", "gpus": 1}
+    assert "checkpoint" in verifiable(gpu, "llama-3-8b")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU cases assume a machine without CUDA")
+    assert "needs 2 x h100-sxm (cuda); this machine has cpu" in verifiable(gpu, "smollm2-135m")
+    assert verifiable(cpu, "smollm2-135m") == ""
+    assert "needs 2 devices" in verifiable({**cpu, "gpus": 2}, "smollm2-135m")
+
+
+def test_serve_refuses_an_unknown_planned_hardware() -> None:
+    from twinserve.entrypoints.openai.server import warn_other_hardware
+    with pytest.raises(ValueError, match="b200"):
+        warn_other_hardware("b200")
+
+
+def test_a_calibrated_profile_file_is_planned_by_its_path(tmp_path) -> None:
+    import shutil
+
+    from twinserve.simulator import hardware
+    profile = tmp_path / "my-cpu.json"
+    shutil.copy(Path(hardware.__file__).parent / "data" / "hardware" / "cpu.json", profile)
+    spec = parse_plan({**BASE, "model": "smollm2-135m", "hardware": [str(profile)],
+                       "prices": {"cpu": 0.05}})
+    assert spec.space.hardware == (str(profile),)
+    assert spec.price(str(profile)) == 0.05  # priced by the profile's name

@@ -393,7 +393,7 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     Ineligible: waiting requests, LoRA, n > 1 samples, policies that watch the clock, pending
     block copies, a budget below the batch, a request whose stop ids hold ``token``."""
     running, kv = sched.running, sched.kv
-    n = len(running)
+    n, bs = len(running), kv.block_size
     if (not n or len(sched.policy) or sched.loras is not None or not sched.is_plain_decoding
             or kv.block_ops is not None or n > sched.config.max_num_batched_tokens):
         return None
@@ -402,8 +402,9 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     for request in running:
         start = request.num_computed_tokens
         if (request.status != _RUNNING or len(request.all_token_ids) - start != 1
-                or start < request.num_prompt_tokens or token in request.stop_ids):
-            return None
+                or start < request.num_prompt_tokens or token in request.stop_ids
+                or (request.decode_entry is None and not start % bs)):
+            return None  # (a first decode that starts a block takes the step's own path)
         starts.append(start)
         lefts.append(request.max_output_tokens - len(request.output_token_ids))
     segmented = (not sched.policy.accounts_tokens and type(kv) is KVCacheManager
@@ -414,8 +415,7 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
         return None
     for request, start in zip(running, starts):
         if request.decode_entry is None:  # its first decode: the entry that step would make
-            # (over the table's live lists, as the step makes it, whether or not the step
-            # takes a block first: the run's block events append to the same lists)
+            # (its slot lies in its last block: the step would have read the table as it is)
             table = kv.tables[request.request_id]
             request.decode_entry = ScheduledRequest(request, start, 1, table.ids, True,
                                                     table.group_ids)

@@ -71,8 +71,8 @@ def test_a_lone_replica_schedules_in_full_only_the_steps_that_admit(monkeypatch,
                                                                      azure_slice) -> None:
     # runs end at finishes and take in the step an arrival comes during, then the step after,
     # which admits it beside their decodes (the run's closing step): nearly every step that
-    # schedules in full or closes a run takes in a prompt, and most prompts come in closing
-    # steps
+    # schedules in full or closes a run takes in a prompt (the rest: first decodes starting a
+    # block), and most prompts come in closing steps
     calls = {"schedule": 0, "schedule_beside_run": 0}
 
     def counting(name: str):
@@ -272,8 +272,7 @@ def test_apply_leaves_the_scheduler_as_the_steps_would(caching: bool, first_deco
     def build():
         sched = make_scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=128,
                                enable_prefix_caching=caching)
-        # (r1's first decode starts a block: the run takes it, making its entry)
-        lengths = [(13, 45 if first_decode else 3), (20, 40), (18, 35), (30, 50), (9, 44)]
+        lengths = [(13, 45 if first_decode else 3), (21, 40), (18, 35), (30, 50), (9, 44)]
         for i, (prompt, out) in enumerate(lengths):
             sched.add_request(make_req(f"r{i}", prompt, out))
         step(sched, 0.0, TOKEN)  # every prefill at once: 4 decodes ahead, none with an entry

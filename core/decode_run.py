@@ -22,6 +22,11 @@ prefix-cache hashes, evictions and the free count after each step are the same. 
 (appending the token and its time) is one ``extend`` per request. The plain reference is the
 step-by-step loop itself; ``tests/core/test_decode_run.py`` compares the two run for run.
 
+A run that an arrival interrupts closes with the step that admits the arrival beside its
+decodes (``open_closing``, ``Scheduler.schedule_beside_run``, ``close``): the decodes of that
+step join the run, so its running requests are touched once for the run and that step together,
+where a full ``schedule`` and ``update_from_output`` would touch each of them twice more.
+
 The real engine never uses this: its tokens come from the model, one step at a time.
 """
 
@@ -62,6 +67,8 @@ class DecodeRun:
     taken: int = 0  # steps ``out`` was moved past
     segment: int = 0  # ``stops`` index of the current segment
     finished: list[Request] = field(default_factory=list)  # ended by ``apply``, in order
+    # A closing run's (``open_closing``) steps per request and finishing indices per step
+    closing: tuple[list[int], list[list[int]]] | None = None
 
     def next_step(self) -> None:
         """Moves ``out`` to the following step of its segment: every context one token longer."""
@@ -124,7 +131,7 @@ class DecodeRun:
             raise ValueError(f"a decode run of {self.max_steps} steps cannot apply {k}.")
         sched = self.scheduler
         sched.drop_finished_ids()  # what the run's first step would have handed the backend
-        running, starts, lefts = self.requests, self.starts, self.lefts
+        running, lefts = self.requests, self.lefts
         limits: list[int] = []  # the steps each request takes part in
         ending: list[list[int]] = [[] for _ in range(k)]  # each step's requests ending in it
         tokens = [self.token] * k
@@ -150,13 +157,7 @@ class DecodeRun:
         if free_after is None:
             free_after = self._block_events(k, limits, ending if ended_in_order else
                                             [[] for _ in range(k)], ends)
-        tables = sched.kv.tables
-        for request, start, n, left in zip(running, starts, limits, lefts):
-            request.num_computed_tokens = start + n
-            if n < left:
-                entry, table = request.decode_entry, tables[request.request_id]
-                entry.start = start + n - 1  # type: ignore[union-attr]
-                entry.block_ids, entry.group_block_ids = table.ids, table.group_ids  # type: ignore[union-attr]
+        self._set_progress(limits)
         if on_tokens is not None:  # one token at a time: the policy's float sums stay the same
             for _ in range(k):  # (such a run has one segment: every request in every step)
                 for request in running:
@@ -166,6 +167,76 @@ class DecodeRun:
             self._end_requests(ending, ends, free_after)
         self.finished = [running[i] for step in ending for i in step]
         return free_after
+
+    def open_closing(self, ends: list[float]) -> list[int] | None:
+        """The first half of a run whose last step also admits prompts (the run's closing step,
+        ``Scheduler.schedule_beside_run``), ``ends`` being the steps before it: the block events
+        of every step, at once, and the finishes of the steps before the last. Returns the free
+        blocks after each of those steps, or None (nothing done) where ``apply`` alone fits:
+        the per-event order, a policy that hears each token, or a block the run would register
+        in the prefix cache (an admission could look it up before its registration's turn).
+
+        The admission comes after every block the run takes (the step-by-step order: the
+        closing step's decodes take theirs before its waiting requests) and after the finishes
+        of the earlier steps (their blocks are free by then), so only registrations move past
+        it: there are none. The tokens wait for ``close``, which knows the last step's end."""
+        k = len(ends) + 1
+        if not 1 < k <= self.max_steps:
+            raise ValueError(f"a decode run of {self.max_steps} steps cannot close at step {k}.")
+        sched = self.scheduler
+        if sched.policy.accounts_tokens:
+            return None
+        limits = [left if left < k else k for left in self.lefts]
+        free_after = self._block_events_at_once(k, limits, register=False)
+        if free_after is None:
+            return None
+        sched.drop_finished_ids()
+        ending: list[list[int]] = [[] for _ in range(k)]
+        for i, n in enumerate(limits):
+            if n == self.lefts[i]:
+                ending[n - 1].append(i)
+        self.closing = (limits, ending)
+        del free_after[-1]  # the closing step's row is the scheduler's own (``record_step``)
+        self._end_requests(ending[:-1], ends, free_after)
+        return free_after
+
+    def close(self, ends: list[float]) -> None:
+        """The second half of a closing run (``open_closing``): every step's tokens (``ends``:
+        their end times, the closing step's last), the requests' progress and entries, and the
+        finishes of the closing step, which come before its prompts' updates."""
+        if self.closing is None or len(ends) != len(self.closing[1]):
+            raise ValueError("close() needs open_closing() of the steps before the last.")
+        limits, ending = self.closing
+        self.closing = None
+        k = len(ends)
+        tokens = [self.token] * k
+        for request, n in zip(self.requests, limits):
+            if n < k:
+                request.output_token_ids += tokens[:n]
+                request.all_token_ids.extend(tokens[:n])
+                request.token_times += ends[:n]
+            else:
+                request.output_token_ids += tokens
+                request.all_token_ids.extend(tokens)
+                request.token_times += ends
+        self._set_progress(limits)
+        sched = self.scheduler
+        sched.num_generation_tokens += sum(limits)
+        running = self.requests
+        if ending[-1]:
+            sched.finish_at_length([running[i] for i in ending[-1]], ends[-1])
+        self.finished = [running[i] for step in ending for i in step]
+
+    def _set_progress(self, limits: list[int]) -> None:
+        """Each request's computed tokens after its ``limits[i]`` steps, and the entry of each
+        that goes on decoding (its next step's start, its table's live lists)."""
+        tables = self.scheduler.kv.tables
+        for request, start, n, left in zip(self.requests, self.starts, limits, self.lefts):
+            request.num_computed_tokens = start + n
+            if n < left:
+                entry, table = request.decode_entry, tables[request.request_id]
+                entry.start = start + n - 1  # type: ignore[union-attr]
+                entry.block_ids, entry.group_block_ids = table.ids, table.group_ids  # type: ignore[union-attr]
 
     def _end_requests(self, ending: list[list[int]], ends: list[float],
                       free_after: list[int]) -> None:
@@ -184,7 +255,8 @@ class DecodeRun:
                     sched.drop_finished_ids()  # handed out by the step after
             free_after[j] += freed
 
-    def _block_events_at_once(self, k: int, limits: list[int]) -> list[int] | None:
+    def _block_events_at_once(self, k: int, limits: list[int],
+                              register: bool = True) -> list[int] | None:
         """``_block_events`` of ``k`` steps (request ``i`` in the first ``limits[i]``) with
         every new block of the run taken in one ``allocate`` and every newly full block of a
         request hashed and cached in one call, for a one-group manager without a sliding window
@@ -200,7 +272,7 @@ class DecodeRun:
         blocks share one (equal prefixes decoding together): then None, after the allocation
         is checked but before anything is done. A request whose table is not exactly its
         computed tokens' blocks also takes the reference path (each of its block starts must
-        take one block)."""
+        take one block). ``register`` False: None too where a block would be registered."""
         sched = self.scheduler
         kv = sched.kv
         if type(kv) is not KVCacheManager or kv.sliding_window is not None \
@@ -230,6 +302,8 @@ class DecodeRun:
                     stop = kv.registration_stop(request, num_cached, num_full)
                     first_new = max(num_cached, table.num_dropped)
                     if first_new < stop:
+                        if not register:
+                            return None
                         new_hashes += update_block_hashes(request, bs, stop * bs)[first_new:stop]
                     new_full.append((table, first_new, stop, num_full))
         if new_hashes and (len(set(new_hashes)) != len(new_hashes)

@@ -228,6 +228,40 @@ class Scheduler:
             self._finish(request, _LENGTH_CAPPED, now)
         self.running = [r for r in self.running if r.status <= _LAST_UNFINISHED]
 
+    def schedule_beside_run(self, decodes: SchedulerOutput, now: float) -> SchedulerOutput:
+        """The step of a ``core.decode_run`` run that admits waiting requests beside its
+        decodes (the run's closing step, ``DecodeRun.open_closing``): ``decodes`` holds the
+        step's decode entries and their aggregates, their blocks already taken. The waiting
+        requests are scheduled as ``schedule`` would after those decodes. Call only where
+        ``admits_beside_runs``."""
+        out = SchedulerOutput()
+        out.finished_request_ids, self._finished_ids = self._finished_ids, out.finished_request_ids
+        out.scheduled = list(decodes.scheduled)
+        n = decodes.num_decode_seqs
+        out.total_num_scheduled_tokens = out.num_decode_tokens = out.num_decode_seqs = n
+        out.sum_context_tokens = decodes.sum_context_tokens
+        out.sum_decode_context_tokens = decodes.sum_decode_context_tokens
+        out.max_decode_context = decodes.max_decode_context
+        self._schedule_waiting(out, self.config.max_num_batched_tokens - n, now)
+        if out.preempted_request_ids or self.kv.block_ops is not None:
+            raise RuntimeError("an admission beside a decode run preempted or queued copies")
+        cfg = self.config
+        if (out.total_num_scheduled_tokens > cfg.max_num_batched_tokens
+                or len(self.running) > cfg.max_num_seqs
+                or not 0 <= self.kv.pool.free_queue.num_free <= cfg.num_gpu_blocks):
+            self._raise_broken_invariant(out)
+        return out
+
+    @property
+    def admits_beside_runs(self) -> bool:
+        """Whether an admission step changes nothing of the running decodes but blocks taken
+        after theirs (``schedule_beside_run``): plain decoding, no LoRA, no queued copies, no
+        prompts first, no swaps to bring back, and a policy that never preempts to admit."""
+        cfg = self.config
+        return (self.is_plain_decoding and self.loras is None and self.kv.block_ops is None
+                and not cfg.prefill_first and cfg.preemption_mode == "recompute"
+                and type(self.policy).should_preempt is SchedulingPolicy.should_preempt)
+
     def _check_admission(self, request: Request) -> None:
         """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound. The
         request bound counts only the requests that will have to wait (those beyond the free

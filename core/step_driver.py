@@ -161,6 +161,34 @@ class StepDriver:
         if run.finished:
             self._record_finished([r.request_id for r in run.finished])
 
+    def complete_closing_run(self, run: DecodeRun, out: SchedulerOutput, result: ModelRunnerOutput,
+                             start: float, ends: list[float], free_after: list[int],
+                             waiting: int) -> None:
+        """Applies a run whose last step also admitted prompts (``DecodeRun.open_closing`` done,
+        ``out`` that step's ``Scheduler.schedule_beside_run``): the decodes' tokens and that
+        step's finishes, then its prompts' update (``result``: the backend's tokens), and
+        records the run's rows as ``complete_decode_run`` does (``free_after`` and ``waiting``:
+        after the steps before the last), then the last step's own row."""
+        run.close(ends)
+        sched, rec = self.scheduler, self.recorder
+        prompts = SchedulerOutput()
+        prompts.scheduled = out.scheduled[out.num_decode_seqs:]
+        outputs = sched.update_from_output(prompts, result, ends[-1])
+        k = len(ends) - 1
+        if rec.record_steps:
+            for first, end, requests, num_finished in run.segments(k):
+                rec.steps.record_decode_run(
+                    requests, sched, ends[first - 1] if first else start, ends[first:end],
+                    free_after[first:end], waiting if end == k else 0,
+                    self.replica, rec.record_tenants, num_finished)
+        finished = [r.request_id for r in run.finished]
+        finished += [o.request_id for o in outputs if o.finished]
+        if finished:
+            self._record_finished(finished)
+        if rec.record_steps:
+            rec.steps.record_step(out, sched, ends[-2], ends[-1] - ends[-2], self.replica,
+                                  rec.record_tenants)
+
     def end_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Tells the observers about a step that scheduled work."""
         if out.scheduled:

@@ -226,8 +226,9 @@ def engine_process(env: simpy.Environment, replica: Replica):
     events differs, not the results. A lone replica's decode run also takes in the step during
     which the next event comes: the run yields for it before it applies its steps, as the
     step-by-step path yields between that step's schedule and its update (a fleet's replicas
-    too, behind a router that reads nothing of them). A fleet's replica takes its horizon from
-    ``ArrivalHorizons`` instead of the next event of any process.
+    too, behind a router that reads nothing of them). The step after, which admits what
+    arrived, then closes the run (``_closing_step``) where the scheduler allows it. A fleet's
+    replica takes its horizon from ``ArrivalHorizons`` instead of the next event of any process.
     """
     driver = replica.driver
     sched = driver.scheduler
@@ -286,12 +287,46 @@ def engine_process(env: simpy.Environment, replica: Replica):
                 base = start + duration
                 ends.append(base)
                 horizon = peek()
+                if len(ends) < run.max_steps and len(sched.policy) and sched.admits_beside_runs:
+                    free_after = run.open_closing(ends)
+                    if free_after is not None:  # the arrival's step closes the run
+                        now, base, horizon = yield from _closing_step(
+                            replica, run, now, ends, free_after, base, horizon, peek, timeout)
+                        run = plan(sched, SIMULATED_TOKEN)
+                        continue
             elif not ends:
                 break
             complete_run(run, now, ends)
             now = ends[-1]
             run = plan(sched, SIMULATED_TOKEN) if crossing or len(ends) == run.max_steps \
                 else None
+
+
+def _closing_step(replica: Replica, run: DecodeRun, now: float, ends: list[float],
+                  free_after: list[int], base: float, horizon: float,
+                  peek: Callable[[], float], timeout: Callable[[float], simpy.Event]):
+    """The step after ``ends`` of a run, which takes in the requests that arrived meanwhile
+    beside the run's decodes (``DecodeRun.open_closing`` done): scheduled, timed (SimPy
+    catches up first where it ends at or past the horizon, as for a full step), then the run
+    applied with it. Returns the engine loop's clocks after it (now, base, horizon)."""
+    sched = replica.driver.scheduler
+    waiting = len(sched.policy)  # the queue after the step before (the run's last row)
+    start = ends[-1]
+    run.next_step()  # ``out`` from the step before to this one
+    if run.taken == run.stops[run.segment]:
+        run.next_segment()
+    out = sched.schedule_beside_run(run.out, start)
+    duration = replica.cost.step_time(out)
+    end = start + duration
+    if end >= horizon or base + (end - base) != end:
+        if start != base:
+            yield timeout(start - base)
+        yield timeout(duration)  # SimPy resumes us at exactly ``start + duration``
+        base = end
+        horizon = peek()
+    replica.driver.complete_closing_run(run, out, replica.tokens.output, now, [*ends, end],
+                                        free_after, waiting)
+    return end, base, horizon
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],

@@ -41,13 +41,18 @@ def _assert_same(monkeypatch: pytest.MonkeyPatch, cfg: SimConfig, trace: list[Tr
     were advanced inside decode runs."""
     reference = _rows(simulate(cfg, trace, decode_runs=False, **kw))
     in_runs = [0]
-    apply = DecodeRun.apply
+    apply, close = DecodeRun.apply, DecodeRun.close
 
     def counting_apply(self: DecodeRun, ends: list[float]) -> list[int]:
         in_runs[0] += len(ends)
         return apply(self, ends)
 
+    def counting_close(self: DecodeRun, ends: list[float]) -> None:
+        in_runs[0] += len(ends)
+        close(self, ends)
+
     monkeypatch.setattr(decode_run.DecodeRun, "apply", counting_apply)
+    monkeypatch.setattr(decode_run.DecodeRun, "close", counting_close)
     fast = simulate(cfg, trace, **kw)
     assert _rows(fast) == reference
     assert in_runs[0] >= min_share * len(fast.steps), (in_runs[0], len(fast.steps))
@@ -64,20 +69,28 @@ def test_default_replay_of_an_azure_slice(monkeypatch, azure_slice) -> None:
 
 def test_a_lone_replica_schedules_in_full_only_the_steps_that_admit(monkeypatch,
                                                                      azure_slice) -> None:
-    # runs end at finishes and take in the step an arrival comes during, so nearly every full
-    # schedule() call is a step that takes in a prompt (the rest: first decodes starting a block)
-    calls = [0]
-    schedule = Scheduler.schedule
+    # runs end at finishes and take in the step an arrival comes during, then the step after,
+    # which admits it beside their decodes (the run's closing step): nearly every step that
+    # schedules in full or closes a run takes in a prompt (the rest: first decodes starting a
+    # block), and most prompts come in closing steps
+    calls = {"schedule": 0, "schedule_beside_run": 0}
 
-    def counted(self: Scheduler, now: float):
-        calls[0] += 1
-        return schedule(self, now)
+    def counting(name: str):
+        method = getattr(Scheduler, name)
 
-    monkeypatch.setattr(Scheduler, "schedule", counted)
+        def counted(self: Scheduler, *args):
+            calls[name] += 1
+            return method(self, *args)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(Scheduler, name, counting(name))
     result = simulate(SimConfig(**ROOFLINE), azure_slice)
     prefills = sum(1 for s in result.steps if s.num_prefill_tokens)
-    assert prefills <= calls[0] <= prefills + 0.1 * len(azure_slice)
-    assert len(result.steps) > 20 * calls[0]
+    full, closing = calls["schedule"], calls["schedule_beside_run"]
+    assert prefills <= full + closing <= prefills + 0.1 * len(azure_slice)
+    assert closing > 2 * full
+    assert len(result.steps) > 20 * (full + closing)
 
 
 @pytest.mark.parametrize("changes", [
@@ -246,7 +259,8 @@ def _kv_state(sched) -> tuple:
             [b.block_id for b in pool.free_queue],
             {rid: list(t.ids) for rid, t in sched.kv.tables.items()},
             [(r.request_id, r.num_computed_tokens, list(r.all_token_ids), list(r.token_times),
-              list(r.block_hashes), r.decode_entry.start) for r in sched.running],
+              list(r.block_hashes), r.decode_entry and r.decode_entry.start)
+             for r in sched.running],
             sched.num_generation_tokens)
 
 
@@ -418,3 +432,78 @@ def test_a_plain_rooflines_run_ends_equal_its_step_time_loop() -> None:
             cost._max_context = max_context
     assert min(lengths) == 0 and max(lengths) > 20  # cut by the horizon, by SimPy's sum, by none
     assert 30 in lengths
+
+
+# ---- a run's closing step: the admission of the prompts that arrived during it --------------
+def _closing_case(caching: bool):
+    """Four decodes (one ending inside the run) in 4-token blocks, no prefix cache or one with
+    blocks to evict; a prompt arrives for the run's fifth step, which admits it beside them."""
+    sched = make_scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=128,
+                           enable_prefix_caching=caching)
+    for i, (prompt, out) in enumerate([(13, 30), (21, 4), (18, 35), (30, 40)]):
+        sched.add_request(make_req(f"r{i}", prompt, out))
+    step(sched, 0.0, TOKEN)
+    step(sched, 0.01, TOKEN)
+    return sched, make_req("late", 23, 5, arrival=0.05)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_closing_step_leaves_the_scheduler_as_the_steps_would(caching: bool) -> None:
+    reference, late_ref = _closing_case(caching)
+    fast, late = _closing_case(caching)
+    run = plan_decode_run(fast, TOKEN)
+    assert run is not None and run.max_steps > 5
+    ends = [0.02 + 0.01 * (k + 1) for k in range(4)]
+    fast.add_request(late)  # arrives during the run's fourth step
+    free_after = run.open_closing(ends)
+    if caching:  # r1's blocks of its own tokens fill inside the run: they would be registered
+        assert free_after is None
+        return
+    # r1 samples its last token in the run's second step: ended before the admission
+    assert free_after is not None and run.requests[1] not in fast.running
+    for _ in range(4):  # ``out`` to the closing step, as the twin times the steps before
+        run.next_step()
+        if run.taken == run.stops[run.segment]:
+            run.next_segment()
+    out = fast.schedule_beside_run(run.out, ends[-1])
+    run.close([*ends, ends[-1] + 0.01])
+    prompts = dataclasses.replace(out, scheduled=out.scheduled[out.num_decode_seqs:])
+    fast.update_from_output(prompts, fake_execute(prompts, TOKEN), ends[-1] + 0.01)
+    for k, end in enumerate([*ends, ends[-1] + 0.01]):
+        if k == 4:  # (it arrived while step 3 ran: step 4 sees it)
+            reference.add_request(late_ref)
+        ref_out = reference.schedule(end - 0.01)
+        reference.update_from_output(ref_out, fake_execute(ref_out, TOKEN), end)
+        if k < 4:
+            assert reference.kv.num_free_blocks == free_after[k]
+    assert [(f, getattr(out, f)) for f in _AGGREGATES] == \
+        [(f, getattr(ref_out, f)) for f in _AGGREGATES]
+    assert [sr.request.request_id for sr in out.scheduled] == \
+        [sr.request.request_id for sr in ref_out.scheduled]
+    assert [r.request_id for r in run.finished] == ["r1"]
+    assert _kv_state(fast) == _kv_state(reference)
+    fast.kv.check_consistency()
+
+
+_AGGREGATES = ("total_num_scheduled_tokens", "num_prefill_tokens", "num_prefill_seqs",
+               "num_decode_tokens", "num_decode_seqs", "sum_context_tokens",
+               "sum_decode_context_tokens", "max_decode_context", "num_prefix_chunks",
+               "sum_prefix_context_tokens", "sum_prefill_attention_area")
+
+
+def test_closing_steps_in_the_default_replay(monkeypatch, azure_slice) -> None:
+    # the measured fit, chunked prompts (a small budget) and a round-robin fleet: the same
+    # records and rows as step by step, with closing steps taken
+    closings = [0]
+    beside = Scheduler.schedule_beside_run
+
+    def counted(self: Scheduler, decodes, now: float):
+        closings[0] += 1
+        return beside(self, decodes, now)
+
+    monkeypatch.setattr(Scheduler, "schedule_beside_run", counted)
+    for cfg in (SimConfig(), SimConfig(max_num_batched_tokens=512),
+                SimConfig(num_replicas=2, router="round-robin")):
+        closings[0] = 0
+        _assert_same(monkeypatch, cfg, azure_slice, 0.3)
+        assert closings[0] > 20, cfg

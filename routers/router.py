@@ -27,9 +27,12 @@ class ReplicaLoad:
     num_waiting: int
     kv_usage: float  # 0..1
     healthy: bool = True  # a dead or restarting replica: never chosen
+    # Prompt tokens it has yet to compute (``SchedulerStats.num_prefill_tokens``): the work
+    # queued ahead of a new request's prefill.
+    num_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting"):
+        for name in ("num_running", "num_waiting", "num_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")

@@ -164,7 +164,8 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         if events:
             for i, sched in enumerate(schedulers):
                 router.on_kv_events(i, sched.take_kv_events())
-        loads = idle or [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
+        loads = idle or [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage, True,
+                                     s.num_prefill_tokens) for s in schedulers]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf

@@ -90,9 +90,10 @@ class CacheAwareRouter:
         depth = 0
         for block_hash in prompt_block_hashes(request, self.block_size):
             holding = index.get(block_hash, 0) & alive
-            for i in _bits(alive & ~holding):
-                matched[i] = depth
-            alive = holding
+            if holding != alive:  # some replicas' matches end here
+                for i in _bits(alive & ~holding):
+                    matched[i] = depth
+                alive = holding
             if not alive:
                 return matched
             index.move_to_end(block_hash)

@@ -32,10 +32,12 @@ class ReplicaLoad:
     num_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "num_prefill_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        # (one test for the common case: a twin builds one per replica and arrival)
+        counts = (self.num_running, self.num_waiting, self.num_prefill_tokens)
+        if not all(type(value) is int and value >= 0 for value in counts):
+            for name, value in zip(("num_running", "num_waiting", "num_prefill_tokens"), counts):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be within [0, 1], got {self.kv_usage!r}.")
 

@@ -332,35 +332,44 @@ def engine_process(env: simpy.Environment, replica: Replica):
 def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon: float,
               timeout: Callable[[float], simpy.Timeout], peek: Callable[[], float]):
     """A fleet replica's decode run behind a router that reads the replicas: the run goes on
-    through every arrival that is not released to this replica, up to its first segment's end.
+    through every arrival that is not released to this replica.
 
     Each step that ends at or past the horizon (the next arrival) is taken in, as a lone
     replica's run takes it in: SimPy is caught up to its start and waits for its end, while the
     arrival reads the replica from the run (``replica.pending``, ``simulator.fleet``). After it,
     the run goes on if nothing was released to the replica, else it is applied (the request
-    released waits for the next step, as in the reference); it is applied at its first finish
-    too. Returns the engine's clock, SimPy's and the horizon after the run."""
+    released waits for the next step, as in the reference). With ``max_waiting_requests`` (an
+    admission that counts the running requests, which the unapplied run still holds) the run is
+    applied at its first finish. Returns the engine's clock, SimPy's and the horizon after it."""
     cost, sched = replica.cost, replica.scheduler
     step_time, run_ends = cost.step_time, cost.decode_run_ends
     pending = replica.pending = PendingRun(run)
-    start, ends, stop = now, [], run.stops[0]
+    last = run.max_steps if sched.config.max_waiting_requests is None else run.stops[0]
+    start, ends = now, []
     while True:
-        got = _segment_ends(run, step_time, run_ends, now, horizon, base, stop - run.taken)
+        limit = min(run.segment_steps(), last - run.taken)
+        got = _segment_ends(run, step_time, run_ends, now, horizon, base, limit)
         ends += got
-        if run.taken == stop:
+        if got:
+            now = got[-1]
+        if run.taken == last:
             break
-        step_start = ends[-1] if ends else start
+        if len(got) == limit:  # a segment ended before the horizon: its finishes leave
+            run.next_segment()
+            continue
         duration = step_time(run.out)
         pending.crossing = len(ends)
-        if step_start != base:
-            yield timeout(step_start - base)
+        if now != base:
+            yield timeout(now - base)
         yield timeout(duration)
-        now = base = step_start + duration
+        now = base = now + duration
         ends.append(base)
         run.next_step()
         horizon = peek()
-        if run.taken == stop or len(sched.policy):
+        if run.taken == last or len(sched.policy):
             break
+        if run.taken == run.stops[run.segment]:
+            run.next_segment()
     replica.pending = None
     replica.driver.complete_decode_run(run, start, ends)
     if pending.reported:  # the router heard these evictions at the arrivals

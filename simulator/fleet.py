@@ -10,15 +10,15 @@ arrival reads its state from the run: ``PendingRun``.
 At an arrival during step ``c`` of a run (steps ``0 .. c - 1`` ended before it, ``c`` was
 scheduled and has not ended), the step-by-step reference holds:
 
-- the run's requests all running: a lazy run stops at its first finish (the end of its first
-  segment), so none has ended before the arrival; the requests released to the replica during
-  the step waiting (the run applies at the end of that step);
+- running, the run's requests but those that sampled their last token in steps before ``c``;
+  waiting, the requests released to the replica during step ``c`` (the run applies at its end);
 - no prompt tokens left but the waiting ones' (the running requests all decode);
-- the blocks taken by every decode, in steps ``0 .. c``, that started a block, one each, off the
-  head of the free queue (no block is freed before a finish);
-- KV events: an eviction for each of those blocks that carried a prefix-cache hash; no store,
-  for a lazy run is one whose requests register no block while they decode (their own tokens,
-  deferred by the cache: ``KVCacheManager.registration_stop``).
+- free, the blocks free at the run's start, less one for each decode in steps ``0 .. c`` that
+  started a block (taken off the free queue's head: the planner counted only the blocks free at
+  the start), plus those the ends freed (a block is freed when the last of its holders ends);
+- KV events: an eviction for each block taken that carried a prefix-cache hash; no store, for a
+  lazy run is one whose requests register no block while they decode (their own tokens, which
+  the cache defers: ``KVCacheManager.registration_stop``), and an end frees without an event.
 
 The evictions reported ahead are struck from the events the run makes when it is applied, so
 the router hears each once, in the reference's order.
@@ -26,8 +26,10 @@ the router hears each once, in the reference's order.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from twinserve.core.block_pool import KVCacheBlock
 from twinserve.core.decode_run import DecodeRun
 from twinserve.core.kv_cache_manager import KVCacheManager
 from twinserve.core.kv_events import BlockRemoved, KVCacheEvent
@@ -57,39 +59,95 @@ def lazy_fits(run: DecodeRun) -> bool:
 
 @dataclass(slots=True)
 class PendingRun:
-    """A decode run computed ahead and not applied; ``crossing``: the step in progress."""
+    """A decode run computed ahead and not applied; ``crossing``: the step in progress.
+
+    Counts kept as the crossing step moves on: the blocks taken (a request starts a block in
+    the steps ``j`` with ``j % block_size == first``, ``first = -start % block_size``, while it
+    decodes, ``j < left``), the requests ended and the blocks their ends freed (a block of theirs
+    is freed when the last of its holders ends)."""
 
     run: DecodeRun
     crossing: int = 0
-    _counted: tuple[int, int] = (-1, 0)  # (crossing, blocks taken up to it)
-    _peeked: int = 0  # blocks of the free queue's head read
     reported: list[int] = field(default_factory=list)  # evictions reported ahead
+    _firsts: list[int] = field(default_factory=list)  # each request's ``first``
+    _starting: list[int] = field(default_factory=list)  # requests per ``first``
+    _upto: int = -1  # the last step counted
+    _taken: int = 0  # blocks taken up to it
+    _peeked: int = 0  # blocks of the free queue's head read for evictions
+    _lefts: list[int] = field(default_factory=list)  # sorted, once a request ends
+    _ended: list[int] = field(default_factory=list)  # run indices by left, once one ends
+    _num_ended: int = 0  # requests whose ends were counted
+    _freed: int = 0
+    _holders: dict[KVCacheBlock, int] = field(default_factory=dict)  # refs left of their blocks
+
+    def __post_init__(self) -> None:
+        bs = self.run.scheduler.kv.block_size
+        self._firsts = firsts = [-start % bs for start in self.run.starts]
+        self._starting = starting = [0] * bs
+        for first in firsts:
+            starting[first] += 1
 
     def blocks_taken(self) -> int:
         """The blocks the steps up to the crossing one took when they were scheduled."""
         c = self.crossing
-        if self._counted[0] != c:
-            bs = self.run.scheduler.kv.block_size
-            taken = 0
-            for start in self.run.starts:
-                first = -start % bs  # its first step that starts a block
-                if first <= c:
-                    taken += (c - first) // bs + 1
-            self._counted = (c, taken)
-        return self._counted[1]
+        if c > self._upto:
+            run, starting, bs = self.run, self._starting, len(self._starting)
+            no_end_before = run.stops[0]  # the fewest steps left: every request decodes before
+            for j in range(self._upto + 1, c + 1):
+                r = j % bs
+                self._taken += starting[r] if j < no_end_before else sum(
+                    1 for first, left in zip(self._firsts, run.lefts) if first == r and left > j)
+            self._upto = c
+        return self._taken
+
+    def num_ended(self) -> int:
+        """The requests that sampled their last token in a step before the crossing one."""
+        if self.run.stops[0] > self.crossing:
+            return 0
+        if not self._lefts:
+            self._lefts = sorted(self.run.lefts)
+        return bisect_right(self._lefts, self.crossing)
+
+    def blocks_freed(self) -> int:
+        """The blocks the ends before the crossing step freed."""
+        ended = self.num_ended()
+        if ended == self._num_ended:
+            return self._freed
+        run = self.run
+        if not self._ended:
+            self._ended = sorted(range(len(run.requests)), key=run.lefts.__getitem__)
+        tables, bs, holders = run.scheduler.kv.tables, len(self._starting), self._holders
+        for i in self._ended[self._num_ended:ended]:
+            for block in tables[run.requests[i].request_id].blocks:
+                refs = holders.get(block, block.ref_cnt) - 1
+                if refs:
+                    holders[block] = refs
+                else:
+                    holders.pop(block, None)
+                    self._freed += 1
+            first, last = -run.starts[i] % bs, run.lefts[i] - 1
+            if first <= last:  # the blocks it took during the run, its alone
+                self._freed += (last - first) // bs + 1
+        self._num_ended = ended
+        return self._freed
 
     def load(self) -> ReplicaLoad:
         """The replica's load in the crossing step, as the reference holds it."""
         sched = self.run.scheduler
         pool = sched.kv.pool
         total = len(pool.blocks)
+        running = len(sched.running)
         free = pool.free_queue.num_free - self.blocks_taken()
-        return ReplicaLoad(len(sched.running), len(sched.policy),
-                           1.0 - free / total if total else 0.0, True, sched.num_queued_tokens)
+        if self.run.stops[0] <= self.crossing:  # some requests ended
+            running -= self.num_ended()
+            free += self.blocks_freed()
+        return ReplicaLoad(running, len(sched.policy), 1.0 - free / total if total else 0.0,
+                           True, sched.num_queued_tokens)
 
     def evictions(self) -> list[KVCacheEvent]:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one
-        ``BlockRemoved``, the pool's way), remembered in ``reported``."""
+        ``BlockRemoved``, the pool's way), remembered in ``reported``. The blocks come off the
+        free queue's head in step order; the blocks ends free join its tail."""
         taken = self.blocks_taken()
         if taken == self._peeked:
             return []

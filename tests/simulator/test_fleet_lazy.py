@@ -24,16 +24,21 @@ def workload():
                                           system_len_max=1024, input_len=200, output_len=120))
 
 
+# "llm": no max_waiting_requests, so a run goes on past its finishes (the arrivals read the
+# ends and the blocks they freed); "server" admits against the running count: one segment.
+@pytest.mark.parametrize("usage", ["server", "llm"])
 @pytest.mark.parametrize("router", ["least-outstanding", "cache-aware"])
 def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
-        monkeypatch, workload, router) -> None:
-    cfg = SimConfig(num_replicas=3, router=router, num_gpu_blocks_override=300, **SMALL)
+        monkeypatch, workload, router, usage) -> None:
+    cfg = SimConfig(num_replicas=3, router=router, num_gpu_blocks_override=300,
+                    usage_context=usage, **SMALL)
     reference = simulate(cfg, workload, decode_runs=False)
-    read, reported = [0], [0]
+    read, reported, ended = [0], [0], [0]
     load, evictions = PendingRun.load, PendingRun.evictions
 
     def counting_load(self: PendingRun):
         read[0] += 1
+        ended[0] += self.num_ended() > 0
         return load(self)
 
     def counting_evictions(self: PendingRun):
@@ -54,6 +59,7 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
     assert read[0] > len(workload)  # most arrivals found some replica mid-run
     if router == "cache-aware":  # evictions reported ahead, then struck from the run's events
         assert reported[0] > 0
+    assert (ended[0] > 0) == (usage == "llm")
     assert fast.records == reference.records
     assert list(fast.steps) == list(reference.steps)
     # the scheduler's own steps: about one a request (its prefill), where stopping every

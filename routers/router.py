@@ -33,8 +33,10 @@ class ReplicaLoad:
 
     def __post_init__(self) -> None:
         # (one test for the common case: a twin builds one per replica and arrival)
-        counts = (self.num_running, self.num_waiting, self.num_prefill_tokens)
-        if not all(type(value) is int and value >= 0 for value in counts):
+        running, waiting, prefill = counts = (self.num_running, self.num_waiting,
+                                              self.num_prefill_tokens)
+        if not (type(running) is int and type(waiting) is int and type(prefill) is int
+                and running >= 0 and waiting >= 0 and prefill >= 0):
             for name, value in zip(("num_running", "num_waiting", "num_prefill_tokens"), counts):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")

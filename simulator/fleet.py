@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from twinserve.core.block_pool import KVCacheBlock
 from twinserve.core.decode_run import DecodeRun
 from twinserve.core.kv_cache_manager import KVCacheManager
-from twinserve.core.kv_events import BlockRemoved, KVCacheEvent
+from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from twinserve.routers import ReplicaLoad
 
 
@@ -159,7 +159,11 @@ class PendingRun:
 
 
 def strike(events: list[KVCacheEvent], reported: list[int]) -> list[KVCacheEvent]:
-    """``events`` without one eviction of each hash in ``reported`` (reported ahead)."""
+    """``events`` without one eviction of each hash in ``reported`` (reported ahead); as they
+    are after a clear (an overflowing buffer's ``AllBlocksCleared``: the reader forgets the
+    replica, whatever came before)."""
+    if any(isinstance(event, AllBlocksCleared) for event in events):
+        return events
     left: dict[int, int] = {}
     for block_hash in reported:
         left[block_hash] = left.get(block_hash, 0) + 1

@@ -9,10 +9,11 @@ import pytest
 
 from twinserve.core import scheduler as scheduler_module
 from twinserve.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
+from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from twinserve.core.scheduler import Scheduler
 from twinserve.simulator import SimConfig, simulate
 from twinserve.simulator import fleet as fleet_module
-from twinserve.simulator.fleet import PendingRun
+from twinserve.simulator.fleet import PendingRun, strike
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
 SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
@@ -80,3 +81,14 @@ def test_free_queue_peek_is_what_popleft_n_would_take() -> None:
         assert peeked == list(queue)[:n]
     free, expected = queue.num_free, queue.peek(9)
     assert queue.popleft_n(9) == expected and queue.num_free == free - 9
+
+
+def test_strike_removes_each_reported_eviction_once() -> None:
+    events = [BlockRemoved([1, 2, 3]), BlockStored([9], None, None), BlockRemoved([2, 4])]
+    assert strike(events, [2, 3]) == [BlockRemoved([1]), BlockStored([9], None, None),
+                                      BlockRemoved([2, 4])]
+    assert strike(events, [1, 2, 3, 2]) == [BlockStored([9], None, None), BlockRemoved([4])]
+    with pytest.raises(RuntimeError, match="reported ahead"):
+        strike(events, [5])
+    cleared = [AllBlocksCleared()]  # an overflowed buffer: nothing left to strike
+    assert strike(cleared, [1]) == cleared

@@ -5,7 +5,8 @@
 popularity, Poisson arrivals at 40 req/s): mean and p99 TTFT, mean TPOT and prefix hit rate per
 router, and each replay's CPU time per request against one replica fed a quarter of the requests
 at a quarter of the rate (the same load per replica); then, in alternated rounds, the 4-replica
-round-robin replay against that lone replica and against one fed round robin's share.
+replays behind ``--cost-routers`` against that lone replica and against one fed round robin's
+share.
 
 The user turns and outputs are lognormal around ``--input-len`` and ``--output-len`` with the
 Azure conversation trace's spread (``traces.multi_app``).
@@ -51,6 +52,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs of the cost comparison")
+    p.add_argument("--cost-routers", default="round-robin,least-outstanding,cache-aware",
+                   help="the routers of the cost comparison")
     args = p.parse_args()
     workload = MultiAppConfig(num_requests=args.num_requests, request_rate=args.rate,
                               num_apps=args.num_apps, zipf_s=args.zipf_s, input_len=args.input_len,
@@ -73,19 +76,24 @@ def main() -> None:
         print(_row(name, result.summary, wall, len(trace), lone_per_request), flush=True)
     print(_row(f"1 replica at {args.rate / args.replicas:g} req/s", single.summary, lone_wall,
                len(quarter), lone_per_request))
-    fleet_cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas,
-                          router="round-robin")
     share = trace[::args.replicas]  # what round robin hands replica 0: its very arrival stream
-    fleet, lone, same = [], [], []  # alternated, the least of each: a shared machine's noise adds
+    cost_routers = args.cost_routers.split(",")
+    fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
+    lone, same = [], []  # alternated, the least of each: a shared machine's noise adds
     for _ in range(args.repeats):
-        fleet.append(_cpu_time(fleet_cfg, trace)[0])
+        for name in cost_routers:
+            cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
+            fleet[name].append(_cpu_time(cfg, trace)[0])
         lone.append(_cpu_time(lone_cfg, quarter)[0])
         same.append(_cpu_time(lone_cfg, share)[0])
-    per_request = min(fleet) / len(trace)
-    print(f"\nCPU time per request, least of {args.repeats}: {args.replicas} replicas (round-robin) "
-          f"{1e3 * per_request:.3f} ms; against 1 replica fed a quarter of the requests at a "
-          f"quarter of the rate {per_request / (min(lone) / len(quarter)):.2f}x, against 1 "
-          f"replica fed replica 0's share {per_request / (min(same) / len(share)):.2f}x")
+    print(f"\nCPU time per request, least of {args.repeats} alternated rounds; 1 replica fed a "
+          f"quarter of the requests at a quarter of the rate: {1e3 * min(lone) / len(quarter):.3f} "
+          f"ms")
+    for name, walls in fleet.items():
+        per_request = min(walls) / len(trace)
+        print(f"- {args.replicas} replicas behind {name}: {1e3 * per_request:.3f} ms, "
+              f"{per_request / (min(lone) / len(quarter)):.2f}x; against 1 replica fed replica "
+              f"0's round-robin share {per_request / (min(same) / len(share)):.2f}x")
 
 
 def _cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, SimResult]:

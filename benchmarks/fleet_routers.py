@@ -3,8 +3,13 @@
 4 replicas of Llama-3-8B on H100s behind each router, fed the multi-application workload
 (``traces.multi_app``: applications with their own 256-2,048-token system prompts, Zipf
 popularity, Poisson arrivals at 40 req/s): mean and p99 TTFT, mean TPOT and prefix hit rate per
-router; then the CPU time of the 4-replica round-robin replay against one replica fed the same
-requests at a quarter of the rate (the same load per replica), per request.
+router, and each replay's CPU time per request against one replica fed a quarter of the requests
+at a quarter of the rate (the same load per replica); then, in alternated rounds, the 4-replica
+replays behind ``--cost-routers`` against that lone replica and against one fed round robin's
+share.
+
+The user turns and outputs are lognormal around ``--input-len`` and ``--output-len`` with the
+Azure conversation trace's spread (``traces.multi_app``).
 
 The default, 400 applications, is a workload whose system prompts (about 450k tokens) do not fit
 in every replica's KV cache (about 445k tokens each, less the running batches): where to send an
@@ -28,10 +33,11 @@ from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 MODEL, HARDWARE = "llama-3-8b", "h100-sxm"
 
 
-def _row(name: str, summary: dict, wall: float, n: int) -> str:
-    return (f"| {name} | {summary['mean_ttft_ms']:.0f} ms | {summary['p99_ttft_ms']:.0f} ms | "
+def _row(name: str, summary: dict, wall: float, n: int, lone_per_request: float) -> str:
+    return (f"| {name} | {summary['mean_ttft_ms']:.1f} ms | {summary['p99_ttft_ms']:.1f} ms | "
             f"{summary['mean_tpot_ms']:.1f} ms | {100 * summary['prefix_cache_hit_rate']:.1f}% | "
-            f"{summary['request_throughput']:.2f} | {wall:.1f} s | {1e3 * wall / n:.2f} ms |")
+            f"{summary['request_throughput']:.2f} | {wall:.1f} s | {1e3 * wall / n:.2f} ms | "
+            f"{wall / n / lone_per_request:.2f}x |")
 
 
 def main() -> None:
@@ -46,6 +52,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs of the cost comparison")
+    p.add_argument("--cost-routers", default="round-robin,least-outstanding,cache-aware",
+                   help="the routers of the cost comparison")
     args = p.parse_args()
     workload = MultiAppConfig(num_requests=args.num_requests, request_rate=args.rate,
                               num_apps=args.num_apps, zipf_s=args.zipf_s, input_len=args.input_len,
@@ -54,36 +62,45 @@ def main() -> None:
     print(f"{len(trace)} requests over {trace[-1].arrival_time:.0f} s, {workload.num_apps} "
           f"applications (Zipf s={workload.zipf_s}), {args.rate} req/s, {args.replicas} x {MODEL} "
           f"on {HARDWARE}\n")
-    print("| router | mean TTFT | p99 TTFT | mean TPOT | prefix hit rate | req/s | CPU | CPU/req |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in args.routers.split(","):
-        cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
-        wall, result = _cpu_time(cfg, trace)
-        print(_row(name, result.summary, wall, len(trace)), flush=True)
     quarter = [replace(tr, arrival_time=tr.arrival_time * args.replicas)
                for tr in trace[:len(trace) // args.replicas]]
     lone_cfg = SimConfig(model=MODEL, hardware=HARDWARE)
-    fleet_cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas,
-                          router="round-robin")
+    lone_wall, single = _cpu_time(lone_cfg, quarter)
+    lone_per_request = lone_wall / len(quarter)
+    print("| router | mean TTFT | p99 TTFT | mean TPOT | prefix hit rate | req/s | CPU | CPU/req | "
+          "CPU/req vs 1 replica |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.routers.split(","):
+        cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
+        wall, result = _cpu_time(cfg, trace)
+        print(_row(name, result.summary, wall, len(trace), lone_per_request), flush=True)
+    print(_row(f"1 replica at {args.rate / args.replicas:g} req/s", single.summary, lone_wall,
+               len(quarter), lone_per_request))
     share = trace[::args.replicas]  # what round robin hands replica 0: its very arrival stream
-    fleet, lone, same = [], [], []  # alternated, the least of each: a shared machine's noise adds
+    cost_routers = args.cost_routers.split(",")
+    fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
+    lone, same = [], []  # alternated, the least of each: a shared machine's noise adds
     for _ in range(args.repeats):
-        fleet.append(_cpu_time(fleet_cfg, trace)[0])
-        wall, single = _cpu_time(lone_cfg, quarter)
-        lone.append(wall)
+        for name in cost_routers:
+            cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
+            fleet[name].append(_cpu_time(cfg, trace)[0])
+        lone.append(_cpu_time(lone_cfg, quarter)[0])
         same.append(_cpu_time(lone_cfg, share)[0])
-    print(_row(f"1 replica at {args.rate / args.replicas:g} req/s", single.summary, min(lone),
-               len(quarter)))
-    per_request = min(fleet) / len(trace)
-    print(f"\nCPU time per request, least of {args.repeats}: {args.replicas} replicas (round-robin) "
-          f"{1e3 * per_request:.3f} ms; against 1 replica fed a quarter of the requests at a "
-          f"quarter of the rate {per_request / (min(lone) / len(quarter)):.2f}x, against 1 "
-          f"replica fed replica 0's share {per_request / (min(same) / len(share)):.2f}x")
+    print(f"\nCPU time per request, least of {args.repeats} alternated rounds; 1 replica fed a "
+          f"quarter of the requests at a quarter of the rate: {1e3 * min(lone) / len(quarter):.3f} "
+          f"ms")
+    for name, walls in fleet.items():
+        per_request = min(walls) / len(trace)
+        print(f"- {args.replicas} replicas behind {name}: {1e3 * per_request:.3f} ms, "
+              f"{per_request / (min(lone) / len(quarter)):.2f}x; against 1 replica fed replica "
+              f"0's round-robin share {per_request / (min(same) / len(share)):.2f}x")
+
 
 def _cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, SimResult]:
     t0 = time.process_time()
     result = simulate(cfg, trace)
     return time.process_time() - t0, result
+
 
 if __name__ == "__main__":
     main()

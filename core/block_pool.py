@@ -69,6 +69,24 @@ class FreeKVCacheBlockQueue:
             self._head = 0
         return out
 
+    def peek(self, n: int) -> list[KVCacheBlock]:
+        """The blocks ``popleft_n(n)`` would return (at most the free ones), left in place."""
+        head, items = self._head, self._items
+        out = items[head:head + n]
+        if not self._stale or self._stale.keys().isdisjoint(out):
+            return out
+        skip = dict(self._stale)
+        out = []
+        while len(out) < n and head < len(items):
+            block = items[head]
+            head += 1
+            k = skip.get(block)
+            if k:
+                skip[block] = k - 1
+            else:
+                out.append(block)
+        return out
+
     def _pop_skipping_stale(self, n: int) -> list[KVCacheBlock]:
         items, stale, head = self._items, self._stale, self._head
         out: list[KVCacheBlock] = []

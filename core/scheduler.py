@@ -102,6 +102,7 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] | None = None
+    num_prefill_tokens: int = 0  # prompt tokens not yet computed (``Scheduler.num_prefill_tokens``)
 
 
 class Scheduler:
@@ -309,7 +310,16 @@ class Scheduler:
                               self.num_prompt_tokens, self.num_generation_tokens,
                               self.spec_num_drafts, self.spec_num_draft_tokens,
                               self.spec_num_accepted_tokens,
-                              list(self.spec_num_accepted_tokens_per_pos))
+                              list(self.spec_num_accepted_tokens_per_pos),
+                              self.num_prefill_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the queued prompts never admitted (whole: their cached
+        part is found at admission) and what the running requests have left of theirs."""
+        return self.num_queued_tokens + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

@@ -131,7 +131,9 @@ class DataParallelFront:
                 raise EngineOverloaded(f"{exc}; retry later", "replica_down",
                                        ADMISSION_RETRY_AFTER_S) from exc
             self._owner[request_id] = (index, sink)
-            self.loads[index].num_waiting += 1  # seen by the next route, before its stats come
+            load = self.loads[index]  # seen by the next route, before its stats come
+            load.num_waiting += 1
+            load.num_prefill_tokens += len(routed.prompt_token_ids)
         return index
 
     def abort(self, request_id: str) -> None:
@@ -186,7 +188,8 @@ class DataParallelFront:
             replica.stats = stats
             replica.served += len(accepted)
             self.loads[index] = ReplicaLoad(stats.num_running, stats.num_waiting,
-                                            min(1.0, max(0.0, stats.kv_cache_usage)), healthy=True)
+                                            min(1.0, max(0.0, stats.kv_cache_usage)), True,
+                                            stats.num_prefill_tokens)
             for rid in accepted:
                 owner = self._owner.get(rid)
                 if owner is not None:

@@ -17,7 +17,7 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.dp_front import DataParallelFront
-from twinserve.gpu.engine.tokenizer import Tokenizer
+from twinserve.entrypoints.front_model import front_tokenizer
 from twinserve.gpu.models.default_model import resolve_model_source
 
 STEP_TIMEOUT_S = 600.0
@@ -40,15 +40,10 @@ def on_cuda(args: EngineArgs) -> bool:
     return torch.cuda.is_available()
 
 
-def front_tokenizer(args: EngineArgs) -> Tokenizer | None:
-    model_dir = resolve_model_source(args.model)[0]
-    return Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-
-
 class DataParallelEngine:
     def __init__(self, args: EngineArgs, usage_context: str = "llm") -> None:
         self.args = args
-        self.tokenizer = front_tokenizer(args)
+        self.tokenizer = front_tokenizer(resolve_model_source(args.model)[0])
         tokenize = None if self.tokenizer is None else (
             lambda text: self.tokenizer.encode(text, add_special_tokens=True))
         self.front = DataParallelFront(args, usage_context, on_cuda(args), tokenize)

@@ -12,58 +12,48 @@ from twinserve.routers.router import ReplicaLoad, healthy
 
 
 class CacheAwareRouter:
-    """Scores each healthy replica by the prompt blocks it already holds and by its load, as
-    llm-d's precise prefix-cache scorer plus its queue and KV-utilisation scorers do.
+    """Sends each request to the healthy replica where its prefill would start soonest and cost
+    least: the prompt blocks a replica already holds (llm-d's precise prefix-cache scorer) priced
+    together with the work it has queued, in one unit, prompt tokens.
 
     What a replica holds comes only from its own KV events (``core.kv_events``): one LRU index,
     block hash -> the replicas holding it (a bit each), of at most ``max_blocks`` hashes. A hash
     stored or matched is moved to the young end; past the cap the oldest is forgotten, which can
     only make a replica look emptier than it is.
 
-    The score of replica ``i``::
+    The cost of replica ``i``, in prompt tokens::
 
-        prefix_weight * matched_i / prompt_blocks       # the precise prefix scorer, in [0, 1]
-      - queue_weight  * (q_i - min_q) / queue_span      # the queue scorer, q = running + waiting
-      + kv_weight     * (1 - kv_usage_i)                # the KV-utilisation scorer, in [0, 1]
+        num_prefill_tokens_i                   # prompt tokens it has yet to compute (ReplicaLoad)
+      + prompt_tokens - block_size * matched_i # what this prompt would add: its uncached part
+      + decode_weight * num_running_i          # its decode batch, which every step carries
 
     ``matched_i``: the request's prompt block hashes (``routers.hashing``), walked from the first,
-    until the first one replica ``i`` does not hold, as the prefix cache itself would hit. The
-    queue term counts the requests a replica has beyond the emptiest healthy one: every
-    ``queue_span`` of them cost ``queue_weight``, without bound, so a long enough queue outweighs
-    any prefix (llm-d normalises it to [0, 1], which lets a hot prefix pile requests onto one
-    replica). The highest score wins; ties go to the fewest running + waiting requests, then to
-    the lowest index. A prompt shorter than a block scores on load alone.
+    until the first one replica ``i`` does not hold, as the prefix cache itself would hit. A
+    replica without the prompt pays for prefilling it, so it takes a hot application's request
+    only once the holder's queue outweighs that prefill; where every replica holds the prompt the
+    prefix term is the same for all and the router balances queued work. ``decode_weight`` (5):
+    the step time one decoding sequence adds, in prompt tokens (about 5 for the twin's Llama-3-8B
+    on an H100). The lowest cost
+    wins; ties go round robin (the first replica at or after the one after the last chosen), so
+    equal replicas get the even spacing of round robin rather than the lowest index."""
 
-    A replica holding a long prefix keeps its application's requests while its queue is within
-    about ``queue_span * prefix_weight / queue_weight`` requests of the emptiest; past that the
-    load moves a hot application onto a second replica, whose events then let it share the
-    traffic."""
-
-    __slots__ = ("block_size", "max_blocks", "prefix_weight", "queue_weight", "queue_span",
-                 "kv_weight", "_index")
+    __slots__ = ("block_size", "max_blocks", "decode_weight", "_index", "_next")
 
     uses_kv_events = True  # a constant of the class: the backend turns the replicas' events on
 
-    def __init__(self, block_size: int, max_blocks: int = 1 << 18, prefix_weight: float = 2.0,
-                 queue_weight: float = 1.0, queue_span: float = 8.0,
-                 kv_weight: float = 0.5) -> None:
+    def __init__(self, block_size: int, max_blocks: int = 1 << 18,
+                 decode_weight: float = 5.0) -> None:
         for name, value in (("block_size", block_size), ("max_blocks", max_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        for name, weight in (("prefix_weight", prefix_weight), ("queue_weight", queue_weight),
-                             ("kv_weight", kv_weight)):
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-                raise ValueError(f"{name} must be a non-negative number, got {weight!r}.")
-        if isinstance(queue_span, bool) or not isinstance(queue_span, (int, float)) \
-                or not queue_span > 0:
-            raise ValueError(f"queue_span must be a positive number, got {queue_span!r}.")
+        if isinstance(decode_weight, bool) or not isinstance(decode_weight, (int, float)) \
+                or not 0 <= decode_weight < float("inf"):
+            raise ValueError(f"decode_weight must be a non-negative number, got {decode_weight!r}.")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.prefix_weight = float(prefix_weight)
-        self.queue_weight = float(queue_weight)
-        self.queue_span = float(queue_span)
-        self.kv_weight = float(kv_weight)
+        self.decode_weight = float(decode_weight)
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> bitmask of replicas
+        self._next = 0  # where the next tie's rotation starts
 
     def __len__(self) -> int:
         """The block hashes indexed (at most ``max_blocks``)."""
@@ -76,18 +66,17 @@ class CacheAwareRouter:
 
     def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
         up = healthy(replicas)
-        num_blocks = len(request.prompt_token_ids) // self.block_size
         matched = self.matched_blocks(request, up)
-        queues = [replicas[i].outstanding for i in up]
-        low = min(queues)
-        per_request = self.queue_weight / self.queue_span
+        prompt, bs, per_decode = len(request.prompt_token_ids), self.block_size, self.decode_weight
+        n, start = len(replicas), self._next
         best, best_key = up[0], None
-        for i, q in zip(up, queues):
-            score = (self.prefix_weight * matched[i] / num_blocks if num_blocks else 0.0) \
-                - per_request * (q - low) + self.kv_weight * (1.0 - replicas[i].kv_usage)
-            key = (-score, q, i)
+        for i in up:
+            load = replicas[i]
+            cost = load.num_prefill_tokens + prompt - bs * matched[i] + per_decode * load.num_running
+            key = (cost, (i - start) % n)
             if best_key is None or key < best_key:
                 best, best_key = i, key
+        self._next = best + 1
         return best
 
     def matched_blocks(self, request: Request, among: Sequence[int]) -> dict[int, int]:
@@ -101,9 +90,10 @@ class CacheAwareRouter:
         depth = 0
         for block_hash in prompt_block_hashes(request, self.block_size):
             holding = index.get(block_hash, 0) & alive
-            for i in _bits(alive & ~holding):
-                matched[i] = depth
-            alive = holding
+            if holding != alive:  # some replicas' matches end here
+                for i in _bits(alive & ~holding):
+                    matched[i] = depth
+                alive = holding
             if not alive:
                 return matched
             index.move_to_end(block_hash)

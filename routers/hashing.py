@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from twinserve.core.block_hash import NO_LORA_KEY, ROOT_HASH
 from twinserve.core.request import LazyPrompt, Request
 
 
-def prompt_block_hashes(request: Request, block_size: int) -> Iterator[int]:
+def prompt_block_hashes(request: Request, block_size: int) -> Iterable[int]:
     """The hashes of the prompt's full blocks, first to last, made as they are read (a router
     stops at its first miss). The same keys as ``core.block_hash.update_block_hashes``: a
-    ``LazyPrompt``'s keys for this block size, else the chain over the ids; the request is not
-    changed."""
+    ``LazyPrompt``'s keys for this block size (as they are, a slice of its list, when they
+    cover the prompt and no adapter salts them), else the chain over the ids; the request is
+    not changed."""
+    prompt = request.prompt_token_ids
+    num_full = len(prompt) // block_size
+    if isinstance(prompt, LazyPrompt) and prompt.key_block_size == block_size \
+            and request.lora is None and len(prompt.keys) >= num_full:
+        return prompt.keys[:num_full]
+    return _chained(request, block_size, num_full)
+
+
+def _chained(request: Request, block_size: int, num_full: int) -> Iterator[int]:
     prompt = request.prompt_token_ids
     lora = request.lora
-    num_full = len(prompt) // block_size
     done = 0
     parent = ROOT_HASH
     if isinstance(prompt, LazyPrompt) and prompt.key_block_size == block_size:

@@ -27,12 +27,19 @@ class ReplicaLoad:
     num_waiting: int
     kv_usage: float  # 0..1
     healthy: bool = True  # a dead or restarting replica: never chosen
+    # Prompt tokens it has yet to compute (``SchedulerStats.num_prefill_tokens``): the work
+    # queued ahead of a new request's prefill.
+    num_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        # (one test for the common case: a twin builds one per replica and arrival)
+        running, waiting, prefill = counts = (self.num_running, self.num_waiting,
+                                              self.num_prefill_tokens)
+        if not (type(running) is int and type(waiting) is int and type(prefill) is int
+                and running >= 0 and waiting >= 0 and prefill >= 0):
+            for name, value in zip(("num_running", "num_waiting", "num_prefill_tokens"), counts):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be within [0, 1], got {self.kv_usage!r}.")
 

@@ -24,6 +24,7 @@ import simpy
 from twinserve.core.decode_run import DecodeRun
 from twinserve.core.decode_run import plan_decode_run as plan
 from twinserve.core.errors import EngineOverloaded
+from twinserve.core.kv_events import KVCacheEvent
 from twinserve.core.metrics import RequestRecord
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
@@ -31,6 +32,7 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.routers import ReplicaLoad, Router, reads_loads, uses_kv_events
 from twinserve.simulator.acceptance import AcceptanceModel
+from twinserve.simulator.fleet import PendingRun, lazy_fits, strike
 from twinserve.simulator.step_time import StepTimeModel
 
 SIMULATED_TOKEN = 17
@@ -133,9 +135,19 @@ class Replica:
     # through the router, so each runs ahead up to its horizon, past the other replicas' events
     # (a fleet's run then sorts its step rows by time, as the step-by-step path interleaves them).
     horizons: ArrivalHorizons | None = None
+    # Behind a router that reads the replicas (a fleet's replica, not ``alone``): its decode run
+    # in progress, computed ahead and not applied, which the arrivals read (``simulator.fleet``),
+    # and the KV events made since the last arrival read them, less those reported ahead.
+    pending: PendingRun | None = None
+    held_events: list[KVCacheEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.driver.on_release = self.tokens.release
+
+    @property
+    def lazy(self) -> bool:
+        """Whether its decode runs go on through arrivals released elsewhere (``_lazy_run``)."""
+        return self.horizons is not None and not self.alone and self.decode_runs
 
     @property
     def scheduler(self) -> Scheduler:
@@ -151,7 +163,6 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
     if horizons is not None and not reads_loads(router):
         yield from _routed_ahead(env, requests, replicas, router, recorder, horizons)
         return
-    schedulers = [r.scheduler for r in replicas]
     events = uses_kv_events(router)
     # a router that reads nothing of the replicas gets the same (unread) loads every time
     idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
@@ -162,12 +173,31 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         if delay > 0:
             yield env.timeout(delay)
         if events:
-            for i, sched in enumerate(schedulers):
-                router.on_kv_events(i, sched.take_kv_events())
-        loads = idle or [ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage) for s in schedulers]
+            for i, replica in enumerate(replicas):
+                router.on_kv_events(i, _kv_events(replica))
+        loads = idle or [_load(r) for r in replicas]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
+
+
+def _load(replica: Replica) -> ReplicaLoad:
+    """The replica's load now, as a front reads it (its run in progress, if it has one)."""
+    if replica.pending is not None:
+        return replica.pending.load()
+    s = replica.scheduler
+    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage, True, s.num_prefill_tokens)
+
+
+def _kv_events(replica: Replica) -> list[KVCacheEvent]:
+    """The replica's KV events since the last call, oldest first (its run in progress's
+    evictions so far included)."""
+    events = replica.scheduler.take_kv_events()
+    if replica.held_events:
+        events, replica.held_events = replica.held_events + events, []
+    if replica.pending is not None:
+        events += replica.pending.evictions()
+    return events
 
 
 def _routed_ahead(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
@@ -240,7 +270,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
     # driver.schedule and driver.complete with their lookups done once (this runs every step)
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
-    alone = replica.alone
+    alone, lazy = replica.alone, replica.lazy
     horizons, index = replica.horizons, replica.index
     if horizons is not None:  # the horizon: its next arrival, not the other replicas' steps
         def peek() -> float:
@@ -276,6 +306,11 @@ def engine_process(env: simpy.Environment, replica: Replica):
         # is due, or takes in the step that crosses it
         run = plan(sched, SIMULATED_TOKEN) if decode_runs else None
         while run is not None:
+            if lazy and lazy_fits(run):  # a fleet's: on through the arrivals released elsewhere
+                now, base, horizon = yield from _lazy_run(replica, run, now, base, horizon,
+                                                          timeout, peek)
+                run = plan(sched, SIMULATED_TOKEN)
+                continue
             ends = _decode_run_ends(run, step_time, run_ends, now, horizon, base)
             crossing = alone and len(ends) < run.max_steps
             if crossing:  # the next step ends at or past the horizon: SimPy catches up first
@@ -327,6 +362,54 @@ def _closing_step(replica: Replica, run: DecodeRun, now: float, ends: list[float
     replica.driver.complete_closing_run(run, out, replica.tokens.output, now, [*ends, end],
                                         free_after, waiting)
     return end, base, horizon
+
+
+def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon: float,
+              timeout: Callable[[float], simpy.Timeout], peek: Callable[[], float]):
+    """A fleet replica's decode run behind a router that reads the replicas: the run goes on
+    through every arrival that is not released to this replica.
+
+    Each step that ends at or past the horizon (the next arrival) is taken in, as a lone
+    replica's run takes it in: SimPy is caught up to its start and waits for its end, while the
+    arrival reads the replica from the run (``replica.pending``, ``simulator.fleet``). After it,
+    the run goes on if nothing was released to the replica, else it is applied (the request
+    released waits for the next step, as in the reference). With ``max_waiting_requests`` (an
+    admission that counts the running requests, which the unapplied run still holds) the run is
+    applied at its first finish. Returns the engine's clock, SimPy's and the horizon after it."""
+    cost, sched = replica.cost, replica.scheduler
+    step_time, run_ends = cost.step_time, cost.decode_run_ends
+    pending = replica.pending = PendingRun(run)
+    last = run.max_steps if sched.config.max_waiting_requests is None else run.stops[0]
+    start, ends = now, []
+    while True:
+        limit = min(run.segment_steps(), last - run.taken)
+        got = _segment_ends(run, step_time, run_ends, now, horizon, base, limit)
+        ends += got
+        if got:
+            now = got[-1]
+        if run.taken == last:
+            break
+        if len(got) == limit:  # a segment ended before the horizon: its finishes leave
+            run.next_segment()
+            continue
+        duration = step_time(run.out)
+        pending.crossing = len(ends)
+        if now != base:
+            yield timeout(now - base)
+        yield timeout(duration)
+        now = base = now + duration
+        ends.append(base)
+        run.next_step()
+        horizon = peek()
+        if run.taken == last or len(sched.policy):
+            break
+        if run.taken == run.stops[run.segment]:
+            run.next_segment()
+    replica.pending = None
+    replica.driver.complete_decode_run(run, start, ends)
+    if pending.reported:  # the router heard these evictions at the arrivals
+        replica.held_events += strike(sched.take_kv_events(), pending.reported)
+    return ends[-1], base, horizon
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],

@@ -3,8 +3,17 @@
 Application ``k`` (of ``num_apps``) has a system prompt of a length drawn once, uniformly within
 ``[system_len_min, system_len_max]``, shared by all its requests (one prefix group each); its
 popularity follows Zipf's law, ``1 / (k + 1) ** zipf_s``; requests arrive as one Poisson stream of
-``request_rate``, each an application drawn by popularity, with a user turn and an output sampled
-as vLLM's random dataset samples lengths. The same config always gives the same requests.
+``request_rate``, each an application drawn by popularity, with a user turn and an output of
+their own lengths. The same config always gives the same requests.
+
+The lengths spread as a real conversation service's do, since with constant or narrowly uniform
+sizes every request costs the same and round robin balances perfectly by construction. By default
+(``range_ratio=None``) each is lognormal with median ``input_len`` (user turn) or ``output_len``
+(output) and the log-spread of the Azure LLM inference conversation trace (Splitwise, ISCA 2024;
+``traces/data/azure_llm_2023``): sigma 0.99 for its prompts, 0.86 for its outputs, cut at
+``LENGTH_CAP`` times the median (the trace's own 99th percentiles lie at 4.1x and 4.7x its
+medians). A ``range_ratio`` samples vLLM's random-dataset lengths instead, uniform within
+``len * (1 +- range_ratio)``.
 """
 
 from __future__ import annotations
@@ -17,6 +26,10 @@ from twinserve.traces.plain_format import group_block_id
 from twinserve.traces.synthetic import arrival_times, sample_lengths
 from twinserve.traces.trace_request import TraceRequest
 
+# The log-spread (standard deviation of the log) of the Azure conversation trace's prompt and
+# output lengths, and the cut of a lognormal draw, in medians.
+INPUT_SIGMA, OUTPUT_SIGMA, LENGTH_CAP = 0.99, 0.86, 5.0
+
 
 @dataclass(slots=True)
 class MultiAppConfig:
@@ -26,9 +39,9 @@ class MultiAppConfig:
     zipf_s: float = 1.0
     system_len_min: int = 256
     system_len_max: int = 2048
-    input_len: int = 256  # the user turn after the system prompt
-    output_len: int = 128
-    range_ratio: float = 0.5
+    input_len: int = 256  # the user turn after the system prompt (median)
+    output_len: int = 128  # (median)
+    range_ratio: float | None = None  # None: lognormal lengths; else vLLM's uniform ones
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,7 +56,7 @@ class MultiAppConfig:
             raise ValueError(f"request_rate must be positive and finite, got {self.request_rate!r}.")
         if not self.zipf_s >= 0:
             raise ValueError(f"zipf_s must be non-negative, got {self.zipf_s!r}.")
-        if not 0 <= self.range_ratio < 1:
+        if self.range_ratio is not None and not 0 <= self.range_ratio < 1:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio!r}.")
 
     def popularity(self) -> np.ndarray:
@@ -62,8 +75,8 @@ def multi_app_trace(cfg: MultiAppConfig) -> list[TraceRequest]:
     apps = app_rng.choice(cfg.num_apps, size=n, p=cfg.popularity()).tolist()
     times = arrival_times(arrival_rng, n, cfg.request_rate, 1.0)
     times = (times - times[0]).tolist()
-    inputs = sample_lengths(input_rng, n, cfg.input_len, cfg.range_ratio).tolist()
-    outputs = sample_lengths(output_rng, n, cfg.output_len, cfg.range_ratio).tolist()
+    inputs = _lengths(input_rng, n, cfg.input_len, cfg.range_ratio, INPUT_SIGMA)
+    outputs = _lengths(output_rng, n, cfg.output_len, cfg.range_ratio, OUTPUT_SIGMA)
     groups = [(group_block_id(f"multi-app:{cfg.seed}:{k}"),) for k in range(cfg.num_apps)]
     return [
         TraceRequest(request_id=f"app{app}-{i}", arrival_time=t,
@@ -72,3 +85,13 @@ def multi_app_trace(cfg: MultiAppConfig) -> list[TraceRequest]:
                      prefix_block_tokens=system_lens[app])
         for i, (app, t) in enumerate(zip(apps, times))
     ]
+
+
+def _lengths(rng: np.random.Generator, n: int, median: int, range_ratio: float | None,
+             sigma: float) -> list[int]:
+    """``n`` lengths: lognormal around ``median`` (cut to [1, LENGTH_CAP * median]) without a
+    ``range_ratio``, else vLLM's uniform ones."""
+    if range_ratio is not None:
+        return sample_lengths(rng, n, median, range_ratio).tolist()
+    drawn = np.rint(median * rng.lognormal(0.0, sigma, size=n))
+    return np.clip(drawn, 1, max(1, round(LENGTH_CAP * median))).astype(int).tolist()

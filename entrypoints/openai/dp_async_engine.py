@@ -2,11 +2,12 @@
 data-parallel front (``entrypoints/dp_front.py``), so the HTTP layer serves N replicas as it
 serves one.
 
-``engine`` is a front-local ``LLMEngine`` on the CPU that is never stepped: the HTTP layer reads
-the model's facts from it (tokenizer, context length, vocabulary, the request surface's checks)
-exactly as with one engine. It costs one more copy of the weights in host memory; the
-replicas do the work. A request a replica is serving when it dies ends with ``ReplicaLost``
-(an ``EngineDeadError``: a 503 in OpenAI's shape, or an error event in a stream).
+``engine`` is a front-local ``LLMEngine`` that is never stepped: the HTTP layer reads the model's
+facts from it (tokenizer, context length, vocabulary, the request surface's checks) exactly as
+with one engine. Its runner is a ``FrontModel`` (``entrypoints/front_model.py``): the model's
+configuration and tokenizer, no weights; the replicas do the work. A request a replica is
+serving when it dies ends with ``ReplicaLost`` (an ``EngineDeadError``: a 503 in OpenAI's shape,
+or an error event in a stream).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.dp_front import DataParallelFront, ReplicaDied, ReplicaState
 from twinserve.entrypoints.dp_llm_engine import on_cuda
+from twinserve.entrypoints.front_model import front_model
 from twinserve.entrypoints.openai.async_engine import (
     EngineDeadError,
     RequestStream,
@@ -52,11 +54,13 @@ class _LoopSink:
 
 
 def front_engine(args: EngineArgs) -> LLMEngine:
-    """The front-local engine the HTTP layer reads the model's facts from."""
+    """The front-local engine the HTTP layer reads the model's facts from: its runner holds
+    the model's configuration and tokenizer, never its weights."""
     local = args.replace(data_parallel_size=1, device="cpu", kv_cache_memory_bytes=None,
                          num_gpu_blocks_override=FRONT_KV_BLOCKS, tensor_parallel_size=1,
                          distributed_executor_backend=None)
-    engine = LLMEngine(local, usage_context="server")
+    engine = LLMEngine(local, runner=front_model(local, "server"),  # type: ignore[arg-type]
+                       usage_context="server")
     engine.metrics.record_steps = False
     return engine
 

@@ -10,6 +10,7 @@ from core_helpers import make_req, make_scheduler, run_to_completion
 from twinserve import routers as registry
 from twinserve.core.block_hash import update_block_hashes
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from twinserve.core.outputs import ModelRunnerOutput
 from twinserve.routers import (
     ROUTERS,
     CacheAwareRouter,
@@ -38,8 +39,8 @@ def test_registry_names_and_errors() -> None:
         make_router("random", BS)
     with pytest.raises(ValueError, match="bad options for router 'round-robin'"):
         make_router("round-robin", BS, bogus=1)
-    with pytest.raises(ValueError, match="prefix_weight"):
-        make_router("cache-aware", BS, prefix_weight=-1)
+    with pytest.raises(ValueError, match="decode_weight"):
+        make_router("cache-aware", BS, decode_weight=-1)
     with pytest.raises(ValueError, match="max_prefixes"):
         make_router("prefix-affinity", BS, max_prefixes=0)
 
@@ -76,6 +77,19 @@ def test_replica_load_validates() -> None:
         ReplicaLoad(1, -1, 0.5)
     with pytest.raises(ValueError, match="kv_usage"):
         ReplicaLoad(1, 0, 1.5)
+    with pytest.raises(ValueError, match="num_prefill_tokens"):
+        ReplicaLoad(1, 0, 0.5, num_prefill_tokens=-3)
+
+
+def test_a_replicas_prefill_backlog_is_its_queued_and_unfinished_prompts() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=BS, max_num_batched_tokens=16)
+    sched.add_request(make_req("a", 40))
+    sched.add_request(make_req("b", 24))
+    assert sched.num_prefill_tokens == 64 == sched.stats().num_prefill_tokens
+    out = sched.schedule(0.0)  # a's first 16-token chunk (what the step computes still counts)
+    assert sched.num_prefill_tokens == 64
+    sched.update_from_output(out, ModelRunnerOutput({}), 0.1)
+    assert sched.num_prefill_tokens == 40 + 24 - 16 == sched.stats().num_prefill_tokens
 
 
 @pytest.mark.parametrize("name", ROUTERS)
@@ -124,6 +138,10 @@ def _stored(request, replica: int, router: CacheAwareRouter, blocks: int) -> Non
     router.on_kv_events(replica, [BlockStored(hashes, None, None)])
 
 
+def _queued(*prefill_tokens: int, running: int = 0) -> list[ReplicaLoad]:
+    return [ReplicaLoad(running, 0, 0.0, num_prefill_tokens=p) for p in prefill_tokens]
+
+
 def test_cache_aware_routes_to_the_replica_holding_the_longest_prefix() -> None:
     router = CacheAwareRouter(BS)
     shared = list(range(40))
@@ -131,8 +149,10 @@ def test_cache_aware_routes_to_the_replica_holding_the_longest_prefix() -> None:
     _stored(make_req("seed2", 48, prefix=shared), 2, router, 10)
     request = make_req("a", 48, prefix=shared)
     assert router.matched_blocks(request, [0, 1, 2]) == {0: 0, 1: 4, 2: 10}
-    assert router.route(request, loads(0, 0, 1)) == 2  # the prefix outweighs one more request
-    assert router.route(request, loads(0, 0, 20, usage=0.5)) == 1  # a long queue does not
+    # costs 48, 32 + 10, 8 + 30 tokens: the 40 held tokens outweigh the 30 queued
+    assert router.route(request, _queued(0, 10, 30)) == 2
+    # 48, 32 + 10, 8 + 40: the queue now outweighs what replica 2 holds beyond replica 1
+    assert router.route(request, _queued(0, 10, 40)) == 1
     # removal and reset forget the blocks
     hashes = list(prompt_block_hashes(request, BS))
     router.on_kv_events(2, [BlockRemoved(hashes[5:6])])
@@ -142,9 +162,39 @@ def test_cache_aware_routes_to_the_replica_holding_the_longest_prefix() -> None:
     assert router.holders(hashes[0]) == [1]
 
 
-def test_cache_aware_ties_go_to_the_least_loaded() -> None:
-    router = CacheAwareRouter(BS, kv_weight=0.0, queue_weight=0.0)
-    assert router.route(make_req("a", 12), loads(3, 1, 2)) == 1
+def test_cache_aware_balances_queued_work_when_every_replica_holds_the_prompt() -> None:
+    router = CacheAwareRouter(BS, decode_weight=5.0)
+    shared = list(range(40))
+    for replica in range(3):
+        _stored(make_req(f"seed{replica}", 48, prefix=shared), replica, router, 10)
+    request = make_req("a", 48, prefix=shared)
+    # round robin would take replica 0 first; the least queued prefill wins
+    assert router.route(request, _queued(600, 50, 300)) == 1
+    # decode batches count: 50 + 5 * 40 against 120 + 5 * 10
+    loads = [ReplicaLoad(40, 0, 0.0, num_prefill_tokens=50),
+             ReplicaLoad(10, 0, 0.0, num_prefill_tokens=120),
+             ReplicaLoad(40, 0, 0.0, num_prefill_tokens=500)]
+    assert router.route(request, loads) == 1
+    # least-outstanding would take replica 0 (2 requests against 3): its queued prompt is longer
+    loads = [ReplicaLoad(1, 1, 0.0, num_prefill_tokens=900),
+             ReplicaLoad(3, 0, 0.0, num_prefill_tokens=0)]
+    assert router.route(request, loads) == 1
+
+
+def test_cache_aware_ties_go_round_robin() -> None:
+    router = CacheAwareRouter(BS)
+    picks = [router.route(make_req(f"r{i}", 12), _queued(0, 0, 0)) for i in range(5)]
+    assert picks == [0, 1, 2, 0, 1]
+    # 2's turn, but it costs more: of the tied 0 and 1, 0 comes first from 2 on
+    assert router.route(make_req("x", 12), _queued(0, 0, 7)) == 0
+    assert router.route(make_req("y", 12), _queued(0, 0, 0)) == 1
+
+
+def test_cache_aware_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="decode_weight"):
+        CacheAwareRouter(BS, decode_weight=-1.0)
+    with pytest.raises(ValueError, match="block_size"):
+        CacheAwareRouter(0)
 
 
 def test_cache_aware_index_stays_bounded() -> None:

@@ -62,3 +62,23 @@ def test_the_cli_builds_it_from_its_flags_and_refuses_the_others() -> None:
         trace_from_args(_parse("--trace", "azure-conv", "--zipf-s", "2"))
     with pytest.raises(ValueError, match="--num-apps: num_apps must be a positive"):
         trace_from_args(_parse("--trace", "multi-app", "--num-apps", "0"))
+
+
+def test_lengths_spread_as_the_azure_conversation_trace_unless_a_range_ratio_is_given() -> None:
+    import numpy as np
+
+    from twinserve.traces.multi_app import INPUT_SIGMA, LENGTH_CAP, OUTPUT_SIGMA
+    cfg = MultiAppConfig(num_requests=6000, input_len=256, output_len=128, seed=1)
+    trace = multi_app_trace(cfg)
+    turns = np.array([tr.input_tokens - tr.prefix_block_tokens for tr in trace])
+    outputs = np.array([tr.output_tokens for tr in trace])
+    assert np.median(turns) == pytest.approx(256, rel=0.05)
+    assert np.median(outputs) == pytest.approx(128, rel=0.05)
+    # the log-spread of the trace, only thinned by the cut at LENGTH_CAP medians
+    assert np.log(turns).std() == pytest.approx(INPUT_SIGMA, rel=0.1)
+    assert np.log(outputs).std() == pytest.approx(OUTPUT_SIGMA, rel=0.1)
+    assert turns.max() == LENGTH_CAP * 256 and turns.min() >= 1
+    uniform = multi_app_trace(MultiAppConfig(num_requests=500, output_len=128, range_ratio=0.5))
+    assert {64 <= tr.output_tokens <= 192 for tr in uniform} == {True}
+    with pytest.raises(ValueError, match="range_ratio"):
+        MultiAppConfig(range_ratio=1.5)

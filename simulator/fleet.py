@@ -1,0 +1,185 @@
+"""A fleet replica's decode run as a router sees it before the run is applied.
+
+Behind a router that reads the replicas (``routers.reads_loads``), every arrival reads every
+replica's load and, for a router that reads them, its KV events, as they stand at that instant.
+Applying each replica's decode run up to every arrival, and stepping the step in progress through
+the scheduler, costs a full step per replica per arrival. Instead a replica whose run nothing is
+released to goes on with it through the arrivals (``simulator.engine._lazy_run``), and the
+arrival reads its state from the run: ``PendingRun``.
+
+At an arrival during step ``c`` of a run (steps ``0 .. c - 1`` ended before it, ``c`` was
+scheduled and has not ended), the step-by-step reference holds:
+
+- running, the run's requests but those that sampled their last token in steps before ``c``;
+  waiting, the requests released to the replica during step ``c`` (the run applies at its end);
+- no prompt tokens left but the waiting ones' (the running requests all decode);
+- free, the blocks free at the run's start, less one for each decode in steps ``0 .. c`` that
+  started a block (taken off the free queue's head: the planner counted only the blocks free at
+  the start), plus those the ends freed (a block is freed when the last of its holders ends);
+- KV events: an eviction for each block taken that carried a prefix-cache hash; no store, for a
+  lazy run is one whose requests register no block while they decode (their own tokens, which
+  the cache defers: ``KVCacheManager.registration_stop``), and an end frees without an event.
+
+The evictions reported ahead are struck from the events the run makes when it is applied, so
+the router hears each once, in the reference's order.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from twinserve.core.block_pool import KVCacheBlock
+from twinserve.core.decode_run import DecodeRun
+from twinserve.core.kv_cache_manager import KVCacheManager
+from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from twinserve.routers import ReplicaLoad
+
+
+def lazy_fits(run: DecodeRun) -> bool:
+    """Whether ``run`` may go on through arrivals unapplied: a plain one-group manager (whose
+    block starts ``PendingRun`` counts), and no request registering a block as it decodes."""
+    kv = run.scheduler.kv
+    if type(kv) is not KVCacheManager or kv.sliding_window is not None \
+            or kv.key_salt is not None or kv.num_groups != 1:
+        return False
+    if not kv.enable_caching:
+        return True
+    if not kv.defers_own_blocks:
+        return False
+    # (``registration_stop`` registers nothing more once the first block of the request's own
+    # tokens, ``own_ids_from // block_size``, is within the blocks already handled)
+    tables, bs = kv.tables, kv.block_size
+    for request in run.requests:
+        own = request.own_ids_from
+        if own is None or own // bs > tables[request.request_id].num_cached_blocks:
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class PendingRun:
+    """A decode run computed ahead and not applied; ``crossing``: the step in progress.
+
+    Counts kept as the crossing step moves on: the blocks taken (a request starts a block in
+    the steps ``j`` with ``j % block_size == first``, ``first = -start % block_size``, while it
+    decodes, ``j < left``), the requests ended and the blocks their ends freed (a block of theirs
+    is freed when the last of its holders ends)."""
+
+    run: DecodeRun
+    crossing: int = 0
+    reported: list[int] = field(default_factory=list)  # evictions reported ahead
+    _firsts: list[int] = field(default_factory=list)  # each request's ``first``
+    _starting: list[int] = field(default_factory=list)  # requests per ``first``
+    _upto: int = -1  # the last step counted
+    _taken: int = 0  # blocks taken up to it
+    _peeked: int = 0  # blocks of the free queue's head read for evictions
+    _lefts: list[int] = field(default_factory=list)  # sorted, once a request ends
+    _ended: list[int] = field(default_factory=list)  # run indices by left, once one ends
+    _num_ended: int = 0  # requests whose ends were counted
+    _freed: int = 0
+    _holders: dict[KVCacheBlock, int] = field(default_factory=dict)  # refs left of their blocks
+
+    def __post_init__(self) -> None:
+        bs = self.run.scheduler.kv.block_size
+        self._firsts = firsts = [-start % bs for start in self.run.starts]
+        self._starting = starting = [0] * bs
+        for first in firsts:
+            starting[first] += 1
+
+    def blocks_taken(self) -> int:
+        """The blocks the steps up to the crossing one took when they were scheduled."""
+        c = self.crossing
+        if c > self._upto:
+            run, starting, bs = self.run, self._starting, len(self._starting)
+            no_end_before = run.stops[0]  # the fewest steps left: every request decodes before
+            for j in range(self._upto + 1, c + 1):
+                r = j % bs
+                self._taken += starting[r] if j < no_end_before else sum(
+                    1 for first, left in zip(self._firsts, run.lefts) if first == r and left > j)
+            self._upto = c
+        return self._taken
+
+    def num_ended(self) -> int:
+        """The requests that sampled their last token in a step before the crossing one."""
+        if self.run.stops[0] > self.crossing:
+            return 0
+        if not self._lefts:
+            self._lefts = sorted(self.run.lefts)
+        return bisect_right(self._lefts, self.crossing)
+
+    def blocks_freed(self) -> int:
+        """The blocks the ends before the crossing step freed."""
+        ended = self.num_ended()
+        if ended == self._num_ended:
+            return self._freed
+        run = self.run
+        if not self._ended:
+            self._ended = sorted(range(len(run.requests)), key=run.lefts.__getitem__)
+        tables, bs, holders = run.scheduler.kv.tables, len(self._starting), self._holders
+        for i in self._ended[self._num_ended:ended]:
+            for block in tables[run.requests[i].request_id].blocks:
+                refs = holders.get(block, block.ref_cnt) - 1
+                if refs:
+                    holders[block] = refs
+                else:
+                    holders.pop(block, None)
+                    self._freed += 1
+            first, last = -run.starts[i] % bs, run.lefts[i] - 1
+            if first <= last:  # the blocks it took during the run, its alone
+                self._freed += (last - first) // bs + 1
+        self._num_ended = ended
+        return self._freed
+
+    def load(self) -> ReplicaLoad:
+        """The replica's load in the crossing step, as the reference holds it."""
+        sched = self.run.scheduler
+        pool = sched.kv.pool
+        total = len(pool.blocks)
+        running = len(sched.running)
+        free = pool.free_queue.num_free - self.blocks_taken()
+        if self.run.stops[0] <= self.crossing:  # some requests ended
+            running -= self.num_ended()
+            free += self.blocks_freed()
+        return ReplicaLoad(running, len(sched.policy), 1.0 - free / total if total else 0.0,
+                           True, sched.num_queued_tokens)
+
+    def evictions(self) -> list[KVCacheEvent]:
+        """The evictions of the blocks taken up to the crossing step not reported yet (as one
+        ``BlockRemoved``, the pool's way), remembered in ``reported``. The blocks come off the
+        free queue's head in step order; the blocks ends free join its tail."""
+        taken = self.blocks_taken()
+        if taken == self._peeked:
+            return []
+        blocks = self.run.scheduler.kv.pool.free_queue.peek(taken)[self._peeked:]
+        hashes = [b.block_hash for b in blocks if b.block_hash is not None]
+        self._peeked = taken
+        self.reported += hashes
+        return [BlockRemoved(hashes)] if hashes else []
+
+
+def strike(events: list[KVCacheEvent], reported: list[int]) -> list[KVCacheEvent]:
+    """``events`` without one eviction of each hash in ``reported`` (reported ahead); as they
+    are after a clear (an overflowing buffer's ``AllBlocksCleared``: the reader forgets the
+    replica, whatever came before)."""
+    if any(isinstance(event, AllBlocksCleared) for event in events):
+        return events
+    left: dict[int, int] = {}
+    for block_hash in reported:
+        left[block_hash] = left.get(block_hash, 0) + 1
+    out: list[KVCacheEvent] = []
+    for event in events:
+        if isinstance(event, BlockRemoved) and left:
+            kept = []
+            for block_hash in event.block_hashes:
+                if left.get(block_hash):
+                    left[block_hash] -= 1
+                else:
+                    kept.append(block_hash)
+            if kept:
+                out.append(BlockRemoved(kept))
+        else:
+            out.append(event)
+    if any(left.values()):
+        raise RuntimeError("a decode run did not evict the blocks reported ahead")
+    return out

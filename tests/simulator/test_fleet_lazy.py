@@ -1,0 +1,94 @@
+"""A fleet replica's decode run read by a router before it is applied (``simulator.fleet``):
+the arrivals read the run in progress, and the run folder stays the step-by-step reference's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from twinserve.core import scheduler as scheduler_module
+from twinserve.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
+from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from twinserve.core.scheduler import Scheduler
+from twinserve.simulator import SimConfig, simulate
+from twinserve.simulator import fleet as fleet_module
+from twinserve.simulator.fleet import PendingRun, strike
+from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+
+SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return multi_app_trace(MultiAppConfig(num_requests=150, request_rate=30.0, num_apps=6,
+                                          system_len_max=1024, input_len=200, output_len=120))
+
+
+# "llm": no max_waiting_requests, so a run goes on past its finishes (the arrivals read the
+# ends and the blocks they freed); "server" admits against the running count: one segment.
+@pytest.mark.parametrize("usage", ["server", "llm"])
+@pytest.mark.parametrize("router", ["least-outstanding", "cache-aware"])
+def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
+        monkeypatch, workload, router, usage) -> None:
+    cfg = SimConfig(num_replicas=3, router=router, num_gpu_blocks_override=300,
+                    usage_context=usage, **SMALL)
+    reference = simulate(cfg, workload, decode_runs=False)
+    read, reported, ended = [0], [0], [0]
+    load, evictions = PendingRun.load, PendingRun.evictions
+
+    def counting_load(self: PendingRun):
+        read[0] += 1
+        ended[0] += self.num_ended() > 0
+        return load(self)
+
+    def counting_evictions(self: PendingRun):
+        events = evictions(self)
+        reported[0] += sum(len(e.block_hashes) for e in events)
+        return events
+
+    monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
+    monkeypatch.setattr(fleet_module.PendingRun, "evictions", counting_evictions)
+    schedule, steps = Scheduler.schedule, [0]
+
+    def counting_schedule(self: Scheduler, now: float):
+        steps[0] += 1
+        return schedule(self, now)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "schedule", counting_schedule)
+    fast = simulate(cfg, workload)
+    assert read[0] > len(workload)  # most arrivals found some replica mid-run
+    if router == "cache-aware":  # evictions reported ahead, then struck from the run's events
+        assert reported[0] > 0
+    assert (ended[0] > 0) == (usage == "llm")
+    assert fast.records == reference.records
+    assert list(fast.steps) == list(reference.steps)
+    # the scheduler's own steps: about one a request (its prefill), where stopping every
+    # replica's run at every arrival steps each replica through the step in progress
+    assert steps[0] < 1.5 * len(workload), steps[0]
+
+
+def test_free_queue_peek_is_what_popleft_n_would_take() -> None:
+    rng = random.Random(3)
+    blocks = [KVCacheBlock(i) for i in range(40)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    for block in rng.sample(blocks, 12):  # stale entries in the middle
+        queue.remove(block)
+    for block in rng.sample([b for b in blocks if b not in list(queue)], 5):
+        queue.append(block)  # revived at the tail
+    for n in (0, 1, 7, queue.num_free, queue.num_free + 3):
+        peeked = queue.peek(n)
+        assert peeked == list(queue)[:n]
+    free, expected = queue.num_free, queue.peek(9)
+    assert queue.popleft_n(9) == expected and queue.num_free == free - 9
+
+
+def test_strike_removes_each_reported_eviction_once() -> None:
+    events = [BlockRemoved([1, 2, 3]), BlockStored([9], None, None), BlockRemoved([2, 4])]
+    assert strike(events, [2, 3]) == [BlockRemoved([1]), BlockStored([9], None, None),
+                                      BlockRemoved([2, 4])]
+    assert strike(events, [1, 2, 3, 2]) == [BlockStored([9], None, None), BlockRemoved([4])]
+    with pytest.raises(RuntimeError, match="reported ahead"):
+        strike(events, [5])
+    cleared = [AllBlocksCleared()]  # an overflowed buffer: nothing left to strike
+    assert strike(cleared, [1]) == cleared

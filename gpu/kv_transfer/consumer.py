@@ -124,18 +124,18 @@ class Consumer:
             raise RuntimeError(f"the producer has no blocks for {job.remote_request_id!r} "
                                f"({reply.get('status')}: freed, timed out or never published).")
         remote_ids = reply["block_ids"]
-        if list(remote_ids) != list(job.remote_block_ids):
-            raise RuntimeError(f"remote_block_ids: the producer published {len(remote_ids)} "
-                               f"other blocks for {job.remote_request_id!r}.")
+        if not set(job.remote_block_ids) <= set(remote_ids):  # (local hits: a tail of them)
+            raise RuntimeError(f"remote_block_ids: the producer published other blocks for "
+                               f"{job.remote_request_id!r}.")
         with job.lock:
             if not job.cancelled:  # (cancelled: release the producer's blocks all the same)
-                copy_blocks(peer.region, remote_ids, self.local, job.local_block_ids)
+                copy_blocks(peer.region, job.remote_block_ids, self.local, job.local_block_ids)
         done = peer.client.call({"op": "done", "request_id": job.remote_request_id},
                                 self._left(job))
         if done.get("status") != "ok":
             raise RuntimeError(f"the producer freed {job.remote_request_id!r}'s blocks during "
                                "the copy (its transfer timeout passed).")
-        return len(remote_ids) * self.layout.bytes_per_block
+        return len(job.remote_block_ids) * self.layout.bytes_per_block
 
     def _peer(self, job: LoadJob) -> _Peer:
         peers: dict[tuple[str, int], _Peer] = self._peers.__dict__.setdefault("by_address", {})

@@ -118,6 +118,8 @@ class Consumer:
                                      self._left(job))
             if reply.get("status") != "pending":
                 break
+            if job.cancelled:  # nothing pinned yet: the producer's own timeout frees its blocks
+                return 0
             time.sleep(PENDING_RETRY_S)
             self._left(job)
         if reply.get("status") != "ok":

@@ -81,8 +81,8 @@ def aggregate_bandwidth(samples: Sequence[TransferSample]) -> dict[int, float]:
     return out
 
 
-def _producer_main(layout: KVLayout, conn: Any) -> None:
-    region = SharedKVRegion(layout, torch.device("cpu"))
+def _producer_main(layout: KVLayout, conn: Any, device: str) -> None:
+    region = SharedKVRegion(layout, torch.device(device))
     region.tensor.normal_()  # touched pages, as a cache that served prefills
     producer = Producer("measure-producer", region, "127.0.0.1", 0, timeout_s=60.0)
     conn.send(producer.port)
@@ -97,17 +97,19 @@ def _producer_main(layout: KVLayout, conn: Any) -> None:
 
 def measure_transfers(layout: KVLayout, blocks: Sequence[int] = DEFAULT_BLOCKS,
                       concurrency: Sequence[int] = DEFAULT_CONCURRENCY, repeats: int = 5,
-                      log: Callable[[str], None] | None = None) -> list[TransferSample]:
+                      log: Callable[[str], None] | None = None,
+                      device: str = "cpu") -> list[TransferSample]:
     """Loads of ``blocks`` blocks, ``concurrency`` at once, ``repeats`` rounds each, from a
-    producer process into this one (both regions of ``layout``)."""
+    producer process into this one (both regions of ``layout`` on ``device``: shared memory on
+    ``cpu``, CUDA IPC on ``cuda``)."""
     if max(blocks) * max(concurrency) > layout.num_blocks:
         raise ValueError(f"blocks: {max(blocks)} x {max(concurrency)} concurrent loads exceed "
                          f"the layout's {layout.num_blocks} blocks.")
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    process = ctx.Process(target=_producer_main, args=(layout, theirs), daemon=True)
+    process = ctx.Process(target=_producer_main, args=(layout, theirs, device), daemon=True)
     process.start()
-    local = SharedKVRegion(layout, torch.device("cpu"))
+    local = SharedKVRegion(layout, torch.device(device))
     done: dict[str, LoadResult] = {}
     ready = threading.Condition()
 

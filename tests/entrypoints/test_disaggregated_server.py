@@ -4,6 +4,7 @@ one engine, both instances in /health, ``kv_transfer_params`` accepted only with
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,16 @@ def test_disaggregated_server_matches_one_engine(server: LiveServer) -> None:
         r = complete(server, prompt)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == out.outputs[0].text
+    streamed = []  # the same tokens streamed: the decode instance's outputs as deltas
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                streamed.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(streamed) == outs[0].outputs[0].text
+    metrics = httpx.get(server.url("/metrics"), timeout=10).text
+    assert 'engine="0"' in metrics and 'engine="1"' in metrics
     health = httpx.get(server.url("/health"), timeout=10)
     assert health.status_code == 200
     assert [row["engine"] for row in health.json()["replicas"]] == ["0", "1"]

@@ -112,17 +112,23 @@ class Consumer:
             self._on_result(result)
 
     def _load(self, job: LoadJob) -> int:
+        # nothing to copy (the local cache held the prompt, or the request ended first): release
+        op = "release" if not job.remote_block_ids else "read"
         peer = self._peer(job)
         try:
-            reply = peer.client.call({"op": "read", "request_id": job.remote_request_id},
+            reply = peer.client.call({"op": op, "request_id": job.remote_request_id},
                                      self._left(job))
         except OSError:  # a kept connection to a producer since restarted: connect once anew
             self.forget_peer((job.remote_host, job.remote_port))
             peer = self._peer(job)
-            reply = peer.client.call({"op": "read", "request_id": job.remote_request_id},
+            reply = peer.client.call({"op": op, "request_id": job.remote_request_id},
                                      self._left(job))
+        if op == "release":
+            return 0
         while reply.get("status") == "pending":
-            if job.cancelled:  # nothing pinned yet: the producer's own timeout frees its blocks
+            if job.cancelled:  # nothing pinned yet: the producer frees once the send arrives
+                peer.client.call({"op": "release", "request_id": job.remote_request_id},
+                                 self._left(job))
                 return 0
             time.sleep(PENDING_RETRY_S)
             reply = peer.client.call({"op": "read", "request_id": job.remote_request_id},

@@ -40,6 +40,8 @@ class Publications:
         self._entries: dict[str, _Published] = {}
         self._finished: set[str] = set()
         self._gone: OrderedDict[str, None] = OrderedDict()
+        # released before their send was published (the consumer ended first): freed on arrival
+        self._released: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -47,8 +49,25 @@ class Publications:
 
     def publish(self, request_id: str, block_ids: list[int], now: float) -> None:
         with self._lock:
-            if request_id not in self._entries:
+            if request_id in self._released:
+                del self._released[request_id]
+                self._finished.add(request_id)  # its consumer said so before the send came
+                self._remember_gone(request_id)
+            elif request_id not in self._entries:
                 self._entries[request_id] = _Published(list(block_ids), now + self.timeout_s)
+
+    def release(self, request_id: str) -> dict[str, Any]:
+        """The consumer will not read (its request ended, or its cache held the prompt): the
+        blocks may be freed now, or as soon as the send is published."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.reader is None:
+                self._end(request_id)
+            elif entry is None and request_id not in self._gone:
+                self._released[request_id] = None
+                if len(self._released) > MAX_GONE:
+                    self._released.popitem(last=False)
+            return {"status": "ok"}
 
     def cancel(self, request_id: str) -> None:
         """The scheduler abandoned the send (it frees the blocks itself): forget it."""
@@ -123,6 +142,8 @@ class Producer:
             return self.publications.begin_read(rid, reader)
         if op == "done":
             return self.publications.end_read(rid, reader)
+        if op == "release":
+            return self.publications.release(rid)
         return {"status": "error", "message": f"unknown op {op!r}."}
 
     def close(self) -> None:

@@ -5,6 +5,8 @@ A producer listens; a consumer sends one request line and reads one reply line a
     {"op": "hello"}                   -> {"engine_id", "handle"}       (the region, its layout)
     {"op": "read", "request_id": R}   -> {"status": "ok", "block_ids"} | "pending" | "gone"
     {"op": "done", "request_id": R}   -> {"status": "ok"} | "gone"
+    {"op": "release", "request_id": R} -> {"status": "ok"}   (will not read: free, now or once
+                                                              the send is published)
 
 ``read`` pins R's blocks to this connection until ``done`` (the producer neither times them out
 nor frees them meanwhile, up to its transfer timeout); ``done`` answers ``gone`` when the blocks

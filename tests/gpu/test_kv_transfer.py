@@ -202,6 +202,13 @@ def test_publications_end_when_read_timed_out_or_abandoned() -> None:
     pubs.publish("d", [5], now=2.0)
     pubs.cancel("d")
     assert pubs.take_finished(now=9.0) == set() and pubs.begin_read("d", reader)["status"] == "gone"
+    # released before the send came (the consumer's request ended first): freed on arrival
+    assert pubs.release("e") == {"status": "ok"}
+    pubs.publish("e", [6], now=3.0)
+    assert pubs.take_finished(now=3.0) == {"e"}
+    pubs.publish("f", [7], now=3.0)
+    pubs.release("f")  # published, unread: freed at once
+    assert pubs.take_finished(now=3.0) == {"f"} and len(pubs) == 0
     with pytest.raises(ValueError, match="transfer_timeout_s"):
         Publications(timeout_s=0)
 

@@ -139,7 +139,13 @@ def test_abort_while_loading_and_unread_sends_leak_no_block() -> None:
         assert consumer.scheduler.kv.usage == 0.0
         assert consumer.runner.kv_connector.consumer.num_pending == 0
         t0 = time.monotonic()
-        drain(pre)  # nobody reads: the producer's send times out and frees the blocks
+        drain(pre)  # the cancelled load released the blocks: freed once published
+        assert time.monotonic() - t0 < 0.5
+        assert free_blocks(pre) == free and not pre.scheduler.sending
+        # a send nobody reads or releases is freed at the producer's timeout
+        run(pre, "p1", PROMPTS[0], PREFILL, kv_transfer_params={"do_remote_decode": True})
+        t0 = time.monotonic()
+        drain(pre)
         assert 0.5 < time.monotonic() - t0 < 10
         assert free_blocks(pre) == free and not pre.scheduler.sending
     finally:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,13 +59,14 @@ class ReplicaState:
 class DataParallelFront:
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, replica_args: Sequence[EngineArgs] = ()) -> None:
         if args.enable_lora:
             raise ValueError("enable_lora with data_parallel_size > 1 is not implemented.")
         self.args = args
         self.router = router if router is not None else make_router(args.router, args.block_size)
         self._tokenize = tokenize
-        self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router))
+        self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router),
+                                     replica_args)
         n = self._set.size
         self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
         self.replicas = [ReplicaState() for _ in range(n)]
@@ -122,19 +123,27 @@ class DataParallelFront:
             except NoHealthyReplica as exc:
                 raise EngineOverloaded(f"no replica can serve now: {exc}", "no_healthy_replica",
                                        ADMISSION_RETRY_AFTER_S) from exc
-            try:
-                self._set.send(index, ("add", request_id, prompt, params, kwargs))
-            except ReplicaInboxFull as exc:
-                raise EngineOverloaded(str(exc), "max_waiting_requests",
-                                       ADMISSION_RETRY_AFTER_S) from exc
-            except RuntimeError as exc:  # it died after its last load was read: not routed
-                raise EngineOverloaded(f"{exc}; retry later", "replica_down",
-                                       ADMISSION_RETRY_AFTER_S) from exc
-            self._owner[request_id] = (index, sink)
-            load = self.loads[index]  # seen by the next route, before its stats come
-            load.num_waiting += 1
-            load.num_prefill_tokens += len(routed.prompt_token_ids)
+            self._queue(index, ("add", request_id, prompt, params, kwargs), request_id, sink,
+                        len(routed.prompt_token_ids))
         return index
+
+    def _queue(self, index: int, command: tuple, request_id: str, sink: Sink,
+               num_prompt_tokens: int = 0) -> None:
+        """Sends an add to replica ``index`` and records its owner (the lock held); raises
+        EngineOverloaded when the replica cannot take it. The load the next route reads counts
+        the request before the replica's stats do (``num_prompt_tokens``: its prefill work)."""
+        try:
+            self._set.send(index, command)
+        except ReplicaInboxFull as exc:
+            raise EngineOverloaded(str(exc), "max_waiting_requests",
+                                   ADMISSION_RETRY_AFTER_S) from exc
+        except RuntimeError as exc:  # it died after its last load was read: not routed
+            raise EngineOverloaded(f"{exc}; retry later", "replica_down",
+                                   ADMISSION_RETRY_AFTER_S) from exc
+        self._owner[request_id] = (index, sink)
+        load = self.loads[index]
+        load.num_waiting += 1
+        load.num_prefill_tokens += num_prompt_tokens
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.dp_front import DataParallelFront
 from twinserve.entrypoints.front_model import front_tokenizer
+from twinserve.entrypoints.pd_front import DisaggregatedFront, PDDeployment
 from twinserve.gpu.models.default_model import resolve_model_source
 
 STEP_TIMEOUT_S = 600.0
@@ -41,12 +42,14 @@ def on_cuda(args: EngineArgs) -> bool:
 
 
 class DataParallelEngine:
-    def __init__(self, args: EngineArgs, usage_context: str = "llm") -> None:
+    def __init__(self, args: EngineArgs, usage_context: str = "llm",
+                 pd: PDDeployment | None = None) -> None:
         self.args = args
         self.tokenizer = front_tokenizer(resolve_model_source(args.model)[0])
         tokenize = None if self.tokenizer is None else (
             lambda text: self.tokenizer.encode(text, add_special_tokens=True))
-        self.front = DataParallelFront(args, usage_context, on_cuda(args), tokenize)
+        self.front = (DataParallelFront(args, usage_context, on_cuda(args), tokenize) if pd is None
+                      else DisaggregatedFront(args, pd, usage_context, on_cuda(args), tokenize))
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._sink = _QueueSink(self._items)
         self._ids = itertools.count()

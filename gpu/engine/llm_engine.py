@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 from twinserve.core.batch_queue import BatchQueue
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.kv_connector import KVConnectorOutput, make_connector_scheduler
 from twinserve.core.lora import LoRARequest
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.pooling_params import PoolingParams
@@ -31,6 +33,8 @@ from twinserve.gpu.engine.request_surface import RequestSurface
 from twinserve.gpu.worker.model_runner import ModelRunner
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import get_speculation_policy
+
+CONNECTOR_IDLE_WAIT_S = 0.005  # a step with only KV transfers pending waits this long for news
 
 
 def speculation_policy(args: EngineArgs, config: SchedulerConfig) -> SpeculationPolicy | None:
@@ -53,13 +57,18 @@ class LLMEngine:
         if args.data_parallel_size > 1:  # refused, not dropped: replicas need a front
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one "
                              "replica; LLM(data_parallel_size=N) and serve start N behind a router.")
+        if args.kv_transfer_config is not None and args.speculation is not None:
+            raise ValueError("kv_transfer_config with speculative_config is not implemented.")
         self.args = args
         self.runner = runner or ModelRunner(args, usage_context)
         self.engine_config = self.runner.engine_config
         self.config = self.engine_config.scheduler
         self.policy = get_policy(args.scheduling_policy, **args.policy_options)
-        self.scheduler = Scheduler(self.config, self.policy,
-                                   speculation=speculation_policy(args, self.config))
+        kv_transfer = args.kv_transfer_config
+        self.scheduler = Scheduler(
+            self.config, self.policy, speculation=speculation_policy(args, self.config),
+            kv_connector=None if kv_transfer is None else
+            make_connector_scheduler(kv_transfer, self.config.block_size))
         self.driver = StepDriver(self.scheduler)
         self.metrics = self.driver.recorder
         self.tokenizer = self.runner.tokenizer
@@ -85,11 +94,13 @@ class LLMEngine:
                     priority: int = 0, tenant: str = "default",
                     lora_request: LoRARequest | None = None,
                     hints: dict[str, float] | None = None, detokenize: bool = True,
-                    pooling_params: PoolingParams | None = None) -> str:
+                    pooling_params: PoolingParams | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> str:
         """Queues a request; returns its id. Raises ValueError naming what is wrong (an
         adapter that cannot be loaded included), EngineOverloaded when it must wait.
         ``pooling_params``: an embedding request (prefill only; its output is an
-        ``EmbeddingRequestOutput``)."""
+        ``EmbeddingRequestOutput``). ``kv_transfer_params``: disaggregated prefill/decode
+        (vLLM's keys, ``core.kv_connector``; needs a kv_transfer_config)."""
         params = params or SamplingParams()
         params.validate()  # attributes may have changed since construction
         if self.runner.tp is not None and params.prompt_logprobs is not None:
@@ -116,7 +127,8 @@ class LLMEngine:
                               self.now() if arrival_time is None else arrival_time,
                               eos_token_id=self.runner.eos_token_id, priority=priority,
                               tenant=tenant, lora=lora, hints=dict(hints or {}),
-                              pooling_params=pooling_params)
+                              pooling_params=pooling_params,
+                              kv_transfer_params=kv_transfer_params)
             self.driver.add_request(request)
         except BaseException:
             self._release_lora_name(lora)
@@ -176,6 +188,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _poll_connector(self, out: SchedulerOutput) -> KVConnectorOutput:
+        """A step the driver ran no forward pass for (only transfers pend): hand the connector
+        its orders and wait briefly for news rather than spin."""
+        connector = self.runner.kv_connector
+        assert connector is not None and out.kv_connector_metadata is not None
+        connector.start(out.kv_connector_metadata)
+        connector.wait(CONNECTOR_IDLE_WAIT_S)
+        return connector.get_finished()
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         if self.batch_queue is not None:
@@ -185,6 +206,8 @@ class LLMEngine:
         start = self.now()
         out = driver.schedule(start)
         result = driver.execute(self.runner, out)
+        if out.kv_connector_metadata is not None and result.kv_connector_output is None:
+            result.kv_connector_output = self._poll_connector(out)
         return self.complete_step(out, result, start, self.now(), t0)
 
     def complete_step(self, out: SchedulerOutput, result: ModelRunnerOutput, start: float,

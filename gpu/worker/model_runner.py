@@ -25,6 +25,7 @@ from twinserve.gpu.distributed.pipeline import PendingLogits
 from twinserve.gpu.engine.tokenizer import Tokenizer
 from twinserve.gpu.executor.shard_worker import kv_cache_spec
 from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
+from twinserve.gpu.kv_transfer.peer_connector import connector_for_runner
 from twinserve.gpu.layers.pooler import pooled_state
 from twinserve.gpu.lora.lora_manager import LoRAManager
 from twinserve.gpu.measurement.gemm_tuning import tune_cpu_gemm
@@ -164,8 +165,13 @@ class ModelRunner:
         # the scheduler's KV cache groups (one unless a mixed model runs the hybrid layout)
         self.kv_layout = kv_cache_layout_of(self.config, args.disable_sliding_window,
                                             bool(sched.kv_cache_group_windows))
+        self.kv_connector = connector_for_runner(  # (gpu/kv_transfer: P/D's worker side)
+            args.kv_transfer_config, spec, self.kv_layout.slots_per_block, sched.num_gpu_blocks,
+            self.device, {"tensor or pipeline parallelism": self.tp is not None,
+                          "a hybrid KV cache layout": self.kv_layout.num_groups > 1})
         self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device,
-                                self.kv_layout if args.pipeline_parallel_size == 1 else None)
+                                self.kv_layout if args.pipeline_parallel_size == 1 else None,
+                                self.kv_connector and self.kv_connector.region.slots())
         if self.tp is not None:
             self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
@@ -201,6 +207,12 @@ class ModelRunner:
         self._spec = SpecStep(proposer, settings)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        connector, meta = self.kv_connector, scheduler_output.kv_connector_metadata
+        if connector is not None and meta is not None:  # loads run beside the forward pass
+            connector.start(meta)
+            out = self._execute(scheduler_output, None)
+            out.kv_connector_output = connector.get_finished()
+            return out
         if self.tp is None:
             return self._execute(scheduler_output, None)
         with self.tp.guard():  # a dead or hung rank: WorkerFailure naming it
@@ -208,7 +220,10 @@ class ModelRunner:
             return self._execute(scheduler_output, inputs)
 
     def shutdown(self) -> None:
-        """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)."""
+        """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)
+        and the KV connector's threads."""
+        if getattr(self, "kv_connector", None) is not None:  # (None: no connector, or not loaded)
+            self.kv_connector.close()
         if self.tp is not None:
             self.tp.shutdown()
 

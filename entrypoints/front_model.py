@@ -35,6 +35,8 @@ class FrontModel:
     model: None = None  # no weights: nothing here can run a step
     tp: None = None
     lora: None = None
+    kv_connector: None = None  # the front moves no KV
+    can_queue_batches: bool = False  # it runs no pipeline either
 
     @property
     def max_model_len(self) -> int:

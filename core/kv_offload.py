@@ -44,6 +44,17 @@ OFFLOADING_BACKENDS = ("native",)  # vLLM's --kv-offloading-backend values twins
 GiB = 1 << 30
 
 
+def check_kv_offloading(size_gib: float | None, backend: str) -> None:
+    """Raises ValueError naming the argument: a size that is not a positive number of GiB, or
+    a backend twinserve lacks (vLLM's ``lmcache``)."""
+    if size_gib is not None and (isinstance(size_gib, bool) or not isinstance(size_gib, (int, float))
+                                 or not size_gib > 0):
+        raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size_gib!r}.")
+    if backend not in OFFLOADING_BACKENDS:
+        raise ValueError(f"kv_offloading_backend {backend!r} is not implemented in twinserve "
+                         f"(implemented: {', '.join(OFFLOADING_BACKENDS)}).")
+
+
 def num_host_blocks(kv_offloading_size_gib: float, bytes_per_block: int) -> int:
     """Host blocks in ``kv_offloading_size_gib`` GiB for a KV layout of ``bytes_per_block``
     (keys and values of one block, all layers)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from twinserve.core.kernel_settings import KernelSettings
 from twinserve.core.kv_offload import check_kv_offloading
+from twinserve.core.kv_transfer_config import KVTransferConfig
 from twinserve.core.lora import LoRAConfig
 from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
 from twinserve.core.speculative_config import SpeculativeConfig
@@ -37,7 +38,7 @@ NOT_IMPLEMENTED: Mapping[str, Any] = types.MappingProxyType({
     "structured_outputs_config": None, "guided_decoding_backend": None,
     "enable_prompt_embeds": False, "limit_mm_per_prompt": None, "mm_processor_kwargs": None,
     "max_num_partial_prefills": 1, "scheduler_cls": None, "compilation_config": None,
-    "kv_transfer_config": None, "calculate_kv_scales": False, "enable_sleep_mode": False,
+    "calculate_kv_scales": False, "enable_sleep_mode": False,
 })
 
 
@@ -103,6 +104,9 @@ class EngineArgs:
     # Speculative decoding (vLLM's --speculative-config): the object, its keys as a mapping or
     # as JSON text; held as a SpeculativeConfig once built (None: off).
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # A KV connector (vLLM's --kv-transfer-config): disaggregated prefill/decode through the
+    # Peer connector; the object, its keys as a mapping or as JSON text (None: no connector).
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         hints = _hints()  # (resolving the annotations once, not per field: 14 ms -> 0.5 ms)
@@ -140,6 +144,11 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
         check_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend)
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
+        if self.kv_offloading_size is not None and self.kv_transfer_config is not None:
+            raise ValueError("kv_offloading_size sets kv_transfer_config to the "
+                             "OffloadingConnector: give one or the other (one connector per "
+                             "engine; vLLM needs its MultiConnector for both).")
 
     @property
     def speculation(self) -> SpeculativeConfig | None:

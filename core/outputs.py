@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from twinserve.core.logprobs import TokenLogprobs
 from twinserve.core.request import Request
+
+if TYPE_CHECKING:
+    from twinserve.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 
 
 @dataclass(slots=True)
@@ -102,6 +106,8 @@ class SchedulerOutput:
     # LoRA adapters made resident this step, (adapter name, device slot), in order: a backend
     # loads them before the forward pass (a later load into the same slot replaces an earlier).
     lora_loads: Sequence[tuple[str, int]] = ()
+    # The KV connector's orders to its worker side for this step (None: no connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 # The step totals the scheduler fills in every SchedulerOutput: what the simulator's cost model
@@ -131,6 +137,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's worker side's report (transfers finished or failed); None: no connector.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass(slots=True)
@@ -148,3 +156,6 @@ class EngineCoreOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     pooled: list[float] | None = None
+    # On the finishing output of a ``do_remote_decode`` request: the params a consumer needs to
+    # load its KV (``core.kv_connector``); the API returns them as vLLM does.
+    kv_transfer_params: dict[str, Any] | None = None

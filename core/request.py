@@ -6,7 +6,7 @@ import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.sampling_params import SamplingParams
@@ -16,19 +16,24 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle states. Every state after ``PREEMPTED`` is finished, so ``is_finished`` is one compare."""
+    """Lifecycle states. Every state after ``WAITING_FOR_REMOTE_KVS`` is finished, so
+    ``is_finished`` is one compare."""
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2  # back in the waiting queue; KV recomputed or held in the host (swap) pool
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6  # rejected before it ever ran (prompt too long)
+    # Out of the waiting queue, holding blocks that a KV connector fills (vLLM's name); neither
+    # running nor scheduled until the load completes.
+    WAITING_FOR_REMOTE_KVS = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7  # rejected before it ever ran (prompt too long)
+    FINISHED_ERROR = 8  # a remote KV load failed under kv_load_failure_policy "fail"
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
+        return status > RequestStatus.WAITING_FOR_REMOTE_KVS
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
@@ -36,13 +41,14 @@ class RequestStatus(enum.IntEnum):
 
 
 # Enum class attributes cost ~0.1 us a lookup on Python 3.11; ``is_finished`` runs per step.
-_PREEMPTED = RequestStatus.PREEMPTED
+_LAST_UNFINISHED = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -191,6 +197,9 @@ class Request:
     index: int = 0
     # An embedding request: the backend returns the prompt's pooled hidden state.
     pooling_params: PoolingParams | None = None
+    # Disaggregated prefill/decode (vLLM's keys, ``core.kv_connector``): a producer's
+    # ``{"do_remote_decode": True}`` or a consumer's ``{"do_remote_prefill": True, ...}``.
+    kv_transfer_params: dict[str, Any] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -239,6 +248,9 @@ class Request:
             raise ValueError(f"arrival_time must be a non-negative number, got {self.arrival_time}.")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}.")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be a mapping, got "
+                             f"{type(self.kv_transfer_params).__name__}.")
         prompt = self.prompt_token_ids
         if type(prompt) is LazyPrompt:
             self.all_token_ids = LazyTokenIds(prompt)
@@ -261,7 +273,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > _PREEMPTED
+        return self.status > _LAST_UNFINISHED
 
     @property
     def is_prefill(self) -> bool:

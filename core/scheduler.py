@@ -40,6 +40,7 @@ from twinserve.core.config import SchedulerConfig
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_cache_coordinator import make_kv_cache_manager
 from twinserve.core.kv_cache_manager import BlockTable
+from twinserve.core.kv_connector import KVConnectorOutput, KVConnectorScheduler, check_kv_transfer_params
 from twinserve.core.kv_events import KVCacheEvent, KVEventBuffer
 from twinserve.core.lora import LoRASlots
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -51,6 +52,7 @@ from twinserve.core.speculation import SpeculationPolicy
 # Enum class attributes cost ~0.1 us a lookup on Python 3.11: the hot paths read these instead.
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
+_LAST_UNFINISHED = RequestStatus.WAITING_FOR_REMOTE_KVS
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _NEVER = 1 << 62  # a modulus above any token count
 ADMISSION_RETRY_AFTER_S = 1.0  # what an overloaded engine suggests to a client (Retry-After)
@@ -67,6 +69,15 @@ def attach_prompt_results(output: EngineCoreOutput, result: ModelRunnerOutput) -
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the ``index``-th sample of an n > 1 request (index 0 is the parent itself)."""
     return parent_id if index == 0 else f"{parent_id}#{index}"
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """A request in ``WAITING_FOR_REMOTE_KVS``: its prompt is computed up to ``num_tokens`` once
+    its connector reports the load finished."""
+
+    request: Request
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -89,7 +100,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy,
-                 stream_outputs: bool = True, speculation: SpeculationPolicy | None = None) -> None:
+                 stream_outputs: bool = True, speculation: SpeculationPolicy | None = None,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         if config.num_speculative_tokens and speculation is None:
             raise ValueError("num_speculative_tokens > 0 needs a speculation policy "
                              "(policies.speculation.get_speculation_policy).")
@@ -125,13 +137,25 @@ class Scheduler:
         self.speculation = speculation if config.num_speculative_tokens else None
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+        # The KV connector's scheduler side (None: no connector; the hot paths test this one
+        # attribute). Requests waiting for a load hold blocks but no seat; a producer's finished
+        # requests hold their blocks in ``sending`` until the consumer has read them.
+        self.connector = kv_connector
+        self.waiting_for_remote: dict[str, RemoteLoad] = {}
+        self.sending: dict[str, Request] = {}
+        self._outgoing_params: dict[str, dict[str, Any]] = {}  # producer params, until output
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queues a request. Raises ValueError for one that can never run."""
         cfg = self.config
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.sending:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine.")
+        if request.kv_transfer_params is not None:
+            if self.connector is None:
+                raise ValueError("kv_transfer_params needs an engine with a kv_transfer_config "
+                                 "(--kv-transfer-config).")
+            check_kv_transfer_params(request.kv_transfer_params)
         if request.num_prompt_tokens >= cfg.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
@@ -178,7 +202,8 @@ class Scheduler:
     def is_plain_decoding(self) -> bool:
         """No n > 1 request seen and no policy watching the clock: a decode-only step changes
         nothing but tokens and blocks (``core.decode_run`` may then advance several at once)."""
-        return not self._multi_sample and self._on_schedule is None and self.speculation is None
+        return not self._multi_sample and self._on_schedule is None and self.speculation is None \
+            and self.connector is None
 
     def drop_finished_ids(self) -> None:
         """Forgets the ids finished since the last step, as a step whose output nobody reads
@@ -190,7 +215,7 @@ class Scheduler:
         ``update_from_output`` does at the end of their step (a ``core.decode_run`` step)."""
         for request in requests:
             self._finish(request, _LENGTH_CAPPED, now)
-        self.running = [r for r in self.running if r.status <= _PREEMPTED]
+        self.running = [r for r in self.running if r.status <= _LAST_UNFINISHED]
 
     def _check_admission(self, request: Request) -> None:
         """Raises EngineOverloaded when queueing ``request`` would pass a waiting bound. The
@@ -224,7 +249,10 @@ class Scheduler:
         return [] if events is None else events.take()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.policy) > 0
+        """True while requests run or wait, and while KV transfers are pending (loads or a
+        producer's sends): the loop keeps stepping to poll its connector."""
+        return bool(self.running) or len(self.policy) > 0 or bool(self.waiting_for_remote) \
+            or bool(self.sending)
 
     @property
     def num_waiting(self) -> int:
@@ -254,6 +282,8 @@ class Scheduler:
                 self._schedule_waiting(out, budget, now)
         if self.loras is not None and self.loras.loads:
             out.lora_loads = self.loras.take_loads()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if kv.block_ops is not None:
             ops = kv.take_block_ops()
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = (
@@ -442,6 +472,13 @@ class Scheduler:
                         return
                     skipped.append(policy.pop())
                     continue
+                if self.connector is not None and request.kv_transfer_params is not None \
+                        and not request.num_computed_tokens:
+                    loading = self._start_remote_load(request)
+                    if loading is None:  # no room for its blocks or its load: wait
+                        return
+                    if loading:
+                        continue
                 seats = self._seats(request)
                 has_seat = len(self.running) + reserved + seats <= cfg.max_num_seqs
                 n = self._admit_blocks(request, budget) if has_seat else None
@@ -486,9 +523,10 @@ class Scheduler:
             request.swapped_out = False
             kv.allocate_slots(request, n)  # cannot fail: can_swap_in counted these blocks
             return n
-        hits, num_hit = kv.get_computed_blocks(request)
-        if num_hit and request.sampling_params.skip_reading_prefix_cache:
-            hits, num_hit = [], 0  # prompt_logprobs: every prompt position needs its logits
+        if request.num_computed_tokens:  # its KV was loaded by a connector: it holds its blocks
+            n = self._num_new_tokens(request, budget)
+            return n if kv.allocate_slots(request, n) is not None else None
+        hits, num_hit = self._prefix_hits(request)
         n = request.num_tokens - request.num_computed_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
@@ -504,6 +542,97 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_hit
         return n
+
+    def _prefix_hits(self, request: Request) -> tuple[list[Any], int]:
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        if num_hit and request.sampling_params.skip_reading_prefix_cache:
+            return [], 0  # prompt_logprobs: every prompt position needs its logits
+        return hits, num_hit
+
+    # ---- KV connector (core.kv_connector) ------------------------------------------------
+    def _start_remote_load(self, request: Request) -> bool | None:
+        """Asks the connector for the waiting request's prompt past its prefix-cache hits. An
+        asynchronous load takes blocks for hits and loaded tokens and parks the request in
+        ``waiting_for_remote`` (True); nothing to load: False; no room: None. Loads in flight
+        are bounded by ``max_num_seqs`` (vLLM bounds them only by blocks); they take no seat."""
+        connector = self.connector
+        assert connector is not None
+        if len(self.waiting_for_remote) >= self.config.max_num_seqs:
+            return None
+        hits, num_hit = self._prefix_hits(request)
+        num_external, is_async = connector.get_num_new_matched_tokens(request, num_hit)
+        if num_external <= 0:
+            return False
+        if not is_async:
+            raise RuntimeError("synchronous KV loads are not implemented: the connector must "
+                               "load asynchronously.")
+        table = self.kv.allocate_slots(request, num_external, hits)
+        if table is None:
+            return None
+        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit
+        connector.update_state_after_alloc(request, table.ids, num_external)
+        self.policy.pop()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[request.request_id] = RemoteLoad(request, num_hit + num_external)
+        return True
+
+    def _update_connector(self, report: KVConnectorOutput, now: float) -> list[EngineCoreOutput]:
+        """Applies the worker side's report: loaded requests rejoin the queue first in line,
+        failed loads follow ``kv_load_failure_policy``, read sends free their blocks."""
+        connector = self.connector
+        assert connector is not None
+        outputs = []
+        ended = report.finished_recving | report.failed_recving
+        # in load order, put back first in line latest first: the earliest ends up in front
+        for rid in reversed([rid for rid in self.waiting_for_remote if rid in ended]):
+            load = self.waiting_for_remote.pop(rid)
+            if rid not in report.failed_recving:
+                self._finish_load(load)
+            else:
+                failed = self._fail_load(load, now)
+                if failed is not None:
+                    outputs.append(failed)
+        for rid in report.finished_sending:
+            request = self.sending.pop(rid, None)
+            if request is not None:
+                self.kv.free(request)
+        connector.update_connector_output(report)
+        return outputs
+
+    def _finish_load(self, load: RemoteLoad) -> None:
+        """The loaded tokens count as computed, except the prompt's last (recomputed for its
+        logits, as vLLM does); the loaded full blocks enter the prefix cache."""
+        request = load.request
+        request.num_computed_tokens = min(load.num_tokens, request.num_tokens - 1)
+        if request.num_computed_tokens >= self.kv.block_size:
+            self.kv.cache_full_blocks(request)
+        request.status = RequestStatus.WAITING
+        self.policy.unpop(request)
+
+    def _fail_load(self, load: RemoteLoad, now: float) -> EngineCoreOutput | None:
+        """``recompute``: the request frees its blocks and computes its prompt here; ``fail``:
+        it ends with finish_reason "error"."""
+        request = load.request
+        assert self.connector is not None
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        if self.connector.config.kv_load_failure_policy == "recompute":
+            request.status = RequestStatus.WAITING
+            self.policy.unpop(request)
+            return None
+        self._finish(request, RequestStatus.FINISHED_ERROR, now)
+        if request.first_scheduled_time is None:
+            self.num_queued -= 1
+            self.num_queued_tokens -= request.num_prompt_tokens
+        if self.loras is not None:
+            self.loras.remove_waiting(request.lora)
+        remote = (request.kv_transfer_params or {}).get("remote_engine_id")
+        return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
+                                error=f"loading the prompt's KV cache from engine {remote!r} "
+                                      "failed or timed out (kv_load_failure_policy 'fail').")
 
     def _seats(self, request: Request) -> int:
         """Running slots a request needs: an unforked n > 1 request reserves one per sample."""
@@ -620,13 +749,13 @@ class Scheduler:
         any_finished = False
         for sr in scheduled:
             request = sr.request
-            if request.status > _PREEMPTED:  # aborted while the step ran
+            if request.status > _LAST_UNFINISHED:  # aborted while the step ran
                 num_others += 1
                 continue
             if spec is not None and sr.sample and (sr.spec_token_ids or sr.num_draft_next):
                 num_others += 1
                 spec_output = self._apply_speculative(sr, result, now)
-                if request.status > _PREEMPTED:
+                if request.status > _LAST_UNFINISHED:
                     any_finished = True
                 if spec_output is not None:
                     outputs.append(spec_output)
@@ -683,8 +812,21 @@ class Scheduler:
                 attach_prompt_results(outputs[-1], result)
         self.num_generation_tokens += len(scheduled) - num_others
         if any_finished:
-            self.running = [r for r in self.running if r.status <= _PREEMPTED]
+            self.running = [r for r in self.running if r.status <= _LAST_UNFINISHED]
+        if self.connector is not None:
+            self._connector_step(outputs, result, now)
         return outputs
+
+    def _connector_step(self, outputs: list[EngineCoreOutput], result: ModelRunnerOutput,
+                        now: float) -> None:
+        """The connector's part of ``update_from_output``: a producer's params onto its
+        finishing outputs, then the worker side's report."""
+        if self._outgoing_params:
+            for output in outputs:
+                if output.finished:
+                    output.kv_transfer_params = self._outgoing_params.pop(output.request_id, None)
+        if result.kv_connector_output is not None:
+            outputs += self._update_connector(result.kv_connector_output, now)
 
     def _apply_speculative(self, sr: ScheduledRequest, result: ModelRunnerOutput,
                            now: float) -> EngineCoreOutput | None:
@@ -803,18 +945,23 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             was_running = request.status == RequestStatus.RUNNING
+            loading = self.waiting_for_remote.pop(rid, None) is not None
             if was_running:
                 self.running.remove(request)
+            elif loading:  # its load is abandoned; _finish frees its blocks
+                self.connector.request_aborted(rid)  # type: ignore[union-attr]
             self._finish(request, status, now)
             if not was_running:
-                self.policy.remove(request)
+                if not loading:
+                    self.policy.remove(request)
                 if self.loras is not None:
                     self.loras.remove_waiting(request.lora)
                 if request.first_scheduled_time is None:
                     self.num_queued -= 1
                     self.num_queued_tokens -= request.num_prompt_tokens
             outs.append(EngineCoreOutput(rid, [], True, request.finish_reason,
-                                         num_cached_tokens=request.num_cached_tokens or 0))
+                                         num_cached_tokens=request.num_cached_tokens or 0,
+                                         kv_transfer_params=self._outgoing_params.pop(rid, None)))
         return outs
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
@@ -822,12 +969,25 @@ class Scheduler:
             self.loras.release(request.lora)
         request.status = status
         request.finish_time = now
-        self.kv.free(request)
+        if self.connector is None or not self._delay_free(request):
+            self.kv.free(request)
         request.decode_entry = None
         request.spec_token_ids = ()
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.policy.on_finish(request)
+
+    def _delay_free(self, request: Request) -> bool:
+        """A producer's finished request keeps its blocks in ``sending`` until the consumer has
+        read them (the connector decides); its params for the consumer go with its output."""
+        table = self.kv.tables.get(request.request_id)
+        delay, params = self.connector.request_finished(  # type: ignore[union-attr]
+            request, [] if table is None else list(table.ids))
+        if params is not None:
+            self._outgoing_params[request.request_id] = params
+        if delay:
+            self.sending[request.request_id] = request
+        return delay
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], arrival_time: float = 0.0,

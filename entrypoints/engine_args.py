@@ -91,6 +91,8 @@ _HELP: dict[str, str] = {
                          "products, as llama.cpp) or fp32 (the exact reference)",
     "speculative_config": 'speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": '
                           '"ngram", "num_speculative_tokens": 4, "policy": "adaptive"}\'',
+    "kv_transfer_config": 'a KV connector as JSON (vLLM\'s keys), e.g. \'{"kv_connector": '
+                          '"PeerConnector", "kv_role": "kv_producer"}\'',
 }
 # string arguments with a fixed set of values: argparse (and --config) refuse others by flag name
 _CHOICES: dict[str, tuple[str, ...]] = {"cpu_attention": CPU_ATTENTION_CHOICES,
@@ -125,7 +127,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                            default=None, help=help_)
         elif name == "policy_options":
             g.add_argument(*flags, dest=name, type=json.loads, default=None, help=help_)
-        elif name == "speculative_config":
+        elif name in ("speculative_config", "kv_transfer_config"):
             g.add_argument(*flags, dest=name, type=_speculative_config, default=None, help=help_)
         else:
             kind = _field_type(name)

@@ -36,6 +36,7 @@ from typing import Any
 
 from twinserve.core.block_hash import update_block_hashes
 from twinserve.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
+from twinserve.core.kv_transfer_config import KVTransferConfig
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 
@@ -69,6 +70,13 @@ def num_host_blocks(kv_offloading_size_gib: float, bytes_per_block: int) -> int:
         raise ValueError(f"kv_offloading_size ({kv_offloading_size_gib} GiB) holds no KV block of "
                          f"{bytes_per_block} bytes.")
     return blocks
+
+
+def offloading_config(num_cpu_blocks: int) -> KVTransferConfig:
+    """The ``kv_transfer_config`` that ``--kv-offloading-size`` stands for, once the size is in
+    blocks (vLLM's OffloadingConnector with ``num_cpu_blocks``)."""
+    return KVTransferConfig(kv_connector=OFFLOADING_CONNECTOR, kv_role="kv_both",
+                            kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks})
 
 
 @dataclass(slots=True)
@@ -164,11 +172,19 @@ class HostBlockLRU:
 
 
 class OffloadingConnectorScheduler:
-    """The scheduler side of the host tier (``KVConnectorScheduler``)."""
+    """The scheduler side of the host tier (``KVConnectorScheduler``); its size is the
+    config's ``kv_connector_extra_config["num_cpu_blocks"]``."""
 
-    def __init__(self, block_size: int, num_host_blocks: int) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+        num_host_blocks = config.kv_connector_extra_config.get("num_cpu_blocks")
+        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) \
+                or num_host_blocks <= 0:
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.num_cpu_blocks must "
+                             f"be a positive integer for the OffloadingConnector, got "
+                             f"{num_host_blocks!r}.")
+        self.config = config
         self.block_size = block_size
         self.lru = HostBlockLRU(num_host_blocks)
         self.stats = OffloadingStats(num_host_blocks=num_host_blocks)

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_fakes import FakeKVBackend
 
-from twinserve.core.kv_connector import KVConnectorOutput
+from twinserve.core import Scheduler, SchedulerConfig
+from twinserve.core.kv_connector import KVConnectorOutput, make_connector_scheduler
 from twinserve.core.kv_offload import (
     HostBlockLRU,
+    OffloadingConnectorMetadata,
     OffloadingConnectorScheduler,
     num_host_blocks,
+    offloading_config,
 )
+from twinserve.core.kv_transfer_config import KVTransferConfig
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
+from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import make_request
+from twinserve.policies import get_policy
 
 BS = 4
+
+
+def _conn(num_cpu_blocks: int) -> OffloadingConnectorScheduler:
+    return OffloadingConnectorScheduler(offloading_config(num_cpu_blocks), BS)
 
 
 def _step(*entries: tuple) -> SchedulerOutput:
@@ -40,7 +53,7 @@ def test_num_host_blocks_from_gib_and_layout():
 
 
 def test_stores_ordered_for_the_full_blocks_each_step_completes():
-    conn = OffloadingConnectorScheduler(BS, 8)
+    conn = _conn(8)
     req = make_request("a", list(range(10)))
     table = [7, 3, 5]
     meta = conn.build_connector_meta(_step((req, 0, 6, table)))  # tokens 0..5: block 0 full
@@ -56,7 +69,7 @@ def test_stores_ordered_for_the_full_blocks_each_step_completes():
 
 
 def test_blocks_host_already_holds_are_not_stored_again():
-    conn = OffloadingConnectorScheduler(BS, 8)
+    conn = _conn(8)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 1])  # same first two blocks
     assert conn.build_connector_meta(_step((a, 0, 9, [0, 1, 2]))).stores == [(0, 0), (1, 1)]
@@ -66,7 +79,7 @@ def test_blocks_host_already_holds_are_not_stored_again():
 
 
 def test_speculative_drafts_never_complete_a_stored_block():
-    conn = OffloadingConnectorScheduler(BS, 8)
+    conn = _conn(8)
     req = make_request("a", [1, 2, 3])
     out = _step((req, 0, 3, [0]))
     assert conn.build_connector_meta(out).stores == []
@@ -77,7 +90,7 @@ def test_speculative_drafts_never_complete_a_stored_block():
 
 
 def test_lru_bound_never_exceeded_and_oldest_evicted():
-    conn = OffloadingConnectorScheduler(BS, 3)
+    conn = _conn(3)
     reqs = [make_request(f"r{i}", [i] * 8) for i in range(3)]  # two distinct blocks each
     for i, req in enumerate(reqs):
         conn.build_connector_meta(_step((req, 0, 8, [2 * i, 2 * i + 1])))
@@ -91,7 +104,7 @@ def test_lru_bound_never_exceeded_and_oldest_evicted():
 
 
 def test_lookup_past_device_hits_whole_blocks_last_token_recomputed():
-    conn = OffloadingConnectorScheduler(BS, 8)
+    conn = _conn(8)
     first = make_request("a", list(range(12)))
     conn.build_connector_meta(_step((first, 0, 12, [0, 1, 2])))
     _done(conn)
@@ -106,7 +119,7 @@ def test_lookup_past_device_hits_whole_blocks_last_token_recomputed():
 
 
 def test_matched_blocks_load_into_the_new_blocks_and_stay_pinned_until_reported():
-    conn = OffloadingConnectorScheduler(BS, 2)
+    conn = _conn(2)
     a = make_request("a", list(range(9)))
     conn.build_connector_meta(_step((a, 0, 9, [0, 1, 2])))
     _done(conn)
@@ -129,7 +142,7 @@ def test_matched_blocks_load_into_the_new_blocks_and_stay_pinned_until_reported(
 
 
 def test_abort_cancels_a_load_in_flight_and_unpins():
-    conn = OffloadingConnectorScheduler(BS, 4)
+    conn = _conn(4)
     a = make_request("a", list(range(9)))
     conn.build_connector_meta(_step((a, 0, 9, [0, 1, 2])))
     _done(conn)
@@ -152,7 +165,7 @@ def test_abort_cancels_a_load_in_flight_and_unpins():
 
 
 def test_a_query_counts_once_per_admission():
-    conn = OffloadingConnectorScheduler(BS, 4)
+    conn = _conn(4)
     a = make_request("a", list(range(6)))
     for _ in range(3):  # admission retried (no blocks): one query
         conn.get_num_new_matched_tokens(a, 0)
@@ -161,9 +174,20 @@ def test_a_query_counts_once_per_admission():
 
 
 def test_bad_alloc_report_names_the_tokens():
-    conn = OffloadingConnectorScheduler(BS, 4)
+    conn = _conn(4)
     with pytest.raises(ValueError, match="num_external_tokens"):
         conn.update_state_after_alloc(make_request("a", [1] * 9), [0, 1, 2], 4)
+
+
+def test_size_comes_from_the_config_checked_by_name():
+    for bad in ({}, {"num_cpu_blocks": 0}, {"num_cpu_blocks": 2.5}):
+        cfg = KVTransferConfig(kv_connector="OffloadingConnector", kv_connector_extra_config=bad)
+        with pytest.raises(ValueError, match="num_cpu_blocks"):
+            OffloadingConnectorScheduler(cfg, BS)
+    with pytest.raises(ValueError, match="transfer_timeout_s"):
+        KVTransferConfig(kv_connector="OffloadingConnector",
+                         kv_connector_extra_config={"transfer_timeout_s": 1.0})
+    assert isinstance(make_connector_scheduler(offloading_config(3), BS), OffloadingConnectorScheduler)
 
 
 def test_host_lru_validation_and_pins():
@@ -180,3 +204,161 @@ def test_host_lru_validation_and_pins():
     lru.unpin(slot)
     assert lru.insert(12) == (0, 11) and lru.get(11) is None and lru.get(12) == 0
     lru.check_consistency()
+
+
+# ---- with the real scheduler and a fake worker over token-id caches ---------------------------
+class FakeHostWorker:
+    """The host tier's worker side over a ``FakeKVBackend``: host blocks are token-id lists;
+    loads before the step, stores after it (as the real worker orders them)."""
+
+    def __init__(self, backend: FakeKVBackend) -> None:
+        self.backend = backend
+        self.host: dict[int, list[int | None]] = {}
+        self._stores: list[tuple[int, int]] = []
+        self._done: set[str] = set()
+
+    def start(self, meta: OffloadingConnectorMetadata) -> None:
+        for rid, pairs in meta.loads.items():
+            for slot, block in pairs:
+                self.backend.slots[block] = list(self.host[slot])
+            self._done.add(rid)
+        self._stores = list(meta.stores)
+
+    def get_finished(self) -> KVConnectorOutput:
+        for block, slot in self._stores:
+            self.host[slot] = list(self.backend.block(block))
+        done, self._done = self._done, set()
+        return KVConnectorOutput(set(), done, set())
+
+
+class Engine:
+    """A scheduler with (or without) the host tier, its fake cache and worker."""
+
+    def __init__(self, host_blocks: int | None, num_gpu_blocks: int = 24, max_num_seqs: int = 4,
+                 max_num_batched_tokens: int = 32, preemption_mode: str = "recompute") -> None:
+        config = SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=BS, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=128,
+                                 preemption_mode=preemption_mode, num_cpu_blocks=16)
+        self.conn = None if host_blocks is None else _conn(host_blocks)
+        self.sched = Scheduler(config, get_policy("fcfs"), kv_connector=self.conn)
+        self.backend = FakeKVBackend(BS)
+        self.worker = FakeHostWorker(self.backend)
+        self.swapped: dict[int, list[int | None]] = {}  # the swap pool (not the tier)
+        self.now = 0.0
+        self.tokens: dict[str, list[int]] = {}
+        self.reasons: dict[str, str | None] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 6) -> Request:
+        req = make_request(rid, prompt, self.now, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        self.sched.add_request(req)
+        return req
+
+    def step(self) -> None:
+        self.now += 1.0
+        out = self.sched.schedule(self.now)
+        slots = self.backend.slots
+        for block, host in out.blocks_to_swap_out:
+            self.swapped[host] = list(self.backend.block(block))
+        for host, block in out.blocks_to_swap_in:
+            slots[block] = list(self.swapped[host])
+        if out.kv_connector_metadata is not None:
+            self.worker.start(out.kv_connector_metadata)
+        result = self.backend.execute(out)
+        if self.conn is not None:
+            result.kv_connector_output = self.worker.get_finished()
+        for o in self.sched.update_from_output(out, result, self.now):
+            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                self.reasons[o.request_id] = o.finish_reason
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def check(self) -> None:
+        self.sched.kv.check_consistency()
+        if self.conn is not None:
+            self.conn.lru.check_consistency()
+            assert len(self.conn.lru) <= self.conn.lru.capacity
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 50 + 1 for i in range(n)]
+
+
+def test_a_prefix_evicted_from_the_device_reloads_from_host_same_tokens():
+    eng = Engine(host_blocks=64, num_gpu_blocks=12)
+    shared = _prompt(1, 20)
+    eng.add("first", shared)
+    eng.run()
+    for i in range(4):  # other prompts take every device block: the first's prefix is evicted
+        eng.add(f"other{i}", _prompt(10 + i, 20))
+        eng.run()
+    assert eng.sched.kv.get_computed_blocks(make_request("probe", shared))[1] == 0
+    again = eng.add("again", shared)
+    eng.run()
+    assert eng.tokens["again"] == eng.tokens["first"]
+    assert again.num_cached_tokens == 0  # nothing from the device cache...
+    assert eng.conn.stats.external_prefix_cache_hits == 16  # ...4 whole blocks from host (19 max)
+    assert eng.conn.stats.num_blocks_loaded == 4
+    eng.check()
+    assert eng.conn.lru.num_pinned == 0 and not eng.sched.kv.tables
+
+
+def test_a_preempted_request_reloads_its_stored_blocks_instead_of_recomputing():
+    def run(host_blocks):
+        eng = Engine(host_blocks, num_gpu_blocks=10, max_num_seqs=2, max_num_batched_tokens=64)
+        reqs = [eng.add("a", _prompt(1, 14), 16), eng.add("b", _prompt(2, 14), 16)]
+        eng.run()
+        eng.check()
+        return eng, reqs
+
+    plain, plain_reqs = run(None)
+    tier, reqs = run(64)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert {r: plain.tokens[r] for r in "ab"} == {r: tier.tokens[r] for r in "ab"}
+    assert tier.conn.stats.external_prefix_cache_hits > 0
+    # the reloaded tokens were not computed again
+    assert tier.sched.num_prompt_tokens < plain.sched.num_prompt_tokens
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 30), st.integers(1, 8),
+                          st.integers(0, 40), st.integers(0, 12)), min_size=1, max_size=10),
+       st.integers(1, 24), st.integers(10, 12), st.sampled_from(["recompute", "swap"]))
+def test_random_admissions_evictions_preemptions_aborts(specs, host_blocks, gpu_blocks, mode):
+    """Requests arrive over time (sharing prefixes, so the device cache evicts what host keeps),
+    some are aborted: no device block leaks, the host tier stays within its bound and unpinned,
+    every request ends, and the survivors' tokens equal those of an engine without the tier."""
+    eng = Engine(host_blocks, num_gpu_blocks=gpu_blocks, max_num_seqs=3, preemption_mode=mode)
+    ref = Engine(None, num_gpu_blocks=64, max_num_seqs=3)
+    arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
+    aborts: dict[int, list[str]] = {}
+    for i, (family, length, max_tokens, arrive_at, abort_after) in enumerate(specs):
+        rid, prompt = f"r{i}", _prompt(family, 30)[:length] + [i % 5 + 60] * (i % 2)
+        ref.add(rid, prompt, max_tokens)
+        arrivals.setdefault(arrive_at, []).append((rid, prompt, max_tokens))
+        if abort_after:
+            aborts.setdefault(arrive_at + abort_after, []).append(rid)
+    last_arrival = max(arrivals)
+    for step in range(3000):
+        for rid, prompt, max_tokens in arrivals.get(step, ()):
+            eng.add(rid, prompt, max_tokens)
+        for o in eng.sched.abort_requests(aborts.get(step, []), eng.now):
+            eng.reasons[o.request_id] = o.finish_reason
+        if step > last_arrival and not eng.sched.has_unfinished_requests():
+            break
+        eng.step()
+        eng.check()
+    else:
+        raise AssertionError("requests did not finish")
+    ref.run()
+    assert not eng.sched.kv.tables and eng.sched.kv.num_free_blocks == gpu_blocks
+    assert eng.conn.lru.num_pinned == 0
+    assert set(eng.reasons) == set(ref.reasons)
+    for rid, reason in eng.reasons.items():
+        if reason != "abort":
+            assert eng.tokens[rid] == ref.tokens[rid], rid

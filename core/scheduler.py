@@ -472,8 +472,7 @@ class Scheduler:
                         return
                     skipped.append(policy.pop())
                     continue
-                if self.connector is not None and request.kv_transfer_params is not None \
-                        and not request.num_computed_tokens:
+                if self.connector is not None and not request.num_computed_tokens:
                     loading = self._start_remote_load(request)
                     if loading is None:  # no room for its blocks or its load: wait
                         return

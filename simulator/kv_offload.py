@@ -13,8 +13,12 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import simpy
+
 from twinserve.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from twinserve.core.kv_offload import OffloadingConnectorMetadata
+from twinserve.simulator.engine import Replica
+from twinserve.simulator.hardware import HardwareProfile
 
 DEFAULT_LATENCY_S = 10e-6  # one DMA's set-up on PCIe: a few microseconds
 
@@ -56,7 +60,9 @@ class TwinOffloadingWorker:
         self.num_blocks_loaded = 0
         self.num_blocks_stored = 0
 
-    def start(self, meta: KVConnectorMetadata, now: float) -> None:
+    def start(self, meta: KVConnectorMetadata | None, now: float) -> None:
+        if meta is None:
+            return
         if not isinstance(meta, OffloadingConnectorMetadata):
             raise TypeError(f"the host tier's twin worker got {type(meta).__name__} orders.")
         self._cancelled.update(meta.cancelled)
@@ -87,3 +93,37 @@ class TwinOffloadingWorker:
 
     def next_event_time(self) -> float | None:
         return self._loads[0][0] if self._loads else None
+
+
+def host_link_of(hardware: HardwareProfile) -> HostLink:
+    """The profile's host link: its PCIe bandwidth (the swap copies' too)."""
+    return HostLink(hardware.pcie_bandwidth)
+
+
+def offloading_engine_process(env: simpy.Environment, replica: Replica, worker: TwinOffloadingWorker):
+    """``engine.engine_process`` for a replica with the host tier: step by step (no decode runs:
+    a connector's scheduler is never plainly decoding), the tier's copies started before each
+    step and its loads collected after. A step with nothing to run while loads are in flight
+    waits for the first to end or for an arrival, charging no step time."""
+    driver, sched = replica.driver, replica.scheduler
+    sampled = replica.tokens.output  # one output object, its connector report set per step
+    step_time, complete = replica.cost.step_time, driver.completer()
+    while True:
+        if not sched.has_unfinished_requests():
+            replica.wakeup = env.event()
+            yield replica.wakeup
+            replica.wakeup = None
+        now = env.now
+        out = sched.schedule(now)
+        worker.start(out.kv_connector_metadata, now)
+        if out.scheduled:
+            yield env.timeout(step_time(out))
+        else:
+            due = worker.next_event_time()
+            if due is None:
+                raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={now}")
+            replica.wakeup = env.event()
+            yield env.timeout(max(due - now, 0.0)) | replica.wakeup
+            replica.wakeup = None
+        sampled.kv_connector_output = worker.get_finished(env.now)
+        complete(out, sampled, now, env.now)

@@ -18,7 +18,8 @@ from tqdm import tqdm
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_engine_config
 from twinserve.core.kernel_settings import kernel_settings_mismatch
-from twinserve.core.metrics import RequestRecord, StepLog, summarize
+from twinserve.core.kv_offload import OFFLOADING_CONNECTOR, OffloadingConnectorScheduler
+from twinserve.core.metrics import RequestRecord, StepLog, kv_offload_summary, summarize
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import LazyPrompt, Request
@@ -43,7 +44,8 @@ from twinserve.simulator.engine import (
     arrival_process,
     engine_process,
 )
-from twinserve.simulator.hardware import load_hardware
+from twinserve.simulator.hardware import HardwareProfile, load_hardware
+from twinserve.simulator.kv_offload import TwinOffloadingWorker, host_link_of, offloading_engine_process
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.pipeline import PipelineCost
@@ -284,8 +286,11 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
         horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
                     if fleet and decode_runs else None)
+        tiers = [_host_tier(engine_config, block_size, cost.hardware)
+                 for _ in range(cfg.num_replicas)]
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
-                                                    speculation=speculation_policy_for(spec_cfg)),
+                                                    speculation=speculation_policy_for(spec_cfg),
+                                                    kv_connector=tiers[i][0]),
                                           recorder, i), model,
                             SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i,
                                                                acceptance)),
@@ -294,8 +299,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
         env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
-        for replica in replicas:
-            env.process(engine_process(env, replica))
+        for replica, (_, worker) in zip(replicas, tiers):
+            env.process(engine_process(env, replica) if worker is None else
+                        offloading_engine_process(env, replica, worker))
         env.run()
     if bar is not None:
         bar.close()
@@ -308,9 +314,26 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     summary = summarize(records, duration_s=duration or None)
     if lora is not None:
         summary.update(lora_summary(records, trace, tallies))
+    if tiers[0][0] is not None:
+        summary.update(kv_offload_summary([t[0].stats for t in tiers]))  # type: ignore[union-attr]
     gap = roofline_caveat() if isinstance(cost, CostModel) else ""
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
                      time.perf_counter() - t0, cost.describe(), gap, _kernel_mismatch(cost, cfg))
+
+
+def _host_tier(engine_config: EngineConfig, block_size: int, hardware: HardwareProfile,
+               ) -> tuple[OffloadingConnectorScheduler | None, TwinOffloadingWorker | None]:
+    """A replica's host KV tier (``--kv-offloading-size``): its scheduler side and the twin's
+    worker side over the profile's PCIe link; (None, None) without one. Another connector in
+    an aggregated run is refused by name (P/D runs take prefill/decode instances)."""
+    kv_transfer = engine_config.kv_transfer_config
+    if kv_transfer is None:
+        return None, None
+    if kv_transfer.kv_connector != OFFLOADING_CONNECTOR:
+        raise ValueError(f"kv_transfer_config.kv_connector {kv_transfer.kv_connector!r} in the twin "
+                         "needs a disaggregated fleet (prefill and decode instances).")
+    return (OffloadingConnectorScheduler(kv_transfer, block_size),
+            TwinOffloadingWorker(host_link_of(hardware), engine_config.block_bytes))
 
 
 def _kernel_mismatch(cost: DeviceCostModel, cfg: SimConfig) -> str:

@@ -15,7 +15,9 @@ import time
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.kv_connector import KVConnectorOutput, make_connector_scheduler
 from twinserve.core.lora import LoRARequest
+from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request import Request
 from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
@@ -28,6 +30,8 @@ from twinserve.gpu.engine.request_surface import RequestSurface
 from twinserve.gpu.worker.model_runner import ModelRunner
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import get_speculation_policy
+
+CONNECTOR_IDLE_WAIT_S = 0.005  # a step with only KV transfers pending waits this long for news
 
 
 def speculation_policy(args: EngineArgs, config: SchedulerConfig) -> SpeculationPolicy | None:
@@ -55,8 +59,11 @@ class LLMEngine:
         self.engine_config = self.runner.engine_config
         self.config = self.engine_config.scheduler
         self.policy = get_policy(args.scheduling_policy, **args.policy_options)
-        self.scheduler = Scheduler(self.config, self.policy,
-                                   speculation=speculation_policy(args, self.config))
+        kv_transfer = self.engine_config.kv_transfer_config
+        self.scheduler = Scheduler(
+            self.config, self.policy, speculation=speculation_policy(args, self.config),
+            kv_connector=None if kv_transfer is None else
+            make_connector_scheduler(kv_transfer, self.config.block_size))
         self.driver = StepDriver(self.scheduler)
         self.metrics = self.driver.recorder
         self.tokenizer = self.runner.tokenizer
@@ -168,6 +175,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _poll_connector(self, out: SchedulerOutput) -> KVConnectorOutput:
+        """A step the driver ran no forward pass for (only transfers pend): hand the connector
+        its orders and wait briefly for news rather than spin."""
+        connector = self.runner.kv_connector
+        assert connector is not None and out.kv_connector_metadata is not None
+        connector.start(out.kv_connector_metadata)
+        connector.wait(CONNECTOR_IDLE_WAIT_S)
+        return connector.get_finished()
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         driver = self.driver
@@ -175,6 +191,8 @@ class LLMEngine:
         start = self.now()
         out = driver.schedule(start)
         result = driver.execute(self.runner, out)
+        if out.kv_connector_metadata is not None and result.kv_connector_output is None:
+            result.kv_connector_output = self._poll_connector(out)
         end = self.now()
         results, stopped = self.outputs.process(driver.complete(out, result, start, end),
                                                 self.runner.take_dead_ends())

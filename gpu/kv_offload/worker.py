@@ -93,6 +93,10 @@ class OffloadingConnectorWorker:
         self._finished, self._failed = set(), set()
         return KVConnectorOutput(set(), finished, failed)
 
+    def wait(self, timeout_s: float) -> None:
+        """Nothing to wait for: a load is reported at the ``get_finished`` after its ``start``
+        (on CUDA the compute stream waits for it before the next forward pass)."""
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()

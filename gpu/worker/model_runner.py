@@ -24,6 +24,7 @@ from twinserve.core.request import Request
 from twinserve.gpu.engine.tokenizer import Tokenizer
 from twinserve.gpu.executor.shard_worker import kv_cache_spec
 from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
+from twinserve.gpu.kv_offload import offloading_worker_for
 from twinserve.gpu.layers.pooler import pooled_state
 from twinserve.gpu.lora.lora_manager import LoRAManager
 from twinserve.gpu.measurement.gemm_tuning import tune_cpu_gemm
@@ -157,6 +158,9 @@ class ModelRunner:
                                 self.kv_layout if args.pipeline_parallel_size == 1 else None)
         if self.tp is not None:
             self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
+        self.kv_connector = offloading_worker_for(  # (gpu/kv_offload: the host tier)
+            resolved.kv_transfer_config, self.kv_cache,
+            {"tensor or pipeline parallelism": self.tp is not None})
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self.lora: LoRAManager | None = None
@@ -190,6 +194,12 @@ class ModelRunner:
         self._spec = SpecStep(proposer, settings)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        connector, meta = self.kv_connector, scheduler_output.kv_connector_metadata
+        if connector is not None and meta is not None:  # loads before, stores after the pass
+            connector.start(meta)
+            out = self._execute(scheduler_output, None)
+            out.kv_connector_output = connector.get_finished()
+            return out
         if self.tp is None:
             return self._execute(scheduler_output, None)
         with self.tp.guard():  # a dead or hung rank: WorkerFailure naming it
@@ -197,7 +207,10 @@ class ModelRunner:
             return self._execute(scheduler_output, inputs)
 
     def shutdown(self) -> None:
-        """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)."""
+        """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)
+        and the KV connector's copies."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self.tp is not None:
             self.tp.shutdown()
 

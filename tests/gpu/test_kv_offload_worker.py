@@ -1,10 +1,14 @@
-"""The host KV tier's worker side (gpu/kv_offload/) on CPU tensors."""
+"""The host KV tier's worker side (gpu/kv_offload/) on CPU tensors, and the engine with it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from twinserve.core.engine_args import EngineArgs
 from twinserve.core.kv_offload import OffloadingConnectorMetadata
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler import make_request
 from twinserve.gpu.kv_offload.worker import OffloadingConnectorWorker
 
 
@@ -52,3 +56,65 @@ def test_a_load_naming_missing_blocks_fails_alone():
     report = worker.get_finished()
     assert report.failed_recving == {"bad"} and report.finished_recving == {"ok"}
     assert worker.get_finished().failed_recving == set()  # reported once
+
+
+# ---- the engine with the host tier (the bundled model, fp32 on the CPU) ------------------------
+def _engine(model_dir, **kwargs):
+    from twinserve.gpu.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineArgs(model=str(model_dir), dtype="float32", block_size=16,
+                                max_model_len=256, **kwargs))
+
+
+def _generate(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = list(output.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 104729) % 40000 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir):
+    """(plain engine, engine with a host tier and 12 device blocks): built once, they take most
+    of these tests' time."""
+    return (_engine(default_model_dir, num_gpu_blocks_override=64),
+            _engine(default_model_dir, num_gpu_blocks_override=12, kv_offloading_size=0.05,
+                    max_num_seqs=2))
+
+
+@pytest.mark.slow
+def test_engine_reloads_an_evicted_prefix_from_host_with_fresh_compute_tokens(engines):
+    plain, tier = engines
+    prompt = _prompt(1, 100)
+    (fresh,) = _generate(plain, [prompt], 8)
+    assert _generate(tier, [prompt], 8) == [fresh]
+    for seed in (2, 3):  # each takes 7 of the 12 device blocks: the prompt's blocks are evicted
+        _generate(tier, [_prompt(seed, 100)], 8)
+    assert tier.scheduler.kv.get_computed_blocks(make_request("probe", prompt))[1] == 0
+    stats = tier.scheduler.connector.stats
+    hits, loaded = stats.external_prefix_cache_hits, tier.runner.kv_connector.num_blocks_loaded
+    assert _generate(tier, [prompt], 8) == [fresh]
+    assert stats.external_prefix_cache_hits - hits == 96  # 6 whole blocks (99 tokens at most)
+    assert tier.runner.kv_connector.num_blocks_loaded - loaded == 6
+    tier.scheduler.kv.check_consistency()
+    assert tier.scheduler.connector.lru.num_pinned == 0
+    assert tier.engine_config.to_dict()["kv_transfer_config"]["kv_connector"] == "OffloadingConnector"
+
+
+@pytest.mark.slow
+def test_engine_preempted_request_reloads_instead_of_recomputing(engines):
+    plain, tier = engines
+    # 90-token prompts fill 6 blocks each; the 7th, at output token 7, preempts one of them
+    prompts = [_prompt(4, 90), _prompt(5, 90)]
+    want = _generate(plain, prompts, 12)
+    preemptions, hits = tier.scheduler.num_preemptions, tier.scheduler.connector.stats.external_prefix_cache_hits
+    assert _generate(tier, prompts, 12) == want
+    assert tier.scheduler.num_preemptions > preemptions
+    assert tier.scheduler.connector.stats.external_prefix_cache_hits > hits

@@ -118,3 +118,29 @@ def test_engine_preempted_request_reloads_instead_of_recomputing(engines):
     assert _generate(tier, prompts, 12) == want
     assert tier.scheduler.num_preemptions > preemptions
     assert tier.scheduler.connector.stats.external_prefix_cache_hits > hits
+
+
+@pytest.mark.slow
+def test_twin_host_hits_equal_the_engines_on_the_same_workload(default_model_dir):
+    """A, B, C, then A again, one at a time, 12 device blocks: the same core in both, so the
+    twin's host-tier counts are the engine's."""
+    from twinserve.simulator import SimConfig, simulate
+    from twinserve.traces import TraceRequest
+    blocks = {"A": (1, 2, 3, 4, 5, 6), "B": (11, 12, 13, 14, 15, 16), "C": (21, 22, 23, 24, 25, 26)}
+    names = "ABCA"
+    trace = [TraceRequest(f"{i}-{n}", 100.0 * i, 100, 2, prefix_blocks=blocks[n])
+             for i, n in enumerate(names)]
+    settings = dict(block_size=16, num_gpu_blocks_override=12, max_model_len=256, max_num_seqs=2,
+                    kv_offloading_size=0.05)
+    twin = simulate(SimConfig(model="smollm2-135m", hardware="cpu", **settings), trace).summary
+    engine = _engine(default_model_dir, **{k: v for k, v in settings.items()
+                                           if k not in ("block_size", "max_model_len")})
+    for i, n in enumerate(names):
+        prompt = [1000 + 16 * b + j for b in blocks[n] for j in range(16)] + [50 + i] * 4
+        _generate(engine, [prompt], 2)
+    stats = engine.scheduler.connector.stats
+    assert (stats.external_prefix_cache_queries, stats.external_prefix_cache_hits,
+            stats.num_blocks_stored, stats.num_blocks_loaded) == (
+        twin["external_prefix_cache_queries"], twin["external_prefix_cache_hits"],
+        twin["kv_offload_blocks_stored"], twin["kv_offload_blocks_loaded"])
+    assert stats.external_prefix_cache_hits == 96

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from twinserve.core.kv_offload import OffloadingConnectorMetadata
+from twinserve.simulator import SimConfig, simulate
+from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.kv_offload import HostLink, TwinOffloadingWorker
+from twinserve.traces import TraceRequest
 
 MB = 1 << 20
 
@@ -44,3 +49,42 @@ def test_link_validation_names_the_field():
         HostLink(1e9, -1)
     with pytest.raises(ValueError, match="bytes_per_block"):
         TwinOffloadingWorker(HostLink(1e9), 0)
+
+
+# ---- the twin with the host tier ----------------------------------------------------------------
+def _trace(slow_link: bool = False) -> list[TraceRequest]:
+    """A, B, C, then A again, one at a time: 100-token prompts of 6 shared 16-token blocks."""
+    blocks = {"A": (1, 2, 3, 4, 5, 6), "B": (11, 12, 13, 14, 15, 16), "C": (21, 22, 23, 24, 25, 26)}
+    return [TraceRequest(f"{i}-{name}", 100.0 * i, 100, 2, prefix_blocks=blocks[name])
+            for i, name in enumerate("ABCA")]
+
+
+def _twin(hardware: str = "h100-sxm", **kwargs):
+    return simulate(SimConfig(model="smollm2-135m", hardware=hardware, block_size=16,
+                              num_gpu_blocks_override=12, max_model_len=256, max_num_seqs=2,
+                              **kwargs), _trace())
+
+
+def test_the_flag_runs_the_tier_in_the_twin_and_reports_host_hits():
+    plain, tier = _twin("cpu"), _twin("cpu", kv_offloading_size=0.05)
+    assert "external_prefix_cache_hits" not in plain.summary
+    s = tier.summary
+    assert s["external_prefix_cache_hits"] == 96  # A's 6 blocks, evicted from the device by B, C
+    assert s["external_prefix_cache_queries"] == 4 * 100
+    assert s["kv_offload_blocks_loaded"] == 6 and s["kv_offload_blocks_stored"] == 18
+    assert tier.engine_config.kv_transfer_config.kv_connector == "OffloadingConnector"
+    # the reload saves the prefill of 96 tokens: the last request's TTFT falls
+    assert tier.records[3].ttft < plain.records[3].ttft
+    assert [r.ttft for r in tier.records[:3]] == pytest.approx([r.ttft for r in plain.records[:3]])
+
+
+def test_the_reload_is_charged_over_the_profiles_pcie_link(tmp_path):
+    profile = load_hardware("h100-sxm").to_dict()
+    fast = _twin(kv_offloading_size=0.05)
+    profile.update(name="h100-slow-pcie", pcie_bandwidth=1e6)  # 1 MB/s: seconds per block
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(profile))
+    slow = _twin(str(path), kv_offloading_size=0.05)
+    block_bytes = fast.engine_config.block_bytes
+    extra = slow.records[3].ttft - fast.records[3].ttft
+    assert extra == pytest.approx(6 * block_bytes / 1e6 - 6 * block_bytes / 50e9, rel=1e-3)

@@ -96,6 +96,9 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] | None = None
+    # A connector's hits (the host KV tier), vLLM's external prefix cache counters, in tokens.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -264,7 +267,15 @@ class Scheduler:
                               self.num_prompt_tokens, self.num_generation_tokens,
                               self.spec_num_drafts, self.spec_num_draft_tokens,
                               self.spec_num_accepted_tokens,
-                              list(self.spec_num_accepted_tokens_per_pos))
+                              list(self.spec_num_accepted_tokens_per_pos),
+                              *self._external_prefix_cache())
+
+    def _external_prefix_cache(self) -> tuple[int, int]:
+        """A connector's external prefix cache queries and hits (0, 0 for one that keeps none)."""
+        stats = getattr(self.connector, "stats", None)
+        if stats is None:
+            return 0, 0
+        return stats.external_prefix_cache_queries, stats.external_prefix_cache_hits
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

@@ -17,6 +17,7 @@ from twinserve.core.kv_offload import (
     offloading_config,
 )
 from twinserve.core.kv_transfer_config import KVTransferConfig
+from twinserve.core.metrics import kv_offload_summary
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
@@ -362,3 +363,26 @@ def test_random_admissions_evictions_preemptions_aborts(specs, host_blocks, gpu_
     for rid, reason in eng.reasons.items():
         if reason != "abort":
             assert eng.tokens[rid] == ref.tokens[rid], rid
+
+
+def test_host_hits_reach_scheduler_stats_and_metrics_under_vllm_names():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from twinserve.entrypoints.openai.server_metrics import SchedulerCollector
+    eng = Engine(host_blocks=64, num_gpu_blocks=12)
+    shared = _prompt(1, 20)
+    for rid, prompt in (("a", shared), ("b", _prompt(2, 20)), ("c", _prompt(3, 20)), ("d", shared)):
+        eng.add(rid, prompt)
+        eng.run()
+    stats = eng.sched.stats()
+    assert (stats.external_prefix_cache_queries, stats.external_prefix_cache_hits) == (80, 16)
+    registry, collector = CollectorRegistry(), SchedulerCollector("m")
+    collector.stats = stats
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'vllm:external_prefix_cache_queries_total{model_name="m"} 80.0' in text
+    assert 'vllm:external_prefix_cache_hits_total{model_name="m"} 16.0' in text
+    summary = kv_offload_summary([eng.conn.stats, eng.conn.stats])  # two replicas' counts add
+    assert summary["external_prefix_cache_hits"] == 32
+    assert summary["external_prefix_cache_hit_rate"] == pytest.approx(0.2)
+    assert Engine(None).sched.stats().external_prefix_cache_hits == 0

@@ -88,7 +88,10 @@ class EngineConfig:
         scheduler = asdict(self.scheduler)
         if not self.args.enable_lora:  # 0 slots is how the scheduler says "no LoRA"
             del scheduler["max_loras"]
-        return {**asdict(self.args), **scheduler, "usage_context": self.usage_context,
+        args = asdict(self.args)
+        if args["kv_transfer_config"] is None:  # recorded only where a connector runs
+            del args["kv_transfer_config"]
+        return {**args, **scheduler, "usage_context": self.usage_context,
                 "device_type": self.device_type, "device_name": self.device_name,
                 "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
                 "block_bytes": self.block_bytes,

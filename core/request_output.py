@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from twinserve.core.logprobs import PromptLogprobs, SampleLogprobs
 
@@ -42,6 +43,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # a ``do_remote_decode`` request's producer params, on its finished output (vLLM's field)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

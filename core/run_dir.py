@@ -16,7 +16,8 @@ import json
 import math
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from operator import is_
 from pathlib import Path
@@ -34,11 +35,42 @@ REQUEST_COLUMNS = (
 # Appended to requests.csv when some request verified drafts (speculative decoding), so the
 # files of runs without speculation stay as they were.
 SPEC_REQUEST_COLUMNS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+# Appended to requests.csv by disaggregated (prefill/decode) runs only: where each request's
+# prefill and decode ran, its KV load (consumer's load start -> finish, bytes) and the parts of
+# its TTFT, which add up to it (DisaggregatedParts).
+PD_REQUEST_COLUMNS = ("prefill_engine", "decode_engine", "kv_transfer_s", "kv_transfer_bytes",
+                      "ttft_queue_s", "ttft_prefill_s", "ttft_transfer_s", "ttft_decode_s")
 STEP_COLUMNS = (
     "time", "duration", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "num_running",
     "num_waiting", "kv_usage", "num_preempted", "replica",
 )
 TENANT_COLUMNS = ("time", "tenant", "prefill_tokens", "output_tokens")
+
+
+@dataclass(slots=True)
+class DisaggregatedParts:
+    """One request of a disaggregated run, in seconds from the run start (``nan``: never
+    happened, e.g. a request whose prefill failed). ``load_start``/``load_end``: the consumer's
+    KV load; a prompt the consumer's own cache held needs none (``load_end`` = ``prefill_done``,
+    nothing moved). TTFT parts: arrival -> first prefill step (queue) -> prefill output
+    (prefill) -> load finished (transfer: the wait for blocks, then the flow) -> first token."""
+
+    prefill_engine: str
+    decode_engine: str = ""
+    arrival: float = math.nan
+    prefill_start: float = math.nan
+    prefill_done: float = math.nan
+    load_start: float = math.nan
+    load_end: float = math.nan
+    kv_transfer_bytes: float = 0.0
+
+    def row(self, first_token_time: float) -> tuple[Any, ...]:
+        """The PD_REQUEST_COLUMNS values, given the request's first token time."""
+        load_end = self.prefill_done if math.isnan(self.load_end) else self.load_end
+        return (self.prefill_engine, self.decode_engine, self.load_end - self.load_start,
+                int(self.kv_transfer_bytes), self.prefill_start - self.arrival,
+                self.prefill_done - self.prefill_start, load_end - self.prefill_done,
+                first_token_time - load_end)
 
 
 def _fmt(x: float) -> str:
@@ -78,9 +110,11 @@ def _request_row(r: RequestRecord, speculation: bool = False) -> list[Any]:
     ]
 
 
-def _write_requests(f: TextIO, records: list[RequestRecord]) -> None:
+def _write_requests(f: TextIO, records: list[RequestRecord],
+                    parts: Mapping[str, DisaggregatedParts] | None = None) -> None:
     """requests.csv's rows as ``_request_row`` and csv.writer write them; the ITL column (digits,
-    dots, signs, spaces: never quoted) is appended without csv's scan of every character."""
+    dots, signs, spaces: never quoted) is appended without csv's scan of every character.
+    ``parts``: a disaggregated run's PD_REQUEST_COLUMNS, by request id."""
     w = csv.writer(f, lineterminator="")
     speculation = _has_speculation(records)
     for r, itls in zip(records, _itl_texts(records)):
@@ -92,7 +126,18 @@ def _write_requests(f: TextIO, records: list[RequestRecord]) -> None:
             fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
         if speculation:
             itls += f",{r.spec_num_drafts},{r.spec_num_draft_tokens},{r.spec_num_accepted_tokens}"
+        if parts is not None:
+            itls += _pd_text(parts.get(r.request_id), r.first_token_time)
         f.write("," + itls + "\n")
+
+
+def _pd_text(part: DisaggregatedParts | None, first_token_time: float) -> str:
+    """``,``-led PD_REQUEST_COLUMNS of one request (empty cells for a request without parts)."""
+    if part is None:
+        return "," * len(PD_REQUEST_COLUMNS)
+    values = part.row(first_token_time)
+    return "," + ",".join(v if isinstance(v, str) else str(v) if isinstance(v, int) else _fmt(v)
+                          for v in values)
 
 
 def _itl_texts(records: list[RequestRecord]) -> list[str]:
@@ -133,9 +178,11 @@ def write_run(
     records: list[RequestRecord],
     summary: dict[str, Any],
     steps: Sequence[StepRecord] | None = None,
+    disaggregated: Mapping[str, DisaggregatedParts] | None = None,
 ) -> Path:
     """Writes a run folder (creating it) and returns its path. Output is byte-identical for
-    identical inputs (sorted keys, fixed float formatting)."""
+    identical inputs (sorted keys, fixed float formatting). ``disaggregated``: a P/D run's
+    parts by request id (adds PD_REQUEST_COLUMNS)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
@@ -144,8 +191,10 @@ def write_run(
     try:
         with open(out / "requests.csv", "w", newline="") as f:
             columns = REQUEST_COLUMNS + (SPEC_REQUEST_COLUMNS if _has_speculation(records) else ())
+            if disaggregated is not None:
+                columns += PD_REQUEST_COLUMNS
             csv.writer(f, lineterminator="\n").writerow(columns)
-            _write_requests(f, records)
+            _write_requests(f, records, disaggregated)
     finally:  # the child is waited for whatever happens here
         written = writer is not None and _joined(writer)
     if steps is not None and not written:

@@ -28,6 +28,12 @@ rejected drafts, caches only verified blocks and releases the lookahead blocks p
     verified | computed ... start | t d1 |             d1 accepted, d2 rejected: 2 tokens back
     after    num_computed = start + 2, blocks kept for start + 2 + 1 tokens, the rest freed
 
+A KV connector (``core.kv_connector``, None without one): a waiting request whose prompt can be
+loaded from outside takes its blocks and waits in ``waiting_for_remote`` (no seat, no step) until
+the worker side reports the load; a producer's finished request keeps its blocks in ``sending``
+until its reader is done. ``_start_remote_load``, ``_update_connector`` and ``_delay_free`` hold
+the hooks.
+
 ``schedule`` and ``update_from_output`` are pure CPU work over plain data; time is passed in.
 """
 
@@ -605,10 +611,9 @@ class Scheduler:
                 failed = self._fail_load(load, now)
                 if failed is not None:
                     outputs.append(failed)
-        for rid in report.finished_sending:
-            request = self.sending.pop(rid, None)
-            if request is not None:
-                self.kv.free(request)
+        if report.finished_sending:  # in finishing order: a set's order varies between runs
+            for rid in [rid for rid in self.sending if rid in report.finished_sending]:
+                self.kv.free(self.sending.pop(rid))
         connector.update_connector_output(report)
         return outputs
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,13 +59,14 @@ class ReplicaState:
 class DataParallelFront:
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, replica_args: Sequence[EngineArgs] = ()) -> None:
         if args.enable_lora:
             raise ValueError("enable_lora with data_parallel_size > 1 is not implemented.")
         self.args = args
         self.router = router if router is not None else make_router(args.router, args.block_size)
         self._tokenize = tokenize
-        self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router))
+        self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router),
+                                     replica_args)
         n = self._set.size
         self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
         self.replicas = [ReplicaState() for _ in range(n)]
@@ -122,17 +123,22 @@ class DataParallelFront:
             except NoHealthyReplica as exc:
                 raise EngineOverloaded(f"no replica can serve now: {exc}", "no_healthy_replica",
                                        ADMISSION_RETRY_AFTER_S) from exc
-            try:
-                self._set.send(index, ("add", request_id, prompt, params, kwargs))
-            except ReplicaInboxFull as exc:
-                raise EngineOverloaded(str(exc), "max_waiting_requests",
-                                       ADMISSION_RETRY_AFTER_S) from exc
-            except RuntimeError as exc:  # it died after its last load was read: not routed
-                raise EngineOverloaded(f"{exc}; retry later", "replica_down",
-                                       ADMISSION_RETRY_AFTER_S) from exc
-            self._owner[request_id] = (index, sink)
-            self.loads[index].num_waiting += 1  # seen by the next route, before its stats come
+            self._queue(index, ("add", request_id, prompt, params, kwargs), request_id, sink)
         return index
+
+    def _queue(self, index: int, command: tuple, request_id: str, sink: Sink) -> None:
+        """Sends an add to replica ``index`` and records its owner (the lock held); raises
+        EngineOverloaded when the replica cannot take it."""
+        try:
+            self._set.send(index, command)
+        except ReplicaInboxFull as exc:
+            raise EngineOverloaded(str(exc), "max_waiting_requests",
+                                   ADMISSION_RETRY_AFTER_S) from exc
+        except RuntimeError as exc:  # it died after its last load was read: not routed
+            raise EngineOverloaded(f"{exc}; retry later", "replica_down",
+                                   ADMISSION_RETRY_AFTER_S) from exc
+        self._owner[request_id] = (index, sink)
+        self.loads[index].num_waiting += 1  # seen by the next route, before its stats come
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.core.request_output import RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.dp_front import DataParallelFront
+from twinserve.entrypoints.pd_front import DisaggregatedFront, PDDeployment
 from twinserve.gpu.engine.tokenizer import Tokenizer
 from twinserve.gpu.models.default_model import resolve_model_source
 
@@ -46,12 +47,14 @@ def front_tokenizer(args: EngineArgs) -> Tokenizer | None:
 
 
 class DataParallelEngine:
-    def __init__(self, args: EngineArgs, usage_context: str = "llm") -> None:
+    def __init__(self, args: EngineArgs, usage_context: str = "llm",
+                 pd: PDDeployment | None = None) -> None:
         self.args = args
         self.tokenizer = front_tokenizer(args)
         tokenize = None if self.tokenizer is None else (
             lambda text: self.tokenizer.encode(text, add_special_tokens=True))
-        self.front = DataParallelFront(args, usage_context, on_cuda(args), tokenize)
+        self.front = (DataParallelFront(args, usage_context, on_cuda(args), tokenize) if pd is None
+                      else DisaggregatedFront(args, pd, usage_context, on_cuda(args), tokenize))
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._sink = _QueueSink(self._items)
         self._ids = itertools.count()

@@ -18,6 +18,7 @@ from twinserve.core.lora import LoRARequest
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.entrypoints.pd_front import PDDeployment
 from twinserve.gpu.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int]
@@ -36,9 +37,13 @@ class LLM:
         ``scheduling_policy``, ``speculative_config={"method": "ngram",
         "num_speculative_tokens": 4}``: a ``SpeculativeConfig``, its keys or their JSON); an
         unknown one, or one twinserve does not implement, raises ValueError naming it.
-        ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a ``--config`` file."""
+        ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a ``--config`` file.
+        ``prefill_instances=X, decode_instances=Y``: disaggregated prefill/decode over X + Y
+        engine processes (``entrypoints/pd_front.py``)."""
+        pd = PDDeployment.of(engine_args.pop("prefill_instances", None),
+                             engine_args.pop("decode_instances", None))
         args = EngineArgs.from_mapping(engine_args, "LLM", model=model)
-        self.engine = _make_engine(args)
+        self.engine = _make_engine(args, pd)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -163,8 +168,12 @@ class LLM:
         return results
 
 
-def _make_engine(args: EngineArgs) -> Any:
-    """One engine, or with ``data_parallel_size`` > 1 the replicas behind a routing front."""
+def _make_engine(args: EngineArgs, pd: PDDeployment | None = None) -> Any:
+    """One engine, or with ``data_parallel_size`` > 1 the replicas behind a routing front, or
+    with ``pd`` prefill and decode instances behind the disaggregated front."""
+    if pd is not None:
+        from twinserve.entrypoints.dp_llm_engine import DataParallelEngine
+        return DataParallelEngine(args, usage_context="llm", pd=pd)
     if args.data_parallel_size > 1:
         from twinserve.entrypoints.dp_llm_engine import DataParallelEngine
         return DataParallelEngine(args, usage_context="llm")

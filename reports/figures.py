@@ -165,6 +165,33 @@ def speculation(table: pd.DataFrame) -> go.Figure | None:
     return _base_layout(fig, "Speculative decoding", 420)
 
 
+TTFT_PARTS = (("queue", "queue (to the first prefill step)"), ("prefill", "prefill"),
+              ("transfer", "KV transfer (wait + flow)"), ("decode", "decode (to the first token)"))
+
+
+def disaggregation(table: pd.DataFrame) -> go.Figure | None:
+    """Disaggregated runs (``tables.PD_COLUMNS``): each run's mean TTFT as its stacked parts, and
+    the prefill and decode pools' utilisation; None when no run was disaggregated."""
+    if "mean_ttft_transfer_ms" not in table.columns:
+        return None
+    pd_runs = table[table["mean_ttft_transfer_ms"].notna()]
+    if pd_runs.empty:
+        return None
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=["Mean TTFT by part (ms)", "Pool utilisation"])
+    for k, (part, label) in enumerate(TTFT_PARTS):
+        fig.add_trace(go.Bar(x=pd_runs["run"], y=pd_runs[f"mean_ttft_{part}_ms"], name=label,
+                             marker={"color": color(k)}), row=1, col=1)
+    for k, pool in enumerate(("prefill", "decode")):
+        # markers, not bars: the left panel's bars stack, these two must not
+        fig.add_trace(go.Scatter(x=pd_runs["run"], y=pd_runs[f"{pool}_utilization"],
+                                 mode="markers", name=f"{pool} pool",
+                                 marker={"color": color(k + 4), "size": 12}), row=1, col=2)
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(range=[0, 1.02], row=1, col=2)
+    return _base_layout(fig, "Disaggregated prefill and decode", 420)
+
+
 def engine_timeseries(runs: list[Run]) -> go.Figure | None:
     """Queue length, batch size and KV usage over time from steps.csv, one trace per run."""
     with_steps = [(i, r, r.steps) for i, r in enumerate(runs) if r.steps is not None]

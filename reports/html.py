@@ -41,6 +41,9 @@ SECTIONS: tuple[tuple[str, Builder, str], ...] = (
      "every request has the same priority class."),
     ("Speculative decoding", lambda runs, sweep: figures.speculation(summary_table(runs)),
      "no run verified draft tokens."),
+    ("Disaggregated prefill and decode",
+     lambda runs, sweep: figures.disaggregation(summary_table(runs)),
+     "no run was disaggregated (prefill and decode instances)."),
     ("Simulation against reality", lambda runs, sweep: figures.sim_vs_real_figure(runs),
      "needs a simulator run (backend sim) and a real one (twinserve or vllm) of the same trace "
      "and request rate."),

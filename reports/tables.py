@@ -34,6 +34,12 @@ LORA_COLUMNS = ("lora_loads", "lora_load_time_s", "num_lora_adapters", "lora_req
 # A speculating run's figures (vLLM's acceptance; ``spec_tpot_speedup``: the mean TPOT of the run
 # without speculation of the same backend, trace and rate over this run's), shown only with them.
 SPEC_COLUMNS = ("spec_mean_acceptance_length", "spec_draft_acceptance_rate", "spec_tpot_speedup")
+# A disaggregated (prefill/decode) run's figures (``simulator.disaggregated.pool_summary``): the
+# pools' utilisation, the KV transfers and the mean TTFT parts, shown only for such runs.
+PD_COLUMNS = ("prefill_instances", "decode_instances", "prefill_utilization",
+              "decode_utilization", "mean_kv_transfer_ms", "p90_kv_transfer_ms",
+              "mean_ttft_queue_ms", "mean_ttft_prefill_ms", "mean_ttft_transfer_ms",
+              "mean_ttft_decode_ms")
 
 
 def summary_row(run: Run, slos_ms: dict[str, float] | None = None) -> dict[str, Any]:
@@ -46,6 +52,7 @@ def summary_row(run: Run, slos_ms: dict[str, float] | None = None) -> dict[str, 
         goodput(run, slos_ms) if slos_ms else _number(run.summary.get("request_goodput")))
     row.update({k: _number(merged[k]) for k in LORA_COLUMNS if k in merged})
     row.update({k: _number(merged[k]) for k in SPEC_COLUMNS if k in merged})
+    row.update({k: _number(merged[k]) for k in PD_COLUMNS if k in merged})
     service = merged.get("tenant_service") or {}
     row.update({f"service_{t}": float(v) for t, v in sorted(service.items())})
     row.update(priority_stats(run))
@@ -99,7 +106,7 @@ def _number(value: Any) -> float:
 
 def _ordered_columns(columns: list[str]) -> list[str]:
     fixed = [c for c in (*ID_COLUMNS, *CONFIG_COLUMNS, *HEADLINE_COLUMNS, *LORA_COLUMNS,
-                         *SPEC_COLUMNS) if c in columns]
+                         *SPEC_COLUMNS, *PD_COLUMNS) if c in columns]
     service = sorted(c for c in columns if c.startswith("service_"))
     prio = sorted((c for c in columns if c.startswith("prio")), key=_priority_sort_key)
     rest = [c for c in columns if c not in fixed and c not in service and c not in prio]

@@ -206,7 +206,7 @@ def _release(request: Request, replica: Replica, recorder: RunRecorder) -> None:
         replica.driver.add_request(request)
     except (ValueError, EngineOverloaded) as exc:  # can never run (400) or not now (503):
         # recorded as failed, as a server's client would see it
-        recorder.requests.append(_rejected(request, str(exc)))
+        recorder.requests.append(rejected_record(request, str(exc)))
         if recorder.on_finish:
             recorder.on_finish(1)
         return
@@ -329,7 +329,8 @@ def _segment_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],
     return ends
 
 
-def _rejected(request: Request, error: str) -> RequestRecord:
+def rejected_record(request: Request, error: str) -> RequestRecord:
+    """The record of a request an engine refused (400 or 503), failed, as a client saw it."""
     nan = float("nan")
     return RequestRecord(request.request_id, request.arrival_time, nan, nan, nan,
                          request.num_prompt_tokens, 0, tenant=request.tenant,

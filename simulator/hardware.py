@@ -22,6 +22,7 @@ from typing import Any, TypeGuard
 
 from twinserve.core.engine_config import Platform
 from twinserve.core.kernel_settings import KernelSettings
+from twinserve.simulator.kv_transfer import LinkSpec, resolve_link
 from twinserve.simulator.structured_cost import DEFAULT_MASK_S_PER_ROW, DEFAULT_MASK_S_PER_STEP
 
 _HARDWARE_DIR = Path(__file__).parent / "data" / "hardware"
@@ -168,6 +169,9 @@ class HardwareProfile:
     interconnect_source: str = ""
     interconnect_fit_error: Mapping[str, float] = field(default_factory=dict)
     fitted: tuple[FittedParams, ...] = field(default_factory=tuple)
+    # The KV connector's link as measured by ``calibrate`` (``{"bandwidth_bytes_per_s": X,
+    # "latency_s": Y}``, see ``kv_transfer.LinkSpec``); None: only the presets of the GPU.
+    kv_link: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -191,6 +195,15 @@ class HardwareProfile:
             _check_non_negative(f"interconnect_fit_error[{key!r}]", value)
         object.__setattr__(self, "interconnect_fit_error", MappingProxyType(errors))
         object.__setattr__(self, "fitted", tuple(self.fitted))
+        if self.kv_link is not None:
+            LinkSpec.from_dict(self.kv_link)  # (validates, naming the key)
+            object.__setattr__(self, "kv_link", MappingProxyType(dict(self.kv_link)))
+
+    def kv_link_spec(self, name: str | None = None) -> LinkSpec:
+        """The link for KV transfers between instances of this device: a preset by name
+        (nvlink, infiniband, pcie) or "measured"; None: the measured link if the profile has
+        one, else NVLink (``kv_transfer.resolve_link``)."""
+        return resolve_link(self.name, name, self.kv_link)
 
     def platform(self) -> Platform:
         """The device as the engine configuration sees it (``core.engine_config``)."""
@@ -235,6 +248,10 @@ class HardwareProfile:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fitted"}
         data["interconnect_fit_error"] = dict(self.interconnect_fit_error)
         data["fitted"] = [f.to_dict() for f in self.fitted]
+        if self.kv_link is None:
+            del data["kv_link"]
+        else:
+            data["kv_link"] = dict(self.kv_link)
         return data
 
     @classmethod

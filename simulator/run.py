@@ -23,7 +23,7 @@ from twinserve.core.metrics import RequestRecord, StepLog, kv_offload_summary, s
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import LazyPrompt, Request
-from twinserve.core.run_dir import write_run
+from twinserve.core.run_dir import DisaggregatedParts, write_run
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
@@ -71,6 +71,9 @@ from twinserve.traces.trace_request import (
 DEFAULT_SIM_MODEL = "llama-3-8b"
 DEFAULT_SIM_HARDWARE = "a100-80gb"
 SIM_KEYS = ("hardware", "usage_context", "num_replicas", "router", "label")
+# A disaggregated fleet's keys: recorded (flat(), config.json) only when it is one, so the files
+# of aggregated runs stay as they were.
+PD_KEYS = ("prefill_instances", "decode_instances", "kv_link")
 
 
 @dataclass(slots=True, init=False)
@@ -87,10 +90,17 @@ class SimConfig:
     num_replicas: int
     router: str
     label: str
+    # Disaggregated prefill/decode (xPyD, ``simulator.disaggregated``): 0 and 0 aggregated;
+    # kv_link: the link preset between instances (None: the profile's measured link or NVLink).
+    prefill_instances: int
+    decode_instances: int
+    kv_link: str | None
 
     def __init__(self, engine: EngineArgs | None = None, *, hardware: str = DEFAULT_SIM_HARDWARE,
                  usage_context: str = "server", num_replicas: int = 1,
-                 router: str = "round-robin", label: str = "", **engine_args: Any) -> None:
+                 router: str = "round-robin", label: str = "", prefill_instances: int = 0,
+                 decode_instances: int = 0, kv_link: str | None = None,
+                 **engine_args: Any) -> None:
         if engine is None:
             engine = EngineArgs.from_mapping({"model": DEFAULT_SIM_MODEL, **engine_args},
                                              "SimConfig")
@@ -107,12 +117,36 @@ class SimConfig:
         routers = available_routers()
         if router not in routers:
             raise ValueError(f"unknown router {router!r}; valid: {', '.join(routers)}")
+        self.prefill_instances, self.decode_instances = prefill_instances, decode_instances
+        self.kv_link = kv_link
+        self._check_disaggregated()
+
+    def _check_disaggregated(self) -> None:
+        for name in ("prefill_instances", "decode_instances"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        if (self.prefill_instances == 0) != (self.decode_instances == 0):
+            raise ValueError("prefill_instances and decode_instances go together: both >= 1 "
+                             "(disaggregated) or both 0 (aggregated).")
+        if self.disaggregated and self.num_replicas != 1:
+            raise ValueError("num_replicas is for aggregated replicas: a disaggregated fleet "
+                             "takes prefill_instances and decode_instances instead.")
+        if self.kv_link is not None and not self.disaggregated:
+            raise ValueError("kv_link is set but the fleet is not disaggregated (set "
+                             "prefill_instances and decode_instances).")
+        if self.kv_link is not None and (not isinstance(self.kv_link, str) or not self.kv_link):
+            raise ValueError(f"kv_link must be a link name, got {self.kv_link!r}.")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0
 
     @classmethod
     def from_flat(cls, values: dict[str, Any], source: str = "SimConfig") -> SimConfig:
         """From one flat mapping of engine arguments and ``SIM_KEYS`` (a sweep point, a file)."""
-        sim = {k: values[k] for k in SIM_KEYS if k in values}
-        engine = {k: v for k, v in values.items() if k not in SIM_KEYS}
+        sim = {k: values[k] for k in SIM_KEYS + PD_KEYS if k in values}
+        engine = {k: v for k, v in values.items() if k not in SIM_KEYS + PD_KEYS}
         return cls(EngineArgs.from_mapping({"model": DEFAULT_SIM_MODEL, **engine}, source),
                    **sim)
 
@@ -122,7 +156,12 @@ class SimConfig:
 
     def flat(self) -> dict[str, Any]:
         """The engine arguments and ``SIM_KEYS`` in one flat dict (``from_flat``'s inverse)."""
-        return {**asdict(self.engine), **{k: getattr(self, k) for k in SIM_KEYS}}
+        return {**asdict(self.engine), **{k: getattr(self, k) for k in self.sim_keys}}
+
+    @property
+    def sim_keys(self) -> tuple[str, ...]:
+        """The keys besides the engine's this run records (PD_KEYS only when disaggregated)."""
+        return SIM_KEYS + PD_KEYS if self.disaggregated else SIM_KEYS
 
     @property
     def model(self) -> str:
@@ -144,6 +183,8 @@ class SimResult:
     cost_model: str = ""  # which profile and data the step times rest on (DeviceCostModel.describe)
     roofline_gap: str = ""  # on a roofline only: how far rooflines fell short where measured
     kernel_mismatch: str = ""  # the fit records other kernel settings than the engine's
+    # a disaggregated run's per-request parts (run folder columns); None: aggregated
+    disaggregated: dict[str, DisaggregatedParts] | None = None
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -253,6 +294,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     ``acceptance``: the drafts' measured acceptance (with speculation; else the configuration's
     ``synthetic_acceptance_rate``), the step time charged for verification and proposer
     (``spec_cost``)."""
+    if cfg.disaggregated:
+        return _simulate_disaggregated(cfg, trace, adapters, structured, router, acceptance,
+                                       lazy_prompts)
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -321,6 +365,30 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                      time.perf_counter() - t0, cost.describe(), gap, _kernel_mismatch(cost, cfg))
 
 
+def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
+                            adapters: LoRAAdapters | None, structured: StructuredWorkload | None,
+                            router: Router | None, acceptance: AcceptanceProfile | None,
+                            lazy_prompts: bool) -> SimResult:
+    """``simulate`` for an xPyD fleet (``simulator.disaggregated``, imported here: it builds on
+    this module). What the fleet does not model yet is refused by name."""
+    from twinserve.simulator.disaggregated import simulate_disaggregated
+    refused = {"adapters": adapters, "structured": structured, "router": router,
+               "acceptance": acceptance}
+    for name, value in refused.items():
+        if value is not None:
+            raise ValueError(f"{name} is not supported with a disaggregated fleet yet.")
+    args = cfg.engine
+    for name, value in (("enable_lora", args.enable_lora),
+                        ("speculative_config", args.speculative_config),
+                        ("pipeline_parallel_size", args.pipeline_parallel_size != 1),
+                        ("kv_offloading_size", args.kv_offloading_size is not None)):
+        if value:
+            raise ValueError(f"{name} is not supported with a disaggregated fleet yet.")
+    spec = load_model_spec(cfg.model)
+    requests = _engine_requests(trace, spec.vocab_size, args.block_size, None, lazy_prompts)
+    return simulate_disaggregated(cfg, trace, requests)
+
+
 def _host_tier(engine_config: EngineConfig, block_size: int, hardware: HardwareProfile,
                ) -> tuple[OffloadingConnectorScheduler | None, TwinOffloadingWorker | None]:
     """A replica's host KV tier (``--kv-offloading-size``): its scheduler side and the twin's
@@ -377,11 +445,12 @@ def _policies(cfg: SimConfig) -> list[SchedulingPolicy]:
 def write_sim_run(result: SimResult, out_dir: str | Path, trace_desc: dict[str, Any]) -> Path:
     """Writes the run folder; its config records everything needed to rerun it."""
     config = {"backend": "sim", **result.engine_config.to_dict(),
-              **{k: getattr(result.config, k) for k in SIM_KEYS}, **trace_desc}
+              **{k: getattr(result.config, k) for k in result.config.sim_keys}, **trace_desc}
     if not config.get("label"):
         config["label"] = f"sim {result.config.scheduling_policy}"
     if result.cost_model:
         config["cost_model"] = result.cost_model
     if result.roofline_gap:
         config["roofline_gap"] = result.roofline_gap
-    return write_run(out_dir, config, result.records, result.summary, result.steps)
+    return write_run(out_dir, config, result.records, result.summary, result.steps,
+                     result.disaggregated)

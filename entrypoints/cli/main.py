@@ -38,6 +38,15 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--num-replicas", type=int, default=None, help="engines behind a router")
     p.add_argument("--router", default=None,
                    help="round-robin, least-outstanding, prefix-affinity, cache-aware or a plugin's")
+    p.add_argument("--prefill-instances", type=int, default=None, metavar="X",
+                   help="disaggregated prefill/decode: X prefill instances (with "
+                        "--decode-instances; docs/disaggregation.md)")
+    p.add_argument("--decode-instances", type=int, default=None, metavar="Y",
+                   help="disaggregated prefill/decode: Y decode instances")
+    p.add_argument("--kv-link", default=None,
+                   help="the link KV moves over between instances: nvlink, infiniband, pcie or "
+                        "measured (the profile's calibrated kv_link; default: measured if the "
+                        "profile has it, else nvlink)")
     add_engine_args(p)
     p.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
                    help="share of requests decoding under a grammar (JSON mode), charged the "
@@ -54,9 +63,9 @@ def _simulate_parser(sub) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from twinserve.simulator import SimConfig, simulate, write_sim_run
-    from twinserve.simulator.run import DEFAULT_SIM_MODEL, SIM_KEYS
+    from twinserve.simulator.run import DEFAULT_SIM_MODEL, PD_KEYS, SIM_KEYS
     from twinserve.traces import lora_adapters_from_args, trace_desc, trace_from_args
-    sim = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k, None) is not None}
+    sim = {k: getattr(args, k) for k in SIM_KEYS + PD_KEYS if getattr(args, k, None) is not None}
     engine = engine_args_from(args, model=args.model or DEFAULT_SIM_MODEL)
     if engine.data_parallel_size > 1:  # vLLM's name for the twin's replicas
         if sim.setdefault("num_replicas", engine.data_parallel_size) != engine.data_parallel_size:

@@ -27,6 +27,7 @@ from twinserve.entrypoints.openai.async_engine import (
     outputs_until_done,
 )
 from twinserve.entrypoints.openai.http_errors import APIError
+from twinserve.entrypoints.pd_front import DisaggregatedFront, PDDeployment
 from twinserve.gpu.engine.llm_engine import LLMEngine
 
 FRONT_KV_BLOCKS = 4  # the front-local engine holds no request: its KV cache stays tiny
@@ -55,19 +56,22 @@ def front_engine(args: EngineArgs) -> LLMEngine:
     """The front-local engine the HTTP layer reads the model's facts from."""
     local = args.replace(data_parallel_size=1, device="cpu", kv_cache_memory_bytes=None,
                          num_gpu_blocks_override=FRONT_KV_BLOCKS, tensor_parallel_size=1,
-                         distributed_executor_backend=None)
+                         distributed_executor_backend=None, kv_transfer_config=None)
     engine = LLMEngine(local, usage_context="server")
     engine.metrics.record_steps = False
     return engine
 
 
 class DPAsyncEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    """``pd``: prefill and decode instances behind the disaggregated front instead."""
+
+    def __init__(self, args: EngineArgs, pd: PDDeployment | None = None) -> None:
         self.engine = front_engine(args)
         tok = self.engine.tokenizer
         tokenize = None if tok is None else (
             lambda text: tok.encode(text, add_special_tokens=True))
-        self.front = DataParallelFront(args, "server", on_cuda(args), tokenize)
+        self.front = (DataParallelFront(args, "server", on_cuda(args), tokenize) if pd is None
+                      else DisaggregatedFront(args, pd, "server", on_cuda(args), tokenize))
         self._ids = itertools.count()
 
     @property

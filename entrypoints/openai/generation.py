@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -292,7 +292,12 @@ class Generation:
 
     def __init__(self, state: ServerState, request: Request, prompts: list[PromptInput],
                  params: list[SamplingParams], request_id: str, priority: int, tenant: str,
-                 echo: bool = False, lora: ServedLoRA | None = None) -> None:
+                 echo: bool = False, lora: ServedLoRA | None = None,
+                 kv_transfer_params: dict[str, Any] | None = None) -> None:
+        if kv_transfer_params is not None and len(prompts) * params[0].n > 1:
+            raise APIError(400, "kv_transfer_params takes one prompt and n=1.",
+                           "kv_transfer_params")
+        self.kv_transfer_params = kv_transfer_params
         self.id = request_id
         self.state = state
         self.request = request
@@ -327,7 +332,9 @@ class Generation:
                 self.state.loras.hold(self.lora, self.num_seqs)
                 self._holds_lora = True
             engine = self.state.async_engine
-            extra = {} if self.lora is None else {"lora_request": self.lora.request}
+            extra: dict[str, Any] = {} if self.lora is None else {"lora_request": self.lora.request}
+            if self.kv_transfer_params is not None:
+                extra["kv_transfer_params"] = self.kv_transfer_params
             for i, (p, sp) in enumerate(zip(self.prompts, self.params)):
                 self._streams.append(engine.submit(p.token_ids, sp, f"{self.id}-{i}",
                                                    priority=self.priority, tenant=self.tenant,
@@ -398,6 +405,11 @@ class Generation:
         if out is None:
             return None
         return out.outputs[index % self.n]
+
+    def response_kv_transfer_params(self) -> dict[str, Any] | None:
+        """The producer's params of a ``do_remote_decode`` request (its one prompt's output)."""
+        last = self.last[0] if len(self.last) == 1 else None
+        return None if last is None else getattr(last, "kv_transfer_params", None)
 
     def usage(self) -> UsageInfo:
         outs = [o for o in self.last if o is not None]

@@ -167,6 +167,8 @@ class SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_TOKEN_FILTER)
     allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_TOKEN_FILTER)
     bad_words: list[str] | None = None  # vLLM's
+    # vLLM's disaggregated prefill/decode (core.kv_connector): needs --kv-transfer-config
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
@@ -384,6 +386,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a producer's, for a consumer
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -452,6 +455,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a producer's, for a consumer
 
 
 class ChatStreamChoice(OpenAIBaseModel):
@@ -614,7 +618,6 @@ UNIMPLEMENTED: dict[str, Unimplemented] = {
     # vLLM takes no LoRARequest in the body either: the adapter is the request's `model`
     "lora_request": _U("a LoRA adapter is chosen by its name as `model`, see /v1/models",
                        (None,)),
-    "kv_transfer_params": _U("KV transfer (disaggregated serving)", (None, {})),
     "ec_transfer_params": _U("encoder-cache transfer", (None, {})),
     "vllm_xargs": _U("extra arguments for custom extensions", (None, {})),
 }

@@ -97,6 +97,7 @@ from twinserve.entrypoints.openai.serving_models import (
     unload_lora_adapter,
 )
 from twinserve.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from twinserve.entrypoints.pd_front import PDDeployment
 
 logger = logging.getLogger("twinserve.server")
 
@@ -363,6 +364,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="HF model directory (default: the bundled SmolLM2-135M-Instruct)")
     add_engine_args(parser)
+    pd = parser.add_argument_group("disaggregated prefill/decode (docs/disaggregation.md)")
+    pd.add_argument("--prefill-instances", type=int, default=None, metavar="X",
+                    help="X prefill engine processes (with --decode-instances): each request's "
+                         "prefill runs on one, its decode on a decode instance that loads its KV")
+    pd.add_argument("--decode-instances", type=int, default=None, metavar="Y",
+                    help="Y decode engine processes (with --prefill-instances)")
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", default=None,
                         help="the model id clients send (default: --model as given)")
@@ -439,9 +446,11 @@ def build_async_engine(args: argparse.Namespace) -> Any:
     from twinserve.gpu.engine.llm_engine import LLMEngine
     resolve_model_tag(args)
     engine_args = engine_args_from(args, model=args.model)
-    if engine_args.data_parallel_size > 1:
+    pd = PDDeployment.of(getattr(args, "prefill_instances", None),
+                         getattr(args, "decode_instances", None))
+    if engine_args.data_parallel_size > 1 or pd is not None:
         from twinserve.entrypoints.openai.dp_async_engine import DPAsyncEngine
-        return DPAsyncEngine(engine_args)
+        return DPAsyncEngine(engine_args, pd)
     engine = LLMEngine(engine_args, usage_context="server")
     engine.metrics.record_steps = False  # a server runs for days: keep no per-step rows
     return AsyncEngine(engine)

@@ -154,7 +154,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise APIError(400, str(exc), "top_logprobs") from exc
     params = with_tool_grammar(build_sampling_params(body, max_tokens, num_logprobs), tools)
     gen = Generation(state, request, [prompt], [params], random_id("chatcmpl"), body.priority,
-                     tenant_of(state, request, body), lora=lora)
+                     tenant_of(state, request, body), lora=lora,
+                     kv_transfer_params=body.kv_transfer_params)
     await start_generation(gen)
     if body.stream:
         return sse_response(state, gen, chat_chunks(state, gen, body, tools))
@@ -198,8 +199,9 @@ def chat_response(state: ServerState, gen: Generation, body: ChatCompletionReque
             logprobs=chat_logprobs(state, choice.logprobs) if body.logprobs else None,
             finish_reason=_finish_reason(comp.finish_reason, calls, tools) if comp else "abort",
             stop_reason=comp.stop_reason if comp else None))
-    return ChatCompletionResponse(id=gen.id, model=gen.model_name,
-                                  choices=choices, usage=gen.usage())
+    return ChatCompletionResponse(id=gen.id, model=gen.model_name, choices=choices,
+                                  usage=gen.usage(),
+                                  kv_transfer_params=gen.response_kv_transfer_params())
 
 
 def _stream_delta(streamer: ToolCallStreamer | None, tools: ToolRequest, text: str,

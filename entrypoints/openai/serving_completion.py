@@ -158,7 +158,8 @@ async def create_completion(state: ServerState, body: CompletionRequest,
                            "prompt"),
         body.logprobs) for p in prompts]
     gen = Generation(state, request, prompts, params, random_id("cmpl"), body.priority,
-                     tenant_of(state, request, body), echo=body.echo, lora=lora)
+                     tenant_of(state, request, body), echo=body.echo, lora=lora,
+                     kv_transfer_params=body.kv_transfer_params)
     await start_generation(gen)
     if body.stream:
         return sse_response(state, gen, completion_chunks(state, gen, body))
@@ -186,8 +187,9 @@ def completion_response(state: ServerState, gen: Generation,
             stop_reason=comp.stop_reason if comp else None,
             prompt_logprobs=(prompt_logprobs_json(prompt_lps)
                              if body.prompt_logprobs is not None else None)))
-    return CompletionResponse(id=gen.id, model=gen.model_name,
-                              choices=choices, usage=gen.usage())
+    return CompletionResponse(id=gen.id, model=gen.model_name, choices=choices,
+                              usage=gen.usage(),
+                              kv_transfer_params=gen.response_kv_transfer_params())
 
 
 async def completion_chunks(state: ServerState, gen: Generation,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -67,10 +68,15 @@ class ReplicaSet:
     reader); ``send`` may be called from any thread."""
 
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, replica_args: Sequence[EngineArgs] = ()) -> None:
         self._ctx = mp.get_context("spawn")
         self._args = args.replace(data_parallel_size=1)
         self._size = args.data_parallel_size
+        if replica_args and len(replica_args) != self._size:
+            raise ValueError(f"replica_args: {len(replica_args)} for {self._size} replicas.")
+        # each replica's own arguments (P/D: its role and side-channel port), else all alike
+        self._replica_args = [a.replace(data_parallel_size=1) for a in replica_args] or \
+            [self._args] * self._size
         self._usage_context = usage_context
         self._on_cuda = on_cuda
         self._kv_events = kv_events
@@ -84,7 +90,7 @@ class ReplicaSet:
     def start(self, index: int) -> None:
         """Starts (or restarts) replica ``index``; it reports ``("ready",)`` once loaded."""
         self._reap(index)
-        spec = ReplicaSpec(index, self._args, self._usage_context, self._threads,
+        spec = ReplicaSpec(index, self._replica_args[index], self._usage_context, self._threads,
                            index if self._on_cuda else None, os.getpid(), self._kv_events,
                            replica_cores(index, self._size, self._on_cuda))
         inbox = self._ctx.Queue(maxsize=INBOX_SIZE)
@@ -169,9 +175,13 @@ class ReplicaSet:
 
 
 def make_replica_set(args: EngineArgs, usage_context: str, on_cuda: bool,
-                     kv_events: bool = False) -> Any:
-    """The replicas on ``args.data_parallel_backend``: local processes (mp) or Ray actors."""
+                     kv_events: bool = False, replica_args: Sequence[EngineArgs] = ()) -> Any:
+    """The replicas on ``args.data_parallel_backend``: local processes (mp) or Ray actors.
+    ``replica_args``: per-replica arguments (local processes only)."""
     if args.data_parallel_backend == "ray":
+        if replica_args:
+            raise ValueError("data_parallel_backend ray with per-instance arguments (prefill and "
+                             "decode instances) is not implemented.")
         from twinserve.gpu.engine.dp_ray import RayReplicaSet
         return RayReplicaSet(args, usage_context, on_cuda, kv_events)
-    return ReplicaSet(args, usage_context, on_cuda, kv_events)
+    return ReplicaSet(args, usage_context, on_cuda, kv_events, replica_args)

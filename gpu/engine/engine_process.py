@@ -108,10 +108,18 @@ def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> No
             if command[0] == "stop":
                 return
             apply_command(engine, command, accepted, refused)
+        transfers = _num_transfers(engine)
         outputs = engine.step() if engine.has_unfinished_requests() else []
-        if outputs or accepted or refused or commands:
+        # a transfer that ended changes the stats (a producer's freed blocks): the front hears
+        if outputs or accepted or refused or commands or transfers != _num_transfers(engine):
             outbox.send(("step", outputs, accepted, refused, engine.scheduler.stats(),
                          kv_events(engine), engine.metrics.take_requests()))
+
+
+def _num_transfers(engine: Any) -> int:
+    """KV transfers pending in the engine's scheduler (a producer's sends, a consumer's loads)."""
+    scheduler = engine.scheduler
+    return len(scheduler.sending) + len(scheduler.waiting_for_remote)
 
 
 def _take_commands(inbox: Any, block: bool) -> list[tuple] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
@@ -59,7 +60,7 @@ class LLMEngine:
         self.engine_config = self.runner.engine_config
         self.config = self.engine_config.scheduler
         self.policy = get_policy(args.scheduling_policy, **args.policy_options)
-        kv_transfer = self.engine_config.kv_transfer_config
+        kv_transfer = self.engine_config.kv_transfer_config  # (kv_offloading_size resolved)
         self.scheduler = Scheduler(
             self.config, self.policy, speculation=speculation_policy(args, self.config),
             kv_connector=None if kv_transfer is None else
@@ -84,11 +85,13 @@ class LLMEngine:
                     priority: int = 0, tenant: str = "default",
                     lora_request: LoRARequest | None = None,
                     hints: dict[str, float] | None = None, detokenize: bool = True,
-                    pooling_params: PoolingParams | None = None) -> str:
+                    pooling_params: PoolingParams | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> str:
         """Queues a request; returns its id. Raises ValueError naming what is wrong (an
         adapter that cannot be loaded included), EngineOverloaded when it must wait.
         ``pooling_params``: an embedding request (prefill only; its output is an
-        ``EmbeddingRequestOutput``)."""
+        ``EmbeddingRequestOutput``). ``kv_transfer_params``: disaggregated prefill/decode
+        (vLLM's keys, ``core.kv_connector``; needs a kv_transfer_config)."""
         params = params or SamplingParams()
         params.validate()  # attributes may have changed since construction
         if self.runner.tp is not None and params.prompt_logprobs is not None:
@@ -115,7 +118,8 @@ class LLMEngine:
                               self.now() if arrival_time is None else arrival_time,
                               eos_token_id=self.runner.eos_token_id, priority=priority,
                               tenant=tenant, lora=lora, hints=dict(hints or {}),
-                              pooling_params=pooling_params)
+                              pooling_params=pooling_params,
+                              kv_transfer_params=kv_transfer_params)
             self.driver.add_request(request)
         except BaseException:
             self._release_lora_name(lora)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from twinserve.core.logprobs import PromptLogprobs
 from twinserve.core.outputs import EngineCoreOutput
@@ -31,6 +32,8 @@ class RequestState:
     decode: Callable[[int], str] | None = None  # a token as text, for Logprob.decoded_token
     prompt_logprobs: PromptLogprobs | None = None
     pooled: list[float] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,6 +120,10 @@ class OutputProcessor:
             state.prompt_logprobs = [None, *(e.as_dict(state.decode) for e in o.prompt_logprobs)]
         if o.pooled is not None:
             state.pooled = o.pooled
+        if o.kv_transfer_params is not None:
+            state.kv_transfer_params = o.kv_transfer_params
+        if o.error is not None:
+            state.error = o.error
         detok = state.detokenizers[idx]
         hit = detok.add_tokens(o.new_token_ids) if detok is not None else None
         if hit is not None and not o.finished:
@@ -153,8 +160,8 @@ class OutputProcessor:
                                          comp.delta_token_ids))
             comp.delta_text, comp.delta_token_ids = "", []
         return RequestOutput(req.request_id, state.prompt, state.prompt_token_ids, outs,
-                             state.finished, req.num_cached_tokens or 0,
-                             prompt_logprobs=state.prompt_logprobs)
+                             state.finished, req.num_cached_tokens or 0, state.error,
+                             state.prompt_logprobs, state.kv_transfer_params)
 
     def abort(self, request_id: str,
               reason: str = "abort") -> RequestOutput | EmbeddingRequestOutput | None:

@@ -58,7 +58,8 @@ class KVCache:
     __slots__ = ("spec", "gpu", "cpu", "gpu_slots", "cpu_slots")
 
     def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
-                 device: torch.device, layout: KVCacheLayout | None = None) -> None:
+                 device: torch.device, layout: KVCacheLayout | None = None,
+                 shared_slots: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         if num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}: the KV "
                              "cache budget is smaller than one block.")
@@ -68,8 +69,9 @@ class KVCache:
         self.spec = spec
         num_slots = spec.num_layers if layout is None else layout.slots_per_block
         slot_of = range(spec.num_layers) if layout is None else layout.layer_slot
-        self.gpu_slots = [self._alloc(num_gpu_blocks, device, False, torch.zeros)
-                          for _ in range(num_slots)]
+        # shared_slots: views of a region other processes read (gpu/kv_transfer)
+        self.gpu_slots = shared_slots if shared_slots is not None else [
+            self._alloc(num_gpu_blocks, device, False, torch.zeros) for _ in range(num_slots)]
         pin = device.type == "cuda"
         # The host pool is only read where a swap-out wrote: left unfilled, its pages are not
         # touched (nor resident, on a CPU host) until a swap uses them.

@@ -1,0 +1,195 @@
+"""The disaggregated prefill/decode front: X prefill and Y decode engine processes behind one
+router (``routers/disaggregated.py``, the object the twin's P/D fleet routes through).
+
+A request goes to a prefill instance as a one-token request marked ``do_remote_decode``; its
+finishing output's ``kv_transfer_params`` then go, with the original request, to a decode
+instance, which loads the prompt's KV through the Peer connector and decodes. The prefill
+instance's token is discarded (vLLM's proxy does the same). Everything else is the
+data-parallel front's: processes, pinning to cores, per-instance health and metrics (instances
+``0..X-1`` are the prefill pool, ``X..X+Y-1`` the decode pool), deaths, shutdown.
+
+Faults: a decode instance that dies ends its requests with ``ReplicaDied``; the producer frees
+the blocks it was serving when the reader's connection closes (or at its transfer timeout). A
+prefill instance that dies mid-transfer fails the load: the decode instance applies
+``kv_load_failure_policy`` (``recompute``: it computes the prompt itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.errors import EngineOverloaded
+from twinserve.core.kv_transfer_config import KVTransferConfig
+from twinserve.core.request import Request
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S
+from twinserve.entrypoints.dp_front import DataParallelFront, Sink
+from twinserve.routers import NoHealthyReplica, make_router
+from twinserve.routers.disaggregated import (
+    DisaggregatedRouter,
+    prefill_kv_transfer_params,
+    prefill_sampling_params,
+)
+
+
+@dataclass(slots=True, frozen=True)
+class PDDeployment:
+    """``prefill_instances`` X and ``decode_instances`` Y (vLLM's xPyD)."""
+
+    prefill_instances: int
+    decode_instances: int
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_instances", "decode_instances"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {n!r}.")
+
+    @classmethod
+    def of(cls, prefill_instances: int | None, decode_instances: int | None) -> PDDeployment | None:
+        """None when neither is given; both or neither."""
+        if prefill_instances is None and decode_instances is None:
+            return None
+        if prefill_instances is None or decode_instances is None:
+            raise ValueError("prefill_instances and decode_instances go together: give both.")
+        return cls(prefill_instances, decode_instances)
+
+    @property
+    def size(self) -> int:
+        return self.prefill_instances + self.decode_instances
+
+
+def instance_args(args: EngineArgs, pd: PDDeployment) -> list[EngineArgs]:
+    """Each instance's arguments: ``args`` with its role, engine id and side-channel port
+    (``kv_port`` + its index). ``args.kv_transfer_config`` (if any) gives the rest: the port
+    base, the failure policy and the transfer timeout."""
+    if args.data_parallel_size > 1:
+        raise ValueError("data_parallel_size with prefill_instances and decode_instances: the "
+                         "pools are the replicas; give one or the other.")
+    base = args.kv_transfer_config or KVTransferConfig()
+    if base.kv_connector != "PeerConnector":
+        raise ValueError(f"kv_transfer_config.kv_connector {base.kv_connector!r}: prefill and "
+                         "decode instances need the PeerConnector.")
+    if base.kv_port + pd.size - 1 > 65535:
+        raise ValueError(f"kv_transfer_config.kv_port {base.kv_port}: the {pd.size} instances "
+                         "use kv_port .. kv_port + instances - 1, past 65535.")
+    out = []
+    for i in range(pd.size):
+        prefill = i < pd.prefill_instances
+        name = f"prefill-{i}" if prefill else f"decode-{i - pd.prefill_instances}"
+        config = dataclasses.replace(base, kv_role="kv_producer" if prefill else "kv_consumer",
+                                     engine_id=name, kv_port=base.kv_port + i)
+        out.append(args.replace(kv_transfer_config=config))
+    return out
+
+
+class DisaggregatedFront(DataParallelFront):
+    """The data-parallel front over X + Y instances, routing each request through a prefill
+    instance then a decode instance."""
+
+    def __init__(self, args: EngineArgs, pd: PDDeployment, usage_context: str, on_cuda: bool,
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 router: DisaggregatedRouter | None = None) -> None:
+        replicas = instance_args(args, pd)
+        self.pd = pd
+        self.pd_router = router if router is not None else DisaggregatedRouter.of(
+            pd.prefill_instances, pd.decode_instances, args.block_size)
+        # (the base's own router is never asked: submit routes through pd_router)
+        super().__init__(args.replace(data_parallel_size=pd.size), usage_context, on_cuda,
+                         tokenize, make_router("round-robin", args.block_size), replicas)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               kwargs: dict[str, Any], sink: Sink) -> int:
+        """Routes the request to a prefill instance; its sink gets ``None`` once accepted there,
+        then the decode instance's outputs (or the exception that ended it)."""
+        if kwargs.get("kv_transfer_params") is not None:
+            raise ValueError("kv_transfer_params: the prefill/decode front sets them itself.")
+        if params.n > 1:
+            raise ValueError("n > 1 with prefill and decode instances is not implemented.")
+        tokens = prompt if isinstance(prompt, list) else (
+            self._tokenize(prompt) if self._tokenize is not None else [])
+        routed = Request(request_id, list(tokens) or [0], params, 0.0)
+        x = self.pd.prefill_instances
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"request_id {request_id!r} is already in flight.")
+            index = self._route(lambda: self.pd_router.route_prefill(routed, self.loads[:x]))
+            command = ("add", request_id, prompt, prefill_sampling_params(params),
+                       {**kwargs, "kv_transfer_params": prefill_kv_transfer_params()})
+            self._queue(index, command, request_id,
+                        _PrefillSink(self, request_id, prompt, params, kwargs, routed, sink))
+        return index
+
+    @staticmethod
+    def _route(route: Callable[[], int]) -> int:
+        try:
+            return route()
+        except NoHealthyReplica as exc:
+            raise EngineOverloaded(f"no instance can serve now: {exc}", "no_healthy_replica",
+                                   ADMISSION_RETRY_AFTER_S) from exc
+
+    def _start_decode(self, prefilled: _PrefillSink, kv_params: dict[str, Any]) -> None:
+        """The prefill finished: the request goes to a decode instance with the producer's
+        params (from the reader thread)."""
+        x = self.pd.prefill_instances
+        kwargs = {**prefilled.kwargs, "kv_transfer_params": kv_params}
+        try:
+            with self._lock:
+                if prefilled.request_id in self._owner:
+                    raise ValueError(f"request_id {prefilled.request_id!r} is already in flight.")
+                index = x + self._route(lambda: self.pd_router.route_decode(
+                    prefilled.routed, kv_params, self.loads[x:]))
+                self._queue(index, ("add", prefilled.request_id, prefilled.prompt,
+                                    prefilled.params, kwargs),
+                            prefilled.request_id, _DecodeSink(prefilled.sink))
+        except (EngineOverloaded, ValueError) as exc:
+            prefilled.sink.put(exc)
+
+    def _on_death(self, index: int, exitcode: int | None) -> None:
+        super()._on_death(index, exitcode)
+        x = self.pd.prefill_instances
+        if index < x:
+            self.pd_router.prefill.on_replica_reset(index)
+        else:
+            self.pd_router.decode.on_replica_reset(index - x)
+
+
+@dataclass(slots=True)
+class _PrefillSink:
+    """Receives the prefill instance's items for one request and hands it to a decode instance."""
+
+    front: DisaggregatedFront
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    kwargs: dict[str, Any]
+    routed: Request
+    sink: Sink
+
+    def put(self, item: Any) -> None:
+        if item is None or isinstance(item, BaseException):
+            self.sink.put(item)  # accepted, or refused / the instance died
+            return
+        if not item.finished:
+            return
+        kv_params = getattr(item, "kv_transfer_params", None)
+        if kv_params is None or item.outputs[0].finish_reason not in ("stop", "length"):
+            self.sink.put(item)  # aborted, or ended with an error: nothing to decode
+            return
+        self.front._start_decode(self, kv_params)
+
+
+@dataclass(slots=True)
+class _DecodeSink:
+    """The decode instance's items for the request's own sink (its acceptance was reported by
+    the prefill instance already)."""
+
+    sink: Sink
+
+    def put(self, item: Any) -> None:
+        if item is not None:
+            self.sink.put(item)

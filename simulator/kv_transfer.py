@@ -1,0 +1,324 @@
+"""The twin's KV transfers: links, a fluid flow model with max-min fair sharing, and the Peer
+connector's worker side that runs each load as a flow.
+
+A transfer of ``bytes`` from instance S to instance R takes ``latency_s`` and then flows at a
+rate the link shares among the flows active at that moment: every instance has one link of
+``bandwidth_bytes_per_s`` per direction (egress for what it sends, ingress for what it
+receives), and the rates are max-min fair (progressive filling: the most contended link fixes
+the rate of its flows first, what they leave goes to the others). Rates change only when a flow
+starts or ends, so the model moves from one such event to the next. One flow alone therefore
+takes ``latency_s + bytes / bandwidth``; two flows from one sender each take twice the
+bandwidth term. Anchors: DistServe's and splitwise-sim's transfer models (bandwidth and
+latency), with contention as in flow-level network simulators.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from twinserve.core.kv_connector import KVConnectorOutput, KVLoad, PeerConnectorMetadata
+
+GB = 1e9
+_EPS_BYTES = 1e-6  # a flow with less left than this has finished (float residue of rate * dt)
+
+
+@dataclass(slots=True, frozen=True)
+class LinkSpec:
+    """One instance's link for KV transfers: bandwidth per direction and a fixed latency."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str = ""  # where the numbers come from ("" = assumed)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("kv_link name must be a non-empty string.")
+        bw = self.bandwidth_bytes_per_s
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf:
+            raise ValueError(f"kv_link.bandwidth_bytes_per_s must be a positive number, got {bw!r}.")
+        lat = self.latency_s
+        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
+            raise ValueError(f"kv_link.latency_s must be a number >= 0, got {lat!r}.")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], name: str = "measured") -> LinkSpec:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"kv_link must be a mapping, got {type(data).__name__}.")
+        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"kv_link: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))}).")
+        for key in ("bandwidth_bytes_per_s", "latency_s"):
+            if key not in data:
+                raise ValueError(f"kv_link.{key} is required.")
+        return cls(str(data.get("name", name)), data["bandwidth_bytes_per_s"], data["latency_s"],
+                   str(data.get("source", "")))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "latency_s": self.latency_s, "source": self.source}
+
+    def scaled(self, lanes: int) -> LinkSpec:
+        """The link of an instance of ``lanes`` GPUs (tensor parallelism: each GPU sends its
+        shard of the KV over its own link, in parallel)."""
+        return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source)
+
+
+_NVLINK4 = "NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100/H200 datasheets)"
+_NVLINK3 = "NVLink 3: 600 GB/s bidirectional per GPU (NVIDIA A100 datasheet)"
+_NDR = "InfiniBand NDR: 400 Gb/s per GPU (ConnectX-7, one NIC per GPU as in DGX H100)"
+_HDR = "InfiniBand HDR: 200 Gb/s per GPU (ConnectX-6, one NIC per GPU as in DGX A100)"
+_GEN5 = "PCIe Gen5 x16: 64 GB/s raw per direction, ~50 GB/s effective (assumed 78%)"
+_GEN4 = "PCIe Gen4 x16: 32 GB/s raw per direction, ~25 GB/s effective (assumed 78%)"
+# Latencies are assumed, not measured: NVLink a few microseconds, RDMA over InfiniBand ~10 us
+# with the connector's handshake, a PCIe bounce through host memory more.
+_PRESETS: Mapping[str, Mapping[str, tuple[float, float, str]]] = {
+    "hopper": {"nvlink": (450 * GB, 5e-6, _NVLINK4), "infiniband": (50 * GB, 10e-6, _NDR),
+               "pcie": (50 * GB, 20e-6, _GEN5)},
+    "ampere": {"nvlink": (300 * GB, 5e-6, _NVLINK3), "infiniband": (25 * GB, 10e-6, _HDR),
+               "pcie": (25 * GB, 20e-6, _GEN4)},
+}
+LINK_NAMES = ("nvlink", "infiniband", "pcie")
+
+
+def _generation(profile_name: str) -> str | None:
+    name = profile_name.lower()
+    if name.startswith(("h100", "h200")):
+        return "hopper"
+    if name.startswith("a100"):
+        return "ampere"
+    return None
+
+
+def link_presets(profile_name: str) -> dict[str, LinkSpec]:
+    """The bundled links of a hardware profile's GPU (empty for a device without presets)."""
+    gen = _generation(profile_name)
+    if gen is None:
+        return {}
+    return {name: LinkSpec(name, bw, lat, src) for name, (bw, lat, src) in _PRESETS[gen].items()}
+
+
+def resolve_link(profile_name: str, kv_link: str | None,
+                 measured: Mapping[str, Any] | None = None) -> LinkSpec:
+    """The link a run uses: ``kv_link`` by name ("measured": the profile's calibrated
+    ``kv_link``); None: the calibrated link when the profile has one, else NVLink."""
+    presets = link_presets(profile_name)
+    if measured is not None:
+        presets["measured"] = LinkSpec.from_dict(measured)
+    if kv_link is None:
+        kv_link = "measured" if measured is not None else "nvlink"
+    link = presets.get(kv_link)
+    if link is None:
+        valid = ", ".join(presets) or "none (calibrate the profile's kv_link)"
+        raise ValueError(f"kv_link {kv_link!r} is not known for hardware {profile_name!r}; "
+                         f"valid: {valid}.")
+    return link
+
+
+@dataclass(slots=True, eq=False)
+class Flow:
+    """A transfer in the fluid model. ``done`` fires with True when the last byte arrived."""
+
+    src: str
+    dst: str
+    remaining: float
+    done: simpy.Event
+    rate: float = 0.0
+    active: bool = False  # past its latency, sharing the links
+
+
+@dataclass(slots=True)
+class LinkNetwork:
+    """Flows between instances, each instance with one ``link`` per direction, shared max-min
+    fairly. ``transfer`` returns an event that fires when the flow completes."""
+
+    env: simpy.Environment
+    link: LinkSpec
+    flows: list[Flow] = field(default_factory=list)
+    _last: float = 0.0
+    _generation: int = 0
+
+    def transfer(self, src: str, dst: str, num_bytes: float) -> Flow:
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}.")
+        flow = Flow(src, dst, float(num_bytes), self.env.event())
+        self.env.process(self._start(flow))
+        return flow
+
+    def cancel(self, flow: Flow) -> None:
+        """Drops a flow (its ``done`` never fires); the others get its share."""
+        if flow in self.flows:
+            self._advance()
+            self.flows.remove(flow)
+            self._reschedule()
+        flow.active = False
+        flow.remaining = -1.0  # marks a flow cancelled during its latency
+
+    def _start(self, flow: Flow):
+        if self.link.latency_s:
+            yield self.env.timeout(self.link.latency_s)
+        if flow.remaining < 0:  # cancelled meanwhile
+            return
+        self._advance()
+        flow.active = True
+        self.flows.append(flow)
+        self._reschedule()
+
+    def _advance(self) -> None:
+        """Moves every active flow forward to now at its current rate."""
+        dt = self.env.now - self._last
+        if dt > 0:
+            for flow in self.flows:
+                flow.remaining -= flow.rate * dt
+        self._last = self.env.now
+
+    def _reschedule(self) -> None:
+        """Finishes drained flows, recomputes the fair rates, and sets one timer for the next
+        completion (older timers see a stale generation and do nothing)."""
+        finished = [f for f in self.flows if f.remaining <= _EPS_BYTES]
+        if finished:
+            self.flows = [f for f in self.flows if f.remaining > _EPS_BYTES]
+            for f in finished:
+                f.active = False
+                f.done.succeed(True)
+        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s)
+        self._generation += 1
+        if self.flows:
+            wait = min(f.remaining / f.rate for f in self.flows)
+            self.env.process(self._timer(wait, self._generation))
+
+    def _timer(self, wait: float, generation: int):
+        yield self.env.timeout(wait)
+        if generation == self._generation:
+            self._advance()
+            for f in self.flows:  # the flow(s) the timer was set for end now, exactly
+                if f.remaining <= f.rate * 1e-12 + _EPS_BYTES:
+                    f.remaining = 0.0
+            self._reschedule()
+
+
+def max_min_rates(flows: list[Flow], capacity: float) -> None:
+    """Sets each flow's rate, max-min fair over the egress link of its sender and the ingress
+    link of its receiver, each of ``capacity`` (progressive filling)."""
+    left: dict[tuple[str, str], float] = {}
+    users: dict[tuple[str, str], list[Flow]] = {}
+    for f in flows:
+        for port in (("out", f.src), ("in", f.dst)):
+            left[port] = capacity
+            users.setdefault(port, []).append(f)
+    unfixed = set(range(len(flows)))
+    index = {id(f): i for i, f in enumerate(flows)}
+    while unfixed:
+        # the bottleneck: the port whose unfixed flows get the least by sharing it equally
+        share, port = min((left[p] / n, p) for p, fs in users.items()
+                          if (n := sum(1 for f in fs if index[id(f)] in unfixed)))
+        for f in users[port]:
+            i = index[id(f)]
+            if i in unfixed:
+                f.rate = share
+                unfixed.discard(i)
+                for p in (("out", f.src), ("in", f.dst)):
+                    left[p] -= share
+
+
+@dataclass(slots=True)
+class LoadTimes:
+    """One load as the twin ran it: when it started and ended, and its bytes."""
+
+    start: float
+    end: float = math.nan
+    num_bytes: float = 0.0
+
+
+class SimPeerWorker:
+    """The Peer connector's worker side in the twin: each ``KVLoad`` is a flow from the
+    producer's instance to this one (its bytes: the blocks times ``block_bytes``, the KV of a
+    block on the whole instance). A producer keeps a send published until its reader is done or
+    ``timeout_s`` passes; a consumer's load that outlasts ``timeout_s`` fails."""
+
+    def __init__(self, engine_id: str, network: LinkNetwork, peers: dict[str, SimPeerWorker],
+                 block_bytes: float, timeout_s: float, wake: Callable[[], None]) -> None:
+        self.engine_id, self.network, self.peers = engine_id, network, peers
+        self.block_bytes, self.timeout_s, self.wake = block_bytes, timeout_s, wake
+        peers[engine_id] = self
+        self.flows: dict[str, tuple[Flow, KVLoad]] = {}
+        self.published: set[str] = set()
+        self.released_early: set[str] = set()
+        self.loads: dict[str, LoadTimes] = {}  # every load this instance ran, by request id
+        self._report = KVConnectorOutput()
+
+    def start(self, meta: PeerConnectorMetadata) -> None:
+        env = self.network.env
+        for rid in meta.sends:
+            if rid in self.released_early:  # read before this instance published it
+                self.released_early.discard(rid)
+                self._report.finished_sending.add(rid)
+            else:
+                self.published.add(rid)
+                env.process(self._send_timeout(rid))
+        for load in meta.loads:
+            if not load.local_block_ids:
+                self.peers[load.remote_engine_id].release(load.remote_request_id)
+                continue
+            num_bytes = len(load.local_block_ids) * self.block_bytes
+            flow = self.network.transfer(load.remote_engine_id, self.engine_id, num_bytes)
+            self.flows[load.request_id] = (flow, load)
+            self.loads[load.request_id] = LoadTimes(env.now, num_bytes=num_bytes)
+            env.process(self._receive(load.request_id, flow))
+        for rid in meta.cancelled:
+            self._drop(rid)
+
+    def _receive(self, rid: str, flow: Flow):
+        env = self.network.env
+        result = yield flow.done | env.timeout(self.timeout_s)
+        if self.flows.get(rid, (None,))[0] is not flow:  # cancelled meanwhile
+            return
+        _, load = self.flows.pop(rid)
+        self.peers[load.remote_engine_id].release(load.remote_request_id)
+        if flow.done in result:
+            self.loads[rid].end = env.now
+            self._report.finished_recving.add(rid)
+        else:
+            self.network.cancel(flow)
+            self._report.failed_recving.add(rid)
+        self.wake()
+
+    def _send_timeout(self, rid: str):
+        yield self.network.env.timeout(self.timeout_s)
+        if rid in self.published:  # nobody read it in time
+            self.release(rid)
+
+    def _drop(self, rid: str) -> None:
+        entry = self.flows.pop(rid, None)
+        if entry is not None:
+            flow, load = entry
+            self.network.cancel(flow)
+            self.peers[load.remote_engine_id].release(load.remote_request_id)
+
+    def release(self, rid: str) -> None:
+        """The reader is done with a published request (or gave up), or its send timed out."""
+        if rid in self.published:
+            self.published.discard(rid)
+            self._report.finished_sending.add(rid)
+            self.wake()
+        elif rid not in self._report.finished_sending:
+            self.released_early.add(rid)
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self._report)
+
+    def get_finished(self) -> KVConnectorOutput:
+        report, self._report = self._report, KVConnectorOutput()
+        return report
+
+    def close(self) -> None:
+        for rid in list(self.flows):
+            self._drop(rid)

@@ -10,6 +10,7 @@ from twinserve.core.kv_offload import OffloadingConnectorMetadata
 from twinserve.simulator import SimConfig, simulate
 from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.kv_offload import HostLink, TwinOffloadingWorker
+from twinserve.simulator.run import write_sim_run
 from twinserve.traces import TraceRequest
 
 MB = 1 << 20
@@ -88,3 +89,29 @@ def test_the_reload_is_charged_over_the_profiles_pcie_link(tmp_path):
     block_bytes = fast.engine_config.block_bytes
     extra = slow.records[3].ttft - fast.records[3].ttft
     assert extra == pytest.approx(6 * block_bytes / 1e6 - 6 * block_bytes / 50e9, rel=1e-3)
+
+
+def test_host_hits_in_the_run_folders_summary_and_config(tmp_path):
+    result = _twin("cpu", kv_offloading_size=0.05)
+    out = write_sim_run(result, tmp_path / "run", {"trace": "ABCA"})
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert summary["external_prefix_cache_hits"] == 96
+    assert config["kv_offloading_size"] == 0.05
+    assert config["kv_transfer_config"]["kv_connector_extra_config"]["num_cpu_blocks"] == \
+        int(0.05 * 2**30) // result.engine_config.block_bytes
+
+
+def test_other_backends_and_two_connectors_are_refused_by_name():
+    from twinserve.core.engine_args import EngineArgs
+    with pytest.raises(ValueError, match="kv_offloading_backend 'lmcache' is not implemented"):
+        EngineArgs(kv_offloading_size=1.0, kv_offloading_backend="lmcache")
+    with pytest.raises(ValueError, match="one connector per engine"):
+        EngineArgs(kv_offloading_size=1.0, kv_transfer_config={"kv_connector": "PeerConnector"})
+    pd = SimConfig(model="llama-3-8b", kv_offloading_size=4.0, prefill_instances=1,
+                   decode_instances=1)
+    with pytest.raises(ValueError, match="kv_offloading_size is not supported with a disagg"):
+        simulate(pd, _trace())
+    with pytest.raises(ValueError, match="kv_offloading_size with a sliding window"):
+        simulate(SimConfig(model="mistral-7b-v0.1", hardware="h100-sxm", kv_offloading_size=1.0),
+                 _trace())

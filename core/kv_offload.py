@@ -101,8 +101,7 @@ class OffloadingStats:
     num_blocks_loaded: int = 0
     num_blocks_evicted: int = 0
     num_failed_loads: int = 0
-    num_host_blocks: int = 0
-    num_host_blocks_used: int = 0
+    num_host_blocks: int = 0  # the tier's capacity
 
 
 class HostBlockLRU:
@@ -254,6 +253,9 @@ class OffloadingConnectorScheduler:
 
     # ---- each step -----------------------------------------------------------------------
     def build_connector_meta(self, out: SchedulerOutput) -> OffloadingConnectorMetadata:
+        # The last step's stores are done by now (its worker report came back before this
+        # schedule); released here too in case a loop dropped an empty report.
+        self._release_store_pins()
         meta = OffloadingConnectorMetadata(self._loads, [], self._cancelled)
         self._loads, self._cancelled = {}, []
         queries = self._queries
@@ -299,6 +301,9 @@ class OffloadingConnectorScheduler:
         for rid in output.failed_recving:
             self._release_load(rid)
             self.stats.num_failed_loads += 1
+        self._release_store_pins()
+
+    def _release_store_pins(self) -> None:
         unpin = self.lru.unpin
         for slot in self._store_pins:
             unpin(slot)
@@ -327,10 +332,3 @@ class OffloadingConnectorScheduler:
         self._store_cursor.pop(rid, None)
         self._matched.pop(rid, None)
         self._queries.pop(rid, None)
-
-    def snapshot(self) -> OffloadingStats:
-        stats = self.stats
-        return OffloadingStats(stats.external_prefix_cache_queries, stats.external_prefix_cache_hits,
-                               stats.num_blocks_stored, stats.num_blocks_loaded,
-                               stats.num_blocks_evicted, stats.num_failed_loads,
-                               stats.num_host_blocks, len(self.lru))

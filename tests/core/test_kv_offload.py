@@ -131,12 +131,11 @@ def test_matched_blocks_load_into_the_new_blocks_and_stay_pinned_until_reported(
     assert meta.loads == {"b": [(1, 5)]}
     assert conn.stats.external_prefix_cache_hits == 4
     assert conn.stats.external_prefix_cache_queries == 10
-    # host full (2 blocks), slot 1 pinned by the load: a new block can only evict slot 0
-    c = make_request("c", [9] * 4)
-    assert conn.build_connector_meta(_step((c, 0, 4, [3]))).stores == [(3, 0)]
-    d = make_request("d", [8] * 4)
-    # every slot pinned now (the load, c's store): d's store waits for the next step
-    assert conn.build_connector_meta(_step((d, 0, 4, [4]))).stores == []
+    # host full (2 blocks), slot 1 pinned by the load: a new block can only evict slot 0, and
+    # then every slot is pinned (the load, c's store): d's store waits for the next step
+    c, d = make_request("c", [9] * 4), make_request("d", [8] * 4)
+    assert conn.build_connector_meta(_step((c, 0, 4, [3]), (d, 0, 4, [4]))).stores == [(3, 0)]
+    assert conn.lru.num_pinned == 2
     _done(conn, {"b"})
     assert conn.lru.num_pinned == 0
     assert conn.build_connector_meta(_step((d, 0, 4, [4]))).stores == [(4, 1)]

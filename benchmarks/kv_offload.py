@@ -9,9 +9,11 @@
    requests whose prompt and output fit Llama-3-8B's 8192 tokens, in their arrival times, on one
    H100 (the bundled profile): the device's own KV cache as the profile sizes it and a smaller
    one (``--small-gpu-blocks``), each without a host tier and with each ``--host-gib``.
-2. The real engine here (the bundled model on this CPU, fp32): a short slice of the same trace
-   scaled down (16 tokens per trace block, so a conversation's turns share whole 16-token
-   blocks; outputs of ``--real-output`` tokens), arrivals compressed by ``--real-speedup``,
+2. The real engine here (the bundled model on this CPU, fp32): every turn of the first
+   ``--real-conversations`` multi-turn conversations of the same trace, scaled down (16 tokens
+   per trace block, so turns share whole 16-token blocks; prompts cut to
+   ``--real-max-prompt``; outputs of ``--real-output`` tokens), arrivals ``--real-speedup``
+   times faster,
    ``--real-gpu-blocks`` device blocks so the turns' prefixes are evicted; without and with
    the tier, through ``gpu.engine.replay``.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from typing import Any
 
 from twinserve.simulator import SimConfig, simulate
@@ -70,12 +73,23 @@ def twin_part(num_requests: int, host_gib: list[float], small_blocks: int) -> No
             print(_row(label, result.summary, len(trace), time.perf_counter() - t0))
 
 
-def real_slice(num_requests: int, output_tokens: int, speedup: float,
+def real_slice(num_conversations: int, output_tokens: int, speedup: float,
                max_prompt: int) -> list[TraceRequest]:
-    """The Mooncake slice for this CPU: each trace block stands for ``REAL_BLOCK_TOKENS`` tokens
+    """The Mooncake slice for this CPU: every turn of the first ``num_conversations``
+    conversations with several turns among the first 600 requests (a conversation: the requests
+    sharing their first two blocks), each trace block standing for ``REAL_BLOCK_TOKENS`` tokens
     (prompts cut to ``max_prompt``), arrivals ``speedup`` times faster."""
+    head = load_trace("mooncake")[:600]
+    turns = Counter(tr.prefix_blocks[:2] for tr in head)
+    chosen: list[tuple[int, ...]] = []
+    for tr in head:
+        key = tr.prefix_blocks[:2]
+        if turns[key] > 1 and key not in chosen and len(chosen) < num_conversations:
+            chosen.append(key)
     out = []
-    for tr in load_trace("mooncake")[:num_requests]:
+    for tr in head:
+        if tr.prefix_blocks[:2] not in chosen:
+            continue
         blocks = tr.prefix_blocks[:max_prompt // REAL_BLOCK_TOKENS]
         out.append(TraceRequest(tr.request_id, tr.arrival_time / speedup,
                                 len(blocks) * REAL_BLOCK_TOKENS, output_tokens,
@@ -83,14 +97,15 @@ def real_slice(num_requests: int, output_tokens: int, speedup: float,
     return out
 
 
-def real_part(num_requests: int, output_tokens: int, speedup: float, gpu_blocks: int,
+def real_part(num_conversations: int, output_tokens: int, speedup: float, gpu_blocks: int,
               host_gib: float, max_prompt: int) -> None:
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.engine.llm_engine import LLMEngine
     from twinserve.gpu.engine.replay import replay_real
-    trace = real_slice(num_requests, output_tokens, speedup, max_prompt)
-    print(f"\nReal engine: the bundled model on this CPU (fp32), the first {len(trace)} Mooncake "
-          f"requests at {REAL_BLOCK_TOKENS} tokens a block (prompts {min(t.input_tokens for t in trace)}"
+    trace = real_slice(num_conversations, output_tokens, speedup, max_prompt)
+    print(f"\nReal engine: the bundled model on this CPU (fp32), the {len(trace)} turns of "
+          f"{num_conversations} Mooncake conversations at {REAL_BLOCK_TOKENS} tokens a block "
+          f"(prompts {min(t.input_tokens for t in trace)}"
           f"-{max(t.input_tokens for t in trace)} tokens, {output_tokens} out), arrivals "
           f"{speedup:g}x faster, {gpu_blocks} device blocks")
     print(HEADER)
@@ -107,23 +122,25 @@ def real_part(num_requests: int, output_tokens: int, speedup: float, gpu_blocks:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=3000,
+    parser.add_argument("--num-requests", type=int, default=2000,
                         help="twin: Mooncake requests (those fitting 8192 tokens)")
     parser.add_argument("--host-gib", type=float, nargs="+", default=[16.0, 64.0],
                         help="twin: host tier sizes to compare, GiB")
     parser.add_argument("--small-gpu-blocks", type=int, default=4096,
                         help="twin: the smaller device cache, in 16-token blocks")
     parser.add_argument("--skip-real", action="store_true", help="the twin only")
-    parser.add_argument("--real-requests", type=int, default=16)
+    parser.add_argument("--skip-twin", action="store_true", help="the real engine only")
+    parser.add_argument("--real-conversations", type=int, default=6)
     parser.add_argument("--real-output", type=int, default=2)
-    parser.add_argument("--real-speedup", type=float, default=20.0)
+    parser.add_argument("--real-speedup", type=float, default=2.0)
     parser.add_argument("--real-gpu-blocks", type=int, default=48)
     parser.add_argument("--real-host-gib", type=float, default=0.25)
     parser.add_argument("--real-max-prompt", type=int, default=192)
     args = parser.parse_args(argv)
-    twin_part(args.num_requests, args.host_gib, args.small_gpu_blocks)
+    if not args.skip_twin:
+        twin_part(args.num_requests, args.host_gib, args.small_gpu_blocks)
     if not args.skip_real:
-        real_part(args.real_requests, args.real_output, args.real_speedup, args.real_gpu_blocks,
+        real_part(args.real_conversations, args.real_output, args.real_speedup, args.real_gpu_blocks,
                   args.real_host_gib, args.real_max_prompt)
 
 

@@ -11,7 +11,6 @@ with the next forward pass) but hold their direction, as a real copy engine's qu
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 import simpy
 
@@ -19,34 +18,20 @@ from twinserve.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from twinserve.core.kv_offload import OffloadingConnectorMetadata
 from twinserve.simulator.engine import Replica
 from twinserve.simulator.hardware import HardwareProfile
+from twinserve.simulator.kv_transfer import LinkSpec, link_presets
 
-DEFAULT_LATENCY_S = 10e-6  # one DMA's set-up on PCIe: a few microseconds
+DEFAULT_LATENCY_S = 20e-6  # one DMA through host memory, as simulator.kv_transfer assumes
 
 
-@dataclass(slots=True, frozen=True)
-class HostLink:
-    """The device's host link (PCIe) for KV copies: bytes/s each way and a fixed latency per
-    transfer."""
-
-    bandwidth_bytes_per_s: float
-    latency_s: float = DEFAULT_LATENCY_S
-
-    def __post_init__(self) -> None:
-        bw, lat = self.bandwidth_bytes_per_s, self.latency_s
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be positive, got {bw!r}.")
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not lat >= 0:
-            raise ValueError(f"latency_s must be >= 0, got {lat!r}.")
-
-    def transfer_s(self, num_bytes: int) -> float:
-        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+def transfer_s(link: LinkSpec, num_bytes: int) -> float:
+    return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
 
 
 class TwinOffloadingWorker:
     """Times the host tier's copies. ``start(meta, now)`` before a step, ``get_finished(now)``
     after it; ``next_event_time()`` tells an idle engine when the next load ends."""
 
-    def __init__(self, link: HostLink, bytes_per_block: int) -> None:
+    def __init__(self, link: LinkSpec, bytes_per_block: int) -> None:
         if bytes_per_block <= 0:
             raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}.")
         self.link = link
@@ -68,13 +53,13 @@ class TwinOffloadingWorker:
         self._cancelled.update(meta.cancelled)
         for rid, pairs in meta.loads.items():
             self._cancelled.discard(rid)
-            took = self.link.transfer_s(len(pairs) * self.bytes_per_block)
+            took = transfer_s(self.link, len(pairs) * self.bytes_per_block)
             end = self._h2d_free = max(now, self._h2d_free) + took
             self.load_s += took
             self.num_blocks_loaded += len(pairs)
             heapq.heappush(self._loads, (end, rid))
         if meta.stores:
-            took = self.link.transfer_s(len(meta.stores) * self.bytes_per_block)
+            took = transfer_s(self.link, len(meta.stores) * self.bytes_per_block)
             self._d2h_free = max(now, self._d2h_free) + took
             self.store_s += took
             self.num_blocks_stored += len(meta.stores)
@@ -95,9 +80,13 @@ class TwinOffloadingWorker:
         return self._loads[0][0] if self._loads else None
 
 
-def host_link_of(hardware: HardwareProfile) -> HostLink:
-    """The profile's host link: its PCIe bandwidth (the swap copies' too)."""
-    return HostLink(hardware.pcie_bandwidth)
+def host_link_of(hardware: HardwareProfile) -> LinkSpec:
+    """The profile's host link: its ``pcie_bandwidth`` (what its swap copies use too) and the
+    PCIe preset's latency of its GPU generation (``simulator.kv_transfer``; else 20 us)."""
+    preset = link_presets(hardware.name).get("pcie")
+    latency = DEFAULT_LATENCY_S if preset is None else preset.latency_s
+    return LinkSpec("pcie", hardware.pcie_bandwidth, latency,
+                    f"{hardware.name} pcie_bandwidth; latency assumed")
 
 
 def offloading_engine_process(env: simpy.Environment, replica: Replica, worker: TwinOffloadingWorker):

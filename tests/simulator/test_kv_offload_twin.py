@@ -9,7 +9,8 @@ import pytest
 from twinserve.core.kv_offload import OffloadingConnectorMetadata
 from twinserve.simulator import SimConfig, simulate
 from twinserve.simulator.hardware import load_hardware
-from twinserve.simulator.kv_offload import HostLink, TwinOffloadingWorker
+from twinserve.simulator.kv_offload import TwinOffloadingWorker, host_link_of
+from twinserve.simulator.kv_transfer import LinkSpec
 from twinserve.simulator.run import write_sim_run
 from twinserve.traces import TraceRequest
 
@@ -17,7 +18,7 @@ MB = 1 << 20
 
 
 def test_a_load_ends_after_latency_plus_bytes_over_bandwidth():
-    worker = TwinOffloadingWorker(HostLink(100 * MB, 0.001), MB)
+    worker = TwinOffloadingWorker(LinkSpec("pcie", 100 * MB, 0.001), MB)
     worker.start(OffloadingConnectorMetadata(loads={"a": [(0, 1), (1, 2)]}), now=1.0)
     assert worker.next_event_time() == pytest.approx(1.021)
     assert worker.get_finished(1.02).finished_recving == set()
@@ -26,7 +27,7 @@ def test_a_load_ends_after_latency_plus_bytes_over_bandwidth():
 
 
 def test_loads_queue_on_their_direction_stores_on_the_other():
-    worker = TwinOffloadingWorker(HostLink(100 * MB, 0.0), MB)
+    worker = TwinOffloadingWorker(LinkSpec("pcie", 100 * MB, 0.0), MB)
     meta = OffloadingConnectorMetadata(loads={"a": [(0, 0)] * 10, "b": [(1, 1)] * 10},
                                        stores=[(5, 5)] * 50)
     worker.start(meta, now=0.0)
@@ -37,23 +38,22 @@ def test_loads_queue_on_their_direction_stores_on_the_other():
 
 
 def test_a_cancelled_load_is_never_reported():
-    worker = TwinOffloadingWorker(HostLink(100 * MB), MB)
+    worker = TwinOffloadingWorker(LinkSpec("pcie", 100 * MB, 0.0), MB)
     worker.start(OffloadingConnectorMetadata(loads={"a": [(0, 0)]}), now=0.0)
     worker.start(OffloadingConnectorMetadata(cancelled=["a"]), now=0.001)
     assert worker.get_finished(1.0).finished_recving == set()
 
 
-def test_link_validation_names_the_field():
-    with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
-        HostLink(0)
-    with pytest.raises(ValueError, match="latency_s"):
-        HostLink(1e9, -1)
+def test_the_host_link_is_the_profiles_pcie():
+    h100, cpu = host_link_of(load_hardware("h100-sxm")), host_link_of(load_hardware("cpu"))
+    assert (h100.bandwidth_bytes_per_s, h100.latency_s) == (50e9, 20e-6)  # Gen5's preset latency
+    assert (cpu.bandwidth_bytes_per_s, cpu.latency_s) == (10e9, 20e-6)
     with pytest.raises(ValueError, match="bytes_per_block"):
-        TwinOffloadingWorker(HostLink(1e9), 0)
+        TwinOffloadingWorker(h100, 0)
 
 
 # ---- the twin with the host tier ----------------------------------------------------------------
-def _trace(slow_link: bool = False) -> list[TraceRequest]:
+def _trace() -> list[TraceRequest]:
     """A, B, C, then A again, one at a time: 100-token prompts of 6 shared 16-token blocks."""
     blocks = {"A": (1, 2, 3, 4, 5, 6), "B": (11, 12, 13, 14, 15, 16), "C": (21, 22, 23, 24, 25, 26)}
     return [TraceRequest(f"{i}-{name}", 100.0 * i, 100, 2, prefix_blocks=blocks[name])

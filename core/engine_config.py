@@ -89,14 +89,20 @@ class EngineConfig:
         if not self.args.enable_lora:  # 0 slots is how the scheduler says "no LoRA"
             del scheduler["max_loras"]
         args = asdict(self.args)
-        if args["kv_transfer_config"] is None:  # recorded only where a connector runs
-            del args["kv_transfer_config"]
-        return {**args, **scheduler, "usage_context": self.usage_context,
-                "device_type": self.device_type, "device_name": self.device_name,
-                "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
-                "block_bytes": self.block_bytes,
-                "kv_transfer_config": (None if self.kv_transfer_config is None
-                                       else self.kv_transfer_config.to_dict())}
+        del args["kv_transfer_config"]  # recorded only where a connector runs, as resolved
+        if self.args.kv_offloading_size is None:
+            del args["kv_offloading_size"], args["kv_offloading_backend"]
+        out = {**args, **scheduler, "usage_context": self.usage_context,
+               "device_type": self.device_type, "device_name": self.device_name,
+               "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
+               "block_bytes": self.block_bytes}
+        if self.args.kv_offloading_size is not None:  # the connector it stands for, sized
+            assert self.kv_transfer_config is not None
+            out["kv_offloading_blocks"] = self.kv_transfer_config.kv_connector_extra_config[
+                "num_cpu_blocks"]
+        elif self.kv_transfer_config is not None:  # (a rerun rebuilds it from these keys)
+            out["kv_transfer_config"] = self.kv_transfer_config.to_dict()
+        return out
 
 
 def default_batch_limits(platform: Platform, usage_context: str,

@@ -105,7 +105,9 @@ def test_engine_reloads_an_evicted_prefix_from_host_with_fresh_compute_tokens(en
     assert tier.runner.kv_connector.num_blocks_loaded - loaded == 6
     tier.scheduler.kv.check_consistency()
     assert tier.scheduler.connector.lru.num_pinned == 0
-    assert tier.engine_config.to_dict()["kv_transfer_config"]["kv_connector"] == "OffloadingConnector"
+    assert tier.engine_config.kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert tier.engine_config.to_dict()["kv_offloading_blocks"] == int(0.05 * 2**30) // (
+        tier.engine_config.block_bytes)
 
 
 @pytest.mark.slow

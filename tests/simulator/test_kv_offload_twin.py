@@ -12,6 +12,7 @@ from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.kv_offload import TwinOffloadingWorker, host_link_of
 from twinserve.simulator.kv_transfer import LinkSpec
 from twinserve.simulator.run import write_sim_run
+from twinserve.simulator.twin_of_run import twin_config
 from twinserve.traces import TraceRequest
 
 MB = 1 << 20
@@ -98,8 +99,10 @@ def test_host_hits_in_the_run_folders_summary_and_config(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert summary["external_prefix_cache_hits"] == 96
     assert config["kv_offloading_size"] == 0.05
-    assert config["kv_transfer_config"]["kv_connector_extra_config"]["num_cpu_blocks"] == \
-        int(0.05 * 2**30) // result.engine_config.block_bytes
+    assert config["kv_offloading_blocks"] == int(0.05 * 2**30) // result.engine_config.block_bytes
+    assert "kv_transfer_config" not in config  # a rerun from these keys sets it again
+    again = twin_config(config, "smollm2-135m", "cpu")
+    assert again.engine.kv_offloading_size == 0.05
 
 
 def test_other_backends_and_two_connectors_are_refused_by_name():

@@ -10,7 +10,9 @@ times TP). p90 TTFT and TPOT are those of the run at the goodput rate.
 SLOs, DistServe-like (DistServe set its SLOs a few times its model's unloaded latencies on its
 GPU; the same here for Llama-3-8B on one H100, which the twin puts at a mean TTFT of ~24 ms for
 a conv prompt (~930 tokens), ~55 ms (p90 ~150 ms) for a code prompt (~2,140 tokens), and a TPOT
-of ~6 ms): conv TTFT 250 ms and TPOT 25 ms, code TTFT 500 ms and TPOT 25 ms.
+of ~6 ms): conv TTFT 250 ms and TPOT 25 ms, code TTFT 500 ms and TPOT 25 ms. Llama-3-70B at TP 4
+is about three times slower unloaded (TTFT ~64 ms conv, ~175 ms code; TPOT ~16.5 ms): its SLOs
+are three times the 8B's, the same multiples of its own unloaded latencies.
 
     PYTHONPATH=... python -m twinserve.benchmarks.pd_goodput [--num-requests 400] [--models 8b,70b]
 """
@@ -69,7 +71,8 @@ DEPLOYMENTS = (  # grouped by GPU count (per TP group)
     Deployment("1P2D", prefill=1, decode=2),
     Deployment("4x aggregated", replicas=4), Deployment("2P2D", prefill=2, decode=2),
 )
-MODELS = {"8b": ("llama-3-8b", 1), "70b": ("llama-3-70b", 4)}
+# model, TP, SLO scale (the SLOs' multiple of the 8B's: see the module docstring)
+MODELS = {"8b": ("llama-3-8b", 1, 1.0), "70b": ("llama-3-70b", 4, 3.0)}
 
 
 def poisson(trace: list[TraceRequest], rate: float, seed: int) -> list[TraceRequest]:
@@ -132,8 +135,9 @@ def main() -> None:
           "p90 TTFT ms | p90 TPOT ms | mean KV transfer ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for key in args.models.split(","):
-        model, tp = MODELS[key]
-        for w in WORKLOADS:
+        model, tp, scale = MODELS[key]
+        for w in (dataclasses.replace(w, ttft_slo_ms=w.ttft_slo_ms * scale,
+                                      tpot_slo_ms=w.tpot_slo_ms * scale) for w in WORKLOADS):
             trace = first_n(load_trace(w.trace), args.num_requests)
             for dep in DEPLOYMENTS:
                 rate, s = goodput(dep, trace, w, model, tp, args.kv_link, args.attainment,

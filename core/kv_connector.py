@@ -44,8 +44,9 @@ PARAM_FLAGS = ("do_remote_prefill", "do_remote_decode")
 @dataclass(slots=True)
 class KVLoad:
     """Consumer: copy remote blocks into these local blocks before the request is scheduled.
-    Empty block lists: nothing to copy (the consumer's own cache held the prompt); the worker
-    only tells the producer to release its blocks."""
+    Empty block lists: nothing to copy (the consumer's own cache held the prompt, or the request
+    ended before its load was ordered); the worker only tells the producer to release its blocks
+    (the producer's transfer_timeout_s stays the backstop for a consumer that never says so)."""
 
     request_id: str
     remote_engine_id: str
@@ -206,6 +207,9 @@ class PeerConnectorScheduler:
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):  # ended before its load was ordered
+            self._new_loads.append(self._load(request, params, [], []))  # producer: release
+            return False, None
         if not params or not params.get("do_remote_decode") or not block_ids \
                 or request.finish_reason not in ("stop", "length"):
             return False, None
@@ -219,9 +223,12 @@ class PeerConnectorScheduler:
                       "remote_request_id": rid, "remote_num_tokens": request.num_prompt_tokens}
 
     def request_aborted(self, request_id: str) -> None:
-        pending = [load for load in self._new_loads if load.request_id != request_id]
-        if len(pending) != len(self._new_loads):  # never ordered: nothing to cancel
-            self._new_loads = pending
+        """A load never ordered becomes a release notice (nothing to copy, the producer frees
+        its blocks); one ordered is cancelled (the worker drops it and releases the producer)."""
+        for load in self._new_loads:
+            if load.request_id == request_id:
+                load.remote_block_ids, load.local_block_ids = [], []
+                break
         else:
             self._cancelled.append(request_id)
         self.loading.discard(request_id)

@@ -89,10 +89,10 @@ LINK_NAMES = ("nvlink", "infiniband", "pcie")
 
 
 def _generation(profile_name: str) -> str | None:
-    name = profile_name.lower()
-    if name.startswith(("h100", "h200")):
+    name = profile_name.lower()  # a bundled name, or a device's ("NVIDIA H100 80GB HBM3")
+    if "h100" in name or "h200" in name:
         return "hopper"
-    if name.startswith("a100"):
+    if "a100" in name:
         return "ampere"
     return None
 
@@ -251,6 +251,7 @@ class SimPeerWorker:
         self.flows: dict[str, tuple[Flow, KVLoad]] = {}
         self.published: set[str] = set()
         self.released_early: set[str] = set()
+        self.expired: set[str] = set()  # sends freed by their timeout: nothing left to read
         self.loads: dict[str, LoadTimes] = {}  # every load this instance ran, by request id
         self._report = KVConnectorOutput()
 
@@ -266,6 +267,9 @@ class SimPeerWorker:
         for load in meta.loads:
             if not load.local_block_ids:
                 self.peers[load.remote_engine_id].release(load.remote_request_id)
+                continue
+            if load.remote_request_id in self.peers[load.remote_engine_id].expired:
+                self._report.failed_recving.add(load.request_id)  # the producer gave up on it
                 continue
             num_bytes = len(load.local_block_ids) * self.block_bytes
             flow = self.network.transfer(load.remote_engine_id, self.engine_id, num_bytes)
@@ -293,6 +297,7 @@ class SimPeerWorker:
     def _send_timeout(self, rid: str):
         yield self.network.env.timeout(self.timeout_s)
         if rid in self.published:  # nobody read it in time
+            self.expired.add(rid)
             self.release(rid)
 
     def _drop(self, rid: str) -> None:

@@ -74,6 +74,7 @@ class FakePeerWorker:
         producer = self.peers[load.remote_engine_id]
         published = producer.published.get(load.remote_request_id)
         if published is None or any(b not in published for b in load.remote_block_ids):
+            producer.release(load.remote_request_id)  # a reader that gives up says so
             self._report.failed_recving.add(rid)
             return
         for remote, local in zip(load.remote_block_ids, load.local_block_ids, strict=True):

@@ -38,6 +38,7 @@ class Pair:
         self.pw = FakePeerWorker("P", self.pb, peers)
         self.dw = FakePeerWorker("D", self.db, peers, auto=auto)
         self.now = 0.0
+        self.p_prompts: dict[str, list[int]] = {}
 
     def prefill(self, rid: str, prompt: list[int]) -> dict:
         req = make_req(rid, len(prompt), prefix=prompt, params=SamplingParams(max_tokens=1,
@@ -312,7 +313,6 @@ def test_random_interleavings_leak_no_block_and_end_every_request(ops, policy, c
         pair.d.add_request(decode_request(rid, prompt, params, max_tokens=3))
         made.append(("d", rid))
 
-    pair.p_prompts = {}
     for o in ops:
         kind, k = o
         if kind == "prefill":

@@ -150,3 +150,45 @@ def test_the_simulate_command_takes_the_pool_flags(tmp_path, capsys):
     assert len(rows) == 20 and all(r["decode_engine"] == "decode-0" for r in rows)
     assert not any(math.isnan(float(r["kv_transfer_s"])) for r in rows)
     assert '"kv_link": "pcie"' in (out / "config.json").read_text()
+
+
+def test_the_pool_keys_survive_replace_and_a_config_file(tmp_path):
+    cfg = SimConfig(**SMALL, prefill_instances=1, decode_instances=1, kv_link="pcie")
+    wider = cfg.replace(decode_instances=3)
+    assert (wider.prefill_instances, wider.decode_instances, wider.kv_link) == (1, 3, "pcie")
+    assert "prefill_instances" not in SimConfig(**SMALL).flat()
+    config = tmp_path / "pd.yaml"
+    config.write_text("prefill_instances: 2\ndecode_instances: 1\nkv_link: infiniband\n"
+                      "max_num_seqs: 8\n")
+    out = tmp_path / "run"
+    assert main(["simulate", "--config", str(config), "--trace", "synthetic", "--num-requests",
+                 "10", "--input-len", "200", "--output-len", "5", "--model", "llama-3-8b",
+                 "--hardware", "a100-80gb", "--out", str(out), "--disable-tqdm"]) == 0
+    text = (out / "config.json").read_text()
+    assert '"kv_link": "infiniband"' in text and '"prefill_instances": 2' in text
+    assert {r["prefill_engine"] for r in _rows(out)} <= {"prefill-0", "prefill-1"}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_loads_that_time_out_follow_the_failure_policy_and_leak_nothing(policy):
+    trace = synthetic_trace(WL)
+    kv = {"kv_load_failure_policy": policy,
+          "kv_connector_extra_config": {"transfer_timeout_s": 0.001}}  # below any transfer's time
+    cfg = SimConfig(**SMALL, prefill_instances=1, decode_instances=1, kv_link="pcie",
+                    kv_transfer_config=kv)
+    build = build_engine_config(cfg)
+    requests = _engine_requests(trace, build.model.vocab_size, cfg.engine.block_size)
+    fleet, _, _ = replay_fleet(cfg, requests)
+    records = {r.request_id: r for r in fleet.recorder.requests}
+    assert set(records) == {tr.request_id for tr in trace}
+    if policy == "recompute":  # every prompt computed again on the decode instance
+        assert all(r.success and r.output_tokens == tr.output_tokens
+                   for tr, r in ((tr, records[tr.request_id]) for tr in trace))
+    else:
+        assert all(not r.success and r.finish_reason == "error" for r in records.values())
+    # no load finished: each timed out (or found its producer's send expired)
+    assert all(math.isnan(load.end) for load in fleet.decode[0].worker.loads.values())
+    for inst in fleet.prefill + fleet.decode:
+        sched = inst.scheduler
+        sched.kv.check_consistency()
+        assert not sched.kv.tables and not sched.sending and not sched.waiting_for_remote

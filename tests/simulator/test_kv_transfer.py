@@ -104,6 +104,7 @@ def test_link_presets_follow_the_gpu_generation():
         == (50e9, 25e9)
     assert (hopper["pcie"].bandwidth_bytes_per_s, ampere["pcie"].bandwidth_bytes_per_s) == (50e9, 25e9)
     assert link_presets("cpu") == {}
+    assert link_presets("NVIDIA H100 80GB HBM3") == hopper  # a calibrated profile's device name
 
 
 def test_a_profile_resolves_presets_and_a_measured_link():

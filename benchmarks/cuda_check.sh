@@ -26,6 +26,11 @@
 #              the workloads reach (`validate` without --profile);
 #   profile    one 16-token prefill and one decode at context 512, op by op (torch.profiler):
 #              host-bound launches against device time (benchmarks/kernel_profile.py);
+#   kvtransfer (not in the default run: `SECTIONS=kvtransfer`) the Peer connector on CUDA:
+#              two processes on the GPU sharing KV regions by CUDA IPC handles; transfers of
+#              1-64 Llama-3-8B blocks at 1, 2, 4 at once (bandwidth, latency: the twin's
+#              kv_link), and 1P1D / 2P1D greedy tokens on the bundled model equal one engine's
+#              (tests/gpu/test_pd_engine.py, run on CUDA here);
 #   offline    the offline benchmark (64 x 128 and batch 1 x 128 generated tokens) with CUDA
 #              graphs next to HF transformers `generate`, then eager; and the H200 decode floor.
 #
@@ -37,7 +42,7 @@
 #       simpy==4.1.2 gguf==0.19.0 llguidance==1.9.1
 set -uo pipefail
 OUT=${OUT:-/tmp/twinserve-cuda}
-ALL_SECTIONS="env model tests calibrate simulate profile offline validate"
+ALL_SECTIONS="env model tests calibrate simulate profile offline validate kvtransfer"
 SECTIONS=${SECTIONS:-env model tests calibrate simulate profile offline}
 for s in $SECTIONS; do
     [[ " $ALL_SECTIONS " == *" $s "* ]] || { echo "unknown section '$s'; sections: $ALL_SECTIONS" >&2; exit 2; }
@@ -106,6 +111,19 @@ simulate() {
         --model llama-3-8b --num-requests 200 --disable-tqdm --out /tmp/sim-gpu-calibrated | tail -3
 }
 
+kv_transfer() {  # Llama-3-8B's block: 32 layers, 8 KV heads, head dim 128, block 16, bf16 (2 MiB)
+    python3 - <<'PY' || return 1
+from twinserve.gpu.kv_transfer.region import KVLayout
+from twinserve.gpu.measurement.kv_transfer import aggregate_bandwidth, measure_link
+if __name__ == "__main__":
+    layout = KVLayout(32, 16, 8, 128, "bfloat16", 256)
+    fit, samples = measure_link(layout, log=print, device="cuda")
+    print(f"kv_link on CUDA IPC: {fit.to_kv_link()}; aggregate by concurrency: "
+          f"{aggregate_bandwidth(samples)}")
+PY
+    python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_pd_engine.py
+}
+
 validate_workload() {  # NAME, then the workload's flags
     local name=$1; shift
     local profile=()
@@ -171,6 +189,7 @@ if wanted validate; then
         --request-rate 8 --input-len 1024 --output-len 64 --prefix-len 768 --prefix-share 0.9
 fi
 if wanted offline; then offline; fi
+if wanted kvtransfer; then section kvtransfer 240 kv_transfer; fi
 
 echo "== summary (section, status, seconds)"
 cat "$SUMMARY"

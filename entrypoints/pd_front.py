@@ -98,6 +98,9 @@ class DisaggregatedFront(DataParallelFront):
         self.pd = pd
         self.pd_router = router if router is not None else DisaggregatedRouter.of(
             pd.prefill_instances, pd.decode_instances, args.block_size)
+        # requests between their prefill's submission and their decode's: an abort in that
+        # window (the prefill finished, the decode not yet sent) must stop the hand-off
+        self._prefilling: dict[str, _PrefillSink] = {}
         # (the base's own router is never asked: submit routes through pd_router)
         super().__init__(args.replace(data_parallel_size=pd.size), usage_context, on_cuda,
                          tokenize, make_router("round-robin", args.block_size), replicas)
@@ -120,9 +123,21 @@ class DisaggregatedFront(DataParallelFront):
             index = self._route(lambda: self.pd_router.route_prefill(routed, self.loads[:x]))
             command = ("add", request_id, prompt, prefill_sampling_params(params),
                        {**kwargs, "kv_transfer_params": prefill_kv_transfer_params()})
-            self._queue(index, command, request_id,
-                        _PrefillSink(self, request_id, prompt, params, kwargs, routed, sink))
+            prefill = _PrefillSink(self, request_id, prompt, params, kwargs, routed, sink)
+            self._queue(index, command, request_id, prefill)
+            self._prefilling[request_id] = prefill
         return index
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            prefill = self._prefilling.pop(request_id, None)
+            if prefill is not None:
+                prefill.aborted = True
+        super().abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._prefilling.pop(request_id, None)
 
     @staticmethod
     def _route(route: Callable[[], int]) -> int:
@@ -139,6 +154,9 @@ class DisaggregatedFront(DataParallelFront):
         kwargs = {**prefilled.kwargs, "kv_transfer_params": kv_params}
         try:
             with self._lock:
+                if prefilled.aborted:  # (the producer frees its blocks at its transfer timeout)
+                    return
+                self._prefilling.pop(prefilled.request_id, None)
                 if prefilled.request_id in self._owner:
                     raise ValueError(f"request_id {prefilled.request_id!r} is already in flight.")
                 index = x + self._route(lambda: self.pd_router.route_decode(
@@ -169,15 +187,21 @@ class _PrefillSink:
     kwargs: dict[str, Any]
     routed: Request
     sink: Sink
+    aborted: bool = False
 
     def put(self, item: Any) -> None:
-        if item is None or isinstance(item, BaseException):
-            self.sink.put(item)  # accepted, or refused / the instance died
+        if item is None:
+            self.sink.put(item)  # accepted
+            return
+        if isinstance(item, BaseException):
+            self.front._forget(self.request_id)
+            self.sink.put(item)  # refused, or the instance died
             return
         if not item.finished:
             return
         kv_params = getattr(item, "kv_transfer_params", None)
         if kv_params is None or item.outputs[0].finish_reason not in ("stop", "length"):
+            self.front._forget(self.request_id)
             self.sink.put(item)  # aborted, or ended with an error: nothing to decode
             return
         self.front._start_decode(self, kv_params)

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from twinserve.fidelity.backend import (
     Log,
@@ -24,6 +24,8 @@ from twinserve.fidelity.backend import (
 )
 from twinserve.fidelity.settings import CalibrationSettings
 from twinserve.fidelity.step_space import StepSpace
+
+KV_LINK_BLOCKS = 256  # the measured regions' blocks (64-block transfers, 4 at once)
 
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
@@ -76,7 +78,27 @@ def calibrate(engine: EngineArgs, out: str | Path,
     note = f"Calibrated for {name} on {device} {dtype}{' (quick)' if settings.quick else ''}."
     path = save_profile(cal, model, base, out, engine.block_size, note, platform,
                         measure_interconnect(runner, engine, log), engine.kernel_settings())
-    return CalibrationResult(add_mask_timing(path, runner, log), cal, model)
+    path = add_mask_timing(path, runner, log)
+    return CalibrationResult(add_kv_link(path, runner, log), cal, model)
+
+
+def add_kv_link(profile_path: Path, runner: Any, log: Log) -> Path:
+    """Measures the Peer connector between two processes here, for ``runner``'s KV layout,
+    and stores the fitted link as the profile's ``kv_link`` (what the twin's P/D runs use).
+    On CUDA the transfers are not measured here (cuda_check.sh): the profile keeps its presets."""
+    if runner.device.type != "cpu":
+        return profile_path
+    from twinserve.gpu.kv_transfer.region import KVLayout
+    from twinserve.gpu.measurement.kv_transfer import aggregate_bandwidth, measure_link
+    from twinserve.simulator.hardware import load_hardware
+    layout = KVLayout.of(runner.kv_cache.spec, len(runner.kv_cache.gpu_slots), KV_LINK_BLOCKS)
+    fit, samples = measure_link(layout)
+    shared = ", ".join(f"{c} at once {bw / 1e9:.2f} GB/s"
+                       for c, bw in aggregate_bandwidth(samples).items())
+    log(f"kv link (PeerConnector, shared memory): {fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+        f"{fit.latency_s * 1e3:.3f} ms latency ({shared})")
+    profile = dataclasses.replace(load_hardware(profile_path), kv_link=fit.to_kv_link())
+    return profile.save(profile_path)
 
 
 def calibrate_from_runs(run_dirs: Sequence[str | Path], out: str | Path,

@@ -55,6 +55,8 @@ class LLMEngine:
         if args.data_parallel_size > 1:  # refused, not dropped: replicas need a front
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one "
                              "replica; LLM(data_parallel_size=N) and serve start N behind a router.")
+        if args.kv_transfer_config is not None and args.speculation is not None:
+            raise ValueError("kv_transfer_config with speculative_config is not implemented.")
         self.args = args
         self.runner = runner or ModelRunner(args, usage_context)
         self.engine_config = self.runner.engine_config

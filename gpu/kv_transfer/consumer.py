@@ -113,15 +113,20 @@ class Consumer:
 
     def _load(self, job: LoadJob) -> int:
         peer = self._peer(job)
-        while True:
+        try:
             reply = peer.client.call({"op": "read", "request_id": job.remote_request_id},
                                      self._left(job))
-            if reply.get("status") != "pending":
-                break
+        except OSError:  # a kept connection to a producer since restarted: connect once anew
+            self.forget_peer((job.remote_host, job.remote_port))
+            peer = self._peer(job)
+            reply = peer.client.call({"op": "read", "request_id": job.remote_request_id},
+                                     self._left(job))
+        while reply.get("status") == "pending":
             if job.cancelled:  # nothing pinned yet: the producer's own timeout frees its blocks
                 return 0
             time.sleep(PENDING_RETRY_S)
-            self._left(job)
+            reply = peer.client.call({"op": "read", "request_id": job.remote_request_id},
+                                     self._left(job))
         if reply.get("status") != "ok":
             raise RuntimeError(f"the producer has no blocks for {job.remote_request_id!r} "
                                f"({reply.get('status')}: freed, timed out or never published).")

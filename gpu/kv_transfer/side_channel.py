@@ -51,6 +51,8 @@ class SideChannelServer:
     def __init__(self, host: str, port: int, handle: Handler,
                  on_close: Callable[[object], None]) -> None:
         class _Handler(socketserver.StreamRequestHandler):
+            disable_nagle_algorithm = True  # one short reply per request: send it at once
+
             def handle(self) -> None:
                 connection = object()  # this connection's identity for pinned reads
                 try:

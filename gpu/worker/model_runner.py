@@ -222,7 +222,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)
         and the KV connector's threads or copies."""
-        if self.kv_connector is not None:
+        if getattr(self, "kv_connector", None) is not None:  # (None: no connector, or not loaded)
             self.kv_connector.close()
         if self.tp is not None:
             self.tp.shutdown()

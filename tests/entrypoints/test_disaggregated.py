@@ -69,6 +69,10 @@ def test_decode_instance_killed_mid_transfer() -> None:
         "transfer_timeout_s": 3.0}), restart_dead_replicas=True)
     front = DisaggregatedFront(args, PDDeployment(1, 1), "llm", on_cuda=False)
     try:
+        aborted = Collect()
+        front.submit("z", PROMPTS[2], GREEDY, {}, aborted)
+        front.abort("z")  # never reaches the decode instance, whichever phase it was in
+        assert front._prefilling == {}
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         sink = Collect()
         front.submit("a", PROMPTS[0], long, {}, sink)
@@ -84,5 +88,7 @@ def test_decode_instance_killed_mid_transfer() -> None:
         front.submit("b", PROMPTS[1], GREEDY, {}, again)
         out = again.last(120)
         assert not isinstance(out, BaseException) and len(out.outputs[0].token_ids) == 8
+        assert front.snapshot()[1].served == 2  # a (before the kill) and b: not z
+        assert front._prefilling == {}
     finally:
         front.shutdown()

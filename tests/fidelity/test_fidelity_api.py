@@ -113,6 +113,7 @@ def test_calibrate_replay_twin_compare_on_the_tiny_model(tmp_path: Path, tiny_mo
     settings = CalibrationSettings(quick=True, repeats=1, threads=1)
     cal = fidelity.calibrate(engine, tmp_path / "profile.json", settings, space)
     assert load_hardware(cal.profile).find_fitted("tiny-llama") is not None
+    assert load_hardware(cal.profile).kv_link["bandwidth_bytes_per_s"] > 0  # the connector's
     reals = fidelity.replay(engine, workload, tmp_path / "runs", repeats=2)
     assert [d.name for d in reals] == ["real", "real-2"]
     summary = fidelity.simulate_twin(cal.profile, workload, reals[0], tmp_path / "runs" / "sim")

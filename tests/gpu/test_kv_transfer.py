@@ -21,11 +21,11 @@ LAYOUT = KVLayout(num_slots=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="
 
 
 def _producer_main(layout: KVLayout, ports: Any, publish: list[tuple[str, list[int]]],
-                   timeout_s: float) -> None:
+                   timeout_s: float, port: int = 0) -> None:
     region = SharedKVRegion(layout, CPU)
     for b in range(layout.num_blocks):
         region.tensor[:, :, b] = float(b)  # block b holds the value b everywhere
-    producer = Producer("prefill-0", region, "127.0.0.1", 0, timeout_s)
+    producer = Producer("prefill-0", region, "127.0.0.1", port, timeout_s)
     for rid, blocks in publish:
         producer.publications.publish(rid, blocks, time.monotonic())
     ports.put(producer.port)
@@ -109,6 +109,39 @@ def test_load_from_another_process_copies_the_blocks(remote_producer) -> None:
         assert not results[1].ok and "gone" in results[1].error
     finally:
         consumer.close()
+
+
+def test_a_restarted_producer_is_reconnected(remote_producer) -> None:
+    port, process = remote_producer
+    region = SharedKVRegion(LAYOUT, CPU)
+    results: list[LoadResult] = []
+    consumer = Consumer(region.tensor, LAYOUT, 1, results.append)  # one thread: one connection
+    ctx = mp.get_context("spawn")
+    try:
+        consumer.submit(_job("req-a", port, [3], [0]))
+        _wait(lambda: len(results) == 1)
+        process.kill()
+        process.join(5)
+        ports = ctx.Queue()
+        again = ctx.Process(target=_producer_main,
+                            args=(LAYOUT, ports, [("req-b", [9])], 30.0, port), daemon=True)
+        again.start()
+        assert ports.get(timeout=60) == port
+        consumer.submit(_job("req-b", port, [9], [1]))  # on the kept, now broken, connection
+        _wait(lambda: len(results) == 2)
+        assert [r.ok for r in results] == [True, True], results[1].error
+        assert torch.all(region.tensor[:, :, 1] == 9)
+    finally:
+        consumer.close()
+        if "again" in locals():
+            again.kill()
+
+
+def _wait(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_load_fails_when_the_producer_dies(remote_producer) -> None:

@@ -147,6 +147,9 @@ def test_abort_while_loading_and_unread_sends_leak_no_block() -> None:
         consumer.shutdown()
 
 
-def test_kv_transfer_params_need_a_connector() -> None:
-    with pytest.raises(ValueError, match="kv_transfer_config"):
+def test_what_the_connector_cannot_serve_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="kv_role"):
         EngineArgs(kv_transfer_config={"kv_role": "decoder"})
+    with pytest.raises(ValueError, match="speculative_config"):  # before any model loads
+        LLMEngine(EngineArgs(**SMALL, kv_transfer_config={"kv_port": next(PORTS)},
+                             speculative_config={"method": "ngram", "num_speculative_tokens": 2}))

@@ -151,6 +151,9 @@ class Scheduler:
         # requests hold their blocks in ``sending`` until the consumer has read them.
         self.connector = kv_connector
         self.waiting_for_remote: dict[str, RemoteLoad] = {}
+        # Waiting requests whose load finished: they hold its blocks until admitted, so a
+        # request ahead of them that lacks blocks lets them go first (else neither moves).
+        self._holding_loaded: set[str] = set()
         self.sending: dict[str, Request] = {}
         self._outgoing_params: dict[str, dict[str, Any]] = {}  # producer params, until output
 
@@ -498,6 +501,11 @@ class Scheduler:
                 seats = self._seats(request)
                 has_seat = len(self.running) + reserved + seats <= cfg.max_num_seqs
                 n = self._admit_blocks(request, budget) if has_seat else None
+                if n is None and has_seat and self._holding_loaded and \
+                        request.request_id not in self._holding_loaded and \
+                        len(skipped) < cfg.max_num_seqs:  # loaded requests behind it go first
+                    skipped.append(policy.pop())
+                    continue
                 if n is None:  # no seat or no blocks: the policy may evict someone it outranks
                     freed = self._preempt_for(request, out, now)
                     if freed is None:
@@ -515,6 +523,7 @@ class Scheduler:
                 policy.unpop(request)
 
     def _admit(self, request: Request, now: float) -> None:
+        self._holding_loaded.discard(request.request_id)
         first_time = request.first_scheduled_time is None
         if first_time:
             request.first_scheduled_time = now
@@ -626,6 +635,7 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
         request.status = RequestStatus.WAITING
         self.policy.unpop(request)
+        self._holding_loaded.add(request.request_id)
 
     def _fail_load(self, load: RemoteLoad, now: float) -> EngineCoreOutput | None:
         """``recompute``: the request frees its blocks and computes its prompt here; ``fail``:
@@ -980,6 +990,7 @@ class Scheduler:
         return outs
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        self._holding_loaded.discard(request.request_id)
         if request.lora is not None and self.loras is not None and request.status == _RUNNING:
             self.loras.release(request.lora)
         request.status = status

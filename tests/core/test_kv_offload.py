@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kv_fakes import FakeKVBackend
 
@@ -325,6 +325,9 @@ def test_a_preempted_request_reloads_its_stored_blocks_instead_of_recomputing():
     assert tier.sched.num_prompt_tokens < plain.sched.num_prompt_tokens
 
 
+# found by this property: a swapped-out request ahead of one holding loaded blocks, neither able
+# to move (the scheduler now lets the loaded one go first)
+@example([(0, 7, 3, 1, 0), (1, 28, 5, 3, 0), *[(0, 1, 1, 0, 0)] * 7, (1, 8, 1, 3, 0)], 3, 10, "swap")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 30), st.integers(1, 8),
                           st.integers(0, 40), st.integers(0, 12)), min_size=1, max_size=10),

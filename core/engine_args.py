@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinserve.core.kernel_settings import KernelSettings
+from twinserve.core.kv_offload import check_kv_offloading
 from twinserve.core.kv_transfer_config import KVTransferConfig
 from twinserve.core.lora import LoRAConfig
 from twinserve.core.quantization import check_kv_cache_dtype, check_quantization
@@ -64,6 +65,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    # The host-memory KV tier (vLLM's --kv-offloading-size GiB, --kv-offloading-backend): the
+    # shortcut that sets kv_transfer_config to the OffloadingConnector (None: no tier).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     num_gpu_blocks_override: int | None = None
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
@@ -137,8 +142,13 @@ class EngineArgs:
                              f"{self.gpu_memory_utilization}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+        check_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend)
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
+        if self.kv_offloading_size is not None and self.kv_transfer_config is not None:
+            raise ValueError("kv_offloading_size sets kv_transfer_config to the "
+                             "OffloadingConnector: give one or the other (one connector per "
+                             "engine; vLLM needs its MultiConnector for both).")
 
     @property
     def speculation(self) -> SpeculativeConfig | None:

@@ -31,6 +31,8 @@ from typing import Any
 from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.kv_cache_groups import KVCacheLayout, layout_for_model
+from twinserve.core.kv_offload import num_host_blocks, offloading_config
+from twinserve.core.kv_transfer_config import KVTransferConfig
 from twinserve.core.model_config import DTYPE_BYTES, ModelConfig
 from twinserve.core.quantization import kv_value_bytes
 
@@ -73,6 +75,9 @@ class EngineConfig:
     kv_cache_bytes: int
     block_bytes: int
     scheduler: SchedulerConfig
+    # The KV connector the engine runs: ``args.kv_transfer_config``, or the OffloadingConnector
+    # that ``kv_offloading_size`` stands for, sized in blocks of this layout (None: none).
+    kv_transfer_config: KVTransferConfig | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -84,12 +89,20 @@ class EngineConfig:
         if not self.args.enable_lora:  # 0 slots is how the scheduler says "no LoRA"
             del scheduler["max_loras"]
         args = asdict(self.args)
-        if args["kv_transfer_config"] is None:  # recorded only where a connector runs
-            del args["kv_transfer_config"]
-        return {**args, **scheduler, "usage_context": self.usage_context,
-                "device_type": self.device_type, "device_name": self.device_name,
-                "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
-                "block_bytes": self.block_bytes}
+        del args["kv_transfer_config"]  # recorded only where a connector runs, as resolved
+        if self.args.kv_offloading_size is None:
+            del args["kv_offloading_size"], args["kv_offloading_backend"]
+        out = {**args, **scheduler, "usage_context": self.usage_context,
+               "device_type": self.device_type, "device_name": self.device_name,
+               "dtype": self.dtype, "kv_cache_bytes": self.kv_cache_bytes,
+               "block_bytes": self.block_bytes}
+        if self.args.kv_offloading_size is not None:  # the connector it stands for, sized
+            assert self.kv_transfer_config is not None
+            out["kv_offloading_blocks"] = self.kv_transfer_config.kv_connector_extra_config[
+                "num_cpu_blocks"]
+        elif self.kv_transfer_config is not None:  # (a rerun rebuilds it from these keys)
+            out["kv_transfer_config"] = self.kv_transfer_config.to_dict()
+        return out
 
 
 def default_batch_limits(platform: Platform, usage_context: str,
@@ -280,7 +293,24 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig, platform: Platfo
         kv_cache_group_windows=layout.group_windows if layout.num_groups > 1 else (),
         **_speculation_fields(args))
     return EngineConfig(args, usage_context, platform.device_type, platform.device_name, dtype,
-                        num_blocks * block_bytes, block_bytes, scheduler)
+                        num_blocks * block_bytes, block_bytes, scheduler,
+                        resolve_kv_transfer_config(args, block_bytes, scheduler))
+
+
+def resolve_kv_transfer_config(args: EngineArgs, block_bytes: int,
+                               scheduler: SchedulerConfig) -> KVTransferConfig | None:
+    """``args.kv_transfer_config``, or the host tier ``kv_offloading_size`` asks for: as vLLM,
+    the shortcut sets the OffloadingConnector, here with its size in host blocks."""
+    if args.kv_offloading_size is None:
+        return args.kv_transfer_config
+    blockers = [name for name, on in (
+        ("a sliding window", scheduler.sliding_window is not None),
+        ("a hybrid KV cache layout", bool(scheduler.kv_cache_group_windows)),
+        ("enable_prefix_caching=False", not scheduler.enable_prefix_caching)) if on]
+    if blockers:
+        raise ValueError(f"kv_offloading_size with {', '.join(blockers)} is not implemented: the "
+                         "host tier keys blocks by the prefix cache's hashes of full attention.")
+    return offloading_config(num_host_blocks(args.kv_offloading_size, block_bytes))
 
 
 def _speculation_fields(args: EngineArgs) -> dict[str, Any]:

@@ -244,7 +244,8 @@ ConnectorFactory = Callable[[KVTransferConfig, int], KVConnectorScheduler]
 
 def connector_schedulers() -> dict[str, ConnectorFactory]:
     """``kv_connector`` name -> scheduler-side factory ``(config, block_size)``."""
-    return {"PeerConnector": PeerConnectorScheduler}
+    from twinserve.core.kv_offload import OffloadingConnectorScheduler  # (it imports this module)
+    return {"PeerConnector": PeerConnectorScheduler, "OffloadingConnector": OffloadingConnectorScheduler}
 
 
 def make_connector_scheduler(config: KVTransferConfig, block_size: int) -> KVConnectorScheduler:

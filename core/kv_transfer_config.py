@@ -23,6 +23,8 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 # kv_connector_extra_config keys twinserve reads, with their defaults.
 EXTRA_CONFIG_DEFAULTS: Mapping[str, float] = {"transfer_timeout_s": 30.0}
+# The OffloadingConnector's keys (vLLM's): its size in host blocks (core.kv_offload checks it).
+OFFLOADING_EXTRA_KEYS = ("num_cpu_blocks",)
 
 
 def _new_engine_id() -> str:
@@ -70,11 +72,12 @@ class KVTransferConfig:
         if not isinstance(extra, Mapping):
             raise ValueError("kv_transfer_config.kv_connector_extra_config must be a mapping, "
                              f"got {type(extra).__name__}.")
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_DEFAULTS))
+        known = (OFFLOADING_EXTRA_KEYS if self.kv_connector == "OffloadingConnector"
+                 else tuple(EXTRA_CONFIG_DEFAULTS))
+        unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key(s) "
-                             f"{', '.join(map(str, unknown))} (known: "
-                             f"{', '.join(EXTRA_CONFIG_DEFAULTS)}).")
+                             f"{', '.join(map(str, unknown))} (known: {', '.join(known)}).")
         timeout = extra.get("transfer_timeout_s", EXTRA_CONFIG_DEFAULTS["transfer_timeout_s"])
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError("kv_transfer_config.kv_connector_extra_config.transfer_timeout_s "

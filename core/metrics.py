@@ -17,6 +17,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from twinserve.core.kv_offload import OffloadingStats
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
@@ -221,6 +222,20 @@ def speculation_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
             "spec_num_accepted_tokens": accepted,
             "spec_draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
             "spec_mean_acceptance_length": 1.0 + accepted / drafts}
+
+
+def kv_offload_summary(stats: Sequence[OffloadingStats]) -> dict[str, Any]:
+    """The host KV tier's figures over the run, summed over replicas: vLLM's external prefix
+    cache queries and hits (prompt tokens looked up in host, and found there) and their ratio,
+    and the blocks the tier stored, loaded and evicted. ``prefix_cache_hit_rate`` counts the
+    device's hits only; a host hit is counted here."""
+    queries = sum(s.external_prefix_cache_queries for s in stats)
+    hits = sum(s.external_prefix_cache_hits for s in stats)
+    return {"external_prefix_cache_queries": queries, "external_prefix_cache_hits": hits,
+            "external_prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "kv_offload_blocks_stored": sum(s.num_blocks_stored for s in stats),
+            "kv_offload_blocks_loaded": sum(s.num_blocks_loaded for s in stats),
+            "kv_offload_blocks_evicted": sum(s.num_blocks_evicted for s in stats)}
 
 
 def peak_output_throughput(records: Sequence[RequestRecord]) -> float:

@@ -103,6 +103,9 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] | None = None
     num_prefill_tokens: int = 0  # prompt tokens not yet computed (``Scheduler.num_prefill_tokens``)
+    # A connector's hits (the host KV tier), vLLM's external prefix cache counters, in tokens.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -149,6 +152,9 @@ class Scheduler:
         # requests hold their blocks in ``sending`` until the consumer has read them.
         self.connector = kv_connector
         self.waiting_for_remote: dict[str, RemoteLoad] = {}
+        # Waiting requests whose load finished: they hold its blocks until admitted, so a
+        # request ahead of them that lacks blocks lets them go first (else neither moves).
+        self._holding_loaded: set[str] = set()
         self.sending: dict[str, Request] = {}
         self._outgoing_params: dict[str, dict[str, Any]] = {}  # producer params, until output
         # Ids of requests in a batch still in the pipeline (the engine's batch queue under
@@ -311,7 +317,7 @@ class Scheduler:
                               self.spec_num_drafts, self.spec_num_draft_tokens,
                               self.spec_num_accepted_tokens,
                               list(self.spec_num_accepted_tokens_per_pos),
-                              self.num_prefill_tokens)
+                              self.num_prefill_tokens, *self._external_prefix_cache())
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -320,6 +326,13 @@ class Scheduler:
         return self.num_queued_tokens + sum(
             r.num_prompt_tokens - r.num_computed_tokens for r in self.running
             if r.num_computed_tokens < r.num_prompt_tokens)
+
+    def _external_prefix_cache(self) -> tuple[int, int]:
+        """A connector's external prefix cache queries and hits (0, 0 for one that keeps none)."""
+        stats = getattr(self.connector, "stats", None)
+        if stats is None:
+            return 0, 0
+        return stats.external_prefix_cache_queries, stats.external_prefix_cache_hits
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -530,8 +543,7 @@ class Scheduler:
                         return
                     skipped.append(policy.pop())
                     continue
-                if self.connector is not None and request.kv_transfer_params is not None \
-                        and not request.num_computed_tokens:
+                if self.connector is not None and not request.num_computed_tokens:
                     loading = self._start_remote_load(request)
                     if loading is None:  # no room for its blocks or its load: wait
                         return
@@ -540,6 +552,11 @@ class Scheduler:
                 seats = self._seats(request)
                 has_seat = len(self.running) + reserved + seats <= cfg.max_num_seqs
                 n = self._admit_blocks(request, budget) if has_seat else None
+                if n is None and has_seat and self._holding_loaded and \
+                        request.request_id not in self._holding_loaded and \
+                        len(skipped) < cfg.max_num_seqs:  # loaded requests behind it go first
+                    skipped.append(policy.pop())
+                    continue
                 if n is None:  # no seat or no blocks: the policy may evict someone it outranks
                     freed = self._preempt_for(request, out, now)
                     if freed is None:
@@ -557,6 +574,7 @@ class Scheduler:
                 policy.unpop(request)
 
     def _admit(self, request: Request, now: float) -> None:
+        self._holding_loaded.discard(request.request_id)
         first_time = request.first_scheduled_time is None
         if first_time:
             request.first_scheduled_time = now
@@ -668,6 +686,7 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
         request.status = RequestStatus.WAITING
         self.policy.unpop(request)
+        self._holding_loaded.add(request.request_id)
 
     def _fail_load(self, load: RemoteLoad, now: float) -> EngineCoreOutput | None:
         """``recompute``: the request frees its blocks and computes its prompt here; ``fail``:
@@ -1028,6 +1047,7 @@ class Scheduler:
         return outs
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        self._holding_loaded.discard(request.request_id)
         if request.lora is not None and self.loras is not None and request.status == _RUNNING:
             self.loras.release(request.lora)
         request.status = status

@@ -44,6 +44,11 @@ _HELP: dict[str, str] = {
     "kv_cache_memory_bytes": "bytes of KV cache (default: on a CPU 2 GiB; on a GPU what "
                              "gpu_memory_utilization leaves)",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
+    "kv_offloading_size": "GiB of host memory for a KV tier below the device cache (vLLM's "
+                          "OffloadingConnector): evicted prefixes and preempted requests "
+                          "reload from it instead of recomputing",
+    "kv_offloading_backend": "the host KV tier's implementation: native (vLLM's "
+                             "OffloadingConnector; lmcache is not implemented)",
     "num_gpu_blocks_override": "number of KV blocks, instead of sizing them from memory",
     "max_waiting_requests": "requests queued beyond the running batch's free seats, past which "
                             "new ones are refused (server: 4 x max_num_seqs; offline: unbounded)",
@@ -148,7 +153,8 @@ def _field_type(name: str) -> type:
              "distributed_executor_backend": str, "quantization": str, "kv_cache_dtype": str,
              "cpu_attention": str, "quant_activations": str, "data_parallel_backend": str,
              "router": str,
-             "gpu_memory_utilization": float, "swap_space": float}
+             "kv_offloading_backend": str,
+             "gpu_memory_utilization": float, "swap_space": float, "kv_offloading_size": float}
     return value.get(name, int)
 
 

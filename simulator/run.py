@@ -18,7 +18,8 @@ from tqdm import tqdm
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_engine_config
 from twinserve.core.kernel_settings import kernel_settings_mismatch
-from twinserve.core.metrics import RequestRecord, StepLog, summarize
+from twinserve.core.kv_offload import OFFLOADING_CONNECTOR, OffloadingConnectorScheduler
+from twinserve.core.metrics import RequestRecord, StepLog, kv_offload_summary, summarize
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import LazyPrompt, Request
@@ -43,7 +44,8 @@ from twinserve.simulator.engine import (
     arrival_process,
     engine_process,
 )
-from twinserve.simulator.hardware import load_hardware
+from twinserve.simulator.hardware import HardwareProfile, load_hardware
+from twinserve.simulator.kv_offload import TwinOffloadingWorker, host_link_of, offloading_engine_process
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.pipeline import PipelineCost, pipelined_engine_process
@@ -335,8 +337,11 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
         horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
                     if fleet and decode_runs else None)
+        tiers = [_host_tier(engine_config, block_size, cost.hardware)
+                 for _ in range(cfg.num_replicas)]
         replicas = [Replica(i, StepDriver(Scheduler(sched_cfg, policy, stream_outputs=False,
-                                                    speculation=speculation_policy_for(spec_cfg)),
+                                                    speculation=speculation_policy_for(spec_cfg),
+                                                    kv_connector=tiers[i][0]),
                                           recorder, i), model,
                             SyntheticTokens(AcceptanceModel.of(spec_cfg, cfg.engine.seed + i,
                                                                acceptance)),
@@ -347,9 +352,12 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
         # the engine's batch queue (pp batches in flight), where the engine runs one
         queued = pipe if spec_cfg is None and lora is None else None
-        for replica in replicas:
-            env.process(engine_process(env, replica) if queued is None
-                        else pipelined_engine_process(env, replica, queued))
+        for replica, (_, worker) in zip(replicas, tiers):
+            if worker is not None:
+                env.process(offloading_engine_process(env, replica, worker))
+            else:
+                env.process(engine_process(env, replica) if queued is None
+                            else pipelined_engine_process(env, replica, queued))
         if stop_when is not None:
             recorder.on_finish = _stopper(env, recorder, stop_when, recorder.on_finish)
         env.run()
@@ -364,6 +372,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     summary = summarize(records, duration_s=duration or None)
     if lora is not None:
         summary.update(lora_summary(records, trace, tallies))
+    if tiers[0][0] is not None:
+        summary.update(kv_offload_summary([t[0].stats for t in tiers]))  # type: ignore[union-attr]
     gap = roofline_caveat() if isinstance(cost, CostModel) else ""
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
                      time.perf_counter() - t0, cost.describe(), gap, _kernel_mismatch(cost, cfg))
@@ -384,7 +394,8 @@ def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
     args = cfg.engine
     for name, value in (("enable_lora", args.enable_lora),
                         ("speculative_config", args.speculative_config),
-                        ("pipeline_parallel_size", args.pipeline_parallel_size != 1)):
+                        ("pipeline_parallel_size", args.pipeline_parallel_size != 1),
+                        ("kv_offloading_size", args.kv_offloading_size is not None)):
         if value:
             raise ValueError(f"{name} is not supported with a disaggregated fleet yet.")
     spec = load_model_spec(cfg.model)
@@ -406,6 +417,21 @@ def _stopper(env: simpy.Environment, recorder: RunRecorder,
         if not stop.triggered and stop_when(recorder.requests):
             stop.succeed()
     return on_finish
+
+
+def _host_tier(engine_config: EngineConfig, block_size: int, hardware: HardwareProfile,
+               ) -> tuple[OffloadingConnectorScheduler | None, TwinOffloadingWorker | None]:
+    """A replica's host KV tier (``--kv-offloading-size``): its scheduler side and the twin's
+    worker side over the profile's PCIe link; (None, None) without one. Another connector in
+    an aggregated run is refused by name (P/D runs take prefill/decode instances)."""
+    kv_transfer = engine_config.kv_transfer_config
+    if kv_transfer is None:
+        return None, None
+    if kv_transfer.kv_connector != OFFLOADING_CONNECTOR:
+        raise ValueError(f"kv_transfer_config.kv_connector {kv_transfer.kv_connector!r} in the twin "
+                         "needs a disaggregated fleet (prefill and decode instances).")
+    return (OffloadingConnectorScheduler(kv_transfer, block_size),
+            TwinOffloadingWorker(host_link_of(hardware), engine_config.block_bytes))
 
 
 def _kernel_mismatch(cost: DeviceCostModel, cfg: SimConfig) -> str:

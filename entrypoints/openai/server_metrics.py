@@ -121,7 +121,13 @@ class SchedulerCollector(Collector):
                      "prefix_cache_queries"),
                     ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
                      "prefix_cache_hits"),
-                    ("vllm:num_preemptions", "Preemptions.", "num_preemptions"))
+                    ("vllm:num_preemptions", "Preemptions.", "num_preemptions"),
+                    ("vllm:external_prefix_cache_queries",
+                     "External prefix-cache queries (the host KV tier), in tokens.",
+                     "external_prefix_cache_queries"),
+                    ("vllm:external_prefix_cache_hits",
+                     "External prefix-cache hits (the host KV tier), in tokens.",
+                     "external_prefix_cache_hits"))
         for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, attr in table:
                 family = kind(name, doc, labels=names)

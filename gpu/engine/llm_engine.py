@@ -64,7 +64,7 @@ class LLMEngine:
         self.engine_config = self.runner.engine_config
         self.config = self.engine_config.scheduler
         self.policy = get_policy(args.scheduling_policy, **args.policy_options)
-        kv_transfer = args.kv_transfer_config
+        kv_transfer = self.engine_config.kv_transfer_config  # (kv_offloading_size resolved)
         self.scheduler = Scheduler(
             self.config, self.policy, speculation=speculation_policy(args, self.config),
             kv_connector=None if kv_transfer is None else

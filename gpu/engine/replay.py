@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from twinserve.core.errors import EngineOverloaded
-from twinserve.core.metrics import RequestRecord, StepRecord, summarize
+from twinserve.core.kv_offload import OffloadingStats
+from twinserve.core.metrics import RequestRecord, StepRecord, kv_offload_summary, summarize
 from twinserve.core.request import Request
 from twinserve.core.run_dir import write_run
 from twinserve.core.sampling_params import SamplingParams
@@ -104,6 +105,9 @@ def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool
              for s, m in zip(steps, recorder.steps)]
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
+    tier = getattr(engine.scheduler.connector, "stats", None)
+    if isinstance(tier, OffloadingStats):  # the host tier's counts (since the engine started)
+        summary.update(kv_offload_summary([tier]))
     return RealReplay(records, steps, recorder.steps, summary, time.perf_counter() - t_wall)
 
 

@@ -17,6 +17,7 @@ from twinserve.core.engine_config import (
     kv_cache_layout_of,
     resolve_engine_config,
 )
+from twinserve.core.kv_offload import OFFLOADING_CONNECTOR
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from twinserve.core.quantization import resolve_quantization
@@ -25,7 +26,9 @@ from twinserve.gpu.distributed.pipeline import PendingLogits
 from twinserve.gpu.engine.tokenizer import Tokenizer
 from twinserve.gpu.executor.shard_worker import kv_cache_spec
 from twinserve.gpu.executor.tp_driver import TPDriver, check_tensor_parallel
-from twinserve.gpu.kv_transfer.peer_connector import connector_for_runner
+from twinserve.gpu.kv_offload import offloading_worker_for
+from twinserve.gpu.kv_offload.worker import OffloadingConnectorWorker
+from twinserve.gpu.kv_transfer.peer_connector import PeerConnectorWorker, connector_for_runner
 from twinserve.gpu.layers.pooler import pooled_state
 from twinserve.gpu.lora.lora_manager import LoRAManager
 from twinserve.gpu.measurement.gemm_tuning import tune_cpu_gemm
@@ -165,15 +168,23 @@ class ModelRunner:
         # the scheduler's KV cache groups (one unless a mixed model runs the hybrid layout)
         self.kv_layout = kv_cache_layout_of(self.config, args.disable_sliding_window,
                                             bool(sched.kv_cache_group_windows))
+        # the Peer connector's worker owns the device blocks (a shared region), so it comes
+        # first; the host tier's works over the cache once made
+        kv_transfer = resolved.kv_transfer_config
+        host_tier = kv_transfer is not None and kv_transfer.kv_connector == OFFLOADING_CONNECTOR
+        self.kv_connector: PeerConnectorWorker | OffloadingConnectorWorker | None
         self.kv_connector = connector_for_runner(  # (gpu/kv_transfer: P/D's worker side)
-            args.kv_transfer_config, spec, self.kv_layout.slots_per_block, sched.num_gpu_blocks,
+            None if host_tier else kv_transfer, spec, self.kv_layout.slots_per_block, sched.num_gpu_blocks,
             self.device, {"tensor or pipeline parallelism": self.tp is not None,
                           "a hybrid KV cache layout": self.kv_layout.num_groups > 1})
         self.kv_cache = KVCache(spec, sched.num_gpu_blocks, sched.num_cpu_blocks, self.device,
                                 self.kv_layout if args.pipeline_parallel_size == 1 else None,
-                                self.kv_connector and self.kv_connector.region.slots())
+                                self.kv_connector and self.kv_connector.region.slots())  # type: ignore[union-attr]
         if self.tp is not None:
             self.tp.allocate_kv_cache(sched.num_gpu_blocks, sched.num_cpu_blocks)
+        if host_tier:
+            self.kv_connector = offloading_worker_for(  # (gpu/kv_offload: the host tier)
+                kv_transfer, self.kv_cache, {"tensor or pipeline parallelism": self.tp is not None})
         self.num_gpu_blocks = self.kv_cache.num_gpu_blocks
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self.lora: LoRAManager | None = None
@@ -208,7 +219,7 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         connector, meta = self.kv_connector, scheduler_output.kv_connector_metadata
-        if connector is not None and meta is not None:  # loads run beside the forward pass
+        if connector is not None and meta is not None:  # loads before/beside, stores after
             connector.start(meta)
             out = self._execute(scheduler_output, None)
             out.kv_connector_output = connector.get_finished()
@@ -221,7 +232,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Ends the tensor-parallel workers (also done at exit and when the runner is dropped)
-        and the KV connector's threads."""
+        and the KV connector's threads or copies."""
         if getattr(self, "kv_connector", None) is not None:  # (None: no connector, or not loaded)
             self.kv_connector.close()
         if self.tp is not None:

@@ -302,7 +302,7 @@ def resolve_kv_transfer_config(args: EngineArgs, block_bytes: int,
     """``args.kv_transfer_config``, or the host tier ``kv_offloading_size`` asks for: as vLLM,
     the shortcut sets the OffloadingConnector, here with its size in host blocks."""
     if args.kv_offloading_size is None:
-        return args.kv_transfer_config
+        return KVTransferConfig.of(args.kv_transfer_config)  # normalized already: as typed
     blockers = [name for name, on in (
         ("a sliding window", scheduler.sliding_window is not None),
         ("a hybrid KV cache layout", bool(scheduler.kv_cache_group_windows)),

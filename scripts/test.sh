@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need, then lints (ruff), type-checks core/, policies/, simulator/,
-# reports/, traces/, fidelity/, routers/, spec_decode/ and the engine's orchestration, gpu/engine/ (mypy), and runs the
-# whole suite.
+# reports/, traces/, fidelity/, routers/, spec_decode/, planner/ and the engine's orchestration,
+# gpu/engine/ (mypy), and runs the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -16,5 +16,5 @@ ln -s "$ROOT" "$TYPES/twinserve"
 (cd "$TYPES" && "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TYPES/.cache" \
     -p twinserve.core -p twinserve.policies -p twinserve.simulator -p twinserve.reports \
     -p twinserve.traces -p twinserve.gpu.engine -p twinserve.fidelity -p twinserve.routers \
-    -p twinserve.spec_decode)
+    -p twinserve.spec_decode -p twinserve.planner)
 "$PY" -m pytest -q "$@"

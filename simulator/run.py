@@ -392,12 +392,12 @@ def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
         if value is not None:
             raise ValueError(f"{name} is not supported with a disaggregated fleet yet.")
     args = cfg.engine
-    for name, value in (("enable_lora", args.enable_lora),
-                        ("speculative_config", args.speculative_config),
+    for arg, is_set in (("enable_lora", bool(args.enable_lora)),
+                        ("speculative_config", args.speculative_config is not None),
                         ("pipeline_parallel_size", args.pipeline_parallel_size != 1),
                         ("kv_offloading_size", args.kv_offloading_size is not None)):
-        if value:
-            raise ValueError(f"{name} is not supported with a disaggregated fleet yet.")
+        if is_set:
+            raise ValueError(f"{arg} is not supported with a disaggregated fleet yet.")
     spec = load_model_spec(cfg.model)
     requests = _engine_requests(trace, spec.vocab_size, args.block_size, None, lazy_prompts)
     return simulate_disaggregated(cfg, trace, requests)

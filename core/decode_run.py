@@ -306,7 +306,8 @@ class DecodeRun:
                             return None
                         new_hashes += update_block_hashes(request, bs, stop * bs)[first_new:stop]
                     new_full.append((table, first_new, stop, num_full))
-        if new_hashes and (len(set(new_hashes)) != len(new_hashes)
+        # (registrations here record no KV events: with a router reading them, the reference)
+        if new_hashes and (kv.pool.events is not None or len(set(new_hashes)) != len(new_hashes)
                            or not kv.pool.cached.keys().isdisjoint(new_hashes)):
             return None
         pool = kv.pool

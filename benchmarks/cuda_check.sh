@@ -14,7 +14,8 @@
 #              tokens on CUDA (every scheduling regime, CUDA graphs against eager) against HF
 #              transformers (through the tensor-parallel layers at TP=1); speculative decoding's
 #              verification batches (Triton attention, 1 + k queries per sequence) and greedy
-#              tokens with drafts equal to those without, CUDA graphs on and off;
+#              tokens with drafts equal to those without, CUDA graphs on and off, and uniform
+#              verifications (every sequence 1 + k queries) replaying their (batch, k) graphs;
 #   calibrate  `twinserve calibrate --device cuda` on that model: the twin's profile of this GPU
 #              ($OUT/gpu-calibrated.json, the CPU calibration's format) and its samples;
 #   simulate   a simulation that loads that profile;

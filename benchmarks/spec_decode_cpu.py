@@ -10,8 +10,10 @@ the methods differ only in speculation. Each round runs every prompt once per me
 request at a time, the methods' order rotating from round to round (interleaved rounds); the
 figures are the medians over rounds of each method's tokens per second, its ratio to none, and
 the mean acceptance length (1 + accepted / drafted proposals, vLLM's definition) from the
-scheduler's totals. Greedy outputs with speculation are checked equal to those without in every
-round.
+scheduler's totals, and the median whole step that verified drafts against none's median
+decode step (``verify/decode``: what a verification costs beside the decode it replaces; the
+speedup is about the acceptance length over it, less the steps where no drafts were found).
+Greedy outputs with speculation are checked equal to those without in every round.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass, field
+
+from twinserve.core.outputs import SchedulerOutput
 
 PROMPTS = [
     "Rename the variable `total` to `running_sum` in this Python function and return the whole "
@@ -53,6 +58,45 @@ def _engines(methods: list[str], k: int, policy: str, dtype: str) -> dict:
     return engines
 
 
+@dataclass(slots=True)
+class StepTimes:
+    """Whole engine steps (schedule, forward pass, sampling, proposing, output processing) of
+    one engine, by kind: ``verify`` steps checked drafts, ``decode`` steps decoded one token
+    (no prompt tokens, no drafts); steps with prompt tokens are left out."""
+
+    verify: list[float] = field(default_factory=list)
+    decode: list[float] = field(default_factory=list)
+
+    def record(self, out: SchedulerOutput, seconds: float) -> None:
+        if out.num_spec_tokens:
+            self.verify.append(seconds)
+        elif out.scheduled and not out.num_prefill_tokens:
+            self.decode.append(seconds)
+
+
+def _timed(engine) -> StepTimes:
+    """Records each step of ``engine`` by the kind its runner was handed (``StepTimes``)."""
+    times = StepTimes()
+    runner, step = engine.runner, engine.step
+    last: list[SchedulerOutput] = []
+    execute = runner.execute
+
+    def timed_execute(out: SchedulerOutput):
+        last[:] = [out]
+        return execute(out)
+
+    def timed_step():
+        last.clear()
+        t0 = time.perf_counter()
+        results = step()
+        if last:
+            times.record(last[0], time.perf_counter() - t0)
+        return results
+    runner.execute = timed_execute
+    engine.step = timed_step
+    return times
+
+
 def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """(seconds, outputs) of the prompts one at a time."""
     from twinserve.core.sampling_params import SamplingParams
@@ -78,6 +122,10 @@ def _acceptance_length(engine, before: tuple[int, int]) -> float:
     return 1.0 + accepted / drafts if drafts else 1.0
 
 
+def _median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3 if seconds else float("nan")
+
+
 def _spec_totals(engine) -> tuple[int, int]:
     sched = engine.scheduler
     return sched.spec_num_drafts, sched.spec_num_accepted_tokens
@@ -99,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [encode_chat(tok, [{"role": "user", "content": text}], ChatTemplateOptions()).token_ids
                for text in PROMPTS[:args.prompts]]
     _run(engines["none"], prompts[:1], 8)  # warm-up
+    times = {m: _timed(engine) for m, engine in engines.items()}
     rates: dict[str, list[float]] = {m: [] for m in methods}
     lengths: dict[str, list[float]] = {m: [] for m in methods}
     equal: dict[str, bool] = {m: True for m in methods}
@@ -118,10 +167,16 @@ def main(argv: list[str] | None = None) -> None:
     base = statistics.median(rates["none"])
     print(f"\nbatch 1, {len(prompts)} prompts x up to {args.max_tokens} tokens, greedy, "
           f"k={args.num_speculative_tokens}, policy {args.policy}, {args.rounds} rounds (medians)")
-    print(f"{'method':8} {'tok/s':>8} {'vs none':>8} {'accept len':>11}")
+    decode_ms = _median_ms(times["none"].decode)
+    print(f"{'method':8} {'tok/s':>8} {'vs none':>8} {'accept len':>11} {'step ms':>8} "
+          f"{'verify/decode':>14}")
     for m in methods:
         rate = statistics.median(rates[m])
-        print(f"{m:8} {rate:8.1f} {rate / base:7.2f}x {statistics.median(lengths[m]):11.2f}")
+        step_ms = _median_ms(times[m].verify) if m != "none" else decode_ms
+        print(f"{m:8} {rate:8.1f} {rate / base:7.2f}x {statistics.median(lengths[m]):11.2f} "
+              f"{step_ms:8.2f} {step_ms / decode_ms:14.3f}")
+    print("step ms: the median step that verified drafts (none: that decoded one token); "
+          "verify/decode: its ratio to none's")
     for m in methods[1:]:  # the same greedy tokens with and without speculation
         print(f"{m}: outputs equal to none's in every round: "
               f"{equal[m] and seen[m] == seen['none']}")

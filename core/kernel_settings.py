@@ -25,6 +25,21 @@ from typing import Any
 
 CPU_ATTENTION_CHOICES = ("native", "torch")
 QUANT_ACTIVATION_CHOICES = ("int8", "fp32")
+# chunks that the native CPU attention serves as decode rows (``rows_as_decodes``)
+MAX_ROWS_AS_DECODES = 17
+MAX_ROWS_AS_DECODES_AREA = 4096
+
+
+def rows_as_decodes(q_len: int, seq_len: int, window: int | None = None) -> bool:
+    """Whether ``cpu_attention`` ``native`` serves a sequence's chunk of ``q_len`` queries
+    ending at ``seq_len`` positions as ``q_len`` rows of the decode kernel (row i seeing
+    ``seq_len - q_len + 1 + i`` positions: the causal mask by construction) rather than as one
+    masked chunk. Each row re-reads the context's KV but skips the chunk's gathered copy, mask
+    and SDPA call, whose fixed cost dominates short chunks: a verification's 1 + k queries over
+    a short context (docs/cpu-backend.md, "Attention"). The twin prices such a verification as
+    the rows it runs (``simulator/spec_cost.py``)."""
+    visible = seq_len if window is None else min(seq_len, window)
+    return q_len <= MAX_ROWS_AS_DECODES and q_len * visible <= MAX_ROWS_AS_DECODES_AREA
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,7 +329,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                                        cfg.engine.pipeline_parallel_size,
                                        cfg.engine.tensor_parallel_size)
         spec_cfg = cfg.engine.speculation
-        step = with_speculation(step, cost, spec_cfg)
+        step = with_speculation(step, cost, spec_cfg, cfg.engine.kernel_settings())
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas

@@ -2,15 +2,22 @@
 kernels run it, and the proposer's time.
 
 Verification. The scheduler counts an entry verifying k drafts as one decode of 1 + k tokens
-(``core/outputs.py``), but both real backends run it as a prefill chunk after a prefix: the CPU
-attention plans every entry of more than one query as a masked chunk over its gathered context,
-and the Triton path sends any step with such an entry to its prefill/extend kernel. The step is
-therefore timed as the inner model would time it with each verification recounted as a chunk of
-1 + k tokens after a prefix of ``start`` (``verification_as_chunks``: the GEMMs still see every
-token and attention every context, the KV of the context is read once, not 1 + k times), plus
-the ``lm_head`` and sampling of its k extra rows (the engine samples all 1 + k positions;
-``sample_row_s`` each: the roofline's ``lm_head`` product at the profile's compute rate plus its
-per-sequence overhead, whatever the inner model, since fits hold no per-row term).
+(``core/outputs.py``); the backends run it in one of two ways, and the step is timed as the
+inner model would time what runs (``recount_verifications``):
+- on a CPU with the native attention (the engine's default), a verification over a short
+  context runs as 1 + k rows of the decode kernel (``core.kernel_settings.rows_as_decodes``):
+  the scheduler's decode counting already holds the tokens and each row's context, and the k
+  extra rows are counted as decode sequences (each pays its attention call, ``lm_head`` row
+  and sampling, as a fitted profile's per-decode term measured them);
+- otherwise (the Triton extend kernel on CUDA, a long context on the CPU) it is a prefill chunk
+  of 1 + k tokens after a prefix of ``start``: the GEMMs see every token and attention every
+  context, the KV of the context is read once, and the ``lm_head`` and sampling of the k extra
+  rows are added (``sample_row_s`` each: the roofline's ``lm_head`` product at the profile's
+  compute rate plus its per-sequence overhead, whatever the inner model, since fits hold no
+  per-row term for chunks).
+Either way the verified tokens count in the step's token total, so a fitted profile prices them
+on its token curve, as prompt tokens: at a batch where the weight products are compute-bound,
+k drafts per sequence cost what k prompt tokens per sequence cost.
 
 Proposer, charged in the step whose entries ask for drafts (``num_draft_next > 0``: the backend
 proposes after sampling, before the step returns):
@@ -26,10 +33,11 @@ proposes after sampling, before the step returns):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from twinserve.core.kernel_settings import KernelSettings, rows_as_decodes
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.speculative_config import SpeculativeConfig
 from twinserve.simulator.cost_model import DeviceCostModel, make_cost_model
@@ -45,33 +53,55 @@ LOOKUP_COSTS: Mapping[str, tuple[float, float]] = MappingProxyType({
 })
 
 
-def verification_as_chunks(out: SchedulerOutput) -> SchedulerOutput:
-    """``out`` with every verification entry counted as a prefill chunk after its prefix (the
-    scheduler's own counting of chunks, ``Scheduler._count``); ``out`` itself when it verifies
-    nothing. The copy shares ``out``'s lists."""
+RowsRule = Callable[[int, int], bool]  # (queries, context after them) -> run as decode rows
+
+
+def recount_verifications(out: SchedulerOutput,
+                          as_rows: RowsRule | None = None) -> tuple[SchedulerOutput, int]:
+    """``out`` with every verification entry counted as its backend runs it, and how many of
+    the verified rows are left to charge as extra sampled rows.
+
+    An entry for which ``as_rows(1 + k, start + 1 + k)`` holds (the CPU's native attention,
+    ``core.kernel_settings.rows_as_decodes``) runs as 1 + k decode rows: the scheduler's decode
+    counting already holds its tokens and each row's context, so only the k extra sequences are
+    added (each row then pays a decode sequence's per-row terms: its attention call, ``lm_head``
+    row and sampling). Any other is a prefill chunk after its prefix (the scheduler's own
+    counting of chunks, ``Scheduler._count``), whose k extra sampled rows are returned. ``out``
+    itself when it verifies nothing; a copy shares ``out``'s lists."""
     if not out.num_spec_tokens:
-        return out
+        return out, 0
     new = dataclasses.replace(out)
-    longest = 0
+    longest, sampled = 0, 0
     for sr in out.scheduled:
         n, start = sr.num_new_tokens, sr.start
         if not sr.spec_token_ids:
             if n == 1 and start >= sr.request.num_prompt_tokens:
                 longest = max(longest, start + 1)
             continue
+        new.num_spec_tokens -= n - 1
+        if as_rows is not None and as_rows(n, start + n):
+            new.num_decode_seqs += n - 1
+            longest = max(longest, start + n)
+            continue
         context = n * start + n * (n + 1) // 2
         new.num_decode_seqs -= 1
         new.num_decode_tokens -= n
         new.sum_decode_context_tokens -= context
-        new.num_spec_tokens -= n - 1
         new.num_prefill_seqs += 1
         new.num_prefill_tokens += n
         if start:
             new.num_prefix_chunks += 1
             new.sum_prefix_context_tokens += start
         new.sum_prefill_attention_area += n * (start + n)
+        sampled += n - 1
     new.max_decode_context = longest
-    return new
+    return new, sampled
+
+
+def verification_as_chunks(out: SchedulerOutput) -> SchedulerOutput:
+    """``out`` with every verification entry counted as a prefill chunk after its prefix
+    (``recount_verifications`` without decode rows: the Triton extend kernel's way)."""
+    return recount_verifications(out)[0]
 
 
 def sample_row_seconds(cost: DeviceCostModel) -> float:
@@ -146,15 +176,18 @@ def proposer_cost_for(spec: SpeculativeConfig, cost: DeviceCostModel) -> Propose
 
 @dataclass(frozen=True, slots=True)
 class WithSpeculation:
-    """A step-time model (``inner``) whose steps verify drafts and propose new ones."""
+    """A step-time model (``inner``) whose steps verify drafts and propose new ones;
+    ``as_rows``: which verifications run as decode rows (``recount_verifications``)."""
 
     inner: StepTimeModel
     proposer: ProposerCost
     sample_row_s: float
+    as_rows: RowsRule | None = None
 
     def step_time(self, out: SchedulerOutput) -> float:
-        seconds = self.inner.step_time(verification_as_chunks(out))
-        return seconds + out.num_spec_tokens * self.sample_row_s + self.proposer.time(out)
+        recounted, sampled = recount_verifications(out, self.as_rows)
+        return (self.inner.step_time(recounted) + sampled * self.sample_row_s
+                + self.proposer.time(out))
 
     def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
                         max_steps: int) -> list[float] | None:
@@ -162,9 +195,20 @@ class WithSpeculation:
         return None
 
 
+def rows_rule_for(cost: DeviceCostModel, kernels: KernelSettings | None) -> RowsRule | None:
+    """The CPU's rule when ``cost`` prices a CPU whose attention is the native kernel (the
+    engine's default); None (chunks) on a GPU, whose Triton extend kernel takes a
+    verification as one chunk."""
+    native = kernels is None or kernels.cpu_attention == "native"
+    return rows_as_decodes if cost.hardware.device_type == "cpu" and native else None
+
+
 def with_speculation(inner: StepTimeModel, cost: DeviceCostModel,
-                     spec: SpeculativeConfig | None) -> StepTimeModel:
-    """``inner`` charged for ``spec``'s verification and proposer (``inner`` itself when off)."""
+                     spec: SpeculativeConfig | None,
+                     kernels: KernelSettings | None = None) -> StepTimeModel:
+    """``inner`` charged for ``spec``'s verification and proposer (``inner`` itself when off),
+    verifications counted as ``kernels`` run them on ``cost``'s device."""
     if spec is None:
         return inner
-    return WithSpeculation(inner, proposer_cost_for(spec, cost), sample_row_seconds(cost))
+    return WithSpeculation(inner, proposer_cost_for(spec, cost), sample_row_seconds(cost),
+                           rows_rule_for(cost, kernels))

@@ -12,10 +12,12 @@ its i-th query sits at position ``seq_lens[b] - q_len_b + i`` (causal, it sees p
 Sequences with one query token (decodes) are batched together. With the native kernel
 (``cpu_decode_kernel.py``) they attend straight from the paged cache; without it their KV is
 gathered at once, padded to the longest context and masked, then one grouped matmul serves all of
-them (no KV-head expansion: queries are grouped by KV head instead). Longer queries (prefills) run per
-sequence with SDPA
-(4-D inputs + ``enable_gqa`` take torch's CPU flash kernel, faster than 3-D ones). At decode shapes
-the grouped matmul beat SDPA ``enable_gqa``; the figures are in docs/cpu-backend.md, "Attention".
+them (no KV-head expansion: queries are grouped by KV head instead). The native kernel also serves
+short chunks (a speculative verification's 1 + k queries) as one decode row per query, each row's
+context ending at its own position (``core.kernel_settings.rows_as_decodes``). Longer queries
+(prefills) run per sequence with SDPA (4-D inputs + ``enable_gqa`` take torch's CPU flash kernel,
+faster than 3-D ones). At decode shapes the grouped matmul beat SDPA ``enable_gqa``; the figures
+are in docs/cpu-backend.md, "Attention".
 
 Sliding window (``window``, Mistral, Gemma's local layers): a query at position p sees keys at
 positions ``(p - window, p]`` only (HF's ``kv_idx > q_idx - sliding_window``), so the gathers start
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from twinserve.core.kernel_settings import rows_as_decodes
 from twinserve.gpu.kernels.cpu_decode_kernel import PagedDecode
 
 
@@ -38,7 +41,8 @@ from twinserve.gpu.kernels.cpu_decode_kernel import PagedDecode
 class AttentionPlan:
     """Per-step gather indices, computed once and reused by every layer.
 
-    ``decode_rows``: query rows of single-token sequences. With a native ``decode_kernel``, their
+    ``decode_rows``: query rows of single-token sequences (with a native ``decode_kernel`` also
+    every row of a short chunk, ``rows_as_decodes``: a verification's 1 + k). With it, their
     ``decode_tables[Bd, M]`` and ``decode_lens[Bd]`` (int32); without, ``decode_slots[Bd, L]``: their
     KV slots, padded, and ``decode_mask[1, Bd, 1, L]``: 0 where visible, -inf on padding.
     ``prefills``: for each multi-token sequence ``(row_start, row_end, context_slots[ctx],
@@ -71,30 +75,31 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     """Gather indices for one step (see ``AttentionPlan``); the mask is float32."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decode = [b for b, q in enumerate(q_lens) if q == 1]
+    decode: list[tuple[int, int, int]] = []  # (query row, sequence, its context) per decode row
     prefills = []
-    for b, q in enumerate(q_lens):
-        if q > 1:
-            first = 0 if window is None else max(0, lens[b] - q - window + 1)
-            pos = torch.arange(first, lens[b])
+    for b, length in enumerate(lens):
+        q = starts[b + 1] - starts[b]
+        if q == 1:
+            decode.append((starts[b], b, length))
+        elif decode_kernel is not None and rows_as_decodes(q, length, window):
+            decode.extend((starts[b] + i, b, length - q + 1 + i) for i in range(q))
+        else:
+            first = 0 if window is None else max(0, length - q - window + 1)
+            pos = torch.arange(first, length)
             slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
             prefills.append((starts[b], starts[b + 1], slots, first))
     if not decode:
         return AttentionPlan(None, None, None, prefills, window=window)
-    idx = torch.tensor(decode, dtype=torch.long)
-    rows = torch.tensor([starts[b] for b in decode], dtype=torch.long)
+    rows, seqs, contexts = (torch.tensor(column, dtype=torch.long) for column in zip(*decode))
     if decode_kernel is not None:
         return AttentionPlan(rows, None, None, prefills, decode_kernel,
-                             block_tables[idx].to(torch.int32), seq_lens[idx].to(torch.int32),
-                             window)
-    ctx = seq_lens[idx].long()
-    first = torch.zeros_like(ctx) if window is None else (ctx - window).clamp_(min=0)
-    visible = ctx - first
+                             block_tables[seqs].to(torch.int32), contexts.to(torch.int32), window)
+    first = torch.zeros_like(contexts) if window is None else (contexts - window).clamp_(min=0)
+    visible = contexts - first
     max_len = int(visible.max())
     pos = first[:, None] + torch.arange(max_len)[None, :]
-    pos = torch.minimum(pos, ctx[:, None] - 1)  # padding re-reads the last slot, masked
-    tables = torch.gather(block_tables[idx].long(), 1, pos // block_size)
+    pos = torch.minimum(pos, contexts[:, None] - 1)  # padding re-reads the last slot, masked
+    tables = torch.gather(block_tables[seqs].long(), 1, pos // block_size)
     slots = tables * block_size + pos % block_size
     mask = torch.zeros(len(decode), max_len)
     mask.masked_fill_(torch.arange(max_len)[None, :] >= visible[:, None], float("-inf"))

@@ -199,8 +199,12 @@ class ModelRunner:
                 self.kv_layout.num_groups == 1 and \
                 getattr(self.model, "quant_embed", None) is None:
             from twinserve.gpu.worker.cuda_graphs import DecodeGraphs
+            # uniform verifications of k_max drafts too (not under tensor parallelism: the
+            # workers' graphs hold decodes only, and collectives must run alike on every rank)
+            verify_ks = ((args.speculation.num_speculative_tokens,)
+                         if args.speculation is not None and self.tp is None else ())
             self._graphs = DecodeGraphs(self.model, self.kv_cache.gpu, self.block_size,
-                                        self.max_model_len)
+                                        self.max_model_len, verify_ks)
         tune_cpu_gemm(self)  # (times decode steps: once the cache and the rest are set up)
 
     def _eos_token_id(self) -> int | None:

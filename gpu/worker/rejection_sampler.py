@@ -75,7 +75,15 @@ def verify(settings: VerifySettings, greedy: bool, drafts: Sequence[int], logits
 
 
 def _strict(drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
-    best = logits.argmax(dim=-1).tolist()
+    return strict_accept(drafts, logits.argmax(dim=-1).tolist())
+
+
+def strict_accept(drafts: Sequence[int], best: Sequence[int]) -> list[int]:
+    """``strict`` from the target's argmax at the 1 + k positions (``best``): the drafts while
+    each equals the argmax before it, then the argmax where the first one differs (or the
+    bonus token)."""
+    if len(best) != len(drafts) + 1:
+        raise ValueError(f"verification needs {len(drafts) + 1} argmax tokens, got {len(best)}.")
     out: list[int] = []
     for draft, target in zip(drafts, best):
         out.append(target)

@@ -21,7 +21,7 @@ from twinserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.worker.logprobs import token_logprobs
-from twinserve.gpu.worker.rejection_sampler import VerifySettings, verify
+from twinserve.gpu.worker.rejection_sampler import VerifySettings, strict_accept, verify
 from twinserve.gpu.worker.sampler import DraftPosition, process_logits, sample, target_probs
 from twinserve.gpu.worker.structured_outputs import StructuredOutputs
 from twinserve.spec_decode.proposer import Proposer
@@ -71,10 +71,26 @@ class SpecStep:
         if plain:
             self._sample_plain([entries[j] for j in plain], logits[[offsets[j] for j in plain]],
                                structured, [generators[j] for j in plain], default_generator, out)
-        for j, sr in enumerate(entries):
-            if sr.spec_token_ids and sr.request.sampling_params.structured_outputs is None:
-                rows = logits[offsets[j]:offsets[j] + counts[j]]
-                self._verify(sr, rows, generators[j] or default_generator, out)
+        verifying = [j for j, sr in enumerate(entries) if sr.spec_token_ids
+                     and sr.request.sampling_params.structured_outputs is None]
+        if not verifying:
+            return
+        if plain:
+            rows = [r for j in verifying for r in range(offsets[j], offsets[j] + counts[j])]
+            raw = logits[rows]
+        else:
+            raw = logits
+        # every verified position's logits processed at once, and one argmax for all of them:
+        # per request, these calls cost more than the whole batch's (the step's Python overhead)
+        positions = [p for j in verifying for p in _draft_positions(entries[j])]
+        processed = process_logits(raw, positions)
+        best = processed.argmax(dim=-1).tolist()
+        row = 0
+        for j in verifying:
+            n = counts[j]
+            self._verify(entries[j], raw[row:row + n], processed[row:row + n], best[row:row + n],
+                         generators[j] or default_generator, out)
+            row += n
 
     def propose(self, scheduled: list[ScheduledRequest], sample_index: list[int],
                 out: ModelRunnerOutput) -> None:
@@ -112,22 +128,34 @@ class SpecStep:
             if logprobs is not None:
                 out.logprobs[request.request_id] = [logprobs]
 
-    def _verify(self, sr: ScheduledRequest, raw: torch.Tensor, generator: torch.Generator,
-                out: ModelRunnerOutput) -> None:
+    def _verify(self, sr: ScheduledRequest, raw: torch.Tensor, logits: torch.Tensor,
+                best: list[int], generator: torch.Generator, out: ModelRunnerOutput) -> None:
+        """One entry: ``raw`` and ``logits`` (processed) at its 1 + k positions, ``best`` their
+        argmax."""
         request = sr.request
         params = request.sampling_params
         drafts = sr.spec_token_ids
-        positions = [DraftPosition(params, request.prompt_token_ids,
-                                   [*request.output_token_ids, *drafts[:j]], request.eos_token_id)
-                     for j in range(len(drafts) + 1)]
-        logits = process_logits(raw, positions)
-        probs = None if params.greedy else target_probs(logits, [params] * len(positions))
-        draft_probs = None
-        if self._probabilistic and not params.greedy:
-            draft_probs = self.proposer.draft_probs(request.request_id, drafts)  # type: ignore[attr-defined]
-        tokens = verify(self.settings, params.greedy, drafts, logits, probs, draft_probs,
-                        generator)
+        if params.greedy and self.settings.method != "synthetic":
+            tokens = strict_accept(drafts, best)
+        else:
+            probs = None if params.greedy else target_probs(logits, [params] * len(best))
+            draft_probs = None
+            if self._probabilistic and not params.greedy:
+                draft_probs = self.proposer.draft_probs(request.request_id, drafts)  # type: ignore[attr-defined]
+            tokens = verify(self.settings, params.greedy, drafts, logits, probs, draft_probs,
+                            generator)
         out.sampled_token_ids[request.request_id] = tokens
         if params.logprobs is not None:
             out.logprobs[request.request_id] = token_logprobs(
                 raw[:len(tokens)], tokens, [params.logprobs] * len(tokens))
+
+
+def _draft_positions(sr: ScheduledRequest) -> list[DraftPosition]:
+    """The request seen from each of its 1 + k positions: penalties, min_tokens and bad words
+    see its output followed by the drafts before the position."""
+    request = sr.request
+    params, prompt, eos = request.sampling_params, request.prompt_token_ids, request.eos_token_id
+    output = list(request.output_token_ids)
+    drafts = sr.spec_token_ids
+    return [DraftPosition(params, prompt, [*output, *drafts[:j]] if j else output, eos)
+            for j in range(len(drafts) + 1)]

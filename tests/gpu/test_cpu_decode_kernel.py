@@ -1,4 +1,5 @@
-"""The native CPU paged decode kernel against the plain-torch path, and its input checks."""
+"""The native CPU paged decode kernel against the plain-torch path, and its input checks; short
+chunks (a verification's 1 + k queries) served as its decode rows."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 
 import pytest
 import torch
+from attention_reference import make_batch, ref_paged_attention
 
+from twinserve.core.kernel_settings import MAX_ROWS_AS_DECODES_AREA, rows_as_decodes
 from twinserve.gpu.kernels.cpu_decode_kernel import build_paged_decode, load_paged_decode
-from twinserve.gpu.layers.attention import paged_attention
+from twinserve.gpu.layers.attention import paged_attention, plan_attention, planned_attention
 from twinserve.gpu.layers.attention_backend import AttentionBackend
 
 
@@ -96,3 +99,25 @@ def test_kernel_is_built_with_openmp(two_torch_threads) -> None:
     thread alone (as it did until this test)."""
     build_paged_decode()
     assert torch.ops.twinserve_cpu.cpu_parallel_threads(64) == 2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_short_chunks_run_as_decode_rows_and_equal_the_reference(dtype, tol):
+    # a decode, a verification of 4 drafts over a short context (decode rows), one over a long
+    # context (a masked chunk), a short fresh prompt (decode rows) and a long one (a chunk)
+    long_context = MAX_ROWS_AS_DECODES_AREA // 5 + 40
+    seq_lens, query_lens = [37, 60, long_context, 9, 40], [1, 5, 5, 9, 40]
+    assert [rows_as_decodes(q, s) for q, s in zip(query_lens, seq_lens)] == [True, True, False,
+                                                                             True, False]
+    batch = make_batch(seq_lens, query_lens, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                       block_size=16, dtype=dtype, seed=3)
+    plan = plan_attention(batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 16,
+                          build_paged_decode())
+    # rows 0 (decode), 1-5 (short verification) and 11-19 (short prompt) in the decode kernel
+    assert plan.decode_rows.tolist() == [0, 1, 2, 3, 4, 5, *range(11, 20)]
+    assert plan.decode_lens.tolist() == [37, 56, 57, 58, 59, 60, *range(1, 10)]
+    assert [(start, end) for start, end, _, _ in plan.prefills] == [(6, 11), (20, 60)]
+    out = planned_attention(batch["query"], batch["key_cache"], batch["value_cache"], plan,
+                            batch["scale"])
+    ref = ref_paged_attention(**batch)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -215,6 +215,31 @@ def test_verification_on_cuda_equals_decoding_without_speculation(tiny_model, en
         assert _decode(runner, params, k=4, rid=name)[0].output_token_ids == expected, name
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_uniform_verifications_replay_cuda_graphs_and_equal_eager(tiny_model):
+    """A runner configured for k = 4 captures (batch size, 5 queries) graphs; the oracle's
+    verifications of 4 drafts replay them, with the tokens of decoding without speculation."""
+    from twinserve.core.engine_args import EngineArgs
+    from twinserve.gpu.worker.model_runner import ModelRunner
+    eargs = EngineArgs(str(tiny_model), dtype="float32", device="cuda", max_model_len=256,
+                       max_num_seqs=8, max_num_batched_tokens=128, kv_cache_memory_bytes=4 << 20,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    runner = ModelRunner(eargs, usage_context="server")
+    graphs = runner._graphs
+    assert graphs is not None and (1, 5) in graphs.graphs and (8, 5) in graphs.graphs
+    params = PARAMS["greedy"]
+    expected = _reference(runner, params)
+    whole = PROMPT + expected
+    replays: list[tuple[int, int] | None] = []
+    run = graphs.run
+    graphs.run = lambda inputs: (replays.append(graphs.key(inputs)), run(inputs))[1]
+    runner.configure_speculation(_Scripted(lambda tokens: whole[len(tokens):]),
+                                 VerifySettings("probabilistic"))
+    assert _decode(runner, params, k=4, rid="graphs")[0].output_token_ids == expected
+    assert (1, 5) in replays
+
+
 def test_bundled_model_greedy_tokens_with_ngram_and_suffix(default_model_dir):
     """The bundled model (fp32) copying its prompt: drafts are accepted, tokens unchanged."""
     from twinserve.core.engine_args import EngineArgs

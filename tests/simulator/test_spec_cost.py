@@ -1,5 +1,6 @@
-"""The twin's charges for speculative decoding: a verification is timed as the chunk the
-engine's kernels run (context read once, 1 + k rows sampled), the proposer's time is added, and
+"""The twin's charges for speculative decoding: a verification is timed as what the engine's
+kernels run (on the CPU's native attention the 1 + k decode rows of a short context, else a chunk
+that reads its context once and samples 1 + k rows), the proposer's time is added, and
 acceptance is drawn per position from given or measured rates."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from twinserve.core.kernel_settings import KernelSettings, rows_as_decodes
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
@@ -21,6 +23,8 @@ from twinserve.simulator.spec_cost import (
     ProposerCost,
     WithSpeculation,
     proposer_cost_for,
+    recount_verifications,
+    rows_rule_for,
     sample_row_seconds,
     verification_as_chunks,
     with_speculation,
@@ -53,6 +57,11 @@ def as_chunk(sr: ScheduledRequest) -> ScheduledRequest:
     return ScheduledRequest(request, sr.start, sr.num_new_tokens, [], True)
 
 
+COUNTS = ("total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
+          "num_decode_seqs", "sum_context_tokens", "sum_decode_context_tokens", "max_decode_context",
+          "num_prefix_chunks", "sum_prefix_context_tokens", "sum_prefill_attention_area")
+
+
 def test_a_verification_is_counted_as_the_chunk_the_kernels_run():
     verify = [entry("a", 300, 4), entry("b", 900, 2)]
     plain = entry("c", 500)
@@ -60,14 +69,41 @@ def test_a_verification_is_counted_as_the_chunk_the_kernels_run():
     assert out.num_decode_seqs == 3 and out.num_spec_tokens == 6
     chunked = verification_as_chunks(out)
     expected = step(*map(as_chunk, verify), plain)
-    for name in ("total_num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens",
-                 "num_prefill_seqs", "num_decode_seqs", "sum_context_tokens",
-                 "sum_decode_context_tokens", "max_decode_context", "num_prefix_chunks",
-                 "sum_prefix_context_tokens", "sum_prefill_attention_area", "num_spec_tokens"):
+    for name in (*COUNTS, "num_spec_tokens"):
         assert getattr(chunked, name) == getattr(expected, name), name
     assert out.num_decode_seqs == 3  # the scheduler's output is left as it was
     plain_only = step(entry("d", 400))
     assert verification_as_chunks(plain_only) is plain_only
+
+
+def test_a_short_cpu_verification_is_counted_as_the_decode_rows_the_kernel_runs():
+    short, long = entry("a", 100, 4), entry("b", 3000, 4)
+    assert rows_as_decodes(5, 105) and not rows_as_decodes(5, 3005)
+    out = step(short, long, entry("c", 500))
+    recounted, sampled = recount_verifications(out, rows_as_decodes)
+    # the short one as five one-token decodes at contexts 100..104, the long one as a chunk
+    rows = [entry(f"a{i}", 100 + i) for i in range(5)]
+    expected = step(*rows, as_chunk(long), entry("c", 500))
+    for name in COUNTS:
+        assert getattr(recounted, name) == getattr(expected, name), name
+    assert sampled == 4  # only the chunk's extra rows are charged as sampled rows
+    assert recount_verifications(out)[1] == 8 and out.num_decode_seqs == 3
+
+
+def test_rows_are_the_cpu_native_attention_s_way_only():
+    cpu = CostModel(load_model_spec("smollm2-135m"), load_hardware("cpu"))
+    assert rows_rule_for(cpu, None) is rows_as_decodes
+    assert rows_rule_for(cpu, KernelSettings()) is rows_as_decodes
+    assert rows_rule_for(cpu, KernelSettings(cpu_attention="torch")) is None
+    assert rows_rule_for(roofline(), KernelSettings()) is None
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    model = with_speculation(cpu, cpu, spec)
+    out = step(entry("a", 100, 4))
+    # five decode rows, nothing charged beside them (the proposer is not asked this step)
+    assert model.step_time(out) == pytest.approx(cpu.step_time(recount_verifications(
+        out, rows_as_decodes)[0]))
+    assert model.step_time(out) != pytest.approx(with_speculation(
+        cpu, cpu, spec, KernelSettings(cpu_attention="torch")).step_time(out))
 
 
 def roofline(hardware: str = "a100-80gb") -> CostModel:

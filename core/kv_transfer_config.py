@@ -8,11 +8,12 @@ process, as in vLLM, so that two engines never share an id by accident.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
+
+from twinserve.core.json_config import JsonConfig
 
 # The connectors twinserve implements (the scheduler sides: ``core.kv_connector``).
 CONNECTORS = ("PeerConnector", "OffloadingConnector")
@@ -32,10 +33,12 @@ def _new_engine_id() -> str:
 
 
 @dataclass(slots=True, frozen=True)
-class KVTransferConfig:
+class KVTransferConfig(JsonConfig):
     """What ``--kv-transfer-config`` asks for. ``kv_role``: a producer runs prefills and keeps
     their blocks published for a reader; a consumer loads a producer's blocks before decoding;
     ``kv_both`` does either, per request (``kv_transfer_params`` decide)."""
+
+    CONFIG_NAME: ClassVar[str] = "kv_transfer_config"
 
     kv_connector: str = "PeerConnector"
     kv_role: str = "kv_both"
@@ -108,23 +111,6 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(map(str, unknown))} "
                              f"(known: {', '.join(sorted(known))}).")
         return cls(**data)
-
-    @classmethod
-    def from_json(cls, text: str) -> KVTransferConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
-
-    @classmethod
-    def of(cls, value: KVTransferConfig | Mapping[str, Any] | str | None) -> KVTransferConfig | None:
-        """A config from what a user may pass (the object, a mapping, JSON text or None)."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            return cls.from_json(value)
-        return cls.from_dict(value)
 
     def to_dict(self) -> dict[str, Any]:
         """The keys a run's config.json records."""

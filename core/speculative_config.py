@@ -8,10 +8,11 @@ vLLM; ``synthetic`` acceptance is for calibration only (its output tokens are no
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
+
+from twinserve.core.json_config import JsonConfig
 
 METHODS = ("ngram", "suffix", "draft_model")
 REFUSED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
@@ -33,9 +34,11 @@ def _rate(name: str, value: Any) -> float:
 
 
 @dataclass(slots=True, frozen=True)
-class SpeculativeConfig:
+class SpeculativeConfig(JsonConfig):
     """What ``--speculative-config`` asks for. ``num_speculative_tokens`` is k_max, the most
     drafts per request and step; the speculation policy chooses 0..k_max each step."""
+
+    CONFIG_NAME: ClassVar[str] = "speculative_config"
 
     method: str = "ngram"
     num_speculative_tokens: int = 1
@@ -127,23 +130,6 @@ class SpeculativeConfig:
         if isinstance(values.get("synthetic_acceptance_rate"), list):
             values["synthetic_acceptance_rate"] = tuple(values["synthetic_acceptance_rate"])
         return cls(**values)
-
-    @classmethod
-    def from_json(cls, text: str) -> SpeculativeConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
-
-    @classmethod
-    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
-        """A config from what a user may pass (the object, a mapping, JSON text or None)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            return cls.from_json(value)
-        return cls.from_dict(value)
 
     def to_dict(self) -> dict[str, Any]:
         """The keys a run's config.json records (JSON-ready)."""

@@ -26,7 +26,7 @@ class PriceTable:
     def __post_init__(self) -> None:
         prices = {}
         for name, price in dict(self.per_gpu_hour).items():
-            prices[canonical_hardware(name)] = check_price(name, price)
+            prices[_price_key(name)] = check_price(name, price)
         object.__setattr__(self, "per_gpu_hour", MappingProxyType(prices))
 
     def price(self, hardware: str) -> float:
@@ -50,6 +50,15 @@ def canonical_hardware(name: str) -> str:
         return load_hardware(name).name.lower()
     except ValueError as exc:
         raise ValueError(f"hardware {name!r}: {exc}") from None
+
+
+def _price_key(name: str) -> str:
+    """A price's key: a bundled profile's own name, else the name as given (a calibrated
+    profile's, e.g. ``cpu-calibrated``, which only its file can load)."""
+    try:
+        return canonical_hardware(name)
+    except ValueError:
+        return name.lower()
 
 
 def plan_hardware(name: str) -> str:

@@ -188,3 +188,18 @@ def test_a_calibrated_profile_file_is_planned_by_its_path(tmp_path) -> None:
                        "prices": {"cpu": 0.05}})
     assert spec.space.hardware == (str(profile),)
     assert spec.price(str(profile)) == 0.05  # priced by the profile's name
+
+
+def test_a_calibrated_profile_is_priced_by_its_own_name(tmp_path) -> None:
+    import json
+
+    from twinserve.simulator import hardware
+    data = json.loads((Path(hardware.__file__).parent / "data" / "hardware" / "cpu.json").read_text())
+    profile = tmp_path / "calibrated.json"
+    profile.write_text(json.dumps({**data, "name": "cpu-calibrated"}))
+    spec = parse_plan({**BASE, "model": "smollm2-135m", "hardware": [str(profile)],
+                       "prices": {"cpu-calibrated": 0.07}})
+    assert spec.price(str(profile)) == 0.07
+    with pytest.raises(ValueError, match="no price for hardware"):
+        parse_plan({**BASE, "model": "smollm2-135m", "hardware": [str(profile)],
+                    "prices": {"cpu": 0.05}}).price(str(profile))

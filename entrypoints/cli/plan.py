@@ -195,8 +195,9 @@ def verify_top(result: Any, spec: Any, out: Path, k: int) -> list[dict[str, Any]
                                               spec.slos, len(requests))
             predicted = _predicted_attainment(out / row["folder"], row["capacity_rps"])
             entry.update(measured_verdict=verdict, folder=str(folder),
-                         **{f"predicted_{key}": v for key, v in predicted.items()},
-                         **{f"measured_{key}": v for key, v in measured.items()})
+                         # per SLO, the share of requests within it (not a latency)
+                         **{f"predicted_attainment_{key}": v for key, v in predicted.items()},
+                         **{f"measured_attainment_{key}": v for key, v in measured.items()})
         rows.append(entry)
     frame = pd.DataFrame(rows)
     frame.to_csv(out / "verify.csv", index=False)

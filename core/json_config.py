@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any, ClassVar, Self, cast
 
 
@@ -18,6 +19,19 @@ class JsonConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Self:
         raise NotImplementedError
+
+    @classmethod
+    def checked_keys(cls, data: object) -> dict[str, Any]:
+        """``data`` as a dict of the dataclass's own fields; ValueError naming a non-mapping or
+        each unknown key."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.CONFIG_NAME} must be a mapping, got {type(data).__name__}.")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(map(str, set(data) - known))
+        if unknown:
+            raise ValueError(f"{cls.CONFIG_NAME}: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))}).")
+        return dict(data)
 
     @classmethod
     def from_json(cls, text: str) -> Self:

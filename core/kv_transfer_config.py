@@ -103,14 +103,7 @@ class KVTransferConfig(JsonConfig):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVTransferConfig:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"kv_transfer_config must be a mapping, got {type(data).__name__}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(map(str, unknown))} "
-                             f"(known: {', '.join(sorted(known))}).")
-        return cls(**data)
+        return cls(**cls.checked_keys(data))
 
     def to_dict(self) -> dict[str, Any]:
         """The keys a run's config.json records."""

@@ -117,14 +117,7 @@ class SpeculativeConfig(JsonConfig):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"speculative_config must be a mapping, got {type(data).__name__}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(known))}).")
-        values = dict(data)
+        values = cls.checked_keys(data)
         if "method" not in values and values.get("model"):
             values["method"] = "draft_model"  # vLLM: a draft model given without a method
         if isinstance(values.get("synthetic_acceptance_rate"), list):

@@ -159,3 +159,11 @@ class EngineCoreOutput:
     # On the finishing output of a ``do_remote_decode`` request: the params a consumer needs to
     # load its KV (``core.kv_connector``); the API returns them as vLLM does.
     kv_transfer_params: dict[str, Any] | None = None
+
+
+def attach_prompt_results(output: EngineCoreOutput, result: ModelRunnerOutput) -> None:
+    """Copies a request's prompt logprobs and pooled state (the step that completed its
+    prompt) from the backend's result into its output."""
+    rid = output.request_id
+    output.prompt_logprobs = result.prompt_logprobs.get(rid)
+    output.pooled = result.pooled.get(rid)

@@ -20,19 +20,11 @@ No prefill or decode phases: each step hands out tokens so that every scheduled 
       fork n > 1 children after the first token, free the blocks of finished requests.
 
 Speculative decoding (``num_speculative_tokens`` > 0, a ``SpeculationPolicy``): a running decode
-with drafts verifies them in the same entry (1 + k tokens, k clipped to the step's budget and to
-the request's remaining output); ``update_from_output`` rolls ``num_computed_tokens`` back by the
-rejected drafts, caches only verified blocks and releases the lookahead blocks past them::
-
-    before   | computed ... start | t d1 d2 d3 |        1 + k = 4 tokens, slots allocated
-    verified | computed ... start | t d1 |             d1 accepted, d2 rejected: 2 tokens back
-    after    num_computed = start + 2, blocks kept for start + 2 + 1 tokens, the rest freed
-
-A KV connector (``core.kv_connector``, None without one): a waiting request whose prompt can be
-loaded from outside takes its blocks and waits in ``waiting_for_remote`` (no seat, no step) until
-the worker side reports the load; a producer's finished request keeps its blocks in ``sending``
-until its reader is done. ``_start_remote_load``, ``_update_connector`` and ``_delay_free`` hold
-the hooks.
+verifies its drafts in its own entry and rolls back the rejected ones
+(``core.scheduler_speculation``). A KV connector (``core.kv_connector``, None without one): a
+request whose prompt is loaded from outside waits in ``waiting_for_remote`` without a seat, and a
+producer's finished request keeps its blocks in ``sending`` until read
+(``core.scheduler_kv_connector``). Both are parts of ``Scheduler`` kept in their own files.
 
 ``schedule`` and ``update_from_output`` are pure CPU work over plain data; time is passed in.
 """
@@ -46,13 +38,21 @@ from twinserve.core.config import SchedulerConfig
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_cache_coordinator import make_kv_cache_manager
 from twinserve.core.kv_cache_manager import BlockTable
-from twinserve.core.kv_connector import KVConnectorOutput, KVConnectorScheduler, check_kv_transfer_params
+from twinserve.core.kv_connector import KVConnectorScheduler, check_kv_transfer_params
 from twinserve.core.kv_events import KVCacheEvent, KVEventBuffer
 from twinserve.core.lora import LoRASlots
-from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from twinserve.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    attach_prompt_results,
+)
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.request import Request, RequestStatus
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.scheduler_kv_connector import KVConnectorSteps, RemoteLoad
+from twinserve.core.scheduler_speculation import SpeculationSteps
 from twinserve.core.speculation import SpeculationPolicy
 
 # Enum class attributes cost ~0.1 us a lookup on Python 3.11: the hot paths read these instead.
@@ -64,26 +64,9 @@ _NEVER = 1 << 62  # a modulus above any token count
 ADMISSION_RETRY_AFTER_S = 1.0  # what an overloaded engine suggests to a client (Retry-After)
 
 
-def attach_prompt_results(output: EngineCoreOutput, result: ModelRunnerOutput) -> None:
-    """Copies a request's prompt logprobs and pooled state (the step that completed its
-    prompt) from the backend's result into its output."""
-    rid = output.request_id
-    output.prompt_logprobs = result.prompt_logprobs.get(rid)
-    output.pooled = result.pooled.get(rid)
-
-
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the ``index``-th sample of an n > 1 request (index 0 is the parent itself)."""
     return parent_id if index == 0 else f"{parent_id}#{index}"
-
-
-@dataclass(slots=True)
-class RemoteLoad:
-    """A request in ``WAITING_FOR_REMOTE_KVS``: its prompt is computed up to ``num_tokens`` once
-    its connector reports the load finished."""
-
-    request: Request
-    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -108,7 +91,7 @@ class SchedulerStats:
     external_prefix_cache_hits: int = 0
 
 
-class Scheduler:
+class Scheduler(SpeculationSteps, KVConnectorSteps):
     def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy,
                  stream_outputs: bool = True, speculation: SpeculationPolicy | None = None,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
@@ -463,52 +446,6 @@ class Scheduler:
                 out.max_decode_context = max_start + 1
         return budget, preempted
 
-    def _schedule_verification(self, request: Request, start: int, budget: int,
-                               out: SchedulerOutput, now: float) -> tuple[int, bool]:
-        """A running decode's entry under speculation: its token and up to k of its drafts,
-        k clipped so that the step stays within ``budget`` and the request's output cannot pass
-        ``max_output_tokens``; the drafts are dropped (never the token) when blocks lack. Returns
-        the tokens scheduled (0: the request itself was preempted) and whether anyone was."""
-        drafts = request.spec_token_ids
-        k = min(len(drafts), budget - 1,
-                request.max_output_tokens - len(request.output_token_ids) - 1)
-        table = self.kv.allocate_slots(request, 1 + k) if k > 0 else None
-        if table is None:
-            k = 0
-            table = self.kv.allocate_slots(request, 1)
-        preempted = table is None
-        if table is None:
-            table = self._preempt_until_allocated(request, 1, out, now)
-            if table is None:
-                return 0, True
-        entry = request.decode_entry
-        if entry is None:
-            entry = request.decode_entry = ScheduledRequest(request, start, 1 + k, table.ids, True,
-                                                            table.group_ids)
-        else:
-            entry.start, entry.num_new_tokens = start, 1 + k
-            entry.block_ids, entry.group_block_ids = table.ids, table.group_ids
-        entry.spec_token_ids = list(drafts[:k]) if k > 0 else ()
-        out.scheduled.append(entry)
-        self._count(out, entry, 1)
-        entry.num_draft_next = self._num_draft_next(request, 1 + k, out)
-        return 1 + k, preempted
-
-    def _num_draft_next(self, request: Request, num_new: int, out: SchedulerOutput) -> int:
-        """The speculation policy's drafts for ``request`` after this step, clipped to what its
-        next step could verify (``num_new`` tokens of this step may all become output). A request
-        under a grammar gets none: its drafts are not constrained by it (docs)."""
-        spec = self.speculation
-        if spec is None or request.sampling_params.structured_outputs is not None \
-                or request.pooling_params is not None:
-            return 0
-        room = request.max_output_tokens - len(request.output_token_ids) - num_new - 1
-        if room <= 0:
-            return 0
-        budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
-        wanted = spec.num_drafts(request, len(self.running), budget)
-        return max(0, min(wanted, spec.k_max, self.config.num_speculative_tokens, room))
-
     def _preempt_until_allocated(self, request: Request, n: int, out: SchedulerOutput,
                                  now: float) -> BlockTable | None:
         """Preempts the policy's victims among the running requests from ``request`` on
@@ -624,91 +561,6 @@ class Scheduler:
         if num_hit and request.sampling_params.skip_reading_prefix_cache:
             return [], 0  # prompt_logprobs: every prompt position needs its logits
         return hits, num_hit
-
-    # ---- KV connector (core.kv_connector) ------------------------------------------------
-    def _start_remote_load(self, request: Request) -> bool | None:
-        """Asks the connector for the waiting request's prompt past its prefix-cache hits. An
-        asynchronous load takes blocks for hits and loaded tokens and parks the request in
-        ``waiting_for_remote`` (True); nothing to load: False; no room: None. Loads in flight
-        are bounded by ``max_num_seqs`` (vLLM bounds them only by blocks); they take no seat."""
-        connector = self.connector
-        assert connector is not None
-        if len(self.waiting_for_remote) >= self.config.max_num_seqs:
-            return None
-        hits, num_hit = self._prefix_hits(request)
-        num_external, is_async = connector.get_num_new_matched_tokens(request, num_hit)
-        if num_external <= 0:
-            return False
-        if not is_async:
-            raise RuntimeError("synchronous KV loads are not implemented: the connector must "
-                               "load asynchronously.")
-        table = self.kv.allocate_slots(request, num_external, hits)
-        if table is None:
-            return None
-        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-        request.num_computed_tokens = num_hit
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = num_hit
-        connector.update_state_after_alloc(request, table.ids, num_external)
-        self.policy.pop()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.waiting_for_remote[request.request_id] = RemoteLoad(request, num_hit + num_external)
-        return True
-
-    def _update_connector(self, report: KVConnectorOutput, now: float) -> list[EngineCoreOutput]:
-        """Applies the worker side's report: loaded requests rejoin the queue first in line,
-        failed loads follow ``kv_load_failure_policy``, read sends free their blocks."""
-        connector = self.connector
-        assert connector is not None
-        outputs = []
-        ended = report.finished_recving | report.failed_recving
-        # in load order, put back first in line latest first: the earliest ends up in front
-        for rid in reversed([rid for rid in self.waiting_for_remote if rid in ended]):
-            load = self.waiting_for_remote.pop(rid)
-            if rid not in report.failed_recving:
-                self._finish_load(load)
-            else:
-                failed = self._fail_load(load, now)
-                if failed is not None:
-                    outputs.append(failed)
-        if report.finished_sending:  # in finishing order: a set's order varies between runs
-            for rid in [rid for rid in self.sending if rid in report.finished_sending]:
-                self.kv.free(self.sending.pop(rid))
-        connector.update_connector_output(report)
-        return outputs
-
-    def _finish_load(self, load: RemoteLoad) -> None:
-        """The loaded tokens count as computed, except the prompt's last (recomputed for its
-        logits, as vLLM does); the loaded full blocks enter the prefix cache."""
-        request = load.request
-        request.num_computed_tokens = min(load.num_tokens, request.num_tokens - 1)
-        if request.num_computed_tokens >= self.kv.block_size:
-            self.kv.cache_full_blocks(request)
-        request.status = RequestStatus.WAITING
-        self.policy.unpop(request)
-        self._holding_loaded.add(request.request_id)
-
-    def _fail_load(self, load: RemoteLoad, now: float) -> EngineCoreOutput | None:
-        """``recompute``: the request frees its blocks and computes its prompt here; ``fail``:
-        it ends with finish_reason "error"."""
-        request = load.request
-        assert self.connector is not None
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        if self.connector.config.kv_load_failure_policy == "recompute":
-            request.status = RequestStatus.WAITING
-            self.policy.unpop(request)
-            return None
-        self._finish(request, RequestStatus.FINISHED_ERROR, now)
-        if request.first_scheduled_time is None:
-            self.num_queued -= 1
-            self.num_queued_tokens -= request.num_prompt_tokens
-        if self.loras is not None:
-            self.loras.remove_waiting(request.lora)
-        remote = (request.kv_transfer_params or {}).get("remote_engine_id")
-        return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
-                                error=f"loading the prompt's KV cache from engine {remote!r} "
-                                      "failed or timed out (kv_load_failure_policy 'fail').")
 
     def _seats(self, request: Request) -> int:
         """Running slots a request needs: an unforked n > 1 request reserves one per sample."""
@@ -899,73 +751,6 @@ class Scheduler:
             self._connector_step(outputs, result, now)
         return outputs
 
-    def _connector_step(self, outputs: list[EngineCoreOutput], result: ModelRunnerOutput,
-                        now: float) -> None:
-        """The connector's part of ``update_from_output``: a producer's params onto its
-        finishing outputs, then the worker side's report."""
-        if self._outgoing_params:
-            for output in outputs:
-                if output.finished:
-                    output.kv_transfer_params = self._outgoing_params.pop(output.request_id, None)
-        if result.kv_connector_output is not None:
-            outputs += self._update_connector(result.kv_connector_output, now)
-
-    def _apply_speculative(self, sr: ScheduledRequest, result: ModelRunnerOutput,
-                           now: float) -> EngineCoreOutput | None:
-        """``update_from_output`` for an entry that verified drafts or asked for some: the
-        rollback of the rejected drafts, caching of the verified blocks only, release of the
-        lookahead blocks past them, then the tokens and the next drafts."""
-        request, kv = sr.request, self.kv
-        rid = request.request_id
-        tokens = result.sampled_token_ids.get(rid)
-        k = len(sr.spec_token_ids)
-        if not tokens or len(tokens) > k + 1:
-            raise RuntimeError(f"backend returned {len(tokens or ())} tokens for {rid!r}, which "
-                               f"verified {k} drafts (expected 1 to {k + 1}).")
-        start, n = sr.start, sr.num_new_tokens
-        if start < request.num_prompt_tokens:
-            self.num_prompt_tokens += min(n, request.num_prompt_tokens - start)
-        num_computed = request.num_computed_tokens = start + n - (k + 1 - len(tokens))
-        if k:
-            self._record_verification(request, k, len(tokens) - 1)
-        kv.free_tail(request, num_computed + 1)
-        if not k:  # as without drafts: cached before the token (and an n > 1 fork)
-            kv.cache_full_blocks(request)
-        proposals = result.spec_token_ids.get(rid)
-        tokens, status = self._append_tokens(request, list(tokens), now)
-        if status is not None:
-            self._finish(request, status, now)
-            proposals = None
-        elif k:  # the accepted drafts are the request's tokens now: their full blocks are cached
-            kv.cache_full_blocks(request)
-        if proposals:
-            request.spec_token_ids = list(proposals[:sr.num_draft_next])
-        else:
-            request.spec_token_ids = ()
-        if status is None and not self.stream_outputs:
-            return None
-        logprobs = result.logprobs
-        output = EngineCoreOutput(rid, tokens, status is not None,
-                                  None if status is None else request.finish_reason,
-                                  request.stop_reason, request.num_cached_tokens or 0,
-                                  logprobs.get(rid) if logprobs else None)
-        if result.prompt_logprobs or result.pooled:
-            attach_prompt_results(output, result)
-        return output
-
-    def _record_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        request.spec_num_drafts += 1
-        request.spec_num_draft_tokens += num_drafts
-        request.spec_num_accepted_tokens += num_accepted
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
-        per_pos = self.spec_num_accepted_tokens_per_pos
-        for pos in range(num_accepted):
-            per_pos[pos] += 1
-        if self.speculation is not None:
-            self.speculation.on_verified(request, num_drafts, num_accepted)
-
     def _append_tokens(self, request: Request, tokens: list[int],
                        now: float) -> tuple[list[int], RequestStatus | None]:
         """Appends sampled tokens up to the first stop; returns those kept and the stop."""
@@ -1059,19 +844,6 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.policy.on_finish(request)
-
-    def _delay_free(self, request: Request) -> bool:
-        """A producer's finished request keeps its blocks in ``sending`` until the consumer has
-        read them (the connector decides); its params for the consumer go with its output."""
-        table = self.kv.tables.get(request.request_id)
-        delay, params = self.connector.request_finished(  # type: ignore[union-attr]
-            request, [] if table is None else list(table.ids))
-        if params is not None:
-            self._outgoing_params[request.request_id] = params
-        if delay:
-            self.sending[request.request_id] = request
-        return delay
-
 
 def make_request(request_id: str, prompt_token_ids: list[int], arrival_time: float = 0.0,
                  sampling_params: SamplingParams | None = None, **kwargs) -> Request:

@@ -3,8 +3,8 @@ fast one is tested against (``tests/core/test_scheduler_reference.py``)."""
 
 from __future__ import annotations
 
-from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from twinserve.core.scheduler import Scheduler, attach_prompt_results
+from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, attach_prompt_results
+from twinserve.core.scheduler import Scheduler
 
 
 class ReferenceScheduler(Scheduler):

@@ -298,10 +298,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     finish, ends the replay early when it returns True (the planner's decided verdicts): the
     result then holds only the requests finished by then."""
     if cfg.disaggregated:
-        if stop_when is not None:
-            raise ValueError("stop_when is not supported with a disaggregated fleet yet.")
         return _simulate_disaggregated(cfg, trace, adapters, structured, router, acceptance,
-                                       lazy_prompts)
+                                       lazy_prompts, stop_when)
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -382,7 +380,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
 def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
                             adapters: LoRAAdapters | None, structured: StructuredWorkload | None,
                             router: Router | None, acceptance: AcceptanceProfile | None,
-                            lazy_prompts: bool) -> SimResult:
+                            lazy_prompts: bool,
+                            stop_when: Callable[[Sequence[RequestRecord]], bool] | None,
+                            ) -> SimResult:
     """``simulate`` for an xPyD fleet (``simulator.disaggregated``, imported here: it builds on
     this module). What the fleet does not model yet is refused by name."""
     from twinserve.simulator.disaggregated import simulate_disaggregated
@@ -400,7 +400,7 @@ def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
             raise ValueError(f"{arg} is not supported with a disaggregated fleet yet.")
     spec = load_model_spec(cfg.model)
     requests = _engine_requests(trace, spec.vocab_size, args.block_size, None, lazy_prompts)
-    return simulate_disaggregated(cfg, trace, requests)
+    return simulate_disaggregated(cfg, trace, requests, stop_when)
 
 
 def _stopper(env: simpy.Environment, recorder: RunRecorder,

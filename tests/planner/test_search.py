@@ -103,8 +103,9 @@ def test_plan_front_and_best_equal_an_exhaustive_sweep(tmp_path, plan) -> None:
     assert planned.stats["replays_run"] < sum(r["replays"] for r in exhaustive.rows) + len(exhaustive.rows)
 
 
-def test_dominance_skipping_keeps_the_best(tmp_path) -> None:
-    pricey = {**SMALL, "prices": {"a100-80gb": 12.0}}  # the A100's 2-GPU configurations cannot win
+@pytest.mark.parametrize("plan", [SMALL, WITH_PD], ids=["aggregated", "with-pd"])
+def test_dominance_skipping_keeps_the_best(tmp_path, plan) -> None:
+    pricey = {**plan, "prices": {"a100-80gb": 12.0}}  # the A100's 2-GPU configurations cannot win
     full = run_plan(parse_plan(pricey), tmp_path / "full")
     skipping = run_plan(parse_plan({**pricey, "search": {**SMALL["search"], "dominance_slack": 1.5}}),
                         tmp_path / "skip")
@@ -112,6 +113,8 @@ def test_dominance_skipping_keeps_the_best(tmp_path) -> None:
     assert skipping.best["name"] == full.best["name"]
     assert skipping.best["capacity_rps"] == full.best["capacity_rps"]
     assert skipping.stats["replays_run"] < full.stats["replays_run"]
+    # no aggregated configuration bounds an xPyD one: each 1P1D is the smallest of its shape
+    assert all(r["status"] == FITTED for r in skipping.rows if r["prefill_instances"])
 
 
 def test_a_plan_resumes_without_replaying(tmp_path) -> None:

@@ -169,6 +169,16 @@ def test_the_space_adds_xpyd_deployments() -> None:
         {(2, 1, None), (2, 1, "pcie")}
 
 
+def test_a_spec_file_names_the_pd_axis(tmp_path) -> None:
+    from twinserve.planner.spec import load_plan_file
+    path = tmp_path / "plan.yaml"  # a bare off is YAML's false
+    path.write_text(yaml.safe_dump(BASE, sort_keys=False) + "space:\n  disaggregation: [off, 2P1D]\n"
+                    "  max_pd_instances: 2\n  kv_link: [auto, pcie]\n")
+    space = parse_plan(load_plan_file(path), str(path)).space
+    assert space.disaggregation == ("off", "2P1D") and space.kv_links == ("auto", "pcie")
+    assert space.pd_shapes == [(2, 1), (1, 1)]
+
+
 def test_the_bound_never_crosses_deployment_shapes() -> None:
     engine = (("max_num_seqs", 64),)
     one = Candidate("h100-sxm", 1, 1, 1, "round-robin", engine, 1, 1)

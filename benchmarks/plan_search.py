@@ -5,6 +5,7 @@ many stopped early), wall time, and the answer.
 
     python -m twinserve.benchmarks.plan_search [--num-requests N] [--duration S] [--workers W]
         [--max-num-seqs 128,256] [--max-num-batched-tokens 2048,8192] [--out DIR]
+        [--disaggregation off,1P1D,2P1D,1P2D] [--hardware h100-sxm]
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2
 
 
 def plan_spec(model: str, num_requests: int, duration: float, trace: str, seqs: list[int],
-              tokens: list[int], slack: float) -> dict:
-    return {"model": model, "hardware": ["a100-80gb", "h100-sxm", "h200"], "max_gpus": 8,
+              tokens: list[int], slack: float, disaggregation: list[str] | None = None,
+              hardware: list[str] | None = None) -> dict:
+    return {"model": model, "hardware": hardware or ["a100-80gb", "h100-sxm", "h200"], "max_gpus": 8,
             "workload": {"trace": trace, "num_requests": num_requests, "duration_s": duration},
             "slo": {"ttft_p90_ms": 2000, "tpot_p99_ms": 100},
             "space": {"replicas": [1, 2, 4, 8], "router": ["round-robin"], "max_num_seqs": seqs,
-                      "max_num_batched_tokens": tokens},
+                      "max_num_batched_tokens": tokens,
+                      "disaggregation": disaggregation or ["off"]},
             "search": {"tolerance": 0.1, "base_rps": 2.0, "min_rps": 0.1, "max_rps": 400,
                        "dominance_slack": slack}}
 
@@ -44,13 +47,17 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", default="2048,8192")
     parser.add_argument("--models", default="llama-3-8b,llama-3-70b")
     parser.add_argument("--dominance-slack", type=float, default=1.5, help="0: search everything")
+    parser.add_argument("--disaggregation", default="off",
+                        help="aggregated (off) and/or xPyD shapes, e.g. off,1P1D,2P1D,1P2D")
+    parser.add_argument("--hardware", default="a100-80gb,h100-sxm,h200")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="plan-search-"))
     for model in args.models.split(","):
         spec = parse_plan(plan_spec(model, args.num_requests, args.duration, args.trace,
                                     _ints(args.max_num_seqs), _ints(args.max_num_batched_tokens),
-                                    args.dominance_slack))
+                                    args.dominance_slack, args.disaggregation.split(","),
+                                    args.hardware.split(",")))
         t0 = time.perf_counter()
         result = run_plan(spec, out / model, workers=args.workers)
         write_outputs(result, spec, out / model)
@@ -60,7 +67,19 @@ def main() -> None:
               f"searched; {stats['replays_run']} replays ({stats['stopped_early']} stopped early); "
               f"{time.perf_counter() - t0:.1f} s wall, {_replay_seconds(out / model):.1f} s of replays")
         print(top_table(result, 3))
+        _print_pd(result)
     print(f"\noutputs: {out}")
+
+
+def _print_pd(result) -> None:
+    """The best aggregated and the best xPyD deployment, when the plan searched both."""
+    fitted = result.fitted()
+    best = {kind: next((r for r in fitted if (r["prefill_instances"] > 0) == pd), None)
+            for kind, pd in (("aggregated", False), ("disaggregated", True))}
+    if all(best.values()):
+        for kind, row in best.items():
+            print(f"best {kind}: {row['name']}: {row['capacity_rps']:.4g} req/s, "
+                  f"${row['cost_per_m_output_tokens']:.4g} per M output tokens")
 
 
 def _replay_seconds(folder: Path) -> float:

@@ -3,6 +3,7 @@
     python -m twinserve.benchmarks.sim_speed                       # full Azure conv 1x + scaling
     python -m twinserve.benchmarks.sim_speed --num-requests 2000 --base-requests 1000 --scale 1 4
     python -m twinserve.benchmarks.sim_speed --skip-full --profile
+    python -m twinserve.benchmarks.sim_speed --cli --repeats 5        # the `simulate` command
 
 1. The whole Azure LLM 2023 conversation trace (19,366 requests, ~1 h) through ``SimConfig(**BASE)``
    (Llama-3-8B on one H100's roofline, FCFS, prefix caching on): wall and CPU seconds, requests, engine steps,
@@ -15,6 +16,14 @@
    per request-step should stay flat. ``--replicas one`` keeps one replica (the saturation case),
    ``--replicas both`` prints both.
 
+3. ``--cli``: the ``twinserve simulate`` command itself (imports, trace, replay, run folder, in a
+   subprocess of this interpreter), for 2,000 requests and the whole trace (``--cli-requests``):
+   its user + sys CPU from ``resource.getrusage(RUSAGE_CHILDREN)``, the forked steps writer
+   included, beside the interpreter's start and the command's imports alone. The subprocesses
+   cache bytecode under a temporary ``PYTHONPYCACHEPREFIX`` (warmed by a first, untimed run), as
+   an installed package has its ``.pyc`` files: a host that sets ``PYTHONDONTWRITEBYTECODE``
+   would otherwise compile every module on every start.
+
 Figures are medians over ``--repeats`` runs; CPU is ``time.process_time`` (the machine is shared,
 so wall time alone overstates the cost).
 """
@@ -24,11 +33,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from twinserve.simulator import SimConfig, SimResult, simulate
 from twinserve.traces import TraceRequest, first_n, load_trace, repeat, scale_time
@@ -147,6 +162,49 @@ def profile(cfg: SimConfig, trace: list[TraceRequest], top: int) -> str:
     return buf.getvalue()
 
 
+def child_cpu(command: list[str], env: dict[str, str]) -> float:
+    """User + sys CPU seconds of ``command`` and everything it waited for (its forks)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def cli_cases(requests: list[str], out: Path) -> dict[str, list[str]]:
+    """The commands timed: the interpreter alone, the command's imports, and ``simulate`` over
+    the first N requests of the trace (``all``: the whole trace) on ``BASE``."""
+    py = sys.executable
+    cases = {"python -c pass": [py, "-c", "pass"],
+             # as the command imports them (cli.main.ONE_BLAS_THREAD)
+             "imports (cli + simulator)": [py, "-c", "import os; os.environ.setdefault("
+                                           "'OPENBLAS_NUM_THREADS', '1'); import "
+                                           "twinserve.entrypoints.cli.main, twinserve.simulator, "
+                                           "twinserve.traces"]}
+    for n in requests:
+        limit = [] if n == "all" else ["--num-requests", n]
+        cases[f"simulate {n} requests"] = [
+            py, "-m", "twinserve.entrypoints.cli.main", "simulate", "--trace", TRACE, *limit,
+            "--model", BASE["model"], "--hardware", BASE["hardware"], "--out", str(out / n),
+            "--disable-tqdm"]
+    return cases
+
+
+def cli_rows(requests: list[str], repeats: int) -> list[str]:
+    """Median (and least) CPU of each case over ``repeats``, interleaved across the cases."""
+    with tempfile.TemporaryDirectory(prefix="sim-speed-cli-") as tmp:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
+        cases = cli_cases(requests, Path(tmp))
+        for command in cases.values():  # untimed: compiles and caches the bytecode
+            child_cpu(command, env)
+        cpu: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(repeats):
+            for name, command in cases.items():
+                cpu[name].append(child_cpu(command, env))
+    return [f"{name:34s} cpu s median {statistics.median(v):6.3f}  min {min(v):6.3f}  "
+            f"({', '.join(f'{x:.3f}' for x in v)})" for name, v in cpu.items()]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-requests", type=int, default=None,
@@ -160,11 +218,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="cProfile one run of the base slice and print the top entries")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--cli", action="store_true",
+                   help="only time the `twinserve simulate` command in subprocesses (CPU)")
+    p.add_argument("--cli-requests", nargs="+", default=["2000", "all"],
+                   help="request counts for --cli (all: the whole trace)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.cli:
+        print(f"`twinserve simulate` on {TRACE}, {BASE['model']} on {BASE['hardware']}: user + sys "
+              f"CPU of the subprocess and its children; repeats {args.repeats}")
+        print("\n".join(cli_rows(args.cli_requests, args.repeats)))
+        return
     trace = load_trace(TRACE)
     print(f"trace {TRACE}: {len(trace)} requests over {trace[-1].arrival_time:.0f} s; "
           f"config: SimConfig(**BASE) = llama-3-8b on h100-sxm, fcfs, prefix caching on; "

@@ -2,10 +2,14 @@
 ``best.yaml`` (the recommendation as ``--config`` keys), and the top-N table it prints.
 
 ``best.yaml`` holds the keys both ``twinserve simulate --config`` and ``twinserve serve --config``
-accept: the model, the hardware profile, the replicas as ``data_parallel_size`` and the router,
-and every engine argument with the value the twin resolved for that hardware (so a server on
-another device starts with the batch limits the plan simulated, not its own defaults). Its comment
-lines carry the predicted capacity and the equivalent vLLM command line.
+accept: the model, the hardware profile, the replicas as ``data_parallel_size`` and the router (or,
+disaggregated, ``prefill_instances`` and ``decode_instances``), and every engine argument with the
+value the twin resolved for that hardware (so a server on another device starts with the batch
+limits the plan simulated, not its own defaults). Its comment lines carry the predicted capacity
+and the equivalent vLLM command lines. A P/D deployment's link is a key (``kv_link``) only where
+the plan chose one other than the profile's own (InfiniBand across nodes, or named): ``simulate``
+needs it to reproduce the plan, and ``serve``, which moves KV over the machine it runs on, has no
+such flag (drop the line there).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import yaml
 
 from twinserve.planner.pareto import pareto_mask
 from twinserve.planner.plan import FITTED, PlanResult
+from twinserve.planner.space import PD_KEYS
 from twinserve.planner.spec import PlanSpec
 from twinserve.simulator.run import SimConfig, build_engine_config
 
@@ -32,6 +37,10 @@ FRONTS = (("throughput", "output_tokens_per_s_per_gpu", "output_tokens_per_s_per
 RESOLVED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
                  "max_waiting_tokens")
 VLLM_POLICIES = ("fcfs", "priority")
+# vLLM's P/D: separate `vllm serve` instances with a KV connector (its NixlConnector guide runs
+# both roles as kv_both), and a proxy in front
+VLLM_PD_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+VLLM_PD_PORTS = {"prefill": 8100, "decode": 8200}
 TOP_COLUMNS = ("name", "gpus", "capacity_rps", "cost_per_m_output_tokens",
                "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_user", "p90_ttft_ms",
                "capacity_per_dollar_hour")
@@ -60,8 +69,12 @@ def best_config(row: dict[str, Any], spec: PlanSpec) -> dict[str, Any]:
     args = {k: v for k, v in asdict(sim.engine).items() if k != "model"}
     args.update({k: scheduler[k] for k in RESOLVED_KEYS if k in scheduler})
     args["max_model_len"] = resolved.max_model_len
-    args["data_parallel_size"] = sim.num_replicas
-    args["router"] = sim.router
+    if sim.disaggregated:
+        args.update(prefill_instances=sim.prefill_instances, decode_instances=sim.decode_instances,
+                    kv_link=sim.kv_link)
+    else:
+        args["data_parallel_size"] = sim.num_replicas
+        args["router"] = sim.router
     keep = {k: v for k, v in args.items() if v is not None and v != {}}
     return {"model": sim.model, "hardware": row["hardware"], **keep}
 
@@ -71,9 +84,17 @@ def _sim_of(row: dict[str, Any], spec: PlanSpec) -> dict[str, Any]:
             "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
             "quantization")
     sim = {k: row[k] for k in keys if _given(row.get(k))}
+    if _given(row.get("prefill_instances")) and row["prefill_instances"] > 0:
+        sim.update({k: row[k] for k in PD_KEYS if _given(row.get(k))})
     if _given(row.get("speculative_config")):
         sim["speculative_config"] = json.loads(row["speculative_config"])
     return {**spec.space.fixed, "model": spec.space.model, **sim}
+
+
+def _shape(config: dict[str, Any]) -> str:
+    if "prefill_instances" not in config:
+        return ""
+    return f" as {config['prefill_instances']}P{config['decode_instances']}D"
 
 
 def _given(value: Any) -> bool:
@@ -99,19 +120,38 @@ def vllm_command(config: dict[str, Any]) -> str:
     return shlex.join(parts)
 
 
+def vllm_pd_commands(config: dict[str, Any]) -> list[str]:
+    """The ``vllm serve`` lines of an xPyD deployment: one per pool (each instance of a pool
+    runs its line, on its own GPUs and port), with vLLM's KV transfer configuration."""
+    base = vllm_command(config)
+    transfer = json.dumps(VLLM_PD_TRANSFER, sort_keys=True)
+    return [f"{pool} x{config[f'{pool}_instances']}: {base} --port {port} "
+            f"--kv-transfer-config {shlex.quote(transfer)}" for pool, port in VLLM_PD_PORTS.items()]
+
+
+def _vllm_notes(config: dict[str, Any]) -> list[str]:
+    if "prefill_instances" not in config:
+        notes = [f"vLLM: {vllm_command(config)}"]
+        if config.get("data_parallel_size", 1) > 1:
+            notes.append(f"vLLM: {config['data_parallel_size']} replicas behind a "
+                         f"{config['router']} router in front")
+        return notes
+    return [*(f"vLLM {line}" for line in vllm_pd_commands(config)),
+            "vLLM: a proxy in front sends each request to a prefill instance (max_tokens 1), then "
+            "with its kv_transfer_params to a decode instance (vLLM's disaggregated "
+            "toy_proxy_server.py --prefiller-hosts/--decoder-hosts, or twinserve pd-proxy)"]
+
+
 def write_best(row: dict[str, Any], spec: PlanSpec, path: Path) -> dict[str, Any]:
     config = best_config(row, spec)
     slos = ", ".join(f"{s.key}={s.limit_ms:g}" for s in spec.slos)
     notes = [f"capacity_rps: {row['capacity_rps']:.4g}",
              f"the cheapest configuration meeting {slos} (attainment as planned)"
              f" at {row['capacity_rps']:.4g} req/s: ${row['cost_per_m_output_tokens']:.4g} per million "
-             f"output tokens, {row['gpus']} x {row['hardware']}",
+             f"output tokens, {row['gpus']} x {row['hardware']}{_shape(config)}",
              "twinserve simulate --config best.yaml --trace T  |  twinserve serve --config best.yaml "
              "--model YOUR_CHECKPOINT",
-             f"vLLM: {vllm_command(config)}"]
-    if config.get("data_parallel_size", 1) > 1:
-        notes.append(f"vLLM: {config['data_parallel_size']} replicas behind a {config['router']} "
-                     "router in front")
+             *_vllm_notes(config)]
     if config.get("scheduling_policy") not in VLLM_POLICIES:
         notes.append(f"vLLM has no {config.get('scheduling_policy')!r} scheduling policy")
     body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)

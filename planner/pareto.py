@@ -3,8 +3,10 @@ configurations that cannot beat the best found.
 
 **The bound.** A plan ranks configurations by cost per output token, that is by sustained output
 tokens/s (at capacity) per dollar-hour: ``tokens / (gpus * price)``. Before searching a
-configuration, it looks up the configurations already searched with the same hardware and engine
-arguments (``Candidate.replica_key``) on fewer GPUs, whose step times rest on the same kind of
+configuration, it looks up the configurations already searched with the same hardware, engine
+arguments and, for disaggregated prefill/decode, the same x:y ratio and link
+(``Candidate.replica_key``: no bound crosses from aggregated to xPyD or between ratios, where a
+split can gain far more than any slack) on fewer GPUs, whose step times rest on the same kind of
 model (a measured fit, or a roofline: the twin may hold a fit at TP 1 and only a roofline at TP 2,
 and the two differ by more than any slack), and bounds its throughput per GPU by ``slack`` times
 the best of theirs::

@@ -65,6 +65,7 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
     points_dir.mkdir(parents=True, exist_ok=True)
     trace = plan_trace(spec)
     longest = max(r.input_tokens + r.output_tokens for r in trace)
+    longest_prompt = max(r.input_tokens for r in trace)
     acceptance = (AcceptanceProfile.load(spec.acceptance_profile)
                   if spec.acceptance_profile is not None else None)
     fingerprint = _fingerprint(spec, len(trace))
@@ -72,7 +73,7 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
     rows: dict[str, dict[str, Any]] = {}
     live: dict[str, tuple[Candidate, tuple[Any, ...]]] = {}  # id -> candidate, dominance key
     for cand in spec.space.candidates():
-        sizing = size_candidate(cand, spec.space.model, spec.space.fixed, longest)
+        sizing = size_candidate(cand, spec.space.model, spec.space.fixed, longest, longest_prompt)
         rows[cand.candidate_id] = _row(cand, spec, PRUNED if sizing.reason else "", sizing.reason)
         if not sizing.reason:  # the bound compares step times of one kind (a fit, a roofline)
             live[cand.candidate_id] = (cand, (*cand.replica_key, sizing.cost_basis))
@@ -140,7 +141,8 @@ def _wave_tasks(wave: list[tuple[Candidate, tuple[Any, ...]]], spec: PlanSpec, g
         start = grid.index_near(estimate) if estimate else 0
         tasks.append(SearchTask(str(points_dir / cand.folder), f"{fingerprint}:{cand.candidate_id}",
                                 cand.sim(spec.space.model, spec.space.fixed), trace, spec.slos,
-                                grid, start, spec.early_stop, acceptance, spec.duration_s))
+                                grid, start, spec.early_stop,
+                                None if cand.disaggregated else acceptance, spec.duration_s))
     return tasks
 
 

@@ -191,9 +191,13 @@ def replay_point(cfg: SimConfig, task: SearchTask, k: int) -> dict[str, Any]:
     to its end: its figures are the configuration's at capacity)."""
     rate = task.grid.rate(k)
     trace = replay_requests(task.trace, rate, task.duration_s)
-    tracker = VerdictTracker(task.slos, len(trace), stop_on=(FAIL,) if task.early_stop else ())
+    watch = VerdictTracker(task.slos, len(trace), stop_on=(FAIL,) if task.early_stop else ())
     result = simulate(cfg, trace, acceptance=task.acceptance,
-                      stop_when=tracker.update if task.early_stop else None)
+                      stop_when=watch.update if task.early_stop else None)
+    # The verdict counts the records the result holds, in a fresh tracker: ``watch`` read the
+    # recorder's list as it grew, and a refused request joins it outside the finish callback
+    # (then the result's sorted records are not that list's order).
+    tracker = VerdictTracker(task.slos, len(trace))
     tracker.update(result.records)
     verdict = tracker.final()
     summary = {key: result.summary.get(key) for key in SUMMARY_KEYS} if verdict == PASS else {}

@@ -1,11 +1,16 @@
 """The configuration space a plan searches, and the memory check that prunes it before simulating.
 
-A candidate is one deployment: a GPU type, the tensor- and pipeline-parallel sizes of one replica,
-how many replicas and the router in front of them, and the engine arguments that vary (batch
-limits, chunked prefill, scheduling policy, speculation, quantization). The space is the cartesian
-product of the axes, less what cannot be: TP beyond one node, more stages than layers, more GPUs
-than ``max_gpus``, a router choice for a single replica, a token budget without chunked prefill
-(vLLM raises it to ``max_model_len`` there, so the values would repeat one configuration).
+A candidate is one deployment: a GPU type, the tensor- and pipeline-parallel sizes of one engine,
+either aggregated (how many replicas and the router in front of them) or disaggregated (xPyD: x
+prefill and y decode instances of that engine, KV moved over a link), and the engine arguments
+that vary (batch limits, chunked prefill, scheduling policy, speculation, quantization). The space
+is the cartesian product of the axes, less what cannot be: TP beyond one node, more stages than
+layers, more GPUs than ``max_gpus``, a router choice for a single replica, a token budget without
+chunked prefill (vLLM raises it to ``max_model_len`` there, so the values would repeat one
+configuration), and what the twin's P/D fleet does not run (pipeline parallelism, speculation).
+
+The KV link of an xPyD deployment (``kv_links`` ``auto``): the profile's own (its measured link,
+else NVLink: ``HardwareProfile.kv_link_spec``) when all its GPUs fit one node, else InfiniBand.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +28,7 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.policies import available_policies
 from twinserve.routers import available_routers
 from twinserve.simulator.cost_model import CostModel
+from twinserve.simulator.kv_transfer import LINK_NAMES
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.run import SimConfig, build_engine_config
 
@@ -30,12 +37,21 @@ QUANTIZATIONS = (None, "fp8", "int8")  # what the twin prices without a quantize
 # The engine arguments a plan varies (besides tensor_parallel_size and pipeline_parallel_size).
 VARIED = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
           "speculative_config", "quantization")
+AGGREGATED = "off"  # the disaggregation axis's aggregated value
+AUTO_LINK = "auto"  # the kv_links axis's default (module docstring)
+CROSS_NODE_LINK = "infiniband"
+PD_KEYS = ("prefill_instances", "decode_instances", "kv_link")  # plan.csv's P/D columns
+# what the twin's P/D fleet refuses (simulator.run._simulate_disaggregated) among fixed arguments
+PD_REFUSED_FIXED = ("enable_lora", "kv_offloading_size")
+_SHAPE = re.compile(r"(\d+)P(\d+)D")
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One deployment; ``engine``: the varied engine arguments as sorted (key, value) pairs
-    (``None``: the engine's default)."""
+    (``None``: the engine's default). ``prefill_instances``/``decode_instances`` (xPyD, both
+    >= 1; 0 and 0: aggregated) run one engine each of ``gpus_per_replica`` GPUs, behind the
+    twin's P/D router (``num_replicas`` 1); ``kv_link``: their link (None: the profile's own)."""
 
     hardware: str
     tensor_parallel_size: int
@@ -43,10 +59,24 @@ class Candidate:
     num_replicas: int
     router: str
     engine: tuple[tuple[str, Any], ...]
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    kv_link: str | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0
+
+    @property
+    def instances(self) -> int:
+        """Engines of the deployment: replicas, or prefill and decode instances."""
+        if self.disaggregated:
+            return self.prefill_instances + self.decode_instances
+        return self.num_replicas
 
     @property
     def gpus(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.num_replicas
+        return self.gpus_per_replica * self.instances
 
     @property
     def gpus_per_replica(self) -> int:
@@ -57,18 +87,33 @@ class Candidate:
         """The candidate's axes, flat (as plan.csv's columns)."""
         return {"hardware": self.hardware, "tensor_parallel_size": self.tensor_parallel_size,
                 "pipeline_parallel_size": self.pipeline_parallel_size,
-                "num_replicas": self.num_replicas, "router": self.router, **dict(self.engine)}
+                "num_replicas": self.num_replicas, "router": self.router, **dict(self.engine),
+                "prefill_instances": self.prefill_instances,
+                "decode_instances": self.decode_instances, "kv_link": self.kv_link}
 
     @property
     def replica_key(self) -> tuple[Any, ...]:
-        """What one replica's engine is made of: hardware and varied engine arguments (the
-        dominance bound compares candidates of one key)."""
-        return (self.hardware, self.engine)
+        """What one engine is made of (hardware, varied engine arguments) and, for xPyD, the
+        deployment's shape: the ratio x:y in lowest terms and the link. The dominance bound
+        compares candidates of one key only, so an xPyD deployment is bounded by smaller ones
+        of the same ratio (1P1D by nothing, 2P2D by 1P1D), never by aggregated replicas, nor
+        they by it: a P/D split can raise throughput per GPU well beyond the slack (DistServe),
+        while a same-ratio multiple is the replicas' case (pools that grow together)."""
+        if not self.disaggregated:
+            return (self.hardware, self.engine)
+        g = math.gcd(self.prefill_instances, self.decode_instances)
+        return (self.hardware, self.engine,
+                (self.prefill_instances // g, self.decode_instances // g), self.kv_link)
 
     @property
     def name(self) -> str:
-        parts = [self.hardware, f"tp{self.tensor_parallel_size}", f"pp{self.pipeline_parallel_size}",
-                 f"x{self.num_replicas}"]
+        parts = [self.hardware, f"tp{self.tensor_parallel_size}", f"pp{self.pipeline_parallel_size}"]
+        if self.disaggregated:
+            parts.append(f"{self.prefill_instances}P{self.decode_instances}D")
+            if self.kv_link is not None:
+                parts.append(self.kv_link)
+        else:
+            parts.append(f"x{self.num_replicas}")
         if self.num_replicas > 1:
             parts.append(self.router)
         parts += [f"{k}={_short(v)}" for k, v in self.engine if v is not None]
@@ -76,7 +121,11 @@ class Candidate:
 
     @property
     def candidate_id(self) -> str:
-        blob = json.dumps(self.settings, sort_keys=True, default=str)
+        settings = self.settings
+        if not self.disaggregated:  # an aggregated id stays what it was before the P/D axis
+            for key in PD_KEYS:
+                del settings[key]
+        blob = json.dumps(settings, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
     @property
@@ -86,10 +135,12 @@ class Candidate:
     def sim(self, model: str, fixed: dict[str, Any]) -> dict[str, Any]:
         """The flat SimConfig mapping (``SimConfig.from_flat``) of this candidate."""
         engine = {k: v for k, v in self.engine if v is not None}
+        pd = ({"prefill_instances": self.prefill_instances, "decode_instances":
+               self.decode_instances, "kv_link": self.kv_link} if self.disaggregated else {})
         return {**fixed, "model": model, "hardware": self.hardware,
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "pipeline_parallel_size": self.pipeline_parallel_size,
-                "num_replicas": self.num_replicas, "router": self.router, **engine}
+                "num_replicas": self.num_replicas, "router": self.router, **engine, **pd}
 
 
 def _short(value: Any) -> str:
@@ -117,17 +168,14 @@ class PlanSpace:
     quantizations: tuple[str | None, ...] = (None,)
     gpus_per_node: int = 8
     fixed: dict[str, Any] = field(default_factory=dict)  # engine arguments every candidate shares
-    # ---- disaggregated prefill/decode: the twin does not run it yet (another change adds
-    # --prefill-instances/--decode-instances to it). When it lands, these become an axis of
-    # (prefill, decode) instance counts in ``candidates`` and Candidate gains the two fields.
-    prefill_instances: tuple[int, ...] = ()
-    decode_instances: tuple[int, ...] = ()
+    # aggregated ("off") and/or xPyD shapes ("1P1D", "2P1D"); max_pd_instances adds every xPyD
+    # with x + y <= it. kv_links: the links xPyD deployments are tried on (AUTO_LINK: see above).
+    disaggregation: tuple[str, ...] = (AGGREGATED,)
+    max_pd_instances: int | None = None
+    kv_links: tuple[str, ...] = (AUTO_LINK,)
 
     def __post_init__(self) -> None:
         load_model_spec(self.model)  # ValueError naming an unknown model
-        if self.prefill_instances or self.decode_instances:
-            raise ValueError("prefill_instances/decode_instances: disaggregated prefill and decode "
-                             "is not in the twin yet, so a plan cannot search it.")
         if not self.hardware:
             raise ValueError("hardware: at least one hardware profile is needed.")
         _positive_int("max_gpus", self.max_gpus)
@@ -138,7 +186,7 @@ class PlanSpace:
                 _positive_int(name, value)
         for name in ("tensor_parallel_sizes", "pipeline_parallel_sizes", "routers", "max_num_seqs",
                      "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policies",
-                     "speculative_configs", "quantizations"):
+                     "speculative_configs", "quantizations", "disaggregation", "kv_links"):
             if not getattr(self, name):
                 raise ValueError(f"{name}: at least one value is needed.")
         _known("routers", self.routers, available_routers())
@@ -154,6 +202,33 @@ class PlanSpace:
                              "arguments, or are axes of the plan.")
         for spec in self.speculative_configs:  # ValueError naming the bad key
             EngineArgs(speculative_config=spec)
+        self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        for value in self.disaggregation:
+            if value != AGGREGATED and not (isinstance(value, str) and _SHAPE.fullmatch(value)
+                                            and min(pd_shape(value)) >= 1):
+                raise ValueError(f"disaggregation: expected {AGGREGATED!r} or xPyD with x, y >= 1 "
+                                 f"(e.g. 1P1D, 2P1D), got {value!r}.")
+        if self.max_pd_instances is not None:
+            _positive_int("max_pd_instances", self.max_pd_instances)
+            if self.max_pd_instances < 2:
+                raise ValueError(f"max_pd_instances: xPyD needs x + y >= 2 instances, got "
+                                 f"{self.max_pd_instances!r}.")
+        _known("kv_links", self.kv_links, (AUTO_LINK, *LINK_NAMES, "measured"))
+        if self.pd_shapes:
+            refused = [k for k in PD_REFUSED_FIXED if self.fixed.get(k)]
+            if refused:
+                raise ValueError(f"fixed engine arguments: {', '.join(refused)} cannot run with "
+                                 "disaggregated prefill/decode in the twin yet.")
+
+    @property
+    def pd_shapes(self) -> list[tuple[int, int]]:
+        """The xPyD shapes searched: the axis's and those ``max_pd_instances`` generates."""
+        shapes = [pd_shape(v) for v in self.disaggregation if v != AGGREGATED]
+        if self.max_pd_instances is not None:
+            shapes += [(x, n - x) for n in range(2, self.max_pd_instances + 1) for x in range(1, n)]
+        return list(dict.fromkeys(shapes))
 
     def candidates(self) -> Iterator[Candidate]:
         num_layers = load_model_spec(self.model).num_hidden_layers
@@ -161,10 +236,24 @@ class PlanSpace:
                                                   self.pipeline_parallel_sizes):
             if tp > self.gpus_per_node or pp > num_layers or tp * pp > self.max_gpus:
                 continue
-            for replicas in self._replica_counts(tp * pp):
-                routers = self.routers if replicas > 1 else (SINGLE_REPLICA_ROUTER,)
-                for router, engine in itertools.product(routers, self._engine_settings()):
-                    yield Candidate(hardware, tp, pp, replicas, router, engine)
+            if AGGREGATED in self.disaggregation:
+                for replicas in self._replica_counts(tp * pp):
+                    routers = self.routers if replicas > 1 else (SINGLE_REPLICA_ROUTER,)
+                    for router, engine in itertools.product(routers, self._engine_settings()):
+                        yield Candidate(hardware, tp, pp, replicas, router, engine)
+            if pp == 1:  # the twin's P/D fleet runs one stage per instance
+                yield from self._disaggregated(hardware, tp)
+
+    def _disaggregated(self, hardware: str, tp: int) -> Iterator[Candidate]:
+        for x, y in self.pd_shapes:
+            if (x + y) * tp > self.max_gpus:
+                continue
+            one_node = (x + y) * tp <= self.gpus_per_node
+            links = dict.fromkeys((None if one_node else CROSS_NODE_LINK) if link == AUTO_LINK
+                                  else link for link in self.kv_links)
+            for link, engine in itertools.product(links, self._engine_settings()):
+                if dict(engine)["speculative_config"] is None:  # the P/D fleet has no drafts
+                    yield Candidate(hardware, tp, 1, 1, SINGLE_REPLICA_ROUTER, engine, x, y, link)
 
     def _replica_counts(self, per_replica: int) -> list[int]:
         fit = self.max_gpus // per_replica
@@ -182,6 +271,14 @@ class PlanSpace:
             if key not in seen:
                 seen.add(key)
                 yield tuple(sorted(values.items()))
+
+
+def pd_shape(text: str) -> tuple[int, int]:
+    """``"2P1D"`` -> (2, 1)."""
+    match = _SHAPE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"disaggregation: expected xPyD (e.g. 1P1D), got {text!r}.")
+    return int(match[1]), int(match[2])
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -206,27 +303,33 @@ class Sizing:
 
 
 def size_candidate(candidate: Candidate, model: str, fixed: dict[str, Any],
-                   longest_request: int) -> Sizing:
-    """One replica must hold the weights and the KV cache of at least one request of
-    ``longest_request`` tokens (prompt and output), as the twin sizes them
-    (``simulator.run.build_engine_config``, vLLM's memory accounting: per-GPU weights at this TP,
-    activations, ``gpu_memory_utilization``)."""
+                   longest_request: int, longest_prompt: int = 0) -> Sizing:
+    """Each engine must hold the weights and the KV cache of the longest request it serves, as
+    the twin sizes them (``simulator.run.build_engine_config``, vLLM's memory accounting:
+    per-GPU weights at this TP, activations, ``gpu_memory_utilization``): a replica or a decode
+    instance its prompt and output (``longest_request`` tokens), a prefill instance its prompt
+    and the one token it samples. An xPyD deployment's link must exist for its hardware."""
     try:
         build = build_engine_config(SimConfig.from_flat(candidate.sim(model, fixed)))
+        if candidate.disaggregated:
+            build.cost_model.hardware.kv_link_spec(candidate.kv_link)
     except ValueError as exc:
         return Sizing(str(exc), "")
     basis = "roofline" if isinstance(build.cost_model, CostModel) else "fitted"
     kv_tokens = build.engine_config.scheduler.num_gpu_blocks * candidate_block_size(fixed)
-    if kv_tokens < longest_request:
-        return Sizing(f"the KV cache holds {kv_tokens} tokens per replica, less than the longest "
-                      f"request's {longest_request}.", basis)
+    needs = ({"prefill instance": longest_prompt + 1, "decode instance": longest_request}
+             if candidate.disaggregated else {"replica": longest_request})
+    for pool, tokens in needs.items():
+        if kv_tokens < tokens:
+            return Sizing(f"the KV cache holds {kv_tokens} tokens per {pool}, less than the "
+                          f"longest request's {tokens}.", basis)
     return Sizing("", basis)
 
 
 def memory_verdict(candidate: Candidate, model: str, fixed: dict[str, Any],
-                   longest_request: int) -> str:
+                   longest_request: int, longest_prompt: int = 0) -> str:
     """Why ``candidate`` cannot serve the workload ("" when it can): ``size_candidate``'s reason."""
-    return size_candidate(candidate, model, fixed, longest_request).reason
+    return size_candidate(candidate, model, fixed, longest_request, longest_prompt).reason
 
 
 def candidate_block_size(fixed: dict[str, Any]) -> int:

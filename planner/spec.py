@@ -19,6 +19,9 @@ space:                          # axes (defaults: PlanSpace's)
   scheduling_policy: [fcfs]
   speculation: ["off", ngram]   # or speculative_config mappings
   quantization: [none, fp8]
+  disaggregation: ["off", 1P1D, 2P1D]   # aggregated and/or xPyD (prefill x, decode y instances)
+  max_pd_instances: 4           # adds every xPyD with x + y <= 4
+  kv_link: [auto]               # auto: the profile's link within a node, InfiniBand across
 engine: {gpu_memory_utilization: 0.9}   # fixed engine arguments
 prices: {h100-sxm: 3.5}         # $ per GPU-hour over the bundled table
 search: {tolerance: 0.05, base_rps: 1.0, min_rps: 0.05, max_rps: 1000,
@@ -40,7 +43,7 @@ import yaml
 from twinserve.planner.prices import PriceTable, bundled_prices, check_price, plan_hardware
 from twinserve.planner.search import RateGrid
 from twinserve.planner.slo import Slo, parse_slo
-from twinserve.planner.space import PlanSpace
+from twinserve.planner.space import AGGREGATED, PlanSpace
 
 TOP_KEYS = ("model", "hardware", "max_gpus", "attainment", "workload", "slo", "space", "engine",
             "prices", "search")
@@ -52,7 +55,9 @@ SPACE_KEYS = {"tensor_parallel_size": "tensor_parallel_sizes",
               "enable_chunked_prefill": "enable_chunked_prefill",
               "scheduling_policy": "scheduling_policies", "speculation": "speculative_configs",
               "quantization": "quantizations", "gpus_per_node": "gpus_per_node",
-              "prefill_instances": "prefill_instances", "decode_instances": "decode_instances"}
+              "disaggregation": "disaggregation", "max_pd_instances": "max_pd_instances",
+              "kv_link": "kv_links"}
+SCALAR_SPACE_KEYS = ("gpus_per_node", "max_pd_instances")
 SEARCH_KEYS = ("tolerance", "base_rps", "min_rps", "max_rps", "dominance_slack", "early_stop",
                "acceptance_profile")
 DEFAULT_DURATION_S = 120.0  # of arrivals per replay, whatever its rate
@@ -157,7 +162,7 @@ def _space(data: Mapping[str, Any]) -> PlanSpace:
     _check_keys(axes, tuple(SPACE_KEYS), "space")
     kwargs: dict[str, Any] = {}
     for key, value in axes.items():
-        if key == "gpus_per_node":
+        if key in SCALAR_SPACE_KEYS:
             kwargs[SPACE_KEYS[key]] = value
             continue
         values = value if isinstance(value, list) else [value]
@@ -165,6 +170,8 @@ def _space(data: Mapping[str, Any]) -> PlanSpace:
             values = [_speculation(v) for v in values]
         elif key == "quantization":
             values = [None if v in (None, "none", "off") else v for v in values]
+        elif key == "disaggregation":  # (YAML reads a bare off as false)
+            values = [AGGREGATED if v is False else v for v in values]
         kwargs[SPACE_KEYS[key]] = tuple(values)
     model = data["model"]
     if not isinstance(model, str):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -233,10 +233,12 @@ def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTim
 
 
 def replay_fleet(cfg: SimConfig, requests: Iterator[Request], record_tenants: bool = False,
+                 stop_when: Callable[[Sequence[RequestRecord]], bool] | None = None,
                  ) -> tuple[Fleet, EngineBuild, LinkSpec]:
     """Replays ``requests`` (in arrival order) through the xPyD fleet of ``cfg``; returns the
-    fleet after the run (its schedulers, for audits), the engine build and the link."""
-    from twinserve.simulator.run import build_engine_config  # (run.py dispatches here)
+    fleet after the run (its schedulers, for audits), the engine build and the link.
+    ``stop_when``: as ``simulate``'s (asked with the requests finished so far)."""
+    from twinserve.simulator.run import _stopper, build_engine_config  # (run.py dispatches here)
     build = build_engine_config(cfg)
     engine_config, cost = build.engine_config, build.cost_model
     link = cost.hardware.kv_link_spec(cfg.kv_link)
@@ -246,18 +248,22 @@ def replay_fleet(cfg: SimConfig, requests: Iterator[Request], record_tenants: bo
     env.process(fleet.arrivals(requests))
     for inst in fleet.prefill + fleet.decode:
         env.process(instance_process(env, inst, fleet.on_outputs))
+    if stop_when is not None:
+        fleet.recorder.on_finish = _stopper(env, fleet.recorder, stop_when, None)
     env.run()
     fleet.collect_loads()
     return fleet, build, link
 
 
-def simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
-                           requests: Iterator[Request]) -> SimResult:
+def simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest], requests: Iterator[Request],
+                           stop_when: Callable[[Sequence[RequestRecord]], bool] | None = None,
+                           ) -> SimResult:
     """``simulate`` for an xPyD fleet: the run's records are the decode side's (a request's
     arrival is its arrival at the front), its summary adds ``pool_summary``."""
     from twinserve.simulator.run import SimResult
     t0 = time.perf_counter()
-    fleet, build, link = replay_fleet(cfg, requests, len({tr.tenant for tr in trace}) > 1)
+    fleet, build, link = replay_fleet(cfg, requests, len({tr.tenant for tr in trace}) > 1,
+                                      stop_when)
     recorder = fleet.recorder
     recorder.steps.sort_by_time()
     records = sorted(recorder.requests, key=lambda r: (r.arrival_time, r.request_id))

@@ -10,10 +10,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import simpy
-from tqdm import tqdm
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_engine_config
@@ -45,12 +44,9 @@ from twinserve.simulator.engine import (
     engine_process,
 )
 from twinserve.simulator.hardware import HardwareProfile, load_hardware
-from twinserve.simulator.kv_offload import TwinOffloadingWorker, host_link_of, offloading_engine_process
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
-from twinserve.simulator.pipeline import PipelineCost, pipelined_engine_process
 from twinserve.simulator.roofline_gap import roofline_caveat
-from twinserve.simulator.spec_cost import with_speculation
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
@@ -60,6 +56,10 @@ from twinserve.traces.trace_request import (
     iter_prompt_token_ids,
     prompt_ids_slice,
 )
+
+if TYPE_CHECKING:  # (loaded where a run needs them: a host KV tier, pipeline stages)
+    from twinserve.simulator.kv_offload import TwinOffloadingWorker
+    from twinserve.simulator.pipeline import PipelineCost
 
 # The default twin stands on measured ground: Llama-3-8B on an A100-80GB, the GPU most
 # published serving studies ran on (Vidur, DistServe, Sarathi) and the one a newcomer most likely
@@ -298,10 +298,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     finish, ends the replay early when it returns True (the planner's decided verdicts): the
     result then holds only the requests finished by then."""
     if cfg.disaggregated:
-        if stop_when is not None:
-            raise ValueError("stop_when is not supported with a disaggregated fleet yet.")
         return _simulate_disaggregated(cfg, trace, adapters, structured, router, acceptance,
-                                       lazy_prompts)
+                                       lazy_prompts, stop_when)
     t0 = time.perf_counter()
     build = build_engine_config(cfg)
     engine_config, cost, spec = build.engine_config, build.cost_model, build.model
@@ -315,8 +313,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     if uses_kv_events(router):
         sched_cfg = replace(sched_cfg, kv_events=True)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
-    # tqdm starts a monitor thread even when disabled: no bar at all without progress.
-    bar = tqdm(total=len(trace), unit="req", desc="simulating", mininterval=0.5) if progress else None
+    bar = _progress_bar(len(trace)) if progress else None
     recorder.on_finish = bar.update if bar is not None else None
     with _cyclic_gc_paused():
         env = simpy.Environment()
@@ -325,11 +322,14 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
             structured_cost_of(cost.hardware).wrap(cost)
         pipe = None
         if cfg.engine.pipeline_parallel_size > 1:  # the stages, their transfers, the bubble
+            from twinserve.simulator.pipeline import PipelineCost
             step = pipe = PipelineCost(step, spec, cost.hardware,
                                        cfg.engine.pipeline_parallel_size,
                                        cfg.engine.tensor_parallel_size)
         spec_cfg = cfg.engine.speculation
-        step = with_speculation(step, cost, spec_cfg, cfg.engine.kernel_settings())
+        if spec_cfg is not None:
+            from twinserve.simulator.spec_cost import with_speculation
+            step = with_speculation(step, cost, spec_cfg, cfg.engine.kernel_settings())
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
@@ -353,11 +353,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         # the engine's batch queue (pp batches in flight), where the engine runs one
         queued = pipe if spec_cfg is None and lora is None else None
         for replica, (_, worker) in zip(replicas, tiers):
-            if worker is not None:
-                env.process(offloading_engine_process(env, replica, worker))
-            else:
-                env.process(engine_process(env, replica) if queued is None
-                            else pipelined_engine_process(env, replica, queued))
+            env.process(_engine_loop(env, replica, worker, queued))
         if stop_when is not None:
             recorder.on_finish = _stopper(env, recorder, stop_when, recorder.on_finish)
         env.run()
@@ -382,7 +378,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
 def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
                             adapters: LoRAAdapters | None, structured: StructuredWorkload | None,
                             router: Router | None, acceptance: AcceptanceProfile | None,
-                            lazy_prompts: bool) -> SimResult:
+                            lazy_prompts: bool,
+                            stop_when: Callable[[Sequence[RequestRecord]], bool] | None,
+                            ) -> SimResult:
     """``simulate`` for an xPyD fleet (``simulator.disaggregated``, imported here: it builds on
     this module). What the fleet does not model yet is refused by name."""
     from twinserve.simulator.disaggregated import simulate_disaggregated
@@ -400,7 +398,27 @@ def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
             raise ValueError(f"{arg} is not supported with a disaggregated fleet yet.")
     spec = load_model_spec(cfg.model)
     requests = _engine_requests(trace, spec.vocab_size, args.block_size, None, lazy_prompts)
-    return simulate_disaggregated(cfg, trace, requests)
+    return simulate_disaggregated(cfg, trace, requests, stop_when)
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar (imported here: a run without one never loads tqdm, which also starts a
+    monitor thread when disabled)."""
+    from tqdm import tqdm
+    return tqdm(total=total, unit="req", desc="simulating", mininterval=0.5)
+
+
+def _engine_loop(env: simpy.Environment, replica: Replica, worker: Any,
+                 queued: PipelineCost | None) -> Any:
+    """A replica's engine process: with a host KV tier, with the pipeline's batch queue, or
+    plain (the modules of the first two loaded only where a run needs them)."""
+    if worker is not None:
+        from twinserve.simulator.kv_offload import offloading_engine_process
+        return offloading_engine_process(env, replica, worker)
+    if queued is not None:
+        from twinserve.simulator.pipeline import pipelined_engine_process
+        return pipelined_engine_process(env, replica, queued)
+    return engine_process(env, replica)
 
 
 def _stopper(env: simpy.Environment, recorder: RunRecorder,
@@ -430,6 +448,7 @@ def _host_tier(engine_config: EngineConfig, block_size: int, hardware: HardwareP
     if kv_transfer.kv_connector != OFFLOADING_CONNECTOR:
         raise ValueError(f"kv_transfer_config.kv_connector {kv_transfer.kv_connector!r} in the twin "
                          "needs a disaggregated fleet (prefill and decode instances).")
+    from twinserve.simulator.kv_offload import TwinOffloadingWorker, host_link_of
     return (OffloadingConnectorScheduler(kv_transfer, block_size),
             TwinOffloadingWorker(host_link_of(hardware), engine_config.block_bytes))
 

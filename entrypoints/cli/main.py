@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), "")
+    if command in ONE_BLAS_THREAD:
+        # before numpy loads OpenBLAS, which reads it once (a user's own setting is kept)
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parser = build_parser(only=command)
     try:
         args = parse_args(parser, argv)
@@ -264,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     if as_program and command in EXIT_WITHOUT_TEARDOWN:
         _exit_now(code)
     return code
+
+
+# Commands of the twin alone, which does no BLAS work (its matrices are fits of a few columns):
+# numpy's OpenBLAS would start a thread per core at import, ~0.05 s of CPU per command on this
+# 2-core machine, a tenth of a 2,000-request `simulate` (benchmarks/sim_speed.py --cli).
+ONE_BLAS_THREAD = ("simulate", "sweep")
 
 
 # Commands that, run as the program, end as soon as their work is written: the interpreter's

@@ -17,8 +17,8 @@ LIST_FLAGS = {"tp": ("space", "tensor_parallel_size", int), "pp": ("space", "pip
               "chunked_prefill": ("space", "enable_chunked_prefill", "onoff"),
               "policies": ("space", "scheduling_policy", str),
               "speculation": ("space", "speculation", str), "quantization": ("space", "quantization", str),
-              "prefill_instances": ("space", "prefill_instances", int),
-              "decode_instances": ("space", "decode_instances", int)}
+              "disaggregation": ("space", "disaggregation", str),
+              "kv_link": ("space", "kv_link", str)}
 BUNDLED_REAL = ("smollm2-135m", "smollm2-135m-instruct")  # the real engine's embedded model
 SEARCH_FLAGS = ("tolerance", "base_rps", "min_rps", "max_rps", "dominance_slack", "acceptance_profile")
 
@@ -41,6 +41,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     axes = p.add_argument_group("space (comma-separated values; defaults: planner.space.PlanSpace)")
     for flag in LIST_FLAGS:
         axes.add_argument(f"--{flag.replace('_', '-')}", default=None, metavar="V,V")
+    axes.add_argument("--max-pd-instances", type=int, default=None, metavar="N",
+                      help="adds every xPyD deployment with x + y <= N to --disaggregation")
     search = p.add_argument_group("search")
     for flag in SEARCH_FLAGS:
         search.add_argument(f"--{flag.replace('_', '-')}", default=None,
@@ -81,6 +83,8 @@ def plan_mapping(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         from twinserve.planner.prices import parse_price_flag
         data["prices"] = {**(data.get("prices") or {}), **dict(map(parse_price_flag, args.price))}
     _overlay_lists(args, data)
+    if args.max_pd_instances is not None:
+        data["space"] = {**(data.get("space") or {}), "max_pd_instances": args.max_pd_instances}
     return data, source
 
 
@@ -141,6 +145,8 @@ def verifiable(row: dict[str, Any], model: str) -> str:
     a checkpoint directory or the bundled SmolLM2-135M, the profile's device type this machine's,
     with as many devices as the configuration needs (a CPU counts as one)."""
     from twinserve.simulator.hardware import load_hardware
+    if row.get("prefill_instances"):
+        return "a disaggregated (xPyD) deployment: --verify-top replays one engine"
     if _real_model(model) is False:
         return f"the real engine needs a checkpoint of {model!r}; here only the bundled smollm2-135m"
     wanted = load_hardware(row["hardware"]).platform().device_type

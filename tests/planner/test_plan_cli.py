@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -10,11 +11,12 @@ import yaml
 
 from twinserve.entrypoints.cli.main import build_parser, main, parse_args
 from twinserve.entrypoints.engine_args import engine_args_from
-from twinserve.planner.output import best_config, vllm_command, write_best
+from twinserve.planner.output import _sim_of, best_config, vllm_command, write_best
 from twinserve.planner.pareto import Searched, capacity_bound, is_dominated, pareto_mask
 from twinserve.planner.plan import PRUNED
 from twinserve.planner.space import Candidate, PlanSpace, memory_verdict
 from twinserve.planner.spec import parse_plan
+from twinserve.simulator.run import SimConfig, build_engine_config
 
 BASE = {"model": "llama-3-8b", "hardware": ["h100-sxm"], "max_gpus": 2,
         "workload": {"num_requests": 200, "duration_s": 5}, "slo": {"ttft_p90_ms": 2000}}
@@ -111,7 +113,15 @@ def test_the_bound_and_the_fronts() -> None:
     ({"prices": {"h100-sxm": 0}}, "price of 'h100-sxm'"),
     ({"space": {"tensor_parallel_sizes": [1]}}, "space.tensor_parallel_sizes: unknown key"),
     ({"space": {"router": ["teleport"]}}, "routers: unknown value 'teleport'"),
-    ({"space": {"prefill_instances": [1]}}, "prefill_instances/decode_instances"),
+    ({"space": {"prefill_instances": [1]}}, "space.prefill_instances: unknown key"),
+    ({"space": {"disaggregation": ["1P0D"]}}, "disaggregation: expected 'off' or xPyD"),
+    ({"space": {"disaggregation": ["PD"]}}, "disaggregation: expected 'off' or xPyD"),
+    ({"space": {"disaggregation": [2]}}, "disaggregation: expected 'off' or xPyD"),
+    ({"space": {"max_pd_instances": 1}}, "max_pd_instances: xPyD needs"),
+    ({"space": {"max_pd_instances": "4"}}, "max_pd_instances: expected an integer"),
+    ({"space": {"kv_link": ["warp"]}}, "kv_links: unknown value 'warp'"),
+    ({"space": {"disaggregation": ["1P1D"]}, "engine": {"kv_offloading_size": 4}},
+     "kv_offloading_size cannot run with disaggregated"),
     ({"space": {"quantization": ["gptq"]}}, "quantizations: unknown value 'gptq'"),
     ({"search": {"tolerance": 0}}, "tolerance"),
     ({"attainment": 1.5}, "attainment"),
@@ -126,6 +136,95 @@ def test_the_command_refuses_bad_flags_by_name(tmp_path, capsys) -> None:
     code = main(["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--max-gpus", "1",
                  "--slo", "ttft_p90=2000", "--out", str(tmp_path)])
     assert code == 2 and "slo key 'ttft_p90'" in capsys.readouterr().err
+    code = main(["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--max-gpus", "2",
+                 "--slo", "ttft_p90_ms=2000", "--disaggregation", "off,2P", "--out", str(tmp_path)])
+    assert code == 2 and "disaggregation: expected 'off' or xPyD" in capsys.readouterr().err
+
+
+def _pd_space(**changes) -> PlanSpace:
+    axes = {"max_num_seqs": (64,), "max_num_batched_tokens": (2048,), **changes}
+    return PlanSpace("llama-3-8b", ("h100-sxm",), **axes)
+
+
+def test_the_space_adds_xpyd_deployments() -> None:
+    cands = list(_pd_space(max_gpus=6, tensor_parallel_sizes=(1, 2), pipeline_parallel_sizes=(1, 2),
+                           max_pd_instances=3, speculative_configs=(None, {"method": "ngram",
+                                                                            "num_speculative_tokens": 3}),
+                           gpus_per_node=4).candidates())
+    pd = [c for c in cands if c.disaggregated]
+    shapes = {(c.tensor_parallel_size, c.prefill_instances, c.decode_instances, c.kv_link) for c in pd}
+    # tp 1: 1P1D, 2P1D, 1P2D within a node; tp 2: 1P1D (4 GPUs, one node), 2P1D/1P2D (6: across)
+    assert shapes == {(1, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None), (2, 1, 1, None),
+                      (2, 2, 1, "infiniband"), (2, 1, 2, "infiniband")}
+    assert all(c.pipeline_parallel_size == 1 and c.num_replicas == 1 for c in pd)
+    assert all(dict(c.engine)["speculative_config"] is None for c in pd)  # the fleet has no drafts
+    assert all(c.gpus == c.tensor_parallel_size * (c.prefill_instances + c.decode_instances) <= 6
+               for c in pd)
+    assert len({c.candidate_id for c in cands}) == len(cands)
+    assert [c for c in cands if not c.disaggregated] == list(_pd_space(
+        max_gpus=6, tensor_parallel_sizes=(1, 2), pipeline_parallel_sizes=(1, 2), gpus_per_node=4,
+        speculative_configs=(None, {"method": "ngram", "num_speculative_tokens": 3})).candidates())
+    only = list(_pd_space(max_gpus=4, disaggregation=("2P1D",), kv_links=("auto", "pcie")).candidates())
+    assert {(c.prefill_instances, c.decode_instances, c.kv_link) for c in only} == \
+        {(2, 1, None), (2, 1, "pcie")}
+
+
+def test_a_spec_file_names_the_pd_axis(tmp_path) -> None:
+    from twinserve.planner.spec import load_plan_file
+    path = tmp_path / "plan.yaml"  # a bare off is YAML's false
+    path.write_text(yaml.safe_dump(BASE, sort_keys=False) + "space:\n  disaggregation: [off, 2P1D]\n"
+                    "  max_pd_instances: 2\n  kv_link: [auto, pcie]\n")
+    space = parse_plan(load_plan_file(path), str(path)).space
+    assert space.disaggregation == ("off", "2P1D") and space.kv_links == ("auto", "pcie")
+    assert space.pd_shapes == [(2, 1), (1, 1)]
+
+
+def test_the_bound_never_crosses_deployment_shapes() -> None:
+    engine = (("max_num_seqs", 64),)
+    one = Candidate("h100-sxm", 1, 1, 1, "round-robin", engine, 1, 1)
+    two = Candidate("h100-sxm", 1, 1, 1, "round-robin", engine, 2, 2)
+    skew = Candidate("h100-sxm", 1, 1, 1, "round-robin", engine, 2, 1)
+    replicas = Candidate("h100-sxm", 1, 1, 4, "round-robin", engine)
+    assert one.replica_key == two.replica_key != skew.replica_key
+    assert replicas.replica_key not in (one.replica_key, skew.replica_key)
+    searched = [Searched(one.replica_key, one.gpus, 100.0),
+                Searched(Candidate("h100-sxm", 1, 1, 1, "round-robin", engine).replica_key, 1, 90.0)]
+    assert capacity_bound(two.replica_key, two.gpus, searched, 1.5) == pytest.approx(1.5 * 50 * 4)
+    assert capacity_bound(skew.replica_key, skew.gpus, searched, 1.5) is None
+    assert capacity_bound(replicas.replica_key, 4, searched, 1.5) == pytest.approx(1.5 * 90 * 4)
+
+
+def test_memory_prunes_each_pool() -> None:
+    pd = Candidate("a100-80gb", 1, 1, 1, "round-robin", (), 1, 1)
+    assert memory_verdict(pd, "llama-3-8b", {}, 1000, 900) == ""
+    assert "per decode instance" in memory_verdict(pd, "llama-3-8b", {}, 10_000_000, 900)
+    assert "per prefill instance" in memory_verdict(pd, "llama-3-8b", {}, 10_000_000, 9_000_000)
+    # a link the profile has no preset of
+    assert "kv_link 'infiniband'" in memory_verdict(
+        Candidate("cpu", 1, 1, 1, "round-robin", (), 1, 1, "infiniband"), "smollm2-135m", {}, 100)
+
+
+def test_a_disaggregated_best_yaml_gives_simulate_the_planned_configuration(tmp_path) -> None:
+    spec = parse_plan({**BASE, "max_gpus": 4, "space": {"disaggregation": ["2P1D"]}})
+    row = _row(tensor_parallel_size=1, num_replicas=1, router="round-robin", gpus=3,
+               prefill_instances=2, decode_instances=1, kv_link="infiniband")
+    path = tmp_path / "best.yaml"
+    written = write_best(row, spec, path)
+    text = path.read_text()
+    assert (written["prefill_instances"], written["decode_instances"], written["kv_link"]) == \
+        (2, 1, "infiniband")
+    assert written["data_parallel_size"] == 1 and "as 2P1D" in text and "replicas behind" not in text
+    assert text.count("--kv-transfer-config") == 2 and "# vLLM prefill x2: vllm serve" in text
+    assert "# vLLM decode x1: vllm serve" in text and "proxy" in text
+    out = tmp_path / "run"
+    assert main(["simulate", "--config", str(path), "--num-requests", "20", "--out", str(out),
+                 "--disable-tqdm"]) == 0
+    ran = json.loads((out / "config.json").read_text())
+    planned = SimConfig.from_flat(_sim_of(row, spec))
+    assert {k: ran[k] for k in ("prefill_instances", "decode_instances", "kv_link", "hardware")} == \
+        {"prefill_instances": 2, "decode_instances": 1, "kv_link": "infiniband", "hardware": "h100-sxm"}
+    resolved = build_engine_config(planned).engine_config.to_dict()
+    assert {k: ran[k] for k in resolved} == json.loads(json.dumps(resolved, default=str))
 
 
 def test_the_command_writes_the_plan(tmp_path, capsys) -> None:
@@ -145,7 +244,8 @@ def test_the_command_writes_the_plan(tmp_path, capsys) -> None:
     plan = pd.read_csv(out / "plan.csv")
     assert set(plan["status"]) <= {"fitted", "no-capacity", "dominated", "pruned-memory"}
     assert {"capacity_rps", "cost_per_m_output_tokens", "output_tokens_per_s_per_gpu",
-            "output_tokens_per_s_per_user"} <= set(plan.columns)
+            "output_tokens_per_s_per_user", "prefill_instances", "decode_instances",
+            "kv_link"} <= set(plan.columns)
     assert "needs 1 x h100-sxm" in printed or "checkpoint" in printed  # not verifiable here
 
 
@@ -165,6 +265,8 @@ def test_only_what_this_machine_runs_is_verifiable() -> None:
     gpu = {"hardware": "h100-sxm", "gpus": 2}
     cpu = {"hardware": "cpu", "gpus": 1}
     assert "checkpoint" in verifiable(gpu, "llama-3-8b")
+    assert "disaggregated (xPyD)" in verifiable({**cpu, "prefill_instances": 1}, "smollm2-135m")
+    assert "disaggregated" not in verifiable({**gpu, "prefill_instances": 0}, "llama-3-8b")
     if torch.cuda.is_available():
         pytest.skip("the CPU cases assume a machine without CUDA")
     assert "needs 2 x h100-sxm (cuda); this machine has cpu" in verifiable(gpu, "smollm2-135m")

@@ -32,6 +32,8 @@ SMALL = {"model": "llama-3-8b", "hardware": ["a100-80gb", "h100-sxm"], "max_gpus
                    "max_num_batched_tokens": [2048]},
          "search": {"tolerance": 0.4, "base_rps": 1.0, "min_rps": 0.5, "max_rps": 48,
                     "dominance_slack": 0}}
+# the same space with disaggregated deployments beside the aggregated ones (1P1D: 2 GPUs at TP 1)
+WITH_PD = {**SMALL, "space": {**SMALL["space"], "disaggregation": ["off", "1P1D"]}}
 
 
 @given(st.integers(-12, 12), st.integers(-12, 12))
@@ -79,13 +81,20 @@ def _exhaustive(spec, out) -> PlanResult:
 def _sim(row, spec) -> dict:
     keys = ("hardware", "tensor_parallel_size", "pipeline_parallel_size", "num_replicas", "router",
             "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy")
-    return {"model": spec.space.model, **{k: row[k] for k in keys}}
+    pd = {k: row[k] for k in ("prefill_instances", "decode_instances", "kv_link")} \
+        if row["prefill_instances"] else {}
+    return {"model": spec.space.model, **{k: row[k] for k in keys}, **pd}
 
 
-def test_plan_front_and_best_equal_an_exhaustive_sweep(tmp_path) -> None:
-    spec = parse_plan(SMALL)
+@pytest.mark.parametrize("plan", [SMALL, WITH_PD], ids=["aggregated", "with-pd"])
+def test_plan_front_and_best_equal_an_exhaustive_sweep(tmp_path, plan) -> None:
+    spec = parse_plan(plan)
     planned, exhaustive = _exhaustive(spec, tmp_path)
     assert [r["status"] for r in planned.rows].count(FITTED) >= 3
+    if plan is WITH_PD:  # both 1P1D deployments were searched and met the SLOs somewhere
+        assert sorted(r["name"].split()[0] for r in planned.rows
+                      if r["prefill_instances"] == 1 and r["status"] == FITTED) == \
+            ["a100-80gb", "h100-sxm"]
     for mine, theirs in zip(planned.rows, exhaustive.rows):
         assert (mine["name"], mine["capacity_rps"]) == (theirs["name"], theirs["capacity_rps"])
     assert planned.best["name"] == exhaustive.best["name"]
@@ -94,8 +103,9 @@ def test_plan_front_and_best_equal_an_exhaustive_sweep(tmp_path) -> None:
     assert planned.stats["replays_run"] < sum(r["replays"] for r in exhaustive.rows) + len(exhaustive.rows)
 
 
-def test_dominance_skipping_keeps_the_best(tmp_path) -> None:
-    pricey = {**SMALL, "prices": {"a100-80gb": 12.0}}  # the A100's 2-GPU configurations cannot win
+@pytest.mark.parametrize("plan", [SMALL, WITH_PD], ids=["aggregated", "with-pd"])
+def test_dominance_skipping_keeps_the_best(tmp_path, plan) -> None:
+    pricey = {**plan, "prices": {"a100-80gb": 12.0}}  # the A100's 2-GPU configurations cannot win
     full = run_plan(parse_plan(pricey), tmp_path / "full")
     skipping = run_plan(parse_plan({**pricey, "search": {**SMALL["search"], "dominance_slack": 1.5}}),
                         tmp_path / "skip")
@@ -103,6 +113,8 @@ def test_dominance_skipping_keeps_the_best(tmp_path) -> None:
     assert skipping.best["name"] == full.best["name"]
     assert skipping.best["capacity_rps"] == full.best["capacity_rps"]
     assert skipping.stats["replays_run"] < full.stats["replays_run"]
+    # no aggregated configuration bounds an xPyD one: each 1P1D is the smallest of its shape
+    assert all(r["status"] == FITTED for r in skipping.rows if r["prefill_instances"])
 
 
 def test_a_plan_resumes_without_replaying(tmp_path) -> None:
@@ -135,6 +147,32 @@ def test_early_stopping_never_changes_a_verdict(hardware, seqs, k, ttft, tpot, p
     stopped = simulate(cfg, requests, stop_when=both.update)
     both.update(stopped.records)
     assert both.final() == full["verdict"]
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from([(1, 1), (2, 1), (1, 2)]), k=st.integers(4, 14),
+       ttft=st.sampled_from([300, 1000]), tpot=st.sampled_from([30, 80]))
+def test_early_stopping_never_changes_a_disaggregated_verdict(shape, k, ttft, tpot) -> None:
+    trace = plan_trace(parse_plan(SMALL))
+    slos = (parse_slo("ttft_p90_ms", ttft, 0.9), parse_slo("tpot_p90_ms", tpot, 0.9))
+    cfg = SimConfig(model="llama-3-8b", hardware="h100-sxm", max_num_seqs=64,
+                    prefill_instances=shape[0], decode_instances=shape[1])
+    task = SearchTask("", "c", {}, trace, slos, RateGrid(tolerance=0.4), duration_s=8.0)
+    early = replay_point(cfg, task, k)
+    full = replay_point(cfg, replace(task, early_stop=False), k)
+    assert early["verdict"] == full["verdict"]
+    assert full["finished"] == full["num_requests"]
+
+
+def test_early_stopping_stops_an_overloaded_disaggregated_replay() -> None:
+    trace = plan_trace(parse_plan(SMALL))
+    task = SearchTask("", "c", {}, trace, (parse_slo("ttft_p90_ms", 200, 0.9),),
+                      RateGrid(tolerance=0.4, max_rps=100), duration_s=8.0)
+    cfg = SimConfig(model="llama-3-8b", hardware="a100-80gb", prefill_instances=1,
+                    decode_instances=1)
+    point = replay_point(cfg, task, 10)
+    assert point["verdict"] == FAIL and point["stopped_early"]
+    assert point["finished"] < point["num_requests"]
 
 
 def test_early_stopping_stops_an_overloaded_replay() -> None:

@@ -17,6 +17,13 @@ it on (a send completes when the next stage takes it), and schedules the next ba
 later stages work; with the queue full it waits for the oldest batch's logits. Each stage works
 on one batch at a time, in order (``StageClock``). For a steady run of equal batches that gives
 ``PipelineStepCost.interval(k)`` between steps.
+
+Stages on separate devices (GPUs) run independently. Stages sharing one host (a CPU, where every
+stage is a process reading the same memory) slow each other while they compute at once: with a
+profile's ``shared_stage_slowdown`` f > 1 the queue runs on ``SharedStageClock``, where a stage
+computes at ``1 / (1 + k (f - 1))`` of its speed while ``k`` others compute. Only the overlap is
+charged: a batch alone in the pipeline (and every bubble) costs what it does at f = 1.
+``interval`` and ``bubble_with`` stay the separate-device figures.
 """
 
 from __future__ import annotations

@@ -73,3 +73,19 @@ def test_two_stages_of_the_bundled_model_slow_each_other_on_this_host(default_mo
     finally:
         runner.shutdown()
     assert 1.1 <= overlap.measured <= 4.0, overlap.describe()
+
+
+def test_each_level_round_reads_the_slowdown_before_its_replay(monkeypatch, tiny_runner) -> None:
+    """``InterleavedCalibration.measure_level`` (validate: before each replay) keeps every
+    reading, which ``save`` stores as their median."""
+    import twinserve.fidelity.calibration as calibration
+    from twinserve.fidelity.interleaved import InterleavedCalibration
+    from twinserve.fidelity.settings import CalibrationSettings
+    eargs, runner = tiny_runner
+    readings = iter([1.5, 2.0])
+    monkeypatch.setattr(calibration, "measure_stage_slowdown", lambda r, log: next(readings))
+    cal = InterleavedCalibration(CalibrationSettings(quick=True, engine_loop=False), eargs,
+                                 runner, lambda msg: None)
+    cal.measure_level()
+    cal.measure_level()
+    assert cal.stage_slowdowns == [1.5, 2.0]

@@ -15,6 +15,9 @@ the logits (stage 1's compute plus both transfers, less what the driver overlapp
 driver's idle share, its side of the bubble. Workloads: 16 prompts x 64 generated tokens and
 1 x 64 (32-token prompts, greedy, ignore_eos), in interleaved rounds; medians are printed.
 ``batch ms``: wall time per batch completed; ``in flight``: the most batches in the pipeline.
+Last, the PP=2 engine's shared-stage slowdown (``gpu.measurement.stage_overlap``: its first
+stage alone and beside the second, with the send per step alone), the figure ``calibrate``
+stores as the twin's ``shared_stage_slowdown``; ``--no-overlap`` skips it.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="cores to use in all (default 2)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="skip the shared-stage slowdown reading")
     args = ap.parse_args(argv)
     model = args.model or str(default_model_path())
     engines = {pp: _engine(model, pp, args.dtype) for pp in (1, 2)}
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {r + 1} {name} pp={mode[0]}: {row['tok_s']:.1f} tok/s, send "
                           f"{row['send_s']:.2f} s, logits wait {row['wait_s']:.2f} s of "
                           f"{row['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        overlap = None if args.no_overlap else _overlap(engines[2], max(1, args.threads // 2))
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -119,7 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{med['send_s'] * per:>14.2f} {med['send_s'] / med['wall_s']:>6.1%} "
                   f"{med['bytes'] / med['steps'] / 1024:>9.1f} {med['wait_s'] * per:>21.1f} "
                   f"{med['wait_s'] / med['wall_s']:>12.1%}")
+    if overlap is not None:
+        print(overlap)
     return 0
+
+
+def _overlap(engine, threads: int) -> str:
+    from twinserve.gpu.measurement.stage_overlap import measure_stage_overlap
+    torch.set_num_threads(threads)  # (the driver's stage as PP=2 runs it)
+    return measure_stage_overlap(engine.runner).describe()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the host's speed now. Each writes a profile JSON that ``twinserve simulate --har
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,30 @@ def calibrate(engine: EngineArgs, out: str | Path,
     path = save_profile(cal, model, base, out, engine.block_size, note, platform,
                         measure_interconnect(runner, engine, log), engine.kernel_settings())
     path = add_mask_timing(path, runner, log)
+    path = with_stage_slowdown(path, measurement.stage_slowdowns)
     return CalibrationResult(add_kv_link(path, runner, log), cal, model)
+
+
+def measure_stage_slowdown(runner: Any, log: Log) -> float | None:
+    """Under pipeline parallelism on a CPU, how much slower a stage computes beside another
+    (``gpu.measurement.stage_overlap``); None elsewhere: GPUs are separate devices (1.0)."""
+    if runner.device.type != "cpu" or not runner.can_queue_batches:
+        return None
+    from twinserve.gpu.measurement.stage_overlap import measure_stage_overlap
+    overlap = measure_stage_overlap(runner)
+    log(overlap.describe())
+    return overlap.slowdown
+
+
+def with_stage_slowdown(profile_path: Path, slowdowns: Sequence[float]) -> Path:
+    """The profile with the median of ``slowdowns`` as its ``shared_stage_slowdown`` (none
+    measured: left as it is)."""
+    if not slowdowns:
+        return profile_path
+    from twinserve.simulator.hardware import load_hardware
+    profile = dataclasses.replace(load_hardware(profile_path),
+                                  shared_stage_slowdown=statistics.median(slowdowns))
+    return profile.save(profile_path)
 
 
 def add_kv_link(profile_path: Path, runner: Any, log: Log) -> Path:

@@ -44,6 +44,8 @@ class InterleavedCalibration:
     measured: BackendMeasurement | None = None
     grid_probe: dict[str, float] = field(default_factory=dict)  # the probe before the grid
     probes: list[dict[str, float]] = field(default_factory=list)  # one per measure_loop
+    # under PP on a CPU, the shared-stage slowdown read before each round (fidelity.calibration)
+    stage_slowdowns: list[float] = field(default_factory=list)
 
     def measure_grid(self) -> None:
         """The micro-benchmarks and swap copies; without the engine loop (``--no-engine-loop``)
@@ -62,7 +64,11 @@ class InterleavedCalibration:
         """One round: ``time_grid_pass`` then every engine-loop workload (``measure_loop``);
         returns the host-speed probe right after, the probe the round's runs start from (the
         grid's alone without the engine loop)."""
+        from twinserve.fidelity.calibration import measure_stage_slowdown
         from twinserve.gpu.measurement.profiler import speed_probe
+        slowdown = measure_stage_slowdown(self.runner, self.log)
+        if slowdown is not None:
+            self.stage_slowdowns.append(slowdown)
         if not self.settings.engine_loop:
             return speed_probe(self.runner)
         self.time_grid_pass()
@@ -133,6 +139,7 @@ class InterleavedCalibration:
         fitted on beside it (``samples_path``: ``calibrate --from-run ... --backend-samples``
         and ``simulator.calibration.split_backend_samples`` read them back)."""
         from twinserve.core.step_sample import write_samples
+        from twinserve.fidelity.calibration import with_stage_slowdown
         from twinserve.gpu.worker.platform import current_platform
         from twinserve.simulator.calibration import save_profile
         from twinserve.simulator.model_spec import load_model_spec
@@ -149,7 +156,7 @@ class InterleavedCalibration:
                            self.engine_args.kernel_settings())
         write_samples(samples_path(out), cal.samples)
         self.log(cal.report)
-        return out
+        return with_stage_slowdown(out, self.stage_slowdowns)
 
 
 def loop_schedule(num_parts: int, num_runs: int, round_: int) -> list[list[int]]:

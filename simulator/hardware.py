@@ -172,6 +172,11 @@ class HardwareProfile:
     # The KV connector's link as measured by ``calibrate`` (``{"bandwidth_bytes_per_s": X,
     # "latency_s": Y}``, see ``kv_transfer.LinkSpec``); None: only the presets of the GPU.
     kv_link: Mapping[str, Any] | None = None
+    # Pipeline stages sharing one host (``simulator.pipeline``): how many times longer a stage's
+    # compute takes while one other stage of the same host computes (measured by ``calibrate``
+    # at PP > 1 on a CPU, ``gpu.measurement.stage_overlap``). 1.0: the stages are separate
+    # devices, as each GPU of a PP deployment is (vLLM places one rank per GPU).
+    shared_stage_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -188,6 +193,10 @@ class HardwareProfile:
                     "interconnect_latency_s", "lora_step_overhead_s", "lora_per_adapter_s",
                     "structured_mask_s_per_row", "structured_mask_s_per_step"):
             _check_non_negative(key, getattr(self, key))
+        _check_positive("shared_stage_slowdown", self.shared_stage_slowdown)
+        if self.shared_stage_slowdown < 1.0:
+            raise ValueError("shared_stage_slowdown must be >= 1 (1: stages on separate "
+                             f"devices), got {self.shared_stage_slowdown!r}.")
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be cpu or cuda, got {self.device_type!r}.")
         errors = dict(self.interconnect_fit_error)
@@ -244,10 +253,21 @@ class HardwareProfile:
         ``FittedParams.scaled``): what ``calibrate --relevel`` writes."""
         return replace(self, fitted=tuple(f.scaled(factor) for f in self.fitted))
 
+    def stage_slowdown(self, others_busy: int) -> float:
+        """How many times longer a pipeline stage's compute takes while ``others_busy`` other
+        stages of this host compute: each adds the measured pair's extra time
+        (``1 + k x (shared_stage_slowdown - 1)``, memory-bound steps sharing one bandwidth; only
+        ``k = 1`` is measured)."""
+        if others_busy < 0:
+            raise ValueError(f"others_busy must be >= 0, got {others_busy}.")
+        return 1.0 + others_busy * (self.shared_stage_slowdown - 1.0)
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fitted"}
         data["interconnect_fit_error"] = dict(self.interconnect_fit_error)
         data["fitted"] = [f.to_dict() for f in self.fitted]
+        if self.shared_stage_slowdown == 1.0:  # (profiles written before it compare equal)
+            del data["shared_stage_slowdown"]
         if self.kv_link is None:
             del data["kv_link"]
         else:

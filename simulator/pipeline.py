@@ -17,11 +17,21 @@ it on (a send completes when the next stage takes it), and schedules the next ba
 later stages work; with the queue full it waits for the oldest batch's logits. Each stage works
 on one batch at a time, in order (``StageClock``). For a steady run of equal batches that gives
 ``PipelineStepCost.interval(k)`` between steps.
+
+Stages on separate devices (GPUs) run independently. Stages sharing one host (a CPU, where every
+stage is a process reading the same memory) slow each other while they compute at once: with a
+profile's ``shared_stage_slowdown`` f > 1 the queue runs on ``SharedStageClock``, where a stage
+computes at ``1 / (1 + k (f - 1))`` of its speed while ``k`` others compute. Only the overlap is
+charged: a batch alone in the pipeline (and every bubble) costs what it does at f = 1.
+``interval`` and ``bubble_with`` stay the separate-device figures.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import simpy
 
@@ -118,6 +128,12 @@ class PipelineCost:
         nbytes = m.vocab_size * m.hidden_size * m.dtype_bytes / tp
         return max(flops / (hw.eff_compute * hw.peak_flops), nbytes / (hw.eff_memory * hw.mem_bandwidth))
 
+    def clock(self) -> StageTimeline:
+        """The stages' clock for the batch queue: independent devices (``StageClock``) unless
+        the profile's stages share a host (``shared_stage_slowdown`` > 1)."""
+        hw = self.hardware
+        return StageClock() if hw.shared_stage_slowdown == 1.0 else SharedStageClock(hw.stage_slowdown)
+
     def link_time(self, nbytes: float) -> float:
         return self.hardware.interconnect_latency_s + nbytes / self.hardware.interconnect_bandwidth
 
@@ -138,6 +154,16 @@ class PipelineCost:
         transfer = (len(layers) - 1) * self.link_time(2 * tokens * m.hidden_size * m.dtype_bytes)
         logits = self.link_time(rows * m.vocab_size * LOGITS_BYTES)
         return PipelineStepCost(tuple(stages), transfer, logits, sum(stages) + transfer + logits)
+
+
+class StageTimeline(Protocol):
+    """Where the batches of the queue are in the stages: ``enter`` a batch the driver starts at
+    ``now`` -> (when the driver is free again, a handle); ``done(handle)``: when its logits
+    reach the driver, asked when the driver waits for them."""
+
+    def enter(self, cost: PipelineStepCost, now: float) -> tuple[float, Any]: ...
+
+    def done(self, handle: Any) -> float: ...
 
 
 @dataclass(slots=True)
@@ -168,6 +194,122 @@ class StageClock:
         self.free[-1] = done
         return driver_free, done
 
+    def done(self, handle: float) -> float:
+        """When the batch ``enter`` returned ``handle`` for ends: its handle is that time."""
+        return handle
+
+
+# a stage's phase with a batch: computing it, holding it for the next stage, sending it on
+# (the last stage: its logits to the driver), receiving it (reserved by the sender)
+_COMPUTE, _WAIT, _SEND, _RECV = "compute", "wait", "send", "recv"
+
+
+@dataclass(slots=True)
+class _Job:
+    """One batch on one stage: its phase, ``left`` (compute seconds at full speed) and
+    ``until`` (when its send ends)."""
+
+    batch: int
+    cost: PipelineStepCost
+    phase: str = _COMPUTE
+    left: float = 0.0
+    until: float = 0.0
+
+
+@dataclass(slots=True)
+class SharedStageClock:
+    """``StageClock`` for stages that share one host (``HardwareProfile.shared_stage_slowdown``
+    > 1): a stage computes at ``1 / slowdown(k)`` of its speed while ``k`` other stages compute,
+    so only the time stages overlap costs extra (a bubble costs nothing). Transfers and waits
+    are not slowed. A batch's end then depends on what the driver submits after it, so the
+    clock is advanced event by event: ``enter`` runs until the driver is free again and
+    ``done`` until a batch's logits arrive, both exact since the driver submits nothing
+    meanwhile (it computes, or it waits for that batch)."""
+
+    slowdown: Callable[[int], float]
+    now: float = 0.0
+    stages: list[_Job | None] = field(default_factory=list)
+    finished: dict[int, float] = field(default_factory=dict)  # batch -> when its logits arrived
+    entered: int = 0
+
+    def enter(self, cost: PipelineStepCost, now: float) -> tuple[float, int]:
+        """The driver starts a batch at ``now``: (when its send to stage 1 completes, the
+        batch's handle for ``done``)."""
+        if not self.stages:
+            self.stages = [None] * len(cost.stage_s)
+        if now < self.now - 1e-9 * max(1.0, self.now):
+            raise ValueError(f"now ({now}) is before the clock's time ({self.now}).")
+        now = max(now, self.now)  # (SimPy's now + (t - now) may round below t)
+        self._run(lambda: self.now >= now, now)
+        self._advance(now)  # (the work done up to now; no job ends)
+        if self.stages[0] is not None:
+            raise RuntimeError(f"the driver's stage is busy at t={now}.")
+        batch, self.entered = self.entered, self.entered + 1
+        self.stages[0] = _Job(batch, cost, left=cost.stage_s[0])
+        self._run(lambda: self.stages[0] is None)
+        return self.now, batch
+
+    def done(self, batch: int) -> float:
+        """When ``batch``'s logits reach the driver (the driver submitting nothing meanwhile)."""
+        self._run(lambda: batch in self.finished)
+        if batch not in self.finished:
+            raise ValueError(f"batch {batch} is not in the pipeline.")
+        return self.finished.pop(batch)
+
+    def _run(self, stop: Callable[[], bool], limit: float = math.inf) -> None:
+        self._start_sends()
+        while not stop():
+            nxt = self._next_event()
+            if nxt is None or nxt > limit:
+                return
+            self._advance(nxt)
+            self._start_sends()
+
+    def _factor(self) -> float:
+        """The slowdown of every computing stage now (each has the others computing)."""
+        busy = sum(1 for j in self.stages if j is not None and j.phase == _COMPUTE)
+        return self.slowdown(max(busy - 1, 0))
+
+    def _next_event(self) -> float | None:
+        factor = self._factor()
+        ends = [self.now + j.left * factor if j.phase == _COMPUTE else j.until
+                for j in self.stages if j is not None and j.phase in (_COMPUTE, _SEND)]
+        return min(ends, default=None)
+
+    def _advance(self, t: float) -> None:
+        """Every computing stage's work up to ``t``; the jobs ending at ``t`` move on."""
+        factor, dt = self._factor(), t - self.now
+        self.now = t
+        last = len(self.stages) - 1
+        for s, job in list(enumerate(self.stages)):  # (the stages as they were before t)
+            if job is None:
+                continue
+            if job.phase == _COMPUTE:
+                job.left -= dt / factor
+                if job.left * factor > 1e-12 * max(1.0, t):
+                    continue
+                job.left = 0.0
+                if s < last:
+                    job.phase = _WAIT
+                else:
+                    job.phase, job.until = _SEND, t + job.cost.logits_s
+            elif job.phase == _SEND and job.until <= t:
+                self.stages[s] = None
+                if s == last:
+                    self.finished[job.batch] = t
+                else:
+                    self.stages[s + 1] = _Job(job.batch, job.cost, left=job.cost.stage_s[s + 1])
+
+    def _start_sends(self) -> None:
+        """A stage waiting to send starts once the next one is free; both are held by the
+        transfer (the receiver's compute starts when it ends)."""
+        for s in range(len(self.stages) - 2, -1, -1):
+            job = self.stages[s]
+            if job is not None and job.phase == _WAIT and self.stages[s + 1] is None:
+                job.phase = _SEND
+                job.until = self.now + job.cost.transfer_s / (len(self.stages) - 1)
+                self.stages[s + 1] = _Job(job.batch, job.cost, phase=_RECV)
+
 
 def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: PipelineCost):
     """``simulator.engine.engine_process`` with the engine's batch queue (``pipe``'s
@@ -178,8 +320,8 @@ def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: Pip
     sched = driver.scheduler
     sampled = replica.tokens.output
     complete = driver.completer()
-    queue: BatchQueue[float] = BatchQueue(sched, pipe.pipeline_parallel_size)  # handle: done at
-    clock = StageClock()
+    clock = pipe.clock()
+    queue: BatchQueue[Any] = BatchQueue(sched, pipe.pipeline_parallel_size)  # handle: the clock's
     while True:
         if not len(queue) and not sched.has_unfinished_requests():
             replica.wakeup = env.event()
@@ -189,8 +331,8 @@ def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: Pip
         if not queue.full and sched.has_unfinished_requests():
             out = queue.schedule(now)
             if out.scheduled:
-                driver_free, done = clock.enter(pipe.breakdown(out), now)
-                queue.push(out, done, now)
+                driver_free, handle = clock.enter(pipe.breakdown(out), now)
+                queue.push(out, handle, now)
                 yield env.timeout(driver_free - now)  # the driver's stage, then its send
                 if not queue.full:
                     continue
@@ -198,7 +340,8 @@ def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: Pip
                 raise RuntimeError(f"replica {replica.index}: scheduler made no progress at "
                                    f"t={now}")
         batch = queue.oldest()
-        if batch.handle > env.now:
-            yield env.timeout(batch.handle - env.now)
+        done = clock.done(batch.handle)
+        if done > env.now:
+            yield env.timeout(done - env.now)
         queue.pop()
         complete(batch.out, sampled, batch.start, env.now)

@@ -199,9 +199,10 @@ def _time(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTimeModel,
+def build_fleet(env: simpy.Environment, cfg: SimConfig, pools_cfg: dict[str, tuple[Any, StepTimeModel]],
                 link: LinkSpec, block_bytes: float, recorder: RunRecorder) -> Fleet:
-    """The X prefill and Y decode instances, each with the Peer connector on both sides."""
+    """The X prefill and Y decode instances, each with the Peer connector on both sides;
+    ``pools_cfg``: each pool's scheduler configuration and step-time model."""
     kv_cfg = cfg.engine.kv_transfer_config
     failure = kv_cfg.kv_load_failure_policy if isinstance(kv_cfg, KVTransferConfig) else "recompute"
     timeout = kv_cfg.transfer_timeout_s if isinstance(kv_cfg, KVTransferConfig) else 30.0
@@ -211,8 +212,8 @@ def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTim
                                 record_tenants=recorder.record_tenants)
     pools: dict[str, list[Instance]] = {"prefill": [], "decode": []}
     counts = {"prefill": cfg.prefill_instances, "decode": cfg.decode_instances}
-    args = cfg.engine
     for pool, n in counts.items():
+        args, (sched_cfg, cost) = cfg.pool_engine(pool), pools_cfg[pool]
         for i in range(n):
             replica = i if pool == "prefill" else cfg.prefill_instances + i
             role = "kv_producer" if pool == "prefill" else "kv_consumer"
@@ -228,7 +229,7 @@ def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTim
                                         inst.wake)
             pools[pool].append(inst)
     router = DisaggregatedRouter.of(cfg.prefill_instances, cfg.decode_instances,
-                                    sched_cfg.block_size)
+                                    cfg.engine.block_size)
     return Fleet(env, pools["prefill"], pools["decode"], router, recorder)
 
 
@@ -236,12 +237,17 @@ def replay_fleet(cfg: SimConfig, requests: Iterator[Request], record_tenants: bo
                  ) -> tuple[Fleet, EngineBuild, LinkSpec]:
     """Replays ``requests`` (in arrival order) through the xPyD fleet of ``cfg``; returns the
     fleet after the run (its schedulers, for audits), the engine build and the link."""
-    from twinserve.simulator.run import build_engine_config  # (run.py dispatches here)
+    from twinserve.simulator.run import SimConfig, build_engine_config  # (run.py dispatches here)
     build = build_engine_config(cfg)
     engine_config, cost = build.engine_config, build.cost_model
     link = cost.hardware.kv_link_spec(cfg.kv_link)
+    pools_cfg = {}
+    for pool in ("prefill", "decode"):  # a pool with its own arguments: its own resolution
+        own = build if not getattr(cfg, f"{pool}_args") else build_engine_config(
+            SimConfig(cfg.pool_engine(pool), hardware=cfg.hardware, usage_context=cfg.usage_context))
+        pools_cfg[pool] = (own.engine_config.scheduler, own.cost_model)
     env = simpy.Environment()
-    fleet = build_fleet(env, cfg, engine_config.scheduler, cost, link, engine_config.block_bytes,
+    fleet = build_fleet(env, cfg, pools_cfg, link, engine_config.block_bytes,
                         RunRecorder(record_tenants=record_tenants))
     env.process(fleet.arrivals(requests))
     for inst in fleet.prefill + fleet.decode:

@@ -203,6 +203,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "subcommands:sweep"),
     "plan": ("the deployment meeting the SLOs at the least cost (twin search)", "subcommands:plan"),
     "serve": ("OpenAI-compatible HTTP server on the real engine", "subcommands:serve"),
+    "pd-proxy": ("a prefill/decode proxy over separately started instances",
+                 "subcommands:pd_proxy"),
     "calibrate": ("fit the simulator's step time to the real backend", "subcommands:calibrate"),
     "validate": ("replay a trace on the real engine and its twin; errors",
                  "subcommands:validate"),

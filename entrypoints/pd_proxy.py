@@ -47,7 +47,6 @@ from twinserve.routers.disaggregated import DisaggregatedRouter, prefill_kv_tran
 from twinserve.routers.router import ReplicaLoad
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_ROUTE_PARAMS = SamplingParams()  # the routers read loads, not the request's parameters
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,7 +121,8 @@ class PDProxy:
         if body.get("kv_transfer_params") is not None:
             return error_response(400, "kv_transfer_params: the proxy sets them itself.",
                                   "kv_transfer_params")
-        routed = EngineRequest(f"proxy-{next(self._ids)}", [0], _ROUTE_PARAMS, 0.0)
+        # the routers read the pools' loads, not the request: it is routed with a stand-in
+        routed = EngineRequest(f"proxy-{next(self._ids)}", [0], SamplingParams(), 0.0)
         try:
             index = self._route("prefill", routed)
             params = await self._prefill(path, body, index)
@@ -133,7 +133,7 @@ class PDProxy:
             answer = await self._call("decode", index, path, decode_body)
         except _Upstream as exc:
             return exc.response
-        return Response(answer.content, answer.status_code, media_type="application/json")
+        return _relay(answer)
 
     def _route(self, pool: str, request: EngineRequest,
                params: dict[str, Any] | None = None) -> int:

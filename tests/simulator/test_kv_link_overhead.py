@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import simpy
 
+from twinserve.simulator import SimConfig, simulate
+from twinserve.simulator.hardware import load_hardware
 from twinserve.simulator.kv_transfer import LinkNetwork, LinkSpec, concurrent_load_seconds
+from twinserve.traces import SyntheticConfig, synthetic_trace
 
 LINK = LinkSpec("test", 100.0, 0.5)  # 100 bytes/s, half a second of latency
 
@@ -51,3 +54,17 @@ def test_prediction_refuses_bad_arguments() -> None:
         concurrent_load_seconds(LINK, 0.0, 1)
     with pytest.raises(ValueError, match="num_bytes"):  # beyond the horizon: refused, not silent
         concurrent_load_seconds(LinkSpec("slow", 1.0, 0.0), 1e6, 1)
+
+
+def test_a_calibrated_profile_carries_the_overhead_into_pd_runs(tmp_path) -> None:
+    cpu = load_hardware("cpu")
+    link = {"bandwidth_bytes_per_s": 5e9, "latency_s": 1e-4, "overhead_s": 3e-4}
+    path = type(cpu).from_dict({**cpu.to_dict(), "kv_link": link}).save(tmp_path / "cpu.json")
+    assert load_hardware(str(path)).kv_link_spec() == LinkSpec("measured", 5e9, 1e-4, "", 3e-4)
+    trace = synthetic_trace(SyntheticConfig(num_requests=6, request_rate=5.0, input_len=64,
+                                            output_len=4, seed=1))
+    cfg = dict(model="smollm2-135m", hardware=str(path), prefill_instances=1, decode_instances=1)
+    summary = simulate(SimConfig(**cfg), trace).summary
+    assert summary["kv_link_overhead_s"] == 3e-4 and summary["num_kv_transfers"] == 6
+    # every load pays the overhead on top of its latency and bytes
+    assert summary["mean_kv_transfer_ms"] > 0.4

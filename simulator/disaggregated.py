@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -199,7 +199,7 @@ def _time(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def build_fleet(env: simpy.Environment, cfg: SimConfig, pools_cfg: dict[str, tuple[Any, StepTimeModel]],
+def build_fleet(env: simpy.Environment, cfg: SimConfig, pools_cfg: Mapping[str, tuple[Any, StepTimeModel]],
                 link: LinkSpec, block_bytes: float, recorder: RunRecorder) -> Fleet:
     """The X prefill and Y decode instances, each with the Peer connector on both sides;
     ``pools_cfg``: each pool's scheduler configuration and step-time model."""

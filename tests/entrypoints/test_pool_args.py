@@ -9,7 +9,7 @@ import pytest
 import twinserve.entrypoints.dp_front as dp_front
 import twinserve.entrypoints.llm as llm_module
 import twinserve.entrypoints.openai.dp_async_engine as dp_async
-from twinserve import LLM
+from twinserve import LLM, SamplingParams
 from twinserve.core.engine_args import EngineArgs
 from twinserve.entrypoints.cli.main import build_parser, parse_args
 from twinserve.entrypoints.openai.server import build_async_engine
@@ -108,3 +108,22 @@ def test_llm_takes_pool_arguments(monkeypatch) -> None:
     assert (per[0].max_num_batched_tokens, per[0].max_num_seqs, per[1].max_num_seqs) == (64, 16, 2)
     with pytest.raises(ValueError, match="prefill_args: 'block_size' must be the same"):
         LLM(prefill_instances=1, decode_instances=1, prefill_args={"block_size": 32})
+
+
+@pytest.mark.slow
+def test_pools_with_their_own_limits_give_one_engines_tokens() -> None:
+    small = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                 kv_cache_memory_bytes=16 << 20)
+    prompts = ["The capital of France is", "Count: 1, 2, 3, 4,", "Water boils at"]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    one = LLM(**small)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+    one.shutdown()
+    # a prefill pool chunking every prompt into 4-token steps, a decode pool of one seat
+    pd = LLM(prefill_instances=1, decode_instances=1, kv_transfer_config={"kv_port": 15390},
+             prefill_args={"max_num_batched_tokens": 4}, decode_args={"max_num_seqs": 1}, **small)
+    try:
+        outs = pd.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        pd.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected

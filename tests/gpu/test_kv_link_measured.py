@@ -46,21 +46,35 @@ def test_predict_holds_out_what_it_did_not_fit() -> None:
 # time is thread hand-offs. So each held-out cell must be within a factor of 2 and the held-out
 # cells within 35% on average: loose for noise, yet a model that ignored contention (4x at 4
 # at once), charged the latency per byte or lost the fixed cost (3x on the small cells) fails.
+# Now and then a burst of load stalls most rounds of one fitted cell and skews the fit itself
+# (seen once in ~15 runs): the grid is then measured anew, once; a broken model fails both.
 CELL_FACTOR = 2.0
 MEAN_ERROR = 0.35
+ATTEMPTS = 2
+
+
+def _verdict(layout: KVLayout) -> str | None:
+    """None when the twin predicts the held-out cells within the tolerance, else the table."""
+    samples = measure_transfers(layout, blocks=(1, 4, 16, 64), concurrency=(1, 2, 4), repeats=9)
+    fit_bytes = {n * layout.bytes_per_block for n in (1, 16, 64)}
+    _, rows = predict(samples, fit_bytes, {1, 2})
+    held = [r for r in rows if r.held_out]
+    assert len(held) == 6 and {r.concurrency for r in held} == {1, 2, 4}
+    if all(abs(math.log(r.predicted_s / r.measured_s)) <= math.log(CELL_FACTOR) for r in held) \
+            and sum(abs(r.error) for r in held) / len(held) <= MEAN_ERROR:
+        return None
+    return "\n".join(f"{r.num_bytes} x {r.concurrency}: measured {r.measured_s * 1e3:.3f} ms, "
+                     f"twin {r.predicted_s * 1e3:.3f} ms{' (held out)' if r.held_out else ''}"
+                     for r in rows)
 
 
 @pytest.mark.slow
 def test_the_twin_predicts_held_out_sizes_and_concurrency() -> None:
     layout = KVLayout(4, 16, 2, 64, "float32", 256)  # 64 KiB a block: 64 KiB to 4 MiB a load
-    samples = measure_transfers(layout, blocks=(1, 4, 16, 64), concurrency=(1, 2, 4), repeats=7)
-    fit_bytes = {1 * layout.bytes_per_block, 16 * layout.bytes_per_block,
-                 64 * layout.bytes_per_block}
-    link, rows = predict(samples, fit_bytes, {1, 2})
-    held = [r for r in rows if r.held_out]
-    assert len(held) == 6 and {r.concurrency for r in held} == {1, 2, 4}
-    report = "\n".join(f"{r.num_bytes} x {r.concurrency}: measured {r.measured_s * 1e3:.3f} ms, "
-                       f"twin {r.predicted_s * 1e3:.3f} ms" for r in rows)
-    for r in held:
-        assert abs(math.log(r.predicted_s / r.measured_s)) <= math.log(CELL_FACTOR), report
-    assert sum(abs(r.error) for r in held) / len(held) <= MEAN_ERROR, report
+    tables = []
+    for _ in range(ATTEMPTS):
+        table = _verdict(layout)
+        if table is None:
+            return
+        tables.append(table)
+    pytest.fail("the twin missed the measured transfers:\n\n" + "\n\n".join(tables))

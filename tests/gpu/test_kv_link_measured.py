@@ -41,40 +41,50 @@ def test_predict_holds_out_what_it_did_not_fit() -> None:
     assert [r.concurrency for r in transfer_table(samples)][:3] == [1, 2, 4]
 
 
-# A shared 2-core host (five other sessions beside this one) moves a cell's median between runs
-# by up to ~1.6x (4 MB x 4 at once: 2.3 to 3.4 ms), more for the sub-millisecond cells whose
-# time is thread hand-offs. So each held-out cell must be within a factor of 2 and the held-out
-# cells within 35% on average: loose for noise, yet a model that ignored contention (4x at 4
-# at once), charged the latency per byte or lost the fixed cost (3x on the small cells) fails.
-# Now and then a burst of load stalls most rounds of one fitted cell and skews the fit itself
-# (seen once in ~15 runs): the grid is then measured anew, once; a broken model fails both.
-CELL_FACTOR = 2.0
+# The tolerance, for a shared 2-core host (five other sessions beside this one): the held-out
+# cells within 35% of the twin on average, and each within a factor of 3. Quiet, the cells land
+# within 5-46% of the twin (docs/disaggregation.md); a cell's median moves by up to ~1.6x between
+# runs; under heavy load (load average ~7) four concurrent 4 MiB loads took 7.5 ms against the
+# twin's 2.9 (other processes' memory traffic, reproducibly), while the rest stayed within 15%.
+# A model without contention misses the bandwidth-bound cells at 4 at once by 4x or more (checked
+# by breaking the max-min share: the test fails, quiet or loaded).
+# A burst can also stall most rounds of a fitted cell and skew the fit itself: a miss measures
+# the grid again and judges, per cell, the quieter of the two (stalls only add time).
+CELL_FACTOR = 3.0
 MEAN_ERROR = 0.35
-ATTEMPTS = 2
 
 
-def _verdict(layout: KVLayout) -> str | None:
-    """None when the twin predicts the held-out cells within the tolerance, else the table."""
-    samples = measure_transfers(layout, blocks=(1, 4, 16, 64), concurrency=(1, 2, 4), repeats=9)
-    fit_bytes = {n * layout.bytes_per_block for n in (1, 16, 64)}
-    _, rows = predict(samples, fit_bytes, {1, 2})
+def _measure(layout: KVLayout) -> list[TransferSample]:
+    return measure_transfers(layout, blocks=(1, 4, 16, 64), concurrency=(1, 2, 4), repeats=9)
+
+
+def _quieter(a: list[TransferSample], b: list[TransferSample]) -> list[TransferSample]:
+    """Per (bytes, concurrency) cell, the samples of the measurement with the lower median."""
+    medians = [{(r.num_bytes, r.concurrency): r.seconds for r in transfer_table(x)} for x in (a, b)]
+    def pick(s: TransferSample) -> int:
+        cell = (s.num_bytes, s.concurrency)
+        return 0 if medians[0][cell] <= medians[1][cell] else 1
+    return [s for s in a if pick(s) == 0] + [s for s in b if pick(s) == 1]
+
+
+def _judge(layout: KVLayout, samples: list[TransferSample]) -> tuple[bool, str]:
+    """Whether the twin predicts the held-out cells within the tolerance, and the table."""
+    _, rows = predict(samples, {n * layout.bytes_per_block for n in (1, 16, 64)}, {1, 2})
     held = [r for r in rows if r.held_out]
     assert len(held) == 6 and {r.concurrency for r in held} == {1, 2, 4}
-    if all(abs(math.log(r.predicted_s / r.measured_s)) <= math.log(CELL_FACTOR) for r in held) \
-            and sum(abs(r.error) for r in held) / len(held) <= MEAN_ERROR:
-        return None
-    return "\n".join(f"{r.num_bytes} x {r.concurrency}: measured {r.measured_s * 1e3:.3f} ms, "
-                     f"twin {r.predicted_s * 1e3:.3f} ms{' (held out)' if r.held_out else ''}"
-                     for r in rows)
+    ok = all(abs(math.log(r.predicted_s / r.measured_s)) <= math.log(CELL_FACTOR) for r in held) \
+        and sum(abs(r.error) for r in held) / len(held) <= MEAN_ERROR
+    return ok, "\n".join(f"{r.num_bytes} x {r.concurrency}: measured {r.measured_s * 1e3:.3f} ms,"
+                         f" twin {r.predicted_s * 1e3:.3f} ms{' (held out)' if r.held_out else ''}"
+                         for r in rows)
 
 
 @pytest.mark.slow
 def test_the_twin_predicts_held_out_sizes_and_concurrency() -> None:
     layout = KVLayout(4, 16, 2, 64, "float32", 256)  # 64 KiB a block: 64 KiB to 4 MiB a load
-    tables = []
-    for _ in range(ATTEMPTS):
-        table = _verdict(layout)
-        if table is None:
-            return
-        tables.append(table)
-    pytest.fail("the twin missed the measured transfers:\n\n" + "\n\n".join(tables))
+    first = _measure(layout)
+    ok, table = _judge(layout, first)
+    if ok:
+        return
+    ok, quieter = _judge(layout, _quieter(first, _measure(layout)))
+    assert ok, f"the twin missed the measured transfers:\n{table}\n\nquieter of two:\n{quieter}"

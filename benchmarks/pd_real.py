@@ -114,7 +114,8 @@ def main() -> None:
     from twinserve.gpu.measurement.kv_transfer import aggregate_bandwidth, measure_link
     fit, samples = measure_link(KVLayout(30, 16, 3, 64, "bfloat16", 256))
     print(f"PeerConnector link (bundled model's blocks, 368,640 B each): "
-          f"{fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s, latency {fit.latency_s * 1e3:.3f} ms; "
+          f"{fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s, latency {fit.latency_s * 1e3:.3f} ms, "
+          f"shared overhead {fit.overhead_s * 1e3:.3f} ms; "
           "aggregate by concurrency: " + ", ".join(
               f"{c}: {bw / 1e9:.2f} GB/s" for c, bw in aggregate_bandwidth(samples).items()))
 

@@ -141,6 +141,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_engine_dests=tuple(dests))
 
 
+def add_pool_args(group: Any) -> None:
+    """``--prefill-args JSON`` and ``--decode-args JSON`` (also ``prefill_args:`` and
+    ``decode_args:`` mappings in a ``--config`` file): each pool's engine-argument overrides in
+    a disaggregated deployment, checked by ``core/pool_args.py``."""
+    for pool in ("prefill", "decode"):
+        group.add_argument(f"--{pool}-args", dest=f"{pool}_args", type=_speculative_config,
+                           default=None, metavar="JSON",
+                           help=f"engine arguments of the {pool} pool only, as JSON with "
+                                '--config\'s keys, e.g. \'{"max_num_seqs": 8}\' (model, dtype, '
+                                "block_size and kv_cache_dtype are the deployment's)")
+
+
 def _speculative_config(text: str) -> str:
     """``--speculative-config JSON``: kept as text for ``EngineArgs``, whose ValueError names the
     bad key (argparse would only say "invalid value"); a ``--config`` file's mapping passes as

@@ -39,9 +39,11 @@ class LLM:
         unknown one, or one twinserve does not implement, raises ValueError naming it.
         ``LLM(**yaml.safe_load(open("engine.yaml")))`` takes the keys of a ``--config`` file.
         ``prefill_instances=X, decode_instances=Y``: disaggregated prefill/decode over X + Y
-        engine processes (``entrypoints/pd_front.py``)."""
-        pd = PDDeployment.of(engine_args.pop("prefill_instances", None),
-                             engine_args.pop("decode_instances", None))
+        engine processes (``entrypoints/pd_front.py``); ``prefill_args``, ``decode_args``: each
+        pool's engine-argument overrides (a mapping or JSON text, ``core/pool_args.py``)."""
+        pd = PDDeployment.of(*(engine_args.pop(k, None) for k in
+                               ("prefill_instances", "decode_instances", "prefill_args",
+                                "decode_args")))
         args = EngineArgs.from_mapping(engine_args, "LLM", model=model)
         self.engine = _make_engine(args, pd)
 

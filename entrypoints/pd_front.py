@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_transfer_config import KVTransferConfig
+from twinserve.core.pool_args import check_pool_args, pool_engine_args
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S
@@ -38,25 +39,35 @@ from twinserve.routers.disaggregated import (
 
 @dataclass(slots=True, frozen=True)
 class PDDeployment:
-    """``prefill_instances`` X and ``decode_instances`` Y (vLLM's xPyD)."""
+    """``prefill_instances`` X and ``decode_instances`` Y (vLLM's xPyD), and each pool's
+    engine-argument overrides (``core/pool_args.py``)."""
 
     prefill_instances: int
     decode_instances: int
+    prefill_args: dict[str, Any] = field(default_factory=dict)
+    decode_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("prefill_instances", "decode_instances"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {n!r}.")
+        for name in ("prefill_args", "decode_args"):
+            object.__setattr__(self, name, check_pool_args(getattr(self, name), name))
 
     @classmethod
-    def of(cls, prefill_instances: int | None, decode_instances: int | None) -> PDDeployment | None:
-        """None when neither is given; both or neither."""
+    def of(cls, prefill_instances: int | None, decode_instances: int | None,
+           prefill_args: Any = None, decode_args: Any = None) -> PDDeployment | None:
+        """None when neither count is given; both or neither; pool arguments only with them."""
         if prefill_instances is None and decode_instances is None:
+            for name, value in (("prefill_args", prefill_args), ("decode_args", decode_args)):
+                if value is not None:
+                    raise ValueError(f"{name} is set but the deployment is not disaggregated "
+                                     "(set prefill_instances and decode_instances).")
             return None
         if prefill_instances is None or decode_instances is None:
             raise ValueError("prefill_instances and decode_instances go together: give both.")
-        return cls(prefill_instances, decode_instances)
+        return cls(prefill_instances, decode_instances, prefill_args or {}, decode_args or {})
 
     @property
     def size(self) -> int:
@@ -64,9 +75,9 @@ class PDDeployment:
 
 
 def instance_args(args: EngineArgs, pd: PDDeployment) -> list[EngineArgs]:
-    """Each instance's arguments: ``args`` with its role, engine id and side-channel port
-    (``kv_port`` + its index). ``args.kv_transfer_config`` (if any) gives the rest: the port
-    base, the failure policy and the transfer timeout."""
+    """Each instance's arguments: ``args`` with its pool's overrides, its role, engine id and
+    side-channel port (``kv_port`` + its index). ``args.kv_transfer_config`` (if any) gives the
+    rest: the port base, the failure policy and the transfer timeout."""
     if args.data_parallel_size > 1:
         raise ValueError("data_parallel_size with prefill_instances and decode_instances: the "
                          "pools are the replicas; give one or the other.")
@@ -77,13 +88,15 @@ def instance_args(args: EngineArgs, pd: PDDeployment) -> list[EngineArgs]:
     if base.kv_port + pd.size - 1 > 65535:
         raise ValueError(f"kv_transfer_config.kv_port {base.kv_port}: the {pd.size} instances "
                          "use kv_port .. kv_port + instances - 1, past 65535.")
+    pools = {True: pool_engine_args(args, pd.prefill_args, "prefill_args"),
+             False: pool_engine_args(args, pd.decode_args, "decode_args")}
     out = []
     for i in range(pd.size):
         prefill = i < pd.prefill_instances
         name = f"prefill-{i}" if prefill else f"decode-{i - pd.prefill_instances}"
         config = dataclasses.replace(base, kv_role="kv_producer" if prefill else "kv_consumer",
                                      engine_id=name, kv_port=base.kv_port + i)
-        out.append(args.replace(kv_transfer_config=config))
+        out.append(pools[prefill].replace(kv_transfer_config=config))
     return out
 
 

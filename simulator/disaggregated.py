@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -199,9 +199,10 @@ def _time(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTimeModel,
+def build_fleet(env: simpy.Environment, cfg: SimConfig, pools_cfg: Mapping[str, tuple[Any, StepTimeModel]],
                 link: LinkSpec, block_bytes: float, recorder: RunRecorder) -> Fleet:
-    """The X prefill and Y decode instances, each with the Peer connector on both sides."""
+    """The X prefill and Y decode instances, each with the Peer connector on both sides;
+    ``pools_cfg``: each pool's scheduler configuration and step-time model."""
     kv_cfg = cfg.engine.kv_transfer_config
     failure = kv_cfg.kv_load_failure_policy if isinstance(kv_cfg, KVTransferConfig) else "recompute"
     timeout = kv_cfg.transfer_timeout_s if isinstance(kv_cfg, KVTransferConfig) else 30.0
@@ -211,8 +212,8 @@ def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTim
                                 record_tenants=recorder.record_tenants)
     pools: dict[str, list[Instance]] = {"prefill": [], "decode": []}
     counts = {"prefill": cfg.prefill_instances, "decode": cfg.decode_instances}
-    args = cfg.engine
     for pool, n in counts.items():
+        args, (sched_cfg, cost) = cfg.pool_engine(pool), pools_cfg[pool]
         for i in range(n):
             replica = i if pool == "prefill" else cfg.prefill_instances + i
             role = "kv_producer" if pool == "prefill" else "kv_consumer"
@@ -228,7 +229,7 @@ def build_fleet(env: simpy.Environment, cfg: SimConfig, sched_cfg, cost: StepTim
                                         inst.wake)
             pools[pool].append(inst)
     router = DisaggregatedRouter.of(cfg.prefill_instances, cfg.decode_instances,
-                                    sched_cfg.block_size)
+                                    cfg.engine.block_size)
     return Fleet(env, pools["prefill"], pools["decode"], router, recorder)
 
 
@@ -238,12 +239,21 @@ def replay_fleet(cfg: SimConfig, requests: Iterator[Request], record_tenants: bo
     """Replays ``requests`` (in arrival order) through the xPyD fleet of ``cfg``; returns the
     fleet after the run (its schedulers, for audits), the engine build and the link.
     ``stop_when``: as ``simulate``'s (asked with the requests finished so far)."""
-    from twinserve.simulator.run import _stopper, build_engine_config  # (run.py dispatches here)
+    from twinserve.simulator.run import (  # (run.py dispatches here)
+        SimConfig,
+        _stopper,
+        build_engine_config,
+    )
     build = build_engine_config(cfg)
     engine_config, cost = build.engine_config, build.cost_model
     link = cost.hardware.kv_link_spec(cfg.kv_link)
+    pools_cfg = {}
+    for pool in ("prefill", "decode"):  # a pool with its own arguments: its own resolution
+        own = build if not getattr(cfg, f"{pool}_args") else build_engine_config(
+            SimConfig(cfg.pool_engine(pool), hardware=cfg.hardware, usage_context=cfg.usage_context))
+        pools_cfg[pool] = (own.engine_config.scheduler, own.cost_model)
     env = simpy.Environment()
-    fleet = build_fleet(env, cfg, engine_config.scheduler, cost, link, engine_config.block_bytes,
+    fleet = build_fleet(env, cfg, pools_cfg, link, engine_config.block_bytes,
                         RunRecorder(record_tenants=record_tenants))
     env.process(fleet.arrivals(requests))
     for inst in fleet.prefill + fleet.decode:
@@ -282,6 +292,8 @@ def pool_summary(fleet: Fleet, records: list[RequestRecord], duration: float,
     out: dict[str, Any] = {"kv_link": link.name,
                            "kv_link_bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
                            "kv_link_latency_s": link.latency_s}
+    if link.overhead_s:  # (absent without one: the summaries of other links stay as they were)
+        out["kv_link_overhead_s"] = link.overhead_s
     for name, pool in (("prefill", fleet.prefill), ("decode", fleet.decode)):
         out[f"{name}_instances"] = len(pool)
         out[f"{name}_utilization"] = (statistics.fmean(i.busy_s for i in pool) / duration

@@ -8,7 +8,11 @@ receives), and the rates are max-min fair (progressive filling: the most contend
 the rate of its flows first, what they leave goes to the others). Rates change only when a flow
 starts or ends, so the model moves from one such event to the next. One flow alone therefore
 takes ``latency_s + bytes / bandwidth``; two flows from one sender each take twice the
-bandwidth term. Anchors: DistServe's and splitwise-sim's transfer models (bandwidth and
+bandwidth term. A link may also charge each transfer ``overhead_s`` of work that is shared like
+its bytes (a flow carries ``bytes + overhead_s * bandwidth``): the fixed cost of a connector
+whose handshake runs on the same contended CPU as its copy, where concurrent transfers do not
+overlap their fixed costs (measured on this machine's Peer connector: ``benchmarks/
+kv_link_fit.py``). Anchors: DistServe's and splitwise-sim's transfer models (bandwidth and
 latency), with contention as in flow-level network simulators.
 """
 
@@ -29,12 +33,14 @@ _EPS_BYTES = 1e-6  # a flow with less left than this has finished (float residue
 
 @dataclass(slots=True, frozen=True)
 class LinkSpec:
-    """One instance's link for KV transfers: bandwidth per direction and a fixed latency."""
+    """One instance's link for KV transfers: bandwidth per direction, a fixed latency that
+    concurrent transfers overlap, and a fixed per-transfer overhead that they share."""
 
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
     source: str = ""  # where the numbers come from ("" = assumed)
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -45,12 +51,15 @@ class LinkSpec:
         lat = self.latency_s
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
             raise ValueError(f"kv_link.latency_s must be a number >= 0, got {lat!r}.")
+        ovh = self.overhead_s
+        if isinstance(ovh, bool) or not isinstance(ovh, (int, float)) or not 0 <= ovh < math.inf:
+            raise ValueError(f"kv_link.overhead_s must be a number >= 0, got {ovh!r}.")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str = "measured") -> LinkSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"kv_link must be a mapping, got {type(data).__name__}.")
-        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source"}
+        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source", "overhead_s"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"kv_link: unknown key(s) {', '.join(unknown)} "
@@ -59,16 +68,25 @@ class LinkSpec:
             if key not in data:
                 raise ValueError(f"kv_link.{key} is required.")
         return cls(str(data.get("name", name)), data["bandwidth_bytes_per_s"], data["latency_s"],
-                   str(data.get("source", "")))
+                   str(data.get("source", "")), data.get("overhead_s", 0.0))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-                "latency_s": self.latency_s, "source": self.source}
+        out = {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+               "latency_s": self.latency_s, "source": self.source}
+        if self.overhead_s:  # (absent: the files of links without one stay as they were)
+            out["overhead_s"] = self.overhead_s
+        return out
+
+    @property
+    def overhead_bytes(self) -> float:
+        """The overhead as bytes a flow carries on top of its own."""
+        return self.overhead_s * self.bandwidth_bytes_per_s
 
     def scaled(self, lanes: int) -> LinkSpec:
         """The link of an instance of ``lanes`` GPUs (tensor parallelism: each GPU sends its
         shard of the KV over its own link, in parallel)."""
-        return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source)
+        return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source,
+                        self.overhead_s)
 
 
 _NVLINK4 = "NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100/H200 datasheets)"
@@ -148,7 +166,7 @@ class LinkNetwork:
     def transfer(self, src: str, dst: str, num_bytes: float) -> Flow:
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be >= 0, got {num_bytes}.")
-        flow = Flow(src, dst, float(num_bytes), self.env.event())
+        flow = Flow(src, dst, float(num_bytes) + self.link.overhead_bytes, self.env.event())
         self.env.process(self._start(flow))
         return flow
 
@@ -327,3 +345,29 @@ class SimPeerWorker:
     def close(self) -> None:
         for rid in list(self.flows):
             self._drop(rid)
+
+
+def concurrent_load_seconds(link: LinkSpec, num_bytes: float, concurrency: int) -> list[float]:
+    """What a P/D replay charges ``concurrency`` loads of ``num_bytes`` each that one decode
+    instance starts at the same moment from one prefill instance: each load's seconds, start to
+    end, run through the twin's own path (``SimPeerWorker`` over a ``LinkNetwork``)."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}.")
+    if not 0 < num_bytes < math.inf:
+        raise ValueError(f"num_bytes must be a positive number, got {num_bytes!r}.")
+    env = simpy.Environment()
+    network = LinkNetwork(env, link)
+    peers: dict[str, SimPeerWorker] = {}
+    horizon = 3600.0  # no timeout within reach: every load must finish
+    producer = SimPeerWorker("producer", network, peers, num_bytes, horizon, lambda: None)
+    consumer = SimPeerWorker("consumer", network, peers, num_bytes, horizon, lambda: None)
+    rids = [f"load-{i}" for i in range(concurrency)]
+    producer.start(PeerConnectorMetadata(sends={rid: [i] for i, rid in enumerate(rids)}))
+    consumer.start(PeerConnectorMetadata(loads=[
+        KVLoad(rid, "producer", rid, [i], [i], "127.0.0.1", 0) for i, rid in enumerate(rids)]))
+    env.run(until=horizon)
+    ends = [consumer.loads[rid].end - consumer.loads[rid].start for rid in rids]
+    if not all(math.isfinite(t) for t in ends):
+        raise ValueError(f"num_bytes: {concurrency} loads of {num_bytes} bytes do not finish "
+                         f"within {horizon} s on link {link.name!r}.")
+    return ends

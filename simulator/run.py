@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -21,6 +21,7 @@ from twinserve.core.kv_offload import OFFLOADING_CONNECTOR, OffloadingConnectorS
 from twinserve.core.metrics import RequestRecord, StepLog, kv_offload_summary, summarize
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
+from twinserve.core.pool_args import check_pool_args, pool_engine_args
 from twinserve.core.request import LazyPrompt, Request
 from twinserve.core.run_dir import DisaggregatedParts, write_run
 from twinserve.core.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ DEFAULT_SIM_HARDWARE = "a100-80gb"
 SIM_KEYS = ("hardware", "usage_context", "num_replicas", "router", "label")
 # A disaggregated fleet's keys: recorded (flat(), config.json) only when it is one, so the files
 # of aggregated runs stay as they were.
-PD_KEYS = ("prefill_instances", "decode_instances", "kv_link")
+PD_KEYS = ("prefill_instances", "decode_instances", "kv_link", "prefill_args", "decode_args")
 
 
 @dataclass(slots=True, init=False)
@@ -95,11 +96,16 @@ class SimConfig:
     prefill_instances: int
     decode_instances: int
     kv_link: str | None
+    # each pool's engine-argument overrides (core/pool_args.py): {} = the engine's arguments
+    prefill_args: dict[str, Any]
+    decode_args: dict[str, Any]
 
     def __init__(self, engine: EngineArgs | None = None, *, hardware: str = DEFAULT_SIM_HARDWARE,
                  usage_context: str = "server", num_replicas: int = 1,
                  router: str = "round-robin", label: str = "", prefill_instances: int = 0,
                  decode_instances: int = 0, kv_link: str | None = None,
+                 prefill_args: Mapping[str, Any] | str | None = None,
+                 decode_args: Mapping[str, Any] | str | None = None,
                  **engine_args: Any) -> None:
         if engine is None:
             engine = EngineArgs.from_mapping({"model": DEFAULT_SIM_MODEL, **engine_args},
@@ -119,6 +125,8 @@ class SimConfig:
             raise ValueError(f"unknown router {router!r}; valid: {', '.join(routers)}")
         self.prefill_instances, self.decode_instances = prefill_instances, decode_instances
         self.kv_link = kv_link
+        self.prefill_args = check_pool_args(prefill_args, "prefill_args")
+        self.decode_args = check_pool_args(decode_args, "decode_args")
         self._check_disaggregated()
 
     def _check_disaggregated(self) -> None:
@@ -137,6 +145,15 @@ class SimConfig:
                              "prefill_instances and decode_instances).")
         if self.kv_link is not None and (not isinstance(self.kv_link, str) or not self.kv_link):
             raise ValueError(f"kv_link must be a link name, got {self.kv_link!r}.")
+        for name in ("prefill_args", "decode_args"):
+            if getattr(self, name) and not self.disaggregated:
+                raise ValueError(f"{name} is set but the fleet is not disaggregated (set "
+                                 "prefill_instances and decode_instances).")
+            pool_engine_args(self.engine, getattr(self, name), name)  # (a bad value, named)
+
+    def pool_engine(self, pool: str) -> EngineArgs:
+        """The engine arguments of the ``prefill`` or ``decode`` pool."""
+        return pool_engine_args(self.engine, getattr(self, f"{pool}_args"), f"{pool}_args")
 
     @property
     def disaggregated(self) -> bool:

@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from twinserve.core.engine_config import USAGE_CONTEXTS
-from twinserve.entrypoints.engine_args import add_engine_args, config_file_defaults, engine_args_from
+from twinserve.entrypoints.engine_args import (
+    add_engine_args,
+    add_pool_args,
+    config_file_defaults,
+    engine_args_from,
+)
 
 
 def _simulate_parser(sub) -> None:
@@ -47,6 +52,7 @@ def _simulate_parser(sub) -> None:
                    help="the link KV moves over between instances: nvlink, infiniband, pcie or "
                         "measured (the profile's calibrated kv_link; default: measured if the "
                         "profile has it, else nvlink)")
+    add_pool_args(p)
     add_engine_args(p)
     p.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
                    help="share of requests decoding under a grammar (JSON mode), charged the "
@@ -197,6 +203,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "subcommands:sweep"),
     "plan": ("the deployment meeting the SLOs at the least cost (twin search)", "subcommands:plan"),
     "serve": ("OpenAI-compatible HTTP server on the real engine", "subcommands:serve"),
+    "pd-proxy": ("a prefill/decode proxy over separately started instances",
+                 "subcommands:pd_proxy"),
     "calibrate": ("fit the simulator's step time to the real backend", "subcommands:calibrate"),
     "validate": ("replay a trace on the real engine and its twin; errors",
                  "subcommands:validate"),

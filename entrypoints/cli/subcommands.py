@@ -55,6 +55,20 @@ def serve(sub) -> None:
     p.set_defaults(handler=handler)
 
 
+def pd_proxy(sub) -> None:
+    from twinserve.entrypoints.pd_proxy import add_proxy_args, run_proxy
+    p = sub.add_parser("pd-proxy", help="a prefill/decode proxy over separately started instances",
+                       description="vLLM's disaggregated-serving proxy: each request's prefill on "
+                       "a kv_producer instance, its decode on a kv_consumer instance "
+                       "(docs/disaggregation.md).")
+    add_proxy_args(p)
+
+    def handler(args: argparse.Namespace) -> int:
+        run_proxy(args)
+        return 0
+    p.set_defaults(handler=handler)
+
+
 def calibrate(sub) -> None:
     from twinserve.entrypoints.cli.calibrate import add_parser
     add_parser(sub)

@@ -43,7 +43,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import twinserve
-from twinserve.entrypoints.engine_args import add_engine_args, apply_config_file, engine_args_from
+from twinserve.entrypoints.engine_args import (
+    add_engine_args,
+    add_pool_args,
+    apply_config_file,
+    engine_args_from,
+)
 from twinserve.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from twinserve.entrypoints.openai.chat_server_options import add_chat_args, checked_chat_options
 from twinserve.entrypoints.openai.http_errors import (
@@ -370,6 +375,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "prefill runs on one, its decode on a decode instance that loads its KV")
     pd.add_argument("--decode-instances", type=int, default=None, metavar="Y",
                     help="Y decode engine processes (with --prefill-instances)")
+    add_pool_args(pd)
     server = parser.add_argument_group("server")
     server.add_argument("--hardware", default=None, metavar="PROFILE",
                         help="the GPU profile a planned configuration was sized for (twinserve "
@@ -449,8 +455,9 @@ def build_async_engine(args: argparse.Namespace) -> Any:
     from twinserve.gpu.engine.llm_engine import LLMEngine
     resolve_model_tag(args)
     engine_args = engine_args_from(args, model=args.model)
-    pd = PDDeployment.of(getattr(args, "prefill_instances", None),
-                         getattr(args, "decode_instances", None))
+    pd = PDDeployment.of(*(getattr(args, k, None) for k in
+                           ("prefill_instances", "decode_instances", "prefill_args",
+                            "decode_args")))
     if engine_args.data_parallel_size > 1 or pd is not None:
         from twinserve.entrypoints.openai.dp_async_engine import DPAsyncEngine
         return DPAsyncEngine(engine_args, pd)

@@ -2,10 +2,15 @@
 concurrencies between two processes, through the same code path a decode engine's loads take
 (``gpu/kv_transfer``: side channel, read, one indexed copy, done).
 
-The fit (``fit_link``) is the twin's link model, ``seconds = latency + bytes / bandwidth``, least
-squares over the one-at-a-time transfers; the concurrent rows show how far flows share the link
-(their aggregate bandwidth) and are reported beside it, not fitted. ``calibrate`` writes the fit
-into the profile as ``kv_link`` (``simulator/kv_transfer.py``'s ``LinkSpec``).
+``transfer_table`` reduces the samples to one row per (bytes, concurrency): the median seconds
+from a round's submission to each load's end (what a request waiting for its KV sees). The fit
+(``fit_link``) is the twin's link model: bandwidth and a fixed cost per transfer from the
+one-at-a-time rows, and from the concurrent rows how much of that fixed cost concurrent
+transfers share (``overhead``) rather than overlap (``latency``). On a CPU the Peer connector's
+fixed cost is partly Python work on the consumer's core (side-channel calls, thread hand-offs
+under the GIL), which concurrent loads cannot overlap. ``benchmarks/kv_link_fit.py`` fits on part
+of the grid and predicts the rest with the twin. ``calibrate`` writes the fit into the profile
+as ``kv_link`` (``simulator/kv_transfer.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import multiprocessing as mp
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +36,8 @@ DEFAULT_CONCURRENCY = (1, 2, 4)
 
 @dataclass(slots=True, frozen=True)
 class TransferSample:
-    """One transfer: its bytes, the loads in flight with it, its wall time."""
+    """One transfer: its bytes, the loads in flight with it, its seconds from its round's
+    submission to its end."""
 
     num_bytes: int
     concurrency: int
@@ -38,38 +45,72 @@ class TransferSample:
 
 
 @dataclass(slots=True, frozen=True)
+class TransferRow:
+    """The median of one (bytes, concurrency) cell's samples, and how many there were."""
+
+    num_bytes: int
+    concurrency: int
+    seconds: float
+    num_samples: int
+
+
+def transfer_table(samples: Sequence[TransferSample]) -> list[TransferRow]:
+    """One row per (bytes, concurrency), sorted by both."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        cells.setdefault((s.num_bytes, s.concurrency), []).append(s.seconds)
+    return [TransferRow(b, c, statistics.median(ys), len(ys)) for (b, c), ys in sorted(cells.items())]
+
+
+@dataclass(slots=True, frozen=True)
 class LinkFit:
-    """``seconds = latency_s + bytes / bandwidth_bytes_per_s`` (the twin's ``LinkSpec``)."""
+    """``seconds = latency_s + overhead_s + bytes / bandwidth_bytes_per_s`` for one transfer
+    alone (the twin's ``LinkSpec``: concurrent transfers overlap their latency and share the
+    bandwidth and the overhead)."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
+    overhead_s: float = 0.0
 
     def to_kv_link(self) -> dict[str, float]:
-        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        out = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        if self.overhead_s:
+            out["overhead_s"] = self.overhead_s
+        return out
 
 
 def fit_link(samples: Sequence[TransferSample]) -> LinkFit:
-    """Least squares of seconds on bytes over each size's median one-at-a-time transfer (at
-    least two sizes; medians, since a shared host stalls single transfers now and then); a
-    negative intercept is clamped to 0 (the line then refitted through the origin)."""
-    by_size: dict[int, list[float]] = {}
-    for s in samples:
-        if s.concurrency == 1:
-            by_size.setdefault(s.num_bytes, []).append(s.seconds)
-    if len(by_size) < 2:
+    """Bandwidth and the fixed cost from the one-at-a-time rows: least squares of seconds on
+    bytes over each size's median (at least two sizes; medians, since a shared host stalls
+    single transfers now and then); a negative intercept is clamped to 0 (the line then refitted
+    through the origin). The concurrent rows, if any, then split the fixed cost into the part
+    concurrent transfers share (``overhead_s``) and the part they overlap (``latency_s``): the
+    share minimising the twin's squared relative error over them, within [0, 1]."""
+    table = transfer_table(samples)
+    points = [(r.num_bytes, r.seconds) for r in table if r.concurrency == 1]
+    if len(points) < 2:
         raise ValueError("samples: the fit needs one-at-a-time transfers of at least two sizes.")
-    points = [(x, statistics.median(ys)) for x, ys in sorted(by_size.items())]
     mean_x = statistics.fmean(x for x, _ in points)
     mean_y = statistics.fmean(y for _, y in points)
     sxx = sum((x - mean_x) ** 2 for x, _ in points)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
-    latency = mean_y - slope * mean_x
-    if latency < 0:
-        latency = 0.0
+    fixed = mean_y - slope * mean_x
+    if fixed < 0:
+        fixed = 0.0
         slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
     if slope <= 0:
         raise ValueError("samples: transfer time does not grow with size; measure larger ones.")
-    return LinkFit(1.0 / slope, latency)
+    # c equal flows started together end at latency + c * (overhead + bytes / bandwidth): with
+    # latency = (1 - share) * fixed, the residual t - fixed - c * bytes * slope is linear in share
+    num = den = 0.0
+    for r in table:
+        if r.concurrency > 1 and fixed > 0:
+            a = (r.concurrency - 1) * fixed
+            residual = r.seconds - fixed - r.concurrency * r.num_bytes * slope
+            num += a * residual / r.seconds ** 2
+            den += a * a / r.seconds ** 2
+    share = min(1.0, max(0.0, num / den)) if den else 0.0
+    return LinkFit(1.0 / slope, fixed * (1.0 - share), fixed * share)
 
 
 def aggregate_bandwidth(samples: Sequence[TransferSample]) -> dict[int, float]:
@@ -95,13 +136,26 @@ def _producer_main(layout: KVLayout, conn: Any, device: str) -> None:
     producer.close()
 
 
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure_transfers(layout: KVLayout, blocks: Sequence[int] = DEFAULT_BLOCKS,
                       concurrency: Sequence[int] = DEFAULT_CONCURRENCY, repeats: int = 5,
                       log: Callable[[str], None] | None = None,
-                      device: str = "cpu") -> list[TransferSample]:
+                      device: str = "cpu", threads: int = 1) -> list[TransferSample]:
     """Loads of ``blocks`` blocks, ``concurrency`` at once, ``repeats`` rounds each, from a
     producer process into this one (both regions of ``layout`` on ``device``: shared memory on
-    ``cpu``, CUDA IPC on ``cuda``)."""
+    ``cpu``, CUDA IPC on ``cuda``). The rounds go through the grid once per repeat, so a burst
+    of load on a shared host spreads over the cells rather than spoiling one. Torch runs on
+    ``threads`` threads meanwhile: a P/D instance on one core of a CPU has one (two copies,
+    each on a team of several, would time oversubscription, not the link)."""
     if max(blocks) * max(concurrency) > layout.num_blocks:
         raise ValueError(f"blocks: {max(blocks)} x {max(concurrency)} concurrent loads exceed "
                          f"the layout's {layout.num_blocks} blocks.")
@@ -110,45 +164,42 @@ def measure_transfers(layout: KVLayout, blocks: Sequence[int] = DEFAULT_BLOCKS,
     process = ctx.Process(target=_producer_main, args=(layout, theirs, device), daemon=True)
     process.start()
     local = SharedKVRegion(layout, torch.device(device))
-    done: dict[str, LoadResult] = {}
+    ended: dict[str, tuple[LoadResult, float]] = {}
     ready = threading.Condition()
 
     def on_result(result: LoadResult) -> None:
         with ready:
-            done[result.request_id] = result
+            ended[result.request_id] = (result, time.monotonic())
             ready.notify_all()
     consumer = Consumer(local.tensor, layout, max(concurrency), on_result)
-    samples: list[TransferSample] = []
 
-    def run_round(n: int, c: int, tag: str) -> list[LoadResult]:
+    def run_round(n: int, c: int, tag: str, spread: bool = True) -> list[TransferSample]:
         rids = [f"{tag}-{i}" for i in range(c)]
-        for i, rid in enumerate(rids):
-            ours.send(("publish", rid, list(range(i * n, (i + 1) * n))))
+        ids = [list(range(i * n, (i + 1) * n)) if spread else list(range(n)) for i in range(c)]
+        for rid, mine in zip(rids, ids):
+            ours.send(("publish", rid, mine))
             ours.recv()
-        deadline = time.monotonic() + 60
-        for i, rid in enumerate(rids):
-            ids = list(range(i * n, (i + 1) * n))
-            consumer.submit(LoadJob(rid, rid, ids, ids, "127.0.0.1", port, deadline))
+        start = time.monotonic()
+        for rid, mine in zip(rids, ids):
+            consumer.submit(LoadJob(rid, rid, mine, mine, "127.0.0.1", port, start + 60))
         with ready:
-            ready.wait_for(lambda: all(rid in done for rid in rids), 60)
-        results = [done.pop(rid) for rid in rids if rid in done]
-        if len(results) < c or not all(x.ok for x in results):
-            raise RuntimeError(f"a measured transfer failed: {[x.error for x in results]}")
-        return results
+            ready.wait_for(lambda: all(rid in ended for rid in rids), 60)
+        results = [ended.pop(rid) for rid in rids if rid in ended]
+        if len(results) < c or not all(x.ok for x, _ in results):
+            raise RuntimeError(f"a measured transfer failed: {[x.error for x, _ in results]}")
+        return [TransferSample(x.num_bytes, c, end - start) for x, end in results]
+    samples: list[TransferSample] = []
     try:
         port = ours.recv()
-        for w in range(3):  # every load thread connects and maps the producer's region once
-            run_round(1, max(concurrency), f"warm{w}")
-        for n in blocks:
-            for c in concurrency:
-                for r in range(repeats):
-                    samples += [TransferSample(x.num_bytes, c, x.seconds)
-                                for x in run_round(n, c, f"b{n}-c{c}-r{r}")]
-                if log is not None:
-                    mine = [s for s in samples if s.num_bytes == n * layout.bytes_per_block
-                            and s.concurrency == c]
-                    log(f"kv transfer: {n} blocks x {c}: median "
-                        f"{statistics.median(s.seconds for s in mine) * 1e3:.2f} ms")
+        with _torch_threads(threads):
+            # Every load thread connects, maps the producer's region and touches each page the
+            # grid reads (a serving engine's threads did long ago): cold pages time page faults.
+            for w in range(2):
+                run_round(max(blocks) * max(concurrency), max(concurrency), f"warm{w}", False)
+            for r in range(repeats):
+                for n in blocks:
+                    for c in concurrency:
+                        samples += run_round(n, c, f"b{n}-c{c}-r{r}")
     finally:
         consumer.close()
         try:
@@ -158,6 +209,10 @@ def measure_transfers(layout: KVLayout, blocks: Sequence[int] = DEFAULT_BLOCKS,
         process.join(5)
         if process.is_alive():
             process.kill()
+    if log is not None:
+        for row in transfer_table(samples):
+            log(f"kv transfer: {row.num_bytes} bytes x {row.concurrency}: median "
+                f"{row.seconds * 1e3:.3f} ms")
     return samples
 
 

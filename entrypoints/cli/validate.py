@@ -26,6 +26,10 @@ measure how far the twin lands.
    steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
+Replicas (``--data-parallel-size N``) and disaggregated prefill/decode (``--prefill-instances X
+--decode-instances Y [--kv-link L]``) run their own comparisons, with ``--profile``:
+``validate_dp.py`` and ``validate_pd.py``.
+
 Without ``--profile`` the backend is calibrated on the same model load over the part of the step
 space the workload can reach within the engine's limits (batches up to the requests, steps up to
 all its prompts at once, contexts up to its longest prompt + output; ``--calibrate-full-space``

@@ -153,9 +153,10 @@ def replay_pd(engine: EngineArgs, pd: PDDeployment, trace: list[TraceRequest],
         _warm_up(front, vocab_size)
         front.take_instance_records()
         done: queue.SimpleQueue = queue.SimpleQueue()
-        timings = []
+        timings, records = [], []
         t0 = time.monotonic()
         for tr in trace:
+            records += front.take_instance_records()  # (the front keeps a bounded number)
             time.sleep(max(0.0, t0 + tr.arrival_time - time.monotonic()))
             params = SamplingParams(temperature=0, max_tokens=tr.output_tokens, ignore_eos=True)
             timing = FrontTiming(tr.request_id, time.monotonic(), done)
@@ -165,13 +166,22 @@ def replay_pd(engine: EngineArgs, pd: PDDeployment, trace: list[TraceRequest],
                              {"tenant": tr.tenant}, timing)
             except (ValueError, EngineOverloaded) as exc:  # a failed request, as in the twin
                 timing.fail(str(exc), time.monotonic())
-        for _ in timings:
-            done.get(timeout=FINISH_TIMEOUT_S)
+        _wait(done, len(timings))
         wall = time.monotonic() - t0
-        return PDReplay(timings, front.take_instance_records(), list(front.instance_configs),
-                        t0, wall)
+        records += front.take_instance_records()
+        return PDReplay(timings, records, list(front.instance_configs), t0, wall)
     finally:
         front.shutdown()
+
+
+def _wait(done: queue.SimpleQueue, n: int) -> None:
+    """Until ``n`` requests ended (RuntimeError after FINISH_TIMEOUT_S without one ending)."""
+    for k in range(n):
+        try:
+            done.get(timeout=FINISH_TIMEOUT_S)
+        except queue.Empty:
+            raise RuntimeError(f"{n - k} of {n} real requests did not end within "
+                               f"{FINISH_TIMEOUT_S:.0f} s.") from None
 
 
 def _warm_up(front: DisaggregatedFront, vocab_size: int) -> None:
@@ -180,8 +190,7 @@ def _warm_up(front: DisaggregatedFront, vocab_size: int) -> None:
     for i in range(WARMUP_REQUESTS):
         prompt = [(7919 * i + 31 * k) % (vocab_size - 16) + 16 for k in range(48)]
         front.submit(f"warmup-{i}", prompt, params, {}, FrontTiming(f"warmup-{i}", 0.0, done))
-    for _ in range(WARMUP_REQUESTS):
-        done.get(timeout=FINISH_TIMEOUT_S)
+    _wait(done, WARMUP_REQUESTS)
 
 
 def real_results(replay: PDReplay, trace: list[TraceRequest], pd: PDDeployment,

@@ -214,7 +214,9 @@ def real_results(replay: PDReplay, trace: list[TraceRequest], pd: PDDeployment,
             part.prefill_start = pre.record.first_scheduled_time - t0
             part.prefill_done = pre.record.finish_time - t0
         load = timing.kv_load
-        if load is not None and load.ok:
+        # (a load that copied nothing, the decode instance's cache holding the prompt, is no
+        # transfer: the twin leaves its load times empty too)
+        if load is not None and load.ok and load.num_bytes > 0:
             part.load_start, part.load_end = load.start - t0, load.end - t0
             part.kv_transfer_bytes = load.num_bytes
         parts[tr.request_id] = part

@@ -8,15 +8,28 @@ import argparse
 import csv
 import dataclasses
 import math
+import queue
 from pathlib import Path
 
 import pytest
 
 from twinserve.core.engine_args import EngineArgs
+from twinserve.core.metrics import RequestRecord
+from twinserve.core.request_output import KVLoadTiming
 from twinserve.core.run_dir import PD_REQUEST_COLUMNS
 from twinserve.entrypoints.cli.main import main
-from twinserve.entrypoints.cli.validate_pd import PD_METRICS, check_pd_validate, twin_link
+from twinserve.entrypoints.cli.validate_pd import (
+    PD_METRICS,
+    FrontTiming,
+    PDReplay,
+    check_pd_validate,
+    pd_summary,
+    real_results,
+    twin_link,
+)
+from twinserve.entrypoints.pd_front import InstanceRecord, PDDeployment
 from twinserve.simulator.hardware import load_hardware
+from twinserve.traces import TraceRequest
 
 PORT = 15480  # the instances' side channels (apart from the other P/D tests' ports)
 WORKLOAD = ["--trace", "synthetic", "--num-requests", "6", "--request-rate", "2",
@@ -124,3 +137,35 @@ def test_validate_1p1d_writes_both_runs_with_transfer_columns_and_the_errors(
         assert not math.isnan(float(errors[metric]["rel_error_pct"]))
         assert metric in printed
     assert "1P1D" in printed
+
+
+def test_real_results_set_the_instances_records_and_the_load_on_the_fronts_clock() -> None:
+    t0, pd = 1000.0, PDDeployment(2, 1)
+    trace = [TraceRequest("a", 0.0, 64, 3), TraceRequest("b", 0.5, 64, 3)]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    a = FrontTiming("a", t0 + 0.01, done, [t0 + 0.30, t0 + 0.35, t0 + 0.40], t0 + 0.40, "length",
+                    kv_load=KVLoadTiming(t0 + 0.15, t0 + 0.20, 4096))
+    b = FrontTiming("b", t0 + 0.51, done, [t0 + 0.70, t0 + 0.75, t0 + 0.80], t0 + 0.80, "length",
+                    kv_load=KVLoadTiming(t0 + 0.62, t0 + 0.62, 0))  # its prompt was cached
+    rec = [InstanceRecord(1, RequestRecord("a", t0 + 0.02, t0 + 0.05, t0 + 0.12, t0 + 0.12, 64, 1)),
+           InstanceRecord(2, RequestRecord("a", t0 + 0.14, t0 + 0.22, t0 + 0.25, t0 + 0.39, 64, 3,
+                                           cached_tokens=16)),
+           InstanceRecord(0, RequestRecord("b", t0 + 0.52, t0 + 0.53, t0 + 0.60, t0 + 0.60, 64, 1)),
+           InstanceRecord(2, RequestRecord("b", t0 + 0.61, t0 + 0.65, t0 + 0.68, t0 + 0.79, 64, 3))]
+    records, parts = real_results(PDReplay([a, b], rec, [{}] * 3, t0, 1.0), trace, pd)
+    ra, rb = records
+    assert (ra.arrival_time, ra.first_token_time, ra.finish_time) == pytest.approx((0.01, 0.30,
+                                                                                    0.40))
+    assert ra.first_scheduled_time == pytest.approx(0.22)  # the decode instance's
+    assert ra.cached_tokens == 16 and list(ra.itls) == pytest.approx([0.05, 0.05])
+    pa, pb = parts["a"], parts["b"]
+    assert (pa.prefill_engine, pa.decode_engine, pb.prefill_engine) == ("prefill-1", "decode-0",
+                                                                        "prefill-0")
+    row = pa.row(ra.first_token_time)  # kv_transfer_s, bytes, queue, prefill, transfer, decode
+    assert row[2:] == pytest.approx((0.05, 4096, 0.04, 0.07, 0.08, 0.10))
+    assert sum(row[4:]) == pytest.approx(ra.ttft)
+    assert math.isnan(pb.load_end) and pb.row(rb.first_token_time)[6] == pytest.approx(0.0)
+    summary = pd_summary(records, parts, pd)
+    assert summary["num_kv_transfers"] == 1 and summary["kv_transfer_bytes"] == 4096
+    assert summary["mean_kv_transfer_ms"] == pytest.approx(50.0)
+    assert summary["mean_ttft_queue_ms"] == pytest.approx((40 + 20) / 2)

@@ -47,6 +47,7 @@ import numpy as np
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
+from twinserve.core.kv_transfer_config import KVTransferConfig
 from twinserve.core.metrics import RequestRecord, summarize
 from twinserve.core.request_output import KVLoadTiming
 from twinserve.core.run_dir import DisaggregatedParts, write_run
@@ -269,7 +270,7 @@ def write_real(replay: PDReplay, trace: list[TraceRequest], pd: PDDeployment, ou
     records.sort(key=lambda r: (r.arrival_time, r.request_id))
     config = {**replay.instance_configs[0]}
     config.pop("kv_transfer_config", None)  # (the prefill instance's role and port)
-    if engine.kv_transfer_config is not None:
+    if isinstance(engine.kv_transfer_config, KVTransferConfig):  # (the given one, resolved)
         config["kv_transfer_config"] = engine.kv_transfer_config.to_dict()
     config.update({"backend": "twinserve", **trace_desc, "model": str(engine.model),
                    "label": f"real {config.get('scheduling_policy', '')} "

@@ -30,6 +30,19 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True, frozen=True)
+class KVLoadTiming:
+    """A decode instance's load of a request's prompt KV from its prefill instance: start and
+    end on ``time.monotonic()`` (one clock for every process of a machine, so a front can set
+    them beside its own times), the bytes copied, and whether it succeeded (a failed load is
+    followed by ``kv_load_failure_policy``)."""
+
+    start: float
+    end: float
+    num_bytes: int
+    ok: bool = True
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """``prompt_logprobs``: one entry per prompt token (None for the first), once the prompt
@@ -45,6 +58,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     # a ``do_remote_decode`` request's producer params, on its finished output (vLLM's field)
     kv_transfer_params: dict[str, Any] | None = None
+    # a consumer's KV load of this request, on the first output after it ended
+    kv_load: KVLoadTiming | None = None
 
 
 @dataclass(slots=True)

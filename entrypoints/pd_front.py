@@ -8,6 +8,11 @@ instance's token is discarded (vLLM's proxy does the same). Everything else is t
 data-parallel front's: processes, pinning to cores, per-instance health and metrics (instances
 ``0..X-1`` are the prefill pool, ``X..X+Y-1`` the decode pool), deaths, shutdown.
 
+For measurement (``twinserve validate --prefill-instances``), ``record_instances=True`` keeps
+each finished request's ``RequestRecord`` per instance, its times moved onto ``time.monotonic()``
+(the instance reports the monotonic time its clock counts from when it is ready): a prefill
+instance's record and a decode instance's of one request, on the front's clock.
+
 Faults: a decode instance that dies ends its requests with ``ReplicaDied``; the producer frees
 the blocks it was serving when the reader's connection closes (or at its transfer timeout). A
 prefill instance that dies mid-transfer fails the load: the decode instance applies
@@ -17,6 +22,8 @@ prefill instance that dies mid-transfer fails the load: the decode instance appl
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +31,14 @@ from typing import Any
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_transfer_config import KVTransferConfig
+from twinserve.core.metrics import RequestRecord
 from twinserve.core.pool_args import check_pool_args, pool_engine_args
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S
-from twinserve.entrypoints.dp_front import DataParallelFront, Sink
+from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
+from twinserve.entrypoints.dp_front import MAX_PENDING_RECORDS, DataParallelFront, Sink
+from twinserve.gpu.engine.dp_client import ReplicaEvent
+from twinserve.gpu.engine.engine_process import Refusal
 from twinserve.routers import NoHealthyReplica, make_router
 from twinserve.routers.disaggregated import (
     DisaggregatedRouter,
@@ -100,15 +110,41 @@ def instance_args(args: EngineArgs, pd: PDDeployment) -> list[EngineArgs]:
     return out
 
 
+@dataclass(slots=True, frozen=True)
+class InstanceRecord:
+    """A finished request's record on instance ``instance`` (``0..X-1`` prefill, then decode),
+    its times on ``time.monotonic()``."""
+
+    instance: int
+    record: RequestRecord
+
+
+def on_monotonic(record: RequestRecord, origin: float) -> RequestRecord:
+    """``record`` with its times (seconds from an engine's start) moved by ``origin``, the
+    ``time.monotonic()`` at that start."""
+    return dataclasses.replace(
+        record, arrival_time=record.arrival_time + origin,
+        first_scheduled_time=record.first_scheduled_time + origin,
+        first_token_time=record.first_token_time + origin,
+        finish_time=record.finish_time + origin)
+
+
 class DisaggregatedFront(DataParallelFront):
     """The data-parallel front over X + Y instances, routing each request through a prefill
-    instance then a decode instance."""
+    instance then a decode instance. ``record_instances``: keep each instance's records
+    (``take_instance_records``; the newest MAX_PENDING_RECORDS)."""
 
     def __init__(self, args: EngineArgs, pd: PDDeployment, usage_context: str, on_cuda: bool,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 router: DisaggregatedRouter | None = None) -> None:
+                 router: DisaggregatedRouter | None = None, record_instances: bool = False) -> None:
         replicas = instance_args(args, pd)
         self.pd = pd
+        # each instance's clock origin (time.monotonic()) and resolved configuration, as it
+        # reported them when ready (set before the base's reader starts)
+        self.origins: list[float] = [math.nan] * pd.size
+        self.instance_configs: list[dict[str, Any]] = [{} for _ in range(pd.size)]
+        self._instance_records: deque[InstanceRecord] | None = (
+            deque(maxlen=MAX_PENDING_RECORDS) if record_instances else None)
         self.pd_router = router if router is not None else DisaggregatedRouter.of(
             pd.prefill_instances, pd.decode_instances, args.block_size)
         # requests between their prefill's submission and their decode's: an abort in that
@@ -179,6 +215,32 @@ class DisaggregatedFront(DataParallelFront):
                             prefilled.request_id, _DecodeSink(prefilled.sink))
         except (EngineOverloaded, ValueError) as exc:
             prefilled.sink.put(exc)
+
+    def take_instance_records(self) -> list[InstanceRecord]:
+        """The records kept since the last call (empty unless ``record_instances``)."""
+        with self._lock:
+            if self._instance_records is None:
+                return []
+            taken = list(self._instance_records)
+            self._instance_records.clear()
+        return taken
+
+    def _handle(self, event: ReplicaEvent) -> None:
+        message = event.message
+        if event.kind != "died" and message[0] == "ready" and len(message) == 3:
+            with self._lock:  # (before the base marks it ready)
+                self.origins[event.replica], self.instance_configs[event.replica] = message[1:]
+        super()._handle(event)
+
+    def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
+                 refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
+                 records: list[RequestRecord]) -> None:
+        if records and self._instance_records is not None:  # (before the outputs are delivered)
+            origin = self.origins[index]
+            with self._lock:
+                self._instance_records.extend(InstanceRecord(index, on_monotonic(r, origin))
+                                              for r in records)
+        super()._on_step(index, outputs, accepted, refused, stats, kv_events, records)
 
     def _on_death(self, index: int, exitcode: int | None) -> None:
         super()._on_death(index, exitcode)

@@ -26,6 +26,10 @@ measure how far the twin lands.
    steps with the profile (measured total vs predicted total): when it is off, the
    step-time model (or the machine's speed since calibration) is to blame, not the scheduling.
 
+Replicas (``--data-parallel-size N``) and disaggregated prefill/decode (``--prefill-instances X
+--decode-instances Y [--kv-link L]``) run their own comparisons, with ``--profile``:
+``validate_dp.py`` and ``validate_pd.py``.
+
 Without ``--profile`` the backend is calibrated on the same model load over the part of the step
 space the workload can reach within the engine's limits (batches up to the requests, steps up to
 all its prompts at once, contexts up to its longest prompt + output; ``--calibrate-full-space``
@@ -120,6 +124,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--calibrate-full-space", dest="full_space", action="store_true",
                    help="without --profile: calibrate over the engine's whole step space (as "
                         "twinserve calibrate does), not only the part the workload reaches")
+    p.add_argument("--prefill-instances", type=positive_int, default=None, metavar="X",
+                   help="disaggregated prefill/decode (with --decode-instances and --profile): "
+                        "the real X + Y instances beside the twin's (docs/disaggregation.md)")
+    p.add_argument("--decode-instances", type=positive_int, default=None, metavar="Y",
+                   help="disaggregated prefill/decode: Y decode instances")
+    p.add_argument("--kv-link", default=None,
+                   help="with --prefill-instances: the twin's link (nvlink, infiniband, pcie or "
+                        "measured; default: the profile's measured kv_link, else this "
+                        "machine's connector measured now)")
     p.add_argument("--acceptance-profile", default=None, metavar="FILE",
                    help="with --speculative-config: the drafts' acceptance the twin replays, "
                         "measured on another workload (a replay's acceptance.json); default: "
@@ -169,6 +182,14 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
     args.model = model_dir_or_default(args.model)
     workload: Workload = TraceSpec.from_namespace(args).load()
     engine = engine_of(args)
+    from twinserve.entrypoints.pd_front import PDDeployment
+    pd = PDDeployment.of(getattr(args, "prefill_instances", None),
+                         getattr(args, "decode_instances", None))
+    if pd is not None:  # prefill and decode instances: entrypoints/cli/validate_pd.py
+        from twinserve.entrypoints.cli.validate_pd import run_validate_pd
+        return run_validate_pd(args, engine, workload, pd)
+    if getattr(args, "kv_link", None) is not None:
+        raise ValueError("--kv-link needs --prefill-instances and --decode-instances.")
     if engine.data_parallel_size > 1:  # replicas behind a router: entrypoints/cli/validate_dp.py
         from twinserve.entrypoints.cli.validate_dp import run_validate_dp
         return run_validate_dp(args, engine, list(workload.requests))

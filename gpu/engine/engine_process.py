@@ -3,12 +3,13 @@
 The front sends commands on the replica's inbox (a bounded ``multiprocessing`` queue):
 ``("add", request_id, prompt, params, kwargs)``, ``("abort", request_id)``, ``("stop",)``. The
 replica answers on its end of a pipe, one message per loop turn that did something:
-``("ready",)`` once its engine is built, ``("failed", reason)`` if it could not be built, and
-``("step", outputs, accepted, refused, stats, kv_events, records)`` after each step (or after commands
-when idle; ``records``: the finished requests' ``RequestRecord``s, for the server's
-latency histograms). ``refused`` holds ``Refusal`` rows: exceptions travel as plain fields, so their
-classes need not pickle. Commands are read only between steps, as the in-process engine thread
-reads them.
+``("ready", time_origin, engine_config)`` once its engine is built (the ``time.monotonic()`` its
+records' times count from; its resolved ``EngineConfig.to_dict()``), ``("failed", reason)`` if
+it could not be built, and ``("step", outputs, accepted, refused, stats, kv_events, records)``
+after each step (or after commands when idle; ``records``: the finished requests'
+``RequestRecord``s, for the server's latency histograms). ``refused`` holds ``Refusal`` rows:
+exceptions travel as plain fields, so their classes need not pickle. Commands are read only
+between steps, as the in-process engine thread reads them.
 
 A replica whose parent died exits at its next idle poll (no orphan serves nobody), and ignores
 SIGINT: Ctrl-C reaches the whole process group, and the front ends its replicas itself.
@@ -85,7 +86,7 @@ def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
     engine.metrics.record_steps = False  # a replica runs for days: keep no per-step rows
     if spec.kv_events:  # as Scheduler.__init__ does for SchedulerConfig.kv_events, before any step
         engine.scheduler.kv.pool.events = KVEventBuffer()
-    outbox.send(("ready",))
+    outbox.send(("ready", engine.time_origin, engine.engine_config.to_dict()))
     try:
         _serve(engine, spec, inbox, outbox)
     except (BrokenPipeError, EOFError):

@@ -22,7 +22,7 @@ from twinserve.core.lora import LoRARequest
 from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.request import Request
-from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
+from twinserve.core.request_output import EmbeddingRequestOutput, KVLoadTiming, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.speculation import SpeculationPolicy
@@ -79,6 +79,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self._lora_of: dict[str, str] = {}  # request id -> its adapter, pinned until it ends
+        # a consumer's finished KV loads, until their request's next output carries them
+        self._kv_loads: dict[str, KVLoadTiming] = {}
         # vLLM's batch queue under pipeline parallelism: up to pp batches in flight (None: one
         # step at a time; set it to None to run a pipeline without it, as benchmarks/pp_comm does)
         self.batch_queue: BatchQueue[QueuedStep] | None = (
@@ -87,6 +89,11 @@ class LLMEngine:
 
     def now(self) -> float:
         return time.monotonic() - self._t0
+
+    @property
+    def time_origin(self) -> float:
+        """The ``time.monotonic()`` at which this engine's clock (``now``, its run records) is 0."""
+        return self._t0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -179,6 +186,7 @@ class LLMEngine:
         ids = self.outputs.sample_ids(request_id)
         self.driver.abort(ids, self.now())
         self._release_lora(request_id)
+        self._kv_loads.pop(request_id, None)
         return self.outputs.abort(request_id)
 
     def shutdown(self) -> None:
@@ -196,6 +204,20 @@ class LLMEngine:
         connector.start(out.kv_connector_metadata)
         connector.wait(CONNECTOR_IDLE_WAIT_S)
         return connector.get_finished()
+
+    def _attach_kv_loads(self, results: list[RequestOutput | EmbeddingRequestOutput]) -> None:
+        """Each finished KV load rides on its request's next output (the one with its first
+        token, or the one that ends it), so a front sets the transfer beside its own times."""
+        take = getattr(self.runner.kv_connector, "take_records", None)  # (the host tier: none)
+        if take is None:
+            return
+        for record in take():
+            self._kv_loads[record.request_id] = record.timing
+        if self._kv_loads:
+            for output in results:
+                timing = self._kv_loads.pop(output.request_id, None)
+                if timing is not None and isinstance(output, RequestOutput):
+                    output.kv_load = timing
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
@@ -223,6 +245,8 @@ class LLMEngine:
             for output in results:
                 if output.finished:
                     self._release_lora(output.request_id)
+        if self.runner.kv_connector is not None:
+            self._attach_kv_loads(results)
         self.num_steps += 1
         driver.end_step(out, time.perf_counter() - t0)
         return results

@@ -45,13 +45,20 @@ class LoadJob:
 
 @dataclass(slots=True, frozen=True)
 class LoadResult:
-    """A finished load: ``ok`` or ``error``; the bytes copied and its wall time."""
+    """A finished load: ``ok`` or ``error``; the bytes copied, and its ``start`` and ``end`` on
+    ``time.monotonic()`` (one clock for every process of the machine, so a front can set them
+    beside its own times)."""
 
     request_id: str
     ok: bool
     num_bytes: int
-    seconds: float
+    start: float
+    end: float
     error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
 
 
 @dataclass(slots=True)
@@ -102,10 +109,10 @@ class Consumer:
             copied = self._load(job)
         except Exception as exc:  # any failure fails this load only: the scheduler decides
             self.forget_peer((job.remote_host, job.remote_port))  # its protocol state is unknown
-            result = LoadResult(job.request_id, False, 0, time.monotonic() - start,
+            result = LoadResult(job.request_id, False, 0, start, time.monotonic(),
                                 f"{type(exc).__name__}: {exc}")
         else:
-            result = LoadResult(job.request_id, True, copied, time.monotonic() - start)
+            result = LoadResult(job.request_id, True, copied, start, time.monotonic())
         with self._lock:
             mine = self._jobs.pop(job.request_id, None) is job
         if mine and not job.cancelled:

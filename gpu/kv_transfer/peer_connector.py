@@ -21,6 +21,7 @@ import torch
 
 from twinserve.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, PeerConnectorMetadata
 from twinserve.core.kv_transfer_config import KVTransferConfig
+from twinserve.core.request_output import KVLoadTiming
 from twinserve.gpu.kv_transfer.consumer import Consumer, LoadJob, LoadResult
 from twinserve.gpu.kv_transfer.producer import Producer
 from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion
@@ -33,12 +34,22 @@ MAX_CONCURRENT_LOADS = 4
 
 @dataclass(slots=True, frozen=True)
 class TransferRecord:
-    """One finished load, for run records: its bytes and wall time (start to end)."""
+    """One finished load, for run records: its bytes, start and end (``time.monotonic()``)."""
 
     request_id: str
     ok: bool
     num_bytes: int
-    seconds: float
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def timing(self) -> KVLoadTiming:
+        """As it rides on the request's output (``RequestOutput.kv_load``)."""
+        return KVLoadTiming(self.start, self.end, self.num_bytes, self.ok)
 
 
 class PeerConnectorWorker:
@@ -90,7 +101,7 @@ class PeerConnectorWorker:
         with self._lock:
             (self._recved if result.ok else self._failed).add(result.request_id)
             self.records.append(TransferRecord(result.request_id, result.ok, result.num_bytes,
-                                               result.seconds))
+                                               result.start, result.end))
         if not result.ok:
             logger.warning("KV load of %s failed: %s", result.request_id, result.error)
         self._news.set()

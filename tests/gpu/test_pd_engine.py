@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from twinserve.core.engine_args import EngineArgs
-from twinserve.core.request_output import RequestOutput
+from twinserve.core.request_output import KVLoadTiming, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.gpu.engine.llm_engine import LLMEngine
 
@@ -31,11 +31,14 @@ def engine(role: str | None, **extra: Any) -> LLMEngine:
 
 
 def run(eng: LLMEngine, rid: str, prompt: str, params: SamplingParams,
-        **kwargs: Any) -> RequestOutput:
+        loads: list[KVLoadTiming] | None = None, **kwargs: Any) -> RequestOutput:
+    """The request's final output; ``loads`` gets the KV load timings its outputs carried."""
     eng.add_request(prompt, params, request_id=rid, **kwargs)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for out in eng.step():
+            if out.request_id == rid and out.kv_load is not None and loads is not None:
+                loads.append(out.kv_load)
             if out.finished and out.request_id == rid:
                 return out
     raise AssertionError(f"{rid} did not finish")
@@ -62,12 +65,13 @@ def expected() -> list[list[int]]:
 
 
 def disaggregated(producers: list[LLMEngine], consumer: LLMEngine, i: int,
-                  prompt: str) -> RequestOutput:
+                  prompt: str, loads: list[KVLoadTiming] | None = None) -> RequestOutput:
     pre = producers[i % len(producers)]
     first = run(pre, f"p{i}", prompt, PREFILL, kv_transfer_params={"do_remote_decode": True})
     assert first.kv_transfer_params is not None and first.kv_transfer_params["do_remote_prefill"]
     pre.step()  # publishes the blocks (its next step's orders)
-    return run(consumer, f"d{i}", prompt, GREEDY, kv_transfer_params=first.kv_transfer_params)
+    return run(consumer, f"d{i}", prompt, GREEDY, loads,
+               kv_transfer_params=first.kv_transfer_params)
 
 
 @pytest.mark.slow
@@ -78,11 +82,11 @@ def test_disaggregated_greedy_tokens_equal_one_engine(expected: list[list[int]],
     consumer = engine("kv_consumer")
     try:
         free = [free_blocks(p) for p in producers], free_blocks(consumer)
+        records: list[KVLoadTiming] = []
         for i, prompt in enumerate(PROMPTS):
-            out = disaggregated(producers, consumer, i, prompt)
+            out = disaggregated(producers, consumer, i, prompt, records)
             assert out.error is None
             assert out.outputs[0].token_ids == expected[i], i
-        records = consumer.runner.kv_connector.take_records()
         # the repeated prompt's blocks were in the consumer's cache: nothing (or less) to copy
         assert [r.ok for r in records] == [True] * len(records) and len(records) >= 3
         assert records[0].num_bytes > 0

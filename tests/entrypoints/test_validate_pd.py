@@ -1,0 +1,171 @@
+"""``twinserve validate --prefill-instances X --decode-instances Y``: the refusals, the link the
+twin takes, and one end-to-end run of 1P1D beside its twin (run folders with the transfer
+columns on one clock, the error table's rows)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import queue
+from pathlib import Path
+
+import pytest
+
+from twinserve.core.engine_args import EngineArgs
+from twinserve.core.metrics import RequestRecord
+from twinserve.core.request_output import KVLoadTiming
+from twinserve.core.run_dir import PD_REQUEST_COLUMNS
+from twinserve.entrypoints.cli.main import main
+from twinserve.entrypoints.cli.validate_pd import (
+    PD_METRICS,
+    FrontTiming,
+    PDReplay,
+    check_pd_validate,
+    pd_summary,
+    real_results,
+    twin_link,
+)
+from twinserve.entrypoints.pd_front import InstanceRecord, PDDeployment
+from twinserve.simulator.hardware import load_hardware
+from twinserve.traces import TraceRequest
+
+PORT = 15480  # the instances' side channels (apart from the other P/D tests' ports)
+WORKLOAD = ["--trace", "synthetic", "--num-requests", "6", "--request-rate", "2",
+            "--input-len", "64", "--output-len", "8", "--seed", "3"]
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+          "--kv-cache-memory-bytes", str(16 << 20)]
+
+
+def namespace(**given) -> argparse.Namespace:
+    flags = dict(real_repeats=1, reuse_real=None, at_host_speed=False, at_replay_speed=False,
+                 full_space=False, acceptance_profile=None, profile="cpu")
+    return argparse.Namespace(**{**flags, **given})
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"real_repeats": 3}, "--real-repeats"),
+    ({"reuse_real": ["runs/real"]}, "--reuse-real"),
+    ({"at_host_speed": True}, "--at-host-speed"),
+    ({"at_replay_speed": True}, "--at-replay-speed"),
+    ({"full_space": True}, "--calibrate-full-space"),
+    ({"acceptance_profile": "a.json"}, "--acceptance-profile"),
+    ({"profile": None}, "needs --profile"),
+])
+def test_flags_a_pd_validate_does_not_take_are_refused_by_name(given: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        check_pd_validate(namespace(**given), EngineArgs())
+
+
+@pytest.mark.parametrize(("engine", "named"), [
+    (EngineArgs(data_parallel_size=2), "--data-parallel-size"),
+    (EngineArgs(enable_lora=True), "--enable-lora"),
+    (EngineArgs(tensor_parallel_size=2), "--tensor-parallel-size"),
+])
+def test_engines_a_pd_validate_does_not_run_are_refused_by_name(engine: EngineArgs,
+                                                                named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        check_pd_validate(namespace(), engine)
+    check_pd_validate(namespace(), EngineArgs())  # (the plain one passes)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prefill-instances", "1"], "give both"),
+    (["--kv-link", "nvlink"], "--kv-link needs --prefill-instances"),
+    (["--prefill-instances", "1", "--decode-instances", "1", "--data-parallel-size", "2"],
+     "--data-parallel-size"),
+    (["--prefill-instances", "1", "--decode-instances", "1", "--real-repeats", "2",
+      "--profile", "cpu"], "--real-repeats"),
+])
+def test_the_command_refuses_before_starting_anything(flags: list[str], message: str,
+                                                      tmp_path: Path, capsys) -> None:
+    code = main(["validate", *WORKLOAD, *flags, "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "real").exists()
+
+
+def test_the_twin_takes_the_given_link_else_the_profiles_measured_one(tmp_path: Path) -> None:
+    gpu = {"device_type": "cuda"}
+    assert twin_link("h100-sxm", "infiniband", "m", gpu, tmp_path, print) == ("h100-sxm",
+                                                                              "infiniband")
+    assert twin_link("h100-sxm", None, "m", gpu, tmp_path, print) == ("h100-sxm", None)
+    with pytest.raises(ValueError, match="--kv-link measured: profile h100-sxm has no kv_link"):
+        twin_link("h100-sxm", "measured", "m", gpu, tmp_path, print)
+    linked = str(with_link(tmp_path / "linked.json"))
+    assert twin_link(linked, None, "m", {"device_type": "cpu"}, tmp_path, print) == (linked, None)
+    assert not (tmp_path / "profile.json").exists()  # nothing measured
+
+
+def with_link(path: Path) -> Path:
+    """The bundled CPU profile with a link (so the twin needs no measurement)."""
+    profile = dataclasses.replace(load_hardware("cpu"), kv_link={
+        "bandwidth_bytes_per_s": 2.5e9, "latency_s": 4e-4})
+    return profile.save(path)
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_validate_1p1d_writes_both_runs_with_transfer_columns_and_the_errors(
+        tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    code = main(["validate", *WORKLOAD, *ENGINE, "--prefill-instances", "1",
+                 "--decode-instances", "1", "--kv-transfer-config", f'{{"kv_port": {PORT}}}',
+                 "--profile", str(with_link(tmp_path / "cpu-link.json")), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    for side in ("real", "sim"):
+        requests = rows(out / side / "requests.csv")
+        assert len(requests) == 6 and set(PD_REQUEST_COLUMNS) <= set(requests[0])
+        for r in requests:
+            assert r["success"] == "1" and r["prefill_engine"] == "prefill-0"
+            assert r["decode_engine"] == "decode-0" and int(r["kv_transfer_bytes"]) > 0
+            ttft = float(r["ttft_ms"]) / 1e3
+            parts = [float(r[f"ttft_{p}_s"]) for p in ("queue", "prefill", "transfer", "decode")]
+            # every part >= 0: the instances' clocks and the front's line up
+            assert min(parts) >= 0 and sum(parts) == pytest.approx(ttft, abs=1e-6), (side, r)
+            assert 0 < float(r["kv_transfer_s"]) <= float(r["ttft_transfer_s"]) < ttft
+    errors = {r["metric"]: r for r in rows(out / "errors.csv")}
+    for metric in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", *PD_METRICS):
+        low = 0.0 if metric == "mean_ttft_queue_ms" else 1e-9  # (an idle prefill: no queue)
+        assert float(errors[metric]["real"]) >= low and float(errors[metric]["sim"]) >= low, metric
+        assert not math.isnan(float(errors[metric]["rel_error_pct"]))
+        assert metric in printed
+    assert "1P1D" in printed
+
+
+def test_real_results_set_the_instances_records_and_the_load_on_the_fronts_clock() -> None:
+    t0, pd = 1000.0, PDDeployment(2, 1)
+    trace = [TraceRequest("a", 0.0, 64, 3), TraceRequest("b", 0.5, 64, 3)]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    a = FrontTiming("a", t0 + 0.01, done, [t0 + 0.30, t0 + 0.35, t0 + 0.40], t0 + 0.40, "length",
+                    kv_load=KVLoadTiming(t0 + 0.15, t0 + 0.20, 4096))
+    b = FrontTiming("b", t0 + 0.51, done, [t0 + 0.70, t0 + 0.75, t0 + 0.80], t0 + 0.80, "length",
+                    kv_load=KVLoadTiming(t0 + 0.62, t0 + 0.62, 0))  # its prompt was cached
+    rec = [InstanceRecord(1, RequestRecord("a", t0 + 0.02, t0 + 0.05, t0 + 0.12, t0 + 0.12, 64, 1)),
+           InstanceRecord(2, RequestRecord("a", t0 + 0.14, t0 + 0.22, t0 + 0.25, t0 + 0.39, 64, 3,
+                                           cached_tokens=16)),
+           InstanceRecord(0, RequestRecord("b", t0 + 0.52, t0 + 0.53, t0 + 0.60, t0 + 0.60, 64, 1)),
+           InstanceRecord(2, RequestRecord("b", t0 + 0.61, t0 + 0.65, t0 + 0.68, t0 + 0.79, 64, 3))]
+    records, parts = real_results(PDReplay([a, b], rec, [{}] * 3, t0, 1.0), trace, pd)
+    ra, rb = records
+    assert (ra.arrival_time, ra.first_token_time, ra.finish_time) == pytest.approx((0.01, 0.30,
+                                                                                    0.40))
+    assert ra.first_scheduled_time == pytest.approx(0.22)  # the decode instance's
+    assert ra.cached_tokens == 16 and list(ra.itls) == pytest.approx([0.05, 0.05])
+    pa, pb = parts["a"], parts["b"]
+    assert (pa.prefill_engine, pa.decode_engine, pb.prefill_engine) == ("prefill-1", "decode-0",
+                                                                        "prefill-0")
+    row = pa.row(ra.first_token_time)  # kv_transfer_s, bytes, queue, prefill, transfer, decode
+    assert row[2:] == pytest.approx((0.05, 4096, 0.04, 0.07, 0.08, 0.10))
+    assert sum(row[4:]) == pytest.approx(ra.ttft)
+    assert math.isnan(pb.load_end) and pb.row(rb.first_token_time)[6] == pytest.approx(0.0)
+    summary = pd_summary(records, parts, pd)
+    assert summary["num_kv_transfers"] == 1 and summary["kv_transfer_bytes"] == 4096
+    assert summary["mean_kv_transfer_ms"] == pytest.approx(50.0)
+    assert summary["mean_ttft_queue_ms"] == pytest.approx((40 + 20) / 2)

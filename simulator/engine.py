@@ -140,6 +140,11 @@ class Replica:
     # and the KV events made since the last arrival read them, less those reported ahead.
     pending: PendingRun | None = None
     held_events: list[KVCacheEvent] = field(default_factory=list)
+    # When its step in progress started (None: idle) and how long its last finished step took,
+    # as a front sees them (``ReplicaLoad.step_elapsed_s``, ``last_step_s``). Set where the
+    # loop waits on a step: a step run ahead ends before the next arrival, which never sees it.
+    step_start: float | None = None
+    last_step: float = 0.0
 
     def __post_init__(self) -> None:
         self.driver.on_release = self.tokens.release
@@ -175,18 +180,21 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         if events:
             for i, replica in enumerate(replicas):
                 router.on_kv_events(i, _kv_events(replica))
-        loads = idle or [_load(r) for r in replicas]
+        loads = idle or [_load(r, env.now) for r in replicas]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
 
 
-def _load(replica: Replica) -> ReplicaLoad:
+def _load(replica: Replica, now: float) -> ReplicaLoad:
     """The replica's load now, as a front reads it (its run in progress, if it has one)."""
+    start = replica.step_start
+    elapsed = None if start is None else now - start
     if replica.pending is not None:
-        return replica.pending.load()
+        return replica.pending.load(elapsed, replica.last_step)
     s = replica.scheduler
-    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage, True, s.num_prefill_tokens)
+    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage, True, s.num_prefill_tokens,
+                       elapsed, replica.last_step)
 
 
 def _kv_events(replica: Replica) -> list[KVCacheEvent]:
@@ -284,6 +292,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
     while True:
         if not sched.running and not sched.has_unfinished_requests():
             replica.wakeup = env.event()
+            replica.step_start = None
             yield replica.wakeup
             replica.wakeup = None
             base = now = env.now
@@ -296,10 +305,12 @@ def engine_process(env: simpy.Environment, replica: Replica):
         if end >= horizon or base + (end - base) != end:
             if now != base:  # catch SimPy up to this step's start (exact: checked when it ran ahead)
                 yield timeout(now - base)
+            replica.step_start = now
             yield timeout(duration)  # SimPy resumes us at exactly ``now + duration``
             base = end
             horizon = peek()
         complete(out, sampled if speculate is None else speculate(out), now, end)
+        replica.last_step = end - now
         now = end
         # runs of decode-only steps follow one another while each reaches its last step (its
         # last request's finish, or the last step its free blocks cover) before anything else
@@ -318,6 +329,8 @@ def engine_process(env: simpy.Environment, replica: Replica):
                 duration = step_time(run.out)
                 if start != base:
                     yield timeout(start - base)
+                replica.last_step = _last_step(ends, now, replica.last_step)
+                replica.step_start = start
                 yield timeout(duration)
                 base = start + duration
                 ends.append(base)
@@ -332,6 +345,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
             elif not ends:
                 break
             complete_run(run, now, ends)
+            replica.last_step = _last_step(ends, now, replica.last_step)
             now = ends[-1]
             run = plan(sched, SIMULATED_TOKEN) if crossing or len(ends) == run.max_steps \
                 else None
@@ -356,11 +370,14 @@ def _closing_step(replica: Replica, run: DecodeRun, now: float, ends: list[float
     if end >= horizon or base + (end - base) != end:
         if start != base:
             yield timeout(start - base)
+        replica.last_step = _last_step(ends, now, replica.last_step)
+        replica.step_start = start
         yield timeout(duration)  # SimPy resumes us at exactly ``start + duration``
         base = end
         horizon = peek()
     replica.driver.complete_closing_run(run, out, replica.tokens.output, now, [*ends, end],
                                         free_after, waiting)
+    replica.last_step = end - start
     return end, base, horizon
 
 
@@ -396,6 +413,8 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
         pending.crossing = len(ends)
         if now != base:
             yield timeout(now - base)
+        replica.last_step = _last_step(ends, start, replica.last_step)
+        replica.step_start = now
         yield timeout(duration)
         now = base = now + duration
         ends.append(base)
@@ -407,9 +426,18 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
             run.next_segment()
     replica.pending = None
     replica.driver.complete_decode_run(run, start, ends)
+    replica.last_step = _last_step(ends, start, replica.last_step)
     if pending.reported:  # the router heard these evictions at the arrivals
         replica.held_events += strike(sched.take_kv_events(), pending.reported)
     return ends[-1], base, horizon
+
+
+def _last_step(ends: list[float], start: float, before: float) -> float:
+    """The duration of the last of the run steps ``ends`` (the run started at ``start``);
+    ``before`` when there is none."""
+    if not ends:
+        return before
+    return ends[-1] - (ends[-2] if len(ends) > 1 else start)
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],

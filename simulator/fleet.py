@@ -131,8 +131,9 @@ class PendingRun:
         self._num_ended = ended
         return self._freed
 
-    def load(self) -> ReplicaLoad:
-        """The replica's load in the crossing step, as the reference holds it."""
+    def load(self, step_elapsed_s: float | None, last_step_s: float) -> ReplicaLoad:
+        """The replica's load in the crossing step, as the reference holds it (the step times
+        are the replica's: ``ReplicaLoad``)."""
         sched = self.run.scheduler
         pool = sched.kv.pool
         total = len(pool.blocks)
@@ -142,7 +143,7 @@ class PendingRun:
             running -= self.num_ended()
             free += self.blocks_freed()
         return ReplicaLoad(running, len(sched.policy), 1.0 - free / total if total else 0.0,
-                           True, sched.num_queued_tokens)
+                           True, sched.num_queued_tokens, step_elapsed_s, last_step_s)
 
     def evictions(self) -> list[KVCacheEvent]:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one

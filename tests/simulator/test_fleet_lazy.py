@@ -37,10 +37,10 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
     read, reported, ended = [0], [0], [0]
     load, evictions = PendingRun.load, PendingRun.evictions
 
-    def counting_load(self: PendingRun):
+    def counting_load(self: PendingRun, *step_times: float | None):
         read[0] += 1
         ended[0] += self.num_ended() > 0
-        return load(self)
+        return load(self, *step_times)
 
     def counting_evictions(self: PendingRun):
         events = evictions(self)

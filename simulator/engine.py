@@ -15,6 +15,7 @@ its trace output length whatever token the twin "samples".
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -104,14 +105,22 @@ class ArrivalHorizons:
     A router that reads the replicas' loads routes each request at its arrival, so every
     replica's bound is the next arrival (``read_until``). One that reads nothing (round robin)
     is asked ahead, so each replica's bound is its own next request (``pending``), or, when it
-    has none among those routed ahead, the latest routed: later ones come no earlier."""
+    has none among those routed ahead, the latest routed: later ones come no earlier.
+    ``arrival_times``: every request's, sorted (None: unknown)."""
 
     pending: list[deque[float]]
     read_until: float = 0.0
+    arrival_times: Sequence[float] | None = None
 
     def of(self, replica: int) -> float:
         queue = self.pending[replica]
         return queue[0] if queue else self.read_until
+
+    def fewer_than(self, room: int, start: float, end: float) -> bool:
+        """Whether fewer than ``room`` requests arrive within ``[start, end]`` (False when the
+        arrival times are unknown)."""
+        times = self.arrival_times
+        return times is not None and bisect_right(times, end) - bisect_left(times, start) < room
 
 
 @dataclass(slots=True)
@@ -390,13 +399,19 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
     replica's run takes it in: SimPy is caught up to its start and waits for its end, while the
     arrival reads the replica from the run (``replica.pending``, ``simulator.fleet``). After it,
     the run goes on if nothing was released to the replica, else it is applied (the request
-    released waits for the next step, as in the reference). With ``max_waiting_requests`` (an
-    admission that counts the running requests, which the unapplied run still holds) the run is
-    applied at its first finish. Returns the engine's clock, SimPy's and the horizon after it."""
+    released waits for the next step, as in the reference).
+
+    With ``max_waiting_requests``, an admission counts the running requests (its free seats),
+    which the unapplied run still holds after their ends: a step taken in after a finish could
+    then refuse a request the reference takes. It cannot while fewer requests are queued than
+    the bound, so such a step is taken in only where fewer arrive during it (of any replica's)
+    than the room left in the queue; else the run is applied before it (the step is then the
+    engine loop's, as a run that stops at the horizon leaves it). Returns the engine's clock,
+    SimPy's and the horizon after it."""
     cost, sched = replica.cost, replica.scheduler
     step_time, run_ends = cost.step_time, cost.decode_run_ends
     pending = replica.pending = PendingRun(run)
-    last = run.max_steps if sched.config.max_waiting_requests is None else run.stops[0]
+    last, bound, horizons = run.max_steps, sched.config.max_waiting_requests, replica.horizons
     start, ends = now, []
     while True:
         limit = min(run.segment_steps(), last - run.taken)
@@ -410,6 +425,9 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
             run.next_segment()
             continue
         duration = step_time(run.out)
+        if bound is not None and run.stops[0] <= run.taken and not _room_for_arrivals(
+                horizons, bound - sched.num_queued + 1, now, now + duration):
+            break  # (past a finish: ``ends`` holds it)
         pending.crossing = len(ends)
         if now != base:
             yield timeout(now - base)
@@ -418,18 +436,32 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
         yield timeout(duration)
         now = base = now + duration
         ends.append(base)
-        run.next_step()
         horizon = peek()
-        if run.taken == last or len(sched.policy):
+        if run.taken + 1 == last or len(sched.policy):
             break
+        run.next_step()
         if run.taken == run.stops[run.segment]:
             run.next_segment()
     replica.pending = None
-    replica.driver.complete_decode_run(run, start, ends)
-    replica.last_step = _last_step(ends, start, replica.last_step)
+    # a request released to it: the step after, which admits it, closes the run, as a lone
+    # replica's does (the crossing step not yet moved past: ``_closing_step`` does it)
+    free_after = (run.open_closing(ends) if len(sched.policy) and len(ends) < run.max_steps
+                  and sched.admits_beside_runs else None)
+    if free_after is None:
+        replica.driver.complete_decode_run(run, start, ends)
+        replica.last_step = _last_step(ends, start, replica.last_step)
     if pending.reported:  # the router heard these evictions at the arrivals
         replica.held_events += strike(sched.take_kv_events(), pending.reported)
-    return ends[-1], base, horizon
+    if free_after is None:
+        return ends[-1], base, horizon
+    return (yield from _closing_step(replica, run, start, ends, free_after, base, horizon, peek,
+                                     timeout))
+
+
+def _room_for_arrivals(horizons: ArrivalHorizons | None, room: int, start: float,
+                       end: float) -> bool:
+    """Whether fewer than ``room`` requests arrive within ``[start, end]``."""
+    return horizons is not None and horizons.fewer_than(room, start, end)
 
 
 def _last_step(ends: list[float], start: float, before: float) -> float:

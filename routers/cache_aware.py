@@ -49,7 +49,8 @@ class CacheAwareRouter:
     __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_index",
                  "_next")
 
-    uses_kv_events = True  # a constant of the class: the backend turns the replicas' events on
+    uses_kv_events = True  # constants of the class: the backend turns the replicas' events on
+    reads_kv_usage = False
 
     def __init__(self, block_size: int, max_blocks: int = 1 << 18,
                  decode_weight: float = 5.0, prefill_tokens_per_s: float = 50_000.0) -> None:

@@ -95,6 +95,13 @@ def reads_loads(router: Router) -> bool:
     return bool(getattr(router, "reads_loads", True))
 
 
+def reads_kv_usage(router: Router) -> bool:
+    """Whether the router reads ``ReplicaLoad.kv_usage`` (its ``reads_kv_usage`` attribute;
+    True without one). The twin leaves it at 0.0 for one that does not: a replica's usage in a
+    decode run in progress costs it a walk of the blocks the run's ends free."""
+    return bool(getattr(router, "reads_kv_usage", True))
+
+
 def healthy(replicas: Sequence[ReplicaLoad]) -> list[int]:
     """The indices of the healthy replicas; raises ``NoHealthyReplica`` when there is none."""
     found = [i for i, r in enumerate(replicas) if r.healthy]

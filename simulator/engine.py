@@ -31,7 +31,7 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
-from twinserve.routers import ReplicaLoad, Router, reads_loads, uses_kv_events
+from twinserve.routers import ReplicaLoad, Router, reads_kv_usage, reads_loads, uses_kv_events
 from twinserve.simulator.acceptance import AcceptanceModel
 from twinserve.simulator.fleet import PendingRun, lazy_fits, strike
 from twinserve.simulator.step_time import StepTimeModel
@@ -177,7 +177,7 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
     if horizons is not None and not reads_loads(router):
         yield from _routed_ahead(env, requests, replicas, router, recorder, horizons)
         return
-    events = uses_kv_events(router)
+    events, usage = uses_kv_events(router), reads_kv_usage(router)
     # a router that reads nothing of the replicas gets the same (unread) loads every time
     idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
     for request in requests:
@@ -189,21 +189,22 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         if events:
             for i, replica in enumerate(replicas):
                 router.on_kv_events(i, _kv_events(replica))
-        loads = idle or [_load(r, env.now) for r in replicas]
+        loads = idle or [_load(r, env.now, usage) for r in replicas]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
 
 
-def _load(replica: Replica, now: float) -> ReplicaLoad:
-    """The replica's load now, as a front reads it (its run in progress, if it has one)."""
+def _load(replica: Replica, now: float, usage: bool) -> ReplicaLoad:
+    """The replica's load now, as a front reads it (its run in progress, if it has one);
+    ``kv_usage`` 0.0 unless ``usage`` (``routers.reads_kv_usage``)."""
     start = replica.step_start
     elapsed = None if start is None else now - start
     if replica.pending is not None:
-        return replica.pending.load(elapsed, replica.last_step)
+        return replica.pending.load(elapsed, replica.last_step, usage)
     s = replica.scheduler
-    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage, True, s.num_prefill_tokens,
-                       elapsed, replica.last_step)
+    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage if usage else 0.0, True,
+                       s.num_prefill_tokens, elapsed, replica.last_step)
 
 
 def _kv_events(replica: Replica) -> list[KVCacheEvent]:

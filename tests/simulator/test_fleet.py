@@ -10,7 +10,7 @@ import pytest
 
 from twinserve.core import decode_run
 from twinserve.core.decode_run import DecodeRun
-from twinserve.routers import ROUTERS, CacheAwareRouter, ReplicaLoad
+from twinserve.routers import ROUTERS, CacheAwareRouter, ReplicaLoad, make_router, uses_kv_events
 from twinserve.simulator import SimConfig, simulate, write_sim_run
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
@@ -86,12 +86,12 @@ def test_a_router_routed_ahead_that_skips_replicas_matches_the_reference(workloa
 
 
 class _Recording:
-    """The cache-aware router, keeping what each arrival read of the replicas."""
+    """A router (cache-aware by default), keeping what each arrival read of the replicas; it
+    reads every field (no ``reads_kv_usage``)."""
 
-    uses_kv_events = True
-
-    def __init__(self) -> None:
-        self.inner = CacheAwareRouter(16)
+    def __init__(self, inner=None) -> None:
+        self.inner = CacheAwareRouter(16) if inner is None else inner
+        self.uses_kv_events = uses_kv_events(self.inner)
         self.seen: list[tuple[float, list[ReplicaLoad]]] = []
 
     def route(self, request, replicas) -> int:
@@ -130,3 +130,17 @@ def test_arrivals_read_each_replicas_step_in_progress_from_its_step_rows(workloa
             assert rows[i][k].time == pytest.approx(t - load.step_elapsed_s, abs=1e-12), (t, i)
             assert load.last_step_s == pytest.approx(rows[i][k - 1].duration, abs=1e-12), (t, i)
     assert busy > len(router.seen)  # most arrivals found replicas mid-step
+
+
+@pytest.mark.parametrize("name", ["least-outstanding", "cache-aware"])
+@pytest.mark.parametrize("usage", ["server", "llm"])
+def test_a_router_reading_every_field_reads_the_references_loads(workload, name, usage) -> None:
+    """Every load an arrival reads, KV usage and step times included, is the reference's
+    (a run in progress's blocks taken, its ends and the blocks they freed)."""
+    cfg = SimConfig(num_replicas=3, num_gpu_blocks_override=300, usage_context=usage, **SMALL)
+    fast, reference = _Recording(make_router(name, 16)), _Recording(make_router(name, 16))
+    simulate(cfg, workload, router=fast)
+    simulate(cfg, workload, decode_runs=False, router=reference)
+    assert len(fast.seen) == len(workload)
+    assert any(0 < load.kv_usage < 1 for _, loads in fast.seen for load in loads)
+    assert fast.seen == reference.seen

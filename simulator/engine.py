@@ -186,9 +186,11 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
             horizons.read_until = request.arrival_time
         if delay > 0:
             yield env.timeout(delay)
-        if events:
+        if events:  # (none to hand over: no call, as the DP front does)
             for i, replica in enumerate(replicas):
-                router.on_kv_events(i, _kv_events(replica))
+                found = _kv_events(replica)
+                if found:
+                    router.on_kv_events(i, found)
         loads = idle or [_load(r, env.now, usage) for r in replicas]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:

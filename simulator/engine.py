@@ -401,8 +401,9 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
     Each step that ends at or past the horizon (the next arrival) is taken in, as a lone
     replica's run takes it in: SimPy is caught up to its start and waits for its end, while the
     arrival reads the replica from the run (``replica.pending``, ``simulator.fleet``). After it,
-    the run goes on if nothing was released to the replica, else it is applied (the request
-    released waits for the next step, as in the reference).
+    the run goes on if nothing was released to the replica, else the next step, which admits
+    the request (it waits for that step, as in the reference), closes the run as a lone
+    replica's admission step does (``_closing_step``), or the run is applied where it cannot.
 
     With ``max_waiting_requests``, an admission counts the running requests (its free seats),
     which the unapplied run still holds after their ends: a step taken in after a finish could

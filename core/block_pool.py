@@ -73,16 +73,17 @@ class FreeKVCacheBlockQueue:
         """The blocks ``popleft_n(n)`` would return (at most the free ones), left in place."""
         head, items = self._head, self._items
         out = items[head:head + n]
-        if not self._stale or self._stale.keys().isdisjoint(out):
+        stale = self._stale
+        if not stale or stale.keys().isdisjoint(out):
             return out
-        skip = dict(self._stale)
+        skipped: dict[KVCacheBlock, int] = {}  # (not a copy of ``stale``: thousands of entries)
         out = []
         while len(out) < n and head < len(items):
             block = items[head]
             head += 1
-            k = skip.get(block)
-            if k:
-                skip[block] = k - 1
+            done = skipped.get(block, 0)
+            if done < stale.get(block, 0):
+                skipped[block] = done + 1
             else:
                 out.append(block)
         return out

@@ -70,6 +70,10 @@ class DataParallelFront:
         n = self._set.size
         self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
         self.replicas = [ReplicaState() for _ in range(n)]
+        # when each replica's step in progress started, by the front's clock (None: idle): the
+        # replica steps again as soon as its last step's message is out, or as an add reaches
+        # it idle; the loads' step times (``ReplicaLoad.step_elapsed_s``) are read off these
+        self._step_started: list[float | None] = [None] * n
         self._owner: dict[str, tuple[int, Sink]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -118,6 +122,9 @@ class DataParallelFront:
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already in flight.")
+            now = time.monotonic()
+            for load, started in zip(self.loads, self._step_started):
+                load.step_elapsed_s = None if started is None else max(0.0, now - started)
             try:
                 index = self.router.route(routed, self.loads)
             except NoHealthyReplica as exc:
@@ -141,6 +148,8 @@ class DataParallelFront:
             raise EngineOverloaded(f"{exc}; retry later", "replica_down",
                                    ADMISSION_RETRY_AFTER_S) from exc
         self._owner[request_id] = (index, sink)
+        if self._step_started[index] is None:  # an idle replica steps as the add reaches it
+            self._step_started[index] = time.monotonic()
         load = self.loads[index]
         load.num_waiting += 1
         load.num_prefill_tokens += num_prompt_tokens
@@ -196,9 +205,13 @@ class DataParallelFront:
             replica = self.replicas[index]
             replica.stats = stats
             replica.served += len(accepted)
+            now, started = time.monotonic(), self._step_started[index]
+            last_step = self.loads[index].last_step_s if started is None else now - started
             self.loads[index] = ReplicaLoad(stats.num_running, stats.num_waiting,
                                             min(1.0, max(0.0, stats.kv_cache_usage)), True,
-                                            stats.num_prefill_tokens)
+                                            stats.num_prefill_tokens, None, max(0.0, last_step))
+            busy = stats.num_running > 0 or stats.num_waiting > 0
+            self._step_started[index] = now if busy else None
             for rid in accepted:
                 owner = self._owner.get(rid)
                 if owner is not None:
@@ -229,6 +242,7 @@ class DataParallelFront:
                 self.error = f"replica {index} exited with code {exitcode} while starting"
             replica.stats = None
             self.loads[index] = ReplicaLoad(0, 0, 0.0, healthy=False)
+            self._step_started[index] = None
             lost = [rid for rid, (i, _) in self._owner.items() if i == index]
             sinks = [self._owner.pop(rid)[1] for rid in lost]
             if restart:

@@ -12,7 +12,14 @@ from twinserve.routers.cache_aware import CacheAwareRouter
 from twinserve.routers.least_outstanding import LeastOutstandingRouter
 from twinserve.routers.prefix_affinity import PrefixAffinityRouter
 from twinserve.routers.round_robin import RoundRobinRouter
-from twinserve.routers.router import NoHealthyReplica, ReplicaLoad, Router, reads_loads, uses_kv_events
+from twinserve.routers.router import (
+    NoHealthyReplica,
+    ReplicaLoad,
+    Router,
+    reads_kv_usage,
+    reads_loads,
+    uses_kv_events,
+)
 
 ENTRY_POINT_GROUP = "twinserve.routers"
 
@@ -27,7 +34,7 @@ ROUTERS: tuple[str, ...] = tuple(_BUILTIN)
 
 __all__ = ["ROUTERS", "ENTRY_POINT_GROUP", "CacheAwareRouter", "LeastOutstandingRouter",
            "NoHealthyReplica", "PrefixAffinityRouter", "ReplicaLoad", "RoundRobinRouter", "Router",
-           "available_routers", "make_router", "reads_loads", "uses_kv_events"]
+           "available_routers", "make_router", "reads_kv_usage", "reads_loads", "uses_kv_events"]
 
 
 def available_routers() -> dict[str, type]:

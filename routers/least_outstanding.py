@@ -13,6 +13,7 @@ class LeastOutstandingRouter:
     """The healthy replica with the fewest running + waiting requests (lowest index on ties)."""
 
     __slots__ = ()
+    reads_kv_usage = False  # a constant of the class: it reads the request counts only
 
     def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
         return least_outstanding(replicas, healthy(replicas))

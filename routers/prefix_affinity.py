@@ -18,6 +18,7 @@ class PrefixAffinityRouter:
     used least recently is forgotten first (its next request then goes to the least loaded)."""
 
     __slots__ = ("prefix_tokens", "max_imbalance", "max_prefixes", "_home")
+    reads_kv_usage = False  # a constant of the class: it reads the request counts only
 
     def __init__(self, prefix_tokens: int = 64, max_imbalance: int = 32,
                  max_prefixes: int = 65536) -> None:

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 from twinserve.core.kv_events import KVCacheEvent
 from twinserve.core.request import Request
 
+_INF = float("inf")
+
 
 class NoHealthyReplica(RuntimeError):
     """Every replica is marked unhealthy: the request cannot be routed."""
@@ -30,6 +32,10 @@ class ReplicaLoad:
     # Prompt tokens it has yet to compute (``SchedulerStats.num_prefill_tokens``): the work
     # queued ahead of a new request's prefill.
     num_prefill_tokens: int = 0
+    # Seconds its step in progress has run (None: no step in progress), and how long its last
+    # finished step took (0.0 before any): a request routed to it waits for that step's end.
+    step_elapsed_s: float | None = None
+    last_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         # (one test for the common case: a twin builds one per replica and arrival)
@@ -42,10 +48,22 @@ class ReplicaLoad:
                     raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be within [0, 1], got {self.kv_usage!r}.")
+        if not 0.0 <= self.last_step_s < _INF:
+            raise ValueError(f"last_step_s must be a non-negative number, got {self.last_step_s!r}.")
+        if self.step_elapsed_s is not None and not 0.0 <= self.step_elapsed_s < _INF:
+            raise ValueError(f"step_elapsed_s must be None or a non-negative number, got "
+                             f"{self.step_elapsed_s!r}.")
 
     @property
     def outstanding(self) -> int:
         return self.num_running + self.num_waiting
+
+    @property
+    def step_left_s(self) -> float:
+        """How long its step in progress has left, if it takes as long as the last one did
+        (0.0 without a step in progress, or one already past that)."""
+        elapsed = self.step_elapsed_s
+        return 0.0 if elapsed is None or elapsed >= self.last_step_s else self.last_step_s - elapsed
 
 
 @runtime_checkable
@@ -75,6 +93,13 @@ def reads_loads(router: Router) -> bool:
     finish, blocks are taken), so the twin's fleet fast path takes in the step an arrival comes
     during only for a router that reads none (round robin)."""
     return bool(getattr(router, "reads_loads", True))
+
+
+def reads_kv_usage(router: Router) -> bool:
+    """Whether the router reads ``ReplicaLoad.kv_usage`` (its ``reads_kv_usage`` attribute;
+    True without one). The twin leaves it at 0.0 for one that does not: a replica's usage in a
+    decode run in progress costs it a walk of the blocks the run's ends free."""
+    return bool(getattr(router, "reads_kv_usage", True))
 
 
 def healthy(replicas: Sequence[ReplicaLoad]) -> list[int]:

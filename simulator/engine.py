@@ -15,6 +15,7 @@ its trace output length whatever token the twin "samples".
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from twinserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
-from twinserve.routers import ReplicaLoad, Router, reads_loads, uses_kv_events
+from twinserve.routers import ReplicaLoad, Router, reads_kv_usage, reads_loads, uses_kv_events
 from twinserve.simulator.acceptance import AcceptanceModel
 from twinserve.simulator.fleet import PendingRun, lazy_fits, strike
 from twinserve.simulator.step_time import StepTimeModel
@@ -104,14 +105,22 @@ class ArrivalHorizons:
     A router that reads the replicas' loads routes each request at its arrival, so every
     replica's bound is the next arrival (``read_until``). One that reads nothing (round robin)
     is asked ahead, so each replica's bound is its own next request (``pending``), or, when it
-    has none among those routed ahead, the latest routed: later ones come no earlier."""
+    has none among those routed ahead, the latest routed: later ones come no earlier.
+    ``arrival_times``: every request's, sorted (None: unknown)."""
 
     pending: list[deque[float]]
     read_until: float = 0.0
+    arrival_times: Sequence[float] | None = None
 
     def of(self, replica: int) -> float:
         queue = self.pending[replica]
         return queue[0] if queue else self.read_until
+
+    def fewer_than(self, room: int, start: float, end: float) -> bool:
+        """Whether fewer than ``room`` requests arrive within ``[start, end]`` (False when the
+        arrival times are unknown)."""
+        times = self.arrival_times
+        return times is not None and bisect_right(times, end) - bisect_left(times, start) < room
 
 
 @dataclass(slots=True)
@@ -140,6 +149,11 @@ class Replica:
     # and the KV events made since the last arrival read them, less those reported ahead.
     pending: PendingRun | None = None
     held_events: list[KVCacheEvent] = field(default_factory=list)
+    # When its step in progress started (None: idle) and how long its last finished step took,
+    # as a front sees them (``ReplicaLoad.step_elapsed_s``, ``last_step_s``). Set where the
+    # loop waits on a step: a step run ahead ends before the next arrival, which never sees it.
+    step_start: float | None = None
+    last_step: float = 0.0
 
     def __post_init__(self) -> None:
         self.driver.on_release = self.tokens.release
@@ -163,7 +177,7 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
     if horizons is not None and not reads_loads(router):
         yield from _routed_ahead(env, requests, replicas, router, recorder, horizons)
         return
-    events = uses_kv_events(router)
+    events, usage = uses_kv_events(router), reads_kv_usage(router)
     # a router that reads nothing of the replicas gets the same (unread) loads every time
     idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
     for request in requests:
@@ -172,21 +186,27 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
             horizons.read_until = request.arrival_time
         if delay > 0:
             yield env.timeout(delay)
-        if events:
+        if events:  # (none to hand over: no call, as the DP front does)
             for i, replica in enumerate(replicas):
-                router.on_kv_events(i, _kv_events(replica))
-        loads = idle or [_load(r) for r in replicas]
+                found = _kv_events(replica)
+                if found:
+                    router.on_kv_events(i, found)
+        loads = idle or [_load(r, env.now, usage) for r in replicas]
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
 
 
-def _load(replica: Replica) -> ReplicaLoad:
-    """The replica's load now, as a front reads it (its run in progress, if it has one)."""
+def _load(replica: Replica, now: float, usage: bool) -> ReplicaLoad:
+    """The replica's load now, as a front reads it (its run in progress, if it has one);
+    ``kv_usage`` 0.0 unless ``usage`` (``routers.reads_kv_usage``)."""
+    start = replica.step_start
+    elapsed = None if start is None else now - start
     if replica.pending is not None:
-        return replica.pending.load()
+        return replica.pending.load(elapsed, replica.last_step, usage)
     s = replica.scheduler
-    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage, True, s.num_prefill_tokens)
+    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage if usage else 0.0, True,
+                       s.num_prefill_tokens, elapsed, replica.last_step)
 
 
 def _kv_events(replica: Replica) -> list[KVCacheEvent]:
@@ -284,6 +304,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
     while True:
         if not sched.running and not sched.has_unfinished_requests():
             replica.wakeup = env.event()
+            replica.step_start = None
             yield replica.wakeup
             replica.wakeup = None
             base = now = env.now
@@ -296,10 +317,12 @@ def engine_process(env: simpy.Environment, replica: Replica):
         if end >= horizon or base + (end - base) != end:
             if now != base:  # catch SimPy up to this step's start (exact: checked when it ran ahead)
                 yield timeout(now - base)
+            replica.step_start = now
             yield timeout(duration)  # SimPy resumes us at exactly ``now + duration``
             base = end
             horizon = peek()
         complete(out, sampled if speculate is None else speculate(out), now, end)
+        replica.last_step = end - now
         now = end
         # runs of decode-only steps follow one another while each reaches its last step (its
         # last request's finish, or the last step its free blocks cover) before anything else
@@ -318,6 +341,8 @@ def engine_process(env: simpy.Environment, replica: Replica):
                 duration = step_time(run.out)
                 if start != base:
                     yield timeout(start - base)
+                replica.last_step = _last_step(ends, now, replica.last_step)
+                replica.step_start = start
                 yield timeout(duration)
                 base = start + duration
                 ends.append(base)
@@ -332,6 +357,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
             elif not ends:
                 break
             complete_run(run, now, ends)
+            replica.last_step = _last_step(ends, now, replica.last_step)
             now = ends[-1]
             run = plan(sched, SIMULATED_TOKEN) if crossing or len(ends) == run.max_steps \
                 else None
@@ -356,11 +382,14 @@ def _closing_step(replica: Replica, run: DecodeRun, now: float, ends: list[float
     if end >= horizon or base + (end - base) != end:
         if start != base:
             yield timeout(start - base)
+        replica.last_step = _last_step(ends, now, replica.last_step)
+        replica.step_start = start
         yield timeout(duration)  # SimPy resumes us at exactly ``start + duration``
         base = end
         horizon = peek()
     replica.driver.complete_closing_run(run, out, replica.tokens.output, now, [*ends, end],
                                         free_after, waiting)
+    replica.last_step = end - start
     return end, base, horizon
 
 
@@ -372,14 +401,21 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
     Each step that ends at or past the horizon (the next arrival) is taken in, as a lone
     replica's run takes it in: SimPy is caught up to its start and waits for its end, while the
     arrival reads the replica from the run (``replica.pending``, ``simulator.fleet``). After it,
-    the run goes on if nothing was released to the replica, else it is applied (the request
-    released waits for the next step, as in the reference). With ``max_waiting_requests`` (an
-    admission that counts the running requests, which the unapplied run still holds) the run is
-    applied at its first finish. Returns the engine's clock, SimPy's and the horizon after it."""
+    the run goes on if nothing was released to the replica, else the next step, which admits
+    the request (it waits for that step, as in the reference), closes the run as a lone
+    replica's admission step does (``_closing_step``), or the run is applied where it cannot.
+
+    With ``max_waiting_requests``, an admission counts the running requests (its free seats),
+    which the unapplied run still holds after their ends: a step taken in after a finish could
+    then refuse a request the reference takes. It cannot while fewer requests are queued than
+    the bound, so such a step is taken in only where fewer arrive during it (of any replica's)
+    than the room left in the queue; else the run is applied before it (the step is then the
+    engine loop's, as a run that stops at the horizon leaves it). Returns the engine's clock,
+    SimPy's and the horizon after it."""
     cost, sched = replica.cost, replica.scheduler
     step_time, run_ends = cost.step_time, cost.decode_run_ends
     pending = replica.pending = PendingRun(run)
-    last = run.max_steps if sched.config.max_waiting_requests is None else run.stops[0]
+    last, bound, horizons = run.max_steps, sched.config.max_waiting_requests, replica.horizons
     start, ends = now, []
     while True:
         limit = min(run.segment_steps(), last - run.taken)
@@ -393,23 +429,51 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
             run.next_segment()
             continue
         duration = step_time(run.out)
+        if bound is not None and run.stops[0] <= run.taken and not _room_for_arrivals(
+                horizons, bound - sched.num_queued + 1, now, now + duration):
+            break  # (past a finish: ``ends`` holds it)
         pending.crossing = len(ends)
         if now != base:
             yield timeout(now - base)
+        replica.last_step = _last_step(ends, start, replica.last_step)
+        replica.step_start = now
         yield timeout(duration)
         now = base = now + duration
         ends.append(base)
-        run.next_step()
         horizon = peek()
-        if run.taken == last or len(sched.policy):
+        if run.taken + 1 == last or len(sched.policy):
             break
+        run.next_step()
         if run.taken == run.stops[run.segment]:
             run.next_segment()
     replica.pending = None
-    replica.driver.complete_decode_run(run, start, ends)
+    # a request released to it: the step after, which admits it, closes the run, as a lone
+    # replica's does (the crossing step not yet moved past: ``_closing_step`` does it)
+    free_after = (run.open_closing(ends) if len(sched.policy) and len(ends) < run.max_steps
+                  and sched.admits_beside_runs else None)
+    if free_after is None:
+        replica.driver.complete_decode_run(run, start, ends)
+        replica.last_step = _last_step(ends, start, replica.last_step)
     if pending.reported:  # the router heard these evictions at the arrivals
         replica.held_events += strike(sched.take_kv_events(), pending.reported)
-    return ends[-1], base, horizon
+    if free_after is None:
+        return ends[-1], base, horizon
+    return (yield from _closing_step(replica, run, start, ends, free_after, base, horizon, peek,
+                                     timeout))
+
+
+def _room_for_arrivals(horizons: ArrivalHorizons | None, room: int, start: float,
+                       end: float) -> bool:
+    """Whether fewer than ``room`` requests arrive within ``[start, end]``."""
+    return horizons is not None and horizons.fewer_than(room, start, end)
+
+
+def _last_step(ends: list[float], start: float, before: float) -> float:
+    """The duration of the last of the run steps ``ends`` (the run started at ``start``);
+    ``before`` when there is none."""
+    if not ends:
+        return before
+    return ends[-1] - (ends[-2] if len(ends) > 1 else start)
 
 
 def _decode_run_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],

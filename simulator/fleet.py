@@ -74,6 +74,7 @@ class PendingRun:
     _upto: int = -1  # the last step counted
     _taken: int = 0  # blocks taken up to it
     _peeked: int = 0  # blocks of the free queue's head read for evictions
+    _head: list[KVCacheBlock] = field(default_factory=list)  # the queue's head, as far as peeked
     _lefts: list[int] = field(default_factory=list)  # sorted, once a request ends
     _ended: list[int] = field(default_factory=list)  # run indices by left, once one ends
     _num_ended: int = 0  # requests whose ends were counted
@@ -131,18 +132,25 @@ class PendingRun:
         self._num_ended = ended
         return self._freed
 
-    def load(self) -> ReplicaLoad:
-        """The replica's load in the crossing step, as the reference holds it."""
+    def load(self, step_elapsed_s: float | None, last_step_s: float,
+             usage: bool = True) -> ReplicaLoad:
+        """The replica's load in the crossing step, as the reference holds it (the step times
+        are the replica's: ``ReplicaLoad``); ``kv_usage`` 0.0 unless ``usage``."""
         sched = self.run.scheduler
-        pool = sched.kv.pool
-        total = len(pool.blocks)
         running = len(sched.running)
-        free = pool.free_queue.num_free - self.blocks_taken()
-        if self.run.stops[0] <= self.crossing:  # some requests ended
+        ended = self.run.stops[0] <= self.crossing  # some requests ended
+        if ended:
             running -= self.num_ended()
-            free += self.blocks_freed()
-        return ReplicaLoad(running, len(sched.policy), 1.0 - free / total if total else 0.0,
-                           True, sched.num_queued_tokens)
+        kv_usage = 0.0
+        if usage:
+            pool = sched.kv.pool
+            total = len(pool.blocks)
+            free = pool.free_queue.num_free - self.blocks_taken()
+            if ended:
+                free += self.blocks_freed()
+            kv_usage = 1.0 - free / total if total else 0.0
+        return ReplicaLoad(running, len(sched.policy), kv_usage, True, sched.num_queued_tokens,
+                           step_elapsed_s, last_step_s)
 
     def evictions(self) -> list[KVCacheEvent]:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one
@@ -151,7 +159,10 @@ class PendingRun:
         taken = self.blocks_taken()
         if taken == self._peeked:
             return []
-        blocks = self.run.scheduler.kv.pool.free_queue.peek(taken)[self._peeked:]
+        if taken > len(self._head):  # (the queue stays as it is while the run is pending:
+            # read twice as far as needed, so the arrivals read each block about once)
+            self._head = self.run.scheduler.kv.pool.free_queue.peek(max(2 * taken, 16))
+        blocks = self._head[self._peeked:taken]
         hashes = [b.block_hash for b in blocks if b.block_hash is not None]
         self._peeked = taken
         self.reported += hashes

@@ -352,7 +352,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas
         fleet = cfg.num_replicas > 1
         # a fleet's fast path: each replica runs ahead up to the next arrival (engine.Replica)
-        horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)])
+        horizons = (ArrivalHorizons([deque() for _ in range(cfg.num_replicas)],
+                                    arrival_times=sorted(tr.arrival_time for tr in trace))
                     if fleet and decode_runs else None)
         tiers = [_host_tier(engine_config, block_size, cost.hardware)
                  for _ in range(cfg.num_replicas)]

@@ -79,6 +79,17 @@ def test_replica_load_validates() -> None:
         ReplicaLoad(1, 0, 1.5)
     with pytest.raises(ValueError, match="num_prefill_tokens"):
         ReplicaLoad(1, 0, 0.5, num_prefill_tokens=-3)
+    with pytest.raises(ValueError, match="last_step_s"):
+        ReplicaLoad(1, 0, 0.5, last_step_s=-0.01)
+    with pytest.raises(ValueError, match="step_elapsed_s"):
+        ReplicaLoad(1, 0, 0.5, step_elapsed_s=float("nan"))
+
+
+def test_a_step_in_progress_has_left_what_the_last_step_took_less_its_time() -> None:
+    assert ReplicaLoad(4, 0, 0.1, step_elapsed_s=0.004, last_step_s=0.013).step_left_s \
+        == pytest.approx(0.009)
+    assert ReplicaLoad(4, 0, 0.1, step_elapsed_s=0.02, last_step_s=0.013).step_left_s == 0.0
+    assert ReplicaLoad(0, 0, 0.0, step_elapsed_s=None, last_step_s=0.013).step_left_s == 0.0
 
 
 def test_a_replicas_prefill_backlog_is_its_queued_and_unfinished_prompts() -> None:
@@ -190,9 +201,39 @@ def test_cache_aware_ties_go_round_robin() -> None:
     assert router.route(make_req("y", 12), _queued(0, 0, 0)) == 1
 
 
+def test_cache_aware_sends_a_request_where_the_step_in_progress_ends_first() -> None:
+    """Every replica holds the prompt and has the same queued work: only their steps in
+    progress differ. Round robin's turn (the old tie-break) is replica 0, whose step has just
+    begun; replica 2's ends in 1 ms, so the first token comes ~12 ms sooner there."""
+    router = CacheAwareRouter(BS, prefill_tokens_per_s=50_000.0)
+    shared = list(range(40))
+    for replica in range(3):
+        _stored(make_req(f"seed{replica}", 48, prefix=shared), replica, router, 10)
+    request = make_req("a", 48, prefix=shared)
+
+    def stepping(*elapsed: float | None) -> list[ReplicaLoad]:
+        return [ReplicaLoad(30, 0, 0.2, num_prefill_tokens=100, step_elapsed_s=e,
+                            last_step_s=0.013) for e in elapsed]
+
+    assert router.route(request, stepping(0.0, 0.006, 0.012)) == 2
+    assert router.route(request, stepping(0.012, 0.0, 0.006)) == 0
+    assert router.route(request, stepping(0.003, None, 0.012)) == 1  # an idle one starts at once
+    # the wait is priced against queued work: 12 ms is 600 prompt tokens at 50,000 a second
+    loads = stepping(0.001, 0.013)
+    loads[1].num_prefill_tokens = 100 + 590
+    assert router.route(request, loads) == 1
+    loads[1].num_prefill_tokens = 100 + 610
+    assert router.route(request, loads) == 0
+    # prefill_tokens_per_s=0 ignores the steps in progress: round robin among the tied
+    blind = CacheAwareRouter(BS, prefill_tokens_per_s=0.0)
+    assert [blind.route(request, stepping(0.0, 0.006, 0.012)) for _ in range(3)] == [0, 1, 2]
+
+
 def test_cache_aware_options_are_checked() -> None:
     with pytest.raises(ValueError, match="decode_weight"):
         CacheAwareRouter(BS, decode_weight=-1.0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        CacheAwareRouter(BS, prefill_tokens_per_s=float("inf"))
     with pytest.raises(ValueError, match="block_size"):
         CacheAwareRouter(0)
 

@@ -21,8 +21,9 @@ Otherwise, if the output had copied at least ``RESUME_RUN`` tokens in a row from
 moves to where the two parted. For ``MAX_INSERT`` tokens after that, a lookup that found
 nothing near the anchor and nothing matching ``RESUME_RUN`` tokens back gives way to the
 anchor itself: the output inserted something (a line break while reformatting JSON) and the
-copy resumes where it broke off. State is per running request (a few integers), dropped by
-``on_finished``.
+copy resumes where it broke off. That guess is made once per break: rejected outright, it
+is not repeated (the output rewrote rather than inserted). State is per running request (a
+few integers), dropped by ``on_finished``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Source:
     anchor: int | None = None
     run: int = 0  # tokens the output has copied from ``start``'s source in a row
     parted_at: int | None = None  # the request's token count where it left the anchor's source
+    guessed: bool = False  # ``start`` is the anchor, guessed after an insertion
 
 
 @dataclass(slots=True)
@@ -102,12 +104,15 @@ class NgramProposer:
                     return tokens[start:min(start + num_drafts, total)]
                 if state.run + followed >= RESUME_RUN:  # a copy broke off here
                     anchor, parted_at = start + followed, state.num_tokens + followed
+                elif state.guessed and not followed:  # one insertion guess per break
+                    parted_at = None
         found = self.match(tokens, anchor)
         start = None if found is None else found[0]
-        if anchor is not None and parted_at is not None and 0 < total - parted_at <= MAX_INSERT \
-                and (found is None or not found[2] and found[1] < RESUME_RUN):
+        guess = anchor is not None and parted_at is not None and 0 < total - parted_at <= MAX_INSERT \
+            and (found is None or not found[2] and found[1] < RESUME_RUN)
+        if guess:
             start = anchor  # an insertion: the copy resumes where it broke off
-        self._sources[request_id] = _Source(total, start, anchor, 0, parted_at)
+        self._sources[request_id] = _Source(total, start, anchor, 0, parted_at, guess)
         return [] if start is None else tokens[start:start + num_drafts]
 
     def lookup(self, tokens: list[int], num_drafts: int, anchor: int | None = None) -> list[int]:

@@ -65,6 +65,9 @@ def test_ngram_resumes_a_copy_after_an_edit_where_it_broke_off():
     steps = _steps(NgramProposer(1, 4), [*source, 5, 17, 30, 31],
                    [10, 11, 12, 13, 14, 15, 99, 17, 18, 19], 4)
     assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19], [18, 19, 5, 17]]
+    # a rewrite (90 91 92 93 for 16...): the insertion guess is made once, then no drafts
+    steps = _steps(NgramProposer(1, 4), [*source, 5], [10, 11, 12, 13, 14, 15, 90, 91, 92, 93], 4)
+    assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19], [], []]
     # an insertion (77 before 16): the copy resumes at the source
     steps = _steps(NgramProposer(1, 4), [*source, 5, 14], [10, 11, 12, 13, 14, 15, 77, 16, 17, 18, 19], 4)
     assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19]]

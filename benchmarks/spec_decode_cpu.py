@@ -3,7 +3,7 @@
 input (code edits, rewrites, JSON changes), greedy.
 
     python -m twinserve.benchmarks.spec_decode_cpu [--rounds 3] [--max-tokens 128] [-k 4]
-        [--policy fixed] [--prompts 5]
+        [--policy fixed] [--max-num-speculative-tokens K] [--prompts 5]
 
 One load of the weights; one engine per method on it (``ModelRunner(weights_from=...)``), so
 the methods differ only in speculation. Each round runs every prompt once per method, one
@@ -13,7 +13,10 @@ the mean acceptance length (1 + accepted / drafted proposals, vLLM's definition)
 scheduler's totals, and the median whole step that verified drafts against none's median
 decode step (``verify/decode``: what a verification costs beside the decode it replaces; the
 speedup is about the acceptance length over it, less the steps where no drafts were found).
-Greedy outputs with speculation are checked equal to those without in every round.
+Greedy outputs with speculation are checked equal to those without in every round, round by
+round: every engine is warmed up on the same prompt, so that in each round all engines serve
+the prompts from the same cached prefixes (in bf16 a prompt served from the prefix cache can
+decode differently at a near-tie than one prefilled whole, with or without speculation).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ PROMPTS = [
 ]
 
 
-def _engines(methods: list[str], k: int, policy: str, dtype: str) -> dict:
+def _engines(methods: list[str], k: int, policy: str, dtype: str,
+             max_k: int | None = None) -> dict:
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.engine.llm_engine import LLMEngine
     from twinserve.gpu.worker.model_runner import ModelRunner
@@ -52,7 +56,8 @@ def _engines(methods: list[str], k: int, policy: str, dtype: str) -> dict:
     engines = {}
     for method in methods:
         spec = None if method == "none" else {"method": method, "num_speculative_tokens": k,
-                                              "policy": policy}
+                                              "policy": policy,
+                                              "max_num_speculative_tokens": max_k}
         args = EngineArgs(dtype=dtype, max_num_seqs=1, speculative_config=spec)
         engines[method] = LLMEngine(args, ModelRunner(args, weights_from=owner))
     return engines
@@ -131,27 +136,37 @@ def _spec_totals(engine) -> tuple[int, int]:
     return sched.spec_num_drafts, sched.spec_num_accepted_tokens
 
 
+def _drafts_per_verification(engine) -> float:
+    """Draft tokens per verification over the whole run (above k: the policy raised it)."""
+    sched = engine.scheduler
+    return sched.spec_num_draft_tokens / sched.spec_num_drafts if sched.spec_num_drafts else 0.0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--policy", default="fixed", help="speculation policy (fixed: always k)")
+    p.add_argument("--max-num-speculative-tokens", type=int, default=None,
+                   help="the cap the adaptive policy may raise k to (default: k)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts")
     args = p.parse_args(argv)
     methods = ["none", "ngram", "suffix"]
-    engines = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype)
+    engines = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype,
+                       args.max_num_speculative_tokens)
     tok = engines["none"].tokenizer
     from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
     prompts = [encode_chat(tok, [{"role": "user", "content": text}], ChatTemplateOptions()).token_ids
                for text in PROMPTS[:args.prompts]]
-    _run(engines["none"], prompts[:1], 8)  # warm-up
+    for engine in engines.values():  # warm-up: the same prefix-cache state in every engine
+        _run(engine, prompts[:1], 8)
     times = {m: _timed(engine) for m, engine in engines.items()}
     rates: dict[str, list[float]] = {m: [] for m in methods}
     lengths: dict[str, list[float]] = {m: [] for m in methods}
     equal: dict[str, bool] = {m: True for m in methods}
-    seen: dict[str, list[list[int]]] = {}
+    seen: dict[str, list[list[int]]] = {}  # this round's outputs
     for r in range(args.rounds):
         order = methods[r % len(methods):] + methods[:r % len(methods)]
         for method in order:
@@ -161,25 +176,29 @@ def main(argv: list[str] | None = None) -> None:
             tokens = sum(len(o) for o in outputs)
             rates[method].append(tokens / seconds)
             lengths[method].append(_acceptance_length(engine, before) if method != "none" else 1.0)
-            seen.setdefault(method, outputs)
-            equal[method] = equal[method] and outputs == seen[method]
+            seen[method] = outputs
+        for method in methods[1:]:  # like with like: the same round, so the same cached prefixes
+            equal[method] = equal[method] and seen[method] == seen["none"]
         print(f"round {r + 1}: " + ", ".join(f"{m} {rates[m][-1]:.1f} tok/s" for m in methods))
     base = statistics.median(rates["none"])
     print(f"\nbatch 1, {len(prompts)} prompts x up to {args.max_tokens} tokens, greedy, "
-          f"k={args.num_speculative_tokens}, policy {args.policy}, {args.rounds} rounds (medians)")
+          f"k={args.num_speculative_tokens}, policy {args.policy}, cap "
+          f"{args.max_num_speculative_tokens or args.num_speculative_tokens}, {args.rounds} rounds "
+          "(medians)")
     decode_ms = _median_ms(times["none"].decode)
-    print(f"{'method':8} {'tok/s':>8} {'vs none':>8} {'accept len':>11} {'step ms':>8} "
-          f"{'verify/decode':>14}")
+    print(f"{'method':8} {'tok/s':>8} {'vs none':>8} {'accept len':>11} {'drafts':>7} "
+          f"{'step ms':>8} {'verify/decode':>14}")
     for m in methods:
         rate = statistics.median(rates[m])
         step_ms = _median_ms(times[m].verify) if m != "none" else decode_ms
         print(f"{m:8} {rate:8.1f} {rate / base:7.2f}x {statistics.median(lengths[m]):11.2f} "
+              f"{_drafts_per_verification(engines[m]):7.2f} "
               f"{step_ms:8.2f} {step_ms / decode_ms:14.3f}")
-    print("step ms: the median step that verified drafts (none: that decoded one token); "
-          "verify/decode: its ratio to none's")
+    print("drafts: draft tokens per verification; step ms: the median step that verified drafts "
+          "(none: that decoded one token); verify/decode: its ratio to none's")
     for m in methods[1:]:  # the same greedy tokens with and without speculation
         print(f"{m}: outputs equal to none's in every round: "
-              f"{equal[m] and seen[m] == seen['none']}")
+              f"{equal[m]}")
 
 
 if __name__ == "__main__":

@@ -318,8 +318,7 @@ def _speculation_fields(args: EngineArgs) -> dict[str, Any]:
     spec = args.speculation
     if spec is None:
         return {}
-    return {"num_speculative_tokens": spec.num_speculative_tokens,
-            "speculation_policy": spec.policy}
+    return {"num_speculative_tokens": spec.max_drafts, "speculation_policy": spec.policy}
 
 
 def _fit_max_model_len(args: EngineArgs, max_len: int, kv_tokens: int) -> int:

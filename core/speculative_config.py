@@ -54,6 +54,9 @@ class SpeculativeConfig(JsonConfig):
     rejection_sample_method: str = "probabilistic"
     synthetic_acceptance_rate: float | tuple[float, ...] | None = None
     policy: str = "adaptive"
+    # twinserve's: the most drafts a policy may give one request in a step; the adaptive
+    # policy raises a request's k from num_speculative_tokens up to it (None: no raising)
+    max_num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in REFUSED_METHODS:
@@ -66,6 +69,12 @@ class SpeculativeConfig(JsonConfig):
                      "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             _positive_int(name, getattr(self, name))
         _positive_int("disable_by_batch_size", self.disable_by_batch_size, allow_none=True)
+        _positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens,
+                      allow_none=True)
+        if self.max_drafts < self.num_speculative_tokens:
+            raise ValueError("speculative_config.max_num_speculative_tokens must not be below "
+                             f"num_speculative_tokens ({self.max_num_speculative_tokens} < "
+                             f"{self.num_speculative_tokens}).")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config.prompt_lookup_min must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_min} > "
@@ -105,14 +114,20 @@ class SpeculativeConfig(JsonConfig):
         object.__setattr__(self, "synthetic_acceptance_rate", value)
 
     @property
+    def max_drafts(self) -> int:
+        """The most drafts a request verifies in one step: the scheduler's k_max."""
+        cap = self.max_num_speculative_tokens
+        return self.num_speculative_tokens if cap is None else cap
+
+    @property
     def acceptance_rates(self) -> tuple[float, ...]:
-        """The synthetic acceptance rate per draft position (k_max of them; a single rate, or
-        a list's last rate, repeats); empty unless synthetic."""
+        """The synthetic acceptance rate per draft position (``max_drafts`` of them; a single
+        rate, or a list's last rate, repeats); empty unless synthetic."""
         rate = self.synthetic_acceptance_rate
         if rate is None:
             return ()
         rates = rate if isinstance(rate, tuple) else (rate,)
-        k = self.num_speculative_tokens
+        k = self.max_drafts
         return tuple(rates[min(i, len(rates) - 1)] for i in range(k))
 
     @classmethod

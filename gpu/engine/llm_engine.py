@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Any
 
 from twinserve.core.batch_queue import BatchQueue
@@ -32,7 +33,7 @@ from twinserve.gpu.engine.output_processor import OutputProcessor
 from twinserve.gpu.engine.request_surface import RequestSurface
 from twinserve.gpu.worker.model_runner import ModelRunner
 from twinserve.policies import get_policy
-from twinserve.policies.speculation import get_speculation_policy
+from twinserve.policies.speculation import speculation_policy_for
 
 CONNECTOR_IDLE_WAIT_S = 0.005  # a step with only KV transfers pending waits this long for news
 
@@ -42,8 +43,7 @@ def speculation_policy(args: EngineArgs, config: SchedulerConfig) -> Speculation
     spec = args.speculation
     if spec is None or not config.num_speculative_tokens:
         return None
-    return get_speculation_policy(config.speculation_policy, config.num_speculative_tokens,
-                                  disable_by_batch_size=spec.disable_by_batch_size)
+    return speculation_policy_for(replace(spec, policy=config.speculation_policy))
 
 
 class LLMEngine:

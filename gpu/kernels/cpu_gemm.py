@@ -13,7 +13,12 @@ Decisions (the figures behind each, per machine, with the command that measures 
   native bf16 GEMM computes (half inputs, fp32 accumulation). Below, the product is bound by
   memory bandwidth and torch's half GEMV, reading half the bytes, is the faster one.
 - Half weights the CPU multiplies natively take torch's own ``F.linear``: it beats feature-major
-  products at every width there.
+  products at every width there. A single row is multiplied as two (a zero row added): torch's
+  one-row half product sums in another order than its product of 2+ rows (at 1,536 inputs it
+  differs in the last bit), so without the pad a speculative verification's rows would not be
+  bitwise those of the decodes they stand for and greedy outputs would part at near-ties. Rows
+  of 2+ row products are bitwise independent of the row count; the pad costs no measurable time
+  (docs/speculative-decoding.md, "Verification").
 - Feature-major products of T >= 7 tokens cost as much as those of the next multiple of 8 when
   T % 8 >= 3 (MKL's AVX2 tail for 3-7 columns is slow; in served batches a step-time sawtooth),
   so such T are padded with zero tokens (``padded_width``). A tail of 1-2 columns is left as it
@@ -59,6 +64,8 @@ class Gemm:
     slabs: bool
     widen_half: bool
     pad_tokens: bool = True
+    # a one-row product of native half weights runs as two rows (why: the module's notes)
+    pad_single: bool = False
     # The width of products of fewer tokens than its length, measured on the loaded model
     # (``tune_small_widths``); others take ``padded_width``.
     small_widths: tuple[int, ...] = ()
@@ -70,7 +77,7 @@ class Gemm:
         on_cpu = device.type == "cpu"
         half = on_cpu and dtype in HALF_DTYPES
         native = half and cpu_has_native_half(dtype)
-        return cls(slabs=on_cpu and not native, widen_half=half and not native)
+        return cls(slabs=on_cpu and not native, widen_half=half and not native, pad_single=native)
 
     def plain(self, num_tokens: int) -> bool:
         """Whether torch's own ``F.linear`` is the faster product for ``num_tokens`` rows."""
@@ -83,6 +90,8 @@ class Gemm:
         """``F.linear(x, weight, bias)``: contiguous ``[T, out_features]``; ``x`` may be a
         transposed view."""
         if self.plain(x.shape[0]):
+            if self.pad_single and x.shape[0] == 1:
+                return F.linear(torch.cat([x, x.new_zeros(x.shape)]), weight, bias)[:1]
             return F.linear(x, weight, bias)
         out = self.feature_major(x, weight).t().contiguous()
         return out if bias is None else out.add_(bias)

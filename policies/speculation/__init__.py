@@ -50,11 +50,15 @@ def get_speculation_policy(name: str, k_max: int, **options: Any) -> Speculation
 
 
 def speculation_policy_for(config: SpeculativeConfig | None) -> SpeculationPolicy | None:
-    """The policy a ``SpeculativeConfig`` names (None: speculation off)."""
+    """The policy a ``SpeculativeConfig`` names (None: speculation off), built with the
+    configured k, ``disable_by_batch_size`` and, when set, ``max_num_speculative_tokens``
+    (passed only then: a plugin that cannot raise k need not take it)."""
     if config is None:
         return None
-    return get_speculation_policy(config.policy, config.num_speculative_tokens,
-                                  disable_by_batch_size=config.disable_by_batch_size)
+    options: dict[str, Any] = {"disable_by_batch_size": config.disable_by_batch_size}
+    if config.max_num_speculative_tokens is not None:
+        options["max_num_speculative_tokens"] = config.max_num_speculative_tokens
+    return get_speculation_policy(config.policy, config.num_speculative_tokens, **options)
 
 
 __all__ = ["AdaptiveSpeculation", "FixedSpeculation", "available_speculation_policies",

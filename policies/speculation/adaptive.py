@@ -23,6 +23,16 @@ success, the first rejected one a failure) whose prior is the estimate over all 
 (``prior_weight`` pseudo-positions), so a new request starts from what the workload showed.
 Until the curve has seen token counts above the current step's, it is extrapolated flat
 (optimistic): drafting then measures the curve, and the measurement decides afterwards.
+
+Each request's k is chosen below its own ceiling. The ceiling starts at the configured k
+(``num_speculative_tokens``); a verification that accepted every one of ceiling-many drafts
+doubles it, up to ``max_num_speculative_tokens`` (the stated cap; default: the configured k, so
+the ceiling never rises), and a rejection resets it to the configured k. A request that copies
+a long passage then verifies more of it per step, and one whose copy broke starts again from k
+(the transformers assisted-generation heuristic grows its draft length the same way, +2 per
+fully accepted draft, -1 otherwise; doubling reaches the cap in fewer steps on copies of a few
+dozen tokens). Below the ceiling the rule above still decides, so a large batch turns the
+raised k off as it turns k off.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.policies.speculation.fixed import check_limits
 
-_MAX_TRACKED = 65536  # requests whose rejection counts are kept (oldest dropped first)
+_MAX_TRACKED = 65536  # requests whose counts and ceilings are kept (oldest dropped first)
 
 
 def _bucket(tokens: int) -> int:
@@ -42,6 +52,15 @@ def _bucket(tokens: int) -> int:
         return tokens
     shift = tokens.bit_length() - 4
     return ((tokens >> shift) << shift)
+
+
+def _remember(table: dict[str, int], key: str, value: int) -> None:
+    """``table[key] = value``, the key re-inserted as the newest; the oldest dropped past
+    ``_MAX_TRACKED`` keys."""
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > _MAX_TRACKED:
+        del table[next(iter(table))]
 
 
 class StepCurve:
@@ -109,21 +128,28 @@ class AdaptiveSpeculation:
     """Chooses each request's drafts per step (0..k_max) from the measured step-time curve, the
     batch and the request's measured acceptance; the rule is in the module docstring."""
 
-    __slots__ = ("k_max", "disable_by_batch_size", "margin", "prior_acceptance", "prior_weight",
-                 "curve", "_accepted", "_rejected", "_failures", "_round_tokens", "_round_gain",
-                 "_last_tokens")
+    __slots__ = ("k_max", "k_base", "disable_by_batch_size", "margin", "prior_acceptance",
+                 "prior_weight", "curve", "_accepted", "_rejected", "_failures", "_ceilings",
+                 "_round_tokens", "_round_gain", "_last_tokens")
 
     def __init__(self, k_max: int, disable_by_batch_size: int | None = None, margin: float = 0.05,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0,
-                 curve_decay: float = 0.95) -> None:
+                 curve_decay: float = 0.95, max_num_speculative_tokens: int | None = None) -> None:
+        """``k_max`` is the configured k; the attribute ``k_max`` is the most drafts the policy
+        ever gives (``max_num_speculative_tokens`` when given, else the configured k)."""
         check_limits(k_max, disable_by_batch_size)
+        cap = k_max if max_num_speculative_tokens is None else max_num_speculative_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < k_max:
+            raise ValueError("max_num_speculative_tokens must be an integer >= "
+                             f"num_speculative_tokens ({k_max}), got {cap!r}.")
         if not margin >= 0.0:
             raise ValueError(f"margin must be non-negative, got {margin!r}.")
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance!r}.")
         if not prior_weight > 0.0:
             raise ValueError(f"prior_weight must be positive, got {prior_weight!r}.")
-        self.k_max = k_max
+        self.k_base = k_max
+        self.k_max = cap
         self.disable_by_batch_size = disable_by_batch_size
         self.margin = margin
         self.prior_acceptance = prior_acceptance
@@ -132,6 +158,7 @@ class AdaptiveSpeculation:
         self._accepted = 0  # over all requests: accepted drafts and first rejections
         self._rejected = 0
         self._failures: dict[str, int] = {}  # per request: verifications with a rejection
+        self._ceilings: dict[str, int] = {}  # per request: its raised k (absent: k_base)
         self._round_tokens = 0  # drafts granted for the step being built
         self._round_gain = 0.0  # their expected accepted tokens
         self._last_tokens = 0  # the last step's tokens without its drafts
@@ -148,13 +175,17 @@ class AdaptiveSpeculation:
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self._accepted += num_accepted
+        rid = request.request_id
         if num_accepted < num_drafts:
             self._rejected += 1
-            rid = request.request_id
-            failures = self._failures
-            failures[rid] = failures.pop(rid, 0) + 1  # re-inserted: the newest
-            if len(failures) > _MAX_TRACKED:
-                del failures[next(iter(failures))]
+            self._ceilings.pop(rid, None)
+            _remember(self._failures, rid, self._failures.get(rid, 0) + 1)
+        elif self.k_max > self.k_base and num_drafts >= self.ceiling(request):
+            _remember(self._ceilings, rid, min(self.k_max, 2 * num_drafts))
+
+    def ceiling(self, request: Request) -> int:
+        """The most drafts ``request`` may get now (the module docstring's ceiling)."""
+        return self._ceilings.get(request.request_id, self.k_base)
 
     # ---- the step ------------------------------------------------------------------------
     def on_step(self, out: SchedulerOutput, start: float, end: float) -> None:
@@ -167,7 +198,7 @@ class AdaptiveSpeculation:
         limit = self.disable_by_batch_size
         if (limit is not None and num_running > limit) or budget <= 0:
             return 0
-        k_cap = min(self.k_max, budget)
+        k_cap = min(self.ceiling(request), budget)
         work = max(num_running, self._last_tokens, 1)  # the step's tokens without drafts
         base_tokens = work + self._round_tokens
         base_gain = work + self._round_gain

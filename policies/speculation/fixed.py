@@ -24,8 +24,13 @@ class FixedSpeculation:
 
     __slots__ = ("k_max", "disable_by_batch_size")
 
-    def __init__(self, k_max: int, disable_by_batch_size: int | None = None) -> None:
+    def __init__(self, k_max: int, disable_by_batch_size: int | None = None,
+                 max_num_speculative_tokens: int | None = None) -> None:
         check_limits(k_max, disable_by_batch_size)
+        if max_num_speculative_tokens not in (None, k_max):
+            raise ValueError("max_num_speculative_tokens: the fixed policy drafts "
+                             f"num_speculative_tokens ({k_max}) always; a higher cap needs a "
+                             "policy that raises k (adaptive).")
         self.k_max = k_max
         self.disable_by_batch_size = disable_by_batch_size
 

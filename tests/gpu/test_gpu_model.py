@@ -184,11 +184,11 @@ def test_half_weights_widen_where_the_cpu_lacks_their_matmuls_and_run_plain_wher
     assert Gemm.for_device(cuda, torch.bfloat16) == Gemm(False, False)
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     native = Gemm.for_device(cpu, torch.bfloat16)
-    assert native == Gemm(False, False) and native.plain(2) and native.plain(512)
+    assert native == Gemm(False, False, pad_single=True) and native.plain(2) and native.plain(512)
     assert Gemm.for_device(cpu, torch.float16) == Gemm(True, True)  # no fp16 matmuls: widened
     assert Gemm.for_device(cpu, torch.float32) == Gemm(True, False)
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_fp16"}))
-    assert Gemm.for_device(cpu, torch.float16) == Gemm(False, False)
+    assert Gemm.for_device(cpu, torch.float16) == Gemm(False, False, pad_single=True)
 
 
 def _prefill_logits(model, token_ids: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,9 @@ def test_n2_children_with_speculation_equal_those_without(engine_runner, tiny_mo
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "policy": "fixed"},
     {"method": "suffix", "num_speculative_tokens": 4, "policy": "adaptive"},
     {"method": "draft_model", "num_speculative_tokens": 2, "policy": "fixed"},
-], ids=lambda spec: spec["method"])
+    {"method": "ngram", "num_speculative_tokens": 2, "max_num_speculative_tokens": 6,
+     "policy": "adaptive"},
+], ids=lambda spec: spec["method"] + ("_raised" if "max_num_speculative_tokens" in spec else ""))
 def test_llm_engine_builds_speculation_from_speculative_config(tiny_model, spec):
     """EngineArgs(speculative_config=...) -> the scheduler's policy and the runner's proposer;
     greedy tokens equal the engine's without it (with logprobs for every token)."""
@@ -138,5 +140,9 @@ def test_llm_engine_builds_speculation_from_speculative_config(tiny_model, spec)
     assert all(n == 20 for _, n in outputs[1].values())
     sched = engine.scheduler
     assert sched.speculation is not None and sched.spec_num_drafts > 0
+    if "max_num_speculative_tokens" in spec:  # the scheduler lets the policy raise k to 6
+        assert sched.config.num_speculative_tokens == 6
+        assert (sched.speculation.k_base, sched.speculation.k_max) == (2, 6)
+        assert len(sched.spec_num_accepted_tokens_per_pos) == 6
     if spec["policy"] == "fixed":
         assert sched.spec_num_accepted_tokens > 0

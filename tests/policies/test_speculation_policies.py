@@ -122,3 +122,49 @@ def test_adaptive_validates_its_options():
         AdaptiveSpeculation(2, margin=-1.0)
     with pytest.raises(ValueError, match="prior_acceptance"):
         AdaptiveSpeculation(2, prior_acceptance=1.5)
+
+
+def test_adaptive_raises_a_fully_accepted_requests_k_up_to_the_cap_and_resets_it():
+    policy = AdaptiveSpeculation(4, prior_acceptance=0.9, max_num_speculative_tokens=8)
+    assert policy.k_max == 8 and policy.k_base == 4
+    feed(policy, lambda t: 0.010 + 1e-6 * t)  # flat: every draft pays
+    copying, other = req("copying"), req("other")
+    assert policy.num_drafts(copying, 1, 512) == 4  # starts at the configured k
+    policy.on_verified(copying, 2, 2)  # fewer drafts than its ceiling (a short match): no raise
+    assert policy.num_drafts(copying, 1, 512) == 4
+    policy.on_verified(copying, 4, 4)
+    assert policy.num_drafts(copying, 1, 512) == 8
+    assert policy.num_drafts(copying, 1, 6) == 6  # the budget still bounds it
+    assert policy.num_drafts(other, 1, 512) == 4  # per request
+    policy.on_verified(copying, 8, 8)
+    assert policy.num_drafts(copying, 1, 512) == 8  # the cap
+    policy.on_verified(copying, 8, 5)  # a rejection: back to the configured k
+    assert policy.num_drafts(copying, 1, 512) == 4
+
+
+def test_adaptive_never_raises_k_without_a_cap_or_where_drafts_do_not_pay():
+    plain = AdaptiveSpeculation(4, prior_acceptance=0.9)
+    feed(plain, lambda t: 0.010 + 1e-6 * t)
+    plain.on_verified(req(), 4, 4)
+    assert plain.k_max == 4 and plain.num_drafts(req(), 1, 512) == 4
+    steep = AdaptiveSpeculation(4, prior_acceptance=0.9, max_num_speculative_tokens=8)
+    feed(steep, lambda t: 0.001 * t)
+    steep.on_step(SchedulerOutput(total_num_scheduled_tokens=1), 0.0, 0.001)
+    steep.on_verified(req(), 4, 4)
+    assert steep.num_drafts(req(), 1, 512) == 0  # a raised ceiling is still only a ceiling
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
+def test_max_num_speculative_tokens_is_validated_by_name(policy):
+    with pytest.raises(ValueError, match="max_num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=4, max_num_speculative_tokens=3, policy=policy)
+    with pytest.raises(ValueError, match="max_num_speculative_tokens"):
+        get_speculation_policy(policy, 4, max_num_speculative_tokens=2)
+    config = SpeculativeConfig(num_speculative_tokens=4, max_num_speculative_tokens=8,
+                               policy=policy)
+    assert config.max_drafts == 8
+    if policy == "fixed":  # vLLM's fixed k cannot use a higher cap: refused, not ignored
+        with pytest.raises(ValueError, match="max_num_speculative_tokens"):
+            speculation_policy_for(config)
+    else:
+        assert speculation_policy_for(config).k_max == 8

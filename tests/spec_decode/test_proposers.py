@@ -27,6 +27,52 @@ def test_ngram_takes_the_longest_match_and_its_latest_occurrence():
     assert NgramProposer(2, 3).lookup([1, 3, 7, 3, 9, 8, 3], 3) == []  # n = 1 below the minimum
 
 
+def test_ngram_prefers_the_occurrence_that_matches_furthest_back():
+    tokens = [7, 1, 2, 3, 40, 9, 1, 2, 50, 7, 1, 2]
+    # "1 2" occurs twice; the first is preceded by 7, as the end is: the longer match wins
+    assert NgramProposer(1, 2).lookup(tokens, 2) == [3, 40]
+    assert NgramProposer(1, 2, max_match=2).lookup(tokens, 2) == [50, 7]  # unextended: latest
+
+
+def _steps(ngram: NgramProposer, prompt: list[int], output: list[int], k: int) -> list[list[int]]:
+    """Greedy verification of ``output`` against the proposer's drafts: the drafts of each step."""
+    tokens, pos, seen = [*prompt, output[0]], 1, []
+    while pos < len(output):
+        drafts = ngram.draft("r", list(tokens), k)
+        seen.append(drafts)
+        accepted = 0
+        while accepted < len(drafts) and pos + accepted < len(output) \
+                and drafts[accepted] == output[pos + accepted]:
+            accepted += 1
+        tokens += output[pos:pos + accepted + 1]
+        pos += accepted + 1
+    return seen
+
+
+def test_ngram_continues_the_source_its_accepted_drafts_came_from():
+    ngram = NgramProposer(1, 2, max_match=2)  # a lookup alone would take the latest "3 4"
+    prompt = [9, 1, 2, 3, 4, 5, 6, 7, 0, 3, 4, 8, 8]
+    assert _steps(ngram, prompt, [1, 2, 3, 4, 5, 6, 7], 2) == [[2, 3], [5, 6]]
+    assert ngram.lookup([*prompt, 1, 2, 3, 4], 2) == [8, 8]
+    ngram.on_finished(["r"])
+    assert not ngram._sources
+
+
+def test_ngram_resumes_a_copy_after_an_edit_where_it_broke_off():
+    source = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    # a replacement (16 -> 99): the insertion guess (16...) fails, then the copy's 17 is taken
+    # over the later, equally long match of "17" in the instruction (5, 17, 30, 31)
+    steps = _steps(NgramProposer(1, 4), [*source, 5, 17, 30, 31],
+                   [10, 11, 12, 13, 14, 15, 99, 17, 18, 19], 4)
+    assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19], [18, 19, 5, 17]]
+    # a rewrite (90 91 92 93 for 16...): the insertion guess is made once, then no drafts
+    steps = _steps(NgramProposer(1, 4), [*source, 5], [10, 11, 12, 13, 14, 15, 90, 91, 92, 93], 4)
+    assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19], [], []]
+    # an insertion (77 before 16): the copy resumes at the source
+    steps = _steps(NgramProposer(1, 4), [*source, 5, 14], [10, 11, 12, 13, 14, 15, 77, 16, 17, 18, 19], 4)
+    assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19]]
+
+
 def test_ngram_proposes_at_most_the_number_wanted_and_none_for_zero():
     ngram = NgramProposer(1, 4)
     request = _request("a", [5, 6, 7, 8, 5, 6], [7])
@@ -35,9 +81,10 @@ def test_ngram_proposes_at_most_the_number_wanted_and_none_for_zero():
 
 
 @pytest.mark.parametrize("bad", [dict(prompt_lookup_min=0), dict(prompt_lookup_min=3,
-                                                                 prompt_lookup_max=2)])
+                                                                 prompt_lookup_max=2),
+                                 dict(prompt_lookup_max=4, max_match=3)])
 def test_ngram_refuses_bad_bounds_by_name(bad):
-    with pytest.raises(ValueError, match="prompt_lookup_m"):
+    with pytest.raises(ValueError, match="prompt_lookup_m|max_match"):
         NgramProposer(**bad)
 
 

@@ -72,7 +72,8 @@ def test_two_stages_of_the_bundled_model_read_a_sane_slowdown(default_model_dir)
         assert runner.tp is not None and runner.tp.max_batches_in_flight == 0
     finally:
         runner.shutdown()
-    assert 1.0 <= overlap.measured <= 4.0, overlap.describe()
+    assert 0.8 <= overlap.measured <= 4.0 and overlap.slowdown == max(1.0, overlap.measured), \
+        overlap.describe()
     assert all(s.alone_s and s.shared_s for s in overlap.shapes), overlap.describe()
 
 

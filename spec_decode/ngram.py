@@ -107,13 +107,13 @@ class NgramProposer:
                 elif state.guessed and not followed:  # one insertion guess per break
                     parted_at = None
         found = self.match(tokens, anchor)
-        start = None if found is None else found[0]
+        source: int | None = None if found is None else found[0]
         guess = anchor is not None and parted_at is not None and 0 < total - parted_at <= MAX_INSERT \
             and (found is None or not found[2] and found[1] < RESUME_RUN)
         if guess:
-            start = anchor  # an insertion: the copy resumes where it broke off
-        self._sources[request_id] = _Source(total, start, anchor, 0, parted_at, guess)
-        return [] if start is None else tokens[start:start + num_drafts]
+            source = anchor  # an insertion: the copy resumes where it broke off
+        self._sources[request_id] = _Source(total, source, anchor, 0, parted_at, guess)
+        return [] if source is None else tokens[source:source + num_drafts]
 
     def lookup(self, tokens: list[int], num_drafts: int, anchor: int | None = None) -> list[int]:
         """Stateless: up to ``num_drafts`` tokens after the chosen occurrence of the longest

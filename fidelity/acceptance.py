@@ -23,7 +23,8 @@ ACCEPTANCE_FILE = "acceptance.json"
 
 def record_acceptance(run_dir: Path, workload: str,
                       accepted_per_pos: Sequence[int] = ()) -> AcceptanceProfile | None:
-    """Writes ``run_dir/acceptance.json`` from the run's requests.csv, its config's k_max and
+    """Writes ``run_dir/acceptance.json`` from the run's requests.csv, its config's k_max (the
+    cap ``max_num_speculative_tokens`` where the self-tuning policy may raise k to it) and
     ``accepted_per_pos`` (vLLM's counters, when known); None (nothing written) when no draft
     was verified."""
     with open(run_dir / "requests.csv", newline="") as f:
@@ -38,7 +39,7 @@ def record_acceptance(run_dir: Path, workload: str,
     profile = AcceptanceProfile.measured(
         workload, num_drafts=drafts, num_draft_tokens=tokens,
         num_accepted_tokens=sum(int(r["spec_num_accepted_tokens"]) for r in rows),
-        k_max=int(spec.get("num_speculative_tokens", 1)),
+        k_max=int(spec.get("max_num_speculative_tokens") or spec.get("num_speculative_tokens", 1)),
         output_tokens=sum(int(r["output_tokens"]) for r in rows), num_requests=len(rows),
         accepted_per_pos=accepted_per_pos, source=str(run_dir))
     profile.save(run_dir / ACCEPTANCE_FILE)

@@ -72,3 +72,17 @@ def test_synthetic_runs_keep_their_configured_rates(tmp_path):
     folder, _ = spec_run(tmp_path, 0.6)
     record_acceptance(folder, "synthetic")
     assert twin_acceptance(folder, None, lambda m: None) is None
+
+
+def test_a_capped_self_tuning_run_is_measured_against_its_cap(tmp_path):
+    """With ``max_num_speculative_tokens`` the self-tuning policy may draft up to the cap: drafts
+    of the configured k then fall short of k_max, and the profile keeps their mean length."""
+    folder, result = spec_run(tmp_path, 0.6)
+    config = json.loads((folder / "config.json").read_text())
+    config["speculative_config"]["max_num_speculative_tokens"] = 6
+    (folder / "config.json").write_text(json.dumps(config))
+    profile = record_acceptance(folder, "synthetic")
+    s = result.summary
+    assert profile is not None
+    assert profile.mean_draft_length == pytest.approx(
+        s["spec_num_draft_tokens"] / s["spec_num_drafts"], abs=1e-3)

@@ -5,6 +5,7 @@ data-parallel front: both route through the objects ``make_router`` returns."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -46,9 +47,13 @@ def available_routers() -> dict[str, type]:
     return found
 
 
-def make_router(name: str, block_size: int, **options: Any) -> Router:
+def make_router(name: str, block_size: int, prices: Mapping[str, float] | None = None,
+                **options: Any) -> Router:
     """A fresh router. ``block_size`` (the replicas' KV block size) reaches the routers whose
-    constructor takes one; unknown names and bad options raise ValueError."""
+    constructor takes one, and each of ``prices`` (constants of the hardware at hand, as
+    ``simulator.router_prices`` reads them off a step-time model) the routers whose constructor
+    has a parameter of its name; ``options`` win over both. Unknown names and bad options raise
+    ValueError."""
     cls = _BUILTIN.get(name)
     if cls is None:
         routers = available_routers()
@@ -56,11 +61,11 @@ def make_router(name: str, block_size: int, **options: Any) -> Router:
         if cls is None:
             raise ValueError(f"unknown router {name!r}; valid: {', '.join(routers)}")
     try:
-        takes_block_size = "block_size" in inspect.signature(cls).parameters
+        parameters = inspect.signature(cls).parameters
     except (TypeError, ValueError):  # not a class with a readable signature
         raise ValueError(f"router {name!r} is not a router class: {cls!r}") from None
-    if takes_block_size:
-        options = {"block_size": block_size, **options}
+    offered = {"block_size": block_size, **(prices or {})}
+    options = {**{k: v for k, v in offered.items() if k in parameters}, **options}
     try:
         router = cls(**options)
     except TypeError as exc:

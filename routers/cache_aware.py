@@ -44,7 +44,8 @@ class CacheAwareRouter:
     tokens: the prefill throughput, about 0.02 ms a token for that model and GPU (0 ignores the
     wait). The lowest cost wins; ties go round robin (the first replica at or after the one
     after the last chosen), so equal replicas get the even spacing of round robin rather than
-    the lowest index."""
+    the lowest index. The defaults of both constants are Llama-3-8B's on an H100; the twin and
+    ``validate`` read them off their step-time model (``simulator.router_prices``)."""
 
     __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_index",
                  "_next")

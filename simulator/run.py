@@ -48,6 +48,7 @@ from twinserve.simulator.hardware import HardwareProfile, load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.roofline_gap import roofline_caveat
+from twinserve.simulator.router_prices import router_prices
 from twinserve.simulator.step_time import StepTimeModel
 from twinserve.simulator.structured_cost import StructuredWorkload, structured_cost_of
 from twinserve.traces import LoRAAdapters, TraceRequest
@@ -325,8 +326,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         cost = cost.with_lora(lora)
     sched_cfg, vocab, block_size = (engine_config.scheduler, spec.vocab_size,
                                     cfg.engine.block_size)
-    if router is None:
-        router = make_router(cfg.router, block_size)
+    if router is None:  # priced on this run's hardware (simulator.router_prices)
+        prices = router_prices(cost, sched_cfg) if cfg.num_replicas > 1 else None
+        router = make_router(cfg.router, block_size, prices)
     if uses_kv_events(router):
         sched_cfg = replace(sched_cfg, kv_events=True)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)

@@ -16,12 +16,15 @@ import argparse
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.metrics import summarize
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from twinserve.simulator import SimConfig
 
 METRICS = (("mean TTFT", "mean_ttft_ms", "ms"), ("p99 TTFT", "p99_ttft_ms", "ms"),
            ("mean TPOT", "mean_tpot_ms", "ms"), ("prefix hit rate", "prefix_cache_hit_rate", "%"))
@@ -48,10 +51,14 @@ class _Done:
             self.items.put(item)
 
 
-def replay_fleet(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int) -> dict[str, Any]:
-    """The trace through ``engine.data_parallel_size`` real replicas; their summary."""
+def replay_fleet(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int,
+                 prices: dict[str, float] | None = None) -> dict[str, Any]:
+    """The trace through ``engine.data_parallel_size`` real replicas behind ``engine.router``
+    (priced with ``prices``); their summary."""
     from twinserve.entrypoints.dp_front import DataParallelFront
-    front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda")
+    from twinserve.routers import make_router
+    router = make_router(engine.router, engine.block_size, prices)
+    front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda", router=router)
     done = _Done()
     try:
         t0 = time.monotonic()
@@ -74,12 +81,26 @@ def replay_fleet(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int)
     return summarize(sorted(records, key=lambda r: r.arrival_time), duration_s=duration)
 
 
+def twin_config(engine: EngineArgs, router: str, profile: str) -> SimConfig:
+    """The twin of ``engine``'s replicas behind ``router``, on ``profile``."""
+    from twinserve.simulator import SimConfig
+    return SimConfig(engine.replace(data_parallel_size=1, router="round-robin", device="cpu"),
+                     hardware=profile, num_replicas=engine.data_parallel_size, router=router)
+
+
+def profile_prices(engine: EngineArgs, profile: str) -> dict[str, float]:
+    """The routers' constants read off the profile's step-time model, as the twin reads them
+    (``simulator.router_prices``): the real front prices its replicas as the twin does."""
+    from twinserve.simulator.router_prices import router_prices
+    from twinserve.simulator.run import build_engine_config
+    build = build_engine_config(twin_config(engine, "round-robin", profile))
+    return router_prices(build.cost_model, build.engine_config.scheduler)
+
+
 def simulate_fleet(engine: EngineArgs, trace: list[TraceRequest], router: str,
                    profile: str) -> dict[str, Any]:
-    from twinserve.simulator import SimConfig, simulate
-    cfg = SimConfig(engine.replace(data_parallel_size=1, router="round-robin", device="cpu"),
-                    hardware=profile, num_replicas=engine.data_parallel_size, router=router)
-    return simulate(cfg, trace).summary
+    from twinserve.simulator import simulate
+    return simulate(twin_config(engine, router, profile), trace).summary
 
 
 def format_table(rows: list[FleetRow]) -> str:
@@ -104,10 +125,12 @@ def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
     from twinserve.core.model_config import ModelConfig
     from twinserve.gpu.models.default_model import resolve_model_source
     vocab = ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size
+    prices = profile_prices(engine, args.profile)
+    print("router prices from the profile: " + ", ".join(f"{k} {v:.4g}" for k, v in prices.items()))
     rows = []
     for router in [r for r in engine.router.split(",") if r]:
         one = engine.replace(router=router)
-        rows.append(FleetRow(router, replay_fleet(one, trace, vocab),
+        rows.append(FleetRow(router, replay_fleet(one, trace, vocab, prices),
                              simulate_fleet(one, trace, router, args.profile)))
     print(format_table(rows))
     return 0

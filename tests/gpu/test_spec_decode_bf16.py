@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from twinserve.benchmarks.spec_decode_cpu import PROMPTS
 from twinserve.gpu.kernels.cpu_gemm import Gemm, cpu_has_native_half
 
 NATIVE_BF16 = cpu_has_native_half(torch.bfloat16)
@@ -36,14 +37,7 @@ def test_rows_of_a_product_do_not_depend_on_the_row_count(shape, threads):
         torch.set_num_threads(before)
 
 
-COPY_PROMPTS = [
-    "Rename the variable `total` to `running_sum` in this Python function and return the whole "
-    "function:\n\n```python\ndef add_all(values):\n    total = 0\n    for value in values:\n"
-    "        total = total + value\n    return total\n```",
-    "Add type hints to this function and return the whole code:\n\n```python\n"
-    "def scale(points, factor):\n    result = []\n    for x, y in points:\n"
-    "        result.append((x * factor, y * factor))\n    return result\n```",
-]
+COPY_PROMPTS = PROMPTS[:2]  # a rename and type hints: copies with edits
 
 
 @needs_native

@@ -41,7 +41,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from twinserve.core.request import Request as EngineRequest
 from twinserve.core.sampling_params import SamplingParams
-from twinserve.entrypoints.openai.http_errors import APIKeyMiddleware, error_event, error_response
+from twinserve.entrypoints.openai.http_errors import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    error_event,
+    error_response,
+)
 from twinserve.routers import NoHealthyReplica
 from twinserve.routers.disaggregated import DisaggregatedRouter, prefill_kv_transfer_params
 from twinserve.routers.router import ReplicaLoad
@@ -59,6 +66,8 @@ class ProxyConfig:
     timeout_s: float = 600.0  # one instance's answer (a decode's whole stream)
     connect_timeout_s: float = 5.0
     retry_unhealthy_s: float = 5.0  # an unreachable instance is left out this long
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # 413 above, as serve's
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S  # 408 for a body not sent by then
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -69,7 +78,10 @@ class ProxyConfig:
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     raise ValueError(f"{name}: {url!r} is not an http:// or https:// URL.")
             object.__setattr__(self, name, tuple(u.rstrip("/") for u in urls))
-        for name in ("timeout_s", "connect_timeout_s", "retry_unhealthy_s"):
+        body = self.max_request_body_bytes
+        if isinstance(body, bool) or not isinstance(body, int) or body <= 0:
+            raise ValueError(f"max_request_body_bytes must be a positive integer, got {body!r}.")
+        for name in ("timeout_s", "connect_timeout_s", "retry_unhealthy_s", "body_read_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}.")
@@ -276,6 +288,9 @@ def build_proxy_app(proxy: PDProxy) -> FastAPI:
         app.add_api_route(path, generation, methods=["POST"])
     app.add_api_route("/health", proxy.health, methods=["GET"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
+    # (the last added runs first: the key is checked before the body is read)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=proxy.config.max_request_body_bytes,
+                       read_timeout_s=proxy.config.body_read_timeout_s)
     if proxy.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_keys={proxy.config.api_key: "key1"})
     return app
@@ -294,12 +309,16 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "instances")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="longest wait for one instance's answer (default 600)")
+    parser.add_argument("--max-request-body-bytes", type=int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="N",
+                        help="413 for a request body over N bytes (default 1 MiB, as serve)")
     return parser
 
 
 def run_proxy(args: argparse.Namespace) -> None:
     import uvicorn
-    config = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.api_key, args.timeout)
+    config = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.api_key, args.timeout,
+                         max_request_body_bytes=args.max_request_body_bytes)
     app = build_proxy_app(PDProxy(config))
     print(f"twinserve pd-proxy: http://{args.host}:{args.port} -> prefill "
           f"{', '.join(config.prefill)}; decode {', '.join(config.decode)}", file=sys.stderr)

@@ -233,6 +233,10 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+
+
 class BodySizeLimitMiddleware:
     """413 for a body over ``max_bytes`` (by Content-Length, and by the bytes that arrive); 408
     for one not complete within ``read_timeout_s`` of the request's start (a client that never

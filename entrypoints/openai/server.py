@@ -52,6 +52,8 @@ from twinserve.entrypoints.engine_args import (
 from twinserve.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from twinserve.entrypoints.openai.chat_server_options import add_chat_args, checked_chat_options
 from twinserve.entrypoints.openai.http_errors import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     CatchAllMiddleware,
@@ -106,8 +108,6 @@ from twinserve.entrypoints.pd_front import PDDeployment
 
 logger = logging.getLogger("twinserve.server")
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
-DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 API_KEY_ENV_VARS = ("TWINSERVE_API_KEY", "VLLM_API_KEY")
 MAX_API_KEYS = 4096

@@ -128,3 +128,13 @@ def test_a_stream_broken_off_ends_with_an_error_event() -> None:
     assert lines[0] == 'data: {"choices": [{"text": " Pa"}]}'
     error = json.loads(lines[1].removeprefix("data: "))["error"]
     assert error["code"] == 502 and "broke off the stream" in error["message"]
+
+
+def test_a_body_over_the_limit_is_refused_before_any_instance_sees_it() -> None:
+    seen: list = []
+    c = client(fake(seen=seen), max_request_body_bytes=200)
+    r = c.post("/v1/completions", json={"prompt": "x" * 500})
+    assert r.status_code == 413 and not seen
+    assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 200 and seen
+    with pytest.raises(ValueError, match="max_request_body_bytes"):
+        ProxyConfig((P,), (D,), max_request_body_bytes=0)

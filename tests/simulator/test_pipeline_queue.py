@@ -4,58 +4,14 @@ model's ``interval(2)``, and a lone request taking its steps one at a time."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-import simpy
+from pipeline_helpers import run_pp2_queue
 
-from twinserve.core.config import SchedulerConfig
 from twinserve.core.outputs import SchedulerOutput
-from twinserve.core.sampling_params import SamplingParams
-from twinserve.core.scheduler import Scheduler, make_request
-from twinserve.core.step_driver import StepDriver
-from twinserve.policies import get_policy
-from twinserve.simulator.engine import Replica
-from twinserve.simulator.hardware import load_hardware
-from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.pipeline import (
-    PipelineCost,
     PipelineStepCost,
     StageClock,
-    pipelined_engine_process,
 )
-from twinserve.simulator.step_time import StepTimeFunction
-
-SPEC = load_model_spec("llama-3-8b")
-# a slow link, so that the transfers show in the interval
-HW = dataclasses.replace(load_hardware("h100-sxm"), interconnect_bandwidth=1e9,
-                         interconnect_latency_s=1e-3)
-
-
-def _run(arrivals: list[float], base_s: float = 0.040, output_tokens: int = 20):
-    """``len(arrivals)`` requests of 20-token prompts through the twin's PP=2 queue on a
-    constant base step time; returns the recorded steps and the model."""
-    pipe = PipelineCost(StepTimeFunction(lambda out: base_s), SPEC, HW, 2)
-    cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_num_seqs=8,
-                          max_num_batched_tokens=256, max_model_len=1024)
-    replica = Replica(0, StepDriver(Scheduler(cfg, get_policy("fcfs"), stream_outputs=False)), pipe)
-    requests = [make_request(f"r{i}", list(range(100 + 50 * i, 120 + 50 * i)), t,
-                             SamplingParams(max_tokens=output_tokens, ignore_eos=True))
-                for i, t in enumerate(arrivals)]
-    env = simpy.Environment()
-
-    def arrive(env: simpy.Environment):
-        for request in requests:
-            yield env.timeout(request.arrival_time - env.now)
-            replica.driver.add_request(request)
-            replica.tokens.admit(request.request_id)
-            if replica.wakeup is not None and not replica.wakeup.triggered:
-                replica.wakeup.succeed()
-
-    env.process(arrive(env))
-    env.process(pipelined_engine_process(env, replica, pipe))
-    env.run()
-    return list(replica.driver.recorder.steps), pipe, replica
 
 
 def _decode() -> SchedulerOutput:
@@ -65,7 +21,7 @@ def _decode() -> SchedulerOutput:
 
 
 def test_two_requests_alternate_in_two_batches_at_the_steady_interval() -> None:
-    steps, pipe, replica = _run([0.0, 0.001])  # r1 arrives while r0's first batch is in flight
+    steps, pipe, replica = run_pp2_queue([0.0, 0.001])  # r1 arrives while r0's first batch is in flight
     assert len(steps) == 40 and all(s.num_seqs == 1 for s in steps)  # never in one batch
     ends = [s.time + s.duration for s in steps]
     overlapping = sum(b.time < a_end for a_end, b in zip(ends, steps[1:]))
@@ -79,7 +35,7 @@ def test_two_requests_alternate_in_two_batches_at_the_steady_interval() -> None:
 
 
 def test_a_lone_request_takes_its_steps_one_at_a_time() -> None:
-    steps, pipe, _ = _run([0.0])
+    steps, pipe, _ = run_pp2_queue([0.0])
     ends = [s.time + s.duration for s in steps]
     assert all(b.time >= a_end for a_end, b in zip(ends, steps[1:]))  # nothing overlaps
     assert steps[-1].duration == pytest.approx(pipe.breakdown(_decode()).total_s, rel=1e-3)

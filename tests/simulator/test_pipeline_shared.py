@@ -9,14 +9,8 @@ import math
 import random
 
 import pytest
-import simpy
+from pipeline_helpers import SLOW_LINK, run_pp2_queue
 
-from twinserve.core.config import SchedulerConfig
-from twinserve.core.sampling_params import SamplingParams
-from twinserve.core.scheduler import Scheduler, make_request
-from twinserve.core.step_driver import StepDriver
-from twinserve.policies import get_policy
-from twinserve.simulator.engine import Replica
 from twinserve.simulator.hardware import HardwareProfile, load_hardware
 from twinserve.simulator.model_spec import load_model_spec
 from twinserve.simulator.pipeline import (
@@ -24,7 +18,6 @@ from twinserve.simulator.pipeline import (
     PipelineStepCost,
     SharedStageClock,
     StageClock,
-    pipelined_engine_process,
 )
 from twinserve.simulator.step_time import StepTimeFunction
 
@@ -124,28 +117,8 @@ def test_entering_before_the_clocks_time_or_waiting_for_an_unknown_batch_is_refu
 def _times(factor: float, arrivals: list[float]) -> list[tuple[float, float]]:
     """(start, end) of each step of 20-token requests arriving at ``arrivals`` through the
     twin's PP=2 queue on a constant 40 ms base step, on a host of ``factor``."""
-    hw = dataclasses.replace(load_hardware("h100-sxm"), interconnect_bandwidth=1e9,
-                             interconnect_latency_s=1e-3, shared_stage_slowdown=factor)
-    pipe = PipelineCost(StepTimeFunction(lambda out: 0.040), SPEC, hw, 2)
-    cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_num_seqs=8,
-                          max_num_batched_tokens=256, max_model_len=1024)
-    replica = Replica(0, StepDriver(Scheduler(cfg, get_policy("fcfs"), stream_outputs=False)), pipe)
-    env = simpy.Environment()
-
-    def arrive(env: simpy.Environment):
-        for i, t in enumerate(arrivals):
-            yield env.timeout(t - env.now)
-            request = make_request(f"r{i}", list(range(100 + 50 * i, 120 + 50 * i)), t,
-                                   SamplingParams(max_tokens=20, ignore_eos=True))
-            replica.driver.add_request(request)
-            replica.tokens.admit(request.request_id)
-            if replica.wakeup is not None and not replica.wakeup.triggered:
-                replica.wakeup.succeed()
-
-    env.process(arrive(env))
-    env.process(pipelined_engine_process(env, replica, pipe))
-    env.run()
-    return [(s.time, s.time + s.duration) for s in replica.driver.recorder.steps]
+    hw = dataclasses.replace(SLOW_LINK, shared_stage_slowdown=factor)
+    return [(s.time, s.time + s.duration) for s in run_pp2_queue(arrivals, hw)[0]]
 
 
 def test_the_twins_queue_slows_overlapping_batches_and_not_a_lone_request() -> None:

@@ -211,8 +211,7 @@ class LLMEngine:
         take = getattr(self.runner.kv_connector, "take_records", None)  # (the host tier: none)
         if take is None:
             return
-        for record in take():
-            self._kv_loads[record.request_id] = record.timing
+        self._kv_loads.update(take())
         if self._kv_loads:
             for output in results:
                 timing = self._kv_loads.pop(output.request_id, None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -32,26 +31,6 @@ logger = logging.getLogger(__name__)
 MAX_CONCURRENT_LOADS = 4
 
 
-@dataclass(slots=True, frozen=True)
-class TransferRecord:
-    """One finished load, for run records: its bytes, start and end (``time.monotonic()``)."""
-
-    request_id: str
-    ok: bool
-    num_bytes: int
-    start: float
-    end: float
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-    @property
-    def timing(self) -> KVLoadTiming:
-        """As it rides on the request's output (``RequestOutput.kv_load``)."""
-        return KVLoadTiming(self.start, self.end, self.num_bytes, self.ok)
-
-
 class PeerConnectorWorker:
     """The worker side of ``PeerConnector`` over this engine's ``region``."""
 
@@ -62,7 +41,8 @@ class PeerConnectorWorker:
         self._news = threading.Event()
         self._recved: set[str] = set()
         self._failed: set[str] = set()
-        self.records: list[TransferRecord] = []  # taken by the engine (``take_records``)
+        # finished loads, (request id, timing), taken by the engine (``take_records``)
+        self.records: list[tuple[str, KVLoadTiming]] = []
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         if config.is_producer:
@@ -100,8 +80,8 @@ class PeerConnectorWorker:
     def _on_load(self, result: LoadResult) -> None:
         with self._lock:
             (self._recved if result.ok else self._failed).add(result.request_id)
-            self.records.append(TransferRecord(result.request_id, result.ok, result.num_bytes,
-                                               result.start, result.end))
+            self.records.append((result.request_id, KVLoadTiming(
+                result.start, result.end, result.num_bytes, result.ok)))
         if not result.ok:
             logger.warning("KV load of %s failed: %s", result.request_id, result.error)
         self._news.set()
@@ -119,7 +99,7 @@ class PeerConnectorWorker:
         """Blocks until a load ends or ``timeout_s`` passes (a step with nothing to compute)."""
         self._news.wait(timeout_s)
 
-    def take_records(self) -> list[TransferRecord]:
+    def take_records(self) -> list[tuple[str, KVLoadTiming]]:
         with self._lock:
             taken, self.records = self.records, []
         return taken

@@ -12,7 +12,10 @@ none.
 short runs, ngram drafts verified for real) and prints the twin's prediction at those rates
 beside it: pass the ``--acceptance-profile`` of a real replay of this kind of workload (a
 ``validate`` run folder's ``acceptance.json``), so that the twin proposes and accepts as the
-engine does.
+engine does. With ``--real`` the CPU profile is first re-levelled to the host's speed now
+(``fidelity.relevel``, the factor printed; ``--no-relevel`` keeps it as cached): a profile
+calibrated on a busier or quieter host would otherwise put the twin's TPOT off by the drift,
+and the crossover with it.
 """
 
 from __future__ import annotations
@@ -154,6 +157,17 @@ def cpu_profile() -> tuple[str, str]:
     return model_dir, str(out)
 
 
+def relevelled(model_dir: str, profile: str) -> str:
+    """``profile`` scaled to the host's speed now (a temporary file), the factor printed."""
+    from twinserve.fidelity import relevel
+    out = Path(tempfile.mkdtemp(prefix="spec-crossover-")) / "profile-at-host-speed.json"
+    engine = EngineArgs(model=model_dir, max_model_len=128, max_num_seqs=40,
+                        max_num_batched_tokens=2048)
+    path, factor = relevel(profile, engine, out)
+    print(f"CPU profile re-levelled to the host's speed now: step times x{factor:.3f} ({path})")
+    return str(path)
+
+
 def real_points(num_requests: int, folder: Path) -> Any:
     """A point function that replays the workload on this CPU's real engine (one load of the
     bundled model's weights for all points)."""
@@ -231,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--real", action="store_true", help="also measure on this CPU's real engine")
     p.add_argument("--real-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     p.add_argument("--real-requests", type=int, default=24)
+    p.add_argument("--no-relevel", dest="relevel", action="store_false",
+                   help="with --real: keep the cached CPU profile's level (default: re-level it "
+                        "to the host's speed now)")
     p.add_argument("--lookup-costs", action="store_true",
                    help="only time the ngram and suffix proposers on this host and exit")
     args = p.parse_args(argv)
@@ -254,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report("twin", GPU, sweep(GPU, point, rates)))
     if not args.gpu_only:
         model_dir, hardware = cpu_profile()
+        if args.real and args.relevel:
+            hardware = relevelled(model_dir, hardware)
         setting = cpu_setting(model_dir, hardware)
         print(report("twin", setting, sweep(setting, point, rates)))
         if args.real:

@@ -133,28 +133,30 @@ def report(title: str, setting: Setting, results: dict[str, list[dict[str, float
     return "\n".join(lines)
 
 
-def cpu_profile() -> tuple[str, str]:
-    """The bundled model's directory and this CPU's calibrated profile: the cached one with the
-    most step tokens that covers contexts of 128, else a quick calibration (cached)."""
+def cpu_profile() -> tuple[str, str, int]:
+    """The bundled model's directory, this CPU's calibrated profile (the cached one with the
+    most step tokens that covers contexts of 128, else a quick calibration, cached) and the
+    torch threads it was measured on, which real replays compared with it must run on."""
     from twinserve.fidelity import calibrate
     from twinserve.fidelity.backend import model_dir_or_default
     from twinserve.fidelity.profile_cache import ProfileMeta, default_folder
     from twinserve.fidelity.settings import CalibrationSettings
     model_dir = model_dir_or_default(None)
-    best: tuple[int, Path] | None = None
+    best: tuple[int, Path, int] | None = None
     for meta_path in default_folder().glob("*.meta.json"):
         meta = ProfileMeta.read(meta_path)
         if meta is None or meta.key.model != model_dir or meta.space.max_model_len < 128:
             continue
         profile = meta_path.with_name(meta_path.name.removesuffix(".meta.json") + ".json")
         if profile.is_file() and (best is None or meta.space.max_num_batched_tokens > best[0]):
-            best = (meta.space.max_num_batched_tokens, profile)
+            best = (meta.space.max_num_batched_tokens, profile, meta.key.threads)
     if best is not None:
-        return model_dir, str(best[1])
+        return model_dir, str(best[1]), best[2]
     out = default_folder() / "spec-crossover-quick.json"
     engine = EngineArgs(max_model_len=128, max_num_seqs=40, max_num_batched_tokens=2048)
-    calibrate(engine, out, CalibrationSettings(quick=True))
-    return model_dir, str(out)
+    settings = CalibrationSettings(quick=True)
+    calibrate(engine, out, settings)
+    return model_dir, str(out), settings.num_threads
 
 
 def relevelled(model_dir: str, profile: str) -> str:
@@ -270,7 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.cpu_only:
         print(report("twin", GPU, sweep(GPU, point, rates)))
     if not args.gpu_only:
-        model_dir, hardware = cpu_profile()
+        model_dir, hardware, threads = cpu_profile()
+        if args.real:
+            from twinserve.fidelity.threads import set_threads
+            set_threads(threads)  # the profile's: the probe and the replays run as it was timed
         if args.real and args.relevel:
             hardware = relevelled(model_dir, hardware)
         setting = cpu_setting(model_dir, hardware)

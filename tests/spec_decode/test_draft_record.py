@@ -1,10 +1,11 @@
 """A real replay with speculation records each request's drafts step by step (``drafts.csv``):
 the record adds up to the request's vLLM counters, every verification follows the proposal
-that found its drafts."""
+that found its drafts, and the run's acceptance profile carries the chain fitted on it."""
 
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -43,6 +44,18 @@ def test_the_record_adds_up_to_each_requests_counters(replay_dir):
         for before, after in zip(mine, mine[1:]):  # drafts are verified the step after found
             assert after.num_drafts <= before.num_found
             assert after.position == before.position + 1 + after.num_accepted
+
+
+def test_the_runs_profile_carries_its_chain_and_draws_pooled(replay_dir):
+    from twinserve.fidelity.acceptance import ACCEPTANCE_FILE, record_acceptance
+    profile = record_acceptance(replay_dir, "synthetic")
+    assert profile is not None and profile.draws == "pooled"
+    data = json.loads((replay_dir / ACCEPTANCE_FILE).read_text())
+    assert data["format_version"] == 2 and data["draws"] == "pooled"
+    asked = sum(s.num_asked > 0 for s in read_drafts(replay_dir / DRAFTS_FILE))
+    assert profile.chain is not None  # the tiny random model loops, and ngram copies the loop
+    assert data["chain"]["num_requests"] == len(TRACE)
+    assert 0 < profile.chain.num_transitions <= asked
 
 
 def test_drafts_files_round_trip_and_refuse_bad_rows(tmp_path):

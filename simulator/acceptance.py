@@ -38,10 +38,11 @@ Bursty acceptance, measured (``CopyChain``; profile format version 2):
   ``search_draft_length`` long, accepted per position with ``search_rates`` (one rate fitted
   to the searching verifications' totals).
 - The twin draws from the chain only where the profile's ``draws`` is ``"chain"``; measured
-  profiles say ``"pooled"``. Held out between two workloads the chain made the means worse
-  in both directions (``docs/speculative-decoding.md``, "Bursty acceptance"): its onset rate
-  is a property of the workload, which the pooled rates average away. It is kept as an
-  explicit choice, with the record that made it measurable.
+  profiles say ``"pooled"``. Held out between two workloads the chain did worse than pooled
+  draws (``docs/speculative-decoding.md``, "Bursty acceptance": TPOT -15% against -2% one way,
+  p90 E2EL +28% against +5% the other): when requests start copying is a property of the
+  workload, which the pooled rates average away. It is kept as an explicit choice, with the
+  record that made it measurable.
 - Draws stay counter-based: a request's n-th proposing step copies iff ``u(request, n) < p``
   with the previous state's ``p``, so runs whose policies propose at the same steps see the
   same states; acceptance while searching is drawn per token position as above.

@@ -2,21 +2,24 @@
 
 A real replay with speculation writes ``acceptance.json`` (an ``AcceptanceProfile``) into its
 run folder: vLLM's per-position counters of the engine's scheduler when the replay had them,
-else the per-request totals of ``requests.csv``. The twin of a run takes a profile given by the
-user (measured on another workload: the held-out check), else the run's own (then the error
-table is not held out for acceptance, and the log says so), else none (speculation off, or
-``synthetic`` acceptance whose rates the run's config already holds).
+else the per-request totals of ``requests.csv``; with the replay's step-by-step drafts
+(``drafts.csv``), also the chain of copying and searching steps (``CopyChain``). The twin of a
+run takes a profile given by the user (measured on another workload: the held-out check), else
+the run's own (then the error table is not held out for acceptance, and the log says so), else
+none (speculation off, or ``synthetic`` acceptance whose rates the run's config already holds).
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from twinserve.core.draft_record import DRAFTS_FILE, read_drafts
 from twinserve.fidelity.backend import Log
-from twinserve.simulator.acceptance import AcceptanceProfile
+from twinserve.simulator.acceptance import AcceptanceProfile, CopyChain
 
 ACCEPTANCE_FILE = "acceptance.json"
 
@@ -25,8 +28,8 @@ def record_acceptance(run_dir: Path, workload: str,
                       accepted_per_pos: Sequence[int] = ()) -> AcceptanceProfile | None:
     """Writes ``run_dir/acceptance.json`` from the run's requests.csv, its config's k_max (the
     cap ``max_num_speculative_tokens`` where the self-tuning policy may raise k to it) and
-    ``accepted_per_pos`` (vLLM's counters, when known); None (nothing written) when no draft
-    was verified."""
+    ``accepted_per_pos`` (vLLM's counters, when known) and its ``drafts.csv`` (when written);
+    None (nothing written) when no draft was verified."""
     with open(run_dir / "requests.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("success") == "1"]
     if not rows or "spec_num_drafts" not in rows[0]:
@@ -42,6 +45,9 @@ def record_acceptance(run_dir: Path, workload: str,
         k_max=int(spec.get("max_num_speculative_tokens") or spec.get("num_speculative_tokens", 1)),
         output_tokens=sum(int(r["output_tokens"]) for r in rows), num_requests=len(rows),
         accepted_per_pos=accepted_per_pos, source=str(run_dir))
+    drafts = run_dir / DRAFTS_FILE
+    if drafts.is_file():
+        profile = dataclasses.replace(profile, chain=CopyChain.fit(read_drafts(drafts)))
     profile.save(run_dir / ACCEPTANCE_FILE)
     return profile
 

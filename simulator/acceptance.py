@@ -21,22 +21,51 @@ Decisions:
   fewer than k: a measured profile also holds ``proposal_rate`` (the share of steps that
   verified drafts) and ``mean_draft_length``, and the twin's proposals follow them (seeded per
   request and token as the acceptance is).
+
+Bursty acceptance, measured (``CopyChain``; profile format version 2):
+
+- Lookup proposers are bursty: a request that starts reproducing earlier text (its prompt, or
+  its own loop) finds drafts every step and has them all accepted, usually to its end, while
+  before that drafts come now and then and are mostly rejected. A real replay records each
+  request's drafts step by step (``drafts.csv``, ``core.draft_record``) and its profile holds
+  a two-state chain fitted on them. A proposing step is *copying* when its drafts were all
+  accepted and so were the previous or the next step's (a lone full acceptance is chance),
+  else *searching*. A request starts searching; each proposing step copies with
+  ``p_copy_after_copy`` or ``p_copy_after_search`` by the previous one's state (so the onset
+  of copying is geometric and requests differ in speed). A copying step finds the request's
+  copy length (drawn once per request from ``copy_lengths``: a loop's period fixes it) and
+  all of it is accepted; a searching step finds drafts with ``search_proposal_rate``,
+  ``search_draft_length`` long, accepted per position with ``search_rates`` (one rate fitted
+  to the searching verifications' totals).
+- The twin draws from the chain only where the profile's ``draws`` is ``"chain"``; measured
+  profiles say ``"pooled"``. Held out between two workloads the chain did worse than pooled
+  draws (``docs/speculative-decoding.md``, "Bursty acceptance": TPOT -15% against -2% one way,
+  p90 E2EL +28% against +5% the other): when requests start copying is a property of the
+  workload, which the pooled rates average away. It is kept as an explicit choice, with the
+  record that made it measurable.
+- Draws stay counter-based: a request's n-th proposing step copies iff ``u(request, n) < p``
+  with the previous state's ``p``, so runs whose policies propose at the same steps see the
+  same states; acceptance while searching is drawn per token position as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twinserve.core.draft_record import DraftStep
 from twinserve.core.speculative_config import SpeculativeConfig
 from twinserve.traces.trace_request import stable_seed
 
+PROFILE_FORMAT_VERSION = 2  # 2: the optional ``chain`` and ``draws``
+DRAWS = ("pooled", "chain")
 _MASK64 = (1 << 64) - 1
-_PROPOSAL_SALT, _LENGTH_SALT = 0x5DEECE66D, 0x2545F4914F6CDD1D
+_PROPOSAL_SALT, _LENGTH_SALT, _STATE_SALT = 0x5DEECE66D, 0x2545F4914F6CDD1D, 0x632BE59BD9B4E019
 _SPAN = float(1 << 64)
 
 
@@ -48,12 +77,38 @@ def _uniform(key: int, position: int) -> float:
     return (z ^ (z >> 31)) / _SPAN
 
 
+def _length(mean: float, key: int, position: int) -> int:
+    """A draft length of ``mean`` on average: the two whole numbers around it."""
+    whole = int(mean)
+    return whole + (_uniform(key ^ _LENGTH_SALT, position) < mean - whole)
+
+
 def _check_rates(rates: Sequence[float], name: str) -> tuple[float, ...]:
     if isinstance(rates, (str, bytes)) or not rates or any(
             isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0
             for r in rates):
         raise ValueError(f"{name} must be a non-empty list of numbers in [0, 1], got {rates!r}.")
     return tuple(float(r) for r in rates)
+
+
+def _one_rate(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> float:
+    """The one per-position rate that accepts the measured mean over the drafts' lengths
+    (module doc)."""
+    if num_drafts <= 0 or num_draft_tokens <= 0:
+        raise ValueError("num_drafts and num_draft_tokens must be > 0 to measure acceptance.")
+    mean = num_draft_tokens / num_drafts
+    whole = int(mean)  # the drafts' lengths: the two whole numbers around their mean
+    weights = ((whole, 1.0 - (mean - whole)), (whole + 1, mean - whole))
+    target = min(num_accepted_tokens / num_drafts, mean)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # the expected accepted count is increasing in r: bisect
+        mid = (lo + hi) / 2
+        expected = sum(w * sum(mid ** j for j in range(1, n + 1)) for n, w in weights)
+        if expected < target:
+            lo = mid
+        else:
+            hi = mid
+    return round(hi, 6)
 
 
 def _check_proposals(proposal_rate: float, mean_draft_length: float) -> None:
@@ -65,28 +120,172 @@ def _check_proposals(proposal_rate: float, mean_draft_length: float) -> None:
         raise ValueError(f"mean_draft_length must be a number >= 0, got {mean_draft_length!r}.")
 
 
-class AcceptanceModel:
-    """Per-position conditional acceptance rates and seeded, counter-based draws (module doc)."""
+_PROBABILITIES = ("p_copy_after_copy", "p_copy_after_search", "search_proposal_rate")
+_LENGTHS = ("search_draft_length",)
+_COUNTS = ("num_requests", "num_transitions")
 
-    __slots__ = ("rates", "seed", "proposal_rate", "mean_draft_length", "_keys")
+
+def _number(value: Any, name: str, low: float, high: float | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low \
+            or (high is not None and value > high):
+        bounds = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+        raise ValueError(f"CopyChain.{name} must be a number {bounds}, got {value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyChain:
+    """The two-state chain's parameters and the counts they came from (module doc)."""
+
+    p_copy_after_copy: float
+    p_copy_after_search: float
+    copy_lengths: tuple[float, ...]  # [j]: the share of copying requests that copy j + 1 drafts
+    search_proposal_rate: float
+    search_draft_length: float
+    search_rates: tuple[float, ...]
+    num_requests: int = 0
+    num_transitions: int = 0
+
+    def __post_init__(self) -> None:
+        for name in _PROBABILITIES:
+            object.__setattr__(self, name, _number(getattr(self, name), name, 0.0, 1.0))
+        for name in _LENGTHS:
+            object.__setattr__(self, name, _number(getattr(self, name), name, 1.0, None))
+        for name in ("copy_lengths", "search_rates"):
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+                raise ValueError(f"CopyChain.{name} must be a non-empty list, got {values!r}.")
+            object.__setattr__(self, name, tuple(_number(v, name, 0.0, 1.0) for v in values))
+        if abs(sum(self.copy_lengths) - 1.0) > 1e-3:
+            raise ValueError(f"CopyChain.copy_lengths must sum to 1, got {self.copy_lengths!r}.")
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"CopyChain.{name} must be an integer >= 0, got {value!r}.")
+
+    def copy_length(self, u: float) -> int:
+        """The copy length whose cumulative share first exceeds ``u`` in [0, 1)."""
+        total = 0.0
+        for j, share in enumerate(self.copy_lengths):
+            total += share
+            if u < total:
+                return j + 1
+        return len(self.copy_lengths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name in self.__slots__ for value in (getattr(self, name),)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CopyChain:
+        if not isinstance(data, dict):
+            raise ValueError(f"an acceptance profile's 'chain' must be an object, got {data!r}.")
+        unknown = sorted(set(data) - set(cls.__slots__))
+        if unknown:
+            raise ValueError(f"an acceptance profile's 'chain' has unknown keys {unknown}.")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a missing key
+            raise ValueError(f"an acceptance profile's 'chain' is incomplete: {exc}") from None
+
+    @classmethod
+    def fit(cls, steps: Sequence[DraftStep]) -> CopyChain | None:
+        """The chain of a run's ``drafts.csv`` rows, in step order (module doc); None where no
+        request copied for two steps running, or none searched (nothing to fit)."""
+        by_request: dict[str, list[DraftStep]] = {}
+        for step in steps:
+            by_request.setdefault(step.request_id, []).append(step)
+        tally = _Tally()
+        for rows in by_request.values():
+            tally.add_request(rows)
+        return tally.chain(len(by_request))
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Counts over the proposing steps of a run (``CopyChain.fit``)."""
+
+    # transitions[previous][now], states: 0 searching, 1 copying
+    transitions: list[list[int]] = field(default_factory=lambda: [[0, 0], [0, 0]])
+    copy_lengths: Counter[int] = field(default_factory=Counter)  # requests by copy length
+    search_found: int = 0
+    search_found_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add_request(self, rows: list[DraftStep]) -> None:
+        # each proposing step whose state is observable: (drafts found, the verification)
+        seen: list[tuple[int, DraftStep | None]] = []
+        for i, row in enumerate(rows):
+            if not row.num_asked:
+                continue
+            verified = rows[i + 1] if i + 1 < len(rows) else None
+            if row.num_found and (verified is None or not verified.num_drafts):
+                continue  # never verified: no state (module doc)
+            seen.append((row.num_found, verified if row.num_found else None))
+        full = [v is not None and v.num_accepted == v.num_drafts for _, v in seen]
+        previous, lengths = 0, Counter[int]()
+        for j, (found, verified) in enumerate(seen):
+            # copying: in a run of two or more full acceptances (a lone one is chance)
+            state = int(full[j] and (j > 0 and full[j - 1] or j + 1 < len(full) and full[j + 1]))
+            if state:
+                lengths[found] += 1
+            elif verified is not None:
+                self.search_found += 1
+                self.search_found_tokens += found
+                self.verified_tokens += verified.num_drafts
+                self.accepted_tokens += verified.num_accepted
+            self.transitions[previous][state] += 1
+            previous = state
+        if lengths:  # the request's most frequent copy length (ties: the longer)
+            self.copy_lengths[max(lengths, key=lambda n: (lengths[n], n))] += 1
+
+    def chain(self, num_requests: int) -> CopyChain | None:
+        (ss, sc), (cs, cc) = self.transitions
+        if not (cc + cs) or not (ss + sc):
+            return None
+        rate = (_one_rate(self.search_found, self.verified_tokens, self.accepted_tokens)
+                if self.verified_tokens else 0.0)
+        searching = ss + cs  # steps in the searching state
+        copying = sum(self.copy_lengths.values())  # requests that copied
+        return CopyChain(
+            p_copy_after_copy=round(cc / (cc + cs), 6), p_copy_after_search=round(sc / (ss + sc), 6),
+            copy_lengths=tuple(round(self.copy_lengths[n] / copying, 6)
+                               for n in range(1, max(self.copy_lengths) + 1)),
+            search_proposal_rate=round(self.search_found / searching, 6),
+            search_draft_length=round(self.search_found_tokens / self.search_found, 4)
+            if self.search_found else 1.0,
+            search_rates=(rate,), num_requests=num_requests, num_transitions=ss + sc + cs + cc)
+
+
+class AcceptanceModel:
+    """Per-position conditional acceptance rates and seeded, counter-based draws (module doc);
+    with a ``CopyChain``, each request's steps follow it instead of the pooled rates."""
+
+    __slots__ = ("rates", "seed", "proposal_rate", "mean_draft_length", "chain", "_keys",
+                 "_chain_state")
 
     def __init__(self, rates: Sequence[float], seed: int = 0, proposal_rate: float = 1.0,
-                 mean_draft_length: float = 0.0) -> None:
+                 mean_draft_length: float = 0.0, chain: CopyChain | None = None) -> None:
         self.rates = _check_rates(rates, "acceptance rates")
         _check_proposals(proposal_rate, mean_draft_length)
         self.seed = seed
         self.proposal_rate, self.mean_draft_length = float(proposal_rate), float(mean_draft_length)
+        self.chain = chain
         self._keys: dict[str, int] = {}  # request id -> its draw key (dropped with the request)
+        # with a chain: request id -> (copying, proposing steps so far)
+        self._chain_state: dict[str, tuple[bool, int]] = {}
 
     @classmethod
     def of(cls, spec: SpeculativeConfig | None, seed: int = 0,
            profile: AcceptanceProfile | None = None) -> AcceptanceModel | None:
-        """The model the twin runs (None: speculation off): ``profile``'s rates when given,
-        else the configuration's ``synthetic_acceptance_rate``."""
+        """The model the twin runs (None: speculation off): ``profile``'s rates, or its chain
+        when its ``draws`` say so, else the configuration's ``synthetic_acceptance_rate``."""
         if spec is None:
             return None
         if profile is not None:
-            return cls(profile.rates, seed, profile.proposal_rate, profile.mean_draft_length)
+            return cls(profile.rates, seed, profile.proposal_rate, profile.mean_draft_length,
+                       profile.chain if profile.draws == "chain" else None)
         if not spec.acceptance_rates:
             raise ValueError("the twin needs the drafts' acceptance: speculative_config."
                              "synthetic_acceptance_rate (with rejection_sample_method "
@@ -108,30 +307,50 @@ class AcceptanceModel:
         """Drafts the proposer finds for a request asking ``wanted`` after its token
         ``position``: none with chance ``1 - proposal_rate``; else ``mean_draft_length`` on
         average (the two whole numbers around it), or ``wanted`` when that is 0; at most
-        ``wanted``."""
+        ``wanted``. With a chain: its state's (``CopyChain``)."""
+        if self.chain is not None:
+            return self._chain_proposed(request_id, position, wanted, self.chain)
         if self.proposal_rate >= 1.0 and not self.mean_draft_length:
             return wanted
         key = self._key(request_id) ^ _PROPOSAL_SALT
         if _uniform(key, position) >= self.proposal_rate:
             return 0
         mean = self.mean_draft_length
-        if not mean:
-            return wanted
-        whole = int(mean)
-        length = whole + (_uniform(key ^ _LENGTH_SALT, position) < mean - whole)
-        return min(wanted, length)
+        return min(wanted, _length(mean, key, position)) if mean else wanted
+
+    def _chain_proposed(self, request_id: str, position: int, wanted: int,
+                        chain: CopyChain) -> int:
+        # keyed by the request's proposing step, not by ``position``: the twin proposes after
+        # start + num_new_tokens, which repeats a position after a rejection, and a repeated
+        # draw would make the chain stay where it failed to move (a biased rate)
+        key = self._key(request_id) ^ _PROPOSAL_SALT
+        copying, step = self._chain_state.get(request_id, (False, 0))
+        stay = chain.p_copy_after_copy if copying else chain.p_copy_after_search
+        copying = _uniform(key ^ _STATE_SALT, step) < stay
+        self._chain_state[request_id] = (copying, step + 1)
+        if copying:
+            return min(wanted, chain.copy_length(_uniform(key ^ _STATE_SALT, -1)))
+        if _uniform(key, step) >= chain.search_proposal_rate:
+            return 0
+        return min(wanted, _length(chain.search_draft_length, key, step))
 
     def num_accepted(self, request_id: str, position: int, num_drafts: int) -> int:
         """Accepted drafts of a verification of ``num_drafts`` whose first draft stands at
-        token ``position`` of request ``request_id``."""
+        token ``position`` of request ``request_id`` (all of them while the chain copies)."""
+        chain = self.chain
+        if chain is not None and self._chain_state.get(request_id, (False, 0))[0]:
+            return num_drafts
+        rates = self.rates if chain is None else chain.search_rates
+        last = len(rates) - 1
         key = self._key(request_id)
         for j in range(num_drafts):
-            if _uniform(key, position + j) >= self.rate(j):
+            if _uniform(key, position + j) >= rates[j if j < last else last]:
                 return j
         return num_drafts
 
     def release(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
+        self._chain_state.pop(request_id, None)
 
     def expected_accepted(self, num_drafts: int) -> float:
         """Mean accepted drafts of a verification of ``num_drafts``."""
@@ -155,10 +374,18 @@ class AcceptanceProfile:
     source: str = ""
     proposal_rate: float = 1.0  # share of draft requests the proposer found drafts for
     mean_draft_length: float = 0.0  # drafts per proposal (0: as many as asked)
+    chain: CopyChain | None = None  # measured from a run's drafts.csv (format version 2)
+    draws: str = "pooled"  # what the twin draws from: "pooled" (the fields above) or "chain"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rates", _check_rates(self.rates, "AcceptanceProfile.rates"))
         _check_proposals(self.proposal_rate, self.mean_draft_length)
+        if self.chain is not None and not isinstance(self.chain, CopyChain):
+            raise ValueError(f"AcceptanceProfile.chain must be a CopyChain, got {self.chain!r}.")
+        if self.draws not in DRAWS:
+            raise ValueError(f"AcceptanceProfile.draws must be one of {DRAWS}, got {self.draws!r}.")
+        if self.draws == "chain" and self.chain is None:
+            raise ValueError("AcceptanceProfile.draws is 'chain' but the profile has no chain.")
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -186,22 +413,8 @@ class AcceptanceProfile:
     def from_totals(cls, workload: str, num_drafts: int, num_draft_tokens: int,
                     num_accepted_tokens: int, source: str = "") -> AcceptanceProfile:
         """One rate fitted to the totals (module doc), for runs without per-position counters."""
-        if num_drafts <= 0 or num_draft_tokens <= 0:
-            raise ValueError("num_drafts and num_draft_tokens must be > 0 to measure acceptance.")
-        mean = num_draft_tokens / num_drafts
-        whole = int(mean)  # the drafts' lengths: the two whole numbers around their mean
-        weights = ((whole, 1.0 - (mean - whole)), (whole + 1, mean - whole))
-        target = min(num_accepted_tokens / num_drafts, mean)
-        lo, hi = 0.0, 1.0
-        for _ in range(60):  # the expected accepted count is increasing in r: bisect
-            mid = (lo + hi) / 2
-            expected = sum(w * sum(mid ** j for j in range(1, n + 1)) for n, w in weights)
-            if expected < target:
-                lo = mid
-            else:
-                hi = mid
-        return cls(workload, (round(hi, 6),), num_drafts, num_draft_tokens, num_accepted_tokens,
-                   (), source)
+        return cls(workload, (_one_rate(num_drafts, num_draft_tokens, num_accepted_tokens),),
+                   num_drafts, num_draft_tokens, num_accepted_tokens, (), source)
 
     @classmethod
     def measured(cls, workload: str, *, num_drafts: int, num_draft_tokens: int,
@@ -223,24 +436,42 @@ class AcceptanceProfile:
             mean_draft_length=0.0 if full else round(mean, 4))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"workload": self.workload, "rates": list(self.rates),
-                "proposal_rate": self.proposal_rate, "mean_draft_length": self.mean_draft_length,
-                "num_drafts": self.num_drafts,
+        data = {"format_version": PROFILE_FORMAT_VERSION, "workload": self.workload,
+                "rates": list(self.rates), "proposal_rate": self.proposal_rate,
+                "mean_draft_length": self.mean_draft_length, "num_drafts": self.num_drafts,
                 "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_pos": list(self.accepted_per_pos),
                 "mean_acceptance_length": self.mean_acceptance_length, "source": self.source}
+        if self.chain is not None:
+            data["chain"] = self.chain.to_dict()
+        data["draws"] = self.draws
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AcceptanceProfile:
+        """A profile of any format version up to this one's (a file without ``format_version``
+        is version 1: no chain); a later version is refused, since its draws would differ."""
         if not isinstance(data, dict) or "rates" not in data:
             raise ValueError("an acceptance profile must be a JSON object with 'rates'.")
+        version = data.get("format_version", 1)
+        if isinstance(version, bool) or version not in range(1, PROFILE_FORMAT_VERSION + 1):
+            raise ValueError(f"an acceptance profile's format_version must be 1 to "
+                             f"{PROFILE_FORMAT_VERSION}, got {version!r}.")
         known = ("workload", "rates", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                  "accepted_per_pos", "source", "proposal_rate", "mean_draft_length")
         values = {k: data[k] for k in known if k in data}
         values.setdefault("workload", "")
         values["rates"] = tuple(values["rates"]) if isinstance(values["rates"], list) else values["rates"]
         values["accepted_per_pos"] = tuple(values.get("accepted_per_pos", ()))
+        if data.get("chain") is not None:
+            if version < 2:
+                raise ValueError("an acceptance profile's 'chain' needs format_version 2.")
+            values["chain"] = CopyChain.from_dict(data["chain"])
+        if "draws" in data:
+            if version < 2:
+                raise ValueError("an acceptance profile's 'draws' needs format_version 2.")
+            values["draws"] = data["draws"]
         return cls(**values)
 
     def save(self, path: str | Path) -> Path:
@@ -258,4 +489,4 @@ class AcceptanceProfile:
         return cls.from_dict(data)
 
 
-__all__ = ["AcceptanceModel", "AcceptanceProfile"]
+__all__ = ["AcceptanceModel", "AcceptanceProfile", "CopyChain"]

@@ -5,8 +5,9 @@ A driver loop adds each trace request when its arrival time has come (prompt
 ``ignore_eos``; tenant and priority from the trace), steps while work exists and sleeps until the
 next arrival when idle. Every step is recorded through ``gpu.engine_loop.StepRecorder``: its
 ``SchedulerOutput`` aggregates, the whole step's seconds and the forward pass's
-(``RUN/step_features.csv``: ``calibrate --from-run`` fits on it). ``twinserve validate`` sets the
-twin beside it.
+(``RUN/step_features.csv``: ``calibrate --from-run`` fits on it); with speculation, each
+request's drafts step by step (``RUN/drafts.csv``, ``core.draft_record``). ``twinserve validate``
+sets the twin beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from twinserve.core.draft_record import DRAFTS_FILE, DraftRecorder, DraftStep, write_drafts
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_offload import OffloadingStats
 from twinserve.core.metrics import RequestRecord, StepRecord, kv_offload_summary, summarize
@@ -41,6 +43,7 @@ class RealReplay:
     measured: list[StepSample]  # one per StepRecord
     summary: dict[str, Any]
     wall_time_s: float
+    drafts: list[DraftStep] = dataclasses.field(default_factory=list)  # with speculation
 
 
 def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool = True,
@@ -60,6 +63,9 @@ def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool
     failed: list[RequestRecord] = []
     prompts = {tr.request_id: tr.prompt_token_ids(vocab, block_size) for tr in pending}
     recorder = StepRecorder(engine)
+    drafts = DraftRecorder() if engine.scheduler.speculation is not None else None
+    if drafts is not None:
+        engine.driver.observers.append(drafts)
     first_step = len(engine.metrics.steps)
     t_wall = time.perf_counter()
     origin = engine.now()
@@ -94,6 +100,8 @@ def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool
                       "waiting", file=sys.stderr, flush=True)
     finally:
         recorder.close()
+        if drafts is not None:
+            engine.driver.observers.remove(drafts)
     records = sorted([RequestRecord.from_request(r, origin) for r in requests] + failed,
                      key=lambda r: r.arrival_time)
     steps = engine.metrics.steps[first_step:]
@@ -108,7 +116,8 @@ def replay_real(engine: LLMEngine, trace: Iterable[TraceRequest], progress: bool
     tier = getattr(engine.scheduler.connector, "stats", None)
     if isinstance(tier, OffloadingStats):  # the host tier's counts (since the engine started)
         summary.update(kv_offload_summary([tier]))
-    return RealReplay(records, steps, recorder.steps, summary, time.perf_counter() - t_wall)
+    return RealReplay(records, steps, recorder.steps, summary, time.perf_counter() - t_wall,
+                      drafts.steps if drafts is not None else [])
 
 
 def rejected_record(tr: TraceRequest, error: str) -> RequestRecord:
@@ -130,4 +139,6 @@ def write_real_run(replay: RealReplay, engine: LLMEngine, out_dir: Path,
               "wall_time_s": replay.wall_time_s}
     write_run(out_dir, config, replay.records, replay.summary, replay.steps)
     write_samples(out_dir / SAMPLES_FILE, replay.measured)
+    if replay.drafts:
+        write_drafts(out_dir / DRAFTS_FILE, replay.drafts)
     return out_dir

@@ -294,6 +294,8 @@ def pool_summary(fleet: Fleet, records: list[RequestRecord], duration: float,
                            "kv_link_latency_s": link.latency_s}
     if link.overhead_s:  # (absent without one: the summaries of other links stay as they were)
         out["kv_link_overhead_s"] = link.overhead_s
+    if link.flow_rate != link.bandwidth_bytes_per_s:  # (likewise)
+        out["kv_link_flow_bandwidth_bytes_per_s"] = link.flow_rate
     for name, pool in (("prefill", fleet.prefill), ("decode", fleet.decode)):
         out[f"{name}_instances"] = len(pool)
         out[f"{name}_utilization"] = (statistics.fmean(i.busy_s for i in pool) / duration

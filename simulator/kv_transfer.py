@@ -4,16 +4,19 @@ connector's worker side that runs each load as a flow.
 A transfer of ``bytes`` from instance S to instance R takes ``latency_s`` and then flows at a
 rate the link shares among the flows active at that moment: every instance has one link of
 ``bandwidth_bytes_per_s`` per direction (egress for what it sends, ingress for what it
-receives), and the rates are max-min fair (progressive filling: the most contended link fixes
-the rate of its flows first, what they leave goes to the others). Rates change only when a flow
-starts or ends, so the model moves from one such event to the next. One flow alone therefore
-takes ``latency_s + bytes / bandwidth``; two flows from one sender each take twice the
-bandwidth term. A link may also charge each transfer ``overhead_s`` of work that is shared like
-its bytes (a flow carries ``bytes + overhead_s * bandwidth``): the fixed cost of a connector
-whose handshake runs on the same contended CPU as its copy, where concurrent transfers do not
-overlap their fixed costs (measured on this machine's Peer connector: ``benchmarks/
-kv_link_fit.py``). Anchors: DistServe's and splitwise-sim's transfer models (bandwidth and
-latency), with contention as in flow-level network simulators.
+receives), and no flow goes faster than ``flow_bandwidth_bytes_per_s`` (one copy thread, one
+queue pair: by default the link's bandwidth, a flow alone fills the link). The rates are max-min
+fair (progressive filling: each flow gets the smaller of its cap and its fair share of the most
+contended link it crosses; what capped or bottlenecked flows leave goes to the others), as in
+flow-level network and NVLink models. Rates change only when a flow starts or ends, so the model
+moves from one such event to the next. One flow alone therefore takes ``latency_s + bytes /
+flow_bandwidth``; ``c`` flows from one sender each take ``max(1, c * flow_bandwidth /
+bandwidth)`` times its bandwidth term. A link may also charge each transfer ``overhead_s`` of
+work that is shared like its bytes (a flow carries ``bytes + overhead_s * flow_bandwidth``): the
+fixed cost of a connector whose handshake runs on the same contended CPU as its copy, where
+concurrent transfers do not overlap their fixed costs (measured on this machine's Peer
+connector: ``benchmarks/kv_link_fit.py``). Anchors: DistServe's and splitwise-sim's transfer
+models (bandwidth and latency), with contention as in flow-level network simulators.
 """
 
 from __future__ import annotations
@@ -33,14 +36,17 @@ _EPS_BYTES = 1e-6  # a flow with less left than this has finished (float residue
 
 @dataclass(slots=True, frozen=True)
 class LinkSpec:
-    """One instance's link for KV transfers: bandwidth per direction, a fixed latency that
-    concurrent transfers overlap, and a fixed per-transfer overhead that they share."""
+    """One instance's link for KV transfers: bandwidth per direction (the capacity its flows
+    share), a fixed latency that concurrent transfers overlap, a fixed per-transfer overhead
+    that they share, and the most one flow can move (``flow_bandwidth_bytes_per_s``: None, as
+    given, becomes ``bandwidth_bytes_per_s``)."""
 
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
     source: str = ""  # where the numbers come from ("" = assumed)
     overhead_s: float = 0.0
+    flow_bandwidth_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -54,12 +60,18 @@ class LinkSpec:
         ovh = self.overhead_s
         if isinstance(ovh, bool) or not isinstance(ovh, (int, float)) or not 0 <= ovh < math.inf:
             raise ValueError(f"kv_link.overhead_s must be a number >= 0, got {ovh!r}.")
+        cap = bw if self.flow_bandwidth_bytes_per_s is None else self.flow_bandwidth_bytes_per_s
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap <= bw:
+            raise ValueError(f"kv_link.flow_bandwidth_bytes_per_s must be a positive number no "
+                             f"larger than bandwidth_bytes_per_s ({bw!r}), got {cap!r}.")
+        object.__setattr__(self, "flow_bandwidth_bytes_per_s", cap)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str = "measured") -> LinkSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"kv_link must be a mapping, got {type(data).__name__}.")
-        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source", "overhead_s"}
+        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source", "overhead_s",
+                 "flow_bandwidth_bytes_per_s"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"kv_link: unknown key(s) {', '.join(unknown)} "
@@ -68,25 +80,33 @@ class LinkSpec:
             if key not in data:
                 raise ValueError(f"kv_link.{key} is required.")
         return cls(str(data.get("name", name)), data["bandwidth_bytes_per_s"], data["latency_s"],
-                   str(data.get("source", "")), data.get("overhead_s", 0.0))
+                   str(data.get("source", "")), data.get("overhead_s", 0.0),
+                   data.get("flow_bandwidth_bytes_per_s"))
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                "latency_s": self.latency_s, "source": self.source}
         if self.overhead_s:  # (absent: the files of links without one stay as they were)
             out["overhead_s"] = self.overhead_s
+        if self.flow_rate != self.bandwidth_bytes_per_s:  # (likewise)
+            out["flow_bandwidth_bytes_per_s"] = self.flow_rate
         return out
 
     @property
+    def flow_rate(self) -> float:
+        """The most one flow can move per second (its cap, as a float)."""
+        return float(self.flow_bandwidth_bytes_per_s)  # type: ignore[arg-type] (set in __post_init__)
+
+    @property
     def overhead_bytes(self) -> float:
-        """The overhead as bytes a flow carries on top of its own."""
-        return self.overhead_s * self.bandwidth_bytes_per_s
+        """The overhead as bytes a flow carries on top of its own (at a lone flow's rate)."""
+        return self.overhead_s * self.flow_rate
 
     def scaled(self, lanes: int) -> LinkSpec:
         """The link of an instance of ``lanes`` GPUs (tensor parallelism: each GPU sends its
-        shard of the KV over its own link, in parallel)."""
+        shard of the KV over its own link, in parallel: a flow's cap scales too)."""
         return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source,
-                        self.overhead_s)
+                        self.overhead_s, self.flow_rate * lanes)
 
 
 _NVLINK4 = "NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100/H200 datasheets)"
@@ -206,7 +226,7 @@ class LinkNetwork:
             for f in finished:
                 f.active = False
                 f.done.succeed(True)
-        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s)
+        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s, self.link.flow_rate)
         self._generation += 1
         if self.flows:
             wait = min(f.remaining / f.rate for f in self.flows)
@@ -222,9 +242,10 @@ class LinkNetwork:
             self._reschedule()
 
 
-def max_min_rates(flows: list[Flow], capacity: float) -> None:
+def max_min_rates(flows: list[Flow], capacity: float, flow_cap: float = math.inf) -> None:
     """Sets each flow's rate, max-min fair over the egress link of its sender and the ingress
-    link of its receiver, each of ``capacity`` (progressive filling)."""
+    link of its receiver, each of ``capacity``, no flow above ``flow_cap`` (progressive
+    filling: a flow's cap is one more constraint with that flow as its only user)."""
     left: dict[tuple[str, str], float] = {}
     users: dict[tuple[str, str], list[Flow]] = {}
     for f in flows:
@@ -237,6 +258,10 @@ def max_min_rates(flows: list[Flow], capacity: float) -> None:
         # the bottleneck: the port whose unfixed flows get the least by sharing it equally
         share, port = min((left[p] / n, p) for p, fs in users.items()
                           if (n := sum(1 for f in fs if index[id(f)] in unfixed)))
+        if flow_cap <= share:  # every port can carry every unfixed flow at its cap
+            for i in unfixed:
+                flows[i].rate = flow_cap
+            return
         for f in users[port]:
             i = index[id(f)]
             if i in unfixed:

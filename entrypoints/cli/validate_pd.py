@@ -301,7 +301,7 @@ def twin_link(profile: str, kv_link: str | None, model: str, config: dict[str, A
     from twinserve.gpu.measurement.kv_transfer import measure_link
     fit, _ = measure_link(kv_layout(model, config))
     log(f"profile {profile} has no kv_link: measured this machine's Peer connector, "
-        f"{fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {fit.latency_s * 1e3:.3f} ms latency")
+        f"{fit.describe()}")
     with_link = dataclasses.replace(hardware, kv_link=fit.to_kv_link())
     return str(with_link.save(out / "profile.json")), "measured"
 

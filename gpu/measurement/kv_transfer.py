@@ -64,29 +64,62 @@ def transfer_table(samples: Sequence[TransferSample]) -> list[TransferRow]:
 
 @dataclass(slots=True, frozen=True)
 class LinkFit:
-    """``seconds = latency_s + overhead_s + bytes / bandwidth_bytes_per_s`` for one transfer
-    alone (the twin's ``LinkSpec``: concurrent transfers overlap their latency and share the
-    bandwidth and the overhead)."""
+    """``seconds = latency_s + overhead_s + bytes / flow_rate`` for one transfer alone (the
+    twin's ``LinkSpec``: concurrent transfers overlap their latency and share the link's
+    ``bandwidth_bytes_per_s`` and the overhead, none above ``flow_bandwidth_bytes_per_s``;
+    None: one flow fills the link)."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
     overhead_s: float = 0.0
+    flow_bandwidth_bytes_per_s: float | None = None
+
+    @property
+    def flow_rate(self) -> float:
+        return self.flow_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
 
     def to_kv_link(self) -> dict[str, float]:
         out = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
         if self.overhead_s:
             out["overhead_s"] = self.overhead_s
+        if self.flow_rate != self.bandwidth_bytes_per_s:
+            out["flow_bandwidth_bytes_per_s"] = self.flow_rate
         return out
 
+    def describe(self) -> str:
+        return (f"{self.flow_rate / 1e9:.2f} GB/s a flow, {self.bandwidth_bytes_per_s / 1e9:.2f} "
+                f"GB/s shared, {self.latency_s * 1e3:.3f} ms latency, {self.overhead_s * 1e3:.3f} "
+                "ms shared overhead")
 
-def fit_link(samples: Sequence[TransferSample]) -> LinkFit:
-    """Bandwidth and the fixed cost from the one-at-a-time rows: least squares of seconds on
-    bytes over each size's median (at least two sizes; medians, since a shared host stalls
+
+# The capacities the fit tries, as multiples of one flow's rate: 1 to the highest concurrency
+# fitted, in steps of 1% (beyond it, the fitted rows cannot tell capacities apart).
+CAPACITY_STEP = 0.01
+
+
+def fit_link(samples: Sequence[TransferSample], capacity: bool = True) -> LinkFit:
+    """One flow's rate and the fixed cost from the one-at-a-time rows: least squares of seconds
+    on bytes over each size's median (at least two sizes; medians, since a shared host stalls
     single transfers now and then); a negative intercept is clamped to 0 (the line then refitted
-    through the origin). The concurrent rows, if any, then split the fixed cost into the part
-    concurrent transfers share (``overhead_s``) and the part they overlap (``latency_s``): the
-    share minimising the twin's squared relative error over them, within [0, 1]."""
+    through the origin). The concurrent rows, if any, then give the link's capacity (as ``rho``
+    times one flow's rate, ``1 <= rho <=`` the highest concurrency among them) and split the
+    fixed cost into the part concurrent transfers share (``overhead_s``) and the part they
+    overlap (``latency_s``): the pair minimising the twin's squared relative error over them.
+    ``capacity=False``: the link is one flow's rate (``rho = 1``, the model before flow caps)."""
     table = transfer_table(samples)
+    slope, fixed = _one_at_a_time_line(table)
+    concurrent = [r for r in table if r.concurrency > 1]
+    if not concurrent:
+        return LinkFit(1.0 / slope, fixed)
+    steps = round((max(r.concurrency for r in concurrent) - 1) / CAPACITY_STEP) if capacity else 0
+    best = min(_fit_share(concurrent, slope, fixed, 1.0 + k * CAPACITY_STEP)
+               for k in range(steps + 1))
+    _, rho, share = best
+    return LinkFit(rho / slope, fixed * (1.0 - share), fixed * share, 1.0 / slope)
+
+
+def _one_at_a_time_line(table: Sequence[TransferRow]) -> tuple[float, float]:
+    """Seconds per byte and the fixed seconds of one transfer alone."""
     points = [(r.num_bytes, r.seconds) for r in table if r.concurrency == 1]
     if len(points) < 2:
         raise ValueError("samples: the fit needs one-at-a-time transfers of at least two sizes.")
@@ -100,17 +133,29 @@ def fit_link(samples: Sequence[TransferSample]) -> LinkFit:
         slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
     if slope <= 0:
         raise ValueError("samples: transfer time does not grow with size; measure larger ones.")
-    # c equal flows started together end at latency + c * (overhead + bytes / bandwidth): with
-    # latency = (1 - share) * fixed, the residual t - fixed - c * bytes * slope is linear in share
+    return slope, fixed
+
+
+def _fit_share(rows: Sequence[TransferRow], slope: float, fixed: float,
+               rho: float) -> tuple[float, float, float]:
+    """(squared relative error, rho, share) for a link of ``rho`` flows' rate: ``c`` equal flows
+    started together each run at ``1 / k`` of a lone flow's rate, ``k = max(1, c / rho)``, and
+    end at ``latency + k * (overhead + bytes * slope)``; with ``latency = (1 - share) * fixed``
+    the residual ``t - fixed - k * bytes * slope = share * fixed * (k - 1)`` is linear in share
+    (clamped to [0, 1])."""
     num = den = 0.0
-    for r in table:
-        if r.concurrency > 1 and fixed > 0:
-            a = (r.concurrency - 1) * fixed
-            residual = r.seconds - fixed - r.concurrency * r.num_bytes * slope
-            num += a * residual / r.seconds ** 2
-            den += a * a / r.seconds ** 2
+    for r in rows:
+        k = max(1.0, r.concurrency / rho)
+        a = (k - 1.0) * fixed
+        num += a * (r.seconds - fixed - k * r.num_bytes * slope) / r.seconds ** 2
+        den += a * a / r.seconds ** 2
     share = min(1.0, max(0.0, num / den)) if den else 0.0
-    return LinkFit(1.0 / slope, fixed * (1.0 - share), fixed * share)
+    error = 0.0
+    for r in rows:
+        k = max(1.0, r.concurrency / rho)
+        predicted = fixed * (1.0 - share) + k * (share * fixed + r.num_bytes * slope)
+        error += ((predicted - r.seconds) / r.seconds) ** 2
+    return error, rho, share
 
 
 def aggregate_bandwidth(samples: Sequence[TransferSample]) -> dict[int, float]:

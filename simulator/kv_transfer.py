@@ -17,6 +17,18 @@ fixed cost of a connector whose handshake runs on the same contended CPU as its 
 concurrent transfers do not overlap their fixed costs (measured on this machine's Peer
 connector: ``benchmarks/kv_link_fit.py``). Anchors: DistServe's and splitwise-sim's transfer
 models (bandwidth and latency), with contention as in flow-level network simulators.
+
+A consumer on a CPU (``SimPeerWorker``) adds two rules, both measured on this machine
+(``gpu.measurement.kv_transfer.measure_consumer``) and off by default (a GPU's DMA engines copy
+beside compute into memory allocated up front):
+- ``first_touch_s_per_byte``: a load into local blocks that no load wrote before pays this per
+  byte of them, as work shared like its bytes: a CPU region's pages are allocated at their
+  first write (page faults, zero-filling), which a long-running server paid once and a fresh
+  deployment pays on its first pass over the cache.
+- ``consumer_step_share``: while the consumer instance is inside a step, its loads move at most
+  this share of a lone flow's rate: the load thread and the step share the instance's one core
+  (and Python's lock), so a load that would take 7 ms alone takes about twice that beside a
+  decode step.
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ class LinkSpec:
     source: str = ""  # where the numbers come from ("" = assumed)
     overhead_s: float = 0.0
     flow_bandwidth_bytes_per_s: float | None = None
+    first_touch_s_per_byte: float = 0.0  # the CPU consumer's rules (module docstring)
+    consumer_step_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -65,13 +79,26 @@ class LinkSpec:
             raise ValueError(f"kv_link.flow_bandwidth_bytes_per_s must be a positive number no "
                              f"larger than bandwidth_bytes_per_s ({bw!r}), got {cap!r}.")
         object.__setattr__(self, "flow_bandwidth_bytes_per_s", cap)
+        touch = self.first_touch_s_per_byte
+        if isinstance(touch, bool) or not isinstance(touch, (int, float)) or not 0 <= touch < 1:
+            raise ValueError(f"kv_link.first_touch_s_per_byte must be a number in [0, 1), got "
+                             f"{touch!r}.")
+        share = self.consumer_step_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"kv_link.consumer_step_share must be a number in (0, 1], got "
+                             f"{share!r}.")
+
+    @property
+    def cpu_consumer(self) -> bool:
+        """Whether the link carries a CPU consumer's rules (either differs from its default)."""
+        return self.first_touch_s_per_byte > 0 or self.consumer_step_share < 1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str = "measured") -> LinkSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"kv_link must be a mapping, got {type(data).__name__}.")
         known = {"name", "bandwidth_bytes_per_s", "latency_s", "source", "overhead_s",
-                 "flow_bandwidth_bytes_per_s"}
+                 "flow_bandwidth_bytes_per_s", "first_touch_s_per_byte", "consumer_step_share"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"kv_link: unknown key(s) {', '.join(unknown)} "
@@ -81,7 +108,8 @@ class LinkSpec:
                 raise ValueError(f"kv_link.{key} is required.")
         return cls(str(data.get("name", name)), data["bandwidth_bytes_per_s"], data["latency_s"],
                    str(data.get("source", "")), data.get("overhead_s", 0.0),
-                   data.get("flow_bandwidth_bytes_per_s"))
+                   data.get("flow_bandwidth_bytes_per_s"),
+                   data.get("first_touch_s_per_byte", 0.0), data.get("consumer_step_share", 1.0))
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
@@ -90,6 +118,10 @@ class LinkSpec:
             out["overhead_s"] = self.overhead_s
         if self.flow_rate != self.bandwidth_bytes_per_s:  # (likewise)
             out["flow_bandwidth_bytes_per_s"] = self.flow_rate
+        if self.first_touch_s_per_byte:
+            out["first_touch_s_per_byte"] = self.first_touch_s_per_byte
+        if self.consumer_step_share != 1.0:
+            out["consumer_step_share"] = self.consumer_step_share
         return out
 
     @property
@@ -106,7 +138,8 @@ class LinkSpec:
         """The link of an instance of ``lanes`` GPUs (tensor parallelism: each GPU sends its
         shard of the KV over its own link, in parallel: a flow's cap scales too)."""
         return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source,
-                        self.overhead_s, self.flow_rate * lanes)
+                        self.overhead_s, self.flow_rate * lanes, self.first_touch_s_per_byte,
+                        self.consumer_step_share)
 
 
 _NVLINK4 = "NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100/H200 datasheets)"
@@ -175,20 +208,37 @@ class Flow:
 @dataclass(slots=True)
 class LinkNetwork:
     """Flows between instances, each instance with one ``link`` per direction, shared max-min
-    fairly. ``transfer`` returns an event that fires when the flow completes."""
+    fairly. ``transfer`` returns an event that fires when the flow completes. ``pace``: per
+    receiving instance, the share of a flow's cap its flows keep now (``set_pace``)."""
 
     env: simpy.Environment
     link: LinkSpec
     flows: list[Flow] = field(default_factory=list)
+    pace: dict[str, float] = field(default_factory=dict)
     _last: float = 0.0
     _generation: int = 0
 
-    def transfer(self, src: str, dst: str, num_bytes: float) -> Flow:
+    def transfer(self, src: str, dst: str, num_bytes: float, work_s: float = 0.0) -> Flow:
+        """A flow of ``num_bytes``, plus the link's overhead and ``work_s`` more seconds of
+        work at a lone flow's rate (both shared like bytes)."""
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be >= 0, got {num_bytes}.")
-        flow = Flow(src, dst, float(num_bytes) + self.link.overhead_bytes, self.env.event())
+        if work_s < 0:
+            raise ValueError(f"work_s must be >= 0, got {work_s}.")
+        carried = float(num_bytes) + self.link.overhead_bytes + work_s * self.link.flow_rate
+        flow = Flow(src, dst, carried, self.env.event())
         self.env.process(self._start(flow))
         return flow
+
+    def set_pace(self, dst: str, share: float) -> None:
+        """From now on, flows into ``dst`` move at most ``share`` of a flow's cap."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share!r}.")
+        if self.pace.get(dst, 1.0) == share:
+            return
+        self._advance()
+        self.pace[dst] = share
+        self._reschedule()
 
     def cancel(self, flow: Flow) -> None:
         """Drops a flow (its ``done`` never fires); the others get its share."""
@@ -226,7 +276,7 @@ class LinkNetwork:
             for f in finished:
                 f.active = False
                 f.done.succeed(True)
-        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s, self.link.flow_rate)
+        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s, self.link.flow_rate, self.pace)
         self._generation += 1
         if self.flows:
             wait = min(f.remaining / f.rate for f in self.flows)
@@ -242,33 +292,34 @@ class LinkNetwork:
             self._reschedule()
 
 
-def max_min_rates(flows: list[Flow], capacity: float, flow_cap: float = math.inf) -> None:
+def max_min_rates(flows: list[Flow], capacity: float, flow_cap: float = math.inf,
+                  pace: Mapping[str, float] | None = None) -> None:
     """Sets each flow's rate, max-min fair over the egress link of its sender and the ingress
-    link of its receiver, each of ``capacity``, no flow above ``flow_cap`` (progressive
-    filling: a flow's cap is one more constraint with that flow as its only user)."""
+    link of its receiver, each of ``capacity``, no flow above its cap (``flow_cap`` times its
+    receiver's ``pace``, 1 if absent). Progressive filling: all rates rise together; a port
+    that fills fixes its flows at their equal share, a flow that reaches its cap stays there."""
+    pace = pace or {}
     left: dict[tuple[str, str], float] = {}
     users: dict[tuple[str, str], list[Flow]] = {}
     for f in flows:
         for port in (("out", f.src), ("in", f.dst)):
             left[port] = capacity
             users.setdefault(port, []).append(f)
-    unfixed = set(range(len(flows)))
-    index = {id(f): i for i, f in enumerate(flows)}
+    cap = {id(f): flow_cap * pace.get(f.dst, 1.0) for f in flows}
+    unfixed = {id(f): f for f in flows}
     while unfixed:
         # the bottleneck: the port whose unfixed flows get the least by sharing it equally
         share, port = min((left[p] / n, p) for p, fs in users.items()
-                          if (n := sum(1 for f in fs if index[id(f)] in unfixed)))
-        if flow_cap <= share:  # every port can carry every unfixed flow at its cap
-            for i in unfixed:
-                flows[i].rate = flow_cap
-            return
-        for f in users[port]:
-            i = index[id(f)]
-            if i in unfixed:
-                f.rate = share
-                unfixed.discard(i)
-                for p in (("out", f.src), ("in", f.dst)):
-                    left[p] -= share
+                          if (n := sum(1 for f in fs if id(f) in unfixed)))
+        capped = [f for f in unfixed.values() if cap[id(f)] <= share]
+        # flows capped below the bottleneck's share stay capped (shares only grow as they go)
+        fixed = [(f, cap[id(f)]) for f in capped] or \
+            [(f, share) for f in users[port] if id(f) in unfixed]
+        for f, rate in fixed:
+            f.rate = rate
+            del unfixed[id(f)]
+            for p in (("out", f.src), ("in", f.dst)):
+                left[p] -= rate
 
 
 @dataclass(slots=True)
@@ -284,7 +335,10 @@ class SimPeerWorker:
     """The Peer connector's worker side in the twin: each ``KVLoad`` is a flow from the
     producer's instance to this one (its bytes: the blocks times ``block_bytes``, the KV of a
     block on the whole instance). A producer keeps a send published until its reader is done or
-    ``timeout_s`` passes; a consumer's load that outlasts ``timeout_s`` fails."""
+    ``timeout_s`` passes; a consumer's load that outlasts ``timeout_s`` fails. The link's CPU
+    consumer rules: ``step_started``/``step_ended`` pace this instance's loads, and ``touched``
+    holds the local blocks loads wrote (only loads count: a block a step wrote first, then a
+    load, is charged as fresh, which happens once a run wraps around the cache)."""
 
     def __init__(self, engine_id: str, network: LinkNetwork, peers: dict[str, SimPeerWorker],
                  block_bytes: float, timeout_s: float, wake: Callable[[], None]) -> None:
@@ -296,6 +350,7 @@ class SimPeerWorker:
         self.released_early: set[str] = set()
         self.expired: set[str] = set()  # sends freed by their timeout: nothing left to read
         self.loads: dict[str, LoadTimes] = {}  # every load this instance ran, by request id
+        self.touched: set[int] = set()
         self._report = KVConnectorOutput()
 
     def start(self, meta: PeerConnectorMetadata) -> None:
@@ -315,12 +370,31 @@ class SimPeerWorker:
                 self._report.failed_recving.add(load.request_id)  # the producer gave up on it
                 continue
             num_bytes = len(load.local_block_ids) * self.block_bytes
-            flow = self.network.transfer(load.remote_engine_id, self.engine_id, num_bytes)
+            flow = self.network.transfer(load.remote_engine_id, self.engine_id, num_bytes,
+                                         self._first_touch_s(load.local_block_ids))
             self.flows[load.request_id] = (flow, load)
             self.loads[load.request_id] = LoadTimes(env.now, num_bytes=num_bytes)
             env.process(self._receive(load.request_id, flow))
         for rid in meta.cancelled:
             self._drop(rid)
+
+    def _first_touch_s(self, block_ids: list[int]) -> float:
+        per_byte = self.network.link.first_touch_s_per_byte
+        if not per_byte:
+            return 0.0
+        fresh = len(set(block_ids) - self.touched)
+        self.touched.update(block_ids)
+        return fresh * self.block_bytes * per_byte
+
+    def step_started(self) -> None:
+        """This instance begins a step: its loads slow to the link's ``consumer_step_share``."""
+        share = self.network.link.consumer_step_share
+        if share < 1:
+            self.network.set_pace(self.engine_id, share)
+
+    def step_ended(self) -> None:
+        if self.network.link.consumer_step_share < 1:
+            self.network.set_pace(self.engine_id, 1.0)
 
     def _receive(self, rid: str, flow: Flow):
         env = self.network.env
@@ -387,6 +461,7 @@ def concurrent_load_seconds(link: LinkSpec, num_bytes: float, concurrency: int) 
     producer = SimPeerWorker("producer", network, peers, num_bytes, horizon, lambda: None)
     consumer = SimPeerWorker("consumer", network, peers, num_bytes, horizon, lambda: None)
     rids = [f"load-{i}" for i in range(concurrency)]
+    consumer.touched.update(range(concurrency))  # (measured loads write pages touched before)
     producer.start(PeerConnectorMetadata(sends={rid: [i] for i, rid in enumerate(rids)}))
     consumer.start(PeerConnectorMetadata(loads=[
         KVLoad(rid, "producer", rid, [i], [i], "127.0.0.1", 0) for i, rid in enumerate(rids)]))

@@ -11,11 +11,17 @@ fixed cost is partly Python work on the consumer's core (side-channel calls, thr
 under the GIL), which concurrent loads cannot overlap. ``benchmarks/kv_link_fit.py`` fits on part
 of the grid and predicts the rest with the twin. ``calibrate`` writes the fit into the profile
 as ``kv_link`` (``simulator/kv_transfer.py``).
+
+``measure_consumer`` measures what a P/D decode instance on one CPU core adds to that link (the
+twin's CPU consumer rules): the cost of writing into pages of its region that nothing wrote
+before, and the share of its speed a load keeps beside a step on the same core.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -28,7 +34,7 @@ import torch
 
 from twinserve.gpu.kv_transfer.consumer import Consumer, LoadJob, LoadResult
 from twinserve.gpu.kv_transfer.producer import Producer
-from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion
+from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion, copy_blocks
 
 DEFAULT_BLOCKS = (1, 4, 16, 64)
 DEFAULT_CONCURRENCY = (1, 2, 4)
@@ -73,6 +79,8 @@ class LinkFit:
     latency_s: float
     overhead_s: float = 0.0
     flow_bandwidth_bytes_per_s: float | None = None
+    first_touch_s_per_byte: float = 0.0  # a CPU consumer's (``measure_consumer``)
+    consumer_step_share: float = 1.0
 
     @property
     def flow_rate(self) -> float:
@@ -84,12 +92,20 @@ class LinkFit:
             out["overhead_s"] = self.overhead_s
         if self.flow_rate != self.bandwidth_bytes_per_s:
             out["flow_bandwidth_bytes_per_s"] = self.flow_rate
+        if self.first_touch_s_per_byte:
+            out["first_touch_s_per_byte"] = self.first_touch_s_per_byte
+        if self.consumer_step_share != 1.0:
+            out["consumer_step_share"] = self.consumer_step_share
         return out
 
     def describe(self) -> str:
-        return (f"{self.flow_rate / 1e9:.2f} GB/s a flow, {self.bandwidth_bytes_per_s / 1e9:.2f} "
+        text = (f"{self.flow_rate / 1e9:.2f} GB/s a flow, {self.bandwidth_bytes_per_s / 1e9:.2f} "
                 f"GB/s shared, {self.latency_s * 1e3:.3f} ms latency, {self.overhead_s * 1e3:.3f} "
                 "ms shared overhead")
+        if self.first_touch_s_per_byte or self.consumer_step_share != 1.0:
+            text += (f"; consumer: first touch {self.first_touch_s_per_byte * 1e12:.0f} us/MB, "
+                     f"{self.consumer_step_share:.2f} of its speed beside a step")
+        return text
 
 
 # The capacities the fit tries, as multiples of one flow's rate: 1 to the highest concurrency
@@ -262,7 +278,84 @@ def measure_transfers(layout: KVLayout, blocks: Sequence[int] = DEFAULT_BLOCKS,
 
 
 def measure_link(layout: KVLayout, log: Callable[[str], None] | None = None,
-                 **kwargs: Any) -> tuple[LinkFit, list[TransferSample]]:
-    """The fitted link and the samples it rests on."""
+                 consumer: bool = True, **kwargs: Any) -> tuple[LinkFit, list[TransferSample]]:
+    """The fitted link and the samples it rests on; with ``consumer`` on a CPU, the consumer's
+    rules measured too (``measure_consumer``)."""
     samples = measure_transfers(layout, log=log, **kwargs)
-    return fit_link(samples), samples
+    fit = fit_link(samples)
+    if consumer and kwargs.get("device", "cpu") == "cpu":
+        found = measure_consumer(layout)
+        if log is not None:
+            log(f"kv consumer: {found}")
+        fit = dataclasses.replace(fit, first_touch_s_per_byte=found.first_touch_s_per_byte,
+                                  consumer_step_share=found.consumer_step_share)
+    return fit, samples
+
+
+@dataclass(slots=True, frozen=True)
+class ConsumerFit:
+    """A CPU consumer's rules (``simulator/kv_transfer.py``) and the medians they come from."""
+
+    first_touch_s_per_byte: float
+    consumer_step_share: float
+    warm_s: float  # one load into pages written before, the core otherwise idle
+    cold_s: float  # into pages never written
+    cold_beside_step_s: float  # into pages never written, a stand-in step on the same core
+
+
+# A decode step's kind of work for the stand-in: small GEMMs at a 135M model's width, one thread.
+STEP_ROWS, STEP_WIDTH = 8, 576
+
+
+def measure_consumer(layout: KVLayout, blocks: int = 16, repeats: int = 9) -> ConsumerFit:
+    """Loads of ``blocks`` blocks within this process, on one core (the last this process may
+    use), ``repeats`` rounds of three: into written pages, into fresh ones, and into fresh ones
+    while this thread runs a stand-in step (GEMMs, one torch thread) until the load ends. The
+    first-touch cost is (cold - warm) per byte; the step share is cold / cold beside the step.
+    The stand-in releases Python's lock within each GEMM, a real step also runs Python between
+    them: the real share is somewhat lower (docs/disaggregation.md)."""
+    fresh = dataclasses.replace(layout, num_blocks=blocks * (2 * repeats + 1))
+    src = SharedKVRegion(fresh, torch.device("cpu"))
+    src.tensor.normal_()
+    dst = SharedKVRegion(fresh, torch.device("cpu"))
+    ids = list(range(blocks))
+    copy_blocks(src.tensor, ids, dst.tensor, ids)  # blocks 0..n-1 warm, the rest never written
+    x, w = torch.randn(STEP_ROWS, STEP_WIDTH), torch.randn(STEP_WIDTH, STEP_WIDTH)
+
+    def step() -> None:
+        (x @ w).relu_()
+    times: dict[str, list[float]] = {"warm": [], "cold": [], "busy": []}
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {max(before)})  # this thread, and the load threads it starts
+        with _torch_threads(1):
+            for r in range(repeats):
+                times["warm"].append(_timed_load(src.tensor, ids, dst.tensor, ids, None))
+                for kind, busy in (("cold", None), ("busy", step)):
+                    first = blocks * (1 + 2 * r + (kind == "busy"))
+                    mine = list(range(first, first + blocks))
+                    times[kind].append(_timed_load(src.tensor, ids, dst.tensor, mine, busy))
+    finally:
+        os.sched_setaffinity(0, before)
+        src.close()
+        dst.close()
+    warm, cold, busy = (statistics.median(times[k]) for k in ("warm", "cold", "busy"))
+    touch = max(0.0, cold - warm) / (blocks * layout.bytes_per_block)
+    return ConsumerFit(touch, min(1.0, cold / busy), warm, cold, busy)
+
+
+def _timed_load(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
+                busy: Callable[[], None] | None) -> float:
+    """Seconds one copy takes on a thread of its own while this one runs ``busy`` (or waits)."""
+    took: list[float] = []
+
+    def load() -> None:
+        start = time.perf_counter()
+        copy_blocks(src, src_ids, dst, dst_ids)
+        took.append(time.perf_counter() - start)
+    thread = threading.Thread(target=load, name="twinserve-kv-measure")
+    thread.start()
+    while busy is not None and thread.is_alive():
+        busy()
+    thread.join()
+    return took[0]

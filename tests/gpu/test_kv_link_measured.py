@@ -106,3 +106,17 @@ def test_the_fit_recovers_a_link_capacity_above_one_flows_rate() -> None:
     # the model before flow caps (capacity = one flow's rate) misses four at a time
     _, flat = predict(samples, {1 << 16, 1 << 24}, {1, 2}, capacity=False)
     assert max(abs(r.error) for r in flat if r.concurrency == 4) > 0.3
+
+
+@pytest.mark.slow
+def test_a_cpu_consumer_pays_for_fresh_pages_and_slows_beside_a_step() -> None:
+    from twinserve.gpu.measurement.kv_transfer import LinkFit, measure_consumer
+    found = measure_consumer(KVLayout(30, 16, 3, 64, "bfloat16", 256))  # SmolLM2's blocks
+    # fresh pages are allocated and zeroed at first write; the stand-in step takes the core
+    assert found.cold_s > 1.2 * found.warm_s and found.first_touch_s_per_byte > 0
+    assert found.cold_beside_step_s > 1.2 * found.cold_s and found.consumer_step_share < 0.85
+    fit = LinkFit(4e9, 1e-4, first_touch_s_per_byte=found.first_touch_s_per_byte,
+                  consumer_step_share=found.consumer_step_share)
+    link = LinkSpec.from_dict(fit.to_kv_link())
+    assert (link.first_touch_s_per_byte, link.consumer_step_share) == \
+        (found.first_touch_s_per_byte, found.consumer_step_share)

@@ -307,7 +307,7 @@ class ConsumerFit:
 STEP_ROWS, STEP_WIDTH = 8, 576
 
 
-def measure_consumer(layout: KVLayout, blocks: int = 16, repeats: int = 9) -> ConsumerFit:
+def measure_consumer(layout: KVLayout, blocks: int = 16, repeats: int = 15) -> ConsumerFit:
     """Loads of ``blocks`` blocks within this process, on one core (the last this process may
     use), ``repeats`` rounds of three: into written pages, into fresh ones, and into fresh ones
     while this thread runs a stand-in step (GEMMs, one torch thread) until the load ends. The

@@ -27,8 +27,7 @@ beside compute into memory allocated up front):
   deployment pays on its first pass over the cache.
 - ``consumer_step_share``: while the consumer instance is inside a step, its loads move at most
   this share of a lone flow's rate: the load thread and the step share the instance's one core
-  (and Python's lock), so a load that would take 7 ms alone takes about twice that beside a
-  decode step.
+  (and Python's lock).
 """
 
 from __future__ import annotations
@@ -66,27 +65,18 @@ class LinkSpec:
         if not self.name:
             raise ValueError("kv_link name must be a non-empty string.")
         bw = self.bandwidth_bytes_per_s
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf:
-            raise ValueError(f"kv_link.bandwidth_bytes_per_s must be a positive number, got {bw!r}.")
-        lat = self.latency_s
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
-            raise ValueError(f"kv_link.latency_s must be a number >= 0, got {lat!r}.")
-        ovh = self.overhead_s
-        if isinstance(ovh, bool) or not isinstance(ovh, (int, float)) or not 0 <= ovh < math.inf:
-            raise ValueError(f"kv_link.overhead_s must be a number >= 0, got {ovh!r}.")
+        _check("bandwidth_bytes_per_s", bw, 0 < _num(bw) < math.inf, "a positive number")
+        _check("latency_s", self.latency_s, 0 <= _num(self.latency_s) < math.inf, "a number >= 0")
+        _check("overhead_s", self.overhead_s, 0 <= _num(self.overhead_s) < math.inf,
+               "a number >= 0")
         cap = bw if self.flow_bandwidth_bytes_per_s is None else self.flow_bandwidth_bytes_per_s
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap <= bw:
-            raise ValueError(f"kv_link.flow_bandwidth_bytes_per_s must be a positive number no "
-                             f"larger than bandwidth_bytes_per_s ({bw!r}), got {cap!r}.")
+        _check("flow_bandwidth_bytes_per_s", cap, 0 < _num(cap) <= bw,
+               f"a positive number no larger than bandwidth_bytes_per_s ({bw!r})")
         object.__setattr__(self, "flow_bandwidth_bytes_per_s", cap)
-        touch = self.first_touch_s_per_byte
-        if isinstance(touch, bool) or not isinstance(touch, (int, float)) or not 0 <= touch < 1:
-            raise ValueError(f"kv_link.first_touch_s_per_byte must be a number in [0, 1), got "
-                             f"{touch!r}.")
-        share = self.consumer_step_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ValueError(f"kv_link.consumer_step_share must be a number in (0, 1], got "
-                             f"{share!r}.")
+        _check("first_touch_s_per_byte", self.first_touch_s_per_byte,
+               0 <= _num(self.first_touch_s_per_byte) < 1, "a number in [0, 1)")
+        _check("consumer_step_share", self.consumer_step_share,
+               0 < _num(self.consumer_step_share) <= 1, "a number in (0, 1]")
 
     @property
     def cpu_consumer(self) -> bool:
@@ -140,6 +130,16 @@ class LinkSpec:
         return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source,
                         self.overhead_s, self.flow_rate * lanes, self.first_touch_s_per_byte,
                         self.consumer_step_share)
+
+
+def _num(value: Any) -> float:
+    """``value`` if it is a real number (not a bool), else NaN (which fails every range)."""
+    return math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else value
+
+
+def _check(key: str, value: Any, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"kv_link.{key} must be {what}, got {value!r}.")
 
 
 _NVLINK4 = "NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100/H200 datasheets)"

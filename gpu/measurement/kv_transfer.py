@@ -34,7 +34,7 @@ import torch
 
 from twinserve.gpu.kv_transfer.consumer import Consumer, LoadJob, LoadResult
 from twinserve.gpu.kv_transfer.producer import Producer
-from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion, copy_blocks
+from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion, attach, copy_blocks
 
 DEFAULT_BLOCKS = (1, 4, 16, 64)
 DEFAULT_CONCURRENCY = (1, 2, 4)
@@ -309,17 +309,20 @@ STEP_ROWS, STEP_WIDTH = 8, 576
 
 def measure_consumer(layout: KVLayout, blocks: int = 16, repeats: int = 15) -> ConsumerFit:
     """Loads of ``blocks`` blocks within this process, on one core (the last this process may
-    use), ``repeats`` rounds of three: into written pages, into fresh ones, and into fresh ones
-    while this thread runs a stand-in step (GEMMs, one torch thread) until the load ends. The
+    use), from a second mapping of a written region (as a consumer maps its producer's), in
+    ``repeats`` rounds of three: blocks read and written before, blocks never read through the
+    mapping nor written, and the latter while this thread runs a stand-in step (GEMMs, one torch
+    thread) until the load ends. The
     first-touch cost is (cold - warm) per byte; the step share is cold / cold beside the step.
     The stand-in releases Python's lock within each GEMM, a real step also runs Python between
     them: the real share is somewhat lower (docs/disaggregation.md)."""
     fresh = dataclasses.replace(layout, num_blocks=blocks * (2 * repeats + 1))
-    src = SharedKVRegion(fresh, torch.device("cpu"))
-    src.tensor.normal_()
+    producer = SharedKVRegion(fresh, torch.device("cpu"))
+    producer.tensor.normal_()  # every block written, as a producer's prefills wrote them
+    src = attach(producer.handle(), torch.device("cpu"))  # a consumer's own mapping, unread
     dst = SharedKVRegion(fresh, torch.device("cpu"))
     ids = list(range(blocks))
-    copy_blocks(src.tensor, ids, dst.tensor, ids)  # blocks 0..n-1 warm, the rest never written
+    copy_blocks(src, ids, dst.tensor, ids)  # blocks 0..n-1 read and written once, the rest never
     x, w = torch.randn(STEP_ROWS, STEP_WIDTH), torch.randn(STEP_WIDTH, STEP_WIDTH)
 
     def step() -> None:
@@ -330,14 +333,15 @@ def measure_consumer(layout: KVLayout, blocks: int = 16, repeats: int = 15) -> C
         os.sched_setaffinity(0, {max(before)})  # this thread, and the load threads it starts
         with _torch_threads(1):
             for r in range(repeats):
-                times["warm"].append(_timed_load(src.tensor, ids, dst.tensor, ids, None))
+                times["warm"].append(_timed_load(src, ids, dst.tensor, ids, None))
                 for kind, busy in (("cold", None), ("busy", step)):
                     first = blocks * (1 + 2 * r + (kind == "busy"))
                     mine = list(range(first, first + blocks))
-                    times[kind].append(_timed_load(src.tensor, ids, dst.tensor, mine, busy))
+                    times[kind].append(_timed_load(src, mine, dst.tensor, mine, busy))
     finally:
         os.sched_setaffinity(0, before)
-        src.close()
+        del src
+        producer.close()
         dst.close()
     warm, cold, busy = (statistics.median(times[k]) for k in ("warm", "cold", "busy"))
     touch = max(0.0, cold - warm) / (blocks * layout.bytes_per_block)

@@ -236,6 +236,9 @@ class LinkNetwork:
             raise ValueError(f"share must be in (0, 1], got {share!r}.")
         if self.pace.get(dst, 1.0) == share:
             return
+        if not any(f.dst == dst for f in self.flows):  # no rate changes (a producer's steps)
+            self.pace[dst] = share
+            return
         self._advance()
         self.pace[dst] = share
         self._reschedule()

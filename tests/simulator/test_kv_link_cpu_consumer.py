@@ -117,3 +117,16 @@ def test_a_gpu_profile_refuses_the_cpu_rules(tmp_path) -> None:
                                              "consumer_step_share": 0.5})
     with pytest.raises(ValueError, match="consumer_step_share"):
         _pd_summary(path)
+
+
+def test_a_step_begun_during_a_loads_latency_paces_it_once_it_flows() -> None:
+    env, producer, consumer = _pair(LinkSpec("cpu", 100.0, 1.0, consumer_step_share=0.5))
+    _load(env, producer, consumer, "a", [0])  # 1 s latency, then 100 bytes
+
+    def step():
+        consumer.step_started()  # 0 to 2 s: from 1 s at half speed (50 bytes), then alone
+        yield env.timeout(2.0)
+        consumer.step_ended()
+    env.process(step())
+    env.run()
+    assert _seconds(consumer, "a") == pytest.approx(2.5)

@@ -8,8 +8,9 @@ decode side's load path, shared memory on a CPU) over a grid of transfer sizes a
 fits the link (``fit_link``) on the cells of ``--fit-blocks`` x ``--fit-concurrency`` only, and
 predicts every cell with the twin's own transfer path (``simulator/kv_transfer.py``,
 ``concurrent_load_seconds``: ``SimPeerWorker`` loads over a ``LinkNetwork``). The held-out
-cells (other sizes, higher concurrency) test the model. A second table charges the whole fixed
-cost as latency (the link fitted on one-at-a-time transfers alone), for comparison.
+cells (other sizes, higher concurrency) test the model. Two more tables fit the same samples
+with the models before it, for comparison: the link's capacity one flow's rate (no flow cap),
+and the whole fixed cost as latency (the link fitted on one-at-a-time transfers alone).
 """
 
 from __future__ import annotations
@@ -44,15 +45,16 @@ class Prediction:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
-def predict(samples: Sequence[TransferSample], fit_bytes: set[int],
-            fit_concurrency: set[int]) -> tuple[LinkSpec, list[Prediction]]:
+def predict(samples: Sequence[TransferSample], fit_bytes: set[int], fit_concurrency: set[int],
+            capacity: bool = True) -> tuple[LinkSpec, list[Prediction]]:
     """Fits the link on the samples of ``fit_bytes`` x ``fit_concurrency`` (which must hold 1)
-    and predicts every cell of the table with the twin; a cell is held out unless fitted."""
+    and predicts every cell of the table with the twin; a cell is held out unless fitted.
+    ``capacity``: as ``fit_link``'s."""
     if 1 not in fit_concurrency:
         raise ValueError("fit_concurrency must include 1 (the bandwidth comes from it).")
     def fitted(s: TransferSample) -> bool:
         return s.num_bytes in fit_bytes and s.concurrency in fit_concurrency
-    link = LinkSpec.from_dict(fit_link([s for s in samples if fitted(s)]).to_kv_link())
+    link = LinkSpec.from_dict(fit_link([s for s in samples if fitted(s)], capacity).to_kv_link())
     rows = []
     for row in transfer_table(samples):
         ends = sorted(concurrent_load_seconds(link, row.num_bytes, row.concurrency))
@@ -64,14 +66,19 @@ def predict(samples: Sequence[TransferSample], fit_bytes: set[int],
 
 def format_table(link: LinkSpec, rows: Sequence[Prediction], title: str) -> str:
     held = [abs(r.error) for r in rows if r.held_out]
-    lines = [f"{title}: {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-             f"latency {link.latency_s * 1e3:.3f} ms, overhead {link.overhead_s * 1e3:.3f} ms",
+    lines = [f"{title}: {link.flow_rate / 1e9:.2f} GB/s a flow, {link.bandwidth_bytes_per_s / 1e9:.2f} "
+             f"GB/s shared, latency {link.latency_s * 1e3:.3f} ms, overhead "
+             f"{link.overhead_s * 1e3:.3f} ms",
              f"{'bytes':>10} {'conc':>4} {'measured ms':>12} {'twin ms':>9} {'error':>7}  held out"]
     for r in rows:
         lines.append(f"{r.num_bytes:>10} {r.concurrency:>4} {r.measured_s * 1e3:>12.3f} "
                      f"{r.predicted_s * 1e3:>9.3f} {r.error:>+7.0%}  {'yes' if r.held_out else ''}")
     if held:
         lines.append(f"held-out cells: mean |error| {sum(held) / len(held):.0%}, max {max(held):.0%}")
+        by_c = {c: [abs(r.error) for r in rows if r.held_out and r.concurrency == c]
+                for c in sorted({r.concurrency for r in rows if r.held_out})}
+        lines.append("held-out mean |error| by concurrency: " + ", ".join(
+            f"{c} at once {sum(e) / len(e):.0%}" for c, e in by_c.items()))
     return "\n".join(lines)
 
 
@@ -101,9 +108,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     fit_bytes = {n * layout.bytes_per_block for n in ns.fit_blocks}
     print(f"Peer connector, {layout.bytes_per_block:,} bytes a block, {ns.repeats} rounds a "
           f"cell; fitted on {ns.fit_blocks} blocks x {ns.fit_concurrency} at once\n")
-    for fit_concurrency, title in ((set(ns.fit_concurrency), "twin, fitted link"),
-                                   ({1}, "twin, fixed cost all latency (fit at 1 at once)")):
-        link, rows = predict(samples, fit_bytes, fit_concurrency)
+    for fit_concurrency, capacity, title in (
+            (set(ns.fit_concurrency), True, "twin, fitted link (flow cap and capacity)"),
+            (set(ns.fit_concurrency), False, "twin, capacity = one flow's rate (no flow cap)"),
+            ({1}, False, "twin, fixed cost all latency (fit at 1 at once)")):
+        link, rows = predict(samples, fit_bytes, fit_concurrency, capacity)
         print(format_table(link, rows, title) + "\n")
 
 

@@ -119,9 +119,7 @@ def add_kv_link(profile_path: Path, runner: Any, log: Log) -> Path:
     fit, samples = measure_link(layout)
     shared = ", ".join(f"{c} at once {bw / 1e9:.2f} GB/s"
                        for c, bw in aggregate_bandwidth(samples).items())
-    log(f"kv link (PeerConnector, shared memory): {fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-        f"{fit.latency_s * 1e3:.3f} ms latency, {fit.overhead_s * 1e3:.3f} ms shared overhead "
-        f"({shared})")
+    log(f"kv link (PeerConnector, shared memory): {fit.describe()} ({shared})")
     profile = dataclasses.replace(load_hardware(profile_path), kv_link=fit.to_kv_link())
     return profile.save(profile_path)
 

@@ -103,7 +103,9 @@ def instance_process(env: simpy.Environment, inst: Instance, on_outputs):
         worker.start(out.kv_connector_metadata)  # type: ignore[arg-type]
         if out.scheduled:
             duration = step_time(out)
+            worker.step_started()
             yield env.timeout(duration)
+            worker.step_ended()
             inst.busy_s += duration
         report = worker.get_finished()
         result = ModelRunnerOutput(sampled.sampled_token_ids, kv_connector_output=report)
@@ -247,6 +249,10 @@ def replay_fleet(cfg: SimConfig, requests: Iterator[Request], record_tenants: bo
     build = build_engine_config(cfg)
     engine_config, cost = build.engine_config, build.cost_model
     link = cost.hardware.kv_link_spec(cfg.kv_link)
+    if link.cpu_consumer and cost.hardware.device_type != "cpu":
+        raise ValueError(f"kv_link.first_touch_s_per_byte and consumer_step_share describe a "
+                         f"consumer on a CPU; profile {cost.hardware.name!r} runs on "
+                         f"{cost.hardware.device_type} (remove them from its kv_link).")
     pools_cfg = {}
     for pool in ("prefill", "decode"):  # a pool with its own arguments: its own resolution
         own = build if not getattr(cfg, f"{pool}_args") else build_engine_config(
@@ -294,6 +300,12 @@ def pool_summary(fleet: Fleet, records: list[RequestRecord], duration: float,
                            "kv_link_latency_s": link.latency_s}
     if link.overhead_s:  # (absent without one: the summaries of other links stay as they were)
         out["kv_link_overhead_s"] = link.overhead_s
+    if link.flow_rate != link.bandwidth_bytes_per_s:  # (likewise)
+        out["kv_link_flow_bandwidth_bytes_per_s"] = link.flow_rate
+    if link.first_touch_s_per_byte:
+        out["kv_link_first_touch_s_per_byte"] = link.first_touch_s_per_byte
+    if link.consumer_step_share != 1.0:
+        out["kv_link_consumer_step_share"] = link.consumer_step_share
     for name, pool in (("prefill", fleet.prefill), ("decode", fleet.decode)):
         out[f"{name}_instances"] = len(pool)
         out[f"{name}_utilization"] = (statistics.fmean(i.busy_s for i in pool) / duration

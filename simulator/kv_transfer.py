@@ -4,16 +4,30 @@ connector's worker side that runs each load as a flow.
 A transfer of ``bytes`` from instance S to instance R takes ``latency_s`` and then flows at a
 rate the link shares among the flows active at that moment: every instance has one link of
 ``bandwidth_bytes_per_s`` per direction (egress for what it sends, ingress for what it
-receives), and the rates are max-min fair (progressive filling: the most contended link fixes
-the rate of its flows first, what they leave goes to the others). Rates change only when a flow
-starts or ends, so the model moves from one such event to the next. One flow alone therefore
-takes ``latency_s + bytes / bandwidth``; two flows from one sender each take twice the
-bandwidth term. A link may also charge each transfer ``overhead_s`` of work that is shared like
-its bytes (a flow carries ``bytes + overhead_s * bandwidth``): the fixed cost of a connector
-whose handshake runs on the same contended CPU as its copy, where concurrent transfers do not
-overlap their fixed costs (measured on this machine's Peer connector: ``benchmarks/
-kv_link_fit.py``). Anchors: DistServe's and splitwise-sim's transfer models (bandwidth and
-latency), with contention as in flow-level network simulators.
+receives), and no flow goes faster than ``flow_bandwidth_bytes_per_s`` (one copy thread, one
+queue pair: by default the link's bandwidth, a flow alone fills the link). The rates are max-min
+fair (progressive filling: each flow gets the smaller of its cap and its fair share of the most
+contended link it crosses; what capped or bottlenecked flows leave goes to the others), as in
+flow-level network and NVLink models. Rates change only when a flow starts or ends, so the model
+moves from one such event to the next. One flow alone therefore takes ``latency_s + bytes /
+flow_bandwidth``; ``c`` flows from one sender each take ``max(1, c * flow_bandwidth /
+bandwidth)`` times its bandwidth term. A link may also charge each transfer ``overhead_s`` of
+work that is shared like its bytes (a flow carries ``bytes + overhead_s * flow_bandwidth``): the
+fixed cost of a connector whose handshake runs on the same contended CPU as its copy, where
+concurrent transfers do not overlap their fixed costs (measured on this machine's Peer
+connector: ``benchmarks/kv_link_fit.py``). Anchors: DistServe's and splitwise-sim's transfer
+models (bandwidth and latency), with contention as in flow-level network simulators.
+
+A consumer on a CPU (``SimPeerWorker``) adds two rules, both measured on this machine
+(``gpu.measurement.kv_transfer.measure_consumer``) and off by default (a GPU's DMA engines copy
+beside compute into memory allocated up front):
+- ``first_touch_s_per_byte``: a load into local blocks that no load wrote before pays this per
+  byte of them, as work shared like its bytes: a CPU region's pages are allocated at their
+  first write (page faults, zero-filling), which a long-running server paid once and a fresh
+  deployment pays on its first pass over the cache.
+- ``consumer_step_share``: while the consumer instance is inside a step, its loads move at most
+  this share of a lone flow's rate: the load thread and the step share the instance's one core
+  (and Python's lock).
 """
 
 from __future__ import annotations
@@ -33,33 +47,48 @@ _EPS_BYTES = 1e-6  # a flow with less left than this has finished (float residue
 
 @dataclass(slots=True, frozen=True)
 class LinkSpec:
-    """One instance's link for KV transfers: bandwidth per direction, a fixed latency that
-    concurrent transfers overlap, and a fixed per-transfer overhead that they share."""
+    """One instance's link for KV transfers: bandwidth per direction (the capacity its flows
+    share), a fixed latency that concurrent transfers overlap, a fixed per-transfer overhead
+    that they share, and the most one flow can move (``flow_bandwidth_bytes_per_s``: None, as
+    given, becomes ``bandwidth_bytes_per_s``)."""
 
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
     source: str = ""  # where the numbers come from ("" = assumed)
     overhead_s: float = 0.0
+    flow_bandwidth_bytes_per_s: float | None = None
+    first_touch_s_per_byte: float = 0.0  # the CPU consumer's rules (module docstring)
+    consumer_step_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("kv_link name must be a non-empty string.")
         bw = self.bandwidth_bytes_per_s
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf:
-            raise ValueError(f"kv_link.bandwidth_bytes_per_s must be a positive number, got {bw!r}.")
-        lat = self.latency_s
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
-            raise ValueError(f"kv_link.latency_s must be a number >= 0, got {lat!r}.")
-        ovh = self.overhead_s
-        if isinstance(ovh, bool) or not isinstance(ovh, (int, float)) or not 0 <= ovh < math.inf:
-            raise ValueError(f"kv_link.overhead_s must be a number >= 0, got {ovh!r}.")
+        _check("bandwidth_bytes_per_s", bw, 0 < _num(bw) < math.inf, "a positive number")
+        _check("latency_s", self.latency_s, 0 <= _num(self.latency_s) < math.inf, "a number >= 0")
+        _check("overhead_s", self.overhead_s, 0 <= _num(self.overhead_s) < math.inf,
+               "a number >= 0")
+        cap = bw if self.flow_bandwidth_bytes_per_s is None else self.flow_bandwidth_bytes_per_s
+        _check("flow_bandwidth_bytes_per_s", cap, 0 < _num(cap) <= bw,
+               f"a positive number no larger than bandwidth_bytes_per_s ({bw!r})")
+        object.__setattr__(self, "flow_bandwidth_bytes_per_s", cap)
+        _check("first_touch_s_per_byte", self.first_touch_s_per_byte,
+               0 <= _num(self.first_touch_s_per_byte) < 1, "a number in [0, 1)")
+        _check("consumer_step_share", self.consumer_step_share,
+               0 < _num(self.consumer_step_share) <= 1, "a number in (0, 1]")
+
+    @property
+    def cpu_consumer(self) -> bool:
+        """Whether the link carries a CPU consumer's rules (either differs from its default)."""
+        return self.first_touch_s_per_byte > 0 or self.consumer_step_share < 1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str = "measured") -> LinkSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"kv_link must be a mapping, got {type(data).__name__}.")
-        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source", "overhead_s"}
+        known = {"name", "bandwidth_bytes_per_s", "latency_s", "source", "overhead_s",
+                 "flow_bandwidth_bytes_per_s", "first_touch_s_per_byte", "consumer_step_share"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"kv_link: unknown key(s) {', '.join(unknown)} "
@@ -68,25 +97,49 @@ class LinkSpec:
             if key not in data:
                 raise ValueError(f"kv_link.{key} is required.")
         return cls(str(data.get("name", name)), data["bandwidth_bytes_per_s"], data["latency_s"],
-                   str(data.get("source", "")), data.get("overhead_s", 0.0))
+                   str(data.get("source", "")), data.get("overhead_s", 0.0),
+                   data.get("flow_bandwidth_bytes_per_s"),
+                   data.get("first_touch_s_per_byte", 0.0), data.get("consumer_step_share", 1.0))
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                "latency_s": self.latency_s, "source": self.source}
         if self.overhead_s:  # (absent: the files of links without one stay as they were)
             out["overhead_s"] = self.overhead_s
+        if self.flow_rate != self.bandwidth_bytes_per_s:  # (likewise)
+            out["flow_bandwidth_bytes_per_s"] = self.flow_rate
+        if self.first_touch_s_per_byte:
+            out["first_touch_s_per_byte"] = self.first_touch_s_per_byte
+        if self.consumer_step_share != 1.0:
+            out["consumer_step_share"] = self.consumer_step_share
         return out
 
     @property
+    def flow_rate(self) -> float:
+        """The most one flow can move per second (its cap, as a float)."""
+        return float(self.flow_bandwidth_bytes_per_s)  # type: ignore[arg-type] (set in __post_init__)
+
+    @property
     def overhead_bytes(self) -> float:
-        """The overhead as bytes a flow carries on top of its own."""
-        return self.overhead_s * self.bandwidth_bytes_per_s
+        """The overhead as bytes a flow carries on top of its own (at a lone flow's rate)."""
+        return self.overhead_s * self.flow_rate
 
     def scaled(self, lanes: int) -> LinkSpec:
         """The link of an instance of ``lanes`` GPUs (tensor parallelism: each GPU sends its
-        shard of the KV over its own link, in parallel)."""
+        shard of the KV over its own link, in parallel: a flow's cap scales too)."""
         return LinkSpec(self.name, self.bandwidth_bytes_per_s * lanes, self.latency_s, self.source,
-                        self.overhead_s)
+                        self.overhead_s, self.flow_rate * lanes, self.first_touch_s_per_byte,
+                        self.consumer_step_share)
+
+
+def _num(value: Any) -> float:
+    """``value`` if it is a real number (not a bool), else NaN (which fails every range)."""
+    return math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else value
+
+
+def _check(key: str, value: Any, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"kv_link.{key} must be {what}, got {value!r}.")
 
 
 _NVLINK4 = "NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100/H200 datasheets)"
@@ -155,20 +208,40 @@ class Flow:
 @dataclass(slots=True)
 class LinkNetwork:
     """Flows between instances, each instance with one ``link`` per direction, shared max-min
-    fairly. ``transfer`` returns an event that fires when the flow completes."""
+    fairly. ``transfer`` returns an event that fires when the flow completes. ``pace``: per
+    receiving instance, the share of a flow's cap its flows keep now (``set_pace``)."""
 
     env: simpy.Environment
     link: LinkSpec
     flows: list[Flow] = field(default_factory=list)
+    pace: dict[str, float] = field(default_factory=dict)
     _last: float = 0.0
     _generation: int = 0
 
-    def transfer(self, src: str, dst: str, num_bytes: float) -> Flow:
+    def transfer(self, src: str, dst: str, num_bytes: float, work_s: float = 0.0) -> Flow:
+        """A flow of ``num_bytes``, plus the link's overhead and ``work_s`` more seconds of
+        work at a lone flow's rate (both shared like bytes)."""
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be >= 0, got {num_bytes}.")
-        flow = Flow(src, dst, float(num_bytes) + self.link.overhead_bytes, self.env.event())
+        if work_s < 0:
+            raise ValueError(f"work_s must be >= 0, got {work_s}.")
+        carried = float(num_bytes) + self.link.overhead_bytes + work_s * self.link.flow_rate
+        flow = Flow(src, dst, carried, self.env.event())
         self.env.process(self._start(flow))
         return flow
+
+    def set_pace(self, dst: str, share: float) -> None:
+        """From now on, flows into ``dst`` move at most ``share`` of a flow's cap."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share!r}.")
+        if self.pace.get(dst, 1.0) == share:
+            return
+        if not any(f.dst == dst for f in self.flows):  # no rate changes (a producer's steps)
+            self.pace[dst] = share
+            return
+        self._advance()
+        self.pace[dst] = share
+        self._reschedule()
 
     def cancel(self, flow: Flow) -> None:
         """Drops a flow (its ``done`` never fires); the others get its share."""
@@ -206,7 +279,7 @@ class LinkNetwork:
             for f in finished:
                 f.active = False
                 f.done.succeed(True)
-        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s)
+        max_min_rates(self.flows, self.link.bandwidth_bytes_per_s, self.link.flow_rate, self.pace)
         self._generation += 1
         if self.flows:
             wait = min(f.remaining / f.rate for f in self.flows)
@@ -222,28 +295,34 @@ class LinkNetwork:
             self._reschedule()
 
 
-def max_min_rates(flows: list[Flow], capacity: float) -> None:
+def max_min_rates(flows: list[Flow], capacity: float, flow_cap: float = math.inf,
+                  pace: Mapping[str, float] | None = None) -> None:
     """Sets each flow's rate, max-min fair over the egress link of its sender and the ingress
-    link of its receiver, each of ``capacity`` (progressive filling)."""
+    link of its receiver, each of ``capacity``, no flow above its cap (``flow_cap`` times its
+    receiver's ``pace``, 1 if absent). Progressive filling: all rates rise together; a port
+    that fills fixes its flows at their equal share, a flow that reaches its cap stays there."""
+    pace = pace or {}
     left: dict[tuple[str, str], float] = {}
     users: dict[tuple[str, str], list[Flow]] = {}
     for f in flows:
         for port in (("out", f.src), ("in", f.dst)):
             left[port] = capacity
             users.setdefault(port, []).append(f)
-    unfixed = set(range(len(flows)))
-    index = {id(f): i for i, f in enumerate(flows)}
+    cap = {id(f): flow_cap * pace.get(f.dst, 1.0) for f in flows}
+    unfixed = {id(f): f for f in flows}
     while unfixed:
         # the bottleneck: the port whose unfixed flows get the least by sharing it equally
         share, port = min((left[p] / n, p) for p, fs in users.items()
-                          if (n := sum(1 for f in fs if index[id(f)] in unfixed)))
-        for f in users[port]:
-            i = index[id(f)]
-            if i in unfixed:
-                f.rate = share
-                unfixed.discard(i)
-                for p in (("out", f.src), ("in", f.dst)):
-                    left[p] -= share
+                          if (n := sum(1 for f in fs if id(f) in unfixed)))
+        capped = [f for f in unfixed.values() if cap[id(f)] <= share]
+        # flows capped below the bottleneck's share stay capped (shares only grow as they go)
+        fixed = [(f, cap[id(f)]) for f in capped] or \
+            [(f, share) for f in users[port] if id(f) in unfixed]
+        for f, rate in fixed:
+            f.rate = rate
+            del unfixed[id(f)]
+            for p in (("out", f.src), ("in", f.dst)):
+                left[p] -= rate
 
 
 @dataclass(slots=True)
@@ -259,7 +338,10 @@ class SimPeerWorker:
     """The Peer connector's worker side in the twin: each ``KVLoad`` is a flow from the
     producer's instance to this one (its bytes: the blocks times ``block_bytes``, the KV of a
     block on the whole instance). A producer keeps a send published until its reader is done or
-    ``timeout_s`` passes; a consumer's load that outlasts ``timeout_s`` fails."""
+    ``timeout_s`` passes; a consumer's load that outlasts ``timeout_s`` fails. The link's CPU
+    consumer rules: ``step_started``/``step_ended`` pace this instance's loads, and ``touched``
+    holds the local blocks loads wrote (only loads count: a block a step wrote first, then a
+    load, is charged as fresh, which happens once a run wraps around the cache)."""
 
     def __init__(self, engine_id: str, network: LinkNetwork, peers: dict[str, SimPeerWorker],
                  block_bytes: float, timeout_s: float, wake: Callable[[], None]) -> None:
@@ -271,6 +353,7 @@ class SimPeerWorker:
         self.released_early: set[str] = set()
         self.expired: set[str] = set()  # sends freed by their timeout: nothing left to read
         self.loads: dict[str, LoadTimes] = {}  # every load this instance ran, by request id
+        self.touched: set[int] = set()
         self._report = KVConnectorOutput()
 
     def start(self, meta: PeerConnectorMetadata) -> None:
@@ -290,12 +373,31 @@ class SimPeerWorker:
                 self._report.failed_recving.add(load.request_id)  # the producer gave up on it
                 continue
             num_bytes = len(load.local_block_ids) * self.block_bytes
-            flow = self.network.transfer(load.remote_engine_id, self.engine_id, num_bytes)
+            flow = self.network.transfer(load.remote_engine_id, self.engine_id, num_bytes,
+                                         self._first_touch_s(load.local_block_ids))
             self.flows[load.request_id] = (flow, load)
             self.loads[load.request_id] = LoadTimes(env.now, num_bytes=num_bytes)
             env.process(self._receive(load.request_id, flow))
         for rid in meta.cancelled:
             self._drop(rid)
+
+    def _first_touch_s(self, block_ids: list[int]) -> float:
+        per_byte = self.network.link.first_touch_s_per_byte
+        if not per_byte:
+            return 0.0
+        fresh = len(set(block_ids) - self.touched)
+        self.touched.update(block_ids)
+        return fresh * self.block_bytes * per_byte
+
+    def step_started(self) -> None:
+        """This instance begins a step: its loads slow to the link's ``consumer_step_share``."""
+        share = self.network.link.consumer_step_share
+        if share < 1:
+            self.network.set_pace(self.engine_id, share)
+
+    def step_ended(self) -> None:
+        if self.network.link.consumer_step_share < 1:
+            self.network.set_pace(self.engine_id, 1.0)
 
     def _receive(self, rid: str, flow: Flow):
         env = self.network.env
@@ -362,6 +464,7 @@ def concurrent_load_seconds(link: LinkSpec, num_bytes: float, concurrency: int) 
     producer = SimPeerWorker("producer", network, peers, num_bytes, horizon, lambda: None)
     consumer = SimPeerWorker("consumer", network, peers, num_bytes, horizon, lambda: None)
     rids = [f"load-{i}" for i in range(concurrency)]
+    consumer.touched.update(range(concurrency))  # (measured loads write pages touched before)
     producer.start(PeerConnectorMetadata(sends={rid: [i] for i, rid in enumerate(rids)}))
     consumer.start(PeerConnectorMetadata(loads=[
         KVLoad(rid, "producer", rid, [i], [i], "127.0.0.1", 0) for i, rid in enumerate(rids)]))

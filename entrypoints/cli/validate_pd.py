@@ -26,7 +26,12 @@ measured now, ``gpu.measurement.kv_transfer``, saved as ``OUT/profile.json``).
 
 Writes ``OUT/real`` (backend ``twinserve``, no steps.csv: instances keep no step rows),
 ``OUT/sim``, ``OUT/errors.csv`` (``reports.fidelity``'s rows plus the transfer and TTFT-part
-means) and prints the table.
+means) and prints the table. ``--real-repeats N`` runs the real deployment N times, each a
+fresh one (``OUT/real``, ``OUT/real-2``, ...: ``fidelity.replays.run_dir_name``), and judges
+the twin against each metric's median, as single-engine validate does (``reports.fidelity``,
+``reports.repeatability`` from three runs on). Under the table, each run's KV loads split by
+whether the decode instance was inside a step meanwhile (``load_split``): on a CPU the two
+differ by about 2x, which the twin's ``consumer_step_share`` models.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +72,6 @@ PD_METRICS = ("mean_kv_transfer_ms", "p90_kv_transfer_ms",
               *(f"mean_ttft_{p}_ms" for p in TTFT_PARTS))
 # validate's flags a P/D run does not take: (dest, its default, the flag and why)
 REFUSED_FLAGS = (
-    ("real_repeats", 1, "--real-repeats (one real replay per P/D run)"),
     ("reuse_real", None, "--reuse-real"),
     ("at_host_speed", False, "--at-host-speed (the instances run no speed probe)"),
     ("at_replay_speed", False, "--at-replay-speed (the instances keep no step rows)"),
@@ -301,7 +306,7 @@ def twin_link(profile: str, kv_link: str | None, model: str, config: dict[str, A
     from twinserve.gpu.measurement.kv_transfer import measure_link
     fit, _ = measure_link(kv_layout(model, config))
     log(f"profile {profile} has no kv_link: measured this machine's Peer connector, "
-        f"{fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {fit.latency_s * 1e3:.3f} ms latency")
+        f"{fit.describe()}")
     with_link = dataclasses.replace(hardware, kv_link=fit.to_kv_link())
     return str(with_link.save(out / "profile.json")), "measured"
 
@@ -339,17 +344,69 @@ def simulate_pd(real_dir: Path, profile: str, trace: list[TraceRequest], pd: PDD
     return result.summary
 
 
-def error_table(real: dict[str, Any], sim: dict[str, Any], title: str) -> ErrorTable:
-    """``reports.fidelity``'s rows and the P/D ones (transfers, TTFT parts), real beside twin."""
+def error_table(reals: list[dict[str, Any]], sim: dict[str, Any], title: str) -> ErrorTable:
+    """``reports.fidelity``'s rows and the P/D ones (transfers, TTFT parts), the median of the
+    real runs beside the twin; the leave-one-out repeatability from three runs on."""
     from twinserve.reports.fidelity import as_number, error_row, error_rows
-    rows = error_rows([real], sim) + [error_row(m, [as_number(real.get(m))], as_number(sim.get(m)))
-                                      for m in PD_METRICS]
-    return ErrorTable(tuple(rows), title=title)
+    from twinserve.reports.repeatability import repeatability
+    rows = error_rows(reals, sim) + [
+        error_row(m, [as_number(r.get(m)) for r in reals], as_number(sim.get(m)))
+        for m in PD_METRICS]
+    return ErrorTable(tuple(rows), tuple(repeatability(reals, sim)), title)
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSplit:
+    """A run's KV loads (mean ms, count) with their decode instance idle or inside a step for
+    at least half of the load."""
+
+    idle_ms: float
+    idle: int
+    in_step_ms: float
+    in_step: int
+
+    def format(self) -> str:
+        return (f"{self.idle_ms:.1f} ms idle ({self.idle}), {self.in_step_ms:.1f} ms inside "
+                f"steps ({self.in_step})")
+
+
+def load_split(folder: Path) -> LoadSplit:
+    """The loads of the run in ``folder`` (its ``requests.csv``), split by the decode instance's
+    steps, which a real instance does not record: they are read from the times of its tokens
+    (first token, then the ITLs), a gap between two consecutive tokens on one instance shorter
+    than twice the median gap being one step (longer: idle between them)."""
+    import csv
+    with open(folder / "requests.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["success"] == "1" and r["kv_transfer_s"]]
+    tokens: dict[str, list[float]] = {}
+    loads: list[tuple[str, float, float]] = []
+    for r in rows:
+        times = list(accumulate((float(x) / 1e3 for x in r["itls_ms"].split()),
+                                initial=float(r["first_token_time"])))
+        tokens.setdefault(r["decode_engine"], []).extend(times)
+        end = float(r["arrival_time"]) + sum(float(r[f"ttft_{p}_s"]) for p in TTFT_PARTS[:3])
+        loads.append((r["decode_engine"], end - float(r["kv_transfer_s"]), end))
+    steps = {engine: _steps(sorted(ts)) for engine, ts in tokens.items()}
+    idle, busy = [], []
+    for engine, start, end in loads:
+        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in steps[engine])
+        (busy if end > start and inside >= 0.5 * (end - start) else idle).append(end - start)
+    return LoadSplit(statistics.fmean(idle) * 1e3 if idle else math.nan, len(idle),
+                     statistics.fmean(busy) * 1e3 if busy else math.nan, len(busy))
+
+
+def _steps(times: list[float]) -> list[tuple[float, float]]:
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    if not gaps:
+        return []
+    limit = 2 * statistics.median(gaps)
+    return [(a, b) for a, b in zip(times, times[1:]) if 0 < b - a < limit]
 
 
 def run_validate_pd(args: argparse.Namespace, engine: EngineArgs, workload: Workload,
                     pd: PDDeployment) -> int:
-    """The real P/D deployment and its twin on ``workload``; prints the error table."""
+    """The real P/D deployment (``--real-repeats`` times) and its twin on ``workload``; prints
+    the error table and the loads' split."""
     import json
 
     from twinserve.core.model_config import ModelConfig
@@ -365,23 +422,40 @@ def run_validate_pd(args: argparse.Namespace, engine: EngineArgs, workload: Work
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = ModelConfig.from_dir(resolve_model_source(model)[0]).vocab_size
-    log(f"real: {pd.prefill_instances}P{pd.decode_instances}D, {len(trace)} requests")
-    replay = replay_pd(engine, pd, trace, vocab)
-    real_dir = write_real(replay, trace, pd, out / "real", engine, dict(workload.desc))
-    config = json.loads((real_dir / "config.json").read_text())
+    real_dirs = real_runs(engine, pd, trace, vocab, out, dict(workload.desc),
+                          int(getattr(args, "real_repeats", 1) or 1), log)
+    config = json.loads((real_dirs[0] / "config.json").read_text())
     profile, link = twin_link(str(args.profile), getattr(args, "kv_link", None), model, config,
                               out, log)
-    sim = simulate_pd(real_dir, profile, trace, pd, link, out / "sim", dict(workload.desc),
+    sim = simulate_pd(real_dirs[0], profile, trace, pd, link, out / "sim", dict(workload.desc),
                       model, log)
-    real = json.loads((real_dir / "summary.json").read_text())
-    table = error_table(real, sim, f"sim vs real ({pd.prefill_instances}P"
-                                   f"{pd.decode_instances}D, {len(trace)} requests, profile "
-                                   f"{profile}, kv link {sim.get('kv_link')})")
+    reals = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
+    table = error_table(reals, sim, f"sim vs real ({pd.prefill_instances}P"
+                                    f"{pd.decode_instances}D, {len(trace)} requests, "
+                                    f"{len(real_dirs)} real run(s), profile {profile}, kv link "
+                                    f"{sim.get('kv_link')})")
     table.write(out)
     print(table.format())
+    for folder in (*real_dirs, out / "sim"):
+        print(f"  KV loads, {folder.name}: {load_split(folder).format()}")
     try:
         from twinserve.reports import write_report
-        print(f"report: {write_report([real_dir, out / 'sim'], out / 'report.html', title=table.title)}")
+        print(f"report: {write_report([*real_dirs, out / 'sim'], out / 'report.html', title=table.title)}")
     except Exception as exc:  # noqa: BLE001 (the error table is the result, not the report)
         print(f"report not written: {exc}", file=sys.stderr)
     return 0
+
+
+def real_runs(engine: EngineArgs, pd: PDDeployment, trace: list[TraceRequest], vocab_size: int,
+              out: Path, desc: dict[str, Any], repeats: int, log: Log) -> list[Path]:
+    """``repeats`` real replays, each on a fresh deployment, as run folders under ``out``."""
+    from twinserve.fidelity.replays import run_dir_name
+    if repeats < 1:
+        raise ValueError(f"--real-repeats must be >= 1, got {repeats}.")
+    dirs = []
+    for i in range(repeats):
+        log(f"real: {pd.prefill_instances}P{pd.decode_instances}D, {len(trace)} requests "
+            f"(run {i + 1} of {repeats})")
+        replay = replay_pd(engine, pd, trace, vocab_size)
+        dirs.append(write_real(replay, trace, pd, out / run_dir_name(i), engine, desc))
+    return dirs

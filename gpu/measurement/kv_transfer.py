@@ -11,11 +11,17 @@ fixed cost is partly Python work on the consumer's core (side-channel calls, thr
 under the GIL), which concurrent loads cannot overlap. ``benchmarks/kv_link_fit.py`` fits on part
 of the grid and predicts the rest with the twin. ``calibrate`` writes the fit into the profile
 as ``kv_link`` (``simulator/kv_transfer.py``).
+
+``measure_consumer`` measures what a P/D decode instance on one CPU core adds to that link (the
+twin's CPU consumer rules): the cost of writing into pages of its region that nothing wrote
+before, and the share of its speed a load keeps beside a step on the same core.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -28,7 +34,7 @@ import torch
 
 from twinserve.gpu.kv_transfer.consumer import Consumer, LoadJob, LoadResult
 from twinserve.gpu.kv_transfer.producer import Producer
-from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion
+from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion, attach, copy_blocks
 
 DEFAULT_BLOCKS = (1, 4, 16, 64)
 DEFAULT_CONCURRENCY = (1, 2, 4)
@@ -64,29 +70,72 @@ def transfer_table(samples: Sequence[TransferSample]) -> list[TransferRow]:
 
 @dataclass(slots=True, frozen=True)
 class LinkFit:
-    """``seconds = latency_s + overhead_s + bytes / bandwidth_bytes_per_s`` for one transfer
-    alone (the twin's ``LinkSpec``: concurrent transfers overlap their latency and share the
-    bandwidth and the overhead)."""
+    """``seconds = latency_s + overhead_s + bytes / flow_rate`` for one transfer alone (the
+    twin's ``LinkSpec``: concurrent transfers overlap their latency and share the link's
+    ``bandwidth_bytes_per_s`` and the overhead, none above ``flow_bandwidth_bytes_per_s``;
+    None: one flow fills the link)."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
     overhead_s: float = 0.0
+    flow_bandwidth_bytes_per_s: float | None = None
+    first_touch_s_per_byte: float = 0.0  # a CPU consumer's (``measure_consumer``)
+    consumer_step_share: float = 1.0
+
+    @property
+    def flow_rate(self) -> float:
+        return self.flow_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
 
     def to_kv_link(self) -> dict[str, float]:
         out = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
         if self.overhead_s:
             out["overhead_s"] = self.overhead_s
+        if self.flow_rate != self.bandwidth_bytes_per_s:
+            out["flow_bandwidth_bytes_per_s"] = self.flow_rate
+        if self.first_touch_s_per_byte:
+            out["first_touch_s_per_byte"] = self.first_touch_s_per_byte
+        if self.consumer_step_share != 1.0:
+            out["consumer_step_share"] = self.consumer_step_share
         return out
 
+    def describe(self) -> str:
+        text = (f"{self.flow_rate / 1e9:.2f} GB/s a flow, {self.bandwidth_bytes_per_s / 1e9:.2f} "
+                f"GB/s shared, {self.latency_s * 1e3:.3f} ms latency, {self.overhead_s * 1e3:.3f} "
+                "ms shared overhead")
+        if self.first_touch_s_per_byte or self.consumer_step_share != 1.0:
+            text += (f"; consumer: first touch {self.first_touch_s_per_byte * 1e12:.0f} us/MB, "
+                     f"{self.consumer_step_share:.2f} of its speed beside a step")
+        return text
 
-def fit_link(samples: Sequence[TransferSample]) -> LinkFit:
-    """Bandwidth and the fixed cost from the one-at-a-time rows: least squares of seconds on
-    bytes over each size's median (at least two sizes; medians, since a shared host stalls
+
+# The capacities the fit tries, as multiples of one flow's rate: 1 to the highest concurrency
+# fitted, in steps of 1% (beyond it, the fitted rows cannot tell capacities apart).
+CAPACITY_STEP = 0.01
+
+
+def fit_link(samples: Sequence[TransferSample], capacity: bool = True) -> LinkFit:
+    """One flow's rate and the fixed cost from the one-at-a-time rows: least squares of seconds
+    on bytes over each size's median (at least two sizes; medians, since a shared host stalls
     single transfers now and then); a negative intercept is clamped to 0 (the line then refitted
-    through the origin). The concurrent rows, if any, then split the fixed cost into the part
-    concurrent transfers share (``overhead_s``) and the part they overlap (``latency_s``): the
-    share minimising the twin's squared relative error over them, within [0, 1]."""
+    through the origin). The concurrent rows, if any, then give the link's capacity (as ``rho``
+    times one flow's rate, ``1 <= rho <=`` the highest concurrency among them) and split the
+    fixed cost into the part concurrent transfers share (``overhead_s``) and the part they
+    overlap (``latency_s``): the pair minimising the twin's squared relative error over them.
+    ``capacity=False``: the link is one flow's rate (``rho = 1``, the model before flow caps)."""
     table = transfer_table(samples)
+    slope, fixed = _one_at_a_time_line(table)
+    concurrent = [r for r in table if r.concurrency > 1]
+    if not concurrent:
+        return LinkFit(1.0 / slope, fixed)
+    steps = round((max(r.concurrency for r in concurrent) - 1) / CAPACITY_STEP) if capacity else 0
+    best = min(_fit_share(concurrent, slope, fixed, 1.0 + k * CAPACITY_STEP)
+               for k in range(steps + 1))
+    _, rho, share = best
+    return LinkFit(rho / slope, fixed * (1.0 - share), fixed * share, 1.0 / slope)
+
+
+def _one_at_a_time_line(table: Sequence[TransferRow]) -> tuple[float, float]:
+    """Seconds per byte and the fixed seconds of one transfer alone."""
     points = [(r.num_bytes, r.seconds) for r in table if r.concurrency == 1]
     if len(points) < 2:
         raise ValueError("samples: the fit needs one-at-a-time transfers of at least two sizes.")
@@ -100,17 +149,29 @@ def fit_link(samples: Sequence[TransferSample]) -> LinkFit:
         slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
     if slope <= 0:
         raise ValueError("samples: transfer time does not grow with size; measure larger ones.")
-    # c equal flows started together end at latency + c * (overhead + bytes / bandwidth): with
-    # latency = (1 - share) * fixed, the residual t - fixed - c * bytes * slope is linear in share
+    return slope, fixed
+
+
+def _fit_share(rows: Sequence[TransferRow], slope: float, fixed: float,
+               rho: float) -> tuple[float, float, float]:
+    """(squared relative error, rho, share) for a link of ``rho`` flows' rate: ``c`` equal flows
+    started together each run at ``1 / k`` of a lone flow's rate, ``k = max(1, c / rho)``, and
+    end at ``latency + k * (overhead + bytes * slope)``; with ``latency = (1 - share) * fixed``
+    the residual ``t - fixed - k * bytes * slope = share * fixed * (k - 1)`` is linear in share
+    (clamped to [0, 1])."""
     num = den = 0.0
-    for r in table:
-        if r.concurrency > 1 and fixed > 0:
-            a = (r.concurrency - 1) * fixed
-            residual = r.seconds - fixed - r.concurrency * r.num_bytes * slope
-            num += a * residual / r.seconds ** 2
-            den += a * a / r.seconds ** 2
+    for r in rows:
+        k = max(1.0, r.concurrency / rho)
+        a = (k - 1.0) * fixed
+        num += a * (r.seconds - fixed - k * r.num_bytes * slope) / r.seconds ** 2
+        den += a * a / r.seconds ** 2
     share = min(1.0, max(0.0, num / den)) if den else 0.0
-    return LinkFit(1.0 / slope, fixed * (1.0 - share), fixed * share)
+    error = 0.0
+    for r in rows:
+        k = max(1.0, r.concurrency / rho)
+        predicted = fixed * (1.0 - share) + k * (share * fixed + r.num_bytes * slope)
+        error += ((predicted - r.seconds) / r.seconds) ** 2
+    return error, rho, share
 
 
 def aggregate_bandwidth(samples: Sequence[TransferSample]) -> dict[int, float]:
@@ -217,7 +278,88 @@ def measure_transfers(layout: KVLayout, blocks: Sequence[int] = DEFAULT_BLOCKS,
 
 
 def measure_link(layout: KVLayout, log: Callable[[str], None] | None = None,
-                 **kwargs: Any) -> tuple[LinkFit, list[TransferSample]]:
-    """The fitted link and the samples it rests on."""
+                 consumer: bool = True, **kwargs: Any) -> tuple[LinkFit, list[TransferSample]]:
+    """The fitted link and the samples it rests on; with ``consumer`` on a CPU, the consumer's
+    rules measured too (``measure_consumer``)."""
     samples = measure_transfers(layout, log=log, **kwargs)
-    return fit_link(samples), samples
+    fit = fit_link(samples)
+    if consumer and kwargs.get("device", "cpu") == "cpu":
+        found = measure_consumer(layout)
+        if log is not None:
+            log(f"kv consumer: {found}")
+        fit = dataclasses.replace(fit, first_touch_s_per_byte=found.first_touch_s_per_byte,
+                                  consumer_step_share=found.consumer_step_share)
+    return fit, samples
+
+
+@dataclass(slots=True, frozen=True)
+class ConsumerFit:
+    """A CPU consumer's rules (``simulator/kv_transfer.py``) and the medians they come from."""
+
+    first_touch_s_per_byte: float
+    consumer_step_share: float
+    warm_s: float  # one load into pages written before, the core otherwise idle
+    cold_s: float  # into pages never written
+    cold_beside_step_s: float  # into pages never written, a stand-in step on the same core
+
+
+# A decode step's kind of work for the stand-in: small GEMMs at a 135M model's width, one thread.
+STEP_ROWS, STEP_WIDTH = 8, 576
+
+
+def measure_consumer(layout: KVLayout, blocks: int = 16, repeats: int = 15) -> ConsumerFit:
+    """Loads of ``blocks`` blocks within this process, on one core (the last this process may
+    use), from a second mapping of a written region (as a consumer maps its producer's), in
+    ``repeats`` rounds of three: blocks read and written before, blocks never read through the
+    mapping nor written, and the latter while this thread runs a stand-in step (GEMMs, one torch
+    thread) until the load ends. The
+    first-touch cost is (cold - warm) per byte; the step share is cold / cold beside the step.
+    The stand-in releases Python's lock within each GEMM, a real step also runs Python between
+    them: the real share is somewhat lower (docs/disaggregation.md)."""
+    fresh = dataclasses.replace(layout, num_blocks=blocks * (2 * repeats + 1))
+    producer = SharedKVRegion(fresh, torch.device("cpu"))
+    producer.tensor.normal_()  # every block written, as a producer's prefills wrote them
+    src = attach(producer.handle(), torch.device("cpu"))  # a consumer's own mapping, unread
+    dst = SharedKVRegion(fresh, torch.device("cpu"))
+    ids = list(range(blocks))
+    copy_blocks(src, ids, dst.tensor, ids)  # blocks 0..n-1 read and written once, the rest never
+    x, w = torch.randn(STEP_ROWS, STEP_WIDTH), torch.randn(STEP_WIDTH, STEP_WIDTH)
+
+    def step() -> None:
+        (x @ w).relu_()
+    times: dict[str, list[float]] = {"warm": [], "cold": [], "busy": []}
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {max(before)})  # this thread, and the load threads it starts
+        with _torch_threads(1):
+            for r in range(repeats):
+                times["warm"].append(_timed_load(src, ids, dst.tensor, ids, None))
+                for kind, busy in (("cold", None), ("busy", step)):
+                    first = blocks * (1 + 2 * r + (kind == "busy"))
+                    mine = list(range(first, first + blocks))
+                    times[kind].append(_timed_load(src, mine, dst.tensor, mine, busy))
+    finally:
+        os.sched_setaffinity(0, before)
+        del src
+        producer.close()
+        dst.close()
+    warm, cold, busy = (statistics.median(times[k]) for k in ("warm", "cold", "busy"))
+    touch = max(0.0, cold - warm) / (blocks * layout.bytes_per_block)
+    return ConsumerFit(touch, min(1.0, cold / busy), warm, cold, busy)
+
+
+def _timed_load(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int],
+                busy: Callable[[], None] | None) -> float:
+    """Seconds one copy takes on a thread of its own while this one runs ``busy`` (or waits)."""
+    took: list[float] = []
+
+    def load() -> None:
+        start = time.perf_counter()
+        copy_blocks(src, src_ids, dst, dst_ids)
+        took.append(time.perf_counter() - start)
+    thread = threading.Thread(target=load, name="twinserve-kv-measure")
+    thread.start()
+    while busy is not None and thread.is_alive():
+        busy()
+    thread.join()
+    return took[0]

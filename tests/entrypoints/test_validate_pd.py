@@ -17,14 +17,18 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.core.metrics import RequestRecord
 from twinserve.core.request_output import KVLoadTiming
 from twinserve.core.run_dir import PD_REQUEST_COLUMNS
+from twinserve.entrypoints.cli import validate_pd
 from twinserve.entrypoints.cli.main import main
 from twinserve.entrypoints.cli.validate_pd import (
     PD_METRICS,
     FrontTiming,
     PDReplay,
     check_pd_validate,
+    error_table,
+    load_split,
     pd_summary,
     real_results,
+    real_runs,
     twin_link,
 )
 from twinserve.entrypoints.pd_front import InstanceRecord, PDDeployment
@@ -45,7 +49,6 @@ def namespace(**given) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(("given", "named"), [
-    ({"real_repeats": 3}, "--real-repeats"),
     ({"reuse_real": ["runs/real"]}, "--reuse-real"),
     ({"at_host_speed": True}, "--at-host-speed"),
     ({"at_replay_speed": True}, "--at-replay-speed"),
@@ -75,8 +78,6 @@ def test_engines_a_pd_validate_does_not_run_are_refused_by_name(engine: EngineAr
     (["--kv-link", "nvlink"], "--kv-link needs --prefill-instances"),
     (["--prefill-instances", "1", "--decode-instances", "1", "--data-parallel-size", "2"],
      "--data-parallel-size"),
-    (["--prefill-instances", "1", "--decode-instances", "1", "--real-repeats", "2",
-      "--profile", "cpu"], "--real-repeats"),
 ])
 def test_the_command_refuses_before_starting_anything(flags: list[str], message: str,
                                                       tmp_path: Path, capsys) -> None:
@@ -169,3 +170,58 @@ def test_real_results_set_the_instances_records_and_the_load_on_the_fronts_clock
     assert summary["num_kv_transfers"] == 1 and summary["kv_transfer_bytes"] == 4096
     assert summary["mean_kv_transfer_ms"] == pytest.approx(50.0)
     assert summary["mean_ttft_queue_ms"] == pytest.approx((40 + 20) / 2)
+
+
+def test_each_real_repeat_is_a_fresh_deployment_in_its_own_folder(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    started: list[int] = []
+
+    def replay(engine, pd, trace, vocab):  # (replay_pd starts and shuts down its own front)
+        started.append(len(started))
+        return f"replay-{started[-1]}"
+
+    def write(replay, trace, pd, out, engine, desc):
+        out.mkdir(parents=True)
+        (out / "from").write_text(replay)
+        return out
+    monkeypatch.setattr(validate_pd, "replay_pd", replay)
+    monkeypatch.setattr(validate_pd, "write_real", write)
+    dirs = real_runs(EngineArgs(), PDDeployment(1, 1), [], 100, tmp_path, {}, 3, print)
+    assert [d.name for d in dirs] == ["real", "real-2", "real-3"] and started == [0, 1, 2]
+    assert [(d / "from").read_text() for d in dirs] == ["replay-0", "replay-1", "replay-2"]
+    with pytest.raises(ValueError, match="--real-repeats"):
+        real_runs(EngineArgs(), PDDeployment(1, 1), [], 100, tmp_path, {}, 0, print)
+
+
+def test_the_twin_is_judged_against_the_median_of_the_real_runs() -> None:
+    reals = [{"mean_ttft_ms": t, "mean_kv_transfer_ms": k, "request_throughput": 1.0}
+             for t, k in ((100.0, 10.0), (120.0, 30.0), (300.0, 12.0))]
+    sim = {"mean_ttft_ms": 110.0, "mean_kv_transfer_ms": 12.0, "request_throughput": 1.0}
+    table = error_table(reals, sim, "t")
+    assert table.row("mean_ttft_ms")["real"] == 120.0
+    assert table.row("mean_kv_transfer_ms")["real"] == 12.0
+    assert table.row("mean_kv_transfer_ms")["rel_error_pct"] == pytest.approx(0.0)
+    assert table.repeatability  # three runs: each left out against the others
+    assert not error_table(reals[:1], sim, "t").repeatability
+
+
+def test_loads_are_split_by_the_decode_instances_steps(tmp_path: Path) -> None:
+    # decode-0 emits tokens every 25 ms from 1.0 s to 1.5 s (request "a"): a load of "b" from
+    # 1.10 to 1.12 s falls inside its steps, one of "c" at 3.0 s (after a's last token) does not
+    def row(rid, arrival, first, itls, transfer_end, load_s):
+        return {"request_id": rid, "success": "1", "decode_engine": "decode-0",
+                "arrival_time": arrival, "first_token_time": first,
+                "itls_ms": " ".join(str(x) for x in itls), "ttft_queue_s": 0.0,
+                "ttft_prefill_s": 0.0, "ttft_transfer_s": transfer_end - arrival,
+                "kv_transfer_s": load_s}
+    rows = [row("a", 0.9, 1.0, [25.0] * 20, 0.95, 0.01),
+            row("b", 1.0, 1.2, [25.0] * 3, 1.12, 0.02),
+            row("c", 2.9, 3.1, [25.0] * 3, 3.05, 0.005)]
+    with open(tmp_path / "requests.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    split = load_split(tmp_path)
+    assert (split.in_step, split.idle) == (1, 2)
+    assert split.in_step_ms == pytest.approx(20.0)
+    assert split.idle_ms == pytest.approx((10.0 + 5.0) / 2)

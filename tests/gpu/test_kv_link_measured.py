@@ -88,3 +88,35 @@ def test_the_twin_predicts_held_out_sizes_and_concurrency() -> None:
         return
     ok, quieter = _judge(layout, _quieter(first, _measure(layout)))
     assert ok, f"the twin missed the measured transfers:\n{table}\n\nquieter of two:\n{quieter}"
+
+
+def test_the_fit_recovers_a_link_capacity_above_one_flows_rate() -> None:
+    truth = LinkSpec("truth", 3.6e9, 1e-4, overhead_s=2e-4, flow_bandwidth_bytes_per_s=2e9)
+    samples = _synthetic(truth, [1 << 16, 1 << 20, 1 << 24], [1, 2, 4])
+    fit = fit_link(samples)
+    assert fit.flow_rate == pytest.approx(2e9, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(3.6e9, rel=1e-3)
+    assert (fit.latency_s, fit.overhead_s) == (pytest.approx(1e-4, rel=1e-3),
+                                               pytest.approx(2e-4, rel=1e-3))
+    # fitted on one and two at a time (two already feel the capacity), four at a time held out
+    link, rows = predict(samples, {1 << 16, 1 << 24}, {1, 2})
+    assert link.flow_bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert link.bandwidth_bytes_per_s == pytest.approx(3.6e9, rel=1e-3)
+    assert max(abs(r.error) for r in rows) < 1e-3
+    # the model before flow caps (capacity = one flow's rate) misses four at a time
+    _, flat = predict(samples, {1 << 16, 1 << 24}, {1, 2}, capacity=False)
+    assert max(abs(r.error) for r in flat if r.concurrency == 4) > 0.3
+
+
+@pytest.mark.slow
+def test_a_cpu_consumer_pays_for_fresh_pages_and_slows_beside_a_step() -> None:
+    from twinserve.gpu.measurement.kv_transfer import LinkFit, measure_consumer
+    found = measure_consumer(KVLayout(30, 16, 3, 64, "bfloat16", 256))  # SmolLM2's blocks
+    # fresh pages are allocated and zeroed at first write; the stand-in step takes the core
+    assert found.cold_s > 1.2 * found.warm_s and found.first_touch_s_per_byte > 0
+    assert found.cold_beside_step_s > 1.2 * found.cold_s and found.consumer_step_share < 0.85
+    fit = LinkFit(4e9, 1e-4, first_touch_s_per_byte=found.first_touch_s_per_byte,
+                  consumer_step_share=found.consumer_step_share)
+    link = LinkSpec.from_dict(fit.to_kv_link())
+    assert (link.first_touch_s_per_byte, link.consumer_step_share) == \
+        (found.first_touch_s_per_byte, found.consumer_step_share)

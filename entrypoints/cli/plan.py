@@ -52,7 +52,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="reuse the replays a previous run left in --out")
     p.add_argument("--top", type=int, default=10, help="rows of the printed ranking")
     p.add_argument("--verify-top", type=int, default=0, metavar="K",
-                   help="replay the top K this machine can run on the real engine")
+                   help="replay the top K this machine can run on the real engine (xPyD too), "
+                        "at capacity and one step above")
 
 
 def plan_mapping(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

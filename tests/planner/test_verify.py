@@ -167,3 +167,39 @@ def test_verify_top_replays_both_rates_for_real(tmp_path, capsys) -> None:
         assert 0 <= row[f"measured_attainment{suffix}_ttft_p90_ms"] <= 1
         assert (Path(row[f"folder{suffix}"]) / "requests.csv").is_file()
     assert "one step above" in capsys.readouterr().out
+
+
+def _cpu_profile_with_link(path: Path) -> str:
+    """The bundled CPU profile with a KV link (the twin's xPyD fleet needs one), named cpu-pd."""
+    from twinserve.simulator import hardware
+    data = json.loads((Path(hardware.__file__).parent / "data" / "hardware" / "cpu.json").read_text())
+    data.update(name="cpu-pd", kv_link={"bandwidth_bytes_per_s": 5e9, "latency_s": 1e-4})
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_verify_top_replays_a_pd_deployment_through_validate_s_front(tmp_path, capsys) -> None:
+    from twinserve.gpu.worker.cpu_cores import usable_cores
+    if usable_cores() < 2:
+        pytest.skip("1P1D runs two instances, one core each at least")
+    out = tmp_path / "out"
+    code = main(["plan", "--trace", _tiny_trace(tmp_path / "tiny.csv"), "--model", "smollm2-135m",
+                 "--hardware", _cpu_profile_with_link(tmp_path / "cpu-pd.json"),
+                 "--price", "cpu-pd=0.05", "--max-gpus", "2", "--disaggregation", "1P1D",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+                 "--slo", "ttft_p90_ms=5000", "--slo", "tpot_p99_ms=2000", "--duration", "2",
+                 "--base-rps", "0.5", "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1",
+                 "--workers", "1", "--out", str(out), "--verify-top", "1"])
+    assert code == 0
+    row = pd.read_csv(out / "verify.csv").iloc[0]
+    assert row["verifiable"] and "1P1D" in row["name"]
+    for suffix in ("", "_above"):
+        run = Path(row[f"folder{suffix}"])
+        config = json.loads((run / "config.json").read_text())
+        assert (config["prefill_instances"], config["decode_instances"]) == (1, 1)
+        requests = pd.read_csv(run / "requests.csv")
+        assert set(requests["prefill_engine"]) == {"prefill-0"}  # through the P/D front
+        assert row[f"measured_verdict{suffix}"] in (PASS, FAIL)
+    assert row["capacity_verdict"] in (TIGHT, PESSIMISTIC)
+    assert "one step above" in capsys.readouterr().out

@@ -17,7 +17,10 @@ LIST_FLAGS = {"tp": ("space", "tensor_parallel_size", int), "pp": ("space", "pip
               "policies": ("space", "scheduling_policy", str),
               "speculation": ("space", "speculation", str), "quantization": ("space", "quantization", str),
               "disaggregation": ("space", "disaggregation", str),
-              "kv_link": ("space", "kv_link", str)}
+              "kv_link": ("space", "kv_link", str),
+              **{name: ("space", name, "optint") for name in (
+                  "prefill_max_num_seqs", "prefill_max_num_batched_tokens", "decode_max_num_seqs",
+                  "decode_max_num_batched_tokens")}}
 SEARCH_FLAGS = ("tolerance", "base_rps", "min_rps", "max_rps", "dominance_slack", "acceptance_profile")
 
 
@@ -38,7 +41,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="$ per GPU-hour over the bundled table (repeat)")
     axes = p.add_argument_group("space (comma-separated values; defaults: planner.space.PlanSpace)")
     for flag in LIST_FLAGS:
-        axes.add_argument(f"--{flag.replace('_', '-')}", default=None, metavar="V,V")
+        pool = flag.split("_")[0] if flag.startswith(("prefill_", "decode_")) else None
+        axes.add_argument(f"--{flag.replace('_', '-')}", default=None, metavar="V,V",
+                          help=f"the {pool} pool's own value in xPyD deployments (none: the "
+                               "deployment's)" if pool else None)
     axes.add_argument("--max-pd-instances", type=int, default=None, metavar="N",
                       help="adds every xPyD deployment with x + y <= N to --disaggregation")
     search = p.add_argument_group("search")
@@ -105,6 +111,8 @@ def _value(flag: str, text: str, kind: Any) -> Any:
         if text not in ("on", "off"):
             raise ValueError(f"--{flag.replace('_', '-')}: expected on or off, got {text!r}.")
         return text == "on"
+    if kind == "optint":  # a pool's limit; none: the deployment's own
+        return None if text == "none" else _value(flag, text, int)
     try:
         return kind(text)
     except ValueError:

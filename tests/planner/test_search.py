@@ -34,6 +34,8 @@ SMALL = {"model": "llama-3-8b", "hardware": ["a100-80gb", "h100-sxm"], "max_gpus
                     "dominance_slack": 0}}
 # the same space with disaggregated deployments beside the aggregated ones (1P1D: 2 GPUs at TP 1)
 WITH_PD = {**SMALL, "space": {**SMALL["space"], "disaggregation": ["off", "1P1D"]}}
+# and each xPyD deployment with its decode pool's own batch limit (none: the deployment's 64)
+WITH_POOLS = {**WITH_PD, "space": {**WITH_PD["space"], "decode_max_num_seqs": [None, 8]}}
 
 
 @given(st.integers(-12, 12), st.integers(-12, 12))
@@ -83,14 +85,24 @@ def _sim(row, spec) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy")
     pd = {k: row[k] for k in ("prefill_instances", "decode_instances", "kv_link")} \
         if row["prefill_instances"] else {}
+    for pool in ("prefill", "decode"):
+        given = {arg: row[f"{pool}_{arg}"] for arg in ("max_num_seqs", "max_num_batched_tokens")
+                 if row[f"{pool}_{arg}"] is not None}
+        if given:
+            pd[f"{pool}_args"] = given
     return {"model": spec.space.model, **{k: row[k] for k in keys}, **pd}
 
 
-@pytest.mark.parametrize("plan", [SMALL, WITH_PD], ids=["aggregated", "with-pd"])
+@pytest.mark.parametrize("plan", [SMALL, WITH_PD, WITH_POOLS], ids=["aggregated", "with-pd", "pool-axis"])
 def test_plan_front_and_best_equal_an_exhaustive_sweep(tmp_path, plan) -> None:
     spec = parse_plan(plan)
     planned, exhaustive = _exhaustive(spec, tmp_path)
     assert [r["status"] for r in planned.rows].count(FITTED) >= 3
+    if plan is WITH_POOLS:  # the decode pool's limit is searched as its own configuration
+        pools = {r["decode_max_num_seqs"]: r for r in planned.rows
+                 if r["prefill_instances"] and r["hardware"] == "h100-sxm"}
+        assert set(pools) == {None, 8} and pools[8]["status"] == FITTED
+        assert pools[8]["capacity_rps"] != pools[None]["capacity_rps"]
     if plan is WITH_PD:  # both 1P1D deployments were searched and met the SLOs somewhere
         assert sorted(r["name"].split()[0] for r in planned.rows
                       if r["prefill_instances"] == 1 and r["status"] == FITTED) == \

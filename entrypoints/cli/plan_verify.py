@@ -1,7 +1,8 @@
 """``twinserve plan --verify-top K``: the top K configurations this machine can run, replayed on the
 real engine at their predicted capacity and one step of the search's grid above it, predicted
 against measured attainment at both, and a verdict per configuration (``planner.verify``:
-tight, pessimistic, optimistic). Writes ``OUT/verify.csv`` and ``OUT/verify/<id>/{at,above}/``.
+tight, pessimistic, optimistic). Writes ``OUT/verify.csv`` and the real run folders
+``OUT/verify/<id>/{at,above}/real``.
 
 An aggregated configuration replays through ``fidelity.replays.replay`` (one engine, its model
 loaded once for both rates); an xPyD one through the machinery of ``validate
@@ -183,7 +184,7 @@ def _pd_replay(engine: Any, config: dict[str, Any], desc: dict[str, Any],
 
     def run(requests: list[TraceRequest], folder: Path) -> Path:
         real = replay_pd(engine, pd, requests, vocab)
-        return write_real(real, requests, pd, folder, engine, desc)
+        return write_real(real, requests, pd, folder / "real", engine, desc)  # (as replay's)
     return run
 
 

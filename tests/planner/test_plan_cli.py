@@ -387,8 +387,13 @@ def test_a_best_yaml_with_pool_arguments_resolves_in_simulate_and_serve(tmp_path
     decode_line = next(line for line in text.splitlines() if line.startswith("# vLLM decode"))
     assert "--max-num-batched-tokens 8192" in prefill_line and "--max-num-seqs 64" in prefill_line
     assert "--max-num-seqs 128" in decode_line and "--max-num-batched-tokens 2048" in decode_line
+    from twinserve.entrypoints.pd_front import PDDeployment, instance_args
     serve = parse_args(build_parser(only="serve"), ["serve", "--config", str(path)])
-    assert (serve.prefill_args, serve.decode_args) == (written["prefill_args"], written["decode_args"])
+    pd = PDDeployment.of(*(getattr(serve, k) for k in ("prefill_instances", "decode_instances",
+                                                       "prefill_args", "decode_args")))
+    prefill, decode = instance_args(engine_args_from(serve, model=serve.model), pd)  # serve's
+    assert (prefill.max_num_batched_tokens, prefill.max_num_seqs) == (8192, 64)
+    assert (decode.max_num_batched_tokens, decode.max_num_seqs) == (2048, 128)
     out = tmp_path / "run"
     assert main(["simulate", "--config", str(path), "--num-requests", "20", "--out", str(out),
                  "--disable-tqdm"]) == 0

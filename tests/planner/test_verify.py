@@ -183,8 +183,11 @@ def test_verify_top_replays_a_pd_deployment_through_validate_s_front(tmp_path, c
     from twinserve.gpu.worker.cpu_cores import usable_cores
     if usable_cores() < 2:
         pytest.skip("1P1D runs two instances, one core each at least")
-    out = tmp_path / "out"
-    code = main(["plan", "--trace", _tiny_trace(tmp_path / "tiny.csv"), "--model", "smollm2-135m",
+    out, spec = tmp_path / "out", tmp_path / "plan.yaml"
+    # the instances' side channels on ports of this test's own (kv_port, kv_port + 1)
+    spec.write_text("engine:\n  kv_transfer_config: {kv_connector: PeerConnector, kv_port: 15630}\n")
+    code = main(["plan", "--spec", str(spec), "--trace", _tiny_trace(tmp_path / "tiny.csv"),
+                 "--model", "smollm2-135m",
                  "--hardware", _cpu_profile_with_link(tmp_path / "cpu-pd.json"),
                  "--price", "cpu-pd=0.05", "--max-gpus", "2", "--disaggregation", "1P1D",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
@@ -198,6 +201,7 @@ def test_verify_top_replays_a_pd_deployment_through_validate_s_front(tmp_path, c
         run = Path(row[f"folder{suffix}"])
         config = json.loads((run / "config.json").read_text())
         assert (config["prefill_instances"], config["decode_instances"]) == (1, 1)
+        assert config["kv_transfer_config"]["kv_port"] == 15630  # the plan's fixed arguments
         requests = pd.read_csv(run / "requests.csv")
         assert set(requests["prefill_engine"]) == {"prefill-0"}  # through the P/D front
         assert row[f"measured_verdict{suffix}"] in (PASS, FAIL)

@@ -99,17 +99,17 @@ def _stand_in(passes_up_to: float, calls: list[float]):
     return make
 
 
-@pytest.mark.parametrize(("real_capacity", "verdict", "replays"), [
-    (1.0, TIGHT, 2), (100.0, PESSIMISTIC, 2), (0.0, OPTIMISTIC, 1)])
-def test_verify_replays_at_capacity_and_above(tmp_path, monkeypatch, capsys, real_capacity,
+@pytest.mark.parametrize(("real_over_twin", "verdict", "replays"), [
+    (1.0, TIGHT, 2), (10.0, PESSIMISTIC, 2), (0.5, OPTIMISTIC, 1)])
+def test_verify_replays_at_capacity_and_above(tmp_path, monkeypatch, capsys, real_over_twin,
                                               verdict, replays) -> None:
     trace = _tiny_trace(tmp_path / "tiny.csv")
     spec = parse_plan({**TINY_CPU, "workload": {"trace": trace, "duration_s": 2}})
     result = run_plan(spec, tmp_path / "out")
     capacity = result.best["capacity_rps"]
     calls: list[float] = []
-    scale = capacity if real_capacity == 1.0 else real_capacity  # 1.0: exactly the twin's
-    monkeypatch.setattr(plan_verify, "_real_replay", _stand_in(scale, calls))
+    # a real engine whose capacity is the twin's times real_over_twin
+    monkeypatch.setattr(plan_verify, "_real_replay", _stand_in(capacity * real_over_twin, calls))
     [entry] = plan_verify.verify_top(result, spec, tmp_path / "out", 1)
     printed = capsys.readouterr().out
     assert entry["capacity_verdict"] == verdict and f": {verdict} (" in printed

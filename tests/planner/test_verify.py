@@ -152,8 +152,8 @@ def test_verify_top_replays_both_rates_for_real(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     code = main(["plan", "--trace", trace, "--model", "smollm2-135m", "--hardware", "cpu",
                  "--price", "cpu=0.05", "--max-gpus", "1", "--max-num-seqs", "8",
-                 "--max-num-batched-tokens", "256", "--slo", "ttft_p90_ms=5000",
-                 "--slo", "tpot_p99_ms=2000", "--duration", "2", "--base-rps", "0.5",
+                 "--max-num-batched-tokens", "256", "--slo", "ttft_p90_ms=30000",
+                 "--slo", "tpot_p99_ms=10000", "--duration", "2", "--base-rps", "0.5",
                  "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1", "--workers", "1",
                  "--out", str(out), "--verify-top", "1"])
     assert code == 0
@@ -161,7 +161,10 @@ def test_verify_top_replays_both_rates_for_real(tmp_path, capsys) -> None:
     row = frame.iloc[0]
     assert row["verifiable"] and row["rate_above_rps"] == pytest.approx(row["capacity_rps"] * 1.5)
     assert row["capacity_verdict"] in (TIGHT, PESSIMISTIC, OPTIMISTIC)
-    # 4 output tokens of short prompts, at most 1.1 req/s, within seconds: both rates replay
+    # 4 output tokens of short prompts at most 1.1 req/s, against limits of seconds even on a
+    # loaded host (the p90 of 3-4 requests is the slowest one): it passes at capacity, so both
+    # rates replay
+    assert row["measured_verdict"] == PASS, row.to_dict()
     for suffix in ("", "_above"):
         assert row[f"measured_verdict{suffix}"] in (PASS, FAIL)
         assert 0 <= row[f"measured_attainment{suffix}_ttft_p90_ms"] <= 1
@@ -191,7 +194,7 @@ def test_verify_top_replays_a_pd_deployment_through_validate_s_front(tmp_path, c
                  "--hardware", _cpu_profile_with_link(tmp_path / "cpu-pd.json"),
                  "--price", "cpu-pd=0.05", "--max-gpus", "2", "--disaggregation", "1P1D",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-                 "--slo", "ttft_p90_ms=5000", "--slo", "tpot_p99_ms=2000", "--duration", "2",
+                 "--slo", "ttft_p90_ms=30000", "--slo", "tpot_p99_ms=10000", "--duration", "2",
                  "--base-rps", "0.5", "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1",
                  "--workers", "1", "--out", str(out), "--verify-top", "1"])
     assert code == 0

@@ -6,6 +6,7 @@ many stopped early), wall time, and the answer.
     python -m twinserve.benchmarks.plan_search [--num-requests N] [--duration S] [--workers W]
         [--max-num-seqs 128,256] [--max-num-batched-tokens 2048,8192] [--out DIR]
         [--disaggregation off,1P1D,2P1D,1P2D] [--hardware h100-sxm]
+        [--prefill-max-num-batched-tokens none,16384] [--decode-max-num-seqs none,512]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from twinserve.planner.output import top_table, write_outputs
 from twinserve.planner.plan import run_plan
+from twinserve.planner.space import POOL_COLUMNS as POOL_AXES
 from twinserve.planner.spec import parse_plan
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023"
@@ -25,13 +27,14 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2
 
 def plan_spec(model: str, num_requests: int, duration: float, trace: str, seqs: list[int],
               tokens: list[int], slack: float, disaggregation: list[str] | None = None,
-              hardware: list[str] | None = None) -> dict:
+              hardware: list[str] | None = None,
+              pools: dict[str, list[int | None]] | None = None) -> dict:
     return {"model": model, "hardware": hardware or ["a100-80gb", "h100-sxm", "h200"], "max_gpus": 8,
             "workload": {"trace": trace, "num_requests": num_requests, "duration_s": duration},
             "slo": {"ttft_p90_ms": 2000, "tpot_p99_ms": 100},
             "space": {"replicas": [1, 2, 4, 8], "router": ["round-robin"], "max_num_seqs": seqs,
                       "max_num_batched_tokens": tokens,
-                      "disaggregation": disaggregation or ["off"]},
+                      "disaggregation": disaggregation or ["off"], **(pools or {})},
             "search": {"tolerance": 0.1, "base_rps": 2.0, "min_rps": 0.1, "max_rps": 400,
                        "dominance_slack": slack}}
 
@@ -50,6 +53,9 @@ def main() -> None:
     parser.add_argument("--disaggregation", default="off",
                         help="aggregated (off) and/or xPyD shapes, e.g. off,1P1D,2P1D,1P2D")
     parser.add_argument("--hardware", default="a100-80gb,h100-sxm,h200")
+    for axis in POOL_AXES:
+        parser.add_argument(f"--{axis.replace('_', '-')}", default="none",
+                            help="an xPyD pool's own values (none: the deployment's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="plan-search-"))
@@ -57,7 +63,8 @@ def main() -> None:
         spec = parse_plan(plan_spec(model, args.num_requests, args.duration, args.trace,
                                     _ints(args.max_num_seqs), _ints(args.max_num_batched_tokens),
                                     args.dominance_slack, args.disaggregation.split(","),
-                                    args.hardware.split(",")))
+                                    args.hardware.split(","),
+                                    {a: _pool_values(getattr(args, a)) for a in POOL_AXES}))
         t0 = time.perf_counter()
         result = run_plan(spec, out / model, workers=args.workers)
         write_outputs(result, spec, out / model)
@@ -89,6 +96,10 @@ def _replay_seconds(folder: Path) -> float:
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
+
+
+def _pool_values(text: str) -> list[int | None]:
+    return [None if v == "none" else int(v) for v in text.split(",")]
 
 
 if __name__ == "__main__":

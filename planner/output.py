@@ -3,8 +3,9 @@
 
 ``best.yaml`` holds the keys both ``twinserve simulate --config`` and ``twinserve serve --config``
 accept: the model, the hardware profile, the replicas as ``data_parallel_size`` and the router (or,
-disaggregated, ``prefill_instances`` and ``decode_instances``), and every engine argument with the
-value the twin resolved for that hardware (so a server on another device starts with the batch
+disaggregated, ``prefill_instances``, ``decode_instances`` and each pool's overrides as
+``prefill_args``/``decode_args``), and every engine argument with the value the twin resolved for
+that hardware (so a server on another device starts with the batch
 limits the plan simulated, not its own defaults). Its comment lines carry the predicted capacity
 and the equivalent vLLM command lines. A P/D deployment's link is a key (``kv_link``) only where
 the plan chose one other than the profile's own (InfiniBand across nodes, or named): ``simulate``
@@ -26,7 +27,7 @@ import yaml
 
 from twinserve.planner.pareto import pareto_mask
 from twinserve.planner.plan import FITTED, PlanResult
-from twinserve.planner.space import PD_KEYS
+from twinserve.planner.space import PD_KEYS, POOL_VARIED, POOLS
 from twinserve.planner.spec import PlanSpec
 from twinserve.simulator.run import SimConfig, build_engine_config
 
@@ -71,7 +72,7 @@ def best_config(row: dict[str, Any], spec: PlanSpec) -> dict[str, Any]:
     args["max_model_len"] = resolved.max_model_len
     if sim.disaggregated:
         args.update(prefill_instances=sim.prefill_instances, decode_instances=sim.decode_instances,
-                    kv_link=sim.kv_link)
+                    kv_link=sim.kv_link, prefill_args=sim.prefill_args, decode_args=sim.decode_args)
     else:
         args["data_parallel_size"] = sim.num_replicas
         args["router"] = sim.router
@@ -86,6 +87,11 @@ def _sim_of(row: dict[str, Any], spec: PlanSpec) -> dict[str, Any]:
     sim = {k: row[k] for k in keys if _given(row.get(k))}
     if _given(row.get("prefill_instances")) and row["prefill_instances"] > 0:
         sim.update({k: row[k] for k in PD_KEYS if _given(row.get(k))})
+        for pool in POOLS:
+            given = {arg: int(row[f"{pool}_{arg}"]) for arg in POOL_VARIED
+                     if _given(row.get(f"{pool}_{arg}"))}
+            if given:
+                sim[f"{pool}_args"] = given
     if _given(row.get("speculative_config")):
         sim["speculative_config"] = json.loads(row["speculative_config"])
     return {**spec.space.fixed, "model": spec.space.model, **sim}
@@ -122,10 +128,11 @@ def vllm_command(config: dict[str, Any]) -> str:
 
 def vllm_pd_commands(config: dict[str, Any]) -> list[str]:
     """The ``vllm serve`` lines of an xPyD deployment: one per pool (each instance of a pool
-    runs its line, on its own GPUs and port), with vLLM's KV transfer configuration."""
-    base = vllm_command(config)
+    runs its line, on its own GPUs and port, with its pool's arguments), with vLLM's KV
+    transfer configuration."""
     transfer = json.dumps(VLLM_PD_TRANSFER, sort_keys=True)
-    return [f"{pool} x{config[f'{pool}_instances']}: {base} --port {port} "
+    return [f"{pool} x{config[f'{pool}_instances']}: "
+            f"{vllm_command({**config, **(config.get(f'{pool}_args') or {})})} --port {port} "
             f"--kv-transfer-config {shlex.quote(transfer)}" for pool, port in VLLM_PD_PORTS.items()]
 
 

@@ -14,13 +14,33 @@ the best of theirs::
     tokens(C) / gpus(C)  <=  slack * max { tokens(B) / gpus(B) : B searched, same key, gpus(B) < gpus(C) }
 
 that is, adding GPUs to the same engine (more replicas, a larger TP or PP) does not raise the
-throughput per GPU by more than ``slack``. Replicas behind a router scale about linearly (a router
-can only pool load: a little better than linear at most), a larger TP pays all-reduces, PP a
-bubble; the slack (default 1.5) covers what a larger TP gains from the KV memory its weights free,
-and what pooling gains. It is an assumption about serving, not a theorem: ``slack`` 0 turns
-skipping off, and the plan then searches every configuration. A configuration is skipped
-(``dominated``) when its bound per dollar is below the best throughput per dollar
-already found. A base with no capacity bounds nothing.
+throughput per GPU by more than ``slack``. Replicas behind a router scale about linearly in
+throughput, a larger TP pays all-reduces, PP a bubble; the slack (default 1.5) covers what a
+larger TP gains from the KV memory its weights free, and what a router gains under a tail SLO
+(spreading arrivals over replicas smooths each one's bursts, which on short or bursty replays can
+raise the capacity per replica well above linear). It is an assumption about serving, not a
+theorem: ``slack`` 0 turns skipping off, and the plan then searches every configuration. A base
+with no capacity bounds nothing.
+
+**When it skips.** Configurations are searched in waves of growing GPU count. A configuration C
+is skipped (``dominated``) exactly when (1) ``slack`` > 0, (2) some configuration of C's key on
+fewer GPUs was searched in an earlier wave and has a capacity, and (3) C's bound per dollar-hour,
+``slack * max per-GPU tokens/s of those * gpus(C) / (gpus(C) * price(C))``, is strictly below the
+best tokens/s per dollar-hour among the configurations fitted in earlier waves.
+
+**What it keeps.** Call A(slack) the assumption that for any two configurations B and C of one key
+with gpus(B) < gpus(C) and B fitted, ``tokens(C) / gpus(C) <= slack * tokens(B) / gpus(B)``.
+Where A(slack) holds, a skipped configuration's true tokens/s per dollar-hour is below the best
+found before its wave, hence below the plan's best, and the plan's best is never skipped (its
+bound is at least its own value, which no earlier configuration beats): the recommendation
+(``best.yaml``) is the one an exhaustive search gives, provided each configuration's capacity
+does not depend on where its bracketing search starts (replays that pass below the capacity and
+fail above it, as ``search`` assumes; a skipped configuration no longer gives its siblings a
+starting estimate). Skipping does **not** keep the Pareto fronts: the bound limits throughput per
+GPU only, not throughput per user or TTFT, so a skipped configuration may belong to either front
+(more replicas of one engine, loaded a little less per GPU at the grid's capacity, often sit on
+the throughput front beside it). ``front.csv`` holds the fronts of the configurations searched;
+plan with ``dominance_slack: 0`` for the exhaustive fronts.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ layers, more GPUs than ``max_gpus``, a router choice for a single replica, a tok
 chunked prefill (vLLM raises it to ``max_model_len`` there, so the values would repeat one
 configuration), and what the twin's P/D fleet does not run (pipeline parallelism, speculation).
 
+Per-pool axes (``prefill_max_num_seqs``, ``decode_max_num_batched_tokens``, ...; AIConfigurator
+and DistServe size each pool for its phase) apply to xPyD deployments only, as the pool's
+overrides (``core/pool_args.py``: ``prefill_args``/``decode_args``) of the deployment's engine
+arguments; ``None`` is the deployment's own value. An override equal to that value, or a token
+budget without chunked prefill, is no override, so no configuration is searched twice.
+
 The KV link of an xPyD deployment (``kv_links`` ``auto``): the profile's own (its measured link,
 else NVLink: ``HardwareProfile.kv_link_spec``) when all its GPUs fit one node, else InfiniBand.
 """
@@ -30,7 +36,7 @@ from twinserve.routers import available_routers
 from twinserve.simulator.cost_model import CostModel
 from twinserve.simulator.kv_transfer import LINK_NAMES
 from twinserve.simulator.model_spec import load_model_spec
-from twinserve.simulator.run import SimConfig, build_engine_config
+from twinserve.simulator.run import EngineBuild, SimConfig, build_engine_config
 
 SINGLE_REPLICA_ROUTER = "round-robin"
 QUANTIZATIONS = (None, "fp8", "int8")  # what the twin prices without a quantized checkpoint
@@ -44,6 +50,10 @@ PD_KEYS = ("prefill_instances", "decode_instances", "kv_link")  # plan.csv's P/D
 # what the twin's P/D fleet refuses (simulator.run._simulate_disaggregated) among fixed arguments
 PD_REFUSED_FIXED = ("enable_lora", "kv_offloading_size")
 _SHAPE = re.compile(r"(\d+)P(\d+)D")
+POOLS = ("prefill", "decode")
+POOL_VARIED = ("max_num_seqs", "max_num_batched_tokens")  # what a pool axis may override
+POOL_COLUMNS = tuple(f"{pool}_{arg}" for pool in POOLS for arg in POOL_VARIED)  # plan.csv's
+PoolArgs = tuple[tuple[str, Any], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +61,8 @@ class Candidate:
     """One deployment; ``engine``: the varied engine arguments as sorted (key, value) pairs
     (``None``: the engine's default). ``prefill_instances``/``decode_instances`` (xPyD, both
     >= 1; 0 and 0: aggregated) run one engine each of ``gpus_per_replica`` GPUs, behind the
-    twin's P/D router (``num_replicas`` 1); ``kv_link``: their link (None: the profile's own)."""
+    twin's P/D router (``num_replicas`` 1); ``kv_link``: their link (None: the profile's own);
+    ``prefill_args``/``decode_args``: each pool's overrides as sorted (key, value) pairs."""
 
     hardware: str
     tensor_parallel_size: int
@@ -62,6 +73,8 @@ class Candidate:
     prefill_instances: int = 0
     decode_instances: int = 0
     kv_link: str | None = None
+    prefill_args: PoolArgs = ()
+    decode_args: PoolArgs = ()
 
     @property
     def disaggregated(self) -> bool:
@@ -89,7 +102,14 @@ class Candidate:
                 "pipeline_parallel_size": self.pipeline_parallel_size,
                 "num_replicas": self.num_replicas, "router": self.router, **dict(self.engine),
                 "prefill_instances": self.prefill_instances,
-                "decode_instances": self.decode_instances, "kv_link": self.kv_link}
+                "decode_instances": self.decode_instances, "kv_link": self.kv_link,
+                **self.pool_columns}
+
+    @property
+    def pool_columns(self) -> dict[str, Any]:
+        """Each pool axis's value (None: the deployment's own), as plan.csv's columns."""
+        given = {pool: dict(getattr(self, f"{pool}_args")) for pool in POOLS}
+        return {f"{pool}_{arg}": given[pool].get(arg) for pool in POOLS for arg in POOL_VARIED}
 
     @property
     def replica_key(self) -> tuple[Any, ...]:
@@ -103,7 +123,8 @@ class Candidate:
             return (self.hardware, self.engine)
         g = math.gcd(self.prefill_instances, self.decode_instances)
         return (self.hardware, self.engine,
-                (self.prefill_instances // g, self.decode_instances // g), self.kv_link)
+                (self.prefill_instances // g, self.decode_instances // g), self.kv_link,
+                self.prefill_args, self.decode_args)
 
     @property
     def name(self) -> str:
@@ -117,6 +138,7 @@ class Candidate:
         if self.num_replicas > 1:
             parts.append(self.router)
         parts += [f"{k}={_short(v)}" for k, v in self.engine if v is not None]
+        parts += [f"{pool}.{k}={v}" for pool in POOLS for k, v in getattr(self, f"{pool}_args")]
         return " ".join(parts)
 
     @property
@@ -124,6 +146,9 @@ class Candidate:
         settings = self.settings
         if not self.disaggregated:  # an aggregated id stays what it was before the P/D axis
             for key in PD_KEYS:
+                del settings[key]
+        for key in POOL_COLUMNS:  # and an xPyD one without overrides what it was before them
+            if settings[key] is None:
                 del settings[key]
         blob = json.dumps(settings, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
@@ -137,6 +162,8 @@ class Candidate:
         engine = {k: v for k, v in self.engine if v is not None}
         pd = ({"prefill_instances": self.prefill_instances, "decode_instances":
                self.decode_instances, "kv_link": self.kv_link} if self.disaggregated else {})
+        pd.update({f"{pool}_args": dict(getattr(self, f"{pool}_args")) for pool in POOLS
+                   if getattr(self, f"{pool}_args")})
         return {**fixed, "model": model, "hardware": self.hardware,
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "pipeline_parallel_size": self.pipeline_parallel_size,
@@ -173,6 +200,11 @@ class PlanSpace:
     disaggregation: tuple[str, ...] = (AGGREGATED,)
     max_pd_instances: int | None = None
     kv_links: tuple[str, ...] = (AUTO_LINK,)
+    # each pool's batch limits (xPyD only; None: the deployment's own)
+    prefill_max_num_seqs: tuple[int | None, ...] = (None,)
+    prefill_max_num_batched_tokens: tuple[int | None, ...] = (None,)
+    decode_max_num_seqs: tuple[int | None, ...] = (None,)
+    decode_max_num_batched_tokens: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         load_model_spec(self.model)  # ValueError naming an unknown model
@@ -216,6 +248,13 @@ class PlanSpace:
                 raise ValueError(f"max_pd_instances: xPyD needs x + y >= 2 instances, got "
                                  f"{self.max_pd_instances!r}.")
         _known("kv_links", self.kv_links, (AUTO_LINK, *LINK_NAMES, "measured"))
+        for name in POOL_COLUMNS:
+            values = getattr(self, name)
+            if not values:
+                raise ValueError(f"{name}: at least one value is needed.")
+            for value in values:
+                if value is not None:
+                    _positive_int(name, value)
         if self.pd_shapes:
             refused = [k for k in PD_REFUSED_FIXED if self.fixed.get(k)]
             if refused:
@@ -253,7 +292,23 @@ class PlanSpace:
                                   else link for link in self.kv_links)
             for link, engine in itertools.product(links, self._engine_settings()):
                 if dict(engine)["speculative_config"] is None:  # the P/D fleet has no drafts
-                    yield Candidate(hardware, tp, 1, 1, SINGLE_REPLICA_ROUTER, engine, x, y, link)
+                    for pre, dec in self._pool_settings(dict(engine)):
+                        yield Candidate(hardware, tp, 1, 1, SINGLE_REPLICA_ROUTER, engine, x, y,
+                                        link, pre, dec)
+
+    def _pool_settings(self, engine: dict[str, Any]) -> list[tuple[PoolArgs, PoolArgs]]:
+        """Each pool's overrides of ``engine`` (module docstring), without repeats."""
+        per_pool = []
+        for pool in POOLS:
+            options = []
+            for values in itertools.product(*(getattr(self, f"{pool}_{a}") for a in POOL_VARIED)):
+                given = dict(zip(POOL_VARIED, values))
+                if not engine["enable_chunked_prefill"]:
+                    given["max_num_batched_tokens"] = None
+                options.append(tuple(sorted((k, v) for k, v in given.items()
+                                            if v is not None and v != engine[k])))
+            per_pool.append(list(dict.fromkeys(options)))
+        return list(itertools.product(*per_pool))
 
     def _replica_counts(self, per_replica: int) -> list[int]:
         fit = self.max_gpus // per_replica
@@ -306,24 +361,47 @@ def size_candidate(candidate: Candidate, model: str, fixed: dict[str, Any],
                    longest_request: int, longest_prompt: int = 0) -> Sizing:
     """Each engine must hold the weights and the KV cache of the longest request it serves, as
     the twin sizes them (``simulator.run.build_engine_config``, vLLM's memory accounting:
-    per-GPU weights at this TP, activations, ``gpu_memory_utilization``): a replica or a decode
-    instance its prompt and output (``longest_request`` tokens), a prefill instance its prompt
-    and the one token it samples. An xPyD deployment's link must exist for its hardware."""
+    per-GPU weights at this TP, activations for its batch limits, ``gpu_memory_utilization``):
+    a replica or a decode instance its prompt and output (``longest_request`` tokens), a
+    prefill instance its prompt and the one token it samples, each pool with its own
+    overrides. An xPyD deployment's link must exist for its hardware."""
     try:
-        build = build_engine_config(SimConfig.from_flat(candidate.sim(model, fixed)))
+        cfg = SimConfig.from_flat(candidate.sim(model, fixed))
+        builds = _pool_builds(cfg)
         if candidate.disaggregated:
-            build.cost_model.hardware.kv_link_spec(candidate.kv_link)
+            builds["decode instance"].cost_model.hardware.kv_link_spec(candidate.kv_link)
     except ValueError as exc:
         return Sizing(str(exc), "")
-    basis = "roofline" if isinstance(build.cost_model, CostModel) else "fitted"
-    kv_tokens = build.engine_config.scheduler.num_gpu_blocks * candidate_block_size(fixed)
+    first = next(iter(builds.values()))
+    basis = "roofline" if isinstance(first.cost_model, CostModel) else "fitted"
     needs = ({"prefill instance": longest_prompt + 1, "decode instance": longest_request}
              if candidate.disaggregated else {"replica": longest_request})
     for pool, tokens in needs.items():
+        kv_tokens = builds[pool].engine_config.scheduler.num_gpu_blocks * candidate_block_size(fixed)
         if kv_tokens < tokens:
             return Sizing(f"the KV cache holds {kv_tokens} tokens per {pool}, less than the "
                           f"longest request's {tokens}.", basis)
     return Sizing("", basis)
+
+
+def _pool_builds(cfg: SimConfig) -> dict[str, EngineBuild]:
+    """One engine of each kind the deployment runs: a replica, or a prefill and a decode
+    instance with their pools' arguments (as the twin's P/D fleet builds them); a pool's
+    engine that cannot be built raises ValueError naming the pool."""
+    build = build_engine_config(cfg)
+    if not cfg.disaggregated:
+        return {"replica": build}
+    builds = {}
+    for pool in POOLS:
+        if not getattr(cfg, f"{pool}_args"):
+            builds[f"{pool} instance"] = build
+            continue
+        try:
+            builds[f"{pool} instance"] = build_engine_config(SimConfig(
+                cfg.pool_engine(pool), hardware=cfg.hardware, usage_context=cfg.usage_context))
+        except ValueError as exc:
+            raise ValueError(f"{pool}_args: {exc}") from None
+    return builds
 
 
 def memory_verdict(candidate: Candidate, model: str, fixed: dict[str, Any],

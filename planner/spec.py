@@ -22,6 +22,8 @@ space:                          # axes (defaults: PlanSpace's)
   disaggregation: ["off", 1P1D, 2P1D]   # aggregated and/or xPyD (prefill x, decode y instances)
   max_pd_instances: 4           # adds every xPyD with x + y <= 4
   kv_link: [auto]               # auto: the profile's link within a node, InfiniBand across
+  prefill_max_num_batched_tokens: [none, 8192]   # xPyD pools' own limits (none: the above)
+  decode_max_num_seqs: [none, 512]               # also prefill_max_num_seqs, decode_max_num_batched_tokens
 engine: {gpu_memory_utilization: 0.9}   # fixed engine arguments
 prices: {h100-sxm: 3.5}         # $ per GPU-hour over the bundled table
 search: {tolerance: 0.05, base_rps: 1.0, min_rps: 0.05, max_rps: 1000,
@@ -43,7 +45,7 @@ import yaml
 from twinserve.planner.prices import PriceTable, bundled_prices, check_price, plan_hardware
 from twinserve.planner.search import RateGrid
 from twinserve.planner.slo import Slo, parse_slo
-from twinserve.planner.space import AGGREGATED, PlanSpace
+from twinserve.planner.space import AGGREGATED, POOL_COLUMNS, PlanSpace
 
 TOP_KEYS = ("model", "hardware", "max_gpus", "attainment", "workload", "slo", "space", "engine",
             "prices", "search")
@@ -56,7 +58,7 @@ SPACE_KEYS = {"tensor_parallel_size": "tensor_parallel_sizes",
               "scheduling_policy": "scheduling_policies", "speculation": "speculative_configs",
               "quantization": "quantizations", "gpus_per_node": "gpus_per_node",
               "disaggregation": "disaggregation", "max_pd_instances": "max_pd_instances",
-              "kv_link": "kv_links"}
+              "kv_link": "kv_links", **{name: name for name in POOL_COLUMNS}}
 SCALAR_SPACE_KEYS = ("gpus_per_node", "max_pd_instances")
 SEARCH_KEYS = ("tolerance", "base_rps", "min_rps", "max_rps", "dominance_slack", "early_stop",
                "acceptance_profile")
@@ -172,6 +174,8 @@ def _space(data: Mapping[str, Any]) -> PlanSpace:
             values = [None if v in (None, "none", "off") else v for v in values]
         elif key == "disaggregation":  # (YAML reads a bare off as false)
             values = [AGGREGATED if v is False else v for v in values]
+        elif key in POOL_COLUMNS:  # none: the deployment's own value
+            values = [None if v in (None, "none") else v for v in values]
         kwargs[SPACE_KEYS[key]] = tuple(values)
     model = data["model"]
     if not isinstance(model, str):

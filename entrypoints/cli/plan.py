@@ -1,12 +1,11 @@
 """``twinserve plan``: the deployment that meets the SLOs at the least cost (``twinserve.planner``),
 from flags or a spec file (``--spec plan.yaml``, the same keys; flags given override it), and
 ``--verify-top K``: the top configurations this machine can run, replayed on the real engine at
-their predicted capacity (``twinserve.fidelity`` replay), predicted against measured attainment."""
+their predicted capacity and one step above it (``plan_verify``)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,10 @@ LIST_FLAGS = {"tp": ("space", "tensor_parallel_size", int), "pp": ("space", "pip
               "policies": ("space", "scheduling_policy", str),
               "speculation": ("space", "speculation", str), "quantization": ("space", "quantization", str),
               "disaggregation": ("space", "disaggregation", str),
-              "kv_link": ("space", "kv_link", str)}
-BUNDLED_REAL = ("smollm2-135m", "smollm2-135m-instruct")  # the real engine's embedded model
+              "kv_link": ("space", "kv_link", str),
+              **{name: ("space", name, "optint") for name in (
+                  "prefill_max_num_seqs", "prefill_max_num_batched_tokens", "decode_max_num_seqs",
+                  "decode_max_num_batched_tokens")}}
 SEARCH_FLAGS = ("tolerance", "base_rps", "min_rps", "max_rps", "dominance_slack", "acceptance_profile")
 
 
@@ -40,7 +41,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="$ per GPU-hour over the bundled table (repeat)")
     axes = p.add_argument_group("space (comma-separated values; defaults: planner.space.PlanSpace)")
     for flag in LIST_FLAGS:
-        axes.add_argument(f"--{flag.replace('_', '-')}", default=None, metavar="V,V")
+        pool = flag.split("_")[0] if flag.startswith(("prefill_", "decode_")) else None
+        axes.add_argument(f"--{flag.replace('_', '-')}", default=None, metavar="V,V",
+                          help=f"the {pool} pool's own value in xPyD deployments (none: the "
+                               "deployment's)" if pool else None)
     axes.add_argument("--max-pd-instances", type=int, default=None, metavar="N",
                       help="adds every xPyD deployment with x + y <= N to --disaggregation")
     search = p.add_argument_group("search")
@@ -54,7 +58,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="reuse the replays a previous run left in --out")
     p.add_argument("--top", type=int, default=10, help="rows of the printed ranking")
     p.add_argument("--verify-top", type=int, default=0, metavar="K",
-                   help="replay the top K this machine can run on the real engine")
+                   help="replay the top K this machine can run on the real engine (xPyD too), "
+                        "at capacity and one step above")
 
 
 def plan_mapping(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -106,6 +111,8 @@ def _value(flag: str, text: str, kind: Any) -> Any:
         if text not in ("on", "off"):
             raise ValueError(f"--{flag.replace('_', '-')}: expected on or off, got {text!r}.")
         return text == "on"
+    if kind == "optint":  # a pool's limit; none: the deployment's own
+        return None if text == "none" else _value(flag, text, int)
     try:
         return kind(text)
     except ValueError:
@@ -133,95 +140,6 @@ def run_plan_cli(args: argparse.Namespace) -> int:
                     for k, v in result.stats.items()))
     print(f"written: {', '.join(str(p) for p in paths.values())}, {out / 'plan.html'}")
     if args.verify_top:
+        from twinserve.entrypoints.cli.plan_verify import verify_top
         verify_top(result, spec, out, args.verify_top)
     return 0
-
-
-# ---------------------------------------------------------------- --verify-top
-
-
-def verifiable(row: dict[str, Any], model: str) -> str:
-    """Why this machine cannot run ``row`` on the real engine ("" when it can): the model must be
-    a checkpoint directory or the bundled SmolLM2-135M, the profile's device type this machine's,
-    with as many devices as the configuration needs (a CPU counts as one)."""
-    from twinserve.simulator.hardware import load_hardware
-    if row.get("prefill_instances"):
-        return "a disaggregated (xPyD) deployment: --verify-top replays one engine"
-    if _real_model(model) is False:
-        return f"the real engine needs a checkpoint of {model!r}; here only the bundled smollm2-135m"
-    wanted = load_hardware(row["hardware"]).platform().device_type
-    have, count = _devices()
-    if wanted != have:
-        return f"needs {row['gpus']} x {row['hardware']} ({wanted}); this machine has {have}"
-    if row["gpus"] > count:
-        return f"needs {row['gpus']} devices; this machine has {count}"
-    return ""
-
-
-def _real_model(model: str) -> str | None | bool:
-    """The real engine's model for the plan's: a directory as it is, ``None`` (the bundled one)
-    for smollm2-135m, ``False`` for a model this machine has no weights of."""
-    if Path(model).is_dir():
-        return model
-    return None if model.lower() in BUNDLED_REAL else False
-
-
-def _devices() -> tuple[str, int]:
-    import torch
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.device_count()
-    return "cpu", 1
-
-
-def verify_top(result: Any, spec: Any, out: Path, k: int) -> list[dict[str, Any]]:
-    """Replays the top ``k`` runnable configurations at their predicted capacity; prints and
-    returns predicted against measured attainment (``verify.csv``)."""
-    import pandas as pd
-
-    from twinserve.fidelity.replays import replay
-    from twinserve.fidelity.workload import Workload
-    from twinserve.planner.output import best_config
-    from twinserve.planner.plan import plan_trace
-    from twinserve.planner.search import replay_requests
-    from twinserve.planner.slo import table_verdict
-    trace = plan_trace(spec)
-    rows = []
-    for row in result.fitted()[:k]:
-        why = verifiable(row, spec.space.model)
-        entry = {"name": row["name"], "capacity_rps": row["capacity_rps"], "verifiable": not why,
-                 "reason": why}
-        if not why:
-            engine = _engine_of(best_config(row, spec), _real_model(spec.space.model))
-            requests = replay_requests(trace, row["capacity_rps"], spec.duration_s)  # the twin's
-            folder = replay(engine, Workload(tuple(requests), {"trace": spec.trace}),
-                            out / "verify" / row["candidate_id"])[0]
-            table = pd.read_csv(folder / "requests.csv")
-            values = {m: table[f"{m}_ms"].tolist() for m in ("ttft", "tpot", "e2el")}
-            verdict, measured = table_verdict(table["success"].astype(bool).tolist(), values,
-                                              spec.slos, len(requests))
-            predicted = _predicted_attainment(out / row["folder"], row["capacity_rps"])
-            entry.update(measured_verdict=verdict, folder=str(folder),
-                         # per SLO, the share of requests within it (not a latency)
-                         **{f"predicted_attainment_{key}": v for key, v in predicted.items()},
-                         **{f"measured_attainment_{key}": v for key, v in measured.items()})
-        rows.append(entry)
-    frame = pd.DataFrame(rows)
-    frame.to_csv(out / "verify.csv", index=False)
-    print(frame.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    return rows
-
-
-def _engine_of(config: dict[str, Any], model: Any) -> Any:
-    from twinserve.core.engine_args import EngineArgs
-    engine = {k: v for k, v in config.items() if k not in ("hardware", "model")}
-    return EngineArgs.from_mapping(engine, "best configuration", model=model)
-
-
-def _predicted_attainment(folder: Path, rate: float) -> dict[str, float]:
-    """The twin's attainment per SLO at ``rate``, from the point file the search left."""
-    import json
-    for path in folder.glob("r*.json"):
-        point = json.loads(path.read_text())
-        if math.isclose(point["rate_rps"], rate, rel_tol=1e-9):
-            return dict(point["attainment"])
-    return {}

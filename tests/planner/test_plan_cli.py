@@ -261,12 +261,10 @@ def test_the_example_spec_parses() -> None:
 def test_only_what_this_machine_runs_is_verifiable() -> None:
     import torch
 
-    from twinserve.entrypoints.cli.plan import verifiable
+    from twinserve.entrypoints.cli.plan_verify import verifiable
     gpu = {"hardware": "h100-sxm", "gpus": 2}
     cpu = {"hardware": "cpu", "gpus": 1}
     assert "checkpoint" in verifiable(gpu, "llama-3-8b")
-    assert "disaggregated (xPyD)" in verifiable({**cpu, "prefill_instances": 1}, "smollm2-135m")
-    assert "disaggregated" not in verifiable({**gpu, "prefill_instances": 0}, "llama-3-8b")
     if torch.cuda.is_available():
         pytest.skip("the CPU cases assume a machine without CUDA")
     assert "needs 2 x h100-sxm (cuda); this machine has cpu" in verifiable(gpu, "smollm2-135m")
@@ -305,3 +303,100 @@ def test_a_calibrated_profile_is_priced_by_its_own_name(tmp_path) -> None:
     with pytest.raises(ValueError, match="no price for hardware"):
         parse_plan({**BASE, "model": "smollm2-135m", "hardware": [str(profile)],
                     "prices": {"cpu": 0.05}}).price(str(profile))
+
+
+POOLED = {"max_num_seqs": (64,), "max_num_batched_tokens": (2048,), "max_gpus": 2,
+          "tensor_parallel_sizes": (1,), "pipeline_parallel_sizes": (1,),
+          "disaggregation": ("off", "1P1D")}
+
+
+def test_the_pool_axes_make_xpyd_candidates_only() -> None:
+    plain = list(_pd_space(**POOLED).candidates())
+    cands = list(_pd_space(**POOLED, prefill_max_num_batched_tokens=(None, 8192),
+                           decode_max_num_seqs=(None, 64, 128)).candidates())
+    aggregated = [c for c in cands if not c.disaggregated]
+    assert aggregated == [c for c in plain if not c.disaggregated]  # untouched, ids and all
+    pools = {(c.prefill_args, c.decode_args) for c in cands if c.disaggregated}
+    # decode 64 is the deployment's own max_num_seqs: no override, not searched twice
+    assert pools == {((), ()), ((), (("max_num_seqs", 128),)),
+                     ((("max_num_batched_tokens", 8192),), ()),
+                     ((("max_num_batched_tokens", 8192),), (("max_num_seqs", 128),))}
+    assert len({c.candidate_id for c in cands}) == len(cands)
+    # an xPyD deployment without overrides keeps its id
+    assert {c.candidate_id for c in cands if c.disaggregated and not c.prefill_args
+            and not c.decode_args} == {c.candidate_id for c in plain if c.disaggregated}
+    pooled = next(c for c in cands if c.prefill_args and c.decode_args)
+    assert pooled.settings["prefill_max_num_batched_tokens"] == 8192
+    assert pooled.settings["decode_max_num_seqs"] == 128 and pooled.settings["decode_max_num_batched_tokens"] is None
+    assert pooled.sim("llama-3-8b", {})["decode_args"] == {"max_num_seqs": 128}
+    assert "decode.max_num_seqs=128" in pooled.name
+    assert len({c.replica_key for c in cands if c.disaggregated}) == 4  # no bound across pools
+    # without chunked prefill a pool's token budget is no override either
+    unchunked = list(_pd_space(**POOLED, enable_chunked_prefill=(False,),
+                               prefill_max_num_batched_tokens=(8192,)).candidates())
+    assert all(c.prefill_args == () for c in unchunked)
+
+
+def test_memory_is_checked_with_each_pool_s_own_limits() -> None:
+    engine = (("enable_chunked_prefill", True), ("max_num_batched_tokens", 2048), ("max_num_seqs", 64))
+
+    def pd(prefill=(), decode=()):
+        return Candidate("a100-80gb", 1, 1, 1, "round-robin", engine, 1, 1, None, prefill, decode)
+    huge = (("max_num_batched_tokens", 262_144),)  # its activations leave ~228k tokens of KV
+    assert memory_verdict(pd(), "llama-3-8b", {}, 300_000, 299_000) == ""
+    assert "per prefill instance" in memory_verdict(pd(prefill=huge), "llama-3-8b", {}, 300_000, 299_000)
+    assert "per decode instance" in memory_verdict(pd(decode=huge), "llama-3-8b", {}, 300_000, 1000)
+    assert memory_verdict(pd(decode=huge), "llama-3-8b", {}, 200_000, 1000) == ""
+    assert memory_verdict(pd(prefill=(("max_num_batched_tokens", 1_000_000),)), "llama-3-8b", {},
+                          1000, 900).startswith("prefill_args: no memory is left")
+
+
+def test_the_pool_axes_come_from_flags_and_spec_files(tmp_path) -> None:
+    from twinserve.entrypoints.cli.plan import plan_mapping
+    from twinserve.planner.spec import load_plan_file
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(BASE, sort_keys=False) + "space:\n  disaggregation: [1P1D]\n"
+                    "  prefill_max_num_batched_tokens: [none, 8192]\n  decode_max_num_seqs: [null, 32]\n")
+    space = parse_plan(load_plan_file(path), str(path)).space
+    assert space.prefill_max_num_batched_tokens == (None, 8192) and space.decode_max_num_seqs == (None, 32)
+    args = parse_args(build_parser(only="plan"), [
+        "plan", "--spec", str(path), "--decode-max-num-seqs", "16,none",
+        "--prefill-max-num-seqs", "4", "--out", str(tmp_path)])
+    space = parse_plan(*plan_mapping(args)).space
+    assert (space.decode_max_num_seqs, space.prefill_max_num_seqs) == ((16, None), (4,))
+    assert space.prefill_max_num_batched_tokens == (None, 8192)  # the file's, kept
+    with pytest.raises(ValueError, match="decode_max_num_seqs: expected an integer >= 1"):
+        parse_plan({**BASE, "space": {"decode_max_num_seqs": [0]}})
+    with pytest.raises(ValueError, match="--decode-max-num-seqs: expected int"):
+        plan_mapping(parse_args(build_parser(only="plan"), [
+            "plan", "--spec", str(path), "--decode-max-num-seqs", "many", "--out", str(tmp_path)]))
+
+
+def test_a_best_yaml_with_pool_arguments_resolves_in_simulate_and_serve(tmp_path) -> None:
+    spec = parse_plan({**BASE, "space": {"disaggregation": ["1P1D"]}})
+    row = _row(tensor_parallel_size=1, num_replicas=1, router="round-robin", gpus=2,
+               prefill_instances=1, decode_instances=1, kv_link=None,
+               prefill_max_num_batched_tokens=8192, prefill_max_num_seqs=None,
+               decode_max_num_seqs=128, decode_max_num_batched_tokens=None)
+    path = tmp_path / "best.yaml"
+    written = write_best(row, spec, path)
+    assert (written["prefill_args"], written["decode_args"]) == \
+        ({"max_num_batched_tokens": 8192}, {"max_num_seqs": 128})
+    text = path.read_text()
+    prefill_line = next(line for line in text.splitlines() if line.startswith("# vLLM prefill"))
+    decode_line = next(line for line in text.splitlines() if line.startswith("# vLLM decode"))
+    assert "--max-num-batched-tokens 8192" in prefill_line and "--max-num-seqs 64" in prefill_line
+    assert "--max-num-seqs 128" in decode_line and "--max-num-batched-tokens 2048" in decode_line
+    from twinserve.entrypoints.pd_front import PDDeployment, instance_args
+    serve = parse_args(build_parser(only="serve"), ["serve", "--config", str(path)])
+    pd = PDDeployment.of(*(getattr(serve, k) for k in ("prefill_instances", "decode_instances",
+                                                       "prefill_args", "decode_args")))
+    prefill, decode = instance_args(engine_args_from(serve, model=serve.model), pd)  # serve's
+    assert (prefill.max_num_batched_tokens, prefill.max_num_seqs) == (8192, 64)
+    assert (decode.max_num_batched_tokens, decode.max_num_seqs) == (2048, 128)
+    out = tmp_path / "run"
+    assert main(["simulate", "--config", str(path), "--num-requests", "20", "--out", str(out),
+                 "--disable-tqdm"]) == 0
+    ran = json.loads((out / "config.json").read_text())
+    assert (ran["prefill_args"], ran["decode_args"]) == (written["prefill_args"], written["decode_args"])
+    assert ran["max_num_seqs"] == 64

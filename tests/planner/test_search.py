@@ -34,6 +34,8 @@ SMALL = {"model": "llama-3-8b", "hardware": ["a100-80gb", "h100-sxm"], "max_gpus
                     "dominance_slack": 0}}
 # the same space with disaggregated deployments beside the aggregated ones (1P1D: 2 GPUs at TP 1)
 WITH_PD = {**SMALL, "space": {**SMALL["space"], "disaggregation": ["off", "1P1D"]}}
+# and each xPyD deployment with its decode pool's own batch limit (none: the deployment's 64)
+WITH_POOLS = {**WITH_PD, "space": {**WITH_PD["space"], "decode_max_num_seqs": [None, 8]}}
 
 
 @given(st.integers(-12, 12), st.integers(-12, 12))
@@ -83,14 +85,24 @@ def _sim(row, spec) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy")
     pd = {k: row[k] for k in ("prefill_instances", "decode_instances", "kv_link")} \
         if row["prefill_instances"] else {}
+    for pool in ("prefill", "decode"):
+        given = {arg: row[f"{pool}_{arg}"] for arg in ("max_num_seqs", "max_num_batched_tokens")
+                 if row[f"{pool}_{arg}"] is not None}
+        if given:
+            pd[f"{pool}_args"] = given
     return {"model": spec.space.model, **{k: row[k] for k in keys}, **pd}
 
 
-@pytest.mark.parametrize("plan", [SMALL, WITH_PD], ids=["aggregated", "with-pd"])
+@pytest.mark.parametrize("plan", [SMALL, WITH_PD, WITH_POOLS], ids=["aggregated", "with-pd", "pool-axis"])
 def test_plan_front_and_best_equal_an_exhaustive_sweep(tmp_path, plan) -> None:
     spec = parse_plan(plan)
     planned, exhaustive = _exhaustive(spec, tmp_path)
     assert [r["status"] for r in planned.rows].count(FITTED) >= 3
+    if plan is WITH_POOLS:  # the decode pool's limit is searched as its own configuration
+        pools = {r["decode_max_num_seqs"]: r for r in planned.rows
+                 if r["prefill_instances"] and r["hardware"] == "h100-sxm"}
+        assert set(pools) == {None, 8} and pools[8]["status"] == FITTED
+        assert pools[8]["capacity_rps"] != pools[None]["capacity_rps"]
     if plan is WITH_PD:  # both 1P1D deployments were searched and met the SLOs somewhere
         assert sorted(r["name"].split()[0] for r in planned.rows
                       if r["prefill_instances"] == 1 and r["status"] == FITTED) == \
@@ -209,3 +221,67 @@ def test_the_grid_stops_where_the_trace_runs_out() -> None:
     assert len(replay_requests(plan_trace(spec), grid.rate(grid.highest), 20.0)) <= 401
     with pytest.raises(ValueError, match="base_rps"):
         rate_grid(parse_plan({**SMALL, "workload": {"num_requests": 5, "duration_s": 20}}), 5)
+
+
+def _smallest_slack(rows: list[dict], spec) -> float:
+    """The smallest slack for which pareto's A(slack) holds on an exhaustive plan: the largest
+    ratio of per-GPU output between fitted configurations of one key on more and fewer GPUs."""
+    from twinserve.planner.plan import plan_trace
+    from twinserve.planner.space import size_candidate
+    longest = max(r.input_tokens + r.output_tokens for r in plan_trace(spec))
+    keys = {c.candidate_id: (*c.replica_key, size_candidate(c, spec.space.model, {}, longest).cost_basis)
+            for c in spec.space.candidates()}
+    fitted = [r for r in rows if r["status"] == FITTED]
+    return max([c["output_tokens_per_s_per_gpu"] / b["output_tokens_per_s_per_gpu"]
+                for b in fitted for c in fitted
+                if keys[b["candidate_id"]] == keys[c["candidate_id"]] and b["gpus"] < c["gpus"]],
+               default=1.0)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(hardware=st.lists(st.sampled_from(["a100-80gb", "h100-sxm", "h200"]), min_size=2, max_size=2,
+                         unique=True),
+       cheap_first=st.booleans(), max_gpus=st.sampled_from([2, 3, 4]), tps=st.sampled_from([[1], [1, 2]]),
+       seqs=st.lists(st.sampled_from([16, 64, 256]), min_size=1, max_size=2, unique=True),
+       ttft=st.sampled_from([500, 1000, 2000]), tpot=st.sampled_from([40, 60, 100]))
+def test_skipping_keeps_the_best_where_its_assumption_holds(hardware, cheap_first, max_gpus, tps, seqs,
+                                                            ttft, tpot) -> None:
+    """pareto's docstring, "What it keeps": on small random spaces, skipping at the smallest
+    slack for which A(slack) holds changes neither the best nor any searched capacity, and every
+    skipped configuration is worse per dollar than the best; the fronts are those of the
+    configurations searched (a skipped one may be missing from them). (Two GPU types 8x apart in
+    price, so that the dearer one's larger configurations are skipped.)"""
+    import tempfile
+    from pathlib import Path
+    plan = {"model": "llama-3-8b", "hardware": hardware, "max_gpus": max_gpus,
+            "workload": {"trace": "azure-conv", "num_requests": 200, "duration_s": 4},
+            "slo": {"ttft_p90_ms": ttft, "tpot_p99_ms": tpot},
+            "prices": dict(zip(hardware, (1.0, 8.0) if cheap_first else (8.0, 1.0))),
+            "space": {"pipeline_parallel_size": [1], "tensor_parallel_size": tps,
+                      "router": ["round-robin"], "max_num_seqs": seqs, "max_num_batched_tokens": [2048]},
+            "search": {"tolerance": 0.5, "base_rps": 1.0, "min_rps": 0.5, "max_rps": 45,
+                       "dominance_slack": 0}}
+    with tempfile.TemporaryDirectory() as folder:
+        full = run_plan(parse_plan(plan), Path(folder) / "full", workers=1)
+        slack = max(1.0, _smallest_slack(full.rows, parse_plan(plan))) * (1 + 1e-6)
+        skipping = run_plan(parse_plan({**plan, "search": {**plan["search"], "dominance_slack": slack}}),
+                            Path(folder) / "skip", workers=1)
+    assert skipping.stats["dominated"] > 0 and full.best is not None
+    assert (skipping.best["name"], skipping.best["capacity_rps"]) == \
+        (full.best["name"], full.best["capacity_rps"])
+    exhaustive = {r["candidate_id"]: r for r in full.rows}
+    best_per_dollar = full.best["output_tokens_per_s"] / (full.best["gpus"] * full.best["price_per_gpu_hour"])
+    for row in skipping.rows:
+        theirs = exhaustive[row["candidate_id"]]
+        if row["status"] == "dominated":
+            assert not theirs["output_tokens_per_s"] / (theirs["gpus"] * theirs["price_per_gpu_hour"]) \
+                >= best_per_dollar  # (NaN: no capacity, also worse)
+        else:
+            assert row["status"] == theirs["status"]
+            assert row["capacity_rps"] == theirs["capacity_rps"] or \
+                (math.isnan(row["capacity_rps"]) and math.isnan(theirs["capacity_rps"]))
+    skipped = {r["candidate_id"] for r in skipping.rows if r["status"] == "dominated"}
+    searched = PlanResult([r for r in full.rows if r["candidate_id"] not in skipped])
+    cols = ["front", "name", "x_value", "y_value"]
+    assert front_table(skipping)[cols].equals(front_table(searched)[cols])

@@ -166,6 +166,9 @@ def _real_replay(config: dict[str, Any], model: str, trace_name: str, hardware: 
         return _pd_replay(engine, config, desc, hardware)
     from twinserve.fidelity.backend import load_runner
     from twinserve.fidelity.replays import replay
+    from twinserve.fidelity.threads import measurement_threads, set_threads
+    if engine.device != "cuda":  # the threads calibrate times a CPU profile on, as validate
+        set_threads(measurement_threads())
     runner = load_runner(engine)
     return lambda requests, folder: replay(engine, Workload(tuple(requests), desc), folder,
                                            runner=runner)[0]

@@ -83,12 +83,17 @@ class SyntheticTokens:
                 continue
             rid = sr.request.request_id
             k = len(sr.spec_token_ids)
-            # the first draft stands at token start + 1 (the entry's own token is at start)
-            sampled[rid] = ([SIMULATED_TOKEN] * (num_accepted(rid, sr.start + 1, k) + 1) if k
-                            else _SAMPLED)  # type: ignore[assignment]
+            newest = sr.start + sr.num_new_tokens  # the newest token's position after this step
+            if k:
+                # the first draft stands at token start + 1 (the entry's own token is at start)
+                accepted = num_accepted(rid, sr.start + 1, k)
+                sampled[rid] = [SIMULATED_TOKEN] * (accepted + 1)
+                newest -= k - accepted  # rejected drafts leave no token behind
+            else:
+                sampled[rid] = _SAMPLED  # type: ignore[assignment]
             if sr.num_draft_next:
-                # proposals follow the newest token, at start + num_new_tokens
-                found = proposed(rid, sr.start + sr.num_new_tokens, sr.num_draft_next)
+                # proposals follow the newest token: keyed by its position, each asked once
+                found = proposed(rid, newest, sr.num_draft_next)
                 if found:
                     drafts[rid] = [SIMULATED_TOKEN] * found
         return ModelRunnerOutput(sampled, spec_token_ids=drafts)

@@ -194,3 +194,31 @@ def test_bad_profiles_are_refused_by_name(data, field):
 def _spec():
     from twinserve.core.speculative_config import SpeculativeConfig
     return SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.624])
+def test_pooled_draws_find_drafts_at_the_profiles_rate(rate):
+    """The twin asks for each proposal at the newest token's position after the rollback: keyed
+    by a position rejected drafts had counted, a step after a rejection re-drew the key of the
+    one before it, and the twin found drafts a few points below the profile's rate."""
+    config = SchedulerConfig(num_gpu_blocks=4096, block_size=16, max_num_seqs=64,
+                             max_num_batched_tokens=4096, max_model_len=512,
+                             num_speculative_tokens=4)
+    sched = Scheduler(config, get_policy("fcfs"), speculation=FixedSpeculation(4))
+    backend = SyntheticTokens(AcceptanceModel((0.5,), seed=3, proposal_rate=rate,
+                                              mean_draft_length=3.0))
+    recorder = DraftRecorder()
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    for i in range(300):
+        sched.add_request(Request(f"r{i}", [7] * 16, params, 0.0))
+    now = 0.0
+    while sched.has_unfinished_requests():
+        out = sched.schedule(now)
+        result = backend.execute(out)
+        now += 0.01
+        sched.update_from_output(out, result, now)
+        recorder.on_step(out, 0.01, 0.01)
+    asked = [s for s in recorder.steps if s.num_asked]
+    share = sum(s.num_found > 0 for s in asked) / len(asked)
+    assert len(asked) > 10_000
+    assert share == pytest.approx(rate, abs=0.01)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import accumulate, islice, repeat, takewhile, tee
+from operator import and_
 
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from twinserve.core.request import Request
 from twinserve.routers.hashing import prompt_block_hashes
 from twinserve.routers.router import ReplicaLoad, healthy
+
+_INF = float("inf")
 
 
 class CacheAwareRouter:
@@ -85,21 +90,54 @@ class CacheAwareRouter:
         prompt, bs, per_decode = len(request.prompt_token_ids), self.block_size, self.decode_weight
         per_s = self.prefill_tokens_per_s
         n, start = len(replicas), self._next
-        best, best_key = up[0], None
+        best, best_cost, best_turn = up[0], _INF, n
         for i in up:
             load = replicas[i]
-            cost = (per_s * load.step_left_s + load.num_prefill_tokens + prompt - bs * matched[i]
+            elapsed, last = load.step_elapsed_s, load.last_step_s  # (``step_left_s``, inlined)
+            left = 0.0 if elapsed is None or elapsed >= last else last - elapsed
+            cost = (per_s * left + load.num_prefill_tokens + prompt - bs * matched[i]
                     + per_decode * load.num_running)
-            key = (cost, (i - start) % n)
-            if best_key is None or key < best_key:
-                best, best_key = i, key
+            if cost <= best_cost:  # the lowest (cost, turn after the last chosen)
+                turn = (i - start) % n
+                if cost < best_cost or turn < best_turn:
+                    best, best_cost, best_turn = i, cost, turn
         self._next = best + 1
         return best
 
     def matched_blocks(self, request: Request, among: Sequence[int]) -> dict[int, int]:
         """For each replica in ``among``: how many of the prompt's blocks, from the first, it
-        holds (by the index). The hashes matched move to the young end of the LRU."""
-        get, touch = self._index.get, self._index.move_to_end  # (~80 hashes a request)
+        holds (by the index). The hashes matched move to the young end of the LRU.
+
+        One walk of the index in C (``_matched_blocks_plain`` is the loop it replaces): the
+        running AND of the prompt's masks, from the replicas in ``among``, kept while any
+        replica still matches. That sequence only loses bits, so each replica's match ends
+        where its bit goes, found by bisection; a prompt whose first block no replica holds
+        stops at once."""
+        alive = 0
+        for i in among:
+            alive |= 1 << i
+        hashes = prompt_block_hashes(request, self.block_size)
+        walked = hashes if isinstance(hashes, list) else None
+        if walked is None:  # (a chain made as it is read: keep what the walk read)
+            hashes, walked_iter = tee(hashes)
+        held = list(takewhile(bool, accumulate(map(self._index.get, hashes, repeat(0)), and_,
+                                               initial=alive)))
+        depth = len(held) - 1  # blocks some replica in ``among`` holds, from the first
+        if depth:
+            touched = walked[:depth] if walked is not None else islice(walked_iter, depth)
+            deque(map(self._index.move_to_end, touched), maxlen=0)
+        last = held[-1]
+        matched = {}
+        for i in among:
+            bit = 1 << i
+            matched[i] = depth if last & bit else bisect_left(
+                held, True, key=lambda mask: not mask & bit) - 1
+        return matched
+
+    def _matched_blocks_plain(self, request: Request, among: Sequence[int]) -> dict[int, int]:
+        """``matched_blocks`` as a plain loop, hash by hash (the reference; it touches the LRU
+        alike)."""
+        get, touch = self._index.get, self._index.move_to_end
         alive = 0
         for i in among:
             alive |= 1 << i

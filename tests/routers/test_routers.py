@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,8 @@ from twinserve import routers as registry
 from twinserve.core.block_hash import update_block_hashes
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from twinserve.core.outputs import ModelRunnerOutput
+from twinserve.core.request import LazyPrompt, Request
+from twinserve.core.sampling_params import SamplingParams
 from twinserve.routers import (
     ROUTERS,
     CacheAwareRouter,
@@ -263,3 +266,46 @@ def test_cache_aware_follows_a_real_schedulers_events() -> None:
         run_to_completion(sched)
     router.on_kv_events(0, sched.take_kv_events())
     assert router.matched_blocks(make_req("c", 20, prefix=shared), [0]) == {0: 0}
+
+
+def _lazy_req(rid: str, keys: list[int]) -> Request:
+    """A request whose prompt is a ``LazyPrompt`` of ``keys`` (its blocks' hashes) and a token."""
+    length = len(keys) * BS + 1
+    prompt = LazyPrompt(length, lambda a, b: [9] * (b - a), length - 1, [9], BS, list(keys))
+    return Request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), 0.0, eos_token_id=2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cache_aware_walk_matches_the_plain_loop(seed: int) -> None:
+    """``matched_blocks`` (one walk in C, bisection per replica) against the hash-by-hash
+    loop, on indexes with gaps, partial holders and replicas out of ``among``: the same
+    matches and the same LRU order after, for lazy prompts (their keys) and plain ones (a
+    chain made as it is read)."""
+    rng = random.Random(seed)
+    fast, plain = CacheAwareRouter(BS, max_blocks=100), CacheAwareRouter(BS, max_blocks=100)
+    prefixes = [[rng.randrange(1 << 40) for _ in range(30)] for _ in range(5)]
+    plain_prompts = [[rng.randrange(50) for _ in range(60)] for _ in range(3)]
+    requests = [_lazy_req(f"lazy{k}", p[:rng.randrange(1, 31)] + [rng.randrange(1 << 40)])
+                for k, p in enumerate(prefixes * 4)]
+    requests += [make_req(f"plain{k}", 60 + k % 7, prefix=p[:rng.randrange(61)])
+                 for k, p in enumerate(plain_prompts * 4)]
+    stored: set[int] = set()
+    found, several = 0, 0  # walks that matched on a replica, and on two with different depths
+    for request in requests:
+        hashes = list(prompt_block_hashes(request, BS))
+        replica = rng.randrange(6)
+        kept = hashes[:rng.randrange(len(hashes) + 1)]
+        gap = [h for h in kept if rng.random() < 0.15]
+        for router in (fast, plain):
+            router.on_kv_events(replica, [BlockStored(kept, None, None), BlockRemoved(gap)])
+        stored.update(kept)
+    assert 50 < len(fast) <= 100 < len(stored)  # the cap evicted: the LRU order counts
+    for request in rng.sample(requests, len(requests)):
+        among = sorted(rng.sample(range(6), rng.randrange(1, 7)))
+        got = fast.matched_blocks(request, among)
+        assert got == plain._matched_blocks_plain(request, among)
+        assert list(fast._index.items()) == list(plain._index.items())
+        depths = {n for n in got.values() if n}
+        found += bool(depths)
+        several += len(depths) > 1
+    assert found > len(requests) // 3 and several > 0, (found, several)

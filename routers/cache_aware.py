@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import accumulate, islice, repeat, takewhile, tee
-from operator import and_
+from dataclasses import dataclass
 
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from twinserve.core.request import Request
@@ -14,6 +12,9 @@ from twinserve.routers.hashing import prompt_block_hashes
 from twinserve.routers.router import ReplicaLoad, healthy
 
 _INF = float("inf")
+# Bounds of the walks kept and of the touches logged (cleared, or applied, past them).
+_MAX_WALKS = 1024
+_MAX_LOGGED = 1024
 
 
 class CacheAwareRouter:
@@ -53,7 +54,7 @@ class CacheAwareRouter:
     ``validate`` read them off their step-time model (``simulator.router_prices``)."""
 
     __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_index",
-                 "_next")
+                 "_next", "_walks", "_touched")
 
     uses_kv_events = True  # constants of the class: the backend turns the replicas' events on
     reads_kv_usage = False
@@ -74,6 +75,10 @@ class CacheAwareRouter:
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> bitmask of replicas
         self._next = 0  # where the next tie's rotation starts
+        # Walks since the index's masks last changed, by first hash (``_walk``), and the LRU
+        # touches not applied yet, by deepest hash (``_flush_touches``); both bounded.
+        self._walks: dict[int, _Walk] = {}
+        self._touched: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
 
     def __len__(self) -> int:
         """The block hashes indexed (at most ``max_blocks``)."""
@@ -108,35 +113,92 @@ class CacheAwareRouter:
         """For each replica in ``among``: how many of the prompt's blocks, from the first, it
         holds (by the index). The hashes matched move to the young end of the LRU.
 
-        One walk of the index in C (``_matched_blocks_plain`` is the loop it replaces): the
-        running AND of the prompt's masks, from the replicas in ``among``, kept while any
-        replica still matches. That sequence only loses bits, so each replica's match ends
-        where its bit goes, found by bisection; a prompt whose first block no replica holds
-        stops at once."""
-        alive = 0
-        for i in among:
-            alive |= 1 << i
+        Requests of one application walk the same system prompt, so a walk is kept (by its
+        first hash) until the index's masks change: a later prompt whose hash at the walk's
+        depth is the walk's shares every block before it (a hash covers its whole prefix) and
+        reads its matches off the walk, going on hash by hash only past it. Its LRU touch, the
+        matched hashes in order, is logged by its deepest hash and applied before the index
+        changes or is read (``_flush_touches``): only a prefix's last touch decides the order.
+        ``_matched_blocks_plain`` is the hash-by-hash loop it stands for."""
         hashes = prompt_block_hashes(request, self.block_size)
-        walked = hashes if isinstance(hashes, list) else None
-        if walked is None:  # (a chain made as it is read: keep what the walk read)
-            hashes, walked_iter = tee(hashes)
-        held = list(takewhile(bool, accumulate(map(self._index.get, hashes, repeat(0)), and_,
-                                               initial=alive)))
-        depth = len(held) - 1  # blocks some replica in ``among`` holds, from the first
-        if depth:
-            touched = walked[:depth] if walked is not None else islice(walked_iter, depth)
-            deque(map(self._index.move_to_end, touched), maxlen=0)
-        last = held[-1]
-        matched = {}
-        for i in among:
-            bit = 1 << i
-            matched[i] = depth if last & bit else bisect_left(
-                held, True, key=lambda mask: not mask & bit) - 1
+        if not isinstance(hashes, list):  # a chain made as it is read: the plain loop
+            self._flush_touches()
+            return self._matched_blocks_plain(request, among)
+        if not hashes:
+            return dict.fromkeys(among, 0)
+        walk = self._walks.get(hashes[0])
+        if walk is None or not walk.covers(hashes):
+            walk = self._walk(hashes)
+        depth, ends = walk.depth, walk.ends
+        short = min(len(hashes), depth)
+        matched = {i: min(ends.get(i, 0), short) for i in among}
+        if short == depth and walk.continues(hashes):  # replicas that held all of the walk
+            alive = 0
+            for i in among:
+                if depth and matched[i] == depth:
+                    alive |= 1 << i
+            if alive:
+                self._go_on(hashes, depth, alive, matched)
+        touched = max(matched.values(), default=0)
+        if touched:
+            log = self._touched
+            log[hashes[touched - 1]] = (hashes, touched)
+            log.move_to_end(hashes[touched - 1])
+            if len(log) > _MAX_LOGGED:
+                self._flush_touches()
         return matched
 
+    def _walk(self, hashes: list[int]) -> _Walk:
+        """The walk of ``hashes`` for every replica holding the first, kept by its first hash."""
+        get = self._index.get
+        alive = get(hashes[0], 0)
+        ends: dict[int, int] = {}
+        depth = 0
+        for block_hash in hashes:
+            holding = get(block_hash, 0) & alive
+            if holding != alive:
+                for i in _bits(alive & ~holding):
+                    ends[i] = depth
+                alive = holding
+                if not alive:
+                    break
+            depth += 1
+        for i in _bits(alive):
+            ends[i] = depth
+        walks = self._walks
+        if len(walks) >= _MAX_WALKS:
+            walks.clear()
+        walk = walks[hashes[0]] = _Walk(hashes, depth, ends)
+        return walk
+
+    def _go_on(self, hashes: list[int], depth: int, alive: int, matched: dict[int, int]) -> None:
+        """The plain loop from block ``depth`` on, for the replicas in ``alive`` (without touching)."""
+        get = self._index.get
+        for block_hash in hashes[depth:]:
+            holding = get(block_hash, 0) & alive
+            if holding != alive:
+                for i in _bits(alive & ~holding):
+                    matched[i] = depth
+                alive = holding
+                if not alive:
+                    return
+            depth += 1
+        for i in _bits(alive):
+            matched[i] = depth
+
+    def _flush_touches(self) -> None:
+        """Applies the logged LRU touches, each prefix's last, in order."""
+        log = self._touched
+        if log:
+            touch = self._index.move_to_end
+            for hashes, n in log.values():
+                for block_hash in hashes[:n]:
+                    touch(block_hash)
+            log.clear()
+
     def _matched_blocks_plain(self, request: Request, among: Sequence[int]) -> dict[int, int]:
-        """``matched_blocks`` as a plain loop, hash by hash (the reference; it touches the LRU
-        alike)."""
+        """``matched_blocks`` hash by hash, touching as it goes (the reference; call
+        ``_flush_touches`` first where ``matched_blocks`` ran before)."""
         get, touch = self._index.get, self._index.move_to_end
         alive = 0
         for i in among:
@@ -158,6 +220,9 @@ class CacheAwareRouter:
         return matched
 
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        if not events:
+            return
+        self._changing()
         bit = 1 << replica
         index = self._index
         for event in events:
@@ -180,6 +245,7 @@ class CacheAwareRouter:
                 raise ValueError(f"events: not a KV cache event: {event!r}")
 
     def on_replica_reset(self, replica: int) -> None:
+        self._changing()
         keep = ~(1 << replica)
         index = self._index
         for block_hash in list(index):
@@ -188,6 +254,33 @@ class CacheAwareRouter:
                 index[block_hash] = mask
             else:
                 del index[block_hash]
+
+
+    def _changing(self) -> None:
+        """Before the index changes: the logged touches applied, the kept walks forgotten."""
+        self._flush_touches()
+        self._walks.clear()
+
+
+@dataclass(slots=True)
+class _Walk:
+    """A prompt's walk of the index: ``depth`` blocks, from the first, held by some replica that
+    holds the first; ``ends``: each such replica's matched blocks."""
+
+    hashes: list[int]
+    depth: int
+    ends: dict[int, int]
+
+    def covers(self, hashes: list[int]) -> bool:
+        """Whether ``hashes`` share the walk's blocks up to its depth (or to their end)."""
+        short = min(len(hashes), self.depth)
+        return not short or hashes[short - 1] == self.hashes[short - 1]
+
+    def continues(self, hashes: list[int]) -> bool:
+        """Whether ``hashes`` (sharing the walk's blocks) go on past it with a block the walk
+        did not read."""
+        depth, mine = self.depth, self.hashes
+        return len(hashes) > depth and (len(mine) == depth or hashes[depth] != mine[depth])
 
 
 def _bits(mask: int) -> list[int]:

@@ -72,9 +72,9 @@ class PendingRun:
     run: DecodeRun
     crossing: int = 0
     reported: list[int] = field(default_factory=list)  # evictions reported ahead
-    _firsts: list[int] = field(default_factory=list)  # each request's ``first`` (once counted)
     _live: list[int] = field(default_factory=list)  # requests per ``first`` still decoding
     _left: int = 0  # ``_ended`` entries whose requests left ``_live``
+    _leave_at: int = 0  # the next step at which a request leaves ``_live``
     _upto: int = -1  # the last step counted
     _taken: int = 0  # blocks taken up to it
     _peeked: int = 0  # blocks of the free queue's head read for evictions
@@ -94,26 +94,29 @@ class PendingRun:
         bs = run.scheduler.kv.block_size
         live = self._live
         if not live:  # (the first count of this run)
-            self._firsts = firsts = [-start % bs for start in run.starts]
             self._live = live = [0] * bs
-            for first in firsts:
-                live[first] += 1
-        no_end_before, taken = run.stops[0], self._taken  # every request decodes before
+            for start in run.starts:
+                live[-start % bs] += 1
+            self._leave_at = run.stops[0]  # every request decodes before
+        taken, leave_at = self._taken, self._leave_at
         for j in range(self._upto + 1, c + 1):
-            if j >= no_end_before:
-                self._leave(j)
+            if j >= leave_at:
+                leave_at = self._leave(j)
             taken += live[j % bs]
-        self._upto, self._taken = c, taken
+        self._upto, self._taken, self._leave_at = c, taken, leave_at
         return taken
 
-    def _leave(self, step: int) -> None:
-        """Takes the requests whose last decode came before ``step`` out of ``_live``."""
-        order, lefts = self._sorted_by_left(), self.run.lefts
-        k, n, live, firsts = self._left, len(order), self._live, self._firsts
+    def _leave(self, step: int) -> int:
+        """Takes the requests whose last decode came before ``step`` out of ``_live``; returns
+        the step at which the next one leaves."""
+        order, run = self._sorted_by_left(), self.run
+        lefts, starts, live, bs = run.lefts, run.starts, self._live, len(self._live)
+        k, n = self._left, len(order)
         while k < n and lefts[order[k]] <= step:
-            live[firsts[order[k]]] -= 1
+            live[-starts[order[k]] % bs] -= 1
             k += 1
         self._left = k
+        return lefts[order[k]] if k < n else run.max_steps
 
     def _sorted_by_left(self) -> list[int]:
         """The run's request indices by ``left`` (stable), made once."""

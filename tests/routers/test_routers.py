@@ -268,44 +268,79 @@ def test_cache_aware_follows_a_real_schedulers_events() -> None:
     assert router.matched_blocks(make_req("c", 20, prefix=shared), [0]) == {0: 0}
 
 
-def _lazy_req(rid: str, keys: list[int]) -> Request:
-    """A request whose prompt is a ``LazyPrompt`` of ``keys`` (its blocks' hashes) and a token."""
+def _lazy_req(rid: str, blocks: list[int]) -> Request:
+    """A request whose prompt is a ``LazyPrompt`` of these blocks' contents (its keys chained
+    over them, as a key covers its whole prefix), then one token."""
+    keys, parent = [], 0
+    for block in blocks:
+        parent = hash((parent, block))
+        keys.append(parent)
     length = len(keys) * BS + 1
-    prompt = LazyPrompt(length, lambda a, b: [9] * (b - a), length - 1, [9], BS, list(keys))
+    prompt = LazyPrompt(length, lambda a, b: [9] * (b - a), length - 1, [9], BS, keys)
     return Request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), 0.0, eos_token_id=2)
 
 
+def _prompts(rng: random.Random) -> list[Request]:
+    """Lazy prompts sharing system prompts (whole, cut short, or going on with other blocks, as
+    conversations do) and plain prompts sharing prefixes of their ids."""
+    systems = [[rng.randrange(1 << 40) for _ in range(24)] for _ in range(4)]
+    turns = [[rng.randrange(1 << 40) for _ in range(6)] for _ in range(5)]
+    requests = []
+    for k in range(60):
+        system = rng.choice(systems)
+        blocks = system[:rng.choice((1, 8, 24, 24, 24))] + rng.choice(turns)[:rng.randrange(7)]
+        requests.append(_lazy_req(f"lazy{k}", blocks))
+    plain = [[rng.randrange(50) for _ in range(40)] for _ in range(2)]
+    requests += [make_req(f"plain{k}", 40 + k % 5, prefix=rng.choice(plain)[:rng.randrange(41)])
+                 for k in range(12)]
+    return requests
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_cache_aware_walk_matches_the_plain_loop(seed: int) -> None:
-    """``matched_blocks`` (one walk in C, bisection per replica) against the hash-by-hash
-    loop, on indexes with gaps, partial holders and replicas out of ``among``: the same
-    matches and the same LRU order after, for lazy prompts (their keys) and plain ones (a
-    chain made as it is read)."""
+def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> None:
+    """``matched_blocks`` (walks kept until the index changes, LRU touches logged) against the
+    hash-by-hash loop, through stores, removals, resets and a capped index: the same matches
+    for every request and replica set, and the same LRU order once the log is applied."""
     rng = random.Random(seed)
-    fast, plain = CacheAwareRouter(BS, max_blocks=100), CacheAwareRouter(BS, max_blocks=100)
-    prefixes = [[rng.randrange(1 << 40) for _ in range(30)] for _ in range(5)]
-    plain_prompts = [[rng.randrange(50) for _ in range(60)] for _ in range(3)]
-    requests = [_lazy_req(f"lazy{k}", p[:rng.randrange(1, 31)] + [rng.randrange(1 << 40)])
-                for k, p in enumerate(prefixes * 4)]
-    requests += [make_req(f"plain{k}", 60 + k % 7, prefix=p[:rng.randrange(61)])
-                 for k, p in enumerate(plain_prompts * 4)]
-    stored: set[int] = set()
-    found, several = 0, 0  # walks that matched on a replica, and on two with different depths
-    for request in requests:
-        hashes = list(prompt_block_hashes(request, BS))
-        replica = rng.randrange(6)
-        kept = hashes[:rng.randrange(len(hashes) + 1)]
-        gap = [h for h in kept if rng.random() < 0.15]
-        for router in (fast, plain):
-            router.on_kv_events(replica, [BlockStored(kept, None, None), BlockRemoved(gap)])
-        stored.update(kept)
-    assert 50 < len(fast) <= 100 < len(stored)  # the cap evicted: the LRU order counts
-    for request in rng.sample(requests, len(requests)):
-        among = sorted(rng.sample(range(6), rng.randrange(1, 7)))
+    fast, plain = CacheAwareRouter(BS, max_blocks=60), CacheAwareRouter(BS, max_blocks=60)
+    requests = _prompts(rng)
+    full = 0  # rounds with the index at its cap (stores evict)
+    walked, went_on = [0], [0]  # full walks, and walks gone on past a kept one
+    walk, go_on = CacheAwareRouter._walk, CacheAwareRouter._go_on
+
+    def counting_walk(self, hashes):
+        walked[0] += 1
+        return walk(self, hashes)
+
+    def counting_go_on(self, hashes, depth, alive, matched):
+        went_on[0] += 1
+        return go_on(self, hashes, depth, alive, matched)
+
+    monkeypatch.setattr(CacheAwareRouter, "_walk", counting_walk)
+    monkeypatch.setattr(CacheAwareRouter, "_go_on", counting_go_on)
+    rounds = 600
+    for _ in range(rounds):
+        request = rng.choice(requests)
+        roll = rng.random()
+        if roll < 0.1:  # a replica stores (a prefix of) a prompt's blocks, or loses some
+            hashes = list(prompt_block_hashes(request, BS))
+            replica, kept = rng.randrange(5), hashes[:rng.randrange(len(hashes) + 1)]
+            events = [BlockStored(kept, None, None)] if rng.random() < 0.7 else \
+                [BlockRemoved([h for h in kept if rng.random() < 0.3])]
+            for router in (fast, plain):
+                router.on_kv_events(replica, events)
+        elif roll < 0.11:
+            replica = rng.randrange(5)
+            for router in (fast, plain):
+                router.on_replica_reset(replica)
+        full += len(fast) == 60
+        among = sorted(rng.sample(range(5), rng.randrange(1, 6)))
         got = fast.matched_blocks(request, among)
-        assert got == plain._matched_blocks_plain(request, among)
-        assert list(fast._index.items()) == list(plain._index.items())
-        depths = {n for n in got.values() if n}
-        found += bool(depths)
-        several += len(depths) > 1
-    assert found > len(requests) // 3 and several > 0, (found, several)
+        assert got == plain._matched_blocks_plain(request, among), (request.request_id, among)
+        if rng.random() < 0.1:
+            fast._flush_touches()
+            assert list(fast._index.items()) == list(plain._index.items())
+    fast._flush_touches()
+    assert list(fast._index.items()) == list(plain._index.items())
+    # most walks reused a kept one; some went on past it; the cap evicted
+    assert walked[0] < 0.6 * rounds and went_on[0] > 10 and full > 20, (walked, went_on, full)

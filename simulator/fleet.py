@@ -189,7 +189,7 @@ class PendingRun:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one
         ``BlockRemoved``, the pool's way), remembered in ``reported``. The blocks come off the
         free queue's head in step order; the blocks ends free join its tail."""
-        taken = self.blocks_taken()
+        taken = self._taken if self.crossing <= self._upto else self.blocks_taken()
         if taken == self._peeked:
             return []
         if taken > len(self._head):  # (the queue stays as it is while the run is pending:

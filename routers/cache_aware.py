@@ -14,6 +14,7 @@ from twinserve.routers.router import ReplicaLoad, healthy
 _INF = float("inf")
 # Bounds of the walks kept and of the touches logged (cleared, or applied, past them).
 _MAX_WALKS = 1024
+_MAX_READERS = 1 << 17
 _MAX_LOGGED = 1024
 
 
@@ -54,7 +55,7 @@ class CacheAwareRouter:
     ``validate`` read them off their step-time model (``simulator.router_prices``)."""
 
     __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_index",
-                 "_next", "_walks", "_touched")
+                 "_next", "_walks", "_readers", "_touched")
 
     uses_kv_events = True  # constants of the class: the backend turns the replicas' events on
     reads_kv_usage = False
@@ -75,9 +76,11 @@ class CacheAwareRouter:
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> bitmask of replicas
         self._next = 0  # where the next tie's rotation starts
-        # Walks since the index's masks last changed, by first hash (``_walk``), and the LRU
-        # touches not applied yet, by deepest hash (``_flush_touches``); both bounded.
+        # Walks kept while the masks they read stay as they were, by first hash (``_walk``), and
+        # the first hash of the walk that read each hash; the LRU touches not applied yet, by
+        # deepest hash (``_flush_touches``). All bounded.
         self._walks: dict[int, _Walk] = {}
+        self._readers: dict[int, int] = {}
         self._touched: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -114,7 +117,7 @@ class CacheAwareRouter:
         holds (by the index). The hashes matched move to the young end of the LRU.
 
         Requests of one application walk the same system prompt, so a walk is kept (by its
-        first hash) until the index's masks change: a later prompt whose hash at the walk's
+        first hash) until a mask it read changes: a later prompt whose hash at the walk's
         depth is the walk's shares every block before it (a hash covers its whole prefix) and
         reads its matches off the walk, going on hash by hash only past it. Its LRU touch, the
         matched hashes in order, is logged by its deepest hash and applied before the index
@@ -165,10 +168,12 @@ class CacheAwareRouter:
             depth += 1
         for i in _bits(alive):
             ends[i] = depth
-        walks = self._walks
-        if len(walks) >= _MAX_WALKS:
-            walks.clear()
-        walk = walks[hashes[0]] = _Walk(hashes, depth, ends)
+        walks, readers, first = self._walks, self._readers, hashes[0]
+        if len(walks) >= _MAX_WALKS or len(readers) >= _MAX_READERS:
+            walks.clear()  # (a walk is kept only while every hash it read has its reader)
+            readers.clear()
+        readers.update(dict.fromkeys(hashes[:depth + 1], first))  # (its first miss included)
+        walk = walks[first] = _Walk(hashes, depth, ends)
         return walk
 
     def _go_on(self, hashes: list[int], depth: int, alive: int, matched: dict[int, int]) -> None:
@@ -222,18 +227,20 @@ class CacheAwareRouter:
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         if not events:
             return
-        self._changing()
+        self._flush_touches()
         bit = 1 << replica
-        index = self._index
+        index, forget = self._index, self._forget
         for event in events:
             if isinstance(event, BlockStored):
                 for block_hash in event.block_hashes:
+                    forget(block_hash)
                     index[block_hash] = index.get(block_hash, 0) | bit
                     index.move_to_end(block_hash)
                 while len(index) > self.max_blocks:
-                    index.popitem(last=False)
+                    forget(index.popitem(last=False)[0])
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
+                    forget(block_hash)
                     mask = index.get(block_hash, 0) & ~bit
                     if mask:
                         index[block_hash] = mask
@@ -256,10 +263,17 @@ class CacheAwareRouter:
                 del index[block_hash]
 
 
+    def _forget(self, block_hash: int) -> None:
+        """Before ``block_hash``'s mask changes: the kept walk that read it is dropped."""
+        first = self._readers.pop(block_hash, None)
+        if first is not None:
+            self._walks.pop(first, None)
+
     def _changing(self) -> None:
-        """Before the index changes: the logged touches applied, the kept walks forgotten."""
+        """Before the whole index changes: the logged touches applied, every walk dropped."""
         self._flush_touches()
         self._walks.clear()
+        self._readers.clear()
 
 
 @dataclass(slots=True)

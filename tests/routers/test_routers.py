@@ -296,13 +296,13 @@ def _prompts(rng: random.Random) -> list[Request]:
     return requests
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> None:
     """``matched_blocks`` (walks kept until the index changes, LRU touches logged) against the
     hash-by-hash loop, through stores, removals, resets and a capped index: the same matches
     for every request and replica set, and the same LRU order once the log is applied."""
     rng = random.Random(seed)
-    fast, plain = CacheAwareRouter(BS, max_blocks=60), CacheAwareRouter(BS, max_blocks=60)
+    fast, plain = CacheAwareRouter(BS, max_blocks=40), CacheAwareRouter(BS, max_blocks=40)
     requests = _prompts(rng)
     full = 0  # rounds with the index at its cap (stores evict)
     walked, went_on = [0], [0]  # full walks, and walks gone on past a kept one
@@ -322,9 +322,11 @@ def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> 
     for _ in range(rounds):
         request = rng.choice(requests)
         roll = rng.random()
-        if roll < 0.1:  # a replica stores (a prefix of) a prompt's blocks, or loses some
+        if roll < 0.1:  # a replica stores some of a prompt's blocks (new ones: from any block
+            # on, as a replica holding the ones before reports), or loses some
             hashes = list(prompt_block_hashes(request, BS))
-            replica, kept = rng.randrange(5), hashes[:rng.randrange(len(hashes) + 1)]
+            start = rng.choice((0, rng.randrange(len(hashes) + 1)))
+            replica, kept = rng.randrange(5), hashes[start:rng.randrange(start, len(hashes) + 1)]
             events = [BlockStored(kept, None, None)] if rng.random() < 0.7 else \
                 [BlockRemoved([h for h in kept if rng.random() < 0.3])]
             for router in (fast, plain):
@@ -333,7 +335,7 @@ def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> 
             replica = rng.randrange(5)
             for router in (fast, plain):
                 router.on_replica_reset(replica)
-        full += len(fast) == 60
+        full += len(fast) == 40
         among = sorted(rng.sample(range(5), rng.randrange(1, 6)))
         got = fast.matched_blocks(request, among)
         assert got == plain._matched_blocks_plain(request, among), (request.request_id, among)
@@ -344,3 +346,23 @@ def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> 
     assert list(fast._index.items()) == list(plain._index.items())
     # most walks reused a kept one; some went on past it; the cap evicted
     assert walked[0] < 0.6 * rounds and went_on[0] > 10 and full > 20, (walked, went_on, full)
+
+
+def test_cache_aware_kept_walk_sees_the_blocks_stored_and_removed_past_it() -> None:
+    """A replica reports only its new blocks: a store from the walk's first miss on, or a
+    removal within it, changes the matches of the walk kept for that prompt."""
+    router = CacheAwareRouter(BS)
+    request = _lazy_req("a", list(range(10)))
+    hashes = list(prompt_block_hashes(request, BS))
+    router.on_kv_events(0, [BlockStored(hashes[:4], None, None)])
+    assert router.matched_blocks(request, [0, 1]) == {0: 4, 1: 0}
+    router.on_kv_events(0, [BlockStored(hashes[4:7], hashes[3], None)])  # from the first miss
+    assert router.matched_blocks(request, [0, 1]) == {0: 7, 1: 0}
+    router.on_kv_events(1, [BlockStored(hashes[:2], None, None)])
+    assert router.matched_blocks(request, [0, 1]) == {0: 7, 1: 2}
+    router.on_kv_events(0, [BlockRemoved(hashes[5:6])])
+    assert router.matched_blocks(request, [0, 1]) == {0: 5, 1: 2}
+    longer = _lazy_req("b", list(range(12)))  # the same blocks, then two more
+    router.on_kv_events(1, [BlockStored(hashes[2:10], hashes[1], None)])
+    assert router.matched_blocks(longer, [0, 1]) == {0: 5, 1: 10}
+    assert router.matched_blocks(request, [1]) == {1: 10}

@@ -229,18 +229,22 @@ class CacheAwareRouter:
             return
         self._flush_touches()
         bit = 1 << replica
-        index, forget = self._index, self._forget
+        index, readers = self._index, self._readers
         for event in events:
             if isinstance(event, BlockStored):
+                if not readers.keys().isdisjoint(event.block_hashes):
+                    self._forget(event.block_hashes)
                 for block_hash in event.block_hashes:
-                    forget(block_hash)
                     index[block_hash] = index.get(block_hash, 0) | bit
                     index.move_to_end(block_hash)
                 while len(index) > self.max_blocks:
-                    forget(index.popitem(last=False)[0])
+                    block_hash = index.popitem(last=False)[0]
+                    if block_hash in readers:
+                        self._forget((block_hash,))
             elif isinstance(event, BlockRemoved):
+                if not readers.keys().isdisjoint(event.block_hashes):
+                    self._forget(event.block_hashes)
                 for block_hash in event.block_hashes:
-                    forget(block_hash)
                     mask = index.get(block_hash, 0) & ~bit
                     if mask:
                         index[block_hash] = mask
@@ -263,11 +267,13 @@ class CacheAwareRouter:
                 del index[block_hash]
 
 
-    def _forget(self, block_hash: int) -> None:
-        """Before ``block_hash``'s mask changes: the kept walk that read it is dropped."""
-        first = self._readers.pop(block_hash, None)
-        if first is not None:
-            self._walks.pop(first, None)
+    def _forget(self, block_hashes: Sequence[int]) -> None:
+        """Before these hashes' masks change: the kept walks that read them are dropped."""
+        pop, walks = self._readers.pop, self._walks
+        for block_hash in block_hashes:
+            first = pop(block_hash, None)
+            if first is not None:
+                walks.pop(first, None)
 
     def _changing(self) -> None:
         """Before the whole index changes: the logged touches applied, every walk dropped."""

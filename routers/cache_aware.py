@@ -266,7 +266,6 @@ class CacheAwareRouter:
             else:
                 del index[block_hash]
 
-
     def _forget(self, block_hashes: Sequence[int]) -> None:
         """Before these hashes' masks change: the kept walks that read them are dropped."""
         pop, walks = self._readers.pop, self._walks

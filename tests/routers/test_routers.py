@@ -20,6 +20,7 @@ from twinserve.routers import (
     NoHealthyReplica,
     PrefixAffinityRouter,
     ReplicaLoad,
+    cache_aware,
     make_router,
     uses_kv_events,
 )
@@ -298,7 +299,7 @@ def _prompts(rng: random.Random) -> list[Request]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> None:
-    """``matched_blocks`` (walks kept until the index changes, LRU touches logged) against the
+    """``matched_blocks`` (walks kept until a mask they read changes, LRU touches logged) against the
     hash-by-hash loop, through stores, removals, resets and a capped index: the same matches
     for every request and replica set, and the same LRU order once the log is applied."""
     rng = random.Random(seed)
@@ -366,3 +367,18 @@ def test_cache_aware_kept_walk_sees_the_blocks_stored_and_removed_past_it() -> N
     router.on_kv_events(1, [BlockStored(hashes[2:10], hashes[1], None)])
     assert router.matched_blocks(longer, [0, 1]) == {0: 5, 1: 10}
     assert router.matched_blocks(request, [1]) == {1: 10}
+
+
+def test_cache_aware_kept_walks_and_logged_touches_stay_bounded() -> None:
+    router = CacheAwareRouter(BS)
+    requests = [_lazy_req(f"p{i}", [i, i + 0.5, i + 0.25]) for i in range(2500)]
+    for i, request in enumerate(requests):
+        router.on_kv_events(i % 3, [BlockStored(list(prompt_block_hashes(request, BS))[:2],
+                                                None, None)])
+    sizes = []
+    for i, request in enumerate(requests):
+        assert router.matched_blocks(request, [0, 1, 2]) == {r: 2 * (r == i % 3) for r in range(3)}
+        sizes.append((len(router._walks), len(router._touched)))
+    assert max(w for w, _ in sizes) == cache_aware._MAX_WALKS
+    assert max(t for _, t in sizes) == cache_aware._MAX_LOGGED
+    assert len(router._readers) <= cache_aware._MAX_READERS

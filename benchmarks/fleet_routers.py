@@ -16,12 +16,17 @@ in every replica's KV cache (about 445k tokens each, less the running batches): 
 application decides its hits. With ``--num-apps 24`` every replica holds every system prompt and
 the routers differ only in how they spread the load.
 
-    PYTHONPATH=... python -m twinserve.benchmarks.fleet_routers [--num-apps 24]
+    PYTHONPATH=... python -m twinserve.benchmarks.fleet_routers [--num-apps 24] [--calls]
+
+``--calls`` adds each replay's function calls per request against the lone replica's (cProfile):
+a count that does not move with the host's load, where the CPU times do.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from dataclasses import replace
@@ -55,6 +60,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of the cost comparison")
     p.add_argument("--cost-routers", default="round-robin,least-outstanding,cache-aware",
                    help="the routers of the cost comparison")
+    p.add_argument("--calls", action="store_true",
+                   help="also count the function calls per request of each (cProfile): "
+                        "deterministic, where CPU times move with the host's load")
     args = p.parse_args()
     workload = MultiAppConfig(num_requests=args.num_requests, request_rate=args.rate,
                               num_apps=args.num_apps, zipf_s=args.zipf_s, input_len=args.input_len,
@@ -96,6 +104,20 @@ def main() -> None:
         print(f"- {args.replicas} replicas behind {name}: {1e3 * per_request:.3f} ms, "
               f"{per_request / (median(lone) / len(quarter)):.2f}x; against 1 replica fed replica "
               f"0's round-robin share {per_request / (median(same) / len(share)):.2f}x")
+    if args.calls:
+        lone_calls = _calls(lone_cfg, quarter)
+        print(f"\nFunction calls per request; 1 replica at a quarter of the rate: {lone_calls:.0f}")
+        for name in cost_routers:
+            cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
+            calls = _calls(cfg, trace)
+            print(f"- {args.replicas} replicas behind {name}: {calls:.0f}, {calls / lone_calls:.3f}x")
+
+
+def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:
+    """The function calls (Python and built-in) of a replay, per request."""
+    profile = cProfile.Profile()
+    profile.runcall(simulate, cfg, trace)
+    return pstats.Stats(profile).total_calls / len(trace)
 
 
 def _cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, SimResult]:

@@ -72,7 +72,8 @@ class KVEventBuffer:
 
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, oldest first."""
-        self._flush_removed()
+        if self._removed:  # (a fleet's front takes every replica's at every arrival)
+            self._flush_removed()
         taken, self._events = self._events, []
         return taken
 

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from twinserve.core.request import Request
 from twinserve.routers.hashing import prompt_block_hashes
 from twinserve.routers.router import ReplicaLoad, healthy
+
+_INF = float("inf")
+# Bounds of the walks kept and of the touches logged (cleared, or applied, past them).
+_MAX_WALKS = 1024
+_MAX_READERS = 1 << 17
+_MAX_LOGGED = 1024
 
 
 class CacheAwareRouter:
@@ -48,7 +55,7 @@ class CacheAwareRouter:
     ``validate`` read them off their step-time model (``simulator.router_prices``)."""
 
     __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_index",
-                 "_next")
+                 "_next", "_walks", "_readers", "_touched")
 
     uses_kv_events = True  # constants of the class: the backend turns the replicas' events on
     reads_kv_usage = False
@@ -69,6 +76,12 @@ class CacheAwareRouter:
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> bitmask of replicas
         self._next = 0  # where the next tie's rotation starts
+        # Walks kept while the masks they read stay as they were, by first hash (``_walk``), and
+        # the first hash of the walk that read each hash; the LRU touches not applied yet, by
+        # deepest hash (``_flush_touches``). All bounded.
+        self._walks: dict[int, _Walk] = {}
+        self._readers: dict[int, int] = {}
+        self._touched: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
 
     def __len__(self) -> int:
         """The block hashes indexed (at most ``max_blocks``)."""
@@ -85,21 +98,113 @@ class CacheAwareRouter:
         prompt, bs, per_decode = len(request.prompt_token_ids), self.block_size, self.decode_weight
         per_s = self.prefill_tokens_per_s
         n, start = len(replicas), self._next
-        best, best_key = up[0], None
+        best, best_cost, best_turn = up[0], _INF, n
         for i in up:
             load = replicas[i]
-            cost = (per_s * load.step_left_s + load.num_prefill_tokens + prompt - bs * matched[i]
+            elapsed, last = load.step_elapsed_s, load.last_step_s  # (``step_left_s``, inlined)
+            left = 0.0 if elapsed is None or elapsed >= last else last - elapsed
+            cost = (per_s * left + load.num_prefill_tokens + prompt - bs * matched[i]
                     + per_decode * load.num_running)
-            key = (cost, (i - start) % n)
-            if best_key is None or key < best_key:
-                best, best_key = i, key
+            if cost <= best_cost:  # the lowest (cost, turn after the last chosen)
+                turn = (i - start) % n
+                if cost < best_cost or turn < best_turn:
+                    best, best_cost, best_turn = i, cost, turn
         self._next = best + 1
         return best
 
     def matched_blocks(self, request: Request, among: Sequence[int]) -> dict[int, int]:
         """For each replica in ``among``: how many of the prompt's blocks, from the first, it
-        holds (by the index). The hashes matched move to the young end of the LRU."""
-        get, touch = self._index.get, self._index.move_to_end  # (~80 hashes a request)
+        holds (by the index). The hashes matched move to the young end of the LRU.
+
+        Requests of one application walk the same system prompt, so a walk is kept (by its
+        first hash) until a mask it read changes: a later prompt whose hash at the walk's
+        depth is the walk's shares every block before it (a hash covers its whole prefix) and
+        reads its matches off the walk, going on hash by hash only past it. Its LRU touch, the
+        matched hashes in order, is logged by its deepest hash and applied before the index
+        changes or is read (``_flush_touches``): only a prefix's last touch decides the order.
+        ``_matched_blocks_plain`` is the hash-by-hash loop it stands for."""
+        hashes = prompt_block_hashes(request, self.block_size)
+        if not isinstance(hashes, list):  # a chain made as it is read: the plain loop
+            self._flush_touches()
+            return self._matched_blocks_plain(request, among)
+        if not hashes:
+            return dict.fromkeys(among, 0)
+        walk = self._walks.get(hashes[0])
+        if walk is None or not walk.covers(hashes):
+            walk = self._walk(hashes)
+        depth, ends = walk.depth, walk.ends
+        short = min(len(hashes), depth)
+        matched = {i: min(ends.get(i, 0), short) for i in among}
+        if short == depth and walk.continues(hashes):  # replicas that held all of the walk
+            alive = 0
+            for i in among:
+                if depth and matched[i] == depth:
+                    alive |= 1 << i
+            if alive:
+                self._go_on(hashes, depth, alive, matched)
+        touched = max(matched.values(), default=0)
+        if touched:
+            log = self._touched
+            log[hashes[touched - 1]] = (hashes, touched)
+            log.move_to_end(hashes[touched - 1])
+            if len(log) > _MAX_LOGGED:
+                self._flush_touches()
+        return matched
+
+    def _walk(self, hashes: list[int]) -> _Walk:
+        """The walk of ``hashes`` for every replica holding the first, kept by its first hash."""
+        get = self._index.get
+        alive = get(hashes[0], 0)
+        ends: dict[int, int] = {}
+        depth = 0
+        for block_hash in hashes:
+            holding = get(block_hash, 0) & alive
+            if holding != alive:
+                for i in _bits(alive & ~holding):
+                    ends[i] = depth
+                alive = holding
+                if not alive:
+                    break
+            depth += 1
+        for i in _bits(alive):
+            ends[i] = depth
+        walks, readers, first = self._walks, self._readers, hashes[0]
+        if len(walks) >= _MAX_WALKS or len(readers) >= _MAX_READERS:
+            walks.clear()  # (a walk is kept only while every hash it read has its reader)
+            readers.clear()
+        readers.update(dict.fromkeys(hashes[:depth + 1], first))  # (its first miss included)
+        walk = walks[first] = _Walk(hashes, depth, ends)
+        return walk
+
+    def _go_on(self, hashes: list[int], depth: int, alive: int, matched: dict[int, int]) -> None:
+        """The plain loop from block ``depth`` on, for the replicas in ``alive`` (without touching)."""
+        get = self._index.get
+        for block_hash in hashes[depth:]:
+            holding = get(block_hash, 0) & alive
+            if holding != alive:
+                for i in _bits(alive & ~holding):
+                    matched[i] = depth
+                alive = holding
+                if not alive:
+                    return
+            depth += 1
+        for i in _bits(alive):
+            matched[i] = depth
+
+    def _flush_touches(self) -> None:
+        """Applies the logged LRU touches, each prefix's last, in order."""
+        log = self._touched
+        if log:
+            touch = self._index.move_to_end
+            for hashes, n in log.values():
+                for block_hash in hashes[:n]:
+                    touch(block_hash)
+            log.clear()
+
+    def _matched_blocks_plain(self, request: Request, among: Sequence[int]) -> dict[int, int]:
+        """``matched_blocks`` hash by hash, touching as it goes (the reference; call
+        ``_flush_touches`` first where ``matched_blocks`` ran before)."""
+        get, touch = self._index.get, self._index.move_to_end
         alive = 0
         for i in among:
             alive |= 1 << i
@@ -120,16 +225,25 @@ class CacheAwareRouter:
         return matched
 
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        if not events:
+            return
+        self._flush_touches()
         bit = 1 << replica
-        index = self._index
+        index, readers = self._index, self._readers
         for event in events:
             if isinstance(event, BlockStored):
+                if not readers.keys().isdisjoint(event.block_hashes):
+                    self._forget(event.block_hashes)
                 for block_hash in event.block_hashes:
                     index[block_hash] = index.get(block_hash, 0) | bit
                     index.move_to_end(block_hash)
                 while len(index) > self.max_blocks:
-                    index.popitem(last=False)
+                    block_hash = index.popitem(last=False)[0]
+                    if block_hash in readers:
+                        self._forget((block_hash,))
             elif isinstance(event, BlockRemoved):
+                if not readers.keys().isdisjoint(event.block_hashes):
+                    self._forget(event.block_hashes)
                 for block_hash in event.block_hashes:
                     mask = index.get(block_hash, 0) & ~bit
                     if mask:
@@ -142,6 +256,7 @@ class CacheAwareRouter:
                 raise ValueError(f"events: not a KV cache event: {event!r}")
 
     def on_replica_reset(self, replica: int) -> None:
+        self._changing()
         keep = ~(1 << replica)
         index = self._index
         for block_hash in list(index):
@@ -150,6 +265,41 @@ class CacheAwareRouter:
                 index[block_hash] = mask
             else:
                 del index[block_hash]
+
+    def _forget(self, block_hashes: Sequence[int]) -> None:
+        """Before these hashes' masks change: the kept walks that read them are dropped."""
+        pop, walks = self._readers.pop, self._walks
+        for block_hash in block_hashes:
+            first = pop(block_hash, None)
+            if first is not None:
+                walks.pop(first, None)
+
+    def _changing(self) -> None:
+        """Before the whole index changes: the logged touches applied, every walk dropped."""
+        self._flush_touches()
+        self._walks.clear()
+        self._readers.clear()
+
+
+@dataclass(slots=True)
+class _Walk:
+    """A prompt's walk of the index: ``depth`` blocks, from the first, held by some replica that
+    holds the first; ``ends``: each such replica's matched blocks."""
+
+    hashes: list[int]
+    depth: int
+    ends: dict[int, int]
+
+    def covers(self, hashes: list[int]) -> bool:
+        """Whether ``hashes`` share the walk's blocks up to its depth (or to their end)."""
+        short = min(len(hashes), self.depth)
+        return not short or hashes[short - 1] == self.hashes[short - 1]
+
+    def continues(self, hashes: list[int]) -> bool:
+        """Whether ``hashes`` (sharing the walk's blocks) go on past it with a block the walk
+        did not read."""
+        depth, mine = self.depth, self.hashes
+        return len(hashes) > depth and (len(mine) == depth or hashes[depth] != mine[depth])
 
 
 def _bits(mask: int) -> list[int]:

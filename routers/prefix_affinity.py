@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from twinserve.core.kv_events import KVCacheEvent
-from twinserve.core.request import Request
+from twinserve.core.request import LazyPrompt, Request
 from twinserve.routers.router import ReplicaLoad, healthy, least_outstanding
 
 
@@ -15,7 +15,12 @@ class PrefixAffinityRouter:
     its prefix cache sees them all, unless the home has ``max_imbalance`` more outstanding requests
     than the least loaded replica, or is unhealthy; then the least loaded takes the request and
     becomes the home. The homes are an LRU table of at most ``max_prefixes`` entries: the prefix
-    used least recently is forgotten first (its next request then goes to the least loaded)."""
+    used least recently is forgotten first (its next request then goes to the least loaded).
+
+    A prompt's first tokens are keyed by their ids, or, for a twin's ``LazyPrompt`` whose
+    blocks divide them, by the key of the block they end with: equal exactly where the ids
+    are (the prompt's promise), without making the ids. A run's prompts are all of one kind,
+    so its requests share homes as with the ids."""
 
     __slots__ = ("prefix_tokens", "max_imbalance", "max_prefixes", "_home")
     reads_kv_usage = False  # a constant of the class: it reads the request counts only
@@ -30,7 +35,7 @@ class PrefixAffinityRouter:
         self.prefix_tokens = prefix_tokens
         self.max_imbalance = max_imbalance
         self.max_prefixes = max_prefixes
-        self._home: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self._home: OrderedDict[int | tuple[int, ...], int] = OrderedDict()
 
     def __len__(self) -> int:
         """The prefixes remembered (at most ``max_prefixes``)."""
@@ -38,7 +43,7 @@ class PrefixAffinityRouter:
 
     def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
         up = healthy(replicas)
-        key = tuple(request.prompt_token_ids[:self.prefix_tokens])
+        key = self._key(request)
         least = least_outstanding(replicas, up)
         home = self._home.get(key)
         if home is None or not replicas[home].healthy or (
@@ -49,6 +54,13 @@ class PrefixAffinityRouter:
         if len(self._home) > self.max_prefixes:
             self._home.popitem(last=False)
         return home
+
+    def _key(self, request: Request) -> int | tuple[int, ...]:
+        """The key of the prompt's first ``prefix_tokens`` tokens."""
+        prompt, n = request.prompt_token_ids, self.prefix_tokens
+        if type(prompt) is LazyPrompt and len(prompt) >= n and not n % prompt.key_block_size:
+            return prompt.keys[n // prompt.key_block_size - 1]
+        return tuple(prompt[:n])
 
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         pass

@@ -112,4 +112,10 @@ def healthy(replicas: Sequence[ReplicaLoad]) -> list[int]:
 
 def least_outstanding(replicas: Sequence[ReplicaLoad], among: Sequence[int]) -> int:
     """The replica in ``among`` with the fewest running + waiting requests (lowest index on ties)."""
-    return min(among, key=lambda i: replicas[i].outstanding)
+    best, fewest = among[0], None  # (``outstanding``, inlined: a fleet's twin asks every arrival)
+    for i in among:
+        load = replicas[i]
+        n = load.num_running + load.num_waiting
+        if fewest is None or n < fewest:
+            best, fewest = i, n
+    return best

@@ -64,13 +64,17 @@ class PendingRun:
     Counts kept as the crossing step moves on: the blocks taken (a request starts a block in
     the steps ``j`` with ``j % block_size == first``, ``first = -start % block_size``, while it
     decodes, ``j < left``), the requests ended and the blocks their ends freed (a block of theirs
-    is freed when the last of its holders ends)."""
+    is freed when the last of its holders ends). The blocks taken are counted step by step from
+    the requests decoding per ``first`` (``_live``), each request leaving its count once the
+    steps reach its ``left``, in the order of their lefts (``_ended``);
+    ``_blocks_taken_plain`` counts the same request by request (the reference)."""
 
     run: DecodeRun
     crossing: int = 0
     reported: list[int] = field(default_factory=list)  # evictions reported ahead
-    _firsts: list[int] = field(default_factory=list)  # each request's ``first``
-    _starting: list[int] = field(default_factory=list)  # requests per ``first``
+    _live: list[int] = field(default_factory=list)  # requests per ``first`` still decoding
+    _left: int = 0  # ``_ended`` entries whose requests left ``_live``
+    _leave_at: int = 0  # the next step at which a request leaves ``_live``
     _upto: int = -1  # the last step counted
     _taken: int = 0  # blocks taken up to it
     _peeked: int = 0  # blocks of the free queue's head read for evictions
@@ -81,25 +85,56 @@ class PendingRun:
     _freed: int = 0
     _holders: dict[KVCacheBlock, int] = field(default_factory=dict)  # refs left of their blocks
 
-    def __post_init__(self) -> None:
-        bs = self.run.scheduler.kv.block_size
-        self._firsts = firsts = [-start % bs for start in self.run.starts]
-        self._starting = starting = [0] * bs
-        for first in firsts:
-            starting[first] += 1
-
     def blocks_taken(self) -> int:
         """The blocks the steps up to the crossing one took when they were scheduled."""
         c = self.crossing
-        if c > self._upto:
-            run, starting, bs = self.run, self._starting, len(self._starting)
-            no_end_before = run.stops[0]  # the fewest steps left: every request decodes before
-            for j in range(self._upto + 1, c + 1):
-                r = j % bs
-                self._taken += starting[r] if j < no_end_before else sum(
-                    1 for first, left in zip(self._firsts, run.lefts) if first == r and left > j)
-            self._upto = c
-        return self._taken
+        if c <= self._upto:
+            return self._taken
+        run = self.run
+        bs = run.scheduler.kv.block_size
+        live = self._live
+        if not live:  # (the first count of this run)
+            self._live = live = [0] * bs
+            for start in run.starts:
+                live[-start % bs] += 1
+            self._leave_at = run.stops[0]  # every request decodes before
+        taken, leave_at = self._taken, self._leave_at
+        for j in range(self._upto + 1, c + 1):
+            if j >= leave_at:
+                leave_at = self._leave(j)
+            taken += live[j % bs]
+        self._upto, self._taken, self._leave_at = c, taken, leave_at
+        return taken
+
+    def _leave(self, step: int) -> int:
+        """Takes the requests whose last decode came before ``step`` out of ``_live``; returns
+        the step at which the next one leaves."""
+        order, run = self._sorted_by_left(), self.run
+        lefts, starts, live, bs = run.lefts, run.starts, self._live, len(self._live)
+        k, n = self._left, len(order)
+        while k < n and lefts[order[k]] <= step:
+            live[-starts[order[k]] % bs] -= 1
+            k += 1
+        self._left = k
+        return lefts[order[k]] if k < n else run.max_steps
+
+    def _sorted_by_left(self) -> list[int]:
+        """The run's request indices by ``left`` (stable), made once."""
+        if not self._ended:
+            run = self.run
+            self._ended = sorted(range(len(run.requests)), key=run.lefts.__getitem__)
+        return self._ended
+
+    def _blocks_taken_plain(self) -> int:
+        """``blocks_taken`` request by request: the steps ``j <= crossing``, ``j < left``, with
+        ``j % block_size == first`` (the reference)."""
+        run, bs = self.run, self.run.scheduler.kv.block_size
+        taken = 0
+        for start, left in zip(run.starts, run.lefts):
+            first, last = -start % bs, min(self.crossing, left - 1)
+            if first <= last:
+                taken += (last - first) // bs + 1
+        return taken
 
     def num_ended(self) -> int:
         """The requests that sampled their last token in a step before the crossing one."""
@@ -114,11 +149,9 @@ class PendingRun:
         ended = self.num_ended()
         if ended == self._num_ended:
             return self._freed
-        run = self.run
-        if not self._ended:
-            self._ended = sorted(range(len(run.requests)), key=run.lefts.__getitem__)
-        tables, bs, holders = run.scheduler.kv.tables, len(self._starting), self._holders
-        for i in self._ended[self._num_ended:ended]:
+        run, order = self.run, self._sorted_by_left()
+        tables, bs, holders = run.scheduler.kv.tables, run.scheduler.kv.block_size, self._holders
+        for i in order[self._num_ended:ended]:
             for block in tables[run.requests[i].request_id].blocks:
                 refs = holders.get(block, block.ref_cnt) - 1
                 if refs:
@@ -156,7 +189,7 @@ class PendingRun:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one
         ``BlockRemoved``, the pool's way), remembered in ``reported``. The blocks come off the
         free queue's head in step order; the blocks ends free join its tail."""
-        taken = self.blocks_taken()
+        taken = self._taken if self.crossing <= self._upto else self.blocks_taken()
         if taken == self._peeked:
             return []
         if taken > len(self._head):  # (the queue stays as it is while the run is pending:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +12,15 @@ from twinserve import routers as registry
 from twinserve.core.block_hash import update_block_hashes
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from twinserve.core.outputs import ModelRunnerOutput
+from twinserve.core.request import LazyPrompt, Request
+from twinserve.core.sampling_params import SamplingParams
 from twinserve.routers import (
     ROUTERS,
     CacheAwareRouter,
     NoHealthyReplica,
     PrefixAffinityRouter,
     ReplicaLoad,
+    cache_aware,
     make_router,
     uses_kv_events,
 )
@@ -263,3 +267,118 @@ def test_cache_aware_follows_a_real_schedulers_events() -> None:
         run_to_completion(sched)
     router.on_kv_events(0, sched.take_kv_events())
     assert router.matched_blocks(make_req("c", 20, prefix=shared), [0]) == {0: 0}
+
+
+def _lazy_req(rid: str, blocks: list[int]) -> Request:
+    """A request whose prompt is a ``LazyPrompt`` of these blocks' contents (its keys chained
+    over them, as a key covers its whole prefix), then one token."""
+    keys, parent = [], 0
+    for block in blocks:
+        parent = hash((parent, block))
+        keys.append(parent)
+    length = len(keys) * BS + 1
+    prompt = LazyPrompt(length, lambda a, b: [9] * (b - a), length - 1, [9], BS, keys)
+    return Request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), 0.0, eos_token_id=2)
+
+
+def _prompts(rng: random.Random) -> list[Request]:
+    """Lazy prompts sharing system prompts (whole, cut short, or going on with other blocks, as
+    conversations do) and plain prompts sharing prefixes of their ids."""
+    systems = [[rng.randrange(1 << 40) for _ in range(24)] for _ in range(4)]
+    turns = [[rng.randrange(1 << 40) for _ in range(6)] for _ in range(5)]
+    requests = []
+    for k in range(60):
+        system = rng.choice(systems)
+        blocks = system[:rng.choice((1, 8, 24, 24, 24))] + rng.choice(turns)[:rng.randrange(7)]
+        requests.append(_lazy_req(f"lazy{k}", blocks))
+    plain = [[rng.randrange(50) for _ in range(40)] for _ in range(2)]
+    requests += [make_req(f"plain{k}", 40 + k % 5, prefix=rng.choice(plain)[:rng.randrange(41)])
+                 for k in range(12)]
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> None:
+    """``matched_blocks`` (walks kept until a mask they read changes, LRU touches logged) against the
+    hash-by-hash loop, through stores, removals, resets and a capped index: the same matches
+    for every request and replica set, and the same LRU order once the log is applied."""
+    rng = random.Random(seed)
+    fast, plain = CacheAwareRouter(BS, max_blocks=40), CacheAwareRouter(BS, max_blocks=40)
+    requests = _prompts(rng)
+    full = 0  # rounds with the index at its cap (stores evict)
+    walked, went_on = [0], [0]  # full walks, and walks gone on past a kept one
+    walk, go_on = CacheAwareRouter._walk, CacheAwareRouter._go_on
+
+    def counting_walk(self, hashes):
+        walked[0] += 1
+        return walk(self, hashes)
+
+    def counting_go_on(self, hashes, depth, alive, matched):
+        went_on[0] += 1
+        return go_on(self, hashes, depth, alive, matched)
+
+    monkeypatch.setattr(CacheAwareRouter, "_walk", counting_walk)
+    monkeypatch.setattr(CacheAwareRouter, "_go_on", counting_go_on)
+    rounds = 600
+    for _ in range(rounds):
+        request = rng.choice(requests)
+        roll = rng.random()
+        if roll < 0.1:  # a replica stores some of a prompt's blocks (new ones: from any block
+            # on, as a replica holding the ones before reports), or loses some
+            hashes = list(prompt_block_hashes(request, BS))
+            start = rng.choice((0, rng.randrange(len(hashes) + 1)))
+            replica, kept = rng.randrange(5), hashes[start:rng.randrange(start, len(hashes) + 1)]
+            events = [BlockStored(kept, None, None)] if rng.random() < 0.7 else \
+                [BlockRemoved([h for h in kept if rng.random() < 0.3])]
+            for router in (fast, plain):
+                router.on_kv_events(replica, events)
+        elif roll < 0.11:
+            replica = rng.randrange(5)
+            for router in (fast, plain):
+                router.on_replica_reset(replica)
+        full += len(fast) == 40
+        among = sorted(rng.sample(range(5), rng.randrange(1, 6)))
+        got = fast.matched_blocks(request, among)
+        assert got == plain._matched_blocks_plain(request, among), (request.request_id, among)
+        if rng.random() < 0.1:
+            fast._flush_touches()
+            assert list(fast._index.items()) == list(plain._index.items())
+    fast._flush_touches()
+    assert list(fast._index.items()) == list(plain._index.items())
+    # most walks reused a kept one; some went on past it; the cap evicted
+    assert walked[0] < 0.6 * rounds and went_on[0] > 10 and full > 20, (walked, went_on, full)
+
+
+def test_cache_aware_kept_walk_sees_the_blocks_stored_and_removed_past_it() -> None:
+    """A replica reports only its new blocks: a store from the walk's first miss on, or a
+    removal within it, changes the matches of the walk kept for that prompt."""
+    router = CacheAwareRouter(BS)
+    request = _lazy_req("a", list(range(10)))
+    hashes = list(prompt_block_hashes(request, BS))
+    router.on_kv_events(0, [BlockStored(hashes[:4], None, None)])
+    assert router.matched_blocks(request, [0, 1]) == {0: 4, 1: 0}
+    router.on_kv_events(0, [BlockStored(hashes[4:7], hashes[3], None)])  # from the first miss
+    assert router.matched_blocks(request, [0, 1]) == {0: 7, 1: 0}
+    router.on_kv_events(1, [BlockStored(hashes[:2], None, None)])
+    assert router.matched_blocks(request, [0, 1]) == {0: 7, 1: 2}
+    router.on_kv_events(0, [BlockRemoved(hashes[5:6])])
+    assert router.matched_blocks(request, [0, 1]) == {0: 5, 1: 2}
+    longer = _lazy_req("b", list(range(12)))  # the same blocks, then two more
+    router.on_kv_events(1, [BlockStored(hashes[2:10], hashes[1], None)])
+    assert router.matched_blocks(longer, [0, 1]) == {0: 5, 1: 10}
+    assert router.matched_blocks(request, [1]) == {1: 10}
+
+
+def test_cache_aware_kept_walks_and_logged_touches_stay_bounded() -> None:
+    router = CacheAwareRouter(BS)
+    requests = [_lazy_req(f"p{i}", [i, i + 0.5, i + 0.25]) for i in range(2500)]
+    for i, request in enumerate(requests):
+        router.on_kv_events(i % 3, [BlockStored(list(prompt_block_hashes(request, BS))[:2],
+                                                None, None)])
+    sizes = []
+    for i, request in enumerate(requests):
+        assert router.matched_blocks(request, [0, 1, 2]) == {r: 2 * (r == i % 3) for r in range(3)}
+        sizes.append((len(router._walks), len(router._touched)))
+    assert max(w for w, _ in sizes) == cache_aware._MAX_WALKS
+    assert max(t for _, t in sizes) == cache_aware._MAX_LOGGED
+    assert len(router._readers) <= cache_aware._MAX_READERS

@@ -34,8 +34,8 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
     cfg = SimConfig(num_replicas=3, router=router, num_gpu_blocks_override=300,
                     usage_context=usage, **SMALL)
     reference = simulate(cfg, workload, decode_runs=False)
-    read, reported, ended = [0], [0], [0]
-    load, evictions = PendingRun.load, PendingRun.evictions
+    read, reported, ended, counted = [0], [0], [0], [0]
+    load, evictions, blocks_taken = PendingRun.load, PendingRun.evictions, PendingRun.blocks_taken
 
     def counting_load(self: PendingRun, *step_times: float | None):
         read[0] += 1
@@ -47,8 +47,15 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
         reported[0] += sum(len(e.block_hashes) for e in events)
         return events
 
+    def checked_blocks_taken(self: PendingRun) -> int:  # the step-by-step count's reference
+        taken = blocks_taken(self)
+        assert taken == self._blocks_taken_plain(), (self.crossing, self.run.lefts)
+        counted[0] += self.run.stops[0] <= self.crossing and taken > 0
+        return taken
+
     monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
     monkeypatch.setattr(fleet_module.PendingRun, "evictions", counting_evictions)
+    monkeypatch.setattr(fleet_module.PendingRun, "blocks_taken", checked_blocks_taken)
     schedule, steps = Scheduler.schedule, [0]
 
     def counting_schedule(self: Scheduler, now: float):
@@ -59,7 +66,7 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
     fast = simulate(cfg, workload)
     assert read[0] > len(workload)  # most arrivals found some replica mid-run
     if router == "cache-aware":  # evictions reported ahead, then struck from the run's events
-        assert reported[0] > 0
+        assert reported[0] > 0 and counted[0] > 0  # (blocks counted past some runs' ends)
     assert ended[0] > 0
     assert fast.records == reference.records
     assert list(fast.steps) == list(reference.steps)

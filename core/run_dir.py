@@ -14,11 +14,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import accumulate, repeat
 from operator import is_
 from pathlib import Path
 from typing import Any, TextIO
@@ -111,13 +110,15 @@ def _request_row(r: RequestRecord, speculation: bool = False) -> list[Any]:
 
 
 def _write_requests(f: TextIO, records: list[RequestRecord],
-                    parts: Mapping[str, DisaggregatedParts] | None = None) -> None:
+                    parts: Mapping[str, DisaggregatedParts] | None = None,
+                    step_times: Sequence[float] | None = None) -> None:
     """requests.csv's rows as ``_request_row`` and csv.writer write them; the ITL column (digits,
     dots, signs, spaces: never quoted) is appended without csv's scan of every character.
-    ``parts``: a disaggregated run's PD_REQUEST_COLUMNS, by request id."""
+    ``parts``: a disaggregated run's PD_REQUEST_COLUMNS, by request id; ``step_times``: the
+    run's step start times, whose differences most ITL columns are (``_itl_texts``)."""
     w = csv.writer(f, lineterminator="")
     speculation = _has_speculation(records)
-    for r, itls in zip(records, _itl_texts(records)):
+    for r, itls in zip(records, _itl_texts(records, step_times)):
         w.writerow((
             r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
             fmt(r.first_scheduled_time), fmt(r.first_token_time), fmt(r.finish_time),
@@ -140,36 +141,104 @@ def _pd_text(part: DisaggregatedParts | None, first_token_time: float) -> str:
                           for v in values)
 
 
-def _itl_texts(records: list[RequestRecord]) -> list[str]:
+def _itl_texts(records: list[RequestRecord], step_times: Sequence[float] | None = None,
+               ) -> list[str]:
     """Each record's ITL column, ``" ".join(f"{g * 1e3:.6g}" for g in r.itls)``. A whole trace
-    holds millions of gaps but far fewer distinct ones (the requests decoding in one step share
-    its gap): each distinct gap is formatted once, and each record's texts are gathered by
-    index from one array (``g * 1e3`` is the same IEEE product in numpy)."""
+    holds millions of gaps but far fewer distinct ones: the requests decoding in one step share
+    its gap. ``step_times``: the steps' start times (a run's ``StepLog`` column), from which
+    most records' texts are cut in one slice each (``_step_gap_texts``); the others' gaps are
+    formatted once per distinct value (``_distinct_texts``)."""
     lengths = [len(r.itls) for r in records]
     if not sum(lengths):
         return [""] * len(records)
     itls = [r.itls for r in records]
-    arrays = [g for g in itls if type(g) is array and g.typecode == "d"]
-    if len(arrays) == len(itls):  # (metrics' own): one copy
-        gaps = np.frombuffer(b"".join(arrays), dtype=np.float64) * 1e3
+    if all(type(g) is array and g.typecode == "d" for g in itls):  # (metrics' own): one copy
+        gaps = np.frombuffer(b"".join(itls), dtype=np.float64)
     else:
-        gaps = np.concatenate([np.asarray(g, dtype=np.float64) for g in itls]) * 1e3
-    zero = gaps == 0
-    if zero.any() and np.signbit(gaps[zero]).any():  # unique() would merge -0.0 into 0.0
-        texts = [f"{g:.6g}" for g in gaps.tolist()]
+        gaps = np.concatenate([np.asarray(g, dtype=np.float64) for g in itls])
+    bounds = [0, *accumulate(lengths)]
+    out: list[str | None] = [None] * len(records)
+    if step_times is not None:
+        _step_gap_texts(records, lengths, bounds, gaps, step_times, out)
+    rest = [i for i, text in enumerate(out) if text is None]
+    if len(rest) == len(records):
+        values = gaps
     else:
-        distinct = np.sort(gaps)  # np.unique(gaps, return_inverse=True), without its argsort
-        keep = np.empty(len(distinct), bool)
-        keep[0] = True
-        np.not_equal(distinct[1:], distinct[:-1], out=keep[1:])  # (each nan kept: all "nan")
-        distinct = distinct[keep]
-        index = np.searchsorted(distinct, gaps)  # its first equal entry (nan: the first nan)
-        texts = np.array([f"{g:.6g}" for g in distinct.tolist()], dtype=object)[index].tolist()
-    out, start = [], 0
-    for n in lengths:
-        out.append(" ".join(texts[start:start + n]))
+        values = np.concatenate([gaps[bounds[i]:bounds[i + 1]] for i in rest] or [gaps[:0]])
+    texts, index = _distinct_texts(values * 1e3)
+    each = texts if index is None else np.array(texts, dtype=object)[index].tolist()
+    start = 0
+    for i in rest:
+        n = lengths[i]
+        out[i] = " ".join(each[start:start + n])
         start += n
-    return out
+    return out  # type: ignore[return-value]
+
+
+def _distinct_texts(values: np.ndarray) -> tuple[list[str], np.ndarray | None]:
+    """``f"{g:.6g}"`` of each distinct value and each value's index among them (None: the
+    texts are the values' own, in order: a -0.0, which ``np.unique``'s order would merge into
+    0.0). The same IEEE values as the plain per-value format, so the same texts."""
+    zero = values == 0
+    if zero.any() and np.signbit(values[zero]).any():
+        return [f"{g:.6g}" for g in values.tolist()], None
+    distinct = np.sort(values)  # np.unique(values, return_inverse=True), without its argsort
+    keep = np.empty(len(distinct), bool)
+    if len(keep):
+        keep[0] = True
+    np.not_equal(distinct[1:], distinct[:-1], out=keep[1:])  # (each nan kept: all "nan")
+    distinct = distinct[keep]
+    index = np.searchsorted(distinct, values)  # its first equal entry (nan: the first nan)
+    return [f"{g:.6g}" for g in distinct.tolist()], index
+
+
+def _step_gap_texts(records: list[RequestRecord], lengths: list[int], bounds: list[int],
+                    gaps: np.ndarray, step_times: Sequence[float],
+                    out: list[str | None]) -> None:
+    """Fills ``out[i]`` for each record whose gaps are, bit for bit, the differences of
+    consecutive step start times from the step that starts at its first token: a request that
+    decodes in every step of a busy engine (one replica's, whose steps start where the last one
+    ended). Those differences are formatted once each into one text, and a record's ITL column
+    is a slice of it. Every gap is compared, so a record whose gaps are not those (a fleet's
+    interleaved steps, an idle engine, a preemption) is left to the caller."""
+    try:
+        times = np.fromiter(step_times, np.float64, len(step_times))
+    except (TypeError, ValueError, OverflowError):  # (not numbers: no gaps of theirs)
+        return
+    if len(times) < 2 or not (times[1:] >= times[:-1]).all():
+        return
+    diffs = times[1:] - times[:-1]
+    first = np.fromiter([r.first_token_time for r in records], np.float64, len(records))
+    at = np.minimum(np.searchsorted(times, first), len(diffs))  # the step its first token starts
+    counts = np.array(lengths)
+    fits = np.flatnonzero((counts > 0) & (at + counts <= len(diffs)))
+    if not len(fits):
+        return
+    starts, stops = at[fits].tolist(), (at[fits] + counts[fits]).tolist()
+    want = np.concatenate([diffs[a:b] for a, b in zip(starts, stops)])
+    got = gaps if len(fits) == len(records) else np.concatenate(
+        [gaps[bounds[i]:bounds[i + 1]] for i in fits.tolist()])
+    ends = np.cumsum(counts[fits])
+    differ = np.flatnonzero(want.view(np.int64) != got.view(np.int64))  # (bits: -0.0, nan)
+    missed = set(np.searchsorted(ends, differ, side="right").tolist())
+    text, offsets = _joined_texts(diffs * 1e3)
+    for k, (i, a, b) in enumerate(zip(fits.tolist(), starts, stops)):
+        if k not in missed:
+            out[i] = text[offsets[a]:offsets[b] - 1]
+
+
+def _joined_texts(values: np.ndarray) -> tuple[str, list[int]]:
+    """``" ".join(f"{g:.6g}" for g in values) + " "`` and where each value's text starts
+    (a last entry: the text's length)."""
+    texts, index = _distinct_texts(values)
+    sizes = np.fromiter(map(len, texts), np.int64, len(texts))
+    if index is None:
+        each = texts
+    else:
+        each, sizes = np.array(texts, dtype=object)[index].tolist(), sizes[index]
+    offsets = np.zeros(len(each) + 1, np.int64)
+    np.cumsum(sizes + 1, out=offsets[1:])
+    return " ".join(each) + " ", offsets.tolist()
 
 
 def write_run(
@@ -187,46 +256,16 @@ def write_run(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     (out / "summary.json").write_text(json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n")
-    writer = _fork_steps_writer(out, steps) if steps is not None else None
-    try:
-        with open(out / "requests.csv", "w", newline="") as f:
-            columns = REQUEST_COLUMNS + (SPEC_REQUEST_COLUMNS if _has_speculation(records) else ())
-            if disaggregated is not None:
-                columns += PD_REQUEST_COLUMNS
-            csv.writer(f, lineterminator="\n").writerow(columns)
-            _write_requests(f, records, disaggregated)
-    finally:  # the child is waited for whatever happens here
-        written = writer is not None and _joined(writer)
-    if steps is not None and not written:
-        _write_steps(out, steps)  # (after a failed child: here, where its error is raised)
+    log = None if steps is None else steps if isinstance(steps, StepLog) else StepLog(steps)
+    with open(out / "requests.csv", "w", newline="") as f:
+        columns = REQUEST_COLUMNS + (SPEC_REQUEST_COLUMNS if _has_speculation(records) else ())
+        if disaggregated is not None:
+            columns += PD_REQUEST_COLUMNS
+        csv.writer(f, lineterminator="\n").writerow(columns)
+        _write_requests(f, records, disaggregated, None if log is None else log.columns()[0])
+    if log is not None:
+        _write_steps(out, log)
     return out
-
-
-# A whole trace's steps take about as long to write as its requests: from this many rows a
-# forked child writes them on the other core meanwhile. The child costs more CPU than writing
-# here (its copy-on-write faults: ~+50% at 60,000 rows, ~+25% at 500,000), so only runs whose
-# steps take a good part of a second to write fork (2,000 Azure conv requests make 60,000).
-_FORK_STEPS_AT = 150_000
-
-
-def _fork_steps_writer(out: Path, steps: Sequence[StepRecord]) -> int | None:
-    """The pid of a child writing steps.csv and tenants.csv, or None (few rows, no ``fork``)."""
-    if len(steps) < _FORK_STEPS_AT or not hasattr(os, "fork"):
-        return None
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        _write_steps(out, steps)
-        code = 0
-    finally:
-        os._exit(code)  # never back into the parent's code (nor its atexit handlers)
-
-
-def _joined(pid: int) -> bool:
-    """Waits for the steps writer; whether it wrote them."""
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
@@ -274,24 +313,26 @@ def _steps_text(columns: Sequence[list]) -> str:
     ints = [n, p, dec, run, wait, pre, rep]
     for v in (t, d, kv, *ints):  # placeholders: those lines are replaced
         v[slow] = 1
-    chunks, lengths = [], []
+    chunks, masks = [], []
     for a in range(0, num_rows, _CHUNK_ROWS):
         part = slice(a, a + _CHUNK_ROWS)
-        text, line_lengths = _join_columns([
+        text, mask = _join_columns([
             _fixed_field(t[part], 9, True), _fixed_field(d[part], 9, True),
             *([_int_field(v[part])] for v in ints[:5]), _fixed_field(kv[part], 6, False),
             *([_int_field(v[part])] for v in ints[5:])])
         chunks.append(text)
-        lengths.append(line_lengths)
+        masks.append(mask)
     text = "".join(chunks)
     if not slow.any():
         return text
-    ends = [0, *np.cumsum(np.concatenate(lengths)).tolist()]  # line i: ends[i]:ends[i + 1]
+    ends = np.cumsum(np.concatenate([mask.sum(axis=1) for mask in masks]))  # line i's end
+    odd = np.flatnonzero(slow)
     pieces: list[str] = []
     done = 0
-    for i in np.flatnonzero(slow).tolist():
-        pieces += (text[done:ends[i]], _step_line([c[i] for c in columns]))
-        done = ends[i + 1]
+    for i, start, end in zip(odd.tolist(), np.where(odd, ends[odd - 1], 0).tolist(),
+                             ends[odd].tolist()):
+        pieces += (text[done:start], _step_line([c[i] for c in columns]))
+        done = end
     pieces.append(text[done:])
     return "".join(pieces)
 
@@ -326,7 +367,22 @@ def _int_field(v: np.ndarray) -> _Field:
     powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
     mask = v[:, None] >= powers
     mask[:, -1] = True
-    return ((v[:, None] // powers) % 10 + 48).astype(np.uint8), mask
+    return _digits(v, width), mask
+
+
+def _digits(v: np.ndarray, width: int) -> np.ndarray:
+    """The last ``width`` decimal digits of non-negative integers as ASCII codes, most
+    significant first. One division by the scalar 10 per digit, on int32 where the values fit
+    (``width`` <= 9): numpy divides by a scalar several times faster than by a broadcast array
+    of powers, and int32 faster than int64."""
+    rest = v.astype(np.int32) if width <= 9 else v
+    out = np.empty((len(v), width), np.uint8)
+    for j in range(width - 1, 0, -1):
+        rest, digit = np.divmod(rest, 10)
+        out[:, j] = digit
+    out[:, 0] = rest % 10
+    out += 48
+    return out
 
 
 def _fixed_field(x: np.ndarray, decimals: int, strip: bool) -> list[_Field]:
@@ -340,17 +396,19 @@ def _fixed_field(x: np.ndarray, decimals: int, strip: bool) -> list[_Field]:
     for i in np.flatnonzero(np.abs(y - np.floor(y) - 0.5) <= np.spacing(y)).tolist():
         n[i] = int(f"{float(x[i]):.{decimals}f}".replace(".", ""))
     whole, frac = np.divmod(n, 10 ** decimals)
-    powers = 10 ** np.arange(decimals - 1, -1, -1, dtype=np.int64)
-    digits = ((frac[:, None] // powers) % 10 + 48).astype(np.uint8)
-    shown = (frac[:, None] % (powers * 10) != 0) if strip else np.ones(digits.shape, bool)
-    shown[:, 0] = True
+    digits = _digits(frac, decimals)
+    shown = np.ones(digits.shape, bool)
+    if strip:  # a decimal is shown where it or one after it is not 0
+        seen = shown[:, -1] = digits[:, -1] != 48
+        for j in range(decimals - 2, 0, -1):
+            seen = shown[:, j] = seen | (digits[:, j] != 48)
     dot = np.full((len(x), 1), ord("."), np.uint8)
     return [_int_field(whole), (dot, np.ones(dot.shape, bool)), (digits, shown)]
 
 
 def _join_columns(columns: list[list[_Field]]) -> tuple[str, np.ndarray]:
     """The lines of a chunk, each column's fields side by side, a comma between columns and a
-    newline after the last, and each line's length."""
+    newline after the last, and the mask of the characters written (a row per line)."""
     rows = len(columns[0][0][0])
     chars: list[np.ndarray] = []
     masks: list[np.ndarray] = []
@@ -361,7 +419,7 @@ def _join_columns(columns: list[list[_Field]]) -> tuple[str, np.ndarray]:
         chars.append(np.full((rows, 1), ord("\n" if k == len(columns) else ","), np.uint8))
         masks.append(np.ones((rows, 1), bool))
     mask = np.hstack(masks)
-    return np.hstack(chars)[mask].tobytes().decode("ascii"), mask.sum(axis=1)
+    return np.hstack(chars)[mask].tobytes().decode("ascii"), mask
 
 
 def _write_steps_reference(out: Path, steps: list[StepRecord]) -> None:

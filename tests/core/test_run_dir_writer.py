@@ -4,10 +4,10 @@ format (``run_dir._request_row``'s), including the values ``np.unique`` treats s
 from __future__ import annotations
 
 import math
-import os
 import random
 from array import array
 
+import numpy as np
 import pytest
 
 from twinserve.core import run_dir
@@ -63,31 +63,60 @@ def test_steps_text_equals_the_plain_lines() -> None:
         "".join(map(run_dir._step_line, with_chunks))
 
 
-def _folder_bytes(folder) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+def _plain_itls(records: list[RequestRecord]) -> list[str]:
+    return [" ".join(f"{g * 1e3:.6g}" for g in r.itls) for r in records]
 
 
-def test_steps_written_by_a_forked_child_are_the_same_bytes(tmp_path, monkeypatch) -> None:
+def _decoding(i: int, times: list[float], first: int, n: int) -> RequestRecord:
+    """A request whose first token came at step ``first``'s start and which then decoded in
+    the ``n`` steps after, as on a busy engine: its gaps are those steps' time differences."""
+    ends = times[first:first + n + 1]
+    return RequestRecord(f"r{i}", 0.0, 0.0, ends[0], ends[-1], 10, n + 1,
+                         itls=array("d", [b - a for a, b in zip(ends, ends[1:])]))
+
+
+def test_itl_texts_cut_from_the_step_times_equal_the_plain_format() -> None:
+    rng = random.Random(11)
+    times = [0]  # (an int first start, as SimPy's clock begins)
+    for _ in range(400):
+        times.append(times[-1] + rng.choice([rng.expovariate(50), 0.0125, 2e-7]))
+    records = []
+    for i in range(60):
+        first = rng.randrange(len(times) - 1)
+        records.append(_decoding(i, times, first, rng.randint(0, len(times) - 1 - first)))
+    records[3].itls[-1] += 1e-12  # its last gap is not a step's (an idle engine, a preemption)
+    records[4].itls = list(records[4].itls)
+    records[5].first_token_time = math.nan
+    records.append(_record(60, [0.25, -0.0, math.nan]))  # not the steps' gaps at all
+    want = _plain_itls(records)
+    assert run_dir._itl_texts(records, times) == want
+    cut: list[str | None] = [None] * len(records)
+    lengths = [len(r.itls) for r in records]
+    gaps = np.concatenate([np.asarray(r.itls, dtype=np.float64) for r in records])
+    run_dir._step_gap_texts(records, lengths, [0, *np.cumsum(lengths).tolist()], gaps, times, cut)
+    assert [i for i, text in enumerate(cut) if text is None] == \
+        [3, 5, 60] + [i for i, n in enumerate(lengths) if not n]  # the others cut from the steps
+    assert all(text == want[i] for i, text in enumerate(cut) if text is not None)
+    # steps of no duration (two steps starting at once: which is a record's?), and times that
+    # are no engine's (unsorted, not numbers, too few)
+    for odd in ([*times[:50], *times[49:]], times[::-1], [*times[:5], None, *times[6:]],
+                times[:1], []):
+        assert run_dir._itl_texts(records, odd) == want
+
+
+def test_steps_written_beside_the_requests_are_the_reference_bytes(tmp_path) -> None:
     from twinserve.core.metrics import StepRecord
     rng = random.Random(5)
     steps = [StepRecord(i * 0.01, rng.uniform(1e-3, 0.1), 3, rng.randint(0, 99), 2, 3,
                         rng.randint(0, 9), rng.random(), 0,
                         tenant_tokens={"a": (rng.randint(0, 9), 1), "b": (0, 2)})
              for i in range(300)]
-    records = [_record(i, [0.01, 0.02]) for i in range(20)]
-    args = ({"backend": "sim"}, records, {"completed": 20}, steps)
-    in_process = run_dir.write_run(tmp_path / "plain", *args)
-    monkeypatch.setattr(run_dir, "_FORK_STEPS_AT", 1)
-    forked = run_dir.write_run(tmp_path / "forked", *args)
-    assert _folder_bytes(forked) == _folder_bytes(in_process)
-    assert "steps.csv" in _folder_bytes(forked)
-
-    parent, plain_write = os.getpid(), run_dir._write_steps
-
-    def fails_in_the_child(out, rows) -> None:
-        if os.getpid() != parent:
-            raise OSError("disk full")
-        plain_write(out, rows)
-    monkeypatch.setattr(run_dir, "_write_steps", fails_in_the_child)
-    rewritten = run_dir.write_run(tmp_path / "child-failed", *args)  # the parent writes them
-    assert _folder_bytes(rewritten) == _folder_bytes(in_process)
+    times = [s.time for s in steps]
+    records = [_decoding(i, times, 7 * i, 5) for i in range(20)] + [_record(20, [0.01, 0.02])]
+    out = run_dir.write_run(tmp_path / "run", {"backend": "sim"}, records, {"completed": 21},
+                            steps)
+    run_dir._write_steps_reference(tmp_path, steps)
+    for name in ("steps.csv", "tenants.csv"):
+        assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
+    rows = (out / "requests.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[19] for row in rows] == _plain_itls(records)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -112,24 +113,89 @@ def _request_row(r: RequestRecord, speculation: bool = False) -> list[Any]:
 def _write_requests(f: TextIO, records: list[RequestRecord],
                     parts: Mapping[str, DisaggregatedParts] | None = None,
                     step_times: Sequence[float] | None = None) -> None:
-    """requests.csv's rows as ``_request_row`` and csv.writer write them; the ITL column (digits,
-    dots, signs, spaces: never quoted) is appended without csv's scan of every character.
+    """requests.csv's rows as ``_request_row`` and csv.writer write them: each row's first
+    fields from ``_row_heads`` (csv.writer's own where a row needs it), the ITL column (digits,
+    dots, signs, spaces: never quoted) appended without csv's scan of every character.
     ``parts``: a disaggregated run's PD_REQUEST_COLUMNS, by request id; ``step_times``: the
     run's step start times, whose differences most ITL columns are (``_itl_texts``)."""
     w = csv.writer(f, lineterminator="")
     speculation = _has_speculation(records)
-    for r, itls in zip(records, _itl_texts(records, step_times)):
-        w.writerow((
-            r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
-            fmt(r.first_scheduled_time), fmt(r.first_token_time), fmt(r.finish_time),
-            r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions, r.finish_reason,
-            int(r.success), r.error,
-            fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
+    for r, head, itls in zip(records, _row_heads(records), _itl_texts(records, step_times)):
+        if head is None:
+            w.writerow((
+                r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
+                fmt(r.first_scheduled_time), fmt(r.first_token_time), fmt(r.finish_time),
+                r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions,
+                r.finish_reason, int(r.success), r.error,
+                fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
+            head = ""
         if speculation:
             itls += f",{r.spec_num_drafts},{r.spec_num_draft_tokens},{r.spec_num_accepted_tokens}"
         if parts is not None:
             itls += _pd_text(parts.get(r.request_id), r.first_token_time)
-        f.write("," + itls + "\n")
+        f.write(head + "," + itls + "\n")
+
+
+# What makes csv.writer quote a field (QUOTE_MINIMAL, its default dialect)
+_QUOTED = re.compile('[,"\r\n]')
+
+
+def _row_heads(records: list[RequestRecord]) -> list[str | None]:
+    """The text csv.writer writes for each record's fields up to ``queue_ms`` (``_request_row``'s
+    first 19), its floats formatted column by column in numpy (``_float_texts``). None for a
+    record whose text fields csv would quote or whose fields are not of their declared types
+    (str, int, float): ``_write_requests`` hands those to csv.writer."""
+    n = len(records)
+    texts = [[r.request_id for r in records], [r.tenant for r in records],
+             [r.lora for r in records], [r.finish_reason for r in records],
+             [r.error for r in records]]
+    ints = [[r.priority for r in records], [r.input_tokens for r in records],
+            [r.output_tokens for r in records], [r.cached_tokens for r in records],
+            [r.num_preemptions for r in records]]
+    times = [[r.arrival_time for r in records], [r.first_scheduled_time for r in records],
+             [r.first_token_time for r in records], [r.finish_time for r in records]]
+    plain = np.ones(n, bool)
+    for values, kind in [*((v, str) for v in texts), *((v, int) for v in ints),
+                         *((v, float) for v in times)]:
+        if set(map(type, values)) != {kind}:
+            plain &= np.fromiter(map(is_, map(type, values), repeat(kind)), bool, n)
+    for values in texts:
+        if _QUOTED.search("\x1f".join(v for v in values if type(v) is str)):
+            plain &= np.fromiter((type(v) is str and not _QUOTED.search(v) for v in values),
+                                 bool, n)
+    if not plain.all():  # (their heads are csv.writer's: placeholders here)
+        texts = [[v if type(v) is str else "" for v in values] for values in texts]
+    nan = math.nan
+    arrival, scheduled, first, finish = (
+        np.fromiter((v if ok else nan for v, ok in zip(col, plain.tolist())), np.float64, n)
+        for col in times)
+    outputs = np.fromiter((v if ok else 2 for v, ok in zip(ints[2], plain.tolist())),
+                          np.int64, n)
+    ttft, e2el = first - arrival, finish - arrival  # RequestRecord's properties, in numpy
+    tpot = np.full(n, nan)
+    decoded = outputs >= 2
+    tpot[decoded] = (e2el[decoded] - ttft[decoded]) / (outputs[decoded] - 1)
+    columns = [texts[0], texts[1], list(map(str, ints[0])), texts[2],
+               *map(_float_texts, (arrival, scheduled, first, finish)),
+               *(list(map(str, v)) for v in ints[1:]), texts[3],
+               list(map(str, map(int, (r.success for r in records)))), texts[4],
+               *(_float_texts(v * 1e3) for v in (ttft, tpot, e2el, scheduled - arrival))]
+    heads: list[str | None] = list(map(",".join, zip(*columns)))
+    for i in np.flatnonzero(~plain).tolist():
+        heads[i] = None
+    return heads
+
+
+def _float_texts(x: np.ndarray) -> list[str]:
+    """``fmt`` of each value (float64), those in its fast range formatted in numpy as
+    ``_steps_text`` formats them."""
+    fast = (x >= 1e-4) & (x < 1e6)
+    text, _ = _join_columns([_fixed_field(np.where(fast, x, 1.0), 9, True)])
+    out = text.split("\n")
+    del out[-1]
+    for i in np.flatnonzero(~fast).tolist():
+        out[i] = fmt(float(x[i]))
+    return out
 
 
 def _pd_text(part: DisaggregatedParts | None, first_token_time: float) -> str:

@@ -3,6 +3,8 @@ format (``run_dir._request_row``'s), including the values ``np.unique`` treats s
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import random
 from array import array
@@ -120,3 +122,32 @@ def test_steps_written_beside_the_requests_are_the_reference_bytes(tmp_path) -> 
         assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
     rows = (out / "requests.csv").read_text().splitlines()[1:]
     assert [row.split(",")[19] for row in rows] == _plain_itls(records)
+
+
+def test_request_rows_equal_csv_writers_plain_rows() -> None:
+    rng = random.Random(4)
+    records = []
+    for i in range(400):
+        arrival = rng.uniform(0, 3600)
+        first = arrival + rng.choice([rng.expovariate(5), 0.0, 2e-5])
+        records.append(RequestRecord(
+            f"req-{i}", arrival, first - rng.choice([0.0, 0.01]), first,
+            first + rng.choice([rng.expovariate(0.1), 0.0]), rng.randint(1, 4000),
+            rng.choice([0, 1, 2, rng.randint(3, 900)]), rng.randint(0, 4000), rng.randint(0, 3),
+            tenant=rng.choice(["default", "a", "b"]), priority=rng.randint(-2, 2),
+            itls=array("d", [rng.expovariate(40) for _ in range(rng.randint(0, 5))])))
+    failed = RequestRecord("failed", 5.0, math.nan, math.nan, math.nan, 7, 0, success=False,
+                           finish_reason="", error="the prompt is too long: 9 > 8")
+    odd = [failed, RequestRecord('quote"d', 1.0, 1.5, 2.0, 3.0, 5, 3, tenant="a, b"),
+           RequestRecord("ints", 0, 1, 2, 3, 5, 3, priority=True),
+           RequestRecord("far", 2e6, 2e6 + 1, 2e6 + 2, 2e6 + 3, 5, 3, lora=None),  # type: ignore
+           RequestRecord(7, 1e-6, 1e-5, 1e-3, 0.5, 5, 3, success=2)]  # type: ignore
+    for k, record in enumerate(odd):
+        records.insert(37 * k, record)
+    want = io.StringIO(newline="")
+    csv.writer(want, lineterminator="\n").writerows(run_dir._request_row(r) for r in records)
+    got = io.StringIO(newline="")
+    run_dir._write_requests(got, records)
+    assert got.getvalue() == want.getvalue()
+    heads = run_dir._row_heads(records)
+    assert [i for i, head in enumerate(heads) if head is None] == [37, 74, 111, 148]

@@ -190,8 +190,7 @@ def _float_texts(x: np.ndarray) -> list[str]:
     """``fmt`` of each value (float64), those in its fast range formatted in numpy as
     ``_steps_text`` formats them."""
     fast = (x >= 1e-4) & (x < 1e6)
-    text, _ = _join_columns([_fixed_field(np.where(fast, x, 1.0), 9, True)])
-    out = text.split("\n")
+    out = _join_columns([_fixed_field(np.where(fast, x, 1.0), 9, True)]).split("\n")
     del out[-1]
     for i in np.flatnonzero(~fast).tolist():
         out[i] = fmt(float(x[i]))
@@ -357,10 +356,11 @@ def _step_line(row: Sequence) -> str:
 
 
 # ---- steps.csv's text in numpy: hundreds of thousands of rows -------------------------------
-# A field is a matrix of ASCII codes (a row per step, a column per character) and a mask of the
-# characters it writes; a chunk's fields side by side, masked, are its lines back to back.
-_Field = tuple[np.ndarray, np.ndarray]
+# A field is a matrix of ASCII codes, a row per step and a column per character, holding 0 where
+# it writes nothing (leading and stripped zeros); a chunk's fields side by side, without the 0s,
+# are its lines back to back.
 _CHUNK_ROWS = 1 << 16
+_PLACEHOLDER_END = 1  # ends a line that is replaced (a code no field writes)
 
 
 def _steps_text(columns: Sequence[list]) -> str:
@@ -379,27 +379,22 @@ def _steps_text(columns: Sequence[list]) -> str:
     ints = [n, p, dec, run, wait, pre, rep]
     for v in (t, d, kv, *ints):  # placeholders: those lines are replaced
         v[slow] = 1
-    chunks, masks = [], []
+    line_ends = np.where(slow, _PLACEHOLDER_END, ord("\n")).astype(np.uint8)
+    chunks = []
     for a in range(0, num_rows, _CHUNK_ROWS):
         part = slice(a, a + _CHUNK_ROWS)
-        text, mask = _join_columns([
+        chunks.append(_join_columns([
             _fixed_field(t[part], 9, True), _fixed_field(d[part], 9, True),
             *([_int_field(v[part])] for v in ints[:5]), _fixed_field(kv[part], 6, False),
-            *([_int_field(v[part])] for v in ints[5:])])
-        chunks.append(text)
-        masks.append(mask)
+            *([_int_field(v[part])] for v in ints[5:])], line_ends[part]))
     text = "".join(chunks)
     if not slow.any():
         return text
-    ends = np.cumsum(np.concatenate([mask.sum(axis=1) for mask in masks]))  # line i's end
-    odd = np.flatnonzero(slow)
-    pieces: list[str] = []
-    done = 0
-    for i, start, end in zip(odd.tolist(), np.where(odd, ends[odd - 1], 0).tolist(),
-                             ends[odd].tolist()):
-        pieces += (text[done:start], _step_line([c[i] for c in columns]))
-        done = end
-    pieces.append(text[done:])
+    # each piece but the last ends with a placeholder line, whose own text replaces it
+    pieces = text.split(chr(_PLACEHOLDER_END))
+    for k, i in enumerate(np.flatnonzero(slow).tolist()):
+        piece = pieces[k]
+        pieces[k] = piece[:piece.rfind("\n") + 1] + _step_line([c[i] for c in columns])
     return "".join(pieces)
 
 
@@ -427,13 +422,13 @@ def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:
     return np.fromiter(values, np.float64 if kind is float else np.int64, n)
 
 
-def _int_field(v: np.ndarray) -> _Field:
+def _int_field(v: np.ndarray) -> np.ndarray:
     """Non-negative integers in decimal, without leading zeros."""
     width = len(str(int(v.max()))) if v.size else 1
-    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
-    mask = v[:, None] >= powers
-    mask[:, -1] = True
-    return _digits(v, width), mask
+    digits = _digits(v, width)
+    for j in range(width - 1):  # a leading zero: a power of ten above the value
+        digits[:, j] *= v >= 10 ** (width - 1 - j)
+    return digits
 
 
 def _digits(v: np.ndarray, width: int) -> np.ndarray:
@@ -451,9 +446,9 @@ def _digits(v: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _fixed_field(x: np.ndarray, decimals: int, strip: bool) -> list[_Field]:
+def _fixed_field(x: np.ndarray, decimals: int, strip: bool) -> list[np.ndarray]:
     """``"%.{decimals}f" % x`` of non-negative floats (``strip``: trailing zeros dropped but
-    one, as ``fmt`` does), as integer part, point and decimals. The digits are those of
+    one, as ``fmt`` does), as the fields integer part, point and decimals. The digits are those of
     ``x * 10**decimals`` rounded to an integer: the float product lies within half an ulp of
     the exact one, so it rounds the same way except within an ulp of a tie, where the digits
     come from ``%`` itself."""
@@ -463,29 +458,28 @@ def _fixed_field(x: np.ndarray, decimals: int, strip: bool) -> list[_Field]:
         n[i] = int(f"{float(x[i]):.{decimals}f}".replace(".", ""))
     whole, frac = np.divmod(n, 10 ** decimals)
     digits = _digits(frac, decimals)
-    shown = np.ones(digits.shape, bool)
-    if strip:  # a decimal is shown where it or one after it is not 0
-        seen = shown[:, -1] = digits[:, -1] != 48
+    if strip:  # a decimal is written where it or one after it is not 0
+        seen = digits[:, -1] != 48
+        digits[:, -1] *= seen
         for j in range(decimals - 2, 0, -1):
-            seen = shown[:, j] = seen | (digits[:, j] != 48)
-    dot = np.full((len(x), 1), ord("."), np.uint8)
-    return [_int_field(whole), (dot, np.ones(dot.shape, bool)), (digits, shown)]
+            seen |= digits[:, j] != 48
+            digits[:, j] *= seen
+    return [_int_field(whole), np.full((len(x), 1), ord("."), np.uint8), digits]
 
 
-def _join_columns(columns: list[list[_Field]]) -> tuple[str, np.ndarray]:
-    """The lines of a chunk, each column's fields side by side, a comma between columns and a
-    newline after the last, and the mask of the characters written (a row per line)."""
-    rows = len(columns[0][0][0])
+def _join_columns(columns: list[list[np.ndarray]], line_ends: np.ndarray | None = None) -> str:
+    """The lines of a chunk: each column's fields side by side, a comma between columns and
+    ``line_ends`` (default newlines) after the last, without the fields' 0s."""
+    rows = len(columns[0][0])
     chars: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    for k, fields in enumerate(columns, 1):
-        for c, m in fields:
-            chars.append(c)
-            masks.append(m)
-        chars.append(np.full((rows, 1), ord("\n" if k == len(columns) else ","), np.uint8))
-        masks.append(np.ones((rows, 1), bool))
-    mask = np.hstack(masks)
-    return np.hstack(chars)[mask].tobytes().decode("ascii"), mask
+    comma = np.full((rows, 1), ord(","), np.uint8)
+    for fields in columns:
+        chars += fields
+        chars.append(comma)
+    chars[-1] = (np.full(rows, ord("\n"), np.uint8) if line_ends is None
+                 else line_ends)[:, None]
+    flat = np.hstack(chars).ravel()
+    return flat[flat != 0].tobytes().decode("ascii")
 
 
 def _write_steps_reference(out: Path, steps: list[StepRecord]) -> None:

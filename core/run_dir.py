@@ -403,7 +403,15 @@ def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:
     ints outside [0, 10**18)) are marked in ``odd`` and left as placeholders (in a copy)."""
     n = len(values)
     other: list[int] = []
-    if set(map(type, values)) != {kind}:
+    types = set(map(type, values))
+    if types == {float, int} and kind is float:  # (SimPy's clock starts at the int 0)
+        found = _ints_among_floats(values)
+        if found is not None:
+            array, other = found
+            odd[other] = True
+            array[other] = 1.0
+            return array
+    if types != {kind}:
         other = np.flatnonzero(~np.fromiter(map(is_, map(type, values), repeat(kind)), bool,
                                             n)).tolist()
     elif kind is int:  # (no sign, int64): the bounds checked on the array, in C
@@ -420,6 +428,17 @@ def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:
         for i in other:
             values[i] = kind(1)
     return np.fromiter(values, np.float64 if kind is float else np.int64, n)
+
+
+def _ints_among_floats(values: list) -> tuple[np.ndarray, list[int]] | None:
+    """``values`` (floats and ints) as float64 and where the ints are, found among the whole
+    values only (None: an int too large for a float)."""
+    try:
+        array = np.fromiter(values, np.float64, len(values))
+    except OverflowError:
+        return None
+    whole = np.flatnonzero(array == np.floor(array)).tolist()
+    return array, [i for i in whole if type(values[i]) is not float]
 
 
 def _int_field(v: np.ndarray) -> np.ndarray:

@@ -52,6 +52,8 @@ def test_steps_text_equals_the_plain_lines() -> None:
              (7.5, math.nan, True, 2, 3, 4, 5, -0.0, 0, 0),
              (7.5, 0.25, -1, 2, 3, 4, 5, 0.5, 10**19, 0),
              (8, 0.25, 1, 2, 3, 4, 5, 1, 0, 0),
+             (2**60 + 1, 0.25, 1, 2, 3, 4, 5, 0.5, 0, 0),  # ints among a float column's floats
+             (9, 0.25, 1, 2, 3, 4, 5, 0.5, 0, 0),
              (9.5, 0.25, 1, 2, 3, 4, 5, 2.5e6, 0, 0),
              # out-of-range ints in columns of ints only (the bounds checked on the array)
              (9.75, 0.25, 1, 2, 3, -4, 10**18, 0.5, 0, 0)]
@@ -60,6 +62,11 @@ def test_steps_text_equals_the_plain_lines() -> None:
     assert run_dir._steps_text(columns) == want
     assert columns == [list(c) for c in zip(*rows)]  # the columns are left as they were
     assert run_dir._steps_text([[] for _ in range(10)]) == ""
+    huge = [*rows, (10**400, 0.25, 1, 2, 3, 4, 5, 0.5, 0, 0)]  # no float holds it: as the
+    for write in (lambda: "".join(map(run_dir._step_line, huge)),  # plain format, refused
+                  lambda: run_dir._steps_text([list(c) for c in zip(*huge)])):
+        with pytest.raises(OverflowError):
+            write()
     with_chunks = rows * (run_dir._CHUNK_ROWS // len(rows) + 2)
     assert run_dir._steps_text([list(c) for c in zip(*with_chunks)]) == \
         "".join(map(run_dir._step_line, with_chunks))

@@ -72,29 +72,19 @@ class RequestRecord:
 
     @classmethod
     def from_request(cls, req: Request, time_origin: float = 0.0) -> RequestRecord:
-        """Builds the record of a finished request; times are shifted by ``time_origin``."""
+        """Builds the record of a finished request; times are shifted by ``time_origin``.
+        (Positional, in the fields' order: a replay builds one per request.)"""
         nan = math.nan
-        times = req.token_times
+        scheduled, first, finish = req.first_scheduled_time, req.first_token_time, req.finish_time
         return cls(
-            request_id=req.request_id,
-            arrival_time=req.arrival_time - time_origin,
-            first_scheduled_time=_shift(req.first_scheduled_time, time_origin),
-            first_token_time=_shift(req.first_token_time, time_origin),
-            finish_time=_shift(req.finish_time, time_origin) if req.finish_time is not None else nan,
-            input_tokens=req.num_prompt_tokens,
-            output_tokens=req.num_output_tokens,
-            cached_tokens=req.num_cached_tokens or 0,
-            num_preemptions=req.num_preemptions,
-            tenant=req.tenant,
-            priority=req.priority,
-            lora=req.lora or "",
-            finish_reason=req.finish_reason or "",
-            success=req.first_token_time is not None,
-            itls=_gaps(times),
-            spec_num_drafts=req.spec_num_drafts,
-            spec_num_draft_tokens=req.spec_num_draft_tokens,
-            spec_num_accepted_tokens=req.spec_num_accepted_tokens,
-        )
+            req.request_id, req.arrival_time - time_origin,
+            nan if scheduled is None else scheduled - time_origin,
+            nan if first is None else first - time_origin,
+            nan if finish is None else finish - time_origin,
+            req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens or 0,
+            req.num_preemptions, req.tenant, req.priority, req.lora or "",
+            req.finish_reason or "", first is not None, "", req.spec_num_drafts,
+            req.spec_num_draft_tokens, req.spec_num_accepted_tokens, _gaps(req.token_times))
 
 
 def _gaps(times: list[float]) -> array:
@@ -107,10 +97,6 @@ def _gaps(times: list[float]) -> array:
         return array("d")
     t = np.fromiter(times, np.float64, n)
     return array("d", (t[1:] - t[:-1]).tobytes())
-
-
-def _shift(t: float | None, origin: float) -> float:
-    return math.nan if t is None else t - origin
 
 
 def _stats(name: str, values_s: np.ndarray | Sequence[float]) -> dict[str, float]:

@@ -11,6 +11,7 @@ from array import array
 import numpy as np
 
 from twinserve.core.metrics import RequestRecord, summarize
+from twinserve.core.request import RequestStatus
 
 
 def _records(rng: random.Random, as_list: bool = False) -> list[RequestRecord]:
@@ -39,3 +40,37 @@ def test_no_successful_record_has_no_itl_figures() -> None:
     failed = RequestRecord("x", 0.0, math.nan, math.nan, math.nan, 5, 0, success=False)
     assert math.isnan(summarize([failed], duration_s=1.0)["mean_itl_ms"])
     assert math.isnan(summarize([], duration_s=1.0)["p90_itl_ms"])
+
+
+def _by_name(req, origin: float) -> RequestRecord:
+    """The record as named fields (``from_request`` builds it positionally)."""
+    def shift(t):
+        return math.nan if t is None else t - origin
+    times = np.asarray(req.token_times, dtype=np.float64)
+    return RequestRecord(
+        request_id=req.request_id, arrival_time=req.arrival_time - origin,
+        first_scheduled_time=shift(req.first_scheduled_time),
+        first_token_time=shift(req.first_token_time), finish_time=shift(req.finish_time),
+        input_tokens=req.num_prompt_tokens, output_tokens=req.num_output_tokens,
+        cached_tokens=req.num_cached_tokens or 0, num_preemptions=req.num_preemptions,
+        tenant=req.tenant, priority=req.priority, lora=req.lora or "",
+        finish_reason=req.finish_reason or "", success=req.first_token_time is not None,
+        itls=array("d", np.diff(times).tobytes()) if len(times) > 1 else array("d"),
+        spec_num_drafts=req.spec_num_drafts, spec_num_draft_tokens=req.spec_num_draft_tokens,
+        spec_num_accepted_tokens=req.spec_num_accepted_tokens)
+
+
+def test_a_requests_record_holds_each_field_by_name() -> None:
+    from core_helpers import make_req
+    done = make_req("done", 20, 5, arrival=1.5, priority=3, tenant="t", lora="ad")
+    done.first_scheduled_time, done.first_token_time, done.finish_time = 1.75, 2.0, 2.5
+    done.token_times = [2.0, 2.125, 2.25, 2.5]
+    done.output_token_ids = [9, 9, 9, 9]
+    done.num_cached_tokens, done.num_preemptions = 16, 2
+    done.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    done.spec_num_drafts, done.spec_num_draft_tokens, done.spec_num_accepted_tokens = 3, 6, 4
+    waiting = make_req("waiting", 8, 2, arrival=0.25)  # never scheduled: its times unknown
+    for req in (done, waiting):
+        for origin in (0.0, 0.5):
+            got, want = RequestRecord.from_request(req, origin), _by_name(req, origin)
+            assert repr(got) == repr(want)

@@ -231,7 +231,7 @@ def _itl_texts(records: list[RequestRecord], step_times: Sequence[float] | None 
     else:
         values = np.concatenate([gaps[bounds[i]:bounds[i + 1]] for i in rest] or [gaps[:0]])
     texts, index = _distinct_texts(values * 1e3)
-    each = texts if index is None else np.array(texts, dtype=object)[index].tolist()
+    each = (texts if index is None else texts[index]).tolist()
     start = 0
     for i in rest:
         n = lengths[i]
@@ -240,13 +240,14 @@ def _itl_texts(records: list[RequestRecord], step_times: Sequence[float] | None 
     return out  # type: ignore[return-value]
 
 
-def _distinct_texts(values: np.ndarray) -> tuple[list[str], np.ndarray | None]:
-    """``f"{g:.6g}"`` of each distinct value and each value's index among them (None: the
-    texts are the values' own, in order: a -0.0, which ``np.unique``'s order would merge into
-    0.0). The same IEEE values as the plain per-value format, so the same texts."""
+def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """``f"{g:.6g}"`` of each distinct value (an object array, ``_g6_texts``) and each value's
+    index among them (None: the texts are the values' own, in order: a -0.0, which
+    ``np.unique``'s order would merge into 0.0). The same IEEE values as the plain per-value
+    format, so the same texts."""
     zero = values == 0
     if zero.any() and np.signbit(values[zero]).any():
-        return [f"{g:.6g}" for g in values.tolist()], None
+        return _g6_texts(values), None
     distinct = np.sort(values)  # np.unique(values, return_inverse=True), without its argsort
     keep = np.empty(len(distinct), bool)
     if len(keep):
@@ -254,7 +255,47 @@ def _distinct_texts(values: np.ndarray) -> tuple[list[str], np.ndarray | None]:
     np.not_equal(distinct[1:], distinct[:-1], out=keep[1:])  # (each nan kept: all "nan")
     distinct = distinct[keep]
     index = np.searchsorted(distinct, values)  # its first equal entry (nan: the first nan)
-    return [f"{g:.6g}" for g in distinct.tolist()], index
+    return _g6_texts(distinct), index
+
+
+_POWERS = 10.0 ** np.arange(10)  # (exact doubles)
+
+
+def _g6_texts(x: np.ndarray) -> np.ndarray:
+    """``f"{g:.6g}"`` of each value (an object array). Where that is fixed notation (``1e-4 <= g < 999999``)
+    it is built in numpy: the value's six significant digits ``n`` are ``g * 10**k`` rounded,
+    ``k = 5 - floor(log10(g))`` (as ``_fixed_field``'s digits, the product rounding as the
+    exact value does but within an ulp of a tie), written as ``n / 10**k`` without trailing
+    zeros (nor a point when no decimal is left). A value whose ``n`` is not six digits (a
+    misjudged exponent, one rounding up to a power of ten), a near tie or a value outside that
+    range gets the format itself."""
+    out = np.empty(len(x), dtype=object)
+    fast = (x >= 1e-4) & (x < 999999)
+    k = np.zeros(len(x), np.int64)
+    k[fast] = 5 - np.floor(np.log10(x[fast])).astype(np.int64)
+    fast &= (k >= 0) & (k <= 9)
+    y = np.where(fast, x, 1.0) * _POWERS[np.where(fast, k, 0)]
+    n = np.rint(y)
+    fast &= (n >= 1e5) & (n < 1e6) & (np.abs(y - np.floor(y) - 0.5) > np.spacing(y))
+    n = n.astype(np.int64)
+    for decimals in np.unique(k[fast]).tolist():
+        rows = np.flatnonzero(fast & (k == decimals))
+        whole, frac = np.divmod(n[rows], 10 ** decimals)
+        fields = [_int_field(whole)]
+        if decimals:
+            digits = _digits(frac, decimals)
+            seen = digits[:, -1] != 48  # a decimal is written where it or one after is not 0
+            digits[:, -1] *= seen
+            for j in range(decimals - 2, -1, -1):
+                seen |= digits[:, j] != 48
+                digits[:, j] *= seen
+            fields += [(seen * ord("."))[:, None].astype(np.uint8), digits]
+        texts = _join_columns([fields]).split("\n")
+        del texts[-1]
+        out[rows] = texts
+    for i in np.flatnonzero(~fast).tolist():
+        out[i] = f"{float(x[i]):.6g}"
+    return out
 
 
 def _step_gap_texts(records: list[RequestRecord], lengths: list[int], bounds: list[int],
@@ -296,11 +337,11 @@ def _joined_texts(values: np.ndarray) -> tuple[str, list[int]]:
     """``" ".join(f"{g:.6g}" for g in values) + " "`` and where each value's text starts
     (a last entry: the text's length)."""
     texts, index = _distinct_texts(values)
-    sizes = np.fromiter(map(len, texts), np.int64, len(texts))
+    sizes = np.fromiter(map(len, texts.tolist()), np.int64, len(texts))
     if index is None:
-        each = texts
+        each = texts.tolist()
     else:
-        each, sizes = np.array(texts, dtype=object)[index].tolist(), sizes[index]
+        each, sizes = texts[index].tolist(), sizes[index]
     offsets = np.zeros(len(each) + 1, np.int64)
     np.cumsum(sizes + 1, out=offsets[1:])
     return " ".join(each) + " ", offsets.tolist()

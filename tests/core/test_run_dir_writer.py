@@ -158,3 +158,20 @@ def test_request_rows_equal_csv_writers_plain_rows() -> None:
     assert got.getvalue() == want.getvalue()
     heads = run_dir._row_heads(records)
     assert [i for i, head in enumerate(heads) if head is None] == [37, 74, 111, 148]
+
+
+def test_six_significant_digits_in_numpy_equal_the_format() -> None:
+    rng = random.Random(6)
+    values = [10 ** rng.uniform(-6, 7) for _ in range(20000)]
+    values += [rng.expovariate(100) * 1e3 for _ in range(5000)]  # step gaps in ms
+    for p in range(-6, 8):  # around powers of ten, and values rounding up to the next one
+        b = 10.0 ** p
+        values += [b, math.nextafter(b, 0), math.nextafter(b, math.inf), b * 0.9999995,
+                   b * 0.99999949, b * 0.99999951, 9.999995 * b, 9.99999501 * b]
+    for d in range(100000, 1000000, 77777):  # ties of the sixth digit, and either side
+        for k in range(10):
+            v = (d + 0.5) / 10 ** k
+            values += [v, math.nextafter(v, 0), math.nextafter(v, math.inf)]
+    values += [0.0, -0.0, -1.5, math.nan, math.inf, -math.inf, 5e-324, 999999.0, 999999.5, 1e300]
+    got = run_dir._g6_texts(np.array(values)).tolist()
+    assert got == [f"{v:.6g}" for v in values]

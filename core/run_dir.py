@@ -146,7 +146,7 @@ def _row_heads(records: list[RequestRecord]) -> list[str | None]:
     record whose text fields csv would quote or whose fields are not of their declared types
     (str, int, float): ``_write_requests`` hands those to csv.writer."""
     n = len(records)
-    texts = [[r.request_id for r in records], [r.tenant for r in records],
+    texts: list[list] = [[r.request_id for r in records], [r.tenant for r in records],
              [r.lora for r in records], [r.finish_reason for r in records],
              [r.error for r in records]]
     ints = [[r.priority for r in records], [r.input_tokens for r in records],
@@ -163,16 +163,16 @@ def _row_heads(records: list[RequestRecord]) -> list[str | None]:
         if _QUOTED.search("\x1f".join(v for v in values if type(v) is str)):
             plain &= np.fromiter((type(v) is str and not _QUOTED.search(v) for v in values),
                                  bool, n)
+    outputs = ints[2]
     if not plain.all():  # (their heads are csv.writer's: placeholders here)
+        keep = plain.tolist()
         texts = [[v if type(v) is str else "" for v in values] for values in texts]
-    nan = math.nan
-    arrival, scheduled, first, finish = (
-        np.fromiter((v if ok else nan for v, ok in zip(col, plain.tolist())), np.float64, n)
-        for col in times)
-    outputs = np.fromiter((v if ok else 2 for v, ok in zip(ints[2], plain.tolist())),
-                          np.int64, n)
+        times = [[v if ok else math.nan for v, ok in zip(col, keep)] for col in times]
+        outputs = [v if ok else 2 for v, ok in zip(outputs, keep)]
+    arrival, scheduled, first, finish = (np.fromiter(col, np.float64, n) for col in times)
+    outputs = np.fromiter(outputs, np.int64, n)
     ttft, e2el = first - arrival, finish - arrival  # RequestRecord's properties, in numpy
-    tpot = np.full(n, nan)
+    tpot = np.full(n, math.nan)
     decoded = outputs >= 2
     tpot[decoded] = (e2el[decoded] - ttft[decoded]) / (outputs[decoded] - 1)
     columns = [texts[0], texts[1], list(map(str, ints[0])), texts[2],

@@ -159,8 +159,9 @@ def _row_heads(records: list[RequestRecord]) -> list[str | None]:
                          *((v, float) for v in times)]:
         if set(map(type, values)) != {kind}:
             plain &= np.fromiter(map(is_, map(type, values), repeat(kind)), bool, n)
-    for values in texts:
-        if _QUOTED.search("\x1f".join(v for v in values if type(v) is str)):
+    for values in texts:  # (a column of str only, the common case: joined in C)
+        strings = values if plain.all() else [v for v in values if type(v) is str]
+        if _QUOTED.search("\x1f".join(strings)):
             plain &= np.fromiter((type(v) is str and not _QUOTED.search(v) for v in values),
                                  bool, n)
     outputs = ints[2]

@@ -12,7 +12,7 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from operator import itemgetter, sub
+from operator import sub
 from typing import Any, overload
 
 import numpy as np
@@ -292,18 +292,24 @@ def _tenant_tokens(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
 
 
 class StepLog(Sequence[StepRecord]):
-    """``StepRecord``s kept column by column: one list per numeric field (``_STEP_COLUMNS``), a
-    step's values at one index. A simulation records hundreds of thousands of steps: the
-    garbage collector walks ten lists, where it would walk a ``StepRecord`` object per step in
-    every full collection; a run of decode steps is a few ``extend``s; a writer reads whole
-    columns. Reading an element or iterating builds the ``StepRecord`` objects on the fly."""
+    """``StepRecord``s kept column by column: one compact array per numeric field
+    (``_STEP_COLUMNS``; ``array("d")`` for times, durations and usage, ``array("q")`` for
+    counts), a step's values at one index. A simulation records hundreds of thousands of
+    steps: the garbage collector walks no per-step object, a run of decode steps is a few
+    ``extend``s, and a writer reads whole columns as numpy arrays without converting them.
 
-    __slots__ = ("_cols", "_tenants")
+    A value its column's array cannot hold as given (an int time such as SimPy's first 0, a
+    bool or an out-of-range count, anything else) is kept as given in ``odd`` (by row, then
+    column), its column holding a stand-in (the value as a float, else nan; 0 for counts), so
+    reading the log gives back exactly what was recorded. Reading an element or iterating
+    builds the ``StepRecord`` objects on the fly."""
+
+    __slots__ = ("_cols", "_tenants", "_odd")
 
     def __init__(self, records: Iterable[StepRecord] = ()) -> None:
-        # StepRecord's fields but tenant_tokens, in order (_STEP_COLUMNS), a list each.
-        self._cols: tuple[list, ...] = tuple([] for _ in _STEP_COLUMNS)
+        self._cols: tuple[array, ...] = tuple(array(code) for code in _TYPECODES)
         self._tenants: dict[int, dict[str, tuple[int, int]]] = {}  # steps with tenant tokens only
+        self._odd: dict[int, dict[int, Any]] = {}  # row -> {column: the value as recorded}
         for r in records:
             self.append(r)
 
@@ -315,8 +321,13 @@ class StepLog(Sequence[StepRecord]):
                           r.num_preempted, r.replica))
 
     def _append_row(self, row: tuple) -> None:
-        for col, value in zip(self._cols, row):
-            col.append(value)
+        i = len(self._cols[0])
+        for k, (col, kind, value) in enumerate(zip(self._cols, _KINDS, row)):
+            if type(value) is kind and (kind is float or -_INT64 <= value < _INT64):
+                col.append(value)
+            else:
+                self._odd.setdefault(i, {})[k] = value
+                col.append(_stand_in(value) if kind is float else 0)
 
     def record_step(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
                     duration: float, replica: int = 0, with_tenants: bool = True) -> None:
@@ -349,22 +360,36 @@ class StepLog(Sequence[StepRecord]):
                 tenants[request.tenant] = (0, tenants.get(request.tenant, (0, 0))[1] + 1)
         total = len(scheduler.kv.pool.blocks)
         n, k = len(requests), len(ends)
+        if not k:
+            return
         time, duration, seqs, prefill, decode, running, queued, kv, preempted, rep = self._cols
         if tenants:  # one dict shared by the run's rows
             first = len(time)
             self._tenants.update(dict.fromkeys(range(first, first + k), tenants))
         starts = [start, *ends[:-1]]
-        time += starts
-        duration += map(sub, ends, starts)
-        kv += [1.0 - free / total for free in free_after] if total else [0.0] * k
-        ns, zeros = [n] * k, [0] * k
-        seqs += ns
-        decode += ns
-        running += ns
+        usage = [1.0 - free / total for free in free_after] if total else [0.0] * k
+        if not (type(start) is float and type(waiting) is int and type(replica) is int
+                and type(num_finished) is int and set(map(type, ends)) == {float}
+                and 0 <= waiting < _INT64 and 0 <= replica < _INT64 and 0 <= num_finished <= n):
+            ns, zeros = [n] * k, [0] * k  # the plain rows, through the checks
+            rows = list(zip(starts, map(sub, ends, starts), ns, zeros, ns, ns, zeros, usage,
+                            zeros, [replica] * k))
+            rows[-1] = (*rows[-1][:5], n - num_finished, waiting, *rows[-1][7:])
+            for row in rows:
+                self._append_row(row)
+            return
+        time += array("d", starts)
+        duration += array("d", map(sub, ends, starts))
+        kv += array("d", usage)
+        counts = array("q", [n]) * k
+        seqs += counts
+        decode += counts
+        running += counts
+        zeros = array("q", [0]) * k
         prefill += zeros
         queued += zeros
         preempted += zeros
-        rep += [replica] * k
+        rep += array("q", [replica]) * k
         queued[-1] = waiting
         running[-1] = n - num_finished
 
@@ -374,23 +399,34 @@ class StepLog(Sequence[StepRecord]):
         time, rep = self._cols[0], self._cols[-1]
         if len(time) < 2:
             return
-        order = np.lexsort((np.asarray(rep), np.asarray(time, dtype=np.float64))).tolist()
-        pick = itemgetter(*order)  # the rows' values in C, column by column
-        self._cols = tuple(list(pick(col)) for col in self._cols)
-        if self._tenants:
-            at = {old: new for new, old in enumerate(order)}
+        replicas = np.frombuffer(rep, np.int64)
+        odd_replicas = {i: values[9] for i, values in self._odd.items() if 9 in values}
+        if odd_replicas:  # (sorted by their own numbers, as a plain list of them would be)
+            replicas = replicas.astype(np.float64)
+            for i, value in odd_replicas.items():
+                replicas[i] = _stand_in(value)
+        order = np.lexsort((replicas, np.frombuffer(time, np.float64)))
+        self._cols = tuple(array(col.typecode, np.frombuffer(col, _DTYPES[col.typecode])
+                                 [order].tobytes()) for col in self._cols)
+        if self._tenants or self._odd:
+            at = dict(zip(order.tolist(), range(len(order))))
             self._tenants = {at[old]: tokens for old, tokens in self._tenants.items()}
+            self._odd = {at[old]: values for old, values in self._odd.items()}
 
-    def columns(self) -> tuple[list, ...]:
-        """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast
-        writers."""
+    def columns(self) -> tuple[array, ...]:
+        """Every numeric field's column (``_STEP_COLUMNS``' order), stand-ins at the rows of
+        ``odd()``: read-only views for fast writers."""
         return self._cols
+
+    def odd(self) -> dict[int, dict[int, Any]]:
+        """The values the columns hold stand-ins for, by row, then column (read-only)."""
+        return self._odd
 
     def raw(self) -> tuple[list[tuple[float, float, int, int, int, int, int, float, int, int]],
                            dict[int, dict[str, tuple[int, int]]]]:
         """The rows (``StepRecord``'s fields but ``tenant_tokens``, in order) and the tenant
         tokens of the steps that have any, by row index."""
-        return list(zip(*self._cols)), self._tenants
+        return list(self._rows()), self._tenants
 
     def tenant_tokens(self) -> dict[int, dict[str, tuple[int, int]]]:
         """The tenant tokens of the steps that have any, by row index (read-only)."""
@@ -398,7 +434,18 @@ class StepLog(Sequence[StepRecord]):
 
     def column(self, name: str) -> list[float] | list[int]:
         """One numeric field of every step, e.g. ``log.column("num_seqs")``."""
-        return list(self._cols[_STEP_COLUMNS.index(name)])
+        k = _STEP_COLUMNS.index(name)
+        values = self._cols[k].tolist()
+        for i, odd in self._odd.items():
+            if k in odd:
+                values[i] = odd[k]
+        return values
+
+    def _rows(self) -> Iterator[tuple]:
+        odd = self._odd
+        for i, row in enumerate(zip(*self._cols)):
+            found = odd.get(i) if odd else None
+            yield row if found is None else tuple(found.get(k, v) for k, v in enumerate(row))
 
     def __len__(self) -> int:
         return len(self._cols[0])
@@ -413,12 +460,23 @@ class StepLog(Sequence[StepRecord]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         i = range(len(self))[index]  # negative indices, IndexError
-        return _step_record([col[i] for col in self._cols], self._tenants.get(i, {}))
+        found = self._odd.get(i, {})
+        return _step_record([found.get(k, col[i]) for k, col in enumerate(self._cols)],
+                            self._tenants.get(i, {}))
 
     def __iter__(self) -> Iterator[StepRecord]:
         tenants = self._tenants
-        for i, row in enumerate(zip(*self._cols)):
+        for i, row in enumerate(self._rows()):
             yield _step_record(row, tenants.get(i, {}))
+
+
+def _stand_in(value: Any) -> float:
+    """What a float column holds for a value it keeps in ``StepLog.odd``: the value as a float
+    (an int time's own number), else nan."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def _step_record(row: Sequence, tenants: dict[str, tuple[int, int]]) -> StepRecord:
@@ -427,5 +485,11 @@ def _step_record(row: Sequence, tenants: dict[str, tuple[int, int]]) -> StepReco
                       tenants)
 
 
-# StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens).
+# StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens), and the
+# array each is kept in: floats for times, durations and usage, 64-bit ints for counts.
 _STEP_COLUMNS = tuple(f.name for f in fields(StepRecord) if f.name != "tenant_tokens")
+_TYPECODES = tuple("d" if name in ("time", "duration", "kv_usage") else "q"
+                   for name in _STEP_COLUMNS)
+_KINDS = tuple(float if code == "d" else int for code in _TYPECODES)
+_DTYPES = {"d": np.float64, "q": np.int64}
+_INT64 = 1 << 63

@@ -309,7 +309,9 @@ def _step_gap_texts(records: list[RequestRecord], lengths: list[int], bounds: li
     is a slice of it. Every gap is compared, so a record whose gaps are not those (a fleet's
     interleaved steps, an idle engine, a preemption) is left to the caller."""
     try:
-        times = np.fromiter(step_times, np.float64, len(step_times))
+        times = (np.frombuffer(step_times, np.float64)
+                 if isinstance(step_times, array) and step_times.typecode == "d"
+                 else np.fromiter(step_times, np.float64, len(step_times)))
     except (TypeError, ValueError, OverflowError):  # (not numbers: no gaps of theirs)
         return
     if len(times) < 2 or not (times[1:] >= times[:-1]).all():
@@ -383,11 +385,12 @@ def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
         ws.writerow(STEP_COLUMNS)
         wt.writerow(TENANT_COLUMNS)
         log = steps if isinstance(steps, StepLog) else StepLog(steps)
-        columns, tenants = log.columns(), log.tenant_tokens()
+        columns, tenants, odd = log.columns(), log.tenant_tokens(), log.odd()
         # all numbers: the text csv.writer writes, without its per-field quoting checks
-        f.write(_steps_text(columns))
+        f.write(_steps_text(columns, odd))
+        times = columns[0]
         for i in sorted(tenants):
-            time, per_tenant = fmt(columns[0][i]), tenants[i]
+            time, per_tenant = fmt(odd[i].get(0, times[i]) if i in odd else times[i]), tenants[i]
             wt.writerows([(time, tenant, *per_tenant[tenant]) for tenant in sorted(per_tenant)])
 
 
@@ -405,17 +408,27 @@ _CHUNK_ROWS = 1 << 16
 _PLACEHOLDER_END = 1  # ends a line that is replaced (a code no field writes)
 
 
-def _steps_text(columns: Sequence[list]) -> str:
-    """``"".join(map(_step_line, zip(*columns)))`` (``columns``: a ``StepLog``'s), built
-    column-wise. The lines of rows holding anything but non-negative ``int`` counts and
-    ``float`` times, durations and usage in ``fmt``'s fast range are ``_step_line``'s own."""
+def _steps_text(columns: Sequence[Sequence], odd: Mapping[int, Mapping[int, Any]] | None = None,
+                ) -> str:
+    """``"".join(map(_step_line, rows))``, built column-wise: ``columns`` are a ``StepLog``'s
+    (its arrays, and ``odd``: the values their stand-ins replace, by row and column) or plain
+    lists. The lines of rows holding anything but non-negative ``int`` counts and ``float``
+    times, durations and usage in ``fmt``'s fast range are ``_step_line``'s own."""
     num_rows = len(columns[0])
     if not num_rows:
         return ""
     slow = np.zeros(num_rows, bool)
-    t, d, n, p, dec, run, wait, kv, pre, rep = (
-        _typed_column(col, float if k in (0, 1, 7) else int, slow)
-        for k, col in enumerate(columns))
+    if odd is not None:  # a StepLog's arrays: as numpy arrays, without converting a value
+        t, d, n, p, dec, run, wait, kv, pre, rep = (
+            np.frombuffer(col, np.float64 if k in (0, 1, 7) else np.int64).copy()
+            for k, col in enumerate(columns))
+        slow[list(odd)] = True
+        for v in (n, p, dec, run, wait, pre, rep):
+            slow |= (v < 0) | (v >= 10 ** 18)
+    else:
+        t, d, n, p, dec, run, wait, kv, pre, rep = (
+            _typed_column(col, float if k in (0, 1, 7) else int, slow)
+            for k, col in enumerate(columns))
     slow |= ~((t >= 1e-4) & (t < 1e6) & (d >= 1e-4) & (d < 1e6) & (kv >= 0) & (kv < 1e6))
     slow |= np.signbit(kv)
     ints = [n, p, dec, run, wait, pre, rep]
@@ -435,8 +448,11 @@ def _steps_text(columns: Sequence[list]) -> str:
     # each piece but the last ends with a placeholder line, whose own text replaces it
     pieces = text.split(chr(_PLACEHOLDER_END))
     for k, i in enumerate(np.flatnonzero(slow).tolist()):
+        row = [c[i] for c in columns]
+        for column, value in (odd or {}).get(i, {}).items():
+            row[column] = value
         piece = pieces[k]
-        pieces[k] = piece[:piece.rfind("\n") + 1] + _step_line([c[i] for c in columns])
+        pieces[k] = piece[:piece.rfind("\n") + 1] + _step_line(row)
     return "".join(pieces)
 
 

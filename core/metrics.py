@@ -183,7 +183,7 @@ def summarize(
         summary["request_goodput"] = good / duration_s
     summary.update(_stats("ttft", [r.ttft for r in ok]))
     summary.update(_stats("tpot", [r.tpot for r in ok]))
-    summary.update(_stats("itl", _all_itls(ok)))
+    summary.update(_stats("itl", concatenated_itls([r.itls for r in ok])))
     summary.update(_stats("e2el", [r.e2el for r in ok]))
     summary.update(_stats("queue", [r.queue_time for r in ok]))
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)
@@ -194,10 +194,9 @@ def summarize(
     return summary
 
 
-def _all_itls(records: Sequence[RequestRecord]) -> np.ndarray:
-    """Every record's ITLs in one array: one copy of their bytes where all are compact arrays
-    (``RequestRecord``'s own), else through ``np.asarray`` each."""
-    itls = [r.itls for r in records]
+def concatenated_itls(itls: Sequence[Sequence[float]]) -> np.ndarray:
+    """ITLs back to back in one float64 array: one copy of their bytes where all are compact
+    arrays (``RequestRecord``'s own), else through ``np.asarray`` each."""
     if all(type(g) is array and g.typecode == "d" for g in itls):
         return np.frombuffer(b"".join(itls), dtype=np.float64)
     return np.concatenate([np.asarray(g, dtype=np.float64) for g in itls] or [np.empty(0)])

@@ -16,16 +16,16 @@ import json
 import math
 import re
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from itertools import repeat
 from operator import is_
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from twinserve.core.metrics import RequestRecord, StepLog, StepRecord
+from twinserve.core.metrics import RequestRecord, StepLog, StepRecord, concatenated_itls
 
 REQUEST_COLUMNS = (
     "request_id", "tenant", "priority", "lora", "arrival_time", "first_scheduled_time",
@@ -120,7 +120,7 @@ def _write_requests(f: TextIO, records: list[RequestRecord],
     run's step start times, whose differences most ITL columns are (``_itl_texts``)."""
     w = csv.writer(f, lineterminator="")
     speculation = _has_speculation(records)
-    for r, head, itls in zip(records, _row_heads(records), _itl_texts(records, step_times)):
+    for r, head, itls in zip(records, _row_heads(records), _itl_columns(records, step_times)):
         if head is None:
             w.writerow((
                 r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
@@ -209,36 +209,35 @@ def _pd_text(part: DisaggregatedParts | None, first_token_time: float) -> str:
 
 def _itl_texts(records: list[RequestRecord], step_times: Sequence[float] | None = None,
                ) -> list[str]:
-    """Each record's ITL column, ``" ".join(f"{g * 1e3:.6g}" for g in r.itls)``. A whole trace
-    holds millions of gaps but far fewer distinct ones: the requests decoding in one step share
-    its gap. ``step_times``: the steps' start times (a run's ``StepLog`` column), from which
-    most records' texts are cut in one slice each (``_step_gap_texts``); the others' gaps are
-    formatted once per distinct value (``_distinct_texts``)."""
+    """Each record's ITL column, ``" ".join(f"{g * 1e3:.6g}" for g in r.itls)``."""
+    return list(_itl_columns(records, step_times))
+
+
+def _itl_columns(records: list[RequestRecord], step_times: Sequence[float] | None = None,
+                 ) -> Iterator[str]:
+    """``_itl_texts``, one record's at a time (a writer writes each as it comes, so a whole
+    trace's columns are never held at once). A whole trace holds millions of gaps but far
+    fewer distinct ones: the requests decoding in one step share its gap. ``step_times``: the
+    steps' start times (a run's ``StepLog`` column), from one text of whose differences most
+    records' columns are cut (``_step_gap_spans``); the others' gaps are formatted once per
+    distinct value (``_distinct_texts``)."""
     lengths = [len(r.itls) for r in records]
-    if not sum(lengths):
-        return [""] * len(records)
-    itls = [r.itls for r in records]
-    if all(type(g) is array and g.typecode == "d" for g in itls):  # (metrics' own): one copy
-        gaps = np.frombuffer(b"".join(itls), dtype=np.float64)
-    else:
-        gaps = np.concatenate([np.asarray(g, dtype=np.float64) for g in itls])
-    bounds = [0, *accumulate(lengths)]
-    out: list[str | None] = [None] * len(records)
-    if step_times is not None:
-        _step_gap_texts(records, lengths, bounds, gaps, step_times, out)
-    rest = [i for i, text in enumerate(out) if text is None]
-    if len(rest) == len(records):
-        values = gaps
-    else:
-        values = np.concatenate([gaps[bounds[i]:bounds[i + 1]] for i in rest] or [gaps[:0]])
-    texts, index = _distinct_texts(values * 1e3)
-    each = (texts if index is None else texts[index]).tolist()
-    start = 0
-    for i in rest:
-        n = lengths[i]
-        out[i] = " ".join(each[start:start + n])
-        start += n
-    return out  # type: ignore[return-value]
+    text, spans = "", {}
+    if step_times is not None and sum(lengths):
+        text, spans = _step_gap_spans(records, lengths, step_times)
+    rest = [i for i, n in enumerate(lengths) if n and i not in spans]
+    others: dict[int, str] = {}
+    if rest:
+        texts, index = _distinct_texts(concatenated_itls([records[i].itls for i in rest]) * 1e3)
+        each = (texts if index is None else texts[index]).tolist()
+        start = 0
+        for i in rest:
+            n = lengths[i]
+            others[i] = " ".join(each[start:start + n])
+            start += n
+    for i in range(len(records)):
+        span = spans.get(i)
+        yield text[span[0]:span[1]] if span is not None else others.get(i, "")
 
 
 def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -299,41 +298,44 @@ def _g6_texts(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _step_gap_texts(records: list[RequestRecord], lengths: list[int], bounds: list[int],
-                    gaps: np.ndarray, step_times: Sequence[float],
-                    out: list[str | None]) -> None:
-    """Fills ``out[i]`` for each record whose gaps are, bit for bit, the differences of
-    consecutive step start times from the step that starts at its first token: a request that
-    decodes in every step of a busy engine (one replica's, whose steps start where the last one
-    ended). Those differences are formatted once each into one text, and a record's ITL column
-    is a slice of it. Every gap is compared, so a record whose gaps are not those (a fleet's
-    interleaved steps, an idle engine, a preemption) is left to the caller."""
+# Records whose gaps are checked together against the steps' (a few MB of gaps at a time)
+_RECORDS_PER_CHECK = 2048
+
+
+def _step_gap_spans(records: list[RequestRecord], lengths: list[int],
+                    step_times: Sequence[float]) -> tuple[str, dict[int, tuple[int, int]]]:
+    """One text of the differences of consecutive step start times, formatted once each, and
+    where each record's ITL column lies in it (by record index), for every record whose gaps
+    are, bit for bit, those differences from the step that starts at its first token: a
+    request that decodes in every step of a busy engine (one replica's, whose steps start
+    where the last one ended). Every gap is compared, so a record whose gaps are not those (a
+    fleet's interleaved steps, an idle engine, a preemption) has no span."""
     try:
         times = (np.frombuffer(step_times, np.float64)
                  if isinstance(step_times, array) and step_times.typecode == "d"
                  else np.fromiter(step_times, np.float64, len(step_times)))
     except (TypeError, ValueError, OverflowError):  # (not numbers: no gaps of theirs)
-        return
+        return "", {}
     if len(times) < 2 or not (times[1:] >= times[:-1]).all():
-        return
+        return "", {}
     diffs = times[1:] - times[:-1]
     first = np.fromiter([r.first_token_time for r in records], np.float64, len(records))
-    at = np.minimum(np.searchsorted(times, first), len(diffs))  # the step its first token starts
+    steps = np.minimum(np.searchsorted(times, first), len(diffs))  # its first token's step
     counts = np.array(lengths)
-    fits = np.flatnonzero((counts > 0) & (at + counts <= len(diffs)))
-    if not len(fits):
-        return
-    starts, stops = at[fits].tolist(), (at[fits] + counts[fits]).tolist()
-    want = np.concatenate([diffs[a:b] for a, b in zip(starts, stops)])
-    got = gaps if len(fits) == len(records) else np.concatenate(
-        [gaps[bounds[i]:bounds[i + 1]] for i in fits.tolist()])
-    ends = np.cumsum(counts[fits])
-    differ = np.flatnonzero(want.view(np.int64) != got.view(np.int64))  # (bits: -0.0, nan)
-    missed = set(np.searchsorted(ends, differ, side="right").tolist())
+    fits = np.flatnonzero((counts > 0) & (steps + counts <= len(diffs))).tolist()
+    at = steps.tolist()
+    matched: list[int] = []
+    for c in range(0, len(fits), _RECORDS_PER_CHECK):
+        chunk = fits[c:c + _RECORDS_PER_CHECK]
+        got = concatenated_itls([records[i].itls for i in chunk])
+        want = np.concatenate([diffs[at[i]:at[i] + lengths[i]] for i in chunk])
+        differ = np.flatnonzero(want.view(np.int64) != got.view(np.int64))  # (bits: -0.0, nan)
+        missed = set(np.searchsorted(np.cumsum(counts[chunk]), differ, side="right").tolist())
+        matched += [i for k, i in enumerate(chunk) if k not in missed]
+    if not matched:
+        return "", {}
     text, offsets = _joined_texts(diffs * 1e3)
-    for k, (i, a, b) in enumerate(zip(fits.tolist(), starts, stops)):
-        if k not in missed:
-            out[i] = text[offsets[a]:offsets[b] - 1]
+    return text, {i: (offsets[at[i]], offsets[at[i] + lengths[i]] - 1) for i in matched}
 
 
 def _joined_texts(values: np.ndarray) -> tuple[str, list[int]]:
@@ -387,7 +389,8 @@ def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
         log = steps if isinstance(steps, StepLog) else StepLog(steps)
         columns, tenants, odd = log.columns(), log.tenant_tokens(), log.odd()
         # all numbers: the text csv.writer writes, without its per-field quoting checks
-        f.write(_steps_text(columns, odd))
+        for text in _steps_chunks(columns, odd):
+            f.write(text)
         times = columns[0]
         for i in sorted(tenants):
             time, per_tenant = fmt(odd[i].get(0, times[i]) if i in odd else times[i]), tenants[i]
@@ -410,13 +413,20 @@ _PLACEHOLDER_END = 1  # ends a line that is replaced (a code no field writes)
 
 def _steps_text(columns: Sequence[Sequence], odd: Mapping[int, Mapping[int, Any]] | None = None,
                 ) -> str:
-    """``"".join(map(_step_line, rows))``, built column-wise: ``columns`` are a ``StepLog``'s
-    (its arrays, and ``odd``: the values their stand-ins replace, by row and column) or plain
-    lists. The lines of rows holding anything but non-negative ``int`` counts and ``float``
-    times, durations and usage in ``fmt``'s fast range are ``_step_line``'s own."""
+    """``"".join(map(_step_line, rows))``, built column-wise (``_steps_chunks``)."""
+    return "".join(_steps_chunks(columns, odd))
+
+
+def _steps_chunks(columns: Sequence[Sequence],
+                  odd: Mapping[int, Mapping[int, Any]] | None = None) -> Iterator[str]:
+    """The lines of the steps, ``_CHUNK_ROWS`` at a time (a writer writes each as it comes, so
+    a whole trace's text is never held at once): ``columns`` are a ``StepLog``'s (its arrays,
+    and ``odd``: the values their stand-ins replace, by row and column) or plain lists. The
+    lines of rows holding anything but non-negative ``int`` counts and ``float`` times,
+    durations and usage in ``fmt``'s fast range are ``_step_line``'s own."""
     num_rows = len(columns[0])
     if not num_rows:
-        return ""
+        return
     slow = np.zeros(num_rows, bool)
     if odd is not None:  # a StepLog's arrays: as numpy arrays, without converting a value
         t, d, n, p, dec, run, wait, kv, pre, rep = (
@@ -435,25 +445,25 @@ def _steps_text(columns: Sequence[Sequence], odd: Mapping[int, Mapping[int, Any]
     for v in (t, d, kv, *ints):  # placeholders: those lines are replaced
         v[slow] = 1
     line_ends = np.where(slow, _PLACEHOLDER_END, ord("\n")).astype(np.uint8)
-    chunks = []
     for a in range(0, num_rows, _CHUNK_ROWS):
         part = slice(a, a + _CHUNK_ROWS)
-        chunks.append(_join_columns([
+        text = _join_columns([
             _fixed_field(t[part], 9, True), _fixed_field(d[part], 9, True),
             *([_int_field(v[part])] for v in ints[:5]), _fixed_field(kv[part], 6, False),
-            *([_int_field(v[part])] for v in ints[5:])], line_ends[part]))
-    text = "".join(chunks)
-    if not slow.any():
-        return text
-    # each piece but the last ends with a placeholder line, whose own text replaces it
-    pieces = text.split(chr(_PLACEHOLDER_END))
-    for k, i in enumerate(np.flatnonzero(slow).tolist()):
-        row = [c[i] for c in columns]
-        for column, value in (odd or {}).get(i, {}).items():
-            row[column] = value
-        piece = pieces[k]
-        pieces[k] = piece[:piece.rfind("\n") + 1] + _step_line(row)
-    return "".join(pieces)
+            *([_int_field(v[part])] for v in ints[5:])], line_ends[part])
+        replaced = (a + np.flatnonzero(slow[part])).tolist()
+        if not replaced:
+            yield text
+            continue
+        # each piece but the last ends with a placeholder line, whose own text replaces it
+        pieces = text.split(chr(_PLACEHOLDER_END))
+        for k, i in enumerate(replaced):
+            row = [c[i] for c in columns]
+            for column, value in (odd or {}).get(i, {}).items():
+                row[column] = value
+            piece = pieces[k]
+            pieces[k] = piece[:piece.rfind("\n") + 1] + _step_line(row)
+        yield "".join(pieces)
 
 
 def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:

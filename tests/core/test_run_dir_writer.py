@@ -84,7 +84,7 @@ def _decoding(i: int, times: list[float], first: int, n: int) -> RequestRecord:
                          itls=array("d", [b - a for a, b in zip(ends, ends[1:])]))
 
 
-def test_itl_texts_cut_from_the_step_times_equal_the_plain_format() -> None:
+def test_itl_texts_cut_from_the_step_times_equal_the_plain_format(monkeypatch) -> None:
     rng = random.Random(11)
     times = [0]  # (an int first start, as SimPy's clock begins)
     for _ in range(400):
@@ -99,13 +99,14 @@ def test_itl_texts_cut_from_the_step_times_equal_the_plain_format() -> None:
     records.append(_record(60, [0.25, -0.0, math.nan]))  # not the steps' gaps at all
     want = _plain_itls(records)
     assert run_dir._itl_texts(records, times) == want
-    cut: list[str | None] = [None] * len(records)
     lengths = [len(r.itls) for r in records]
-    gaps = np.concatenate([np.asarray(r.itls, dtype=np.float64) for r in records])
-    run_dir._step_gap_texts(records, lengths, [0, *np.cumsum(lengths).tolist()], gaps, times, cut)
-    assert [i for i, text in enumerate(cut) if text is None] == \
-        [3, 5, 60] + [i for i, n in enumerate(lengths) if not n]  # the others cut from the steps
-    assert all(text == want[i] for i, text in enumerate(cut) if text is not None)
+    for per_check in (1, 7, 2048):  # (records checked together)
+        monkeypatch.setattr(run_dir, "_RECORDS_PER_CHECK", per_check)
+        text, spans = run_dir._step_gap_spans(records, lengths, times)
+        assert sorted(set(range(len(records))) - set(spans)) == \
+            sorted([3, 5, 60] + [i for i, n in enumerate(lengths) if not n])  # the others: cut
+        assert all(text[a:b] == want[i] for i, (a, b) in spans.items())
+        assert run_dir._itl_texts(records, times) == want
     # steps of no duration (two steps starting at once: which is a record's?), and times that
     # are no engine's (unsorted, not numbers, too few)
     for odd in ([*times[:50], *times[49:]], times[::-1], [*times[:5], None, *times[6:]],

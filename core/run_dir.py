@@ -278,7 +278,8 @@ def _g6_texts(x: np.ndarray) -> np.ndarray:
     n = np.rint(y)
     fast &= (n >= 1e5) & (n < 1e6) & (np.abs(y - np.floor(y) - 0.5) > np.spacing(y))
     n = n.astype(np.int64)
-    for decimals in np.unique(k[fast]).tolist():
+    for decimals in np.flatnonzero(np.bincount(k[fast], minlength=10)).tolist():  # (no np.unique:
+        # its masked-array check imports numpy.ma, a good part of a short run's imports)
         rows = np.flatnonzero(fast & (k == decimals))
         whole, frac = np.divmod(n[rows], 10 ** decimals)
         fields = [_int_field(whole)]

@@ -377,18 +377,17 @@ class StepLog(Sequence[StepRecord]):
             for row in rows:
                 self._append_row(row)
             return
-        time += array("d", starts)
-        duration += array("d", map(sub, ends, starts))
-        kv += array("d", usage)
-        counts = array("q", [n]) * k
-        seqs += counts
-        decode += counts
-        running += counts
-        zeros = array("q", [0]) * k
-        prefill += zeros
-        queued += zeros
-        preempted += zeros
-        rep += array("q", [replica]) * k
+        time.fromlist(starts)
+        duration.fromlist(list(map(sub, ends, starts)))
+        kv.fromlist(usage)
+        ns, zeros = [n] * k, [0] * k
+        seqs.fromlist(ns)
+        decode.fromlist(ns)
+        running.fromlist(ns)
+        prefill.fromlist(zeros)
+        queued.fromlist(zeros)
+        preempted.fromlist(zeros)
+        rep.fromlist([replica] * k)
         queued[-1] = waiting
         running[-1] = n - num_finished
 

@@ -99,28 +99,39 @@ def _gaps(times: list[float]) -> array:
     return array("d", (t[1:] - t[:-1]).tobytes())
 
 
-def _stats(name: str, values_s: np.ndarray | Sequence[float]) -> dict[str, float]:
+def _stats(name: str, values_s: np.ndarray | Sequence[float], owned: bool = False,
+           ) -> dict[str, float]:
     """Mean, median, std and ``PERCENTILES`` (linear interpolation, as vLLM's numpy calls) in ms;
-    NaNs (unknown values) are left out."""
-    vals = np.asarray(values_s, dtype=np.float64) * 1000.0
-    vals = vals[~np.isnan(vals)]
+    NaNs (unknown values) are left out. ``owned``: ``values_s`` is a writable float64 array
+    the caller hands over, scaled and partitioned in place: a whole trace's ITLs are millions,
+    and each copy of them is fresh memory to fault in."""
+    if owned:
+        vals = values_s  # type: ignore[assignment]
+        vals *= 1000.0
+    else:
+        vals = np.asarray(values_s, dtype=np.float64) * 1000.0
+    unknown = np.isnan(vals)
+    if unknown.any():
+        vals = vals[~unknown]
     if vals.size == 0:
         nan = math.nan
         return {f"mean_{name}_ms": nan, f"median_{name}_ms": nan, f"std_{name}_ms": nan,
                 **{f"p{p}_{name}_ms": nan for p in PERCENTILES}}
-    qs = percentiles(vals, (50, *PERCENTILES))
-    out = {f"mean_{name}_ms": float(vals.mean()), f"median_{name}_ms": float(qs[0]),
-           f"std_{name}_ms": float(vals.std())}
+    mean, std = float(vals.mean()), float(vals.std())  # (before the partition reorders them)
+    qs = percentiles(vals, (50, *PERCENTILES), overwrite=True)
+    out = {f"mean_{name}_ms": mean, f"median_{name}_ms": float(qs[0]), f"std_{name}_ms": std}
     out.update({f"p{p}_{name}_ms": float(q) for p, q in zip(PERCENTILES, qs[1:])})
     return out
 
 
-def percentiles(values: np.ndarray, percents: Sequence[float]) -> list[float]:
+def percentiles(values: np.ndarray, percents: Sequence[float], overwrite: bool = False,
+                ) -> list[float]:
     """``np.percentile(values, percents).tolist()`` (its default, linear method) for a 1-D float64
     array without NaNs: the same order statistics (``np.partition``) and the same float
     arithmetic, step for step (numpy's ``_get_indexes``, ``_get_gamma`` and ``_lerp``), without
     the ``np.unique`` of its indexes, whose masked-array check imports ``numpy.ma`` (~20 ms of a
-    simulator command's start). ``tests/core/test_metrics_percentiles.py`` compares the two."""
+    simulator command's start). ``tests/core/test_metrics_percentiles.py`` compares the two.
+    ``overwrite``: partition ``values`` in place (numpy's ``overwrite_input``), not a copy."""
     n = len(values)
     if not n:
         raise ValueError("percentiles of no values")
@@ -134,7 +145,12 @@ def percentiles(values: np.ndarray, percents: Sequence[float]) -> list[float]:
         else:
             below = math.floor(virtual)
             picks.append((below, below + 1, virtual - below))
-    part = np.partition(values, sorted({0, n - 1, *(i for pick in picks for i in pick[:2])}))
+    kth = sorted({0, n - 1, *(i for pick in picks for i in pick[:2])})
+    if overwrite:
+        values.partition(kth)
+        part = values
+    else:
+        part = np.partition(values, kth)
     out = []
     for below, above, t in picks:
         a, b = float(part[below]), float(part[above])
@@ -183,7 +199,7 @@ def summarize(
         summary["request_goodput"] = good / duration_s
     summary.update(_stats("ttft", [r.ttft for r in ok]))
     summary.update(_stats("tpot", [r.tpot for r in ok]))
-    summary.update(_stats("itl", concatenated_itls([r.itls for r in ok])))
+    summary.update(_stats("itl", concatenated_itls([r.itls for r in ok]), owned=True))
     summary.update(_stats("e2el", [r.e2el for r in ok]))
     summary.update(_stats("queue", [r.queue_time for r in ok]))
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)
@@ -197,8 +213,8 @@ def summarize(
 def concatenated_itls(itls: Sequence[Sequence[float]]) -> np.ndarray:
     """ITLs back to back in one float64 array: one copy of their bytes where all are compact
     arrays (``RequestRecord``'s own), else through ``np.asarray`` each."""
-    if all(type(g) is array and g.typecode == "d" for g in itls):
-        return np.frombuffer(b"".join(itls), dtype=np.float64)
+    if all(type(g) is array and g.typecode == "d" for g in itls):  # (writable: a bytearray)
+        return np.frombuffer(bytearray().join(itls), dtype=np.float64)
     return np.concatenate([np.asarray(g, dtype=np.float64) for g in itls] or [np.empty(0)])
 
 

@@ -32,8 +32,18 @@ def test_itl_figures_over_arrays_and_lists_are_numpys() -> None:
     assert summarize(mixed, duration_s=5.0) == got
     gaps = np.array([g for r in compact if r.success for g in r.itls]) * 1000.0
     assert got["mean_itl_ms"] == float(gaps.mean())
+    assert got["std_itl_ms"] == float(gaps.std())
     assert got["p99_itl_ms"] == float(np.percentile(gaps, 99))
     assert got["median_itl_ms"] == float(np.percentile(gaps, 50))
+    before = [r.itls.tobytes() for r in compact]
+    summarize(compact, duration_s=5.0)  # (its ITL copy scaled and sorted in place, not theirs)
+    assert [r.itls.tobytes() for r in compact] == before
+    compact[4].itls = array("d", [math.nan, 0.01])  # an unknown gap is left out
+    known = np.array([g for r in compact if r.success for g in r.itls]) * 1000.0
+    known = known[~np.isnan(known)]
+    with_nan = summarize(compact, duration_s=5.0)
+    assert with_nan["mean_itl_ms"] == float(known.mean())
+    assert with_nan["p90_itl_ms"] == float(np.percentile(known, 90))
 
 
 def test_no_successful_record_has_no_itl_figures() -> None:

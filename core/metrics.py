@@ -308,7 +308,7 @@ def _tenant_tokens(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
 
 class StepLog(Sequence[StepRecord]):
     """``StepRecord``s kept column by column: one compact array per numeric field
-    (``_STEP_COLUMNS``; ``array("d")`` for times, durations and usage, ``array("q")`` for
+    (``_STEP_COLUMNS``; ``array("d")`` for times, durations and usage, 32-bit ``array("i")`` for
     counts), a step's values at one index. A simulation records hundreds of thousands of
     steps: the garbage collector walks no per-step object, a run of decode steps is a few
     ``extend``s, and a writer reads whole columns as numpy arrays without converting them.
@@ -338,7 +338,7 @@ class StepLog(Sequence[StepRecord]):
     def _append_row(self, row: tuple) -> None:
         i = len(self._cols[0])
         for k, (col, kind, value) in enumerate(zip(self._cols, _KINDS, row)):
-            if type(value) is kind and (kind is float or -_INT64 <= value < _INT64):
+            if type(value) is kind and (kind is float or -_INT32 <= value < _INT32):
                 col.append(value)
             else:
                 self._odd.setdefault(i, {})[k] = value
@@ -385,7 +385,7 @@ class StepLog(Sequence[StepRecord]):
         usage = [1.0 - free / total for free in free_after] if total else [0.0] * k
         if not (type(start) is float and type(waiting) is int and type(replica) is int
                 and type(num_finished) is int and set(map(type, ends)) == {float}
-                and 0 <= waiting < _INT64 and 0 <= replica < _INT64 and 0 <= num_finished <= n):
+                and 0 <= waiting < _INT32 and 0 <= replica < _INT32 and 0 <= num_finished <= n):
             ns, zeros = [n] * k, [0] * k  # the plain rows, through the checks
             rows = list(zip(starts, map(sub, ends, starts), ns, zeros, ns, ns, zeros, usage,
                             zeros, [replica] * k))
@@ -413,7 +413,7 @@ class StepLog(Sequence[StepRecord]):
         time, rep = self._cols[0], self._cols[-1]
         if len(time) < 2:
             return
-        replicas = np.frombuffer(rep, np.int64)
+        replicas = np.frombuffer(rep, _DTYPES[rep.typecode])
         odd_replicas = {i: values[9] for i, values in self._odd.items() if 9 in values}
         if odd_replicas:  # (sorted by their own numbers, as a plain list of them would be)
             replicas = replicas.astype(np.float64)
@@ -500,10 +500,10 @@ def _step_record(row: Sequence, tenants: dict[str, tuple[int, int]]) -> StepReco
 
 
 # StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens), and the
-# array each is kept in: floats for times, durations and usage, 64-bit ints for counts.
+# array each is kept in: floats for times, durations and usage, 32-bit ints for counts.
 _STEP_COLUMNS = tuple(f.name for f in fields(StepRecord) if f.name != "tenant_tokens")
-_TYPECODES = tuple("d" if name in ("time", "duration", "kv_usage") else "q"
+_TYPECODES = tuple("d" if name in ("time", "duration", "kv_usage") else "i"
                    for name in _STEP_COLUMNS)
 _KINDS = tuple(float if code == "d" else int for code in _TYPECODES)
-_DTYPES = {"d": np.float64, "q": np.int64}
-_INT64 = 1 << 63
+_DTYPES = {"d": np.float64, "i": np.dtype(f"i{array('i').itemsize}")}
+_INT32 = 1 << 31  # (counts past it are kept as given, beside their column)

@@ -438,7 +438,7 @@ def _steps_chunks(columns: Sequence[Sequence],
     slow = np.zeros(num_rows, bool)
     if odd is not None:  # a StepLog's arrays: as numpy arrays, without converting a value
         t, d, n, p, dec, run, wait, kv, pre, rep = (
-            np.frombuffer(col, np.float64 if k in (0, 1, 7) else np.int64).copy()
+            np.frombuffer(col, np.float64 if k in (0, 1, 7) else f"i{col.itemsize}").copy()
             for k, col in enumerate(columns))
         slow[list(odd)] = True
         for v in (n, p, dec, run, wait, pre, rep):

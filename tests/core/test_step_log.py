@@ -24,7 +24,8 @@ def _odd_records() -> list[StepRecord]:
                    for _ in range(300)]
     odd = [dict(time=0), dict(time=7, tenant_tokens={"b": (3, 0)}), dict(num_seqs=True),
            dict(num_prefill_tokens=10**20), dict(num_waiting=-3), dict(kv_usage=1),
-           dict(duration=np.float64(0.5)), dict(replica=2.5), dict(time=math.nan)]
+           dict(duration=np.float64(0.5)), dict(replica=2.5), dict(time=math.nan),
+           dict(num_running=2**40)]  # (past 32 bits)
     for k, change in enumerate(odd):
         records[31 * k] = dataclasses.replace(records[31 * k], **change)
     for k in range(5):  # ties of time, ordered by replica (the float one among them)
@@ -44,7 +45,7 @@ def test_odd_values_read_back_as_given_and_sort_with_their_rows() -> None:
     assert _astuples([log[i] for i in range(len(log))]) == _astuples(records)
     assert repr(log.column("time")) == repr([r.time for r in records])
     assert repr(log.raw()[0]) == repr([dataclasses.astuple(r)[:10] for r in records])
-    assert len(log.odd()) == 7  # (a negative count and a nan time are what arrays hold)
+    assert len(log.odd()) == 8  # (a negative count and a nan time are what arrays hold)
     log.sort_by_time()
     # by time, then replica; a nan time last, as numpy sorts
     timed = [i for i, r in enumerate(records) if not math.isnan(r.time)]

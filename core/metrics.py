@@ -423,9 +423,12 @@ class StepLog(Sequence[StepRecord]):
         self._cols = tuple(array(col.typecode, np.frombuffer(col, _DTYPES[col.typecode])
                                  [order].tobytes()) for col in self._cols)
         if self._tenants or self._odd:
-            at = dict(zip(order.tolist(), range(len(order))))
-            self._tenants = {at[old]: tokens for old, tokens in self._tenants.items()}
-            self._odd = {at[old]: values for old, values in self._odd.items()}
+            at = np.empty(len(order), np.int64)  # each row's new index
+            at[order] = np.arange(len(order))
+            self._odd = {int(at[old]): values for old, values in self._odd.items()}
+            if self._tenants:
+                new = at.tolist()
+                self._tenants = {new[old]: tokens for old, tokens in self._tenants.items()}
 
     def columns(self) -> tuple[array, ...]:
         """Every numeric field's column (``_STEP_COLUMNS``' order), stand-ins at the rows of

@@ -197,17 +197,44 @@ def summarize(
     if goodput_slos_ms:
         good = sum(1 for r in ok if _meets(r, goodput_slos_ms))
         summary["request_goodput"] = good / duration_s
-    summary.update(_stats("ttft", [r.ttft for r in ok]))
-    summary.update(_stats("tpot", [r.tpot for r in ok]))
+    ttft, tpot, e2el, queue = _latencies(ok)
+    summary.update(_stats("ttft", ttft))
+    summary.update(_stats("tpot", tpot))
     summary.update(_stats("itl", concatenated_itls([r.itls for r in ok]), owned=True))
-    summary.update(_stats("e2el", [r.e2el for r in ok]))
-    summary.update(_stats("queue", [r.queue_time for r in ok]))
+    summary.update(_stats("e2el", e2el))
+    summary.update(_stats("queue", queue))
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)
     summary["prefix_cache_hit_rate"] = (
         sum(r.cached_tokens for r in ok) / in_tok if in_tok else 0.0)
     summary.update(tenant_summary(ok))
     summary.update(speculation_summary(records))
     return summary
+
+
+def _latencies(records: list[RequestRecord]) -> tuple[Sequence[float], ...]:
+    """Each record's ttft, tpot, e2el and queue time: in numpy (``record_latencies``) where
+    every time is a float and every output count an int, else through the properties."""
+    times = [[r.arrival_time for r in records], [r.first_scheduled_time for r in records],
+             [r.first_token_time for r in records], [r.finish_time for r in records]]
+    outputs = [r.output_tokens for r in records]
+    if not records or any(set(map(type, col)) != {float} for col in times) \
+            or set(map(type, outputs)) != {int}:
+        return ([r.ttft for r in records], [r.tpot for r in records],
+                [r.e2el for r in records], [r.queue_time for r in records])
+    n = len(records)
+    return record_latencies(*(np.fromiter(col, np.float64, n) for col in times),
+                            np.fromiter(outputs, np.int64, n))
+
+
+def record_latencies(arrival: np.ndarray, scheduled: np.ndarray, first: np.ndarray,
+                     finish: np.ndarray, outputs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``RequestRecord``'s ttft, tpot, e2el and queue_time over arrays of its fields (float64
+    times, int64 output counts): the same float operations, element by element."""
+    ttft, e2el = first - arrival, finish - arrival
+    tpot = np.full(len(arrival), math.nan)
+    decoded = outputs >= 2
+    tpot[decoded] = (e2el[decoded] - ttft[decoded]) / (outputs[decoded] - 1)
+    return ttft, tpot, e2el, scheduled - arrival
 
 
 def concatenated_itls(itls: Sequence[Sequence[float]]) -> np.ndarray:

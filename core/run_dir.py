@@ -25,7 +25,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from twinserve.core.metrics import RequestRecord, StepLog, StepRecord, concatenated_itls
+from twinserve.core.metrics import (
+    RequestRecord,
+    StepLog,
+    StepRecord,
+    concatenated_itls,
+    record_latencies,
+)
 
 REQUEST_COLUMNS = (
     "request_id", "tenant", "priority", "lora", "arrival_time", "first_scheduled_time",
@@ -171,16 +177,13 @@ def _row_heads(records: list[RequestRecord]) -> list[str | None]:
         times = [[v if ok else math.nan for v, ok in zip(col, keep)] for col in times]
         outputs = [v if ok else 2 for v, ok in zip(outputs, keep)]
     arrival, scheduled, first, finish = (np.fromiter(col, np.float64, n) for col in times)
-    outputs = np.fromiter(outputs, np.int64, n)
-    ttft, e2el = first - arrival, finish - arrival  # RequestRecord's properties, in numpy
-    tpot = np.full(n, math.nan)
-    decoded = outputs >= 2
-    tpot[decoded] = (e2el[decoded] - ttft[decoded]) / (outputs[decoded] - 1)
+    ttft, tpot, e2el, queue = record_latencies(arrival, scheduled, first, finish,
+                                               np.fromiter(outputs, np.int64, n))
     columns = [texts[0], texts[1], list(map(str, ints[0])), texts[2],
                *map(_float_texts, (arrival, scheduled, first, finish)),
                *(list(map(str, v)) for v in ints[1:]), texts[3],
                list(map(str, map(int, (r.success for r in records)))), texts[4],
-               *(_float_texts(v * 1e3) for v in (ttft, tpot, e2el, scheduled - arrival))]
+               *(_float_texts(v * 1e3) for v in (ttft, tpot, e2el, queue))]
     heads: list[str | None] = list(map(",".join, zip(*columns)))
     for i in np.flatnonzero(~plain).tolist():
         heads[i] = None

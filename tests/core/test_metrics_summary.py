@@ -4,6 +4,7 @@ them over the gaps directly."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from array import array
@@ -84,3 +85,21 @@ def test_a_requests_record_holds_each_field_by_name() -> None:
         for origin in (0.0, 0.5):
             got, want = RequestRecord.from_request(req, origin), _by_name(req, origin)
             assert repr(got) == repr(want)
+
+
+def test_latency_figures_in_numpy_equal_the_records_properties() -> None:
+    rng = random.Random(5)
+    records = []
+    for i in range(300):
+        arrival = float(rng.randint(0, 100))  # (whole: the same value as an int below)
+        first = arrival + rng.expovariate(3)
+        records.append(RequestRecord(f"r{i}", arrival, arrival + rng.choice([0.0, 0.02]), first,
+                                     first + rng.expovariate(0.2), 10, rng.choice([0, 1, 2, 57])))
+    fast = summarize(records, duration_s=50.0)
+    records[7] = dataclasses.replace(records[7], arrival_time=int(records[7].arrival_time))
+    assert summarize(records, duration_s=50.0) == fast  # (an int time: the properties' path)
+    for name, prop in (("ttft", "ttft"), ("tpot", "tpot"), ("e2el", "e2el"), ("queue", "queue_time")):
+        values = np.array([getattr(r, prop) for r in records]) * 1000.0
+        values = values[~np.isnan(values)]
+        assert fast[f"mean_{name}_ms"] == float(values.mean()), name
+        assert fast[f"p99_{name}_ms"] == float(np.percentile(values, 99)), name

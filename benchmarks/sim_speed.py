@@ -18,8 +18,8 @@
 
 3. ``--cli``: the ``twinserve simulate`` command itself (imports, trace, replay, run folder, in a
    subprocess of this interpreter), for 2,000 requests and the whole trace (``--cli-requests``):
-   its user + sys CPU from ``resource.getrusage(RUSAGE_CHILDREN)``, the forked steps writer
-   included, beside the interpreter's start and the command's imports alone. The subprocesses
+   its user + sys CPU from ``resource.getrusage(RUSAGE_CHILDREN)`` (any process it forks
+   included), beside the interpreter's start and the command's imports alone. The subprocesses
    cache bytecode under a temporary ``PYTHONPYCACHEPREFIX`` (warmed by a first, untimed run), as
    an installed package has its ``.pyc`` files: a host that sets ``PYTHONDONTWRITEBYTECODE``
    would otherwise compile every module on every start.

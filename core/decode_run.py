@@ -300,7 +300,8 @@ class DecodeRun:
                 num_cached, num_full = table.num_cached_blocks, (start + n) // bs
                 if num_full > num_cached:
                     stop = kv.registration_stop(request, num_cached, num_full)
-                    first_new = max(num_cached, table.num_dropped)
+                    dropped = table.num_dropped
+                    first_new = num_cached if num_cached >= dropped else dropped
                     if first_new < stop:
                         if not register:
                             return None

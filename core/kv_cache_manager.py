@@ -316,9 +316,14 @@ class KVCacheManager:
 
     def registration_stop(self, request: Request, num_cached: int, num_full: int) -> int:
         """Where registering a request's full blocks past ``num_cached`` stops: ``num_full``,
-        or the first block holding its own tokens (``register_own`` registers the rest)."""
-        first_own = self._first_own_block(request)
-        return num_full if first_own is None else min(num_full, max(first_own, num_cached))
+        or the first block holding its own tokens (``register_own`` registers the rest).
+        (``_first_own_block`` inline: a decode run asks this of each request it fills a
+        block of.)"""
+        own = request.own_ids_from
+        if own is None or not self.defers_own_blocks:
+            return num_full
+        first_own = own // self.block_size
+        return min(num_full, first_own if first_own > num_cached else num_cached)
 
     def _register(self, request: Request, table: BlockTable, first: int, stop: int) -> None:
         hashes = update_block_hashes(request, self.block_size, stop * self.block_size)

@@ -12,7 +12,7 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from operator import itemgetter, sub
+from operator import sub
 from typing import Any, overload
 
 import numpy as np
@@ -72,29 +72,19 @@ class RequestRecord:
 
     @classmethod
     def from_request(cls, req: Request, time_origin: float = 0.0) -> RequestRecord:
-        """Builds the record of a finished request; times are shifted by ``time_origin``."""
+        """Builds the record of a finished request; times are shifted by ``time_origin``.
+        (Positional, in the fields' order: a replay builds one per request.)"""
         nan = math.nan
-        times = req.token_times
+        scheduled, first, finish = req.first_scheduled_time, req.first_token_time, req.finish_time
         return cls(
-            request_id=req.request_id,
-            arrival_time=req.arrival_time - time_origin,
-            first_scheduled_time=_shift(req.first_scheduled_time, time_origin),
-            first_token_time=_shift(req.first_token_time, time_origin),
-            finish_time=_shift(req.finish_time, time_origin) if req.finish_time is not None else nan,
-            input_tokens=req.num_prompt_tokens,
-            output_tokens=req.num_output_tokens,
-            cached_tokens=req.num_cached_tokens or 0,
-            num_preemptions=req.num_preemptions,
-            tenant=req.tenant,
-            priority=req.priority,
-            lora=req.lora or "",
-            finish_reason=req.finish_reason or "",
-            success=req.first_token_time is not None,
-            itls=_gaps(times),
-            spec_num_drafts=req.spec_num_drafts,
-            spec_num_draft_tokens=req.spec_num_draft_tokens,
-            spec_num_accepted_tokens=req.spec_num_accepted_tokens,
-        )
+            req.request_id, req.arrival_time - time_origin,
+            nan if scheduled is None else scheduled - time_origin,
+            nan if first is None else first - time_origin,
+            nan if finish is None else finish - time_origin,
+            req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens or 0,
+            req.num_preemptions, req.tenant, req.priority, req.lora or "",
+            req.finish_reason or "", first is not None, "", req.spec_num_drafts,
+            req.spec_num_draft_tokens, req.spec_num_accepted_tokens, _gaps(req.token_times))
 
 
 def _gaps(times: list[float]) -> array:
@@ -109,32 +99,39 @@ def _gaps(times: list[float]) -> array:
     return array("d", (t[1:] - t[:-1]).tobytes())
 
 
-def _shift(t: float | None, origin: float) -> float:
-    return math.nan if t is None else t - origin
-
-
-def _stats(name: str, values_s: np.ndarray | Sequence[float]) -> dict[str, float]:
+def _stats(name: str, values_s: np.ndarray | Sequence[float], owned: bool = False,
+           ) -> dict[str, float]:
     """Mean, median, std and ``PERCENTILES`` (linear interpolation, as vLLM's numpy calls) in ms;
-    NaNs (unknown values) are left out."""
-    vals = np.asarray(values_s, dtype=np.float64) * 1000.0
-    vals = vals[~np.isnan(vals)]
+    NaNs (unknown values) are left out. ``owned``: ``values_s`` is a writable float64 array
+    the caller hands over, scaled and partitioned in place: a whole trace's ITLs are millions,
+    and each copy of them is fresh memory to fault in."""
+    if owned:
+        vals = values_s  # type: ignore[assignment]
+        vals *= 1000.0
+    else:
+        vals = np.asarray(values_s, dtype=np.float64) * 1000.0
+    unknown = np.isnan(vals)
+    if unknown.any():
+        vals = vals[~unknown]
     if vals.size == 0:
         nan = math.nan
         return {f"mean_{name}_ms": nan, f"median_{name}_ms": nan, f"std_{name}_ms": nan,
                 **{f"p{p}_{name}_ms": nan for p in PERCENTILES}}
-    qs = percentiles(vals, (50, *PERCENTILES))
-    out = {f"mean_{name}_ms": float(vals.mean()), f"median_{name}_ms": float(qs[0]),
-           f"std_{name}_ms": float(vals.std())}
+    mean, std = float(vals.mean()), float(vals.std())  # (before the partition reorders them)
+    qs = percentiles(vals, (50, *PERCENTILES), overwrite=True)
+    out = {f"mean_{name}_ms": mean, f"median_{name}_ms": float(qs[0]), f"std_{name}_ms": std}
     out.update({f"p{p}_{name}_ms": float(q) for p, q in zip(PERCENTILES, qs[1:])})
     return out
 
 
-def percentiles(values: np.ndarray, percents: Sequence[float]) -> list[float]:
+def percentiles(values: np.ndarray, percents: Sequence[float], overwrite: bool = False,
+                ) -> list[float]:
     """``np.percentile(values, percents).tolist()`` (its default, linear method) for a 1-D float64
     array without NaNs: the same order statistics (``np.partition``) and the same float
     arithmetic, step for step (numpy's ``_get_indexes``, ``_get_gamma`` and ``_lerp``), without
     the ``np.unique`` of its indexes, whose masked-array check imports ``numpy.ma`` (~20 ms of a
-    simulator command's start). ``tests/core/test_metrics_percentiles.py`` compares the two."""
+    simulator command's start). ``tests/core/test_metrics_percentiles.py`` compares the two.
+    ``overwrite``: partition ``values`` in place (numpy's ``overwrite_input``), not a copy."""
     n = len(values)
     if not n:
         raise ValueError("percentiles of no values")
@@ -148,7 +145,12 @@ def percentiles(values: np.ndarray, percents: Sequence[float]) -> list[float]:
         else:
             below = math.floor(virtual)
             picks.append((below, below + 1, virtual - below))
-    part = np.partition(values, sorted({0, n - 1, *(i for pick in picks for i in pick[:2])}))
+    kth = sorted({0, n - 1, *(i for pick in picks for i in pick[:2])})
+    if overwrite:
+        values.partition(kth)
+        part = values
+    else:
+        part = np.partition(values, kth)
     out = []
     for below, above, t in picks:
         a, b = float(part[below]), float(part[above])
@@ -195,18 +197,52 @@ def summarize(
     if goodput_slos_ms:
         good = sum(1 for r in ok if _meets(r, goodput_slos_ms))
         summary["request_goodput"] = good / duration_s
-    summary.update(_stats("ttft", [r.ttft for r in ok]))
-    summary.update(_stats("tpot", [r.tpot for r in ok]))
-    summary.update(_stats("itl", np.concatenate([np.asarray(r.itls, dtype=np.float64) for r in ok])
-                          if ok else ()))
-    summary.update(_stats("e2el", [r.e2el for r in ok]))
-    summary.update(_stats("queue", [r.queue_time for r in ok]))
+    ttft, tpot, e2el, queue = _latencies(ok)
+    summary.update(_stats("ttft", ttft))
+    summary.update(_stats("tpot", tpot))
+    summary.update(_stats("itl", concatenated_itls([r.itls for r in ok]), owned=True))
+    summary.update(_stats("e2el", e2el))
+    summary.update(_stats("queue", queue))
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)
     summary["prefix_cache_hit_rate"] = (
         sum(r.cached_tokens for r in ok) / in_tok if in_tok else 0.0)
     summary.update(tenant_summary(ok))
     summary.update(speculation_summary(records))
     return summary
+
+
+def _latencies(records: list[RequestRecord]) -> tuple[Sequence[float], ...]:
+    """Each record's ttft, tpot, e2el and queue time: in numpy (``record_latencies``) where
+    every time is a float and every output count an int, else through the properties."""
+    times = [[r.arrival_time for r in records], [r.first_scheduled_time for r in records],
+             [r.first_token_time for r in records], [r.finish_time for r in records]]
+    outputs = [r.output_tokens for r in records]
+    if not records or any(set(map(type, col)) != {float} for col in times) \
+            or set(map(type, outputs)) != {int}:
+        return ([r.ttft for r in records], [r.tpot for r in records],
+                [r.e2el for r in records], [r.queue_time for r in records])
+    n = len(records)
+    return record_latencies(*(np.fromiter(col, np.float64, n) for col in times),
+                            np.fromiter(outputs, np.int64, n))
+
+
+def record_latencies(arrival: np.ndarray, scheduled: np.ndarray, first: np.ndarray,
+                     finish: np.ndarray, outputs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``RequestRecord``'s ttft, tpot, e2el and queue_time over arrays of its fields (float64
+    times, int64 output counts): the same float operations, element by element."""
+    ttft, e2el = first - arrival, finish - arrival
+    tpot = np.full(len(arrival), math.nan)
+    decoded = outputs >= 2
+    tpot[decoded] = (e2el[decoded] - ttft[decoded]) / (outputs[decoded] - 1)
+    return ttft, tpot, e2el, scheduled - arrival
+
+
+def concatenated_itls(itls: Sequence[Sequence[float]]) -> np.ndarray:
+    """ITLs back to back in one float64 array: one copy of their bytes where all are compact
+    arrays (``RequestRecord``'s own), else through ``np.asarray`` each."""
+    if all(type(g) is array and g.typecode == "d" for g in itls):  # (writable: a bytearray)
+        return np.frombuffer(bytearray().join(itls), dtype=np.float64)
+    return np.concatenate([np.asarray(g, dtype=np.float64) for g in itls] or [np.empty(0)])
 
 
 def speculation_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -298,18 +334,24 @@ def _tenant_tokens(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
 
 
 class StepLog(Sequence[StepRecord]):
-    """``StepRecord``s kept column by column: one list per numeric field (``_STEP_COLUMNS``), a
-    step's values at one index. A simulation records hundreds of thousands of steps: the
-    garbage collector walks ten lists, where it would walk a ``StepRecord`` object per step in
-    every full collection; a run of decode steps is a few ``extend``s; a writer reads whole
-    columns. Reading an element or iterating builds the ``StepRecord`` objects on the fly."""
+    """``StepRecord``s kept column by column: one compact array per numeric field
+    (``_STEP_COLUMNS``; ``array("d")`` for times, durations and usage, 32-bit ``array("i")`` for
+    counts), a step's values at one index. A simulation records hundreds of thousands of
+    steps: the garbage collector walks no per-step object, a run of decode steps is a few
+    ``extend``s, and a writer reads whole columns as numpy arrays without converting them.
 
-    __slots__ = ("_cols", "_tenants")
+    A value its column's array cannot hold as given (an int time such as SimPy's first 0, a
+    bool or an out-of-range count, anything else) is kept as given in ``odd`` (by row, then
+    column), its column holding a stand-in (the value as a float, else nan; 0 for counts), so
+    reading the log gives back exactly what was recorded. Reading an element or iterating
+    builds the ``StepRecord`` objects on the fly."""
+
+    __slots__ = ("_cols", "_tenants", "_odd")
 
     def __init__(self, records: Iterable[StepRecord] = ()) -> None:
-        # StepRecord's fields but tenant_tokens, in order (_STEP_COLUMNS), a list each.
-        self._cols: tuple[list, ...] = tuple([] for _ in _STEP_COLUMNS)
+        self._cols: tuple[array, ...] = tuple(array(code) for code in _TYPECODES)
         self._tenants: dict[int, dict[str, tuple[int, int]]] = {}  # steps with tenant tokens only
+        self._odd: dict[int, dict[int, Any]] = {}  # row -> {column: the value as recorded}
         for r in records:
             self.append(r)
 
@@ -321,8 +363,13 @@ class StepLog(Sequence[StepRecord]):
                           r.num_preempted, r.replica))
 
     def _append_row(self, row: tuple) -> None:
-        for col, value in zip(self._cols, row):
-            col.append(value)
+        i = len(self._cols[0])
+        for k, (col, kind, value) in enumerate(zip(self._cols, _KINDS, row)):
+            if type(value) is kind and (kind is float or -_INT32 <= value < _INT32):
+                col.append(value)
+            else:
+                self._odd.setdefault(i, {})[k] = value
+                col.append(_stand_in(value) if kind is float else 0)
 
     def record_step(self, out: SchedulerOutput, scheduler: Scheduler, start: float,
                     duration: float, replica: int = 0, with_tenants: bool = True) -> None:
@@ -355,22 +402,35 @@ class StepLog(Sequence[StepRecord]):
                 tenants[request.tenant] = (0, tenants.get(request.tenant, (0, 0))[1] + 1)
         total = len(scheduler.kv.pool.blocks)
         n, k = len(requests), len(ends)
+        if not k:
+            return
         time, duration, seqs, prefill, decode, running, queued, kv, preempted, rep = self._cols
         if tenants:  # one dict shared by the run's rows
             first = len(time)
             self._tenants.update(dict.fromkeys(range(first, first + k), tenants))
         starts = [start, *ends[:-1]]
-        time += starts
-        duration += map(sub, ends, starts)
-        kv += [1.0 - free / total for free in free_after] if total else [0.0] * k
+        usage = [1.0 - free / total for free in free_after] if total else [0.0] * k
+        if not (type(start) is float and type(waiting) is int and type(replica) is int
+                and type(num_finished) is int and set(map(type, ends)) == {float}
+                and 0 <= waiting < _INT32 and 0 <= replica < _INT32 and 0 <= num_finished <= n):
+            ns, zeros = [n] * k, [0] * k  # the plain rows, through the checks
+            rows = list(zip(starts, map(sub, ends, starts), ns, zeros, ns, ns, zeros, usage,
+                            zeros, [replica] * k))
+            rows[-1] = (*rows[-1][:5], n - num_finished, waiting, *rows[-1][7:])
+            for row in rows:
+                self._append_row(row)
+            return
+        time.fromlist(starts)
+        duration.fromlist(list(map(sub, ends, starts)))
+        kv.fromlist(usage)
         ns, zeros = [n] * k, [0] * k
-        seqs += ns
-        decode += ns
-        running += ns
-        prefill += zeros
-        queued += zeros
-        preempted += zeros
-        rep += [replica] * k
+        seqs.fromlist(ns)
+        decode.fromlist(ns)
+        running.fromlist(ns)
+        prefill.fromlist(zeros)
+        queued.fromlist(zeros)
+        preempted.fromlist(zeros)
+        rep.fromlist([replica] * k)
         queued[-1] = waiting
         running[-1] = n - num_finished
 
@@ -380,23 +440,37 @@ class StepLog(Sequence[StepRecord]):
         time, rep = self._cols[0], self._cols[-1]
         if len(time) < 2:
             return
-        order = np.lexsort((np.asarray(rep), np.asarray(time, dtype=np.float64))).tolist()
-        pick = itemgetter(*order)  # the rows' values in C, column by column
-        self._cols = tuple(list(pick(col)) for col in self._cols)
-        if self._tenants:
-            at = {old: new for new, old in enumerate(order)}
-            self._tenants = {at[old]: tokens for old, tokens in self._tenants.items()}
+        replicas = np.frombuffer(rep, _DTYPES[rep.typecode])
+        odd_replicas = {i: values[9] for i, values in self._odd.items() if 9 in values}
+        if odd_replicas:  # (sorted by their own numbers, as a plain list of them would be)
+            replicas = replicas.astype(np.float64)
+            for i, value in odd_replicas.items():
+                replicas[i] = _stand_in(value)
+        order = np.lexsort((replicas, np.frombuffer(time, np.float64)))
+        self._cols = tuple(array(col.typecode, np.frombuffer(col, _DTYPES[col.typecode])
+                                 [order].tobytes()) for col in self._cols)
+        if self._tenants or self._odd:
+            at = np.empty(len(order), np.int64)  # each row's new index
+            at[order] = np.arange(len(order))
+            self._odd = {int(at[old]): values for old, values in self._odd.items()}
+            if self._tenants:
+                new = at.tolist()
+                self._tenants = {new[old]: tokens for old, tokens in self._tenants.items()}
 
-    def columns(self) -> tuple[list, ...]:
-        """Every numeric field's column (``_STEP_COLUMNS``' order): read-only views for fast
-        writers."""
+    def columns(self) -> tuple[array, ...]:
+        """Every numeric field's column (``_STEP_COLUMNS``' order), stand-ins at the rows of
+        ``odd()``: read-only views for fast writers."""
         return self._cols
+
+    def odd(self) -> dict[int, dict[int, Any]]:
+        """The values the columns hold stand-ins for, by row, then column (read-only)."""
+        return self._odd
 
     def raw(self) -> tuple[list[tuple[float, float, int, int, int, int, int, float, int, int]],
                            dict[int, dict[str, tuple[int, int]]]]:
         """The rows (``StepRecord``'s fields but ``tenant_tokens``, in order) and the tenant
         tokens of the steps that have any, by row index."""
-        return list(zip(*self._cols)), self._tenants
+        return list(self._rows()), self._tenants
 
     def tenant_tokens(self) -> dict[int, dict[str, tuple[int, int]]]:
         """The tenant tokens of the steps that have any, by row index (read-only)."""
@@ -404,7 +478,18 @@ class StepLog(Sequence[StepRecord]):
 
     def column(self, name: str) -> list[float] | list[int]:
         """One numeric field of every step, e.g. ``log.column("num_seqs")``."""
-        return list(self._cols[_STEP_COLUMNS.index(name)])
+        k = _STEP_COLUMNS.index(name)
+        values = self._cols[k].tolist()
+        for i, odd in self._odd.items():
+            if k in odd:
+                values[i] = odd[k]
+        return values
+
+    def _rows(self) -> Iterator[tuple]:
+        odd = self._odd
+        for i, row in enumerate(zip(*self._cols)):
+            found = odd.get(i) if odd else None
+            yield row if found is None else tuple(found.get(k, v) for k, v in enumerate(row))
 
     def __len__(self) -> int:
         return len(self._cols[0])
@@ -419,12 +504,23 @@ class StepLog(Sequence[StepRecord]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         i = range(len(self))[index]  # negative indices, IndexError
-        return _step_record([col[i] for col in self._cols], self._tenants.get(i, {}))
+        found = self._odd.get(i, {})
+        return _step_record([found.get(k, col[i]) for k, col in enumerate(self._cols)],
+                            self._tenants.get(i, {}))
 
     def __iter__(self) -> Iterator[StepRecord]:
         tenants = self._tenants
-        for i, row in enumerate(zip(*self._cols)):
+        for i, row in enumerate(self._rows()):
             yield _step_record(row, tenants.get(i, {}))
+
+
+def _stand_in(value: Any) -> float:
+    """What a float column holds for a value it keeps in ``StepLog.odd``: the value as a float
+    (an int time's own number), else nan."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def _step_record(row: Sequence, tenants: dict[str, tuple[int, int]]) -> StepRecord:
@@ -433,5 +529,11 @@ def _step_record(row: Sequence, tenants: dict[str, tuple[int, int]]) -> StepReco
                       tenants)
 
 
-# StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens).
+# StepRecord's numeric fields, in the order of StepLog's rows (all but tenant_tokens), and the
+# array each is kept in: floats for times, durations and usage, 32-bit ints for counts.
 _STEP_COLUMNS = tuple(f.name for f in fields(StepRecord) if f.name != "tenant_tokens")
+_TYPECODES = tuple("d" if name in ("time", "duration", "kv_usage") else "i"
+                   for name in _STEP_COLUMNS)
+_KINDS = tuple(float if code == "d" else int for code in _TYPECODES)
+_DTYPES = {"d": np.float64, "i": np.dtype(f"i{array('i').itemsize}")}
+_INT32 = 1 << 31  # (counts past it are kept as given, beside their column)

@@ -302,6 +302,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
             return horizons.of(index)
     # a model may compute a run's step ends in one call (_segment_ends has the reference)
     run_ends = cost.decode_run_ends
+    merge = horizons is None  # (the horizon: the next event of any process)
     base = now = env.now  # SimPy's clock, and the engine's (ahead of it between events)
     # Only other processes schedule events, and they run only while this one waits: the next
     # event's time is read once per resumption.
@@ -320,10 +321,8 @@ def engine_process(env: simpy.Environment, replica: Replica):
         duration = step_time(out)
         end = now + duration
         if end >= horizon or base + (end - base) != end:
-            if now != base:  # catch SimPy up to this step's start (exact: checked when it ran ahead)
-                yield timeout(now - base)
             replica.step_start = now
-            yield timeout(duration)  # SimPy resumes us at exactly ``now + duration``
+            yield from _wait_for_step(timeout, base, now, duration, end, merge)
             base = end
             horizon = peek()
         complete(out, sampled if speculate is None else speculate(out), now, end)
@@ -344,11 +343,10 @@ def engine_process(env: simpy.Environment, replica: Replica):
             if crossing:  # the next step ends at or past the horizon: SimPy catches up first
                 start = ends[-1] if ends else now
                 duration = step_time(run.out)
-                if start != base:
-                    yield timeout(start - base)
                 replica.last_step = _last_step(ends, now, replica.last_step)
                 replica.step_start = start
-                yield timeout(duration)
+                yield from _wait_for_step(timeout, base, start, duration, start + duration,
+                                          merge)
                 base = start + duration
                 ends.append(base)
                 horizon = peek()
@@ -368,6 +366,26 @@ def engine_process(env: simpy.Environment, replica: Replica):
                 else None
 
 
+def _wait_for_step(timeout: Callable[[float], simpy.Event], base: float, start: float,
+                   duration: float, end: float, merge: bool):
+    """Waits in SimPy for a step from ``start`` to ``end`` (``start + duration``), SimPy's
+    clock being at ``base`` (the engine's ran ahead to ``start``; no event falls between):
+    caught up to ``start``, then ``duration`` on, so SimPy resumes the engine at exactly ``end``.
+
+    ``merge``: the horizon was the next event of any process, so nothing acts at ``base`` after
+    this (else the horizon would have been ``base``, and ``start`` too), and nothing before
+    ``end``: one event to ``end`` then, where one addition lands exactly on it. It orders
+    among the events due at ``end`` as the second of the two would: after every one made
+    before ``start``, as none is made between. Fleet replicas (horizons: their own next
+    arrival) take the two events: another replica's process may act at ``base``."""
+    if start != base:
+        if merge and base + (end - base) == end:
+            yield timeout(end - base)
+            return
+        yield timeout(start - base)
+    yield timeout(duration)
+
+
 def _closing_step(replica: Replica, run: DecodeRun, now: float, ends: list[float],
                   free_after: list[int], base: float, horizon: float,
                   peek: Callable[[], float], timeout: Callable[[float], simpy.Event]):
@@ -385,11 +403,10 @@ def _closing_step(replica: Replica, run: DecodeRun, now: float, ends: list[float
     duration = replica.cost.step_time(out)
     end = start + duration
     if end >= horizon or base + (end - base) != end:
-        if start != base:
-            yield timeout(start - base)
         replica.last_step = _last_step(ends, now, replica.last_step)
         replica.step_start = start
-        yield timeout(duration)  # SimPy resumes us at exactly ``start + duration``
+        yield from _wait_for_step(timeout, base, start, duration, end,
+                                  replica.horizons is None)
         base = end
         horizon = peek()
     replica.driver.complete_closing_run(run, out, replica.tokens.output, now, [*ends, end],

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ from twinserve.traces.trace_request import (
 if TYPE_CHECKING:  # (loaded where a run needs them: a host KV tier, pipeline stages)
     from twinserve.simulator.kv_offload import TwinOffloadingWorker
     from twinserve.simulator.pipeline import PipelineCost
+
+_arrival_time = attrgetter("arrival_time")
 
 # The default twin stands on measured ground: Llama-3-8B on an A100-80GB, the GPU most
 # published serving studies ran on (Vidur, DistServe, Sarathi) and the one a newcomer most likely
@@ -383,7 +386,7 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         recorder.steps.sort_by_time()
         records = sorted(recorder.requests, key=lambda r: (r.arrival_time, r.request_id))
     else:
-        records = sorted(recorder.requests, key=lambda r: r.arrival_time)
+        records = sorted(recorder.requests, key=_arrival_time)
     duration = max((r.finish_time for r in records if r.success), default=0.0)
     summary = summarize(records, duration_s=duration or None)
     if lora is not None:

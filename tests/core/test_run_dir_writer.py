@@ -3,11 +3,13 @@ format (``run_dir._request_row``'s), including the values ``np.unique`` treats s
 
 from __future__ import annotations
 
+import csv
+import io
 import math
-import os
 import random
 from array import array
 
+import numpy as np
 import pytest
 
 from twinserve.core import run_dir
@@ -50,6 +52,8 @@ def test_steps_text_equals_the_plain_lines() -> None:
              (7.5, math.nan, True, 2, 3, 4, 5, -0.0, 0, 0),
              (7.5, 0.25, -1, 2, 3, 4, 5, 0.5, 10**19, 0),
              (8, 0.25, 1, 2, 3, 4, 5, 1, 0, 0),
+             (2**60 + 1, 0.25, 1, 2, 3, 4, 5, 0.5, 0, 0),  # ints among a float column's floats
+             (9, 0.25, 1, 2, 3, 4, 5, 0.5, 0, 0),
              (9.5, 0.25, 1, 2, 3, 4, 5, 2.5e6, 0, 0),
              # out-of-range ints in columns of ints only (the bounds checked on the array)
              (9.75, 0.25, 1, 2, 3, -4, 10**18, 0.5, 0, 0)]
@@ -58,36 +62,117 @@ def test_steps_text_equals_the_plain_lines() -> None:
     assert run_dir._steps_text(columns) == want
     assert columns == [list(c) for c in zip(*rows)]  # the columns are left as they were
     assert run_dir._steps_text([[] for _ in range(10)]) == ""
+    huge = [*rows, (10**400, 0.25, 1, 2, 3, 4, 5, 0.5, 0, 0)]  # no float holds it: as the
+    for write in (lambda: "".join(map(run_dir._step_line, huge)),  # plain format, refused
+                  lambda: run_dir._steps_text([list(c) for c in zip(*huge)])):
+        with pytest.raises(OverflowError):
+            write()
     with_chunks = rows * (run_dir._CHUNK_ROWS // len(rows) + 2)
     assert run_dir._steps_text([list(c) for c in zip(*with_chunks)]) == \
         "".join(map(run_dir._step_line, with_chunks))
 
 
-def _folder_bytes(folder) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+def _plain_itls(records: list[RequestRecord]) -> list[str]:
+    return [" ".join(f"{g * 1e3:.6g}" for g in r.itls) for r in records]
 
 
-def test_steps_written_by_a_forked_child_are_the_same_bytes(tmp_path, monkeypatch) -> None:
+def _decoding(i: int, times: list[float], first: int, n: int) -> RequestRecord:
+    """A request whose first token came at step ``first``'s start and which then decoded in
+    the ``n`` steps after, as on a busy engine: its gaps are those steps' time differences."""
+    ends = times[first:first + n + 1]
+    return RequestRecord(f"r{i}", 0.0, 0.0, ends[0], ends[-1], 10, n + 1,
+                         itls=array("d", [b - a for a, b in zip(ends, ends[1:])]))
+
+
+def test_itl_texts_cut_from_the_step_times_equal_the_plain_format(monkeypatch) -> None:
+    rng = random.Random(11)
+    times = [0]  # (an int first start, as SimPy's clock begins)
+    for _ in range(400):
+        times.append(times[-1] + rng.choice([rng.expovariate(50), 0.0125, 2e-7]))
+    records = []
+    for i in range(60):
+        first = rng.randrange(len(times) - 1)
+        records.append(_decoding(i, times, first, rng.randint(0, len(times) - 1 - first)))
+    records[3].itls[-1] += 1e-12  # its last gap is not a step's (an idle engine, a preemption)
+    records[4].itls = list(records[4].itls)
+    records[5].first_token_time = math.nan
+    records.append(_record(60, [0.25, -0.0, math.nan]))  # not the steps' gaps at all
+    want = _plain_itls(records)
+    assert run_dir._itl_texts(records, times) == want
+    lengths = [len(r.itls) for r in records]
+    for per_check in (1, 7, 2048):  # (records checked together)
+        monkeypatch.setattr(run_dir, "_RECORDS_PER_CHECK", per_check)
+        text, spans = run_dir._step_gap_spans(records, lengths, times)
+        assert sorted(set(range(len(records))) - set(spans)) == \
+            sorted([3, 5, 60] + [i for i, n in enumerate(lengths) if not n])  # the others: cut
+        assert all(text[a:b] == want[i] for i, (a, b) in spans.items())
+        assert run_dir._itl_texts(records, times) == want
+    # steps of no duration (two steps starting at once: which is a record's?), and times that
+    # are no engine's (unsorted, not numbers, too few)
+    for odd in ([*times[:50], *times[49:]], times[::-1], [*times[:5], None, *times[6:]],
+                times[:1], []):
+        assert run_dir._itl_texts(records, odd) == want
+
+
+def test_steps_written_beside_the_requests_are_the_reference_bytes(tmp_path) -> None:
     from twinserve.core.metrics import StepRecord
     rng = random.Random(5)
     steps = [StepRecord(i * 0.01, rng.uniform(1e-3, 0.1), 3, rng.randint(0, 99), 2, 3,
                         rng.randint(0, 9), rng.random(), 0,
                         tenant_tokens={"a": (rng.randint(0, 9), 1), "b": (0, 2)})
              for i in range(300)]
-    records = [_record(i, [0.01, 0.02]) for i in range(20)]
-    args = ({"backend": "sim"}, records, {"completed": 20}, steps)
-    in_process = run_dir.write_run(tmp_path / "plain", *args)
-    monkeypatch.setattr(run_dir, "_FORK_STEPS_AT", 1)
-    forked = run_dir.write_run(tmp_path / "forked", *args)
-    assert _folder_bytes(forked) == _folder_bytes(in_process)
-    assert "steps.csv" in _folder_bytes(forked)
+    times = [s.time for s in steps]
+    records = [_decoding(i, times, 7 * i, 5) for i in range(20)] + [_record(20, [0.01, 0.02])]
+    out = run_dir.write_run(tmp_path / "run", {"backend": "sim"}, records, {"completed": 21},
+                            steps)
+    run_dir._write_steps_reference(tmp_path, steps)
+    for name in ("steps.csv", "tenants.csv"):
+        assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
+    rows = (out / "requests.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[19] for row in rows] == _plain_itls(records)
 
-    parent, plain_write = os.getpid(), run_dir._write_steps
 
-    def fails_in_the_child(out, rows) -> None:
-        if os.getpid() != parent:
-            raise OSError("disk full")
-        plain_write(out, rows)
-    monkeypatch.setattr(run_dir, "_write_steps", fails_in_the_child)
-    rewritten = run_dir.write_run(tmp_path / "child-failed", *args)  # the parent writes them
-    assert _folder_bytes(rewritten) == _folder_bytes(in_process)
+def test_request_rows_equal_csv_writers_plain_rows() -> None:
+    rng = random.Random(4)
+    records = []
+    for i in range(400):
+        arrival = rng.uniform(0, 3600)
+        first = arrival + rng.choice([rng.expovariate(5), 0.0, 2e-5])
+        records.append(RequestRecord(
+            f"req-{i}", arrival, first - rng.choice([0.0, 0.01]), first,
+            first + rng.choice([rng.expovariate(0.1), 0.0]), rng.randint(1, 4000),
+            rng.choice([0, 1, 2, rng.randint(3, 900)]), rng.randint(0, 4000), rng.randint(0, 3),
+            tenant=rng.choice(["default", "a", "b"]), priority=rng.randint(-2, 2),
+            itls=array("d", [rng.expovariate(40) for _ in range(rng.randint(0, 5))])))
+    failed = RequestRecord("failed", 5.0, math.nan, math.nan, math.nan, 7, 0, success=False,
+                           finish_reason="", error="the prompt is too long: 9 > 8")
+    odd = [failed, RequestRecord('quote"d', 1.0, 1.5, 2.0, 3.0, 5, 3, tenant="a, b"),
+           RequestRecord("ints", 0, 1, 2, 3, 5, 3, priority=True),
+           RequestRecord("far", 2e6, 2e6 + 1, 2e6 + 2, 2e6 + 3, 5, 3, lora=None),  # type: ignore
+           RequestRecord(7, 1e-6, 1e-5, 1e-3, 0.5, 5, 3, success=2)]  # type: ignore
+    for k, record in enumerate(odd):
+        records.insert(37 * k, record)
+    want = io.StringIO(newline="")
+    csv.writer(want, lineterminator="\n").writerows(run_dir._request_row(r) for r in records)
+    got = io.StringIO(newline="")
+    run_dir._write_requests(got, records)
+    assert got.getvalue() == want.getvalue()
+    heads = run_dir._row_heads(records)
+    assert [i for i, head in enumerate(heads) if head is None] == [37, 74, 111, 148]
+
+
+def test_six_significant_digits_in_numpy_equal_the_format() -> None:
+    rng = random.Random(6)
+    values = [10 ** rng.uniform(-6, 7) for _ in range(20000)]
+    values += [rng.expovariate(100) * 1e3 for _ in range(5000)]  # step gaps in ms
+    for p in range(-6, 8):  # around powers of ten, and values rounding up to the next one
+        b = 10.0 ** p
+        values += [b, math.nextafter(b, 0), math.nextafter(b, math.inf), b * 0.9999995,
+                   b * 0.99999949, b * 0.99999951, 9.999995 * b, 9.99999501 * b]
+    for d in range(100000, 1000000, 77777):  # ties of the sixth digit, and either side
+        for k in range(10):
+            v = (d + 0.5) / 10 ** k
+            values += [v, math.nextafter(v, 0), math.nextafter(v, math.inf)]
+    values += [0.0, -0.0, -1.5, math.nan, math.inf, -math.inf, 5e-324, 999999.0, 999999.5, 1e300]
+    got = run_dir._g6_texts(np.array(values)).tolist()
+    assert got == [f"{v:.6g}" for v in values]

@@ -1,6 +1,6 @@
 """A simulated run's folder against the plain writers (``run_dir._request_row`` through
-``csv.writer``, ``run_dir._write_steps_reference``), written in this process and by the forked
-steps writer: the same bytes."""
+``csv.writer``, ``run_dir._write_steps_reference``): the same bytes, for one replica (whose ITL
+columns are cut from its step times) and a fleet (whose interleaved steps are not its gaps)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from twinserve.simulator.run import SimConfig, simulate, write_sim_run
 from twinserve.traces import load_trace
 
 
-@pytest.fixture(scope="module")
-def result():
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-replica", "fleet"])
+def result(request):
     trace = load_trace("azure-conv", limit=300)
-    return simulate(SimConfig(model="llama-3-8b", hardware="h100-sxm", num_replicas=2), trace)
+    return simulate(SimConfig(model="llama-3-8b", hardware="h100-sxm",
+                              num_replicas=request.param), trace)
 
 
 def _plain_requests(records) -> str:
@@ -28,12 +29,20 @@ def _plain_requests(records) -> str:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("fork_at", [10**9, 1], ids=["in-process", "forked"])
-def test_a_runs_folder_is_the_plain_writers_bytes(result, tmp_path, monkeypatch, fork_at) -> None:
+def test_a_runs_folder_is_the_plain_writers_bytes(result, tmp_path) -> None:
     assert len(result.steps) > 1000 and sum(len(r.itls) for r in result.records) > 10_000
-    monkeypatch.setattr(run_dir, "_FORK_STEPS_AT", fork_at)
     out = write_sim_run(result, tmp_path / "run", {"trace": "azure-conv"})
     assert (out / "requests.csv").read_text() == _plain_requests(result.records)
     run_dir._write_steps_reference(tmp_path, list(result.steps))
     for name in ("steps.csv", "tenants.csv"):
         assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_one_replicas_itl_columns_are_cut_from_its_step_times(result) -> None:
+    records = result.records
+    lengths = [len(r.itls) for r in records]
+    text, spans = run_dir._step_gap_spans(records, lengths, result.steps.columns()[0])
+    if result.config.num_replicas == 1:
+        assert len(spans) > 0.9 * len(records)
+    for i, (a, b) in spans.items():
+        assert text[a:b] == " ".join(f"{g * 1e3:.6g}" for g in records[i].itls)

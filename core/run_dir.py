@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
@@ -124,22 +125,29 @@ def _write_requests(f: TextIO, records: list[RequestRecord],
     dots, signs, spaces: never quoted) appended without csv's scan of every character.
     ``parts``: a disaggregated run's PD_REQUEST_COLUMNS, by request id; ``step_times``: the
     run's step start times, whose differences most ITL columns are (``_itl_texts``)."""
-    w = csv.writer(f, lineterminator="")
     speculation = _has_speculation(records)
     for r, head, itls in zip(records, _row_heads(records), _itl_columns(records, step_times)):
         if head is None:
-            w.writerow((
+            head = csv_fields((
                 r.request_id, r.tenant, r.priority, r.lora, fmt(r.arrival_time),
                 fmt(r.first_scheduled_time), fmt(r.first_token_time), fmt(r.finish_time),
                 r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions,
                 r.finish_reason, int(r.success), r.error,
                 fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
-            head = ""
         if speculation:
             itls += f",{r.spec_num_drafts},{r.spec_num_draft_tokens},{r.spec_num_accepted_tokens}"
         if parts is not None:
             itls += _pd_text(parts.get(r.request_id), r.first_token_time)
         f.write(head + "," + itls + "\n")
+
+
+def csv_fields(fields: Sequence[Any]) -> str:
+    """csv.writer's text of ``fields`` without a line end. A field holding a carriage return or
+    a newline is quoted: csv.writer quotes only its line terminator's characters, so one whose
+    terminator is "" or "\\n" would write a bare "\\r" or "\\n" that breaks the row on reading."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\r\n").writerow(fields)
+    return buf.getvalue()[:-2]
 
 
 # What makes csv.writer quote a field (QUOTE_MINIMAL, its default dialect)

@@ -176,3 +176,19 @@ def test_six_significant_digits_in_numpy_equal_the_format() -> None:
     values += [0.0, -0.0, -1.5, math.nan, math.inf, -math.inf, 5e-324, 999999.0, 999999.5, 1e300]
     got = run_dir._g6_texts(np.array(values)).tolist()
     assert got == [f"{v:.6g}" for v in values]
+
+
+def test_fields_with_line_breaks_are_quoted_and_read_back() -> None:
+    """A request id, tenant or error holding a newline or a carriage return (an error message
+    may span lines) is quoted, so the file reads back with every row and value intact."""
+    records = [RequestRecord("plain", 0.0, 0.1, 0.2, 1.0, 10, 3, itls=array("d", [0.1, 0.2])),
+               RequestRecord("two\nlines", 0.0, 0.1, 0.2, 1.0, 10, 3, tenant="t\rx"),
+               RequestRecord("failed", 1.0, math.nan, math.nan, math.nan, 7, 0, success=False,
+                             finish_reason="", error="line one\r\nline two, \"quoted\"")]
+    out = io.StringIO(newline="")
+    run_dir._write_requests(out, records)
+    rows = list(csv.reader(io.StringIO(out.getvalue(), newline="")))
+    assert len(rows) == len(records)
+    assert [(row[0], row[1], row[14]) for row in rows] == [
+        (r.request_id, r.tenant, r.error or "") for r in records]
+    assert rows[0][:14] == [str(v) for v in run_dir._request_row(records[0])][:14]

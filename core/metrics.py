@@ -105,8 +105,9 @@ def _stats(name: str, values_s: np.ndarray | Sequence[float], owned: bool = Fals
     NaNs (unknown values) are left out. ``owned``: ``values_s`` is a writable float64 array
     the caller hands over, scaled and partitioned in place: a whole trace's ITLs are millions,
     and each copy of them is fresh memory to fault in."""
-    if owned:
-        vals = values_s  # type: ignore[assignment]
+    vals: np.ndarray
+    if owned and isinstance(values_s, np.ndarray):
+        vals = values_s
         vals *= 1000.0
     else:
         vals = np.asarray(values_s, dtype=np.float64) * 1000.0
@@ -211,7 +212,7 @@ def summarize(
     return summary
 
 
-def _latencies(records: list[RequestRecord]) -> tuple[Sequence[float], ...]:
+def _latencies(records: list[RequestRecord]) -> tuple[np.ndarray | list[float], ...]:
     """Each record's ttft, tpot, e2el and queue time: in numpy (``record_latencies``) where
     every time is a float and every output count an int, else through the properties."""
     times = [[r.arrival_time for r in records], [r.first_scheduled_time for r in records],
@@ -222,8 +223,8 @@ def _latencies(records: list[RequestRecord]) -> tuple[Sequence[float], ...]:
         return ([r.ttft for r in records], [r.tpot for r in records],
                 [r.e2el for r in records], [r.queue_time for r in records])
     n = len(records)
-    return record_latencies(*(np.fromiter(col, np.float64, n) for col in times),
-                            np.fromiter(outputs, np.int64, n))
+    arrival, scheduled, first, finish = (np.fromiter(col, np.float64, n) for col in times)
+    return record_latencies(arrival, scheduled, first, finish, np.fromiter(outputs, np.int64, n))
 
 
 def record_latencies(arrival: np.ndarray, scheduled: np.ndarray, first: np.ndarray,
@@ -241,7 +242,7 @@ def concatenated_itls(itls: Sequence[Sequence[float]]) -> np.ndarray:
     """ITLs back to back in one float64 array: one copy of their bytes where all are compact
     arrays (``RequestRecord``'s own), else through ``np.asarray`` each."""
     if all(type(g) is array and g.typecode == "d" for g in itls):  # (writable: a bytearray)
-        return np.frombuffer(bytearray().join(itls), dtype=np.float64)
+        return np.frombuffer(bytearray().join(itls), dtype=np.float64)  # type: ignore[arg-type]
     return np.concatenate([np.asarray(g, dtype=np.float64) for g in itls] or [np.empty(0)])
 
 
@@ -535,5 +536,5 @@ _STEP_COLUMNS = tuple(f.name for f in fields(StepRecord) if f.name != "tenant_to
 _TYPECODES = tuple("d" if name in ("time", "duration", "kv_usage") else "i"
                    for name in _STEP_COLUMNS)
 _KINDS = tuple(float if code == "d" else int for code in _TYPECODES)
-_DTYPES = {"d": np.float64, "i": np.dtype(f"i{array('i').itemsize}")}
+_DTYPES: dict[str, np.dtype] = {"d": np.dtype(np.float64), "i": np.dtype(f"i{array('i').itemsize}")}
 _INT32 = 1 << 31  # (counts past it are kept as given, beside their column)

@@ -233,8 +233,8 @@ def _itl_columns(records: list[RequestRecord], step_times: Sequence[float] | Non
     records' columns are cut (``_step_gap_spans``); the others' gaps are formatted once per
     distinct value (``_distinct_texts``)."""
     lengths = [len(r.itls) for r in records]
-    text, spans = "", {}
-    if step_times is not None and sum(lengths):
+    text, spans = "", dict[int, tuple[int, int]]()
+    if step_times is not None and any(lengths):
         text, spans = _step_gap_spans(records, lengths, step_times)
     rest = [i for i, n in enumerate(lengths) if n and i not in spans]
     others: dict[int, str] = {}
@@ -436,7 +436,7 @@ def _steps_text(columns: Sequence[Sequence], odd: Mapping[int, Mapping[int, Any]
     return "".join(_steps_chunks(columns, odd))
 
 
-def _steps_chunks(columns: Sequence[Sequence],
+def _steps_chunks(columns: Sequence[Any],
                   odd: Mapping[int, Mapping[int, Any]] | None = None) -> Iterator[str]:
     """The lines of the steps, ``_CHUNK_ROWS`` at a time (a writer writes each as it comes, so
     a whole trace's text is never held at once): ``columns`` are a ``StepLog``'s (its arrays,
@@ -502,12 +502,13 @@ def _typed_column(values: list, kind: type, odd: np.ndarray) -> np.ndarray:
         other = np.flatnonzero(~np.fromiter(map(is_, map(type, values), repeat(kind)), bool,
                                             n)).tolist()
     elif kind is int:  # (no sign, int64): the bounds checked on the array, in C
+        ints: np.ndarray | None
         try:
-            array = np.fromiter(values, np.int64, n)
+            ints = np.fromiter(values, np.int64, n)
         except OverflowError:
-            array = None
-        if array is not None and (not n or (array.min() >= 0 and array.max() < 10 ** 18)):
-            return array
+            ints = None
+        if ints is not None and (not n or (ints.min() >= 0 and ints.max() < 10 ** 18)):
+            return ints
         other = [i for i, v in enumerate(values) if not 0 <= v < 10 ** 18]
     if other:
         odd[other] = True

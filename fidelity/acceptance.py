@@ -45,9 +45,9 @@ def record_acceptance(run_dir: Path, workload: str,
         k_max=int(spec.get("max_num_speculative_tokens") or spec.get("num_speculative_tokens", 1)),
         output_tokens=sum(int(r["output_tokens"]) for r in rows), num_requests=len(rows),
         accepted_per_pos=accepted_per_pos, source=str(run_dir))
-    drafts = run_dir / DRAFTS_FILE
-    if drafts.is_file():
-        profile = dataclasses.replace(profile, chain=CopyChain.fit(read_drafts(drafts)))
+    drafts_file = run_dir / DRAFTS_FILE
+    if drafts_file.is_file():
+        profile = dataclasses.replace(profile, chain=CopyChain.fit(read_drafts(drafts_file)))
     profile.save(run_dir / ACCEPTANCE_FILE)
     return profile
 

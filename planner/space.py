@@ -160,7 +160,7 @@ class Candidate:
     def sim(self, model: str, fixed: dict[str, Any]) -> dict[str, Any]:
         """The flat SimConfig mapping (``SimConfig.from_flat``) of this candidate."""
         engine = {k: v for k, v in self.engine if v is not None}
-        pd = ({"prefill_instances": self.prefill_instances, "decode_instances":
+        pd: dict[str, Any] = ({"prefill_instances": self.prefill_instances, "decode_instances":
                self.decode_instances, "kv_link": self.kv_link} if self.disaggregated else {})
         pd.update({f"{pool}_args": dict(getattr(self, f"{pool}_args")) for pool in POOLS
                    if getattr(self, f"{pool}_args")})
@@ -298,9 +298,9 @@ class PlanSpace:
 
     def _pool_settings(self, engine: dict[str, Any]) -> list[tuple[PoolArgs, PoolArgs]]:
         """Each pool's overrides of ``engine`` (module docstring), without repeats."""
-        per_pool = []
+        per_pool: list[list[tuple[tuple[str, Any], ...]]] = []
         for pool in POOLS:
-            options = []
+            options: list[tuple[tuple[str, Any], ...]] = []
             for values in itertools.product(*(getattr(self, f"{pool}_{a}") for a in POOL_VARIED)):
                 given = dict(zip(POOL_VARIED, values))
                 if not engine["enable_chunked_prefill"]:
@@ -308,7 +308,8 @@ class PlanSpace:
                 options.append(tuple(sorted((k, v) for k, v in given.items()
                                             if v is not None and v != engine[k])))
             per_pool.append(list(dict.fromkeys(options)))
-        return list(itertools.product(*per_pool))
+        prefill, decode = per_pool
+        return list(itertools.product(prefill, decode))
 
     def _replica_counts(self, per_replica: int) -> list[int]:
         fit = self.max_gpus // per_replica

@@ -117,7 +117,8 @@ class LinkSpec:
     @property
     def flow_rate(self) -> float:
         """The most one flow can move per second (its cap, as a float)."""
-        return float(self.flow_bandwidth_bytes_per_s)  # type: ignore[arg-type] (set in __post_init__)
+        cap = self.flow_bandwidth_bytes_per_s
+        return float(self.bandwidth_bytes_per_s if cap is None else cap)
 
     @property
     def overhead_bytes(self) -> float:

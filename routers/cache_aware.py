@@ -153,21 +153,8 @@ class CacheAwareRouter:
 
     def _walk(self, hashes: list[int]) -> _Walk:
         """The walk of ``hashes`` for every replica holding the first, kept by its first hash."""
-        get = self._index.get
-        alive = get(hashes[0], 0)
         ends: dict[int, int] = {}
-        depth = 0
-        for block_hash in hashes:
-            holding = get(block_hash, 0) & alive
-            if holding != alive:
-                for i in _bits(alive & ~holding):
-                    ends[i] = depth
-                alive = holding
-                if not alive:
-                    break
-            depth += 1
-        for i in _bits(alive):
-            ends[i] = depth
+        depth = self._go_on(hashes, 0, self._index.get(hashes[0], 0), ends)
         walks, readers, first = self._walks, self._readers, hashes[0]
         if len(walks) >= _MAX_WALKS or len(readers) >= _MAX_READERS:
             walks.clear()  # (a walk is kept only while every hash it read has its reader)
@@ -176,20 +163,22 @@ class CacheAwareRouter:
         walk = walks[first] = _Walk(hashes, depth, ends)
         return walk
 
-    def _go_on(self, hashes: list[int], depth: int, alive: int, matched: dict[int, int]) -> None:
-        """The plain loop from block ``depth`` on, for the replicas in ``alive`` (without touching)."""
+    def _go_on(self, hashes: list[int], depth: int, alive: int, matched: dict[int, int]) -> int:
+        """The plain loop from block ``depth`` on, for the replicas in ``alive`` (without
+        touching): each one's match into ``matched``; returns the first block none holds."""
         get = self._index.get
-        for block_hash in hashes[depth:]:
+        for block_hash in hashes[depth:] if depth else hashes:
             holding = get(block_hash, 0) & alive
             if holding != alive:
                 for i in _bits(alive & ~holding):
                     matched[i] = depth
                 alive = holding
                 if not alive:
-                    return
+                    return depth
             depth += 1
         for i in _bits(alive):
             matched[i] = depth
+        return depth
 
     def _flush_touches(self) -> None:
         """Applies the logged LRU touches, each prefix's last, in order."""

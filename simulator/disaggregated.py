@@ -295,17 +295,10 @@ def pool_summary(fleet: Fleet, records: list[RequestRecord], duration: float,
                  link: LinkSpec) -> dict[str, Any]:
     """Per-pool utilisation (busy seconds over the run), KV transfer times and the TTFT parts,
     in ms (means; p90 for the transfer)."""
-    out: dict[str, Any] = {"kv_link": link.name,
-                           "kv_link_bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
-                           "kv_link_latency_s": link.latency_s}
-    if link.overhead_s:  # (absent without one: the summaries of other links stay as they were)
-        out["kv_link_overhead_s"] = link.overhead_s
-    if link.flow_rate != link.bandwidth_bytes_per_s:  # (likewise)
-        out["kv_link_flow_bandwidth_bytes_per_s"] = link.flow_rate
-    if link.first_touch_s_per_byte:
-        out["kv_link_first_touch_s_per_byte"] = link.first_touch_s_per_byte
-    if link.consumer_step_share != 1.0:
-        out["kv_link_consumer_step_share"] = link.consumer_step_share
+    # the link's own fields, those at their defaults left out (LinkSpec.to_dict)
+    out: dict[str, Any] = {"kv_link": link.name, **{
+        f"kv_link_{key}": value for key, value in link.to_dict().items()
+        if key not in ("name", "source")}}
     for name, pool in (("prefill", fleet.prefill), ("decode", fleet.decode)):
         out[f"{name}_instances"] = len(pool)
         out[f"{name}_utilization"] = (statistics.fmean(i.busy_s for i in pool) / duration

@@ -117,14 +117,15 @@ def test_copying_steps_are_accepted_whole():
     assert model.num_proposed("r", 20, 2) == 2  # never more than asked
 
 
-def test_the_schedulers_record_of_a_chained_twin_fits_back_to_its_chain():
+def _drive(model: AcceptanceModel, max_tokens: int) -> tuple[list[Request], DraftRecorder]:
+    """300 requests through the shared scheduler at k = 4 on the twin's tokens drawn from
+    ``model``, every step recorded as the real engine records it."""
     config = SchedulerConfig(num_gpu_blocks=4096, block_size=16, max_num_seqs=64,
                              max_num_batched_tokens=4096, max_model_len=512,
                              num_speculative_tokens=4)
     sched = Scheduler(config, get_policy("fcfs"), speculation=FixedSpeculation(4))
-    backend, recorder = SyntheticTokens(AcceptanceModel((0.3,), seed=4, chain=CHAIN)), \
-        DraftRecorder()
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    backend, recorder = SyntheticTokens(model), DraftRecorder()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = [Request(f"r{i}", [7] * 16, params, 0.0) for i in range(300)]
     for request in requests:
         sched.add_request(request)
@@ -135,6 +136,11 @@ def test_the_schedulers_record_of_a_chained_twin_fits_back_to_its_chain():
         now += 0.01
         sched.update_from_output(out, result, now)
         recorder.on_step(out, 0.01, 0.01)
+    return requests, recorder
+
+
+def test_the_schedulers_record_of_a_chained_twin_fits_back_to_its_chain():
+    requests, recorder = _drive(AcceptanceModel((0.3,), seed=4, chain=CHAIN), 200)
     for request in requests[:20]:  # the record adds up to the request's counters
         rows = [s for s in recorder.steps if s.request_id == request.request_id]
         assert sum(s.num_drafts > 0 for s in rows) == request.spec_num_drafts
@@ -201,23 +207,8 @@ def test_pooled_draws_find_drafts_at_the_profiles_rate(rate):
     """The twin asks for each proposal at the newest token's position after the rollback: keyed
     by a position rejected drafts had counted, a step after a rejection re-drew the key of the
     one before it, and the twin found drafts a few points below the profile's rate."""
-    config = SchedulerConfig(num_gpu_blocks=4096, block_size=16, max_num_seqs=64,
-                             max_num_batched_tokens=4096, max_model_len=512,
-                             num_speculative_tokens=4)
-    sched = Scheduler(config, get_policy("fcfs"), speculation=FixedSpeculation(4))
-    backend = SyntheticTokens(AcceptanceModel((0.5,), seed=3, proposal_rate=rate,
-                                              mean_draft_length=3.0))
-    recorder = DraftRecorder()
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-    for i in range(300):
-        sched.add_request(Request(f"r{i}", [7] * 16, params, 0.0))
-    now = 0.0
-    while sched.has_unfinished_requests():
-        out = sched.schedule(now)
-        result = backend.execute(out)
-        now += 0.01
-        sched.update_from_output(out, result, now)
-        recorder.on_step(out, 0.01, 0.01)
+    _, recorder = _drive(AcceptanceModel((0.5,), seed=3, proposal_rate=rate,
+                                         mean_draft_length=3.0), 120)
     asked = [s for s in recorder.steps if s.num_asked]
     share = sum(s.num_found > 0 for s in asked) / len(asked)
     assert len(asked) > 10_000

@@ -1,0 +1,183 @@
+"""Verification steps a proposer needs on recorded greedy outputs: a deterministic figure for
+the proposers of ``spec_decode_cpu`` that a loaded host cannot blur.
+
+    python -m twinserve.benchmarks.spec_replay [--outputs /tmp/spec_replay_outputs.json]
+        [--max-tokens 64] [-k 4] [--max-num-speculative-tokens 8] [--prompts 5]
+
+The benchmark's prompts are answered once by the real engine (bf16, no speculation, greedy,
+warmed up as the benchmark warms up) and the outputs cached in ``--outputs`` (reused when the
+file holds the same prompts and max tokens). Each proposer is then replayed without a model:
+after the step that sampled the first output token, every step asks for drafts on the tokens
+so far, accepts the drafts that equal the recorded output's next tokens and appends one token
+more (the model's), exactly as greedy verification does; the figure is the number of those
+steps. With a cap above k the adaptive policy's ceiling is replayed (its per-step rule is
+all-in at batch 1): the ceiling doubles after a verification that accepted all of
+ceiling-many drafts, up to the cap, and a rejection resets it to k. ``oracle`` knows the output
+and copies the longest correct continuation from anywhere in the request's tokens: the bound a
+copying proposer can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from twinserve.core.sampling_params import SamplingParams
+from twinserve.spec_decode.proposer import Proposer
+
+DraftFn = Callable[[str, list[int], int], list[int]]  # (request id, tokens so far, k) -> drafts
+
+
+@dataclass(slots=True)
+class _View:
+    """What a proposer may read of a request (``ProposalRequest``)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling:
+    """The drafts asked for per step: ``k``, raised by doubling up to ``cap`` while every
+    draft of a verification that asked for the ceiling is accepted (the adaptive policy's
+    ceiling)."""
+
+    k: int
+    cap: int
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}.")
+        if self.cap < self.k:
+            raise ValueError(f"cap ({self.cap}) must be >= k ({self.k}).")
+
+    def next(self, ceiling: int, num_drafts: int, num_accepted: int) -> int:
+        if num_accepted < num_drafts:
+            return self.k
+        if num_drafts and num_drafts >= ceiling:
+            return min(self.cap, 2 * num_drafts)
+        return ceiling
+
+
+def replay(draft: DraftFn, request_id: str, prompt: Sequence[int], output: Sequence[int],
+           ceiling: Ceiling) -> int:
+    """The steps after the first output token's that greedy verification of ``draft``'s
+    drafts takes to produce ``output``."""
+    tokens = [*prompt, *output[:1]]
+    pos, steps, k = min(1, len(output)), 0, ceiling.k
+    while pos < len(output):
+        drafts = draft(request_id, list(tokens), min(k, len(output) - pos))
+        accepted = 0
+        while accepted < len(drafts) and pos + accepted < len(output) \
+                and drafts[accepted] == output[pos + accepted]:
+            accepted += 1
+        tokens += output[pos:pos + accepted + 1]
+        pos += accepted + 1
+        steps += 1
+        k = ceiling.next(k, len(drafts), accepted)
+    return steps
+
+
+def proposer_draft(proposer: Proposer, num_prompt_tokens: int) -> DraftFn:
+    """``proposer`` behind the ``DraftFn`` shape, one request at a time."""
+    def draft(request_id: str, tokens: list[int], k: int) -> list[int]:
+        view = _View(request_id, tokens, num_prompt_tokens)
+        return proposer.propose([(view, k)]).get(request_id, [])
+    return draft
+
+
+def oracle_draft(output: Sequence[int], num_prompt_tokens: int) -> DraftFn:
+    """The longest continuation of the tokens so far that equals the output's next tokens,
+    copied from any position of the tokens so far."""
+    def draft(_: str, tokens: list[int], k: int) -> list[int]:
+        pos = len(tokens) - num_prompt_tokens
+        want = list(output[pos:pos + k])
+        best: list[int] = []
+        for start in range(len(tokens)):
+            got = tokens[start:start + len(want)]
+            n = 0
+            while n < len(got) and got[n] == want[n]:
+                n += 1
+            if n > len(best):
+                best = got[:n]
+                if n == len(want):
+                    break
+        return best
+    return draft
+
+
+def count_steps(make: Callable[[], Proposer] | None, prompts: list[list[int]],
+                outputs: list[list[int]], ceiling: Ceiling) -> list[int]:
+    """Steps per prompt for a fresh proposer from ``make`` (None: the oracle), the prompts
+    replayed in order with ``on_finished`` after each, as one engine serves them."""
+    proposer = make() if make is not None else None
+    steps = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        rid = f"r{i}"
+        fn = oracle_draft(output, len(prompt)) if proposer is None \
+            else proposer_draft(proposer, len(prompt))
+        steps.append(replay(fn, rid, prompt, output, ceiling))
+        if proposer is not None:
+            proposer.on_finished([rid])
+    return steps
+
+
+def greedy_outputs(path: Path, max_tokens: int, num_prompts: int) -> tuple[list[list[int]],
+                                                                          list[list[int]]]:
+    """The benchmark's prompts and the real engine's greedy outputs for them (bf16, no
+    speculation), read from ``path`` when it holds the same prompts and max tokens, else
+    generated and written there."""
+    from twinserve.benchmarks.spec_decode_cpu import PROMPTS, _engines, _run
+    texts = PROMPTS[:num_prompts]
+    if path.exists():
+        cached = json.loads(path.read_text())
+        if cached.get("texts") == texts and cached.get("max_tokens") == max_tokens:
+            return cached["prompts"], cached["outputs"]
+    from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
+    engine = _engines(["none"], 1, "fixed", "bfloat16")["none"]
+    prompts = [list(encode_chat(engine.tokenizer, [{"role": "user", "content": text}],
+                                ChatTemplateOptions()).token_ids) for text in texts]
+    _run(engine, prompts[:1], 8)  # the benchmark's warm-up: the same cached prefixes
+    _, outputs = _run(engine, prompts, max_tokens)
+    path.write_text(json.dumps({"texts": texts, "max_tokens": max_tokens, "prompts": prompts,
+                                "outputs": outputs}))
+    return prompts, outputs
+
+
+def _proposers() -> dict[str, Callable[[], Proposer] | None]:
+    from twinserve.spec_decode.ngram import NgramProposer
+    from twinserve.spec_decode.suffix import SuffixProposer
+    return {"ngram": NgramProposer, "suffix": SuffixProposer, "oracle": None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--outputs", type=Path, default=Path("/tmp/spec_replay_outputs.json"))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-num-speculative-tokens", type=int, default=8,
+                   help="the adaptive policy's cap, replayed beside fixed k")
+    p.add_argument("--prompts", type=int, default=5)
+    args = p.parse_args(argv)
+    prompts, outputs = greedy_outputs(args.outputs, args.max_tokens, args.prompts)
+    k, cap = args.num_speculative_tokens, args.max_num_speculative_tokens
+    print(f"{len(prompts)} prompts, {sum(map(len, outputs))} output tokens "
+          f"({', '.join(str(len(o)) for o in outputs)}); steps after each first token")
+    print(f"{'proposer':9} {'k=' + str(k):>24} {'cap ' + str(cap):>24}")
+    for name, make in _proposers().items():
+        fixed = count_steps(make, prompts, outputs, Ceiling(k, k))
+        capped = count_steps(make, prompts, outputs, Ceiling(k, cap))
+        print(f"{name:9} {sum(fixed):5} {str(fixed):>18} {sum(capped):5} {str(capped):>18}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The offline step count of ``benchmarks/spec_replay``: greedy verification replayed without
+a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from twinserve.benchmarks.spec_replay import Ceiling, count_steps, oracle_draft, replay
+from twinserve.spec_decode.ngram import NgramProposer
+
+
+def _never(_: str, tokens: list[int], k: int) -> list[int]:
+    return []
+
+
+def test_replay_counts_one_step_per_token_without_drafts_and_fewer_with_right_ones():
+    prompt, output = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]
+    assert replay(_never, "r", prompt, output, Ceiling(4, 4)) == 7  # after the first token
+    # the oracle copies 4 a step: 2..5, 6..8 plus the model's token each time
+    assert replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(4, 4)) == 2
+    assert replay(_never, "r", prompt, [9], Ceiling(4, 4)) == 0
+
+
+def test_replay_stops_acceptance_at_the_first_wrong_draft():
+    def wrong_second(_: str, tokens: list[int], k: int) -> list[int]:
+        return [tokens[-1] + 1, -1][:k]
+    # each step accepts one draft and adds the model's token: 2 tokens a step
+    assert replay(wrong_second, "r", [0], [1, 2, 3, 4, 5], Ceiling(4, 4)) == 2
+
+
+def test_the_ceiling_doubles_on_full_acceptance_and_resets_on_a_rejection():
+    ceiling = Ceiling(2, 8)
+    assert ceiling.next(2, 2, 2) == 4
+    assert ceiling.next(4, 4, 4) == 8
+    assert ceiling.next(8, 8, 8) == 8
+    assert ceiling.next(8, 8, 3) == 2
+    assert ceiling.next(4, 1, 1) == 4  # fewer drafts than the ceiling: kept
+    output = list(range(1, 40))
+    prompt = [*output, 0]  # a copy of the prompt: every draft of the oracle accepted
+    fixed = replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(2, 2))
+    raised = replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(2, 8))
+    assert fixed == 13  # 38 tokens after the first, 3 a step
+    assert raised == 6  # 3, 5, 9, 9, 9 and the last 3
+
+
+@pytest.mark.parametrize("k, cap", [(0, 4), (4, 3)])
+def test_the_ceiling_refuses_bad_bounds_by_name(k: int, cap: int):
+    with pytest.raises(ValueError, match="k" if k < 1 else "cap"):
+        Ceiling(k, cap)
+
+
+def test_count_steps_replays_each_request_on_one_proposer_and_drops_its_state():
+    source = [10, 11, 12, 13, 14, 15, 16, 17]
+    prompts = [[*source, 5], [*source, 6]]
+    outputs = [[10, 11, 12, 13, 99, 15, 16, 17], [10, 11, 12, 13, 14, 15, 16, 17]]
+    made: list[NgramProposer] = []
+
+    def make() -> NgramProposer:
+        made.append(NgramProposer())
+        return made[-1]
+    ngram = count_steps(make, prompts, outputs, Ceiling(4, 4))
+    oracle = count_steps(None, prompts, outputs, Ceiling(4, 4))
+    assert len(made) == 1 and not made[0]._sources
+    # 99 replaced 14: 11-14 drafted, 3 accepted; then 99 is new, a substitution: 15-17 accepted
+    assert ngram == [2, 2] and oracle == [2, 2]
+    assert count_steps(make, prompts, outputs, Ceiling(1, 1)) == [4, 4]  # 2 tokens a step

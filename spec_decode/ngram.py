@@ -12,7 +12,13 @@ n-gram the chosen one is, in order of preference:
    last copy broke off in the source. A model that edits what it copies (a renamed variable, a
    changed value) resumes copying just past the edit, so an n-gram after the edit is looked
    for there first;
-3. the latest.
+3. the one whose next token follows the most occurrences of the n-gram (a vote: the
+   continuation the request repeats);
+4. the latest.
+
+When the request's last token occurs nowhere before it (a word the output put in place of
+one of its source's), the lookup is of the tokens before it, and the drafts skip the one token
+after the chosen occurrence: the replaced one. (``match`` returns that with a match of 0.)
 
 Continuation: the proposer remembers, per request, where in its tokens its last drafts were
 copied from. When the tokens appended since (accepted drafts and the model's own token) are
@@ -28,6 +34,7 @@ few integers), dropped by ``on_finished``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -124,17 +131,30 @@ class NgramProposer:
     def match(self, tokens: list[int], anchor: int | None = None) -> tuple[int, int, bool] | None:
         """The chosen occurrence of the longest suffix of ``tokens`` (``prompt_lookup_min`` to
         ``prompt_lookup_max`` long) that occurs earlier: the index of the token after it, how
-        far back it matches and whether it lies near ``anchor``; None when none occurs."""
+        far back it matches and whether it lies near ``anchor``. When the last token occurs
+        nowhere before, the suffix before it is looked up instead and the index is one further
+        (a substitution: the new token replaced the source's next one), matching 0 tokens back;
+        None when neither occurs."""
         total = len(tokens)
+        found = self._longest(tokens, total, anchor)
+        if found is not None or total < 3 or _occurs(tokens, tokens[-1], total - 1):
+            return found
+        before = self._longest(tokens, total - 1, anchor)
+        if before is None or before[0] + 1 >= total - 1:
+            return None
+        return before[0] + 1, 0, False
+
+    def _longest(self, tokens: list[int], total: int, anchor: int | None) -> tuple[int, int, bool] | None:
+        """``match`` on ``tokens[:total]`` without the substitution fallback."""
         if total < 2:
             return None
-        ends = _occurrences(tokens, tokens[-1], total - 1)  # of the last token, latest first
+        ends = _occurrences(tokens, tokens[total - 1], total - 1)  # of the last token, latest first
         for n in range(min(self.prompt_lookup_max, total - 1), self.prompt_lookup_min - 1, -1):
-            pattern = tokens[total - n:]
+            pattern = tokens[total - n:total]
             hits = [end for end in ends if end >= n - 1 and tokens[end - n + 1:end + 1] == pattern]
             if hits:
                 longest = self.max_match if n == self.prompt_lookup_max else n
-                end, length, near = _best(tokens, hits, n, longest, anchor)
+                end, length, near = _best(tokens, total, hits, n, longest, anchor)
                 return end + 1, length, near
         return None
 
@@ -153,23 +173,34 @@ def _occurrences(tokens: list[int], token: int, stop: int) -> list[int]:
     return found
 
 
-def _best(tokens: list[int], hits: list[int], n: int, longest: int,
+def _occurs(tokens: list[int], token: int, stop: int) -> bool:
+    try:
+        tokens.index(token, 0, stop)
+    except ValueError:
+        return False
+    return True
+
+
+def _best(tokens: list[int], total: int, hits: list[int], n: int, longest: int,
           anchor: int | None) -> tuple[int, int, bool]:
-    """The preferred of ``hits`` (ends of occurrences of the last ``n`` tokens, latest first):
-    longest match back (up to ``longest`` tokens), then nearest at or after ``anchor``, then
-    latest. Returns its end, its match length and whether it is near ``anchor``."""
-    def rank(end: int) -> tuple[int, int, int]:
+    """The preferred of ``hits`` (ends of occurrences of the last ``n`` of ``tokens[:total]``,
+    latest first): longest match back (up to ``longest`` tokens), then nearest at or after
+    ``anchor``, then the one whose next token follows the most hits (a vote), then latest.
+    Returns its end, its match length and whether it is near ``anchor``."""
+    votes = Counter(tokens[end + 1] for end in hits)  # every hit ends before the last token
+
+    def rank(end: int) -> tuple[int, int, int, int]:
         near = anchor is not None and 0 <= end - anchor <= ANCHOR_WINDOW
-        return _match_back(tokens, end, n, longest), -(end - anchor) if near else -ANCHOR_WINDOW - 1, end  # type: ignore[operator]
+        closeness = -(end - anchor) if near else -ANCHOR_WINDOW - 1  # type: ignore[operator]
+        return _match_back(tokens, total - 1, end, n, longest), closeness, votes[tokens[end + 1]], end
     end = max(hits, key=rank)
-    length, closeness, _ = rank(end)
+    length, closeness, _, _ = rank(end)
     return end, length, closeness >= -ANCHOR_WINDOW
 
 
-def _match_back(tokens: list[int], end: int, n: int, longest: int) -> int:
-    """How many tokens ending at ``end`` equal those ending at the last token (at least ``n``,
-    known to match; at most ``longest``)."""
-    last = len(tokens) - 1
+def _match_back(tokens: list[int], last: int, end: int, n: int, longest: int) -> int:
+    """How many tokens ending at ``end`` equal those ending at ``last`` (at least ``n``, known
+    to match; at most ``longest``)."""
     length = n
     while length < longest and end - length >= 0 and tokens[end - length] == tokens[last - length]:
         length += 1

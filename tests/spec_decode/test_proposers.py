@@ -73,6 +73,31 @@ def test_ngram_resumes_a_copy_after_an_edit_where_it_broke_off():
     assert steps == [[11, 12, 13, 14], [16, 17, 18, 19], [16, 17, 18, 19]]
 
 
+def test_ngram_breaks_ties_by_a_vote_among_occurrences():
+    # "5" occurs three times, each matching 1 back; two are followed by 6, the latest by 8
+    tokens = [1, 5, 6, 2, 5, 6, 3, 5, 8, 4, 5]
+    assert NgramProposer(1, 1).lookup(tokens, 2) == [6, 3]  # the later of the two 6s
+    # a tied vote goes to the latest
+    assert NgramProposer(1, 1).lookup([1, 5, 6, 2, 5, 8, 4, 5], 2) == [8, 4]
+    # a longer match back ("4 5") still outranks the vote
+    assert NgramProposer(1, 1).lookup([1, 5, 6, 2, 5, 6, 4, 5, 8, 4, 5], 2) == [8, 4]
+
+
+def test_ngram_takes_a_new_token_for_a_substitution_of_the_next_source_token():
+    ngram = NgramProposer(1, 4)
+    source = [10, 11, 12, 13, 14, 15]
+    # 99 occurs nowhere before: it replaced 13 after "11 12", so the drafts resume at 14
+    assert ngram.match([*source, 7, 11, 12, 99]) == (4, 0, False)
+    assert ngram.lookup([*source, 7, 11, 12, 99], 3) == [14, 15, 7]
+    assert ngram.lookup([10, 11, 12, 10, 99], 3) == [12, 10, 99]
+    # the token it would skip to is the new one itself: nothing to draft
+    assert ngram.lookup([10, 10, 99], 3) == []
+    # a token seen before is looked up as itself (no substitution), below the minimum too
+    assert NgramProposer(2, 4).lookup([*source, 7, 12], 3) == []
+    steps = _steps(NgramProposer(1, 4), [*source, 7], [10, 11, 12, 99, 14, 15], 4)
+    assert steps == [[11, 12, 13, 14], [14, 15, 7, 10]]  # the copy resumes past the substitution
+
+
 def test_ngram_proposes_at_most_the_number_wanted_and_none_for_zero():
     ngram = NgramProposer(1, 4)
     request = _request("a", [5, 6, 7, 8, 5, 6], [7])

@@ -136,19 +136,22 @@ class NgramProposer:
         (a substitution: the new token replaced the source's next one), matching 0 tokens back;
         None when neither occurs."""
         total = len(tokens)
-        found = self._longest(tokens, total, anchor)
-        if found is not None or total < 3 or _occurs(tokens, tokens[-1], total - 1):
-            return found
-        before = self._longest(tokens, total - 1, anchor)
+        if total < 2:
+            return None
+        ends = _occurrences(tokens, tokens[-1], total - 1)  # of the last token, latest first
+        if ends:
+            return self._longest(tokens, total, ends, anchor)
+        if total < 3:
+            return None
+        before = self._longest(tokens, total - 1, _occurrences(tokens, tokens[-2], total - 2), anchor)
         if before is None or before[0] + 1 >= total - 1:
             return None
         return before[0] + 1, 0, False
 
-    def _longest(self, tokens: list[int], total: int, anchor: int | None) -> tuple[int, int, bool] | None:
-        """``match`` on ``tokens[:total]`` without the substitution fallback."""
-        if total < 2:
-            return None
-        ends = _occurrences(tokens, tokens[total - 1], total - 1)  # of the last token, latest first
+    def _longest(self, tokens: list[int], total: int, ends: list[int],
+                 anchor: int | None) -> tuple[int, int, bool] | None:
+        """``match`` on ``tokens[:total]``, whose last token occurs at ``ends``, without the
+        substitution fallback."""
         for n in range(min(self.prompt_lookup_max, total - 1), self.prompt_lookup_min - 1, -1):
             pattern = tokens[total - n:total]
             hits = [end for end in ends if end >= n - 1 and tokens[end - n + 1:end + 1] == pattern]
@@ -173,29 +176,24 @@ def _occurrences(tokens: list[int], token: int, stop: int) -> list[int]:
     return found
 
 
-def _occurs(tokens: list[int], token: int, stop: int) -> bool:
-    try:
-        tokens.index(token, 0, stop)
-    except ValueError:
-        return False
-    return True
-
-
 def _best(tokens: list[int], total: int, hits: list[int], n: int, longest: int,
           anchor: int | None) -> tuple[int, int, bool]:
     """The preferred of ``hits`` (ends of occurrences of the last ``n`` of ``tokens[:total]``,
     latest first): longest match back (up to ``longest`` tokens), then nearest at or after
     ``anchor``, then the one whose next token follows the most hits (a vote), then latest.
     Returns its end, its match length and whether it is near ``anchor``."""
-    votes = Counter(tokens[end + 1] for end in hits)  # every hit ends before the last token
-
-    def rank(end: int) -> tuple[int, int, int, int]:
+    def rank(end: int) -> tuple[int, int]:
         near = anchor is not None and 0 <= end - anchor <= ANCHOR_WINDOW
         closeness = -(end - anchor) if near else -ANCHOR_WINDOW - 1  # type: ignore[operator]
-        return _match_back(tokens, total - 1, end, n, longest), closeness, votes[tokens[end + 1]], end
-    end = max(hits, key=rank)
-    length, closeness, _, _ = rank(end)
-    return end, length, closeness >= -ANCHOR_WINDOW
+        return _match_back(tokens, total - 1, end, n, longest), closeness
+    ranks = [rank(end) for end in hits]
+    top = max(ranks)
+    tied = [end for end, r in zip(hits, ranks, strict=True) if r == top]
+    end = tied[0]
+    if len(tied) > 1:  # the vote, counted only when needed: every hit ends before the last token
+        votes = Counter(tokens[hit + 1] for hit in hits)
+        end = max(tied, key=lambda hit: (votes[tokens[hit + 1]], hit))
+    return end, top[0], top[1] >= -ANCHOR_WINDOW
 
 
 def _match_back(tokens: list[int], last: int, end: int, n: int, longest: int) -> int:

@@ -14,7 +14,9 @@ steps. With a cap above k the adaptive policy's ceiling is replayed (its per-ste
 all-in at batch 1): the ceiling doubles after a verification that accepted all of
 ceiling-many drafts, up to the cap, and a rejection resets it to k. ``oracle`` knows the output
 and copies the longest correct continuation from anywhere in the request's tokens: the bound a
-copying proposer can reach.
+copying proposer can reach; ``occurrence oracle`` chooses as well but only among the positions
+just after an earlier occurrence of the last token: the bound of ranking a lookup's
+occurrences (without resuming after edits, which it does not see).
 """
 
 from __future__ import annotations
@@ -95,14 +97,17 @@ def proposer_draft(proposer: Proposer, num_prompt_tokens: int) -> DraftFn:
     return draft
 
 
-def oracle_draft(output: Sequence[int], num_prompt_tokens: int) -> DraftFn:
+def oracle_draft(output: Sequence[int], num_prompt_tokens: int, after_last: bool = False) -> DraftFn:
     """The longest continuation of the tokens so far that equals the output's next tokens,
-    copied from any position of the tokens so far."""
+    copied from any position of the tokens so far (``after_last``: from a position just after
+    an earlier occurrence of the last token, the choices a lookup has)."""
     def draft(_: str, tokens: list[int], k: int) -> list[int]:
         pos = len(tokens) - num_prompt_tokens
         want = list(output[pos:pos + k])
         best: list[int] = []
-        for start in range(len(tokens)):
+        for start in range(1, len(tokens)) if after_last else range(len(tokens)):
+            if after_last and tokens[start - 1] != tokens[-1]:
+                continue
             got = tokens[start:start + len(want)]
             n = 0
             while n < len(got) and got[n] == want[n]:
@@ -115,15 +120,18 @@ def oracle_draft(output: Sequence[int], num_prompt_tokens: int) -> DraftFn:
     return draft
 
 
-def count_steps(make: Callable[[], Proposer] | None, prompts: list[list[int]],
+def count_steps(make: Callable[[], Proposer] | str, prompts: list[list[int]],
                 outputs: list[list[int]], ceiling: Ceiling) -> list[int]:
-    """Steps per prompt for a fresh proposer from ``make`` (None: the oracle), the prompts
-    replayed in order with ``on_finished`` after each, as one engine serves them."""
-    proposer = make() if make is not None else None
+    """Steps per prompt for a fresh proposer from ``make`` (or ``"oracle"``, ``"occurrence
+    oracle"``: ``oracle_draft`` anywhere, after the last token), the prompts replayed in order
+    with ``on_finished`` after each, as one engine serves them."""
+    if isinstance(make, str) and make not in ("oracle", "occurrence oracle"):
+        raise ValueError(f"make must be a proposer factory or an oracle's name, got {make!r}.")
+    proposer = None if isinstance(make, str) else make()
     steps = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         rid = f"r{i}"
-        fn = oracle_draft(output, len(prompt)) if proposer is None \
+        fn = oracle_draft(output, len(prompt), make == "occurrence oracle") if proposer is None \
             else proposer_draft(proposer, len(prompt))
         steps.append(replay(fn, rid, prompt, output, ceiling))
         if proposer is not None:
@@ -153,10 +161,11 @@ def greedy_outputs(path: Path, max_tokens: int, num_prompts: int) -> tuple[list[
     return prompts, outputs
 
 
-def _proposers() -> dict[str, Callable[[], Proposer] | None]:
+def _proposers() -> dict[str, Callable[[], Proposer] | str]:
     from twinserve.spec_decode.ngram import NgramProposer
     from twinserve.spec_decode.suffix import SuffixProposer
-    return {"ngram": NgramProposer, "suffix": SuffixProposer, "oracle": None}
+    return {"ngram": NgramProposer, "suffix": SuffixProposer, "occurrence oracle": "occurrence oracle",
+            "oracle": "oracle"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,11 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     k, cap = args.num_speculative_tokens, args.max_num_speculative_tokens
     print(f"{len(prompts)} prompts, {sum(map(len, outputs))} output tokens "
           f"({', '.join(str(len(o)) for o in outputs)}); steps after each first token")
-    print(f"{'proposer':9} {'k=' + str(k):>24} {'cap ' + str(cap):>24}")
+    print(f"{'proposer':17} {'k=' + str(k):>24} {'cap ' + str(cap):>24}")
     for name, make in _proposers().items():
         fixed = count_steps(make, prompts, outputs, Ceiling(k, k))
         capped = count_steps(make, prompts, outputs, Ceiling(k, cap))
-        print(f"{name:9} {sum(fixed):5} {str(fixed):>18} {sum(capped):5} {str(capped):>18}")
+        print(f"{name:17} {sum(fixed):5} {str(fixed):>18} {sum(capped):5} {str(capped):>18}")
 
 
 if __name__ == "__main__":

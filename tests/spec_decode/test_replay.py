@@ -59,8 +59,22 @@ def test_count_steps_replays_each_request_on_one_proposer_and_drops_its_state():
         made.append(NgramProposer())
         return made[-1]
     ngram = count_steps(make, prompts, outputs, Ceiling(4, 4))
-    oracle = count_steps(None, prompts, outputs, Ceiling(4, 4))
+    oracle = count_steps("oracle", prompts, outputs, Ceiling(4, 4))
     assert len(made) == 1 and not made[0]._sources
     # 99 replaced 14: 11-14 drafted, 3 accepted; then 99 is new, a substitution: 15-17 accepted
     assert ngram == [2, 2] and oracle == [2, 2]
     assert count_steps(make, prompts, outputs, Ceiling(1, 1)) == [4, 4]  # 2 tokens a step
+
+
+def test_the_occurrence_oracle_copies_only_after_an_earlier_last_token():
+    prompt, output = [1, 2, 3, 9, 7, 8, 5], [9, 7, 8, 4]
+    anywhere = oracle_draft(output, len(prompt))
+    after_last = oracle_draft(output, len(prompt), after_last=True)
+    # after "9" the output wants "7 8 4": both find "7 8" after the earlier 9
+    assert anywhere("r", [*prompt, 9], 3) == after_last("r", [*prompt, 9], 3) == [7, 8]
+    # after "5" (seen nowhere before): "7 8" still lies in the tokens, but not after a 5
+    assert anywhere("r", [*prompt, 9, 7, 8], 3) == after_last("r", [*prompt, 9, 7, 8], 3) == []
+    assert oracle_draft([5, 7, 8], 3)("r", [1, 7, 8, 5], 2) == [7, 8]
+    assert oracle_draft([5, 7, 8], 3, after_last=True)("r", [1, 7, 8, 5], 2) == []
+    with pytest.raises(ValueError, match="make"):
+        count_steps("wizard", [[1]], [[1]], Ceiling(4, 4))

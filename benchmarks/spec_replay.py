@@ -70,12 +70,20 @@ class Ceiling:
         return ceiling
 
 
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """``steps`` after the first output token's; ``verifying``: those that had drafts to
+    verify (dearer than a decode: ``verify/decode`` in ``spec_decode_cpu``)."""
+
+    steps: int
+    verifying: int
+
+
 def replay(draft: DraftFn, request_id: str, prompt: Sequence[int], output: Sequence[int],
-           ceiling: Ceiling) -> int:
-    """The steps after the first output token's that greedy verification of ``draft``'s
-    drafts takes to produce ``output``."""
+           ceiling: Ceiling) -> Replayed:
+    """The steps that greedy verification of ``draft``'s drafts takes to produce ``output``."""
     tokens = [*prompt, *output[:1]]
-    pos, steps, k = min(1, len(output)), 0, ceiling.k
+    pos, steps, verifying, k = min(1, len(output)), 0, 0, ceiling.k
     while pos < len(output):
         drafts = draft(request_id, list(tokens), min(k, len(output) - pos))
         accepted = 0
@@ -85,8 +93,9 @@ def replay(draft: DraftFn, request_id: str, prompt: Sequence[int], output: Seque
         tokens += output[pos:pos + accepted + 1]
         pos += accepted + 1
         steps += 1
+        verifying += bool(drafts)
         k = ceiling.next(k, len(drafts), accepted)
-    return steps
+    return Replayed(steps, verifying)
 
 
 def proposer_draft(proposer: Proposer, num_prompt_tokens: int) -> DraftFn:
@@ -121,7 +130,7 @@ def oracle_draft(output: Sequence[int], num_prompt_tokens: int, after_last: bool
 
 
 def count_steps(make: Callable[[], Proposer] | str, prompts: list[list[int]],
-                outputs: list[list[int]], ceiling: Ceiling) -> list[int]:
+                outputs: list[list[int]], ceiling: Ceiling) -> list[Replayed]:
     """Steps per prompt for a fresh proposer from ``make`` (or ``"oracle"``, ``"occurrence
     oracle"``: ``oracle_draft`` anywhere, after the last token), the prompts replayed in order
     with ``on_finished`` after each, as one engine serves them."""
@@ -181,11 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     k, cap = args.num_speculative_tokens, args.max_num_speculative_tokens
     print(f"{len(prompts)} prompts, {sum(map(len, outputs))} output tokens "
           f"({', '.join(str(len(o)) for o in outputs)}); steps after each first token")
-    print(f"{'proposer':17} {'k=' + str(k):>24} {'cap ' + str(cap):>24}")
+    print(f"{'proposer':17} {'k=' + str(k):>36} {'cap ' + str(cap):>36}")
     for name, make in _proposers().items():
-        fixed = count_steps(make, prompts, outputs, Ceiling(k, k))
-        capped = count_steps(make, prompts, outputs, Ceiling(k, cap))
-        print(f"{name:17} {sum(fixed):5} {str(fixed):>18} {sum(capped):5} {str(capped):>18}")
+        print(f"{name:17}" + "".join(_summary(count_steps(make, prompts, outputs, ceiling))
+                                      for ceiling in (Ceiling(k, k), Ceiling(k, cap))))
+    print("steps (those that verified drafts) [steps per prompt]")
+
+
+def _summary(counts: list[Replayed]) -> str:
+    steps = [c.steps for c in counts]
+    return f" {sum(steps):5} ({sum(c.verifying for c in counts):3}) {str(steps):>24}"
 
 
 if __name__ == "__main__":

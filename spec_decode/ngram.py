@@ -18,7 +18,10 @@ n-gram the chosen one is, in order of preference:
 
 When the request's last token occurs nowhere before it (a word the output put in place of
 one of its source's), the lookup is of the tokens before it, and the drafts skip the one token
-after the chosen occurrence: the replaced one. (``match`` returns that with a match of 0.)
+after the chosen occurrence: the replaced one (``match`` returns that with a match of 0).
+Only where those tokens match ``SUBSTITUTION_RUN`` tokens back (a copy in progress): a new
+word in new prose would otherwise draft tokens that are rarely accepted and make the
+verification dearer than a decode.
 
 Continuation: the proposer remembers, per request, where in its tokens its last drafts were
 copied from. When the tokens appended since (accepted drafts and the model's own token) are
@@ -44,6 +47,7 @@ MAX_MATCH = 256  # default of how far back a match is extended to rank occurrenc
 ANCHOR_WINDOW = 16  # occurrences ending this far past the anchor count as "near" it
 RESUME_RUN = 4  # a copy of this many tokens in a row sets the anchor where it breaks off
 MAX_INSERT = 4  # tokens after a break during which the copy may resume at the anchor
+SUBSTITUTION_RUN = 2  # how far the tokens before a new one must match for a substitution
 
 
 @dataclass(slots=True)
@@ -133,8 +137,8 @@ class NgramProposer:
         ``prompt_lookup_max`` long) that occurs earlier: the index of the token after it, how
         far back it matches and whether it lies near ``anchor``. When the last token occurs
         nowhere before, the suffix before it is looked up instead and the index is one further
-        (a substitution: the new token replaced the source's next one), matching 0 tokens back;
-        None when neither occurs."""
+        (a substitution: the new token replaced the source's next one), matching 0 tokens back,
+        if that suffix matches ``SUBSTITUTION_RUN`` tokens back; None otherwise."""
         total = len(tokens)
         if total < 2:
             return None
@@ -144,7 +148,7 @@ class NgramProposer:
         if total < 3:
             return None
         before = self._longest(tokens, total - 1, _occurrences(tokens, tokens[-2], total - 2), anchor)
-        if before is None or before[0] + 1 >= total - 1:
+        if before is None or before[1] < SUBSTITUTION_RUN or before[0] + 1 >= total - 1:
             return None
         return before[0] + 1, 0, False
 

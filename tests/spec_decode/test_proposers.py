@@ -89,9 +89,11 @@ def test_ngram_takes_a_new_token_for_a_substitution_of_the_next_source_token():
     # 99 occurs nowhere before: it replaced 13 after "11 12", so the drafts resume at 14
     assert ngram.match([*source, 7, 11, 12, 99]) == (4, 0, False)
     assert ngram.lookup([*source, 7, 11, 12, 99], 3) == [14, 15, 7]
-    assert ngram.lookup([10, 11, 12, 10, 99], 3) == [12, 10, 99]
+    assert ngram.lookup([10, 11, 12, 7, 10, 11, 99], 3) == [7, 10, 11]
+    # the tokens before it match only 1 back ("10"): no copy in progress, no drafts
+    assert ngram.lookup([10, 11, 12, 10, 99], 3) == []
     # the token it would skip to is the new one itself: nothing to draft
-    assert ngram.lookup([10, 10, 99], 3) == []
+    assert ngram.lookup([7, 7, 7, 99], 3) == []
     # a token seen before is looked up as itself (no substitution), below the minimum too
     assert NgramProposer(2, 4).lookup([*source, 7, 12], 3) == []
     steps = _steps(NgramProposer(1, 4), [*source, 7], [10, 11, 12, 99, 14, 15], 4)

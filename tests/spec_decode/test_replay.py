@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from twinserve.benchmarks.spec_replay import Ceiling, count_steps, oracle_draft, replay
+from twinserve.benchmarks.spec_replay import Ceiling, Replayed, count_steps, oracle_draft, replay
 from twinserve.spec_decode.ngram import NgramProposer
 
 
@@ -15,17 +15,17 @@ def _never(_: str, tokens: list[int], k: int) -> list[int]:
 
 def test_replay_counts_one_step_per_token_without_drafts_and_fewer_with_right_ones():
     prompt, output = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]
-    assert replay(_never, "r", prompt, output, Ceiling(4, 4)) == 7  # after the first token
+    assert replay(_never, "r", prompt, output, Ceiling(4, 4)) == Replayed(7, 0)  # after the first
     # the oracle copies 4 a step: 2..5, 6..8 plus the model's token each time
-    assert replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(4, 4)) == 2
-    assert replay(_never, "r", prompt, [9], Ceiling(4, 4)) == 0
+    assert replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(4, 4)) == Replayed(2, 2)
+    assert replay(_never, "r", prompt, [9], Ceiling(4, 4)) == Replayed(0, 0)
 
 
 def test_replay_stops_acceptance_at_the_first_wrong_draft():
     def wrong_second(_: str, tokens: list[int], k: int) -> list[int]:
         return [tokens[-1] + 1, -1][:k]
     # each step accepts one draft and adds the model's token: 2 tokens a step
-    assert replay(wrong_second, "r", [0], [1, 2, 3, 4, 5], Ceiling(4, 4)) == 2
+    assert replay(wrong_second, "r", [0], [1, 2, 3, 4, 5], Ceiling(4, 4)) == Replayed(2, 2)
 
 
 def test_the_ceiling_doubles_on_full_acceptance_and_resets_on_a_rejection():
@@ -39,8 +39,8 @@ def test_the_ceiling_doubles_on_full_acceptance_and_resets_on_a_rejection():
     prompt = [*output, 0]  # a copy of the prompt: every draft of the oracle accepted
     fixed = replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(2, 2))
     raised = replay(oracle_draft(output, len(prompt)), "r", prompt, output, Ceiling(2, 8))
-    assert fixed == 13  # 38 tokens after the first, 3 a step
-    assert raised == 6  # 3, 5, 9, 9, 9 and the last 3
+    assert fixed.steps == 13  # 38 tokens after the first, 3 a step
+    assert raised.steps == 6  # 3, 5, 9, 9, 9 and the last 3
 
 
 @pytest.mark.parametrize("k, cap", [(0, 4), (4, 3)])
@@ -58,12 +58,12 @@ def test_count_steps_replays_each_request_on_one_proposer_and_drops_its_state():
     def make() -> NgramProposer:
         made.append(NgramProposer())
         return made[-1]
-    ngram = count_steps(make, prompts, outputs, Ceiling(4, 4))
-    oracle = count_steps("oracle", prompts, outputs, Ceiling(4, 4))
+    ngram = [c.steps for c in count_steps(make, prompts, outputs, Ceiling(4, 4))]
+    oracle = [c.steps for c in count_steps("oracle", prompts, outputs, Ceiling(4, 4))]
     assert len(made) == 1 and not made[0]._sources
     # 99 replaced 14: 11-14 drafted, 3 accepted; then 99 is new, a substitution: 15-17 accepted
     assert ngram == [2, 2] and oracle == [2, 2]
-    assert count_steps(make, prompts, outputs, Ceiling(1, 1)) == [4, 4]  # 2 tokens a step
+    assert count_steps(make, prompts, outputs, Ceiling(1, 1)) == [Replayed(4, 4)] * 2  # 2 a step
 
 
 def test_the_occurrence_oracle_copies_only_after_an_earlier_last_token():

@@ -10,9 +10,10 @@ file holds the same prompts and max tokens). Each proposer is then replayed with
 after the step that sampled the first output token, every step asks for drafts on the tokens
 so far, accepts the drafts that equal the recorded output's next tokens and appends one token
 more (the model's), exactly as greedy verification does; the figure is the number of those
-steps. With a cap above k the adaptive policy's ceiling is replayed (its per-step rule is
-all-in at batch 1): the ceiling doubles after a verification that accepted all of
-ceiling-many drafts, up to the cap, and a rejection resets it to k. ``oracle`` knows the output
+steps. With a cap above k the adaptive policy's ceiling is replayed, each step asking for the
+whole ceiling (its rate rule, which can ask for fewer, is left out: it needs step times): the
+ceiling doubles after a verification that accepted all of ceiling-many drafts, up to the cap,
+and a rejection resets it to k. ``oracle`` knows the output
 and copies the longest correct continuation from anywhere in the request's tokens: the bound a
 copying proposer can reach; ``occurrence oracle`` chooses as well but only among the positions
 just after an earlier occurrence of the last token: the bound of ranking a lookup's

@@ -455,11 +455,9 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
                 horizons, bound - sched.num_queued + 1, now, now + duration):
             break  # (past a finish: ``ends`` holds it)
         pending.crossing = len(ends)
-        if now != base:
-            yield timeout(now - base)
         replica.last_step = _last_step(ends, start, replica.last_step)
         replica.step_start = now
-        yield timeout(duration)
+        yield from _wait_crossing(timeout, base, now, duration)
         now = base = now + duration
         ends.append(base)
         horizon = peek()
@@ -482,6 +480,33 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
         return ends[-1], base, horizon
     return (yield from _closing_step(replica, run, start, ends, free_after, base, horizon, peek,
                                      timeout))
+
+
+def _wait_crossing(timeout: Callable[[float], simpy.Timeout], base: float, start: float,
+                   duration: float):
+    """Waits in SimPy for a lazy run's crossing step, from ``start`` to ``start + duration``,
+    SimPy's clock being at ``base``: one event where one addition lands exactly on its end
+    (``_wait_for_step``'s merge), else caught up to ``start`` first.
+
+    The merged event is made at ``base`` rather than ``start``, which moves it only among the
+    events due at the step's end made in between. None is the arrival process's: the horizon,
+    the next arrival, was read at ``base`` and falls after ``start``, and its event was made
+    before. Only another replica's step may end at that very time, and replicas act on one
+    another only through the arrivals' reads, so their order there changes nothing."""
+    end = start + duration
+    if start != base and base + (end - base) == end:
+        yield timeout(end - base)
+        return
+    yield from _wait_crossing_plain(timeout, base, start, duration)
+
+
+def _wait_crossing_plain(timeout: Callable[[float], simpy.Timeout], base: float, start: float,
+                         duration: float):
+    """``_wait_crossing`` as the step-by-step path waits: to ``start``, then for the step (the
+    reference)."""
+    if start != base:
+        yield timeout(start - base)
+    yield timeout(duration)
 
 
 def _room_for_arrivals(horizons: ArrivalHorizons | None, room: int, start: float,

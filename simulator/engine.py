@@ -191,38 +191,38 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
             horizons.read_until = request.arrival_time
         if delay > 0:
             yield env.timeout(delay)
-        if events:  # (none to hand over: no call, as the DP front does)
-            for i, replica in enumerate(replicas):
-                found = _kv_events(replica)
-                if found:
-                    router.on_kv_events(i, found)
-        loads = idle or [_load(r, env.now, usage) for r in replicas]
+        loads = idle or _read(replicas, router, env.now, usage, events)
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
 
 
-def _load(replica: Replica, now: float, usage: bool) -> ReplicaLoad:
-    """The replica's load now, as a front reads it (its run in progress, if it has one);
-    ``kv_usage`` 0.0 unless ``usage`` (``routers.reads_kv_usage``)."""
-    start = replica.step_start
-    elapsed = None if start is None else now - start
-    if replica.pending is not None:
-        return replica.pending.load(elapsed, replica.last_step, usage)
-    s = replica.scheduler
-    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage if usage else 0.0, True,
-                       s.num_prefill_tokens, elapsed, replica.last_step)
-
-
-def _kv_events(replica: Replica) -> list[KVCacheEvent]:
-    """The replica's KV events since the last call, oldest first (its run in progress's
-    evictions so far included)."""
-    events = replica.scheduler.take_kv_events()
-    if replica.held_events:
-        events, replica.held_events = replica.held_events + events, []
-    if replica.pending is not None:
-        events += replica.pending.evictions()
-    return events
+def _read(replicas: Sequence[Replica], router: Router, now: float, usage: bool,
+          events: bool) -> list[ReplicaLoad]:
+    """Every replica read once for an arrival: its KV events since the last read handed to the
+    router where ``events`` (none to hand over: no call, as the DP front does), oldest first,
+    its run in progress's evictions so far included; then its load as a front reads it (from
+    its run in progress, if it has one), ``kv_usage`` 0.0 unless ``usage``
+    (``routers.reads_kv_usage``)."""
+    loads: list[ReplicaLoad] = []
+    for i, replica in enumerate(replicas):
+        sched, pending, start = replica.driver.scheduler, replica.pending, replica.step_start
+        if events:
+            found = sched.take_kv_events()
+            if replica.held_events:
+                found, replica.held_events = replica.held_events + found, []
+            if pending is not None:
+                found += pending.evictions()
+            if found:
+                router.on_kv_events(i, found)
+        elapsed = None if start is None else now - start
+        if pending is not None:
+            loads.append(pending.load(elapsed, replica.last_step, usage))
+        else:
+            loads.append(ReplicaLoad(len(sched.running), sched.num_waiting,
+                                     sched.kv.usage if usage else 0.0, True,
+                                     sched.num_prefill_tokens, elapsed, replica.last_step))
+    return loads
 
 
 def _routed_ahead(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],

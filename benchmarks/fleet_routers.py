@@ -5,8 +5,10 @@
 popularity, Poisson arrivals at 40 req/s): mean and p99 TTFT, mean TPOT and prefix hit rate per
 router, and each replay's CPU time per request against one replica fed a quarter of the requests
 at a quarter of the rate (the same load per replica); then, in alternated rounds, the 4-replica
-replays behind ``--cost-routers`` against that lone replica and against one fed round robin's
-share (the median of the rounds' CPU times, user + sys).
+replays behind ``--cost-routers`` against that lone replica, against one fed every request at a
+quarter of the rate (the same load per replica and the same run size: a replay's cost per request
+grows with its size, all replicas together) and against one fed round robin's share (the median
+of the rounds' CPU times, user + sys).
 
 The user turns and outputs are lognormal around ``--input-len`` and ``--output-len`` with the
 Azure conversation trace's spread (``traces.multi_app``).
@@ -86,31 +88,38 @@ def main() -> None:
     print(_row(f"1 replica at {args.rate / args.replicas:g} req/s", single.summary, lone_wall,
                len(quarter), lone_per_request))
     share = trace[::args.replicas]  # what round robin hands replica 0: its very arrival stream
+    # every request at a quarter of the rate: the same load per replica, the fleet's run size
+    slowed = [replace(tr, arrival_time=tr.arrival_time * args.replicas) for tr in trace]
     cost_routers = args.cost_routers.split(",")
     fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
-    lone, same = [], []  # alternated rounds, the median of each
+    lone, whole, same = [], [], []  # alternated rounds, the median of each
     for _ in range(args.repeats):
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
             fleet[name].append(_cpu_time(cfg, trace)[0])
         lone.append(_cpu_time(lone_cfg, quarter)[0])
+        whole.append(_cpu_time(lone_cfg, slowed)[0])
         same.append(_cpu_time(lone_cfg, share)[0])
     median = statistics.median
-    print(f"\nCPU time per request, median of {args.repeats} alternated rounds; 1 replica fed a "
-          f"quarter of the requests at a quarter of the rate: "
-          f"{1e3 * median(lone) / len(quarter):.3f} ms")
+    lone_ms, whole_ms = median(lone) / len(quarter), median(whole) / len(slowed)
+    print(f"\nCPU time per request, median of {args.repeats} alternated rounds; 1 replica at a "
+          f"quarter of the rate fed a quarter of the requests: {1e3 * lone_ms:.3f} ms, fed all "
+          f"{len(slowed)}: {1e3 * whole_ms:.3f} ms")
     for name, walls in fleet.items():
         per_request = median(walls) / len(trace)
         print(f"- {args.replicas} replicas behind {name}: {1e3 * per_request:.3f} ms, "
-              f"{per_request / (median(lone) / len(quarter)):.2f}x; against 1 replica fed replica "
-              f"0's round-robin share {per_request / (median(same) / len(share)):.2f}x")
+              f"{per_request / lone_ms:.2f}x; {per_request / whole_ms:.2f}x at equal request "
+              f"counts; against 1 replica fed replica 0's round-robin share "
+              f"{per_request / (median(same) / len(share)):.2f}x")
     if args.calls:
-        lone_calls = _calls(lone_cfg, quarter)
-        print(f"\nFunction calls per request; 1 replica at a quarter of the rate: {lone_calls:.0f}")
+        lone_calls, whole_calls = _calls(lone_cfg, quarter), _calls(lone_cfg, slowed)
+        print(f"\nFunction calls per request; 1 replica at a quarter of the rate fed a quarter "
+              f"of the requests: {lone_calls:.0f}, fed all: {whole_calls:.0f}")
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
             calls = _calls(cfg, trace)
-            print(f"- {args.replicas} replicas behind {name}: {calls:.0f}, {calls / lone_calls:.3f}x")
+            print(f"- {args.replicas} replicas behind {name}: {calls:.0f}, {calls / lone_calls:.3f}x; "
+                  f"{calls / whole_calls:.3f}x at equal request counts")
 
 
 def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:

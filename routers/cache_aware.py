@@ -120,8 +120,9 @@ class CacheAwareRouter:
         first hash) until a mask it read changes: a later prompt whose hash at the walk's
         depth is the walk's shares every block before it (a hash covers its whole prefix) and
         reads its matches off the walk, going on hash by hash only past it. Its LRU touch, the
-        matched hashes in order, is logged by its deepest hash and applied before the index
-        changes or is read (``_flush_touches``): only a prefix's last touch decides the order.
+        matched hashes in order, is logged by its deepest hash and applied before a store or a
+        reset, which read the order (``_flush_touches``, not for removals): only a prefix's
+        last touch decides the order.
         ``_matched_blocks_plain`` is the hash-by-hash loop it stands for."""
         hashes = prompt_block_hashes(request, self.block_size)
         if not isinstance(hashes, list):  # a chain made as it is read: the plain loop
@@ -181,13 +182,23 @@ class CacheAwareRouter:
         return depth
 
     def _flush_touches(self) -> None:
-        """Applies the logged LRU touches, each prefix's last, in order."""
+        """Applies the logged LRU touches, each prefix's last, in order.
+
+        Removals are not waited for (``on_kv_events``): taking a hash out moves no other, so a
+        touch applied after it gives the order the touch then the removal would, once the
+        hashes removed meanwhile are skipped."""
         log = self._touched
         if log:
-            touch = self._index.move_to_end
+            index = self._index
+            touch = index.move_to_end
             for hashes, n in log.values():
-                for block_hash in hashes[:n]:
-                    touch(block_hash)
+                try:
+                    for block_hash in hashes[:n]:
+                        touch(block_hash)
+                except KeyError:  # (removed since: touched again from the first, in order)
+                    for block_hash in hashes[:n]:
+                        if block_hash in index:
+                            touch(block_hash)
             log.clear()
 
     def _matched_blocks_plain(self, request: Request, among: Sequence[int]) -> dict[int, int]:
@@ -216,11 +227,12 @@ class CacheAwareRouter:
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         if not events:
             return
-        self._flush_touches()
         bit = 1 << replica
         index, readers = self._index, self._readers
         for event in events:
             if isinstance(event, BlockStored):
+                if self._touched:  # (a store reads the LRU order: the touches before it first)
+                    self._flush_touches()
                 if not readers.keys().isdisjoint(event.block_hashes):
                     self._forget(event.block_hashes)
                 for block_hash in event.block_hashes:

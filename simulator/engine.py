@@ -191,38 +191,38 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
             horizons.read_until = request.arrival_time
         if delay > 0:
             yield env.timeout(delay)
-        if events:  # (none to hand over: no call, as the DP front does)
-            for i, replica in enumerate(replicas):
-                found = _kv_events(replica)
-                if found:
-                    router.on_kv_events(i, found)
-        loads = idle or [_load(r, env.now, usage) for r in replicas]
+        loads = idle or _read(replicas, router, env.now, usage, events)
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
 
 
-def _load(replica: Replica, now: float, usage: bool) -> ReplicaLoad:
-    """The replica's load now, as a front reads it (its run in progress, if it has one);
-    ``kv_usage`` 0.0 unless ``usage`` (``routers.reads_kv_usage``)."""
-    start = replica.step_start
-    elapsed = None if start is None else now - start
-    if replica.pending is not None:
-        return replica.pending.load(elapsed, replica.last_step, usage)
-    s = replica.scheduler
-    return ReplicaLoad(len(s.running), s.num_waiting, s.kv.usage if usage else 0.0, True,
-                       s.num_prefill_tokens, elapsed, replica.last_step)
-
-
-def _kv_events(replica: Replica) -> list[KVCacheEvent]:
-    """The replica's KV events since the last call, oldest first (its run in progress's
-    evictions so far included)."""
-    events = replica.scheduler.take_kv_events()
-    if replica.held_events:
-        events, replica.held_events = replica.held_events + events, []
-    if replica.pending is not None:
-        events += replica.pending.evictions()
-    return events
+def _read(replicas: Sequence[Replica], router: Router, now: float, usage: bool,
+          events: bool) -> list[ReplicaLoad]:
+    """Every replica read once for an arrival: its KV events since the last read handed to the
+    router where ``events`` (none to hand over: no call, as the DP front does), oldest first,
+    its run in progress's evictions so far included; then its load as a front reads it (from
+    its run in progress, if it has one), ``kv_usage`` 0.0 unless ``usage``
+    (``routers.reads_kv_usage``)."""
+    loads: list[ReplicaLoad] = []
+    for i, replica in enumerate(replicas):
+        sched, pending, start = replica.driver.scheduler, replica.pending, replica.step_start
+        if events:
+            found = sched.take_kv_events()
+            if replica.held_events:
+                found, replica.held_events = replica.held_events + found, []
+            if pending is not None:
+                found += pending.evictions()
+            if found:
+                router.on_kv_events(i, found)
+        elapsed = None if start is None else now - start
+        if pending is not None:
+            loads.append(pending.load(elapsed, replica.last_step, usage))
+        else:
+            loads.append(ReplicaLoad(len(sched.running), sched.num_waiting,
+                                     sched.kv.usage if usage else 0.0, True,
+                                     sched.num_prefill_tokens, elapsed, replica.last_step))
+    return loads
 
 
 def _routed_ahead(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
@@ -455,11 +455,9 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
                 horizons, bound - sched.num_queued + 1, now, now + duration):
             break  # (past a finish: ``ends`` holds it)
         pending.crossing = len(ends)
-        if now != base:
-            yield timeout(now - base)
         replica.last_step = _last_step(ends, start, replica.last_step)
         replica.step_start = now
-        yield timeout(duration)
+        yield from _wait_crossing(timeout, base, now, duration)
         now = base = now + duration
         ends.append(base)
         horizon = peek()
@@ -482,6 +480,33 @@ def _lazy_run(replica: Replica, run: DecodeRun, now: float, base: float, horizon
         return ends[-1], base, horizon
     return (yield from _closing_step(replica, run, start, ends, free_after, base, horizon, peek,
                                      timeout))
+
+
+def _wait_crossing(timeout: Callable[[float], simpy.Timeout], base: float, start: float,
+                   duration: float):
+    """Waits in SimPy for a lazy run's crossing step, from ``start`` to ``start + duration``,
+    SimPy's clock being at ``base``: one event where one addition lands exactly on its end
+    (``_wait_for_step``'s merge), else caught up to ``start`` first.
+
+    The merged event is made at ``base`` rather than ``start``, which moves it only among the
+    events due at the step's end made in between. None is the arrival process's: the horizon,
+    the next arrival, was read at ``base`` and falls after ``start``, and its event was made
+    before. Only another replica's step may end at that very time, and replicas act on one
+    another only through the arrivals' reads, so their order there changes nothing."""
+    end = start + duration
+    if start != base and base + (end - base) == end:
+        yield timeout(end - base)
+        return
+    yield from _wait_crossing_plain(timeout, base, start, duration)
+
+
+def _wait_crossing_plain(timeout: Callable[[float], simpy.Timeout], base: float, start: float,
+                         duration: float):
+    """``_wait_crossing`` as the step-by-step path waits: to ``start``, then for the step (the
+    reference)."""
+    if start != base:
+        yield timeout(start - base)
+    yield timeout(duration)
 
 
 def _room_for_arrivals(horizons: ArrivalHorizons | None, room: int, start: float,

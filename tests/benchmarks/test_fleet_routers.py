@@ -18,7 +18,12 @@ def test_fleet_benchmark_prints_every_router_and_the_call_counts(monkeypatch, ca
     out = capsys.readouterr().out
     for name in ("round-robin", "least-outstanding", "prefix-affinity", "cache-aware"):
         assert re.search(rf"^\| {name} \| [\d.]+ ms \|", out, re.M), name
-    calls = dict(re.findall(r"^- 4 replicas behind ([\w-]+): (\d+), [\d.]+x$", out, re.M))
+    calls = dict(re.findall(r"^- 4 replicas behind ([\w-]+): (\d+), [\d.]+x; [\d.]+x at equal "
+                            r"request counts$", out, re.M))
     assert set(calls) == {"round-robin", "cache-aware"}
-    lone = int(re.search(r"quarter of the rate: (\d+)$", out, re.M).group(1))
-    assert lone > 100 and all(int(n) > 100 for n in calls.values())
+    lone, whole = map(int, re.search(r"quarter of the requests: (\d+), fed all: (\d+)$", out,
+                                     re.M).groups())
+    assert lone > 100 and whole > 100 and all(int(n) > 100 for n in calls.values())
+    cpu = re.findall(r"^- 4 replicas behind ([\w-]+): [\d.]+ ms, [\d.]+x; [\d.]+x at equal request "
+                     r"counts; against 1 replica", out, re.M)
+    assert cpu == ["round-robin", "cache-aware"]

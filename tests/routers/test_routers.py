@@ -297,6 +297,27 @@ def _prompts(rng: random.Random) -> list[Request]:
     return requests
 
 
+def test_cache_aware_touches_wait_past_removals_and_skip_the_hashes_removed() -> None:
+    """A removal applies no logged touch (it reads no order); the store after it does, skipping
+    the hashes the removal took out: the LRU order the plain loop's touch-then-remove gives."""
+    fast, plain = CacheAwareRouter(BS), CacheAwareRouter(BS)
+    first, second, third = (_lazy_req(rid, list(range(k, k + 6))) for k, rid in
+                            ((100, "a"), (200, "b"), (300, "c")))
+    a, b, c = (list(prompt_block_hashes(r, BS)) for r in (first, second, third))
+    for router in (fast, plain):
+        router.on_kv_events(0, [BlockStored(a, None, None), BlockStored(b, None, None)])
+    assert fast.matched_blocks(first, [0]) == plain._matched_blocks_plain(first, [0]) == {0: 6}
+    assert fast._touched  # (logged, not applied)
+    for router in (fast, plain):
+        router.on_kv_events(0, [BlockRemoved([a[2]])])
+    assert fast._touched  # a removal waits for no touch
+    for router in (fast, plain):
+        router.on_kv_events(1, [BlockStored(c, None, None)])
+    assert not fast._touched
+    assert list(fast._index.items()) == list(plain._index.items())
+    assert list(fast._index) == [*b, a[0], a[1], *a[3:], *c]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> None:
     """``matched_blocks`` (walks kept until a mask they read changes, LRU touches logged) against the

@@ -12,6 +12,7 @@ from twinserve.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from twinserve.core.scheduler import Scheduler
 from twinserve.simulator import SimConfig, simulate
+from twinserve.simulator import engine as engine_module
 from twinserve.simulator import fleet as fleet_module
 from twinserve.simulator.fleet import PendingRun, strike
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
@@ -100,6 +101,29 @@ def test_a_full_waiting_queue_admits_as_the_reference_does(monkeypatch, router) 
     assert 0 < sum(not r.success for r in reference.records) < len(burst)
     assert [repr(r) for r in fast.records] == [repr(r) for r in reference.records]  # (nan times)
     assert list(fast.steps) == list(reference.steps)
+
+
+@pytest.mark.parametrize("router", ["least-outstanding", "cache-aware"])
+def test_a_crossing_step_waits_in_one_event_with_the_references_results(
+        monkeypatch, workload, router) -> None:
+    """The crossing step's two waits (to its start, then its length) merged into one where
+    SimPy lands on its end: the same results as the two waits, in fewer SimPy events."""
+    cfg = SimConfig(num_replicas=3, router=router, **SMALL)
+    events = [0]
+    step = engine_module.simpy.Environment.step
+
+    def counting_step(self):
+        events[0] += 1
+        return step(self)
+
+    monkeypatch.setattr(engine_module.simpy.Environment, "step", counting_step)
+    fast, fast_events = simulate(cfg, workload), events[0]
+    monkeypatch.setattr(engine_module, "_wait_crossing", engine_module._wait_crossing_plain)
+    events[0] = 0
+    plain = simulate(cfg, workload)
+    assert fast.records == plain.records
+    assert list(fast.steps) == list(plain.steps)
+    assert fast_events < 0.9 * events[0], (fast_events, events[0])
 
 
 def test_free_queue_peek_is_what_popleft_n_would_take() -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from twinserve.core.kv_link import LinkSpec
 from twinserve.gpu.kv_transfer.consumer import Consumer, LoadJob, LoadResult
 from twinserve.gpu.kv_transfer.producer import Producer
 from twinserve.gpu.kv_transfer.region import KVLayout, SharedKVRegion, attach, copy_blocks
@@ -87,16 +88,13 @@ class LinkFit:
         return self.flow_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
 
     def to_kv_link(self) -> dict[str, float]:
-        out = {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
-        if self.overhead_s:
-            out["overhead_s"] = self.overhead_s
-        if self.flow_rate != self.bandwidth_bytes_per_s:
-            out["flow_bandwidth_bytes_per_s"] = self.flow_rate
-        if self.first_touch_s_per_byte:
-            out["first_touch_s_per_byte"] = self.first_touch_s_per_byte
-        if self.consumer_step_share != 1.0:
-            out["consumer_step_share"] = self.consumer_step_share
-        return out
+        """The profile's ``kv_link`` fields (``LinkSpec.to_dict``'s, defaults left out)."""
+        link = LinkSpec("measured", self.bandwidth_bytes_per_s, self.latency_s,
+                        overhead_s=self.overhead_s,
+                        flow_bandwidth_bytes_per_s=self.flow_bandwidth_bytes_per_s,
+                        first_touch_s_per_byte=self.first_touch_s_per_byte,
+                        consumer_step_share=self.consumer_step_share)
+        return {k: v for k, v in link.to_dict().items() if k not in ("name", "source")}
 
     def describe(self) -> str:
         text = (f"{self.flow_rate / 1e9:.2f} GB/s a flow, {self.bandwidth_bytes_per_s / 1e9:.2f} "

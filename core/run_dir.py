@@ -402,9 +402,8 @@ def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
     with open(out / "steps.csv", "w", newline="") as f, \
             open(out / "tenants.csv", "w", newline="") as g:
         ws = csv.writer(f, lineterminator="\n")
-        wt = csv.writer(g, lineterminator="\n")
         ws.writerow(STEP_COLUMNS)
-        wt.writerow(TENANT_COLUMNS)
+        g.write(csv_fields(TENANT_COLUMNS) + "\n")
         log = steps if isinstance(steps, StepLog) else StepLog(steps)
         columns, tenants, odd = log.columns(), log.tenant_tokens(), log.odd()
         # all numbers: the text csv.writer writes, without its per-field quoting checks
@@ -413,7 +412,8 @@ def _write_steps(out: Path, steps: Sequence[StepRecord]) -> None:
         times = columns[0]
         for i in sorted(tenants):
             time, per_tenant = fmt(odd[i].get(0, times[i]) if i in odd else times[i]), tenants[i]
-            wt.writerows([(time, tenant, *per_tenant[tenant]) for tenant in sorted(per_tenant)])
+            g.writelines(csv_fields((time, tenant, *per_tenant[tenant])) + "\n"
+                         for tenant in sorted(per_tenant))
 
 
 def _step_line(row: Sequence) -> str:
@@ -594,16 +594,15 @@ def _write_steps_reference(out: Path, steps: list[StepRecord]) -> None:
     with open(out / "steps.csv", "w", newline="") as f, \
             open(out / "tenants.csv", "w", newline="") as g:
         ws = csv.writer(f, lineterminator="\n")
-        wt = csv.writer(g, lineterminator="\n")
         ws.writerow(STEP_COLUMNS)
-        wt.writerow(TENANT_COLUMNS)
+        g.write(csv_fields(TENANT_COLUMNS) + "\n")
         for s in steps:
             ws.writerow([_fmt(s.time), _fmt(s.duration), s.num_seqs, s.num_prefill_tokens,
                          s.num_decode_tokens, s.num_running, s.num_waiting, f"{s.kv_usage:.6f}",
                          s.num_preempted, s.replica])
             for tenant in sorted(s.tenant_tokens):
                 p, o = s.tenant_tokens[tenant]
-                wt.writerow([_fmt(s.time), tenant, p, o])
+                g.write(csv_fields([_fmt(s.time), tenant, p, o]) + "\n")
 
 
 def _clean(value: Any) -> Any:

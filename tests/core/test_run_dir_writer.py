@@ -192,3 +192,20 @@ def test_fields_with_line_breaks_are_quoted_and_read_back() -> None:
     assert [(row[0], row[1], row[14]) for row in rows] == [
         (r.request_id, r.tenant, r.error or "") for r in records]
     assert rows[0][:14] == [str(v) for v in run_dir._request_row(records[0])][:14]
+
+
+def test_tenant_names_with_line_breaks_are_quoted_in_tenants_csv(tmp_path) -> None:
+    """tenants.csv quotes a tenant holding a carriage return or newline, both writers alike, so
+    every row reads back whole."""
+    from twinserve.core.metrics import StepRecord
+    tenants = {"t\rx": (3, 1), "a\nb": (0, 2), "plain": (1, 1)}
+    steps = [StepRecord(i * 0.01, 0.01, 3, 4, 2, 3, 0, 0.5, 0, tenant_tokens=tenants)
+             for i in range(3)]
+    run_dir._write_steps(tmp_path, steps)
+    fast = (tmp_path / "tenants.csv").read_bytes()
+    run_dir._write_steps_reference(tmp_path, steps)
+    assert fast == (tmp_path / "tenants.csv").read_bytes()
+    with open(tmp_path / "tenants.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert len(rows) == 1 + 3 * len(tenants)
+    assert [row[1] for row in rows[1:4]] == sorted(tenants)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from twinserve.core.draft_record import DRAFTS_FILE, read_drafts
 from twinserve.fidelity.backend import Log
-from twinserve.simulator.acceptance import AcceptanceProfile, CopyChain
+from twinserve.simulator.acceptance import AcceptanceProfile, CopyChain, RequestUnit
 
 ACCEPTANCE_FILE = "acceptance.json"
 
@@ -47,7 +47,9 @@ def record_acceptance(run_dir: Path, workload: str,
         accepted_per_pos=accepted_per_pos, source=str(run_dir))
     drafts_file = run_dir / DRAFTS_FILE
     if drafts_file.is_file():
-        profile = dataclasses.replace(profile, chain=CopyChain.fit(read_drafts(drafts_file)))
+        steps = read_drafts(drafts_file)
+        profile = dataclasses.replace(profile, chain=CopyChain.fit(steps),
+                                      requests=RequestUnit.fit(steps))
     profile.save(run_dir / ACCEPTANCE_FILE)
     return profile
 

@@ -46,6 +46,21 @@ Bursty acceptance, measured (``CopyChain``; profile format version 2):
 - Draws stay counter-based: a request's n-th proposing step copies iff ``u(request, n) < p``
   with the previous state's ``p``, so runs whose policies propose at the same steps see the
   same states; acceptance while searching is drawn per token position as above.
+
+Whole requests, measured (``RequestUnit``; profile format version 3):
+
+- A profile also holds one unit per request of the run's ``drafts.csv``: the output offset
+  where it started copying (by the chain's rule; None where it never did within the ``span``
+  of output its record covers), its copy length, and its searching steps' counts. Where the
+  profile's ``draws`` is ``"requests"``, each twin request draws one unit by its id (a
+  bootstrap of whole requests: finding, acceptance and onset move together, as they do per
+  request) and replays it: searching with the unit's own proposal rate, draft length and one
+  rate fitted to its totals until its onset, counted in output tokens from the request's
+  first proposal, then copying its copy length whole. Past a unit's span it keeps its state.
+- Measured profiles say ``"pooled"``: the units describe their own workload better than pooled
+  draws and another workload worse, since when requests start copying differs between
+  workloads and follows neither the prompt's length nor the output's, so a bootstrap carries
+  the measured workload's onsets over (``docs/speculative-decoding.md``, "Whole requests").
 """
 
 from __future__ import annotations

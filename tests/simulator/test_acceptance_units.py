@@ -87,7 +87,8 @@ def test_the_schedulers_record_of_unit_draws_fits_back_to_the_units():
 
 def test_unit_draws_are_counter_based():
     def draws(order: list[str]) -> dict[str, list[tuple[int, int]]]:
-        model, seen = AcceptanceModel((0.5,), seed=5, units=(FAST, SLOW)), {}
+        model = AcceptanceModel((0.5,), seed=5, units=(FAST, SLOW))
+        seen: dict[str, list[tuple[int, int]]] = {}
         for step in range(40):
             for rid in order:
                 found = model.num_proposed(rid, 10 + 5 * step, 4)

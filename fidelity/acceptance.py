@@ -59,13 +59,14 @@ def twin_acceptance(real_dir: Path, given: Path | None, log: Log) -> AcceptanceP
     if given is not None:
         profile = AcceptanceProfile.load(given)
         log(f"acceptance: given ({given}, measured on {profile.workload or 'an unnamed workload'}"
-            f", mean acceptance length {profile.mean_acceptance_length:.2f})")
+            f", mean acceptance length {profile.mean_acceptance_length:.2f}, {profile.draws} "
+            "draws)")
         return profile
     own = real_dir / ACCEPTANCE_FILE
     spec = json.loads((real_dir / "config.json").read_text()).get("speculative_config") or {}
     if not own.is_file() or spec.get("rejection_sample_method") == "synthetic":
         return None  # no drafts verified, or the config's synthetic rates
     profile = AcceptanceProfile.load(own)
-    log(f"acceptance: measured on this workload ({own}; not held out: pass --acceptance-profile "
-        "to replay the twin with another workload's)")
+    log(f"acceptance: measured on this workload ({own}, {profile.draws} draws; not held out: "
+        "pass --acceptance-profile to replay the twin with another workload's)")
     return profile

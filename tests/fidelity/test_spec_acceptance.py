@@ -57,6 +57,7 @@ def test_twin_replays_the_given_acceptance_before_the_runs_own(tmp_path):
     messages: list[str] = []
     chosen = twin_acceptance(folder, given, messages.append)
     assert chosen is not None and chosen.workload == "rewrites" and "given" in messages[-1]
+    assert "pooled draws" in messages[-1]
     own = twin_acceptance(folder, None, messages.append)
     assert own is not None and own.workload == "code-edits" and "not held out" in messages[-1]
     workload = Workload(tuple(TRACE), {"trace": "synthetic"})

@@ -307,9 +307,11 @@ class RequestUnit:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RequestUnit.{name} must be an integer >= 0, got {value!r}.")
+        if self.span < 1:
+            raise ValueError(f"RequestUnit.span must be an integer >= 1, got {self.span!r}.")
         onset = self.onset
         if onset is not None and (isinstance(onset, bool) or not isinstance(onset, int)
-                                  or not 0 <= onset < max(self.span, 1)):
+                                  or not 0 <= onset < self.span):
             raise ValueError(f"RequestUnit.onset must be None or an integer in [0, span), got "
                              f"{onset!r}.")
         if (onset is None) != (self.copy_length == 0):

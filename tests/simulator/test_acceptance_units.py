@@ -123,9 +123,17 @@ UNIT = FAST.to_dict()
     ({"rates": [0.5], "format_version": 3, "requests": [{**UNIT, "search_accepted": 5}]},
      "search_accepted"),
     ({"rates": [0.5], "format_version": 3, "requests": [{**UNIT, "span": 1.5}]}, "span"),
+    ({"rates": [0.5], "format_version": 3, "requests": [{**UNIT, "span": 0, "onset": None,
+                                                         "copy_length": 0}]}, "span"),
     ({"rates": [0.5], "format_version": 3, "requests": [{**UNIT, "extra": 1}]}, "requests"),
     ({"rates": [0.5], "format_version": 4}, "format_version"),
 ])
 def test_bad_units_are_refused_by_name(data, field):
     with pytest.raises(ValueError, match=field):
         AcceptanceProfile.from_dict(data)
+
+
+def test_a_model_draws_from_a_chain_or_from_units_not_both():
+    from tests.simulator.test_acceptance_chain import CHAIN
+    with pytest.raises(ValueError, match="not both"):
+        AcceptanceModel((0.5,), chain=CHAIN, units=(FAST,))

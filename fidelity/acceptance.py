@@ -19,7 +19,7 @@ from pathlib import Path
 
 from twinserve.core.draft_record import DRAFTS_FILE, read_drafts
 from twinserve.fidelity.backend import Log
-from twinserve.simulator.acceptance import AcceptanceProfile, CopyChain
+from twinserve.simulator.acceptance import AcceptanceProfile, CopyChain, RequestUnit
 
 ACCEPTANCE_FILE = "acceptance.json"
 
@@ -47,7 +47,9 @@ def record_acceptance(run_dir: Path, workload: str,
         accepted_per_pos=accepted_per_pos, source=str(run_dir))
     drafts_file = run_dir / DRAFTS_FILE
     if drafts_file.is_file():
-        profile = dataclasses.replace(profile, chain=CopyChain.fit(read_drafts(drafts_file)))
+        steps = read_drafts(drafts_file)
+        profile = dataclasses.replace(profile, chain=CopyChain.fit(steps),
+                                      requests=RequestUnit.fit(steps))
     profile.save(run_dir / ACCEPTANCE_FILE)
     return profile
 
@@ -57,13 +59,14 @@ def twin_acceptance(real_dir: Path, given: Path | None, log: Log) -> AcceptanceP
     if given is not None:
         profile = AcceptanceProfile.load(given)
         log(f"acceptance: given ({given}, measured on {profile.workload or 'an unnamed workload'}"
-            f", mean acceptance length {profile.mean_acceptance_length:.2f})")
+            f", mean acceptance length {profile.mean_acceptance_length:.2f}, {profile.draws} "
+            "draws)")
         return profile
     own = real_dir / ACCEPTANCE_FILE
     spec = json.loads((real_dir / "config.json").read_text()).get("speculative_config") or {}
     if not own.is_file() or spec.get("rejection_sample_method") == "synthetic":
         return None  # no drafts verified, or the config's synthetic rates
     profile = AcceptanceProfile.load(own)
-    log(f"acceptance: measured on this workload ({own}; not held out: pass --acceptance-profile "
-        "to replay the twin with another workload's)")
+    log(f"acceptance: measured on this workload ({own}, {profile.draws} draws; not held out: "
+        "pass --acceptance-profile to replay the twin with another workload's)")
     return profile

@@ -46,6 +46,21 @@ Bursty acceptance, measured (``CopyChain``; profile format version 2):
 - Draws stay counter-based: a request's n-th proposing step copies iff ``u(request, n) < p``
   with the previous state's ``p``, so runs whose policies propose at the same steps see the
   same states; acceptance while searching is drawn per token position as above.
+
+Whole requests, measured (``RequestUnit``; profile format version 3):
+
+- A profile also holds one unit per request of the run's ``drafts.csv``: the output offset
+  where it started copying (by the chain's rule; None where it never did within the ``span``
+  of output its record covers), its copy length, and its searching steps' counts. Where the
+  profile's ``draws`` is ``"requests"``, each twin request draws one unit by its id (a
+  bootstrap of whole requests: finding, acceptance and onset move together, as they do per
+  request) and replays it: searching with the unit's own proposal rate, draft length and one
+  rate fitted to its totals until its onset, counted in output tokens from the request's
+  first proposal, then copying its copy length whole. Past a unit's span it keeps its state.
+- Measured profiles say ``"pooled"``: the units describe their own workload better than pooled
+  draws and another workload worse, since when requests start copying differs between
+  workloads and follows neither the prompt's length nor the output's, so a bootstrap carries
+  the measured workload's onsets over (``docs/speculative-decoding.md``, "Whole requests").
 """
 
 from __future__ import annotations
@@ -62,10 +77,11 @@ from twinserve.core.draft_record import DraftStep
 from twinserve.core.speculative_config import SpeculativeConfig
 from twinserve.traces.trace_request import stable_seed
 
-PROFILE_FORMAT_VERSION = 2  # 2: the optional ``chain`` and ``draws``
-DRAWS = ("pooled", "chain")
+PROFILE_FORMAT_VERSION = 3  # 2: the optional ``chain`` and ``draws``; 3: ``requests``
+DRAWS = ("pooled", "chain", "requests")
 _MASK64 = (1 << 64) - 1
 _PROPOSAL_SALT, _LENGTH_SALT, _STATE_SALT = 0x5DEECE66D, 0x2545F4914F6CDD1D, 0x632BE59BD9B4E019
+_UNIT_SALT = 0x7F4A7C159E3779B9
 _SPAN = float(1 << 64)
 
 
@@ -201,6 +217,26 @@ class CopyChain:
         return tally.chain(len(by_request))
 
 
+def _proposing_steps(rows: Sequence[DraftStep]
+                     ) -> list[tuple[int, int, DraftStep | None, int]]:
+    """A request's proposing steps whose state is observable, in step order: (position, drafts
+    found, their verification or None, state: 1 copying, 0 searching). A step that found
+    drafts never verified (the request ended) has no state and is left out (module doc)."""
+    seen: list[tuple[int, int, DraftStep | None]] = []
+    for i, row in enumerate(rows):
+        if not row.num_asked:
+            continue
+        verified = rows[i + 1] if i + 1 < len(rows) else None
+        if row.num_found and (verified is None or not verified.num_drafts):
+            continue
+        seen.append((row.position, row.num_found, verified if row.num_found else None))
+    full = [v is not None and v.num_accepted == v.num_drafts for _, _, v in seen]
+    # copying: in a run of two or more full acceptances (a lone one is chance)
+    return [(position, found, verified,
+             int(full[j] and (j > 0 and full[j - 1] or j + 1 < len(full) and full[j + 1])))
+            for j, (position, found, verified) in enumerate(seen)]
+
+
 @dataclass(slots=True)
 class _Tally:
     """Counts over the proposing steps of a run (``CopyChain.fit``)."""
@@ -214,20 +250,8 @@ class _Tally:
     accepted_tokens: int = 0
 
     def add_request(self, rows: list[DraftStep]) -> None:
-        # each proposing step whose state is observable: (drafts found, the verification)
-        seen: list[tuple[int, DraftStep | None]] = []
-        for i, row in enumerate(rows):
-            if not row.num_asked:
-                continue
-            verified = rows[i + 1] if i + 1 < len(rows) else None
-            if row.num_found and (verified is None or not verified.num_drafts):
-                continue  # never verified: no state (module doc)
-            seen.append((row.num_found, verified if row.num_found else None))
-        full = [v is not None and v.num_accepted == v.num_drafts for _, v in seen]
         previous, lengths = 0, Counter[int]()
-        for j, (found, verified) in enumerate(seen):
-            # copying: in a run of two or more full acceptances (a lone one is chance)
-            state = int(full[j] and (j > 0 and full[j - 1] or j + 1 < len(full) and full[j + 1]))
+        for _, found, verified, state in _proposing_steps(rows):
             if state:
                 lengths[found] += 1
             elif verified is not None:
@@ -258,23 +282,119 @@ class _Tally:
             search_rates=(rate,), num_requests=num_requests, num_transitions=ss + sc + cs + cc)
 
 
+_UNIT_COUNTS = ("span", "copy_length", "search_steps", "search_found", "search_found_tokens",
+                "search_verified", "search_accepted")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUnit:
+    """One measured request's speculation, drawn whole by a twin request (module doc): over the
+    ``span`` output tokens its record covers, it searched until output offset ``onset`` (None:
+    it never copied there), then copied ``copy_length`` drafts a step; its searching steps'
+    counts give its own finding and acceptance."""
+
+    span: int
+    onset: int | None
+    copy_length: int
+    search_steps: int
+    search_found: int
+    search_found_tokens: int
+    search_verified: int
+    search_accepted: int
+
+    def __post_init__(self) -> None:
+        for name in _UNIT_COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"RequestUnit.{name} must be an integer >= 0, got {value!r}.")
+        if self.span < 1:
+            raise ValueError(f"RequestUnit.span must be an integer >= 1, got {self.span!r}.")
+        onset = self.onset
+        if onset is not None and (isinstance(onset, bool) or not isinstance(onset, int)
+                                  or not 0 <= onset < self.span):
+            raise ValueError(f"RequestUnit.onset must be None or an integer in [0, span), got "
+                             f"{onset!r}.")
+        if (onset is None) != (self.copy_length == 0):
+            raise ValueError(f"RequestUnit.copy_length must be > 0 exactly when onset is set, got "
+                             f"{self.copy_length!r} with onset {onset!r}.")
+        for part, whole in (("search_found", "search_steps"),
+                            ("search_accepted", "search_verified")):
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(f"RequestUnit.{part} ({getattr(self, part)}) exceeds {whole} "
+                                 f"({getattr(self, whole)}).")
+
+    def draws(self) -> tuple[int | None, int, float, float, float]:
+        """(onset, copy length, proposal rate, draft length, per-position rate) while searching."""
+        found, verified = self.search_found, self.search_verified
+        rate = _one_rate(found, verified, self.search_accepted) if found and verified else 0.0
+        return (self.onset, self.copy_length,
+                found / self.search_steps if self.search_steps else 0.0,
+                max(1.0, self.search_found_tokens / found) if found else 1.0, rate)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RequestUnit:
+        if not isinstance(data, dict) or set(data) != set(cls.__slots__):
+            raise ValueError(f"an acceptance profile's 'requests' entries must be objects with "
+                             f"the keys {list(cls.__slots__)}, got {data!r}.")
+        return cls(**data)
+
+    @classmethod
+    def of(cls, rows: Sequence[DraftStep]) -> RequestUnit | None:
+        """The unit of one request's ``drafts.csv`` rows in step order (None: no rows)."""
+        if not rows:
+            return None
+        base = rows[0].position
+        onset, lengths = None, Counter[int]()
+        steps = found_steps = found_tokens = verified_tokens = accepted = 0
+        for position, found, verified, state in _proposing_steps(rows):
+            if state:
+                onset = position - base if onset is None else onset
+                lengths[found] += 1
+                continue
+            steps += 1
+            if verified is not None:
+                found_steps, found_tokens = found_steps + 1, found_tokens + found
+                verified_tokens += verified.num_drafts
+                accepted += verified.num_accepted
+        copy_length = max(lengths, key=lambda n: (lengths[n], n)) if lengths else 0
+        return cls(max(1, rows[-1].position - base + 1), onset, copy_length, steps, found_steps,
+                   found_tokens, verified_tokens, accepted)
+
+    @classmethod
+    def fit(cls, steps: Sequence[DraftStep]) -> tuple[RequestUnit, ...]:
+        """The units of a run's ``drafts.csv`` rows, in the order of the requests' first rows."""
+        by_request: dict[str, list[DraftStep]] = {}
+        for step in steps:
+            by_request.setdefault(step.request_id, []).append(step)
+        return tuple(u for rows in by_request.values() if (u := cls.of(rows)) is not None)
+
+
 class AcceptanceModel:
     """Per-position conditional acceptance rates and seeded, counter-based draws (module doc);
     with a ``CopyChain``, each request's steps follow it instead of the pooled rates."""
 
-    __slots__ = ("rates", "seed", "proposal_rate", "mean_draft_length", "chain", "_keys",
-                 "_chain_state")
+    __slots__ = ("rates", "seed", "proposal_rate", "mean_draft_length", "chain", "units",
+                 "_keys", "_chain_state", "_unit_state")
 
     def __init__(self, rates: Sequence[float], seed: int = 0, proposal_rate: float = 1.0,
-                 mean_draft_length: float = 0.0, chain: CopyChain | None = None) -> None:
+                 mean_draft_length: float = 0.0, chain: CopyChain | None = None,
+                 units: Sequence[RequestUnit] = ()) -> None:
         self.rates = _check_rates(rates, "acceptance rates")
         _check_proposals(proposal_rate, mean_draft_length)
+        if chain is not None and units:
+            raise ValueError("an AcceptanceModel draws from a chain or from units, not both.")
         self.seed = seed
         self.proposal_rate, self.mean_draft_length = float(proposal_rate), float(mean_draft_length)
         self.chain = chain
+        self.units = tuple(u.draws() for u in units)  # each unit's parameters, computed once
         self._keys: dict[str, int] = {}  # request id -> its draw key (dropped with the request)
         # with a chain: request id -> (copying, proposing steps so far)
         self._chain_state: dict[str, tuple[bool, int]] = {}
+        # with units: request id -> [its unit, its first proposal's position, copying, steps]
+        self._unit_state: dict[str, list[int]] = {}
 
     @classmethod
     def of(cls, spec: SpeculativeConfig | None, seed: int = 0,
@@ -285,7 +405,8 @@ class AcceptanceModel:
             return None
         if profile is not None:
             return cls(profile.rates, seed, profile.proposal_rate, profile.mean_draft_length,
-                       profile.chain if profile.draws == "chain" else None)
+                       profile.chain if profile.draws == "chain" else None,
+                       profile.requests if profile.draws == "requests" else ())
         if not spec.acceptance_rates:
             raise ValueError("the twin needs the drafts' acceptance: speculative_config."
                              "synthetic_acceptance_rate (with rejection_sample_method "
@@ -310,6 +431,8 @@ class AcceptanceModel:
         ``wanted``. With a chain: its state's (``CopyChain``)."""
         if self.chain is not None:
             return self._chain_proposed(request_id, position, wanted, self.chain)
+        if self.units:
+            return self._unit_proposed(request_id, position, wanted)
         if self.proposal_rate >= 1.0 and not self.mean_draft_length:
             return wanted
         key = self._key(request_id) ^ _PROPOSAL_SALT
@@ -334,6 +457,24 @@ class AcceptanceModel:
             return 0
         return min(wanted, _length(chain.search_draft_length, key, step))
 
+    def _unit_proposed(self, request_id: str, position: int, wanted: int) -> int:
+        # keyed by the request's proposing step, as the chain's (``_chain_proposed``); the onset
+        # is counted in output tokens from the request's first proposal, as it was measured
+        key = self._key(request_id) ^ _PROPOSAL_SALT
+        state = self._unit_state.get(request_id)
+        if state is None:
+            unit = min(int(_uniform(key ^ _UNIT_SALT, 0) * len(self.units)), len(self.units) - 1)
+            state = self._unit_state[request_id] = [unit, position, 0, 0]
+        onset, copy_length, proposal_rate, draft_length, _ = self.units[state[0]]
+        step = state[3]
+        state[2] = int(onset is not None and position - state[1] >= onset)
+        state[3] = step + 1
+        if state[2]:
+            return min(wanted, copy_length)
+        if _uniform(key, step) >= proposal_rate:
+            return 0
+        return min(wanted, _length(draft_length, key, step))
+
     def num_accepted(self, request_id: str, position: int, num_drafts: int) -> int:
         """Accepted drafts of a verification of ``num_drafts`` whose first draft stands at
         token ``position`` of request ``request_id`` (all of them while the chain copies)."""
@@ -341,6 +482,11 @@ class AcceptanceModel:
         if chain is not None and self._chain_state.get(request_id, (False, 0))[0]:
             return num_drafts
         rates = self.rates if chain is None else chain.search_rates
+        if self.units:
+            state = self._unit_state.get(request_id)
+            if state is not None and state[2]:
+                return num_drafts
+            rates = (self.units[state[0]][4],) if state is not None else rates
         last = len(rates) - 1
         key = self._key(request_id)
         for j in range(num_drafts):
@@ -351,6 +497,7 @@ class AcceptanceModel:
     def release(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
         self._chain_state.pop(request_id, None)
+        self._unit_state.pop(request_id, None)
 
     def expected_accepted(self, num_drafts: int) -> float:
         """Mean accepted drafts of a verification of ``num_drafts``."""
@@ -375,7 +522,8 @@ class AcceptanceProfile:
     proposal_rate: float = 1.0  # share of draft requests the proposer found drafts for
     mean_draft_length: float = 0.0  # drafts per proposal (0: as many as asked)
     chain: CopyChain | None = None  # measured from a run's drafts.csv (format version 2)
-    draws: str = "pooled"  # what the twin draws from: "pooled" (the fields above) or "chain"
+    draws: str = "pooled"  # what the twin draws from: "pooled" (the fields above), "chain", "requests"
+    requests: tuple[RequestUnit, ...] = ()  # each request of a run's drafts.csv (version 3)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rates", _check_rates(self.rates, "AcceptanceProfile.rates"))
@@ -386,6 +534,13 @@ class AcceptanceProfile:
             raise ValueError(f"AcceptanceProfile.draws must be one of {DRAWS}, got {self.draws!r}.")
         if self.draws == "chain" and self.chain is None:
             raise ValueError("AcceptanceProfile.draws is 'chain' but the profile has no chain.")
+        if isinstance(self.requests, (str, bytes)) or not isinstance(self.requests, Sequence) \
+                or not all(isinstance(u, RequestUnit) for u in self.requests):
+            raise ValueError(f"AcceptanceProfile.requests must be a list of RequestUnit, got "
+                             f"{self.requests!r}.")
+        object.__setattr__(self, "requests", tuple(self.requests))
+        if self.draws == "requests" and not self.requests:
+            raise ValueError("AcceptanceProfile.draws is 'requests' but the profile has none.")
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -445,6 +600,8 @@ class AcceptanceProfile:
                 "mean_acceptance_length": self.mean_acceptance_length, "source": self.source}
         if self.chain is not None:
             data["chain"] = self.chain.to_dict()
+        if self.requests:
+            data["requests"] = [u.to_dict() for u in self.requests]
         data["draws"] = self.draws
         return data
 
@@ -472,6 +629,12 @@ class AcceptanceProfile:
             if version < 2:
                 raise ValueError("an acceptance profile's 'draws' needs format_version 2.")
             values["draws"] = data["draws"]
+        if data.get("requests") is not None:
+            units = data["requests"]
+            if version < 3 or not isinstance(units, list):
+                raise ValueError("an acceptance profile's 'requests' must be a list and needs "
+                                 "format_version 3.")
+            values["requests"] = tuple(RequestUnit.from_dict(u) for u in units)
         return cls(**values)
 
     def save(self, path: str | Path) -> Path:
@@ -489,4 +652,4 @@ class AcceptanceProfile:
         return cls.from_dict(data)
 
 
-__all__ = ["AcceptanceModel", "AcceptanceProfile", "CopyChain"]
+__all__ = ["AcceptanceModel", "AcceptanceProfile", "CopyChain", "RequestUnit"]

@@ -3,6 +3,7 @@ replays a given profile (another workload's) before the run's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -56,6 +57,7 @@ def test_twin_replays_the_given_acceptance_before_the_runs_own(tmp_path):
     messages: list[str] = []
     chosen = twin_acceptance(folder, given, messages.append)
     assert chosen is not None and chosen.workload == "rewrites" and "given" in messages[-1]
+    assert "pooled draws" in messages[-1]
     own = twin_acceptance(folder, None, messages.append)
     assert own is not None and own.workload == "code-edits" and "not held out" in messages[-1]
     workload = Workload(tuple(TRACE), {"trace": "synthetic"})
@@ -86,3 +88,18 @@ def test_a_capped_self_tuning_run_is_measured_against_its_cap(tmp_path):
     assert profile is not None
     assert profile.mean_draft_length == pytest.approx(
         s["spec_num_draft_tokens"] / s["spec_num_drafts"], abs=1e-3)
+
+
+def test_a_runs_drafts_record_gives_its_profile_one_unit_per_request(tmp_path):
+    from tests.simulator.test_acceptance_units import record
+    from twinserve.core.draft_record import DRAFTS_FILE, write_drafts
+    folder, _ = spec_run(tmp_path, 0.6)
+    rows = [dataclasses.replace(s, request_id=rid) for rid, onset in (("a", 4), ("b", None))
+            for s in record(onset, 30)]
+    write_drafts(folder / DRAFTS_FILE, rows)
+    profile = record_acceptance(folder, "synthetic")
+    assert profile is not None and profile.draws == "pooled"  # units recorded, not drawn
+    assert [u.onset for u in profile.requests] == [4, None]
+    assert profile.chain is not None
+    saved = AcceptanceProfile.load(folder / ACCEPTANCE_FILE)
+    assert saved.requests == profile.requests

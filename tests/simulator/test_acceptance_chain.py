@@ -164,7 +164,7 @@ def test_old_profiles_load_and_draw_exactly_as_before(tmp_path):
     assert [model.num_accepted("r-1", p, 4) for p in range(64, 96)] == OLD_ACCEPTED
     again = AcceptanceProfile.load(profile.save(tmp_path / "again.json"))
     assert again == profile and json.loads((tmp_path / "again.json").read_text())[
-        "format_version"] == 2
+        "format_version"] == 3
 
 
 def test_a_measured_chain_is_drawn_only_where_the_profile_says_so(tmp_path):
@@ -181,7 +181,7 @@ def test_a_measured_chain_is_drawn_only_where_the_profile_says_so(tmp_path):
 
 
 @pytest.mark.parametrize(("data", "field"), [
-    ({"rates": [0.5], "format_version": 3}, "format_version"),
+    ({"rates": [0.5], "format_version": 4}, "format_version"),
     ({"rates": [0.5], "chain": CHAIN.to_dict()}, "chain"),  # a chain needs version 2
     ({"rates": [0.5], "format_version": 2, "draws": "chain"}, "draws"),
     ({"rates": [0.5], "format_version": 2, "draws": "bursty"}, "draws"),

@@ -1,6 +1,7 @@
 """A real replay with speculation records each request's drafts step by step (``drafts.csv``):
 the record adds up to the request's vLLM counters, every verification follows the proposal
-that found its drafts, and the run's acceptance profile carries the chain fitted on it."""
+that found its drafts, and the run's acceptance profile carries the chain fitted on it and one
+unit per request."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_the_runs_profile_carries_its_chain_and_draws_pooled(replay_dir):
     profile = record_acceptance(replay_dir, "synthetic")
     assert profile is not None and profile.draws == "pooled"
     data = json.loads((replay_dir / ACCEPTANCE_FILE).read_text())
-    assert data["format_version"] == 2 and data["draws"] == "pooled"
+    assert data["format_version"] == 3 and data["draws"] == "pooled"
+    assert len(profile.requests) == len(data["requests"]) == len(TRACE)  # one unit a request
     asked = sum(s.num_asked > 0 for s in read_drafts(replay_dir / DRAFTS_FILE))
     assert profile.chain is not None  # the tiny random model loops, and ngram copies the loop
     assert data["chain"]["num_requests"] == len(TRACE)

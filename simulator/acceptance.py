@@ -79,6 +79,7 @@ from twinserve.traces.trace_request import stable_seed
 
 PROFILE_FORMAT_VERSION = 3  # 2: the optional ``chain`` and ``draws``; 3: ``requests``
 DRAWS = ("pooled", "chain", "requests")
+MAX_REQUEST_UNITS = 2048  # units a profile keeps of a run (evenly spaced): its size stays bounded
 _MASK64 = (1 << 64) - 1
 _PROPOSAL_SALT, _LENGTH_SALT, _STATE_SALT = 0x5DEECE66D, 0x2545F4914F6CDD1D, 0x632BE59BD9B4E019
 _UNIT_SALT = 0x7F4A7C159E3779B9
@@ -364,12 +365,17 @@ class RequestUnit:
                    found_tokens, verified_tokens, accepted)
 
     @classmethod
-    def fit(cls, steps: Sequence[DraftStep]) -> tuple[RequestUnit, ...]:
-        """The units of a run's ``drafts.csv`` rows, in the order of the requests' first rows."""
+    def fit(cls, steps: Sequence[DraftStep],
+            max_units: int = MAX_REQUEST_UNITS) -> tuple[RequestUnit, ...]:
+        """The units of a run's ``drafts.csv`` rows, in the order of the requests' first rows;
+        of a longer run, ``max_units`` evenly spaced ones, so a profile stays small."""
         by_request: dict[str, list[DraftStep]] = {}
         for step in steps:
             by_request.setdefault(step.request_id, []).append(step)
-        return tuple(u for rows in by_request.values() if (u := cls.of(rows)) is not None)
+        units = [u for rows in by_request.values() if (u := cls.of(rows)) is not None]
+        if len(units) > max_units:
+            units = [units[i * len(units) // max_units] for i in range(max_units)]
+        return tuple(units)
 
 
 class AcceptanceModel:

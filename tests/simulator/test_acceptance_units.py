@@ -137,3 +137,12 @@ def test_a_model_draws_from_a_chain_or_from_units_not_both():
     from tests.simulator.test_acceptance_chain import CHAIN
     with pytest.raises(ValueError, match="not both"):
         AcceptanceModel((0.5,), chain=CHAIN, units=(FAST,))
+
+
+def test_a_long_runs_units_are_capped_evenly_spaced():
+    rows = [dataclasses.replace(row, request_id=f"r{i}")
+            for i in range(10) for row in record(None if i % 2 else i, 12)]
+    every = RequestUnit.fit(rows)
+    assert len(every) == 10
+    kept = RequestUnit.fit(rows, max_units=4)
+    assert kept == (every[0], every[2], every[5], every[7])

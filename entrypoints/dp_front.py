@@ -74,6 +74,10 @@ class DataParallelFront:
         # replica steps again as soon as its last step's message is out, or as an add reaches
         # it idle; the loads' step times (``ReplicaLoad.step_elapsed_s``) are read off these
         self._step_started: list[float | None] = [None] * n
+        # per replica, the requests sent and not yet accepted, with their prompt tokens: a step
+        # message's stats were taken before the replica read them, so they are added to its
+        # load until a message accepts (or refuses) them (``_on_step``)
+        self._unaccepted: list[dict[str, int]] = [{} for _ in range(n)]
         self._owner: dict[str, tuple[int, Sink]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -148,6 +152,7 @@ class DataParallelFront:
             raise EngineOverloaded(f"{exc}; retry later", "replica_down",
                                    ADMISSION_RETRY_AFTER_S) from exc
         self._owner[request_id] = (index, sink)
+        self._unaccepted[index][request_id] = num_prompt_tokens
         if self._step_started[index] is None:  # an idle replica steps as the add reaches it
             self._step_started[index] = time.monotonic()
         load = self.loads[index]
@@ -157,6 +162,8 @@ class DataParallelFront:
     def abort(self, request_id: str) -> None:
         with self._lock:
             owner = self._owner.pop(request_id, None)
+            if owner is not None:
+                self._unaccepted[owner[0]].pop(request_id, None)
             if owner is not None and self.replicas[owner[0]].state == "ready":
                 try:
                     self._set.send(owner[0], ("abort", request_id))
@@ -207,10 +214,16 @@ class DataParallelFront:
             replica.served += len(accepted)
             now, started = time.monotonic(), self._step_started[index]
             last_step = self.loads[index].last_step_s if started is None else now - started
-            self.loads[index] = ReplicaLoad(stats.num_running, stats.num_waiting,
+            unaccepted = self._unaccepted[index]
+            for rid in accepted:
+                unaccepted.pop(rid, None)
+            for refusal in refused:
+                unaccepted.pop(refusal.request_id, None)
+            self.loads[index] = ReplicaLoad(stats.num_running, stats.num_waiting + len(unaccepted),
                                             min(1.0, max(0.0, stats.kv_cache_usage)), True,
-                                            stats.num_prefill_tokens, None, max(0.0, last_step))
-            busy = stats.num_running > 0 or stats.num_waiting > 0
+                                            stats.num_prefill_tokens + sum(unaccepted.values()),
+                                            None, max(0.0, last_step))
+            busy = stats.num_running > 0 or stats.num_waiting > 0 or bool(unaccepted)
             self._step_started[index] = now if busy else None
             for rid in accepted:
                 owner = self._owner.get(rid)
@@ -243,6 +256,7 @@ class DataParallelFront:
             replica.stats = None
             self.loads[index] = ReplicaLoad(0, 0, 0.0, healthy=False)
             self._step_started[index] = None
+            self._unaccepted[index].clear()
             lost = [rid for rid, (i, _) in self._owner.items() if i == index]
             sinks = [self._owner.pop(rid)[1] for rid in lost]
             if restart:

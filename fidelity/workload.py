@@ -38,6 +38,10 @@ class TraceSpec:
     range_ratio: float | None = None
     prefix_len: int | None = None
     prefix_share: float | None = None
+    num_apps: int | None = None
+    zipf_s: float | None = None
+    system_len_min: int | None = None
+    system_len_max: int | None = None
     tenants: str | None = None
     priorities: str | None = None
     max_model_len: int | None = None

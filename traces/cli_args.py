@@ -145,7 +145,8 @@ def _multi_app(args: argparse.Namespace, given: dict[str, Any]) -> list[TraceReq
         with _flag("--" + dest.replace("_", "-")):
             if dest not in MULTI_APP_FLAGS:
                 raise ValueError(f"applies only to --trace {SYNTHETIC}.")
-            MultiAppConfig(**{dest: value})
+            if dest != "system_len_max":  # (checked against the given minimum below)
+                MultiAppConfig(**{dest: value})
     with _flag("--system-len-max"):
         config = MultiAppConfig(num_requests=num, seed=args.seed, **given)
     return multi_app_trace(config)

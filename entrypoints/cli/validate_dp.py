@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from twinserve.core.engine_args import EngineArgs
-from twinserve.core.metrics import summarize
+from twinserve.core.metrics import RequestRecord, summarize
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.traces import TraceRequest
 
 if TYPE_CHECKING:
+    from twinserve.routers import Router
     from twinserve.simulator import SimConfig
 
 METRICS = (("mean TTFT", "mean_ttft_ms", "ms"), ("p99 TTFT", "p99_ttft_ms", "ms"),
@@ -55,9 +56,17 @@ def replay_fleet(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int,
                  prices: dict[str, float] | None = None) -> dict[str, Any]:
     """The trace through ``engine.data_parallel_size`` real replicas behind ``engine.router``
     (priced with ``prices``); their summary."""
-    from twinserve.entrypoints.dp_front import DataParallelFront
     from twinserve.routers import make_router
     router = make_router(engine.router, engine.block_size, prices)
+    records, duration = replay_fleet_records(engine, trace, vocab_size, router)
+    return summarize(records, duration_s=duration)
+
+
+def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int,
+                         router: Router) -> tuple[list[RequestRecord], float]:
+    """The trace through ``engine.data_parallel_size`` real replicas behind ``router``: the
+    replicas' records by arrival, and the seconds from the first submission to the last end."""
+    from twinserve.entrypoints.dp_front import DataParallelFront
     front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda", router=router)
     done = _Done()
     try:
@@ -78,7 +87,7 @@ def replay_fleet(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int,
         records = front.take_records()
     finally:
         front.shutdown()
-    return summarize(sorted(records, key=lambda r: r.arrival_time), duration_s=duration)
+    return sorted(records, key=lambda r: r.arrival_time), duration
 
 
 def twin_config(engine: EngineArgs, router: str, profile: str) -> SimConfig:

@@ -82,3 +82,13 @@ def test_lengths_spread_as_the_azure_conversation_trace_unless_a_range_ratio_is_
     assert {64 <= tr.output_tokens <= 192 for tr in uniform} == {True}
     with pytest.raises(ValueError, match="range_ratio"):
         MultiAppConfig(range_ratio=1.5)
+
+
+def test_the_cli_takes_system_prompts_shorter_than_the_default_minimum() -> None:
+    """``--system-len-max`` is checked against the given ``--system-len-min``, not the default."""
+    trace = trace_from_args(_parse("--trace", "multi-app", "--num-requests", "20",
+                                   "--system-len-min", "48", "--system-len-max", "80"))
+    assert all(48 <= r.prefix_block_tokens <= 80 for r in trace)
+    with pytest.raises(ValueError, match="--system-len-max: system_len_max must be"):
+        trace_from_args(_parse("--trace", "multi-app", "--system-len-min", "48",
+                               "--system-len-max", "40"))

@@ -48,7 +48,8 @@ class RoutedAhead:
     source: Iterator[Request]
     router: Router
     num_replicas: int
-    _times: array = field(default_factory=lambda: array("d"))  # from the ``_first``-th routed
+    # the columns, from the ``_first``-th routed request and release on
+    _times: array = field(default_factory=lambda: array("d"))
     _replicas: array = field(default_factory=lambda: array("l"))
     _first: int = 0
     _own: list[deque[Request]] = field(default_factory=list)  # routed, not taken, per replica
@@ -68,16 +69,18 @@ class RoutedAhead:
         """At the ``k``-th release (counted from 0): the requests routed by then and the
         horizon of a replica with none pending (``ArrivalHorizons.read_until``); None when
         every request was released before it (the horizon is then infinite)."""
-        steps = self._steps
-        while len(steps) <= k:
+        at, steps = k - self._first, self._steps
+        if at < 0:
+            raise IndexError(f"release {k} was forgotten (kept from {self._first}).")
+        while len(steps) <= at:
             if not self._route_next():
                 return None
-        return steps[k]
+        return steps[at]
 
     def _route_next(self) -> bool:
         """One turn of ``_routed_ahead``'s loop: route while some replica has none pending
         (at most ``_ROUTE_AHEAD`` per replica ahead), then release the oldest routed."""
-        k, pending = len(self._steps), self._pending
+        k, pending = self._first + len(self._steps), self._pending
         routed = self._first + len(self._times)
         while routed - k < _ROUTE_AHEAD * self.num_replicas and not all(pending):
             request = next(self.source, None)
@@ -109,10 +112,11 @@ class RoutedAhead:
         return self._own[replica].popleft()
 
     def forget_before(self, i: int) -> None:
-        """Drops the columns' entries before the ``i``-th (every replica passed them)."""
-        n = min(i - self._first, len(self._times))
+        """Drops the entries before the ``i``-th request and release (every replica passed
+        them)."""
+        n = min(i - self._first, len(self._steps))
         if n > 0:
-            del self._times[:n], self._replicas[:n]
+            del self._times[:n], self._replicas[:n], self._steps[:n]
             self._first += n
 
 

@@ -116,5 +116,8 @@ def test_routed_ahead_replays_the_routing_and_forgets_what_every_replica_passed(
     assert routed.arrival(30) == (times[30], 0)
     with pytest.raises(IndexError):
         routed.arrival(29)
+    with pytest.raises(IndexError):
+        routed.step(29)
+    assert routed.step(30) == steps[30] and routed.step(40) is None
     with pytest.raises(ValueError, match="num_replicas"):
         RoutedAhead(iter(()), RoundRobinRouter(), 0)

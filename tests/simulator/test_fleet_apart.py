@@ -4,6 +4,7 @@ step-by-step replay."""
 
 from __future__ import annotations
 
+import filecmp
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from twinserve.routers import RoundRobinRouter
-from twinserve.simulator import SimConfig, fleet_apart, simulate
+from twinserve.simulator import SimConfig, fleet_apart, simulate, write_sim_run
 from twinserve.simulator.fleet_apart import RoutedAhead
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
@@ -121,3 +122,18 @@ def test_routed_ahead_replays_the_routing_and_forgets_what_every_replica_passed(
     assert routed.step(30) == steps[30] and routed.step(40) is None
     with pytest.raises(ValueError, match="num_replicas"):
         RoutedAhead(iter(()), RoundRobinRouter(), 0)
+
+
+def test_a_rejected_request_writes_the_references_run_folder(monkeypatch, tmp_path,
+                                                             workload) -> None:
+    trace = list(workload[:60])
+    trace[7] = replace(trace[7], input_tokens=10**6)  # past max_model_len: recorded as failed
+    cfg = SimConfig(num_replicas=3, **SMALL)
+    runs = _runs(cfg, trace, RoundRobinRouter, monkeypatch)
+    assert sum(not r.success for r in runs[0].records) == 1
+    folders = [write_sim_run(run, tmp_path / name, {"trace": "multi-app"})
+               for run, name in zip(runs, ("apart", "shared", "step-by-step"))]
+    names = sorted(p.name for p in folders[0].iterdir())
+    assert "requests.csv" in names
+    for other in folders[1:]:
+        assert filecmp.cmpfiles(folders[0], other, names, shallow=False)[1:] == ([], [])

@@ -4,9 +4,9 @@ environment of its own.
 Behind such a router (round robin) the replicas act on one another through nothing: where a
 request goes is decided without them. In one environment their steps still interleave at every
 arrival, so each replica's state (its running requests, its KV blocks, which cycle through the
-free queue) is touched again only after the other replicas' states have been: four replicas
-cost about a quarter more CPU per request than one, for the same instructions, in cache misses
-(``docs/performance.md``). Apart, each replica runs through many of its arrivals in a row.
+free queue) is touched again only after the other replicas' states have been: the same
+instructions as lone replicas', with more cache misses (``docs/performance.md``). Apart, each
+replica runs through many of its arrivals in a row.
 
 What each replica sees stays exactly as in the shared environment (``engine._routed_ahead``),
 so its event order does, ties included: ``RoutedAhead`` replays the shared arrival process's

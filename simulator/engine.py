@@ -229,7 +229,8 @@ def _routed_ahead(env: simpy.Environment, requests: Iterable[Request], replicas:
                   router: Router, recorder: RunRecorder, horizons: ArrivalHorizons):
     """``arrival_process`` for a router that reads nothing of the replicas: it routes requests
     ahead of their release until every replica has one coming (at most ``_ROUTE_AHEAD`` per
-    replica), in the same order, so it picks as it would at their arrivals."""
+    replica), in the same order, so it picks as it would at their arrivals. (A replay runs the
+    replicas apart instead, ``simulator.fleet_apart``, which replays this process exactly.)"""
     ahead: deque[tuple[Request, int]] = deque()
     pending = horizons.pending
     cap = _ROUTE_AHEAD * len(replicas)

@@ -45,6 +45,7 @@ from twinserve.simulator.engine import (
     arrival_process,
     engine_process,
 )
+from twinserve.simulator.fleet_apart import run_apart
 from twinserve.simulator.hardware import HardwareProfile, load_hardware
 from twinserve.simulator.lora_run import LoadTally, lora_cost_for, lora_summary
 from twinserve.simulator.model_spec import load_model_spec
@@ -304,7 +305,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
              decode_runs: bool = True, lazy_prompts: bool = True,
              router: Router | None = None,
              acceptance: AcceptanceProfile | None = None,
-             stop_when: Callable[[Sequence[RequestRecord]], bool] | None = None) -> SimResult:
+             stop_when: Callable[[Sequence[RequestRecord]], bool] | None = None,
+             replicas_apart: bool = True) -> SimResult:
     """Replays ``trace`` (sorted by arrival) through ``cfg.num_replicas`` simulated engines.
     ``adapters``: the shapes of the LoRA adapters the requests name (see ``lora_run``);
     ``structured``: the requests that decode under a grammar, charged its mask time;
@@ -317,7 +319,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     ``synthetic_acceptance_rate``), the step time charged for verification and proposer
     (``spec_cost``); ``stop_when``: asked with the records finished so far each time requests
     finish, ends the replay early when it returns True (the planner's decided verdicts): the
-    result then holds only the requests finished by then."""
+    result then holds only the requests finished by then; ``replicas_apart``: a fleet behind a
+    router that reads nothing of the replicas runs each replica in its own environment
+    (``simulator.fleet_apart``; False: one environment, the reference, with the same results)."""
     if cfg.disaggregated:
         return _simulate_disaggregated(cfg, trace, adapters, structured, router, acceptance,
                                        lazy_prompts, stop_when)
@@ -372,14 +376,19 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
                             horizons=horizons)
                     for i, (policy, model) in enumerate(zip(_policies(cfg), models))]
         requests = _engine_requests(trace, vocab, block_size, structured, lazy_prompts)
-        env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
         # the engine's batch queue (pp batches in flight), where the engine runs one
         queued = pipe if spec_cfg is None and lora is None else None
-        for replica, (_, worker) in zip(replicas, tiers):
-            env.process(_engine_loop(env, replica, worker, queued))
-        if stop_when is not None:
-            recorder.on_finish = _stopper(env, recorder, stop_when, recorder.on_finish)
-        env.run()
+        if (replicas_apart and horizons is not None and not reads_loads(router)
+                and stop_when is None and queued is None and all(w is None for _, w in tiers)):
+            run_apart(replicas, requests, router, recorder, horizons.arrival_times or (),
+                      engine_process)
+        else:
+            env.process(arrival_process(env, requests, replicas, router, recorder, horizons))
+            for replica, (_, worker) in zip(replicas, tiers):
+                env.process(_engine_loop(env, replica, worker, queued))
+            if stop_when is not None:
+                recorder.on_finish = _stopper(env, recorder, stop_when, recorder.on_finish)
+            env.run()
     if bar is not None:
         bar.close()
     if fleet:  # the replicas' rows interleaved as in time, whichever ran ahead

@@ -14,11 +14,11 @@ more (the model's), exactly as greedy verification does; the figure is the numbe
 steps. With a cap above k the adaptive policy's ceiling is replayed, each step asking for the
 whole ceiling (its rate rule, which can ask for fewer, is left out: it needs step times): the
 ceiling doubles after a verification that accepted all of ceiling-many drafts, up to the cap,
-and a rejection resets it to k. ``oracle`` knows the output
-and copies the longest correct continuation from anywhere in the request's tokens: the bound a
-copying proposer can reach; ``occurrence oracle`` chooses as well but only among the positions
-just after an earlier occurrence of the last token: the bound of ranking a lookup's
-occurrences (without resuming after edits, which it does not see).
+and a rejection after n accepted drafts sets it to 2 (n + 1), within k and the cap. ``oracle``
+knows the output and copies the longest correct continuation from anywhere in the request's
+tokens: the bound a copying proposer can reach; ``occurrence oracle`` chooses as well but only
+among the positions just after an earlier occurrence of the last token: the bound of ranking a
+lookup's occurrences (without resuming after edits, which it does not see).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class _View:
 @dataclass(frozen=True, slots=True)
 class Ceiling:
     """The drafts asked for per step: ``k``, raised by doubling up to ``cap`` while every
-    draft of a verification that asked for the ceiling is accepted (the adaptive policy's
-    ceiling)."""
+    draft of a verification that asked for the ceiling is accepted, set to twice the accepted
+    drafts + 1 (within k and cap) by a rejection (the adaptive policy's ceiling)."""
 
     k: int
     cap: int
@@ -67,8 +67,8 @@ class Ceiling:
             raise ValueError(f"cap ({self.cap}) must be >= k ({self.k}).")
 
     def next(self, ceiling: int, num_drafts: int, num_accepted: int) -> int:
-        if num_accepted < num_drafts:
-            return self.k
+        if num_accepted < num_drafts:  # the draft length follows the match
+            return max(self.k, min(self.cap, 2 * (num_accepted + 1)))
         if num_drafts and num_drafts >= ceiling:
             return min(self.cap, 2 * num_drafts)
         return ceiling

@@ -36,12 +36,14 @@ def test_replay_stops_acceptance_at_the_first_wrong_draft():
     assert replay(wrong_second, "r", [0], [1, 2, 3, 4, 5], Ceiling(4, 4)) == Replayed(2, 2)
 
 
-def test_the_ceiling_doubles_on_full_acceptance_and_resets_on_a_rejection():
+def test_the_ceiling_doubles_on_full_acceptance_and_follows_the_match_on_a_rejection():
     ceiling = Ceiling(2, 8)
     assert ceiling.next(2, 2, 2) == 4
     assert ceiling.next(4, 4, 4) == 8
     assert ceiling.next(8, 8, 8) == 8
-    assert ceiling.next(8, 8, 3) == 2
+    assert ceiling.next(8, 8, 3) == 8  # a rejection after 3: 2 (3 + 1), within the cap
+    assert ceiling.next(8, 8, 1) == 4
+    assert ceiling.next(8, 8, 0) == 2  # rejected at once: k
     assert ceiling.next(4, 1, 1) == 4  # fewer drafts than the ceiling: kept
     output = list(range(1, 40))
     prompt = [*output, 0]  # a copy of the prompt: every draft of the oracle accepted

@@ -117,6 +117,19 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list
     return seconds, outputs
 
 
+def first_differences(outputs: list[list[int]], reference: list[list[int]],
+                      prompts: Sequence[Prompt]) -> list[tuple[str, int]]:
+    """``(prompt name, index of the first differing token)`` where ``outputs`` differ from
+    ``reference`` (a length difference counts at the shorter one's end)."""
+    parted = []
+    for prompt, got, want in zip(prompts, outputs, reference, strict=True):
+        if got != want:
+            same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                        min(len(got), len(want)))
+            parted.append((prompt.name, same))
+    return parted
+
+
 def _acceptance_length(engine, before: tuple[int, int]) -> float:
     drafts, accepted = _spec_totals(engine)
     drafts -= before[0]
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     methods = ["none", "ngram", "suffix"]
     engines = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype,
                        args.max_num_speculative_tokens)
-    prompts = encode_prompts(engines["none"].tokenizer, prompt_set(args.prompt_set)[:args.prompts])
+    chosen = prompt_set(args.prompt_set)[:args.prompts]
+    prompts = encode_prompts(engines["none"].tokenizer, chosen)
     for engine in engines.values():  # warm-up: the same prefix-cache state in every engine
         _run(engine, prompts[:1], 8)
     times = {m: _timed(engine) for m, engine in engines.items()}
@@ -175,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
             seen[method] = outputs
         for method in methods[1:]:  # like with like: the same round, so the same cached prefixes
             equal[method] = equal[method] and seen[method] == seen["none"]
+            for name, parted in first_differences(seen[method], seen["none"], chosen):
+                print(f"round {r + 1}: {method} parted from none on {name} at output token {parted}")
         print(f"round {r + 1}: " + ", ".join(f"{m} {rates[m][-1]:.1f} tok/s" for m in methods))
     base = statistics.median(rates["none"])
     print(f"\nbatch 1, {len(prompts)} prompts of {args.prompt_set} x up to {args.max_tokens} tokens, greedy, "

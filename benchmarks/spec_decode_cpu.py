@@ -2,8 +2,13 @@
 ``suffix`` drafts against none, on prompts the bundled model answers by copying or editing its
 input (code edits, rewrites, JSON changes), greedy.
 
-    python -m twinserve.benchmarks.spec_decode_cpu [--rounds 3] [--max-tokens 128] [-k 4]
-        [--policy fixed] [--max-num-speculative-tokens K] [--prompts 5]
+    python -m twinserve.benchmarks.spec_decode_cpu [--rounds 3] [--max-tokens 256] [-k 4]
+        [--policy fixed] [--max-num-speculative-tokens K] [--prompt-set copy-edit|v1] [--prompts N]
+
+The prompts (``spec_prompts``): ``copy-edit`` by default, nine chats chosen by the share of the
+model's greedy output that is its input copied in order (``spec_replay.copied_share``, at least
+80% at 256 tokens; ``spec_prompts`` states the rule and the candidates), never by tok/s; ``v1``,
+the first five single messages, which the bundled model mostly answers with new code and prose.
 
 One load of the weights; one engine per method on it (``ModelRunner(weights_from=...)``), so
 the methods differ only in speculation. Each round runs every prompt once per method, one
@@ -24,26 +29,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from twinserve.benchmarks.spec_prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, Prompt, prompt_set
 from twinserve.core.outputs import SchedulerOutput
 
-PROMPTS = [
-    "Rename the variable `total` to `running_sum` in this Python function and return the whole "
-    "function:\n\n```python\ndef add_all(values):\n    total = 0\n    for value in values:\n"
-    "        total = total + value\n    return total\n```",
-    "Add type hints to this function and return the whole code:\n\n```python\n"
-    "def scale(points, factor):\n    result = []\n    for x, y in points:\n"
-    "        result.append((x * factor, y * factor))\n    return result\n```",
-    'Change the "city" of this JSON object to "Paris" and return the whole object:\n\n'
-    '{"name": "Alice Martin", "age": 34, "city": "London", "email": "alice@example.com", '
-    '"skills": ["python", "sql", "docker"], "active": true}',
-    "Rewrite this paragraph replacing every occurrence of 'car' with 'bicycle':\n\n"
-    "The car was parked near the station. Every morning the car took her to work, and in the "
-    "evening the car brought her back home. She loved her car.",
-    "Convert this list into a JSON array of objects with keys name and price:\n\n"
-    "apple 1.20\nbanana 0.50\ncherry 3.10\ndate 2.75\nelderberry 4.00",
-]
+
+def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """The prompts' chats rendered with the model's template and encoded."""
+    from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
+    return [list(encode_chat(tokenizer, prompt.chat(), ChatTemplateOptions()).token_ids)
+            for prompt in prompts]
 
 
 def _engines(methods: list[str], k: int, policy: str, dtype: str,
@@ -120,6 +117,19 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list
     return seconds, outputs
 
 
+def first_differences(outputs: list[list[int]], reference: list[list[int]],
+                      prompts: Sequence[Prompt]) -> list[tuple[str, int]]:
+    """``(prompt name, index of the first differing token)`` where ``outputs`` differ from
+    ``reference`` (a length difference counts at the shorter one's end)."""
+    parted = []
+    for prompt, got, want in zip(prompts, outputs, reference, strict=True):
+        if got != want:
+            same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                        min(len(got), len(want)))
+            parted.append((prompt.name, same))
+    return parted
+
+
 def _acceptance_length(engine, before: tuple[int, int]) -> float:
     drafts, accepted = _spec_totals(engine)
     drafts -= before[0]
@@ -145,21 +155,21 @@ def _drafts_per_verification(engine) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--policy", default="fixed", help="speculation policy (fixed: always k)")
     p.add_argument("--max-num-speculative-tokens", type=int, default=None,
                    help="the cap the adaptive policy may raise k to (default: k)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts")
+    p.add_argument("--prompt-set", choices=list(PROMPT_SETS), default=DEFAULT_PROMPT_SET,
+                   help="the prompts (spec_prompts: copy-edit, the default, or v1, the first set)")
+    p.add_argument("--prompts", type=int, default=None, help="how many of the set's prompts")
     args = p.parse_args(argv)
     methods = ["none", "ngram", "suffix"]
     engines = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype,
                        args.max_num_speculative_tokens)
-    tok = engines["none"].tokenizer
-    from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
-    prompts = [encode_chat(tok, [{"role": "user", "content": text}], ChatTemplateOptions()).token_ids
-               for text in PROMPTS[:args.prompts]]
+    chosen = prompt_set(args.prompt_set)[:args.prompts]
+    prompts = encode_prompts(engines["none"].tokenizer, chosen)
     for engine in engines.values():  # warm-up: the same prefix-cache state in every engine
         _run(engine, prompts[:1], 8)
     times = {m: _timed(engine) for m, engine in engines.items()}
@@ -179,9 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             seen[method] = outputs
         for method in methods[1:]:  # like with like: the same round, so the same cached prefixes
             equal[method] = equal[method] and seen[method] == seen["none"]
+            for name, parted in first_differences(seen[method], seen["none"], chosen):
+                print(f"round {r + 1}: {method} parted from none on {name} at output token {parted}")
         print(f"round {r + 1}: " + ", ".join(f"{m} {rates[m][-1]:.1f} tok/s" for m in methods))
     base = statistics.median(rates["none"])
-    print(f"\nbatch 1, {len(prompts)} prompts x up to {args.max_tokens} tokens, greedy, "
+    print(f"\nbatch 1, {len(prompts)} prompts of {args.prompt_set} x up to {args.max_tokens} tokens, greedy, "
           f"k={args.num_speculative_tokens}, policy {args.policy}, cap "
           f"{args.max_num_speculative_tokens or args.num_speculative_tokens}, {args.rounds} rounds "
           "(medians)")

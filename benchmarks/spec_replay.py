@@ -2,7 +2,8 @@
 the proposers of ``spec_decode_cpu`` that a loaded host cannot blur.
 
     python -m twinserve.benchmarks.spec_replay [--outputs /tmp/spec_replay_outputs.json]
-        [--max-tokens 64] [-k 4] [--max-num-speculative-tokens 8] [--prompts 5]
+        [--prompt-set copy-edit|v1] [--max-tokens 256] [-k 4] [--max-num-speculative-tokens 8]
+        [--prompts N]
 
 The benchmark's prompts are answered once by the real engine (bf16, no speculation, greedy,
 warmed up as the benchmark warms up) and the outputs cached in ``--outputs`` (reused when the
@@ -13,21 +14,23 @@ more (the model's), exactly as greedy verification does; the figure is the numbe
 steps. With a cap above k the adaptive policy's ceiling is replayed, each step asking for the
 whole ceiling (its rate rule, which can ask for fewer, is left out: it needs step times): the
 ceiling doubles after a verification that accepted all of ceiling-many drafts, up to the cap,
-and a rejection resets it to k. ``oracle`` knows the output
-and copies the longest correct continuation from anywhere in the request's tokens: the bound a
-copying proposer can reach; ``occurrence oracle`` chooses as well but only among the positions
-just after an earlier occurrence of the last token: the bound of ranking a lookup's
-occurrences (without resuming after edits, which it does not see).
+and a rejection after n accepted drafts sets it to 2 (n + 1), within k and the cap. ``oracle``
+knows the output and copies the longest correct continuation from anywhere in the request's
+tokens: the bound a copying proposer can reach; ``occurrence oracle`` chooses as well but only
+among the positions just after an earlier occurrence of the last token: the bound of ranking a
+lookup's occurrences (without resuming after edits, which it does not see).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from twinserve.benchmarks.spec_prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, Prompt, prompt_set
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.spec_decode.proposer import Proposer
 
@@ -51,8 +54,8 @@ class _View:
 @dataclass(frozen=True, slots=True)
 class Ceiling:
     """The drafts asked for per step: ``k``, raised by doubling up to ``cap`` while every
-    draft of a verification that asked for the ceiling is accepted (the adaptive policy's
-    ceiling)."""
+    draft of a verification that asked for the ceiling is accepted, set to twice the accepted
+    drafts + 1 (within k and cap) by a rejection (the adaptive policy's ceiling)."""
 
     k: int
     cap: int
@@ -64,8 +67,8 @@ class Ceiling:
             raise ValueError(f"cap ({self.cap}) must be >= k ({self.k}).")
 
     def next(self, ceiling: int, num_drafts: int, num_accepted: int) -> int:
-        if num_accepted < num_drafts:
-            return self.k
+        if num_accepted < num_drafts:  # the draft length follows the match
+            return max(self.k, min(self.cap, 2 * (num_accepted + 1)))
         if num_drafts and num_drafts >= ceiling:
             return min(self.cap, 2 * num_drafts)
         return ceiling
@@ -149,26 +152,35 @@ def count_steps(make: Callable[[], Proposer] | str, prompts: list[list[int]],
     return steps
 
 
-def greedy_outputs(path: Path, max_tokens: int, num_prompts: int) -> tuple[list[list[int]],
-                                                                          list[list[int]]]:
-    """The benchmark's prompts and the real engine's greedy outputs for them (bf16, no
+def greedy_outputs(path: Path, max_tokens: int, prompts: Sequence[Prompt]) -> tuple[
+        list[list[int]], list[list[int]]]:
+    """The prompts encoded and the real engine's greedy outputs for them (bf16, no
     speculation), read from ``path`` when it holds the same prompts and max tokens, else
     generated and written there."""
-    from twinserve.benchmarks.spec_decode_cpu import PROMPTS, _engines, _run
-    texts = PROMPTS[:num_prompts]
+    from twinserve.benchmarks.spec_decode_cpu import _engines, _run, encode_prompts
+    key = [[list(m) for m in prompt.messages] for prompt in prompts]
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("texts") == texts and cached.get("max_tokens") == max_tokens:
+        if cached.get("messages") == key and cached.get("max_tokens") == max_tokens:
             return cached["prompts"], cached["outputs"]
-    from twinserve.entrypoints.chat_template import ChatTemplateOptions, encode_chat
     engine = _engines(["none"], 1, "fixed", "bfloat16")["none"]
-    prompts = [list(encode_chat(engine.tokenizer, [{"role": "user", "content": text}],
-                                ChatTemplateOptions()).token_ids) for text in texts]
-    _run(engine, prompts[:1], 8)  # the benchmark's warm-up: the same cached prefixes
-    _, outputs = _run(engine, prompts, max_tokens)
-    path.write_text(json.dumps({"texts": texts, "max_tokens": max_tokens, "prompts": prompts,
+    encoded = encode_prompts(engine.tokenizer, prompts)
+    _run(engine, encoded[:1], 8)  # the benchmark's warm-up: the same cached prefixes
+    _, outputs = _run(engine, encoded, max_tokens)
+    path.write_text(json.dumps({"messages": key, "max_tokens": max_tokens, "prompts": encoded,
                                 "outputs": outputs}))
-    return prompts, outputs
+    return encoded, outputs
+
+
+def copied_share(prompt: Sequence[int], output: Sequence[int], min_block: int = 4) -> float:
+    """The share of ``output`` that is ``prompt`` copied in order: the tokens of the matching
+    blocks of ``min_block``+ tokens (difflib's, no junk heuristic) over the output's length.
+    In order, so a model that repeats one line of its input over and over scores low."""
+    if not output:
+        return 0.0
+    matcher = difflib.SequenceMatcher(None, list(prompt), list(output), autojunk=False)
+    copied = sum(block.size for block in matcher.get_matching_blocks() if block.size >= min_block)
+    return copied / len(output)
 
 
 def _proposers() -> dict[str, Callable[[], Proposer] | str]:
@@ -181,16 +193,21 @@ def _proposers() -> dict[str, Callable[[], Proposer] | str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--outputs", type=Path, default=Path("/tmp/spec_replay_outputs.json"))
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-num-speculative-tokens", type=int, default=8,
                    help="the adaptive policy's cap, replayed beside fixed k")
-    p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--prompt-set", choices=list(PROMPT_SETS), default=DEFAULT_PROMPT_SET)
+    p.add_argument("--prompts", type=int, default=None, help="how many of the set's prompts")
     args = p.parse_args(argv)
-    prompts, outputs = greedy_outputs(args.outputs, args.max_tokens, args.prompts)
+    chosen = prompt_set(args.prompt_set)[:args.prompts]
+    prompts, outputs = greedy_outputs(args.outputs, args.max_tokens, chosen)
     k, cap = args.num_speculative_tokens, args.max_num_speculative_tokens
-    print(f"{len(prompts)} prompts, {sum(map(len, outputs))} output tokens "
-          f"({', '.join(str(len(o)) for o in outputs)}); steps after each first token")
+    print(f"{len(prompts)} prompts of {args.prompt_set}, {sum(map(len, outputs))} output tokens; "
+          "copied share (the output that is the prompt copied in order):")
+    for prompt, encoded, output in zip(chosen, prompts, outputs, strict=True):
+        print(f"  {prompt.name:14} {len(output):4} tokens  {copied_share(encoded, output):.2f}")
+    print("steps after each first token")
     print(f"{'proposer':17} {'k=' + str(k):>36} {'cap ' + str(cap):>36}")
     for name, make in _proposers().items():
         print(f"{name:17}" + "".join(_summary(count_steps(make, prompts, outputs, ceiling))

@@ -3,11 +3,13 @@
 Two frequency tries of token paths, each path at most ``max_tree_depth`` tokens: one per running
 request over its prompt and output (every suffix of the tokens is a path from the root), and a
 global one over the outputs of the last ``max_cached_requests`` finished requests (the oldest is
-subtracted again when one more arrives). A proposal finds the longest suffix of the request's
-tokens that is a path of a trie and follows, from its end, the most frequent child while the
-path's estimated probability (the product of child count / sum of the children's counts) stays
-at least ``min_token_prob``, for at most ``max_spec_factor * match length`` tokens. Both tries
-are asked; the longer draft wins (the request's own on a tie).
+subtracted again when one more arrives). A proposal takes each suffix of the request's tokens
+that is a path of a trie and follows, from its end, the most frequent child while the path's
+estimated probability (the product of child count / sum of the children's counts) stays at
+least ``min_token_prob``, for at most ``max_spec_factor * match length`` tokens; the longest
+draft wins, from the longer suffix on a tie (the longest suffix alone ends nearest the depth
+bound: inside a copy it drafts one token). Both tries are asked; the longer draft wins (the
+request's own on a tie).
 """
 
 from __future__ import annotations
@@ -66,17 +68,21 @@ class SuffixTrie:
 
     def propose(self, context: Sequence[int], num_drafts: int, max_spec_factor: float,
                 min_token_prob: float) -> list[int]:
-        """The draft after the longest suffix of ``context`` that has a continuation here."""
-        longest = min(len(context), self.max_depth)
-        for match in range(longest, 0, -1):
+        """The longest draft after any suffix of ``context`` that is a path here (the longer
+        suffix on a tie). Every length is tried, as SuffixDecoding scores each: the longest
+        suffix ends deepest, where the depth bound leaves the fewest tokens to draft."""
+        best: list[int] = []
+        for match in range(min(len(context), self.max_depth - 1), 0, -1):
+            limit = min(num_drafts, math.floor(max_spec_factor * match))
+            if limit <= len(best):
+                break  # shorter suffixes are allowed no more tokens than this
             node = self._walk(context[len(context) - match:])
             if node is None or not node.children:
                 continue
-            limit = min(num_drafts, math.floor(max_spec_factor * match))
             draft = _follow(node, limit, min_token_prob)
-            if draft:
-                return draft
-        return []
+            if len(draft) > len(best):
+                best = draft
+        return best
 
     def _walk(self, path: Sequence[int]) -> _Node | None:
         node = self.root

@@ -27,12 +27,15 @@ Until the curve has seen token counts above the current step's, it is extrapolat
 Each request's k is chosen below its own ceiling. The ceiling starts at the configured k
 (``num_speculative_tokens``); a verification that accepted every one of ceiling-many drafts
 doubles it, up to ``max_num_speculative_tokens`` (the stated cap; default: the configured k, so
-the ceiling never rises), and a rejection resets it to the configured k. A request that copies
-a long passage then verifies more of it per step, and one whose copy broke starts again from k
-(the transformers assisted-generation heuristic grows its draft length the same way, +2 per
-fully accepted draft, -1 otherwise; doubling reaches the cap in fewer steps on copies of a few
-dozen tokens). Below the ceiling the rule above still decides, so a large batch turns the
-raised k off as it turns k off.
+the ceiling never rises). A rejection after ``n`` accepted drafts sets it to ``2 (n + 1)``,
+within the configured k and the cap: the draft length follows the match, as SuffixDecoding's
+does. A request that copies a long passage then verifies more of it per step; one whose copy
+broke after a long run keeps part of its ceiling (the copy usually resumes just past the edit),
+and one whose drafts were rejected at once starts again from k. (The transformers
+assisted-generation heuristic grows its draft length the same way, +2 per fully accepted draft,
+-1 otherwise; doubling reaches the cap in fewer steps on copies of a few dozen tokens.) Below
+the ceiling the rule above still decides, so a large batch turns the raised k off as it turns
+k off.
 """
 
 from __future__ import annotations
@@ -178,8 +181,12 @@ class AdaptiveSpeculation:
         rid = request.request_id
         if num_accepted < num_drafts:
             self._rejected += 1
-            self._ceilings.pop(rid, None)
             _remember(self._failures, rid, self._failures.get(rid, 0) + 1)
+            followed = min(self.k_max, 2 * (num_accepted + 1))
+            if followed > self.k_base:
+                _remember(self._ceilings, rid, followed)
+            else:
+                self._ceilings.pop(rid, None)
         elif self.k_max > self.k_base and num_drafts >= self.ceiling(request):
             _remember(self._ceilings, rid, min(self.k_max, 2 * num_drafts))
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from twinserve.benchmarks.spec_decode_cpu import StepTimes
+from twinserve.benchmarks.spec_decode_cpu import StepTimes, first_differences
+from twinserve.benchmarks.spec_prompts import Prompt
 from twinserve.benchmarks.verify_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, chunk_plan, rows_plan
 from twinserve.core.outputs import ScheduledRequest, SchedulerOutput
 from twinserve.core.request import Request
@@ -47,3 +48,11 @@ def test_the_attention_benchmark_times_the_same_attention_both_ways():
     torch.testing.assert_close(planned_attention(query, key_cache, value_cache, rows, 0.125),
                                planned_attention(query, key_cache, value_cache, chunk, 0.125),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_first_differences_name_the_prompt_and_the_token_where_outputs_part():
+    prompts = [Prompt("a", (("user", "x"),)), Prompt("b", (("user", "y"),)),
+               Prompt("c", (("user", "z"),))]
+    reference = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert first_differences(reference, reference, prompts) == []
+    assert first_differences([[1, 2, 3], [4, 9, 6], [7, 8, 0]], reference, prompts) == [("b", 1), ("c", 2)]

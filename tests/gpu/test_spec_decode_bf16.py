@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twinserve.benchmarks.spec_decode_cpu import PROMPTS
+from twinserve.benchmarks.spec_prompts import V1_TEXTS
 from twinserve.gpu.kernels.cpu_gemm import Gemm, cpu_has_native_half
 
 NATIVE_BF16 = cpu_has_native_half(torch.bfloat16)
@@ -37,7 +37,7 @@ def test_rows_of_a_product_do_not_depend_on_the_row_count(shape, threads):
         torch.set_num_threads(before)
 
 
-COPY_PROMPTS = PROMPTS[:2]  # a rename and type hints: copies with edits
+COPY_PROMPTS = V1_TEXTS[:2]  # a rename and type hints: copies with edits
 
 
 @needs_native

@@ -124,7 +124,7 @@ def test_adaptive_validates_its_options():
         AdaptiveSpeculation(2, prior_acceptance=1.5)
 
 
-def test_adaptive_raises_a_fully_accepted_requests_k_up_to_the_cap_and_resets_it():
+def test_adaptive_raises_a_fully_accepted_requests_k_up_to_the_cap_and_follows_the_match():
     policy = AdaptiveSpeculation(4, prior_acceptance=0.9, max_num_speculative_tokens=8)
     assert policy.k_max == 8 and policy.k_base == 4
     feed(policy, lambda t: 0.010 + 1e-6 * t)  # flat: every draft pays
@@ -138,8 +138,12 @@ def test_adaptive_raises_a_fully_accepted_requests_k_up_to_the_cap_and_resets_it
     assert policy.num_drafts(other, 1, 512) == 4  # per request
     policy.on_verified(copying, 8, 8)
     assert policy.num_drafts(copying, 1, 512) == 8  # the cap
-    policy.on_verified(copying, 8, 5)  # a rejection: back to the configured k
-    assert policy.num_drafts(copying, 1, 512) == 4
+    policy.on_verified(copying, 8, 2)  # a rejection after 2: twice the 3 tokens the copy ran
+    assert policy.ceiling(copying) == 6
+    policy.on_verified(copying, 6, 5)  # after 5: 12, within the cap
+    assert policy.ceiling(copying) == 8
+    policy.on_verified(copying, 8, 0)  # rejected at once: back to the configured k
+    assert policy.ceiling(copying) == 4 and policy.num_drafts(copying, 1, 512) <= 4
 
 
 def test_adaptive_never_raises_k_without_a_cap_or_where_drafts_do_not_pay():

@@ -140,6 +140,15 @@ def test_suffix_follows_the_most_frequent_continuation_within_the_spec_factor():
     assert trie.propose([7, 1, 2], 4, max_spec_factor=2.0, min_token_prob=0.7) == []
 
 
+def test_suffix_drafts_from_a_shorter_suffix_when_the_longest_ends_at_the_depth_bound():
+    trie = SuffixTrie(max_depth=4)
+    trie.extend([1, 2, 3, 4, 5, 6, 7, 8])
+    trie.end_sequence()
+    # "1 2 3" ends at depth 3: one token to its bound; "2 3" leaves two (the spec factor's 2)
+    assert trie.propose([1, 2, 3], 4, max_spec_factor=1.0, min_token_prob=0.1) == [4, 5]
+    assert trie.propose([1, 2, 3], 4, max_spec_factor=3.0, min_token_prob=0.1) == [4, 5, 6]
+
+
 def test_suffix_uses_the_request_and_finished_requests_outputs():
     suffix = SuffixProposer(max_tree_depth=8, max_cached_requests=1)
     own = _request("a", [4, 5, 6, 7, 4, 5])

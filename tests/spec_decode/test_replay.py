@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from twinserve.benchmarks.spec_replay import Ceiling, Replayed, count_steps, oracle_draft, replay
+from twinserve.benchmarks.spec_prompts import DEFAULT_PROMPT_SET, V1_TEXTS, Prompt, prompt_set
+from twinserve.benchmarks.spec_replay import (
+    Ceiling,
+    Replayed,
+    copied_share,
+    count_steps,
+    oracle_draft,
+    replay,
+)
 from twinserve.spec_decode.ngram import NgramProposer
 
 
@@ -28,12 +36,14 @@ def test_replay_stops_acceptance_at_the_first_wrong_draft():
     assert replay(wrong_second, "r", [0], [1, 2, 3, 4, 5], Ceiling(4, 4)) == Replayed(2, 2)
 
 
-def test_the_ceiling_doubles_on_full_acceptance_and_resets_on_a_rejection():
+def test_the_ceiling_doubles_on_full_acceptance_and_follows_the_match_on_a_rejection():
     ceiling = Ceiling(2, 8)
     assert ceiling.next(2, 2, 2) == 4
     assert ceiling.next(4, 4, 4) == 8
     assert ceiling.next(8, 8, 8) == 8
-    assert ceiling.next(8, 8, 3) == 2
+    assert ceiling.next(8, 8, 3) == 8  # a rejection after 3: 2 (3 + 1), within the cap
+    assert ceiling.next(8, 8, 1) == 4
+    assert ceiling.next(8, 8, 0) == 2  # rejected at once: k
     assert ceiling.next(4, 1, 1) == 4  # fewer drafts than the ceiling: kept
     output = list(range(1, 40))
     prompt = [*output, 0]  # a copy of the prompt: every draft of the oracle accepted
@@ -78,3 +88,28 @@ def test_the_occurrence_oracle_copies_only_after_an_earlier_last_token():
     assert oracle_draft([5, 7, 8], 3, after_last=True)("r", [1, 7, 8, 5], 2) == []
     with pytest.raises(ValueError, match="make"):
         count_steps("wizard", [[1]], [[1]], Ceiling(4, 4))
+
+
+def test_copied_share_counts_the_prompt_copied_in_order_in_blocks_of_four_or_more():
+    prompt = list(range(100, 120))
+    assert copied_share(prompt, prompt[2:14]) == 1.0
+    # an edit inside the copy: 11 of 12 tokens copied, in blocks of 5 and 6
+    edited = [*prompt[2:7], 999, *prompt[8:14]]
+    assert copied_share(prompt, edited) == pytest.approx(11 / 12)
+    # a line of the prompt repeated: only its first copy is in order
+    assert copied_share(prompt, prompt[:5] * 4) == pytest.approx(5 / 20)
+    # blocks shorter than min_block do not count (single common tokens of new prose)
+    assert copied_share(prompt, [100, 101, 7, 105, 106, 8]) == 0.0
+    assert copied_share(prompt, []) == 0.0
+
+
+def test_the_prompt_sets_keep_v1_and_refuse_an_unknown_name():
+    assert DEFAULT_PROMPT_SET == "copy-edit"
+    assert [p.chat()[0]["content"] for p in prompt_set("v1")] == list(V1_TEXTS)
+    for prompt in prompt_set("copy-edit"):  # system, the example exchange, the request
+        assert [m["role"] for m in prompt.chat()] == ["system", "user", "assistant", "user"]
+    assert len({p.name for p in prompt_set("copy-edit")}) == len(prompt_set("copy-edit"))
+    with pytest.raises(ValueError, match="prompt_set"):
+        prompt_set("v2")
+    with pytest.raises(ValueError, match="user message"):
+        Prompt("bad", (("user", "x"), ("assistant", "y")))

@@ -10,14 +10,16 @@ model's greedy output that is its input copied in order (``spec_replay.copied_sh
 80% at 256 tokens; ``spec_prompts`` states the rule and the candidates), never by tok/s; ``v1``,
 the first five single messages, which the bundled model mostly answers with new code and prose.
 
-One load of the weights; one engine per method on it (``ModelRunner(weights_from=...)``), so
-the methods differ only in speculation. Each round runs every prompt once per method, one
-request at a time, the methods' order rotating from round to round (interleaved rounds); the
-figures are the medians over rounds of each method's tokens per second, its ratio to none, and
-the mean acceptance length (1 + accepted / drafted proposals, vLLM's definition) from the
-scheduler's totals, and the median whole step that verified drafts against none's median
-decode step (``verify/decode``: what a verification costs beside the decode it replaces; the
-speedup is about the acceptance length over it, less the steps where no drafts were found).
+One load of the weights; one engine per method on it (``ModelRunner(weights_from=...)``), so the
+methods differ only in speculation. suffix gets a fresh engine each round (``--keep-suffix-cache`` keeps one):
+the rounds repeat the prompts, and its global tree of finished outputs would otherwise hold the
+very answers from the round before. Each round runs every prompt once per method, one request at
+a time, the methods' order rotating from round to round (interleaved rounds); the figures are
+the medians over rounds of each method's tokens per second, its ratio to none, and the mean
+acceptance length (1 + accepted / drafted proposals, vLLM's definition) from the scheduler's
+totals, and the median whole step that verified drafts against none's median decode step
+(``verify/decode``: what a verification costs beside the decode it replaces; the speedup is
+about the acceptance length over it, less the steps where no drafts were found).
 Greedy outputs with speculation are checked equal to those without in every round, round by
 round: every engine is warmed up on the same prompt, so that in each round all engines serve
 the prompts from the same cached prefixes (in bf16 a prompt served from the prefix cache can
@@ -29,8 +31,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from twinserve.benchmarks.spec_prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, Prompt, prompt_set
 from twinserve.core.outputs import SchedulerOutput
@@ -44,20 +47,21 @@ def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
 
 
 def _engines(methods: list[str], k: int, policy: str, dtype: str,
-             max_k: int | None = None) -> dict:
+             max_k: int | None = None) -> tuple[dict, Callable[[str], Any]]:
+    """One engine per method on one load of the weights, and the function that builds another
+    engine of a method on it."""
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.engine.llm_engine import LLMEngine
     from twinserve.gpu.worker.model_runner import ModelRunner
-    base = EngineArgs(dtype=dtype, max_num_seqs=1)
-    owner = ModelRunner(base)
-    engines = {}
-    for method in methods:
+    owner = ModelRunner(EngineArgs(dtype=dtype, max_num_seqs=1))
+
+    def build(method: str) -> Any:
         spec = None if method == "none" else {"method": method, "num_speculative_tokens": k,
                                               "policy": policy,
                                               "max_num_speculative_tokens": max_k}
         args = EngineArgs(dtype=dtype, max_num_seqs=1, speculative_config=spec)
-        engines[method] = LLMEngine(args, ModelRunner(args, weights_from=owner))
-    return engines
+        return LLMEngine(args, ModelRunner(args, weights_from=owner))
+    return {method: build(method) for method in methods}, build
 
 
 @dataclass(slots=True)
@@ -76,9 +80,10 @@ class StepTimes:
             self.decode.append(seconds)
 
 
-def _timed(engine) -> StepTimes:
-    """Records each step of ``engine`` by the kind its runner was handed (``StepTimes``)."""
-    times = StepTimes()
+def _timed(engine, times: StepTimes | None = None) -> StepTimes:
+    """Records each step of ``engine`` by the kind its runner was handed, into ``times`` (a new
+    ``StepTimes`` by default)."""
+    times = StepTimes() if times is None else times
     runner, step = engine.runner, engine.step
     last: list[SchedulerOutput] = []
     execute = runner.execute
@@ -146,10 +151,9 @@ def _spec_totals(engine) -> tuple[int, int]:
     return sched.spec_num_drafts, sched.spec_num_accepted_tokens
 
 
-def _drafts_per_verification(engine) -> float:
-    """Draft tokens per verification over the whole run (above k: the policy raised it)."""
-    sched = engine.scheduler
-    return sched.spec_num_draft_tokens / sched.spec_num_drafts if sched.spec_num_drafts else 0.0
+def _draft_tokens(engine) -> int:
+    """Draft tokens verified so far (per verification above k: the policy raised it)."""
+    return engine.scheduler.spec_num_draft_tokens
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,9 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-set", choices=list(PROMPT_SETS), default=DEFAULT_PROMPT_SET,
                    help="the prompts (spec_prompts: copy-edit, the default, or v1, the first set)")
     p.add_argument("--prompts", type=int, default=None, help="how many of the set's prompts")
+    p.add_argument("--keep-suffix-cache", action="store_true",
+                   help="let suffix keep earlier rounds' outputs in its global tree (by default "
+                        "each round starts a fresh suffix engine: the rounds repeat the prompts, "
+                        "so a kept tree would hold the very answers)")
     args = p.parse_args(argv)
     methods = ["none", "ngram", "suffix"]
-    engines = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype,
+    engines, build = _engines(methods, args.num_speculative_tokens, args.policy, args.dtype,
                        args.max_num_speculative_tokens)
     chosen = prompt_set(args.prompt_set)[:args.prompts]
     prompts = encode_prompts(engines["none"].tokenizer, chosen)
@@ -177,15 +185,24 @@ def main(argv: list[str] | None = None) -> None:
     lengths: dict[str, list[float]] = {m: [] for m in methods}
     equal: dict[str, bool] = {m: True for m in methods}
     seen: dict[str, list[list[int]]] = {}  # this round's outputs
+    drafts: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(args.rounds):
+        if r and not args.keep_suffix_cache:
+            engines["suffix"] = build("suffix")
+            _run(engines["suffix"], prompts[:1], 8)  # the warm-up the others had
+            _timed(engines["suffix"], times["suffix"])
         order = methods[r % len(methods):] + methods[:r % len(methods)]
         for method in order:
             engine = engines[method]
             before = _spec_totals(engine) if method != "none" else (0, 0)
+            drafted_before = _draft_tokens(engine)
             seconds, outputs = _run(engine, prompts, args.max_tokens)
             tokens = sum(len(o) for o in outputs)
             rates[method].append(tokens / seconds)
             lengths[method].append(_acceptance_length(engine, before) if method != "none" else 1.0)
+            verified = _spec_totals(engine)[0] - before[0]
+            drafts[method].append((_draft_tokens(engine) - drafted_before) / verified
+                                  if verified else 0.0)
             seen[method] = outputs
         for method in methods[1:]:  # like with like: the same round, so the same cached prefixes
             equal[method] = equal[method] and seen[method] == seen["none"]
@@ -204,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         rate = statistics.median(rates[m])
         step_ms = _median_ms(times[m].verify) if m != "none" else decode_ms
         print(f"{m:8} {rate:8.1f} {rate / base:7.2f}x {statistics.median(lengths[m]):11.2f} "
-              f"{_drafts_per_verification(engines[m]):7.2f} "
+              f"{statistics.median(drafts[m]):7.2f} "
               f"{step_ms:8.2f} {step_ms / decode_ms:14.3f}")
     print("drafts: draft tokens per verification; step ms: the median step that verified drafts "
           "(none: that decoded one token); verify/decode: its ratio to none's")

@@ -5,47 +5,15 @@ where the twin's scheduler already holds it."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from tests.dp_fakes import FakeReplicas, NullSink
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import SchedulerStats
 from twinserve.entrypoints import dp_front
 from twinserve.gpu.engine.dp_client import ReplicaEvent
 from twinserve.gpu.engine.engine_process import Refusal
-
-
-class _Replicas:
-    """Two replicas that report ready at once and then only what the test hands the front."""
-
-    size = 2
-
-    def __init__(self, *args: Any) -> None:
-        self._ready = [ReplicaEvent(i, "message", ("ready",)) for i in range(self.size)]
-
-    def start(self, index: int) -> None:
-        pass
-
-    def pid(self, index: int) -> int | None:
-        return None
-
-    def send(self, index: int, command: tuple) -> None:
-        pass
-
-    def poll(self, timeout_s: float) -> list[ReplicaEvent]:
-        ready, self._ready = self._ready, []
-        if not ready:
-            time.sleep(min(timeout_s, 0.01))
-        return ready
-
-    def shutdown(self) -> None:
-        pass
-
-
-class _Sink:
-    def put(self, item: Any) -> None:
-        pass
 
 
 def _step(front: Any, replica: int, accepted: list[str], running: int, waiting: int = 0,
@@ -56,17 +24,17 @@ def _step(front: Any, replica: int, accepted: list[str], running: int, waiting: 
 
 
 def test_a_sent_request_stays_in_the_load_until_accepted(monkeypatch) -> None:
-    monkeypatch.setattr(dp_front, "make_replica_set", _Replicas)
+    monkeypatch.setattr(dp_front, "make_replica_set", FakeReplicas)
     front = dp_front.DataParallelFront(EngineArgs(data_parallel_size=2, router="least-outstanding"),
                                        "llm", on_cuda=False)
     try:
         params = SamplingParams(max_tokens=4)
-        first = front.submit("a", list(range(40)), params, {}, _Sink())
+        first = front.submit("a", list(range(40)), params, {}, NullSink())
         _step(front, first, [], running=0)  # the step in progress ends before "a" is read
         load = front.loads[first]
         assert (load.num_waiting, load.num_prefill_tokens) == (1, 40)
         assert front._step_started[first] is not None  # it steps on, taking "a"
-        second = front.submit("b", list(range(40)), params, {}, _Sink())
+        second = front.submit("b", list(range(40)), params, {}, NullSink())
         assert second != first  # the stale stats alone would tie them: the lowest index, "a"'s
         _step(front, first, ["a"], running=1)
         load = front.loads[first]

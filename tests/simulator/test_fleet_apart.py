@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.simulator.test_fleet import _Skewed
 from twinserve.routers import RoundRobinRouter
 from twinserve.simulator import SimConfig, fleet_apart, simulate, write_sim_run
 from twinserve.simulator.fleet_apart import RoutedAhead
@@ -23,26 +24,6 @@ SMALL = {"model": "smollm2-135m", "hardware": "a100-80gb"}
 def workload():
     return multi_app_trace(MultiAppConfig(num_requests=150, request_rate=30.0, num_apps=6,
                                           system_len_max=1024, input_len=200, output_len=120))
-
-
-class _Skewed:
-    """Reads nothing of the replicas, never picks replica 0, and sends two of three requests
-    to replica 1: some replicas have no request among those routed ahead."""
-
-    reads_loads = False
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def route(self, request, replicas) -> int:
-        self.n += 1
-        return 2 if self.n % 3 == 0 else 1
-
-    def on_kv_events(self, replica, events) -> None:
-        pass
-
-    def on_replica_reset(self, replica) -> None:
-        pass
 
 
 def _runs(cfg, trace, make_router, monkeypatch):

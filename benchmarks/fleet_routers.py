@@ -21,16 +21,21 @@ the routers differ only in how they spread the load.
     PYTHONPATH=... python -m twinserve.benchmarks.fleet_routers [--num-apps 24] [--calls]
 
 ``--calls`` adds each replay's function calls per request against the lone replica's (cProfile):
-a count that does not move with the host's load, where the CPU times do.
+a count that does not move with the host's load, where the CPU times do. ``--fresh-processes``
+runs each replay of the rounds in a process of its own (spawned, timed around the replay only),
+so that no replay inherits the heap, the allocator's arenas or the caches of the ones before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import multiprocessing
 import pstats
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from twinserve.routers import ROUTERS
@@ -65,6 +70,8 @@ def main() -> None:
     p.add_argument("--calls", action="store_true",
                    help="also count the function calls per request of each (cProfile): "
                         "deterministic, where CPU times move with the host's load")
+    p.add_argument("--fresh-processes", action="store_true",
+                   help="run each replay of the rounds in a fresh process")
     args = p.parse_args()
     workload = MultiAppConfig(num_requests=args.num_requests, request_rate=args.rate,
                               num_apps=args.num_apps, zipf_s=args.zipf_s, input_len=args.input_len,
@@ -93,16 +100,19 @@ def main() -> None:
     cost_routers = args.cost_routers.split(",")
     fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
     lone, whole, same = [], [], []  # alternated rounds, the median of each
+    cpu: Callable[[SimConfig, list[TraceRequest]], float] = \
+        _fresh_cpu_time if args.fresh_processes else _replay_cpu_time
     for _ in range(args.repeats):
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
-            fleet[name].append(_cpu_time(cfg, trace)[0])
-        lone.append(_cpu_time(lone_cfg, quarter)[0])
-        whole.append(_cpu_time(lone_cfg, slowed)[0])
-        same.append(_cpu_time(lone_cfg, share)[0])
+            fleet[name].append(cpu(cfg, trace))
+        lone.append(cpu(lone_cfg, quarter))
+        whole.append(cpu(lone_cfg, slowed))
+        same.append(cpu(lone_cfg, share))
     median = statistics.median
     lone_ms, whole_ms = median(lone) / len(quarter), median(whole) / len(slowed)
-    print(f"\nCPU time per request, median of {args.repeats} alternated rounds; 1 replica at a "
+    print(f"\nCPU time per request, median of {args.repeats} alternated rounds"
+          f"{' (each replay in a fresh process)' if args.fresh_processes else ''}; 1 replica at a "
           f"quarter of the rate fed a quarter of the requests: {1e3 * lone_ms:.3f} ms, fed all "
           f"{len(slowed)}: {1e3 * whole_ms:.3f} ms")
     for name, walls in fleet.items():
@@ -133,6 +143,22 @@ def _cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, SimResu
     t0 = time.process_time()
     result = simulate(cfg, trace)
     return time.process_time() - t0, result
+
+
+def _replay_cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> float:
+    return _cpu_time(cfg, trace)[0]
+
+
+def _warm_replay_cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> float:
+    """The replay's CPU time after a replay of its first 50 requests (lazy imports and loads)."""
+    simulate(cfg, trace[:50])
+    return _replay_cpu_time(cfg, trace)
+
+
+def _fresh_cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> float:
+    """``_warm_replay_cpu_time`` in a spawned process of its own."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_warm_replay_cpu_time, cfg, trace).result()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 A real replay with speculation writes ``acceptance.json`` (an ``AcceptanceProfile``) into its
 run folder: vLLM's per-position counters of the engine's scheduler when the replay had them,
 else the per-request totals of ``requests.csv``; with the replay's step-by-step drafts
-(``drafts.csv``), also the chain of copying and searching steps (``CopyChain``). The twin of a
-run takes a profile given by the user (measured on another workload: the held-out check), else
+(``drafts.csv``), also the chain of copying and searching steps (``CopyChain``) and one unit per
+request (``RequestUnit``), which the twin then draws (``"draws": "requests"``). The twin of a
+run takes the profiles given by the user (measured on other workloads: the held-out check;
+several are merged), else
 the run's own (then the error table is not held out for acceptance, and the log says so), else
 none (speculation off, or ``synthetic`` acceptance whose rates the run's config already holds).
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from twinserve.core.draft_record import DRAFTS_FILE, read_drafts
 from twinserve.fidelity.backend import Log
 from twinserve.simulator.acceptance import AcceptanceProfile, CopyChain, RequestUnit
+from twinserve.simulator.acceptance_merge import load_profiles
 
 ACCEPTANCE_FILE = "acceptance.json"
 
@@ -48,19 +51,22 @@ def record_acceptance(run_dir: Path, workload: str,
     drafts_file = run_dir / DRAFTS_FILE
     if drafts_file.is_file():
         steps = read_drafts(drafts_file)
-        profile = dataclasses.replace(profile, chain=CopyChain.fit(steps),
-                                      requests=RequestUnit.fit(steps))
+        units = RequestUnit.fit(steps)
+        profile = dataclasses.replace(profile, chain=CopyChain.fit(steps), requests=units,
+                                      draws="requests" if units else "pooled")
     profile.save(run_dir / ACCEPTANCE_FILE)
     return profile
 
 
-def twin_acceptance(real_dir: Path, given: Path | None, log: Log) -> AcceptanceProfile | None:
-    """The acceptance the twin of ``real_dir`` replays (module doc)."""
-    if given is not None:
-        profile = AcceptanceProfile.load(given)
-        log(f"acceptance: given ({given}, measured on {profile.workload or 'an unnamed workload'}"
-            f", mean acceptance length {profile.mean_acceptance_length:.2f}, {profile.draws} "
-            "draws)")
+def twin_acceptance(real_dir: Path, given: Sequence[Path],
+                    log: Log) -> AcceptanceProfile | None:
+    """The acceptance the twin of ``real_dir`` replays (module doc); several files given are
+    merged (``simulator.acceptance_merge``)."""
+    if given:
+        profile = load_profiles(given)
+        log(f"acceptance: given ({', '.join(map(str, given))}, measured on "
+            f"{profile.workload or 'an unnamed workload'}, mean acceptance length "
+            f"{profile.mean_acceptance_length:.2f}, {profile.draws} draws)")
         return profile
     own = real_dir / ACCEPTANCE_FILE
     spec = json.loads((real_dir / "config.json").read_text()).get("speculative_config") or {}

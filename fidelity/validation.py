@@ -41,8 +41,9 @@ class ValidateSettings:
     replays (the twin is judged against their median); ``at_speed``: ``host`` or ``replay`` to
     simulate at the replays' speed; ``profile_cache``: the cache folder (``None``: no cache);
     ``full_space``: calibrate over the engine's whole step space, not the workload's reach;
-    ``acceptance_profile``: with speculation, the drafts' acceptance measured on another
-    workload that the twin replays (``None``: the replay's own, ``fidelity.acceptance``)."""
+    ``acceptance_profile``: with speculation, the drafts' acceptance measured on other
+    workloads that the twin replays, merged where several (empty: the replay's own,
+    ``fidelity.acceptance``)."""
 
     profile: str | None = None
     reuse_real: tuple[Path, ...] = ()
@@ -52,7 +53,7 @@ class ValidateSettings:
     profile_cache: Path | None = None
     full_space: bool = False
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
-    acceptance_profile: Path | None = None
+    acceptance_profile: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         if self.real_repeats < 1:

@@ -37,8 +37,7 @@ Bursty acceptance, measured (``CopyChain``; profile format version 2):
   all of it is accepted; a searching step finds drafts with ``search_proposal_rate``,
   ``search_draft_length`` long, accepted per position with ``search_rates`` (one rate fitted
   to the searching verifications' totals).
-- The twin draws from the chain only where the profile's ``draws`` is ``"chain"``; measured
-  profiles say ``"pooled"``. Held out between two workloads the chain did worse than pooled
+- The twin draws from the chain only where the profile's ``draws`` is ``"chain"``. Held out between two workloads the chain did worse than pooled
   draws (``docs/speculative-decoding.md``, "Bursty acceptance": TPOT -15% against -2% one way,
   p90 E2EL +28% against +5% the other): when requests start copying is a property of the
   workload, which the pooled rates average away. It is kept as an explicit choice, with the
@@ -57,10 +56,12 @@ Whole requests, measured (``RequestUnit``; profile format version 3):
   request) and replays it: searching with the unit's own proposal rate, draft length and one
   rate fitted to its totals until its onset, counted in output tokens from the request's
   first proposal, then copying its copy length whole. Past a unit's span it keeps its state.
-- Measured profiles say ``"pooled"``: the units describe their own workload better than pooled
-  draws and another workload worse, since when requests start copying differs between
-  workloads and follows neither the prompt's length nor the output's, so a bootstrap carries
-  the measured workload's onsets over (``docs/speculative-decoding.md``, "Whole requests").
+- Measured profiles with units draw them (``"requests"``). Held out by requests (acceptance
+  measured on other windows of the same trace) the units carry the tail, which pooled draws,
+  giving every request the same speed, cannot. Held out by kind (another workload's shape)
+  neither carries over: when requests start copying differs between workloads and follows
+  neither the prompt's length nor the output's (``docs/speculative-decoding.md``, "Whole
+  requests"). The other draws stay available by setting ``draws`` in the file.
 """
 
 from __future__ import annotations

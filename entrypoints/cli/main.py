@@ -57,10 +57,10 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
                    help="share of requests decoding under a grammar (JSON mode), charged the "
                         "profile's mask time (simulator/structured_cost.py); default 0")
-    p.add_argument("--acceptance-profile", default=None, metavar="FILE",
+    p.add_argument("--acceptance-profile", default=None, nargs="+", metavar="FILE",
                    help="with --speculative-config: the drafts' per-position acceptance measured "
-                        "on real runs (a JSON profile that calibrate and validate write); "
-                        "default: the config's synthetic_acceptance_rate")
+                        "on real runs (JSON profiles that calibrate and validate write, merged "
+                        "where several); default: the config's synthetic_acceptance_rate")
     p.add_argument("--label", default=None, help="name of the run in reports")
     p.add_argument("--out", default=None, help="run folder (default runs/sim-<policy>)")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -108,13 +108,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _acceptance_profile(args: argparse.Namespace, cfg: Any) -> Any:
     """``--acceptance-profile``'s profile (None without the flag); refused without speculation."""
-    path = getattr(args, "acceptance_profile", None)
-    if path is None:
+    paths = getattr(args, "acceptance_profile", None)
+    if not paths:
         return None
     if cfg.engine.speculation is None:
         raise ValueError("--acceptance-profile needs --speculative-config (speculation is off).")
-    from twinserve.simulator.acceptance import AcceptanceProfile
-    return AcceptanceProfile.load(path)
+    from twinserve.simulator.acceptance_merge import load_profiles
+    return load_profiles(paths)
 
 
 def _print_summary(summary: dict, title: str) -> None:

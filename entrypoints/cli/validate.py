@@ -133,10 +133,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="with --prefill-instances: the twin's link (nvlink, infiniband, pcie or "
                         "measured; default: the profile's measured kv_link, else this "
                         "machine's connector measured now)")
-    p.add_argument("--acceptance-profile", default=None, metavar="FILE",
+    p.add_argument("--acceptance-profile", default=None, nargs="+", metavar="FILE",
                    help="with --speculative-config: the drafts' acceptance the twin replays, "
-                        "measured on another workload (a replay's acceptance.json); default: "
-                        "the replay's own")
+                        "measured on other workloads (replays' acceptance.json, merged where "
+                        "several); default: the replay's own")
     add_engine_args(p)
     add_calibration_flags(p)
     p.set_defaults(handler=run_validate)
@@ -165,11 +165,7 @@ def validate_settings(args: argparse.Namespace) -> ValidateSettings:
     return ValidateSettings(args.profile, tuple(Path(d) for d in args.reuse_real or ()),
                             args.real_repeats, at_speed, args.detokenize, cache,
                             getattr(args, "full_space", False), calibration_settings(args),
-                            _path(getattr(args, "acceptance_profile", None)))
-
-
-def _path(text: str | None) -> Path | None:
-    return Path(text) if text else None
+                            tuple(Path(f) for f in getattr(args, "acceptance_profile", None) or ()))
 
 
 def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = None) -> int:

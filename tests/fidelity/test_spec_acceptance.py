@@ -55,10 +55,10 @@ def test_twin_replays_the_given_acceptance_before_the_runs_own(tmp_path):
     record_acceptance(folder, "code-edits")
     given = AcceptanceProfile("rewrites", (0.95,)).save(tmp_path / "rewrites.json")
     messages: list[str] = []
-    chosen = twin_acceptance(folder, given, messages.append)
+    chosen = twin_acceptance(folder, (given,), messages.append)
     assert chosen is not None and chosen.workload == "rewrites" and "given" in messages[-1]
     assert "pooled draws" in messages[-1]
-    own = twin_acceptance(folder, None, messages.append)
+    own = twin_acceptance(folder, (), messages.append)
     assert own is not None and own.workload == "code-edits" and "not held out" in messages[-1]
     workload = Workload(tuple(TRACE), {"trace": "synthetic"})
     twin_given = simulate_twin("a100-80gb", workload, folder, tmp_path / "sim1",
@@ -73,7 +73,7 @@ def test_twin_replays_the_given_acceptance_before_the_runs_own(tmp_path):
 def test_synthetic_runs_keep_their_configured_rates(tmp_path):
     folder, _ = spec_run(tmp_path, 0.6)
     record_acceptance(folder, "synthetic")
-    assert twin_acceptance(folder, None, lambda m: None) is None
+    assert twin_acceptance(folder, (), lambda m: None) is None
 
 
 def test_a_capped_self_tuning_run_is_measured_against_its_cap(tmp_path):
@@ -98,7 +98,7 @@ def test_a_runs_drafts_record_gives_its_profile_one_unit_per_request(tmp_path):
             for s in record(onset, 30)]
     write_drafts(folder / DRAFTS_FILE, rows)
     profile = record_acceptance(folder, "synthetic")
-    assert profile is not None and profile.draws == "pooled"  # units recorded, not drawn
+    assert profile is not None and profile.draws == "requests"  # units recorded and drawn
     assert [u.onset for u in profile.requests] == [4, None]
     assert profile.chain is not None
     saved = AcceptanceProfile.load(folder / ACCEPTANCE_FILE)

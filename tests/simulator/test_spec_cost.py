@@ -239,3 +239,16 @@ def test_simulate_command_replays_an_acceptance_profile(tmp_path, capsys):
     assert 0 < summary["spec_num_drafts"] < 0.7 * summary["total_output_tokens"] / 3
     assert main([*base, "--acceptance-profile", str(profile), "--out", str(tmp_path / "off")]) != 0
     assert "needs --speculative-config" in capsys.readouterr().err
+
+
+def test_simulate_merges_several_acceptance_profiles(tmp_path):
+    from twinserve.entrypoints.cli.main import main
+    files = [AcceptanceProfile.from_totals(name, 100, 400, accepted).save(tmp_path / f"{name}.json")
+             for name, accepted in (("edits", 300), ("chat", 60))]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"})
+    assert main(["simulate", "--trace", "synthetic", "--num-requests", "5", "--disable-tqdm",
+                 "--speculative-config", spec, "--acceptance-profile", *map(str, files),
+                 "--out", str(tmp_path / "run")]) == 0
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["acceptance_profile"]
+    assert recorded["workload"] == "edits + chat"
+    assert recorded["num_accepted_tokens"] == 360 and recorded["num_drafts"] == 200

@@ -47,12 +47,12 @@ def test_the_record_adds_up_to_each_requests_counters(replay_dir):
             assert after.position == before.position + 1 + after.num_accepted
 
 
-def test_the_runs_profile_carries_its_chain_and_draws_pooled(replay_dir):
+def test_the_runs_profile_carries_its_chain_and_draws_its_units(replay_dir):
     from twinserve.fidelity.acceptance import ACCEPTANCE_FILE, record_acceptance
     profile = record_acceptance(replay_dir, "synthetic")
-    assert profile is not None and profile.draws == "pooled"
+    assert profile is not None and profile.draws == "requests"
     data = json.loads((replay_dir / ACCEPTANCE_FILE).read_text())
-    assert data["format_version"] == 3 and data["draws"] == "pooled"
+    assert data["format_version"] == 3 and data["draws"] == "requests"
     assert len(profile.requests) == len(data["requests"]) == len(TRACE)  # one unit a request
     asked = sum(s.num_asked > 0 for s in read_drafts(replay_dir / DRAFTS_FILE))
     assert profile.chain is not None  # the tiny random model loops, and ngram copies the loop

@@ -37,11 +37,11 @@ Bursty acceptance, measured (``CopyChain``; profile format version 2):
   all of it is accepted; a searching step finds drafts with ``search_proposal_rate``,
   ``search_draft_length`` long, accepted per position with ``search_rates`` (one rate fitted
   to the searching verifications' totals).
-- The twin draws from the chain only where the profile's ``draws`` is ``"chain"``. Held out between two workloads the chain did worse than pooled
-  draws (``docs/speculative-decoding.md``, "Bursty acceptance": TPOT -15% against -2% one way,
-  p90 E2EL +28% against +5% the other): when requests start copying is a property of the
-  workload, which the pooled rates average away. It is kept as an explicit choice, with the
-  record that made it measurable.
+- The twin draws from the chain only where the profile's ``draws`` is ``"chain"``. Held out
+  between two workloads the chain did worse than pooled draws (``docs/speculative-decoding.md``,
+  "Bursty acceptance"): when requests start copying is a property of the workload, which the
+  pooled rates average away. It is kept as an explicit choice, with the record that made it
+  measurable.
 - Draws stay counter-based: a request's n-th proposing step copies iff ``u(request, n) < p``
   with the previous state's ``p``, so runs whose policies propose at the same steps see the
   same states; acceptance while searching is drawn per token position as above.

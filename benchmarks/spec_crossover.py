@@ -247,6 +247,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--real", action="store_true", help="also measure on this CPU's real engine")
     p.add_argument("--real-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     p.add_argument("--real-requests", type=int, default=24)
+    p.add_argument("--twin-at-real-rates", action="store_true",
+                   help="the twin at --real-rates with --real-requests requests, without --real")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="the CPU twin's profile (default: the cached calibration of the bundled "
+                        "model with the most step tokens); with --real, replays run on --threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the real replays with --profile (default 1)")
     p.add_argument("--no-relevel", dest="relevel", action="store_false",
                    help="with --real: keep the cached CPU profile's level (default: re-level it "
                         "to the host's speed now)")
@@ -272,7 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.cpu_only:
         print(report("twin", GPU, sweep(GPU, point, rates)))
     if not args.gpu_only:
-        model_dir, hardware, threads = cpu_profile()
+        if args.profile is None:
+            model_dir, hardware, threads = cpu_profile()
+        else:
+            from twinserve.fidelity.backend import model_dir_or_default
+            model_dir, hardware, threads = model_dir_or_default(None), args.profile, args.threads
         if args.real:
             from twinserve.fidelity.threads import set_threads
             set_threads(threads)  # the profile's: the probe and the replays run as it was timed
@@ -280,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hardware = relevelled(model_dir, hardware)
         setting = cpu_setting(model_dir, hardware)
         print(report("twin", setting, sweep(setting, point, rates)))
-        if args.real:
+        if args.real or args.twin_at_real_rates:
             real = Setting(setting.name, setting.model, setting.hardware, args.real_rates,
                            setting.input_len, setting.output_len, setting.max_num_seqs,
                            setting.max_num_batched_tokens, setting.max_model_len)
@@ -288,9 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            r: Sequence[float]) -> dict[str, float]:  # the replays' request count
                 return twin_point(setting, mode, rate, r, args.real_requests, profile)
             twin = sweep(real, real_sized, rates)
+            print(report("twin at the real rates", real, twin))
+        if args.real:
             with tempfile.TemporaryDirectory() as folder:
                 measured = sweep(real, real_points(args.real_requests, Path(folder)), rates)
-            print(report("twin at the real rates", real, twin))
             print(report("real engine", real, measured))
     return 0
 

@@ -53,7 +53,7 @@ def calibrate(engine: EngineArgs, out: str | Path,
     from twinserve.fidelity.threads import set_threads
     from twinserve.gpu.worker.platform import current_platform
     from twinserve.simulator.calibration import save_profile
-    from twinserve.simulator.hardware import load_hardware
+    from twinserve.simulator.hardware import STEP_SPACE_KEYS, load_hardware
     from twinserve.simulator.model_spec import load_model_spec
     log = log or (lambda msg: None)
     settings = settings or CalibrationSettings()
@@ -77,8 +77,12 @@ def calibrate(engine: EngineArgs, out: str | Path,
     cal.params = dataclasses.replace(cal.params, source=(
         f"twinserve calibrate on {device} ({dtype}, {len(cal.samples)} steps)"))
     note = f"Calibrated for {name} on {device} {dtype}{' (quick)' if settings.quick else ''}."
+    limits = runner.engine_config.scheduler
+    covered = space or StepSpace(limits.max_num_seqs, limits.max_num_batched_tokens,
+                                 runner.max_model_len)
     path = save_profile(cal, model, base, out, engine.block_size, note, platform,
-                        measure_interconnect(runner, engine, log), engine.kernel_settings())
+                        measure_interconnect(runner, engine, log), engine.kernel_settings(),
+                        dict(zip(STEP_SPACE_KEYS, covered.as_tuple())))
     path = add_mask_timing(path, runner, log)
     path = with_stage_slowdown(path, measurement.stage_slowdowns)
     return CalibrationResult(add_kv_link(path, runner, log), cal, model)

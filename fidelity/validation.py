@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from twinserve.fidelity.workload import Workload
 if TYPE_CHECKING:
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.worker.model_runner import ModelRunner
+    from twinserve.traces import TraceRequest
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,23 +112,35 @@ def validate(engine: EngineArgs, workload: Workload, out: str | Path,
                     title=f"sim vs real ({policy}, {len(workload.requests)} requests, "
                           f"{len(real_dirs)} real run(s), profile {profile})")
     table.write(out)
-    mismatch = kernel_mismatch(base_profile, engine, real_dirs[0])
+    mismatch = kernel_mismatch(base_profile, engine, real_dirs[0], workload.requests)
     if mismatch is not None:
         log(f"WARNING: {mismatch}")
     return ValidationResult(table, tuple(real_dirs), twin_dir, Path(profile), source, policy,
                             mismatch)
 
 
-def kernel_mismatch(profile: str | Path, engine: EngineArgs, real_dir: Path) -> str | None:
+def kernel_mismatch(profile: str | Path, engine: EngineArgs, real_dir: Path,
+                    requests: Sequence[TraceRequest] = ()) -> str | None:
     """How the kernels ``profile``'s fit was measured under differ from the ones the engine
-    ran (None: the same): a profile calibrated under other kernels predicts other step times."""
+    ran, and where the real run's limits, within what ``requests`` reach
+    (``reachable_space``), pass the fit's measured steps (None: neither): a profile
+    calibrated under other kernels, or on smaller steps, predicts other step times."""
     from twinserve.core.kernel_settings import kernel_settings_mismatch
-    tp = int(json.loads((real_dir / "config.json").read_text()).get("tensor_parallel_size", 1))
-    fit = profile_fit(profile, str(engine.model), tp)
+    from twinserve.simulator.hardware import STEP_SPACE_KEYS
+    config = json.loads((real_dir / "config.json").read_text())
+    fit = profile_fit(profile, str(engine.model), int(config.get("tensor_parallel_size", 1)))
     if fit is None:
         return None
-    differ = kernel_settings_mismatch(fit.to_dict(), engine.kernel_settings())
-    return None if differ is None else f"profile {profile}: {differ}"
+    spec = config.get("speculative_config") or {}
+    k = int(spec.get("max_num_speculative_tokens") or spec.get("num_speculative_tokens") or 0)
+    beyond = ""
+    if all(config.get(key) for key in STEP_SPACE_KEYS):
+        limits = StepSpace(*(int(config[key]) for key in STEP_SPACE_KEYS))
+        reach = reachable_space(requests, limits) if requests else limits
+        beyond = fit.beyond(dict(zip(STEP_SPACE_KEYS, reach.as_tuple())), k)
+    differ = "; ".join(p for p in (kernel_settings_mismatch(fit.to_dict(),
+                                                            engine.kernel_settings()), beyond) if p)
+    return f"profile {profile}: {differ}" if differ else None
 
 
 def _policy(real_dir: Path) -> str:

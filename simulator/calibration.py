@@ -538,14 +538,18 @@ def calibrate_from_runs(run_dirs: Sequence[str | Path], model_name: str,
 def save_profile(cal: Calibration, model: str, base_hardware: str, out: str | Path,
                  block_size: int = 16, note: str = "", platform: Platform | None = None,
                  interconnect: tuple[float, float] | None = None,
-                 kernel_settings: KernelSettings | None = None) -> Path:
+                 kernel_settings: KernelSettings | None = None,
+                 step_space: Mapping[str, int] | None = None) -> Path:
     """The base profile + ``cal.params`` (+ the measured swap bandwidth) written to ``out``.
     ``platform``: the measured device, whose type and bf16 support the profile then records,
     so the twin resolves the engine arguments as the real engine did there.
     ``kernel_settings``: the kernels the measured steps ran, recorded in the fit
-    (``core.kernel_settings.kernel_settings_mismatch`` compares them with an engine's)."""
+    (``core.kernel_settings.kernel_settings_mismatch`` compares them with an engine's).
+    ``step_space``: the limits the measured steps spanned (``FittedParams.beyond``)."""
     params = cal.params if kernel_settings is None else replace(
         cal.params, kernel_settings=kernel_settings.to_dict())
+    if step_space is not None:
+        params = replace(params, step_space=dict(step_space))
     base = load_hardware(base_hardware)
     if platform is not None:
         base = replace(base, device_type=platform.device_type, native_bf16=platform.native_bf16)

@@ -30,6 +30,8 @@ _ALIASES = MappingProxyType({"h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100"
                              "h200-141gb": "h200"})
 
 
+STEP_SPACE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
 @dataclass(slots=True, frozen=True)
 class FittedParams:
     """A linear step-time model measured for one model at one tensor-parallel size.
@@ -56,6 +58,8 @@ class FittedParams:
     # the engine's kernel choices while the fitted steps ran (``core.kernel_settings``); empty
     # for a fit that did not record them (older profiles, other engines' measurements)
     kernel_settings: Mapping[str, Any] = field(default_factory=dict)
+    # the engine limits the fitted steps spanned (``STEP_SPACE_KEYS``); empty where not recorded
+    step_space: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("intercept_s", self.intercept_s)
@@ -78,11 +82,36 @@ class FittedParams:
         if kernels:  # every field, each valid
             kernels = KernelSettings.from_mapping(kernels).to_dict()
         object.__setattr__(self, "kernel_settings", MappingProxyType(kernels))
+        space = dict(self.step_space)
+        if space and (set(space) != set(STEP_SPACE_KEYS) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in space.values())):
+            raise ValueError(f"step_space must map {list(STEP_SPACE_KEYS)} to integers >= 1, "
+                             f"got {space!r}.")
+        object.__setattr__(self, "step_space", MappingProxyType(space))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}.")
         if not isinstance(self.num_samples, int) or self.num_samples < 0:
             raise ValueError(f"num_samples must be a non-negative integer, got {self.num_samples!r}.")
+
+    def beyond(self, limits: Mapping[str, int], speculative_tokens: int = 0) -> str:
+        """Which of an engine's ``limits`` (``STEP_SPACE_KEYS``) reach past the steps this fit
+        was measured on ("": none, or no space recorded): the twin extrapolates there. With
+        ``speculative_tokens`` k, a verification step holds up to ``max_num_seqs`` x (1 + k)
+        rows, which the CPU's decode kernel runs as that many sequences."""
+        space = self.step_space
+        if not space:
+            return ""
+        reach = dict(limits)
+        if speculative_tokens:
+            reach["max_num_seqs"] = reach["max_num_seqs"] * (1 + speculative_tokens)
+        over = [f"{k} {reach[k]} (fitted up to {space[k]})" for k in STEP_SPACE_KEYS
+                if reach[k] > space[k]]
+        if not over:
+            return ""
+        rows = " with verification rows" if speculative_tokens else ""
+        return ("the engine's steps reach past the profile's measured ones" + rows + ": "
+                + ", ".join(over) + "; the twin extrapolates there (calibrate over these limits)")
 
     def matches(self, model_name: str, tensor_parallel_size: int) -> bool:
         same_model = self.model is None or self.model.lower() == model_name.lower()
@@ -125,6 +154,8 @@ class FittedParams:
             data["speed_probe"] = dict(self.speed_probe)
         if self.kernel_settings:
             data["kernel_settings"] = dict(self.kernel_settings)
+        if self.step_space:
+            data["step_space"] = dict(self.step_space)
         return data
 
     @classmethod

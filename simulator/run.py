@@ -204,7 +204,7 @@ class SimResult:
     wall_time_s: float
     cost_model: str = ""  # which profile and data the step times rest on (DeviceCostModel.describe)
     roofline_gap: str = ""  # on a roofline only: how far rooflines fell short where measured
-    kernel_mismatch: str = ""  # the fit records other kernel settings than the engine's
+    kernel_mismatch: str = ""  # the fit ran other kernels, or steps short of this run's
     # a disaggregated run's per-request parts (run folder columns); None: aggregated
     disaggregated: dict[str, DisaggregatedParts] | None = None
 
@@ -404,7 +404,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         summary.update(kv_offload_summary([t[0].stats for t in tiers]))  # type: ignore[union-attr]
     gap = roofline_caveat() if isinstance(cost, CostModel) else ""
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
-                     time.perf_counter() - t0, cost.describe(), gap, _kernel_mismatch(cost, cfg))
+                     time.perf_counter() - t0, cost.describe(), gap,
+                     _kernel_mismatch(cost, cfg, engine_config, trace))
 
 
 def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],
@@ -485,13 +486,26 @@ def _host_tier(engine_config: EngineConfig, block_size: int, hardware: HardwareP
             TwinOffloadingWorker(host_link_of(hardware), engine_config.block_bytes))
 
 
-def _kernel_mismatch(cost: DeviceCostModel, cfg: SimConfig) -> str:
-    """How the kernel settings the fit was measured under differ from the engine's ("": the
-    same, or a fit that records none, such as the bundled GPU fits): the twin prices the
-    measured kernels whatever the engine arguments name."""
-    if not isinstance(cost, FittedCostModel) or not cost.params.kernel_settings:
+def _kernel_mismatch(cost: DeviceCostModel, cfg: SimConfig, engine_config: EngineConfig,
+                     trace: Sequence[TraceRequest]) -> str:
+    """How the fit's measurement differs from this run ("": not at all, or a fit that records
+    nothing, such as the bundled GPU fits): the kernel settings it ran (the twin prices the
+    measured kernels whatever the engine arguments name), and steps past its measured space
+    that the trace can reach (no more sequences than requests, no longer context than its
+    longest request, no more tokens than all its prompts)."""
+    if not isinstance(cost, FittedCostModel):
         return ""
-    return kernel_settings_mismatch(cost.params.to_dict(), cfg.engine.kernel_settings()) or ""
+    params, parts = cost.params, []
+    if params.kernel_settings:
+        parts.append(kernel_settings_mismatch(params.to_dict(), cfg.engine.kernel_settings()))
+    spec, sched = cfg.engine.speculation, engine_config.scheduler
+    reach = {"max_num_seqs": min(sched.max_num_seqs, len(trace)),
+             "max_num_batched_tokens": min(sched.max_num_batched_tokens,
+                                           sum(r.input_tokens for r in trace)),
+             "max_model_len": min(engine_config.max_model_len, max(
+                 (r.input_tokens + r.output_tokens for r in trace), default=0))}
+    parts.append(params.beyond(reach, spec.max_drafts if spec is not None else 0))
+    return "; ".join(p for p in parts if p)
 
 
 @contextmanager

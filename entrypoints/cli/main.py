@@ -100,7 +100,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if result.roofline_gap:
         print(result.roofline_gap)
     if result.kernel_mismatch:
-        print(f"WARNING: the profile's fit ran other kernels: {result.kernel_mismatch}",
+        print(f"WARNING: the profile's fit does not match this run: {result.kernel_mismatch}",
               file=sys.stderr)
     print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
     return 0

@@ -25,6 +25,7 @@ from twinserve.planner.search import RateGrid, SearchOutcome, SearchTask, search
 from twinserve.planner.space import Candidate, size_candidate
 from twinserve.planner.spec import PlanSpec
 from twinserve.simulator.acceptance import AcceptanceProfile
+from twinserve.simulator.acceptance_merge import load_profiles
 from twinserve.simulator.sweep import POINTS_DIR, execute
 from twinserve.simulator.sweep import _check_run_args as check_run_args
 from twinserve.traces import TraceRequest, load_trace
@@ -66,8 +67,8 @@ def run_plan(spec: PlanSpec, out_dir: str | Path, backend: str = "local", worker
     trace = plan_trace(spec)
     longest = max(r.input_tokens + r.output_tokens for r in trace)
     longest_prompt = max(r.input_tokens for r in trace)
-    acceptance = (AcceptanceProfile.load(spec.acceptance_profile)
-                  if spec.acceptance_profile is not None else None)
+    acceptance = (load_profiles(spec.acceptance_profile)
+                  if spec.acceptance_profile else None)
     fingerprint = _fingerprint(spec, len(trace))
     grid = rate_grid(spec, len(trace))
     rows: dict[str, dict[str, Any]] = {}

@@ -77,7 +77,7 @@ class PlanSpec:
     grid: RateGrid
     dominance_slack: float = 1.5
     early_stop: bool = True
-    acceptance_profile: str | None = None
+    acceptance_profile: tuple[str, ...] = ()  # measured profiles, merged where several
     source: str = "<plan>"
 
     def price(self, hardware: str) -> float:
@@ -148,10 +148,13 @@ def _parse(data: Mapping[str, Any]) -> PlanSpec:
     for hardware in space.hardware:
         table.price(hardware)  # ValueError naming a GPU without a price
     profile = search.get("acceptance_profile")
-    if profile is not None and not isinstance(profile, str):
-        raise ValueError(f"search.acceptance_profile: expected a file name, got {profile!r}.")
+    files = [profile] if isinstance(profile, str) else profile
+    if profile is not None and (not isinstance(files, list) or not files
+                                or not all(isinstance(f, str) and f for f in files)):
+        raise ValueError(f"search.acceptance_profile: expected a file name or a list of them "
+                         f"(merged), got {profile!r}.")
     return PlanSpec(space, slos, str(workload.get("trace", "azure-conv")), num, duration, table,
-                    grid, slack, early, profile)
+                    grid, slack, early, tuple(files or ()))
 
 
 def _space(data: Mapping[str, Any]) -> PlanSpace:

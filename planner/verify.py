@@ -28,7 +28,7 @@ from twinserve.planner.plan import _fingerprint, plan_trace, rate_grid
 from twinserve.planner.search import RateGrid, SearchTask, _read_point, replay_point, replay_requests
 from twinserve.planner.slo import FAIL, PASS
 from twinserve.planner.spec import PlanSpec
-from twinserve.simulator.acceptance import AcceptanceProfile
+from twinserve.simulator.acceptance_merge import load_profiles
 from twinserve.simulator.run import SimConfig
 from twinserve.traces import TraceRequest
 
@@ -73,8 +73,8 @@ class TwinSide:
         self.trace: list[TraceRequest] = plan_trace(spec)
         self.grid = rate_grid(spec, len(self.trace))
         self._fingerprint = _fingerprint(spec, len(self.trace))
-        self._acceptance = (AcceptanceProfile.load(spec.acceptance_profile)
-                            if spec.acceptance_profile is not None else None)
+        self._acceptance = (load_profiles(spec.acceptance_profile)
+                            if spec.acceptance_profile else None)
 
     def requests(self, rate: float) -> list[TraceRequest]:
         """The requests of a replay at ``rate``: the twin's and the real engine's alike."""

@@ -49,8 +49,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                       help="adds every xPyD deployment with x + y <= N to --disaggregation")
     search = p.add_argument_group("search")
     for flag in SEARCH_FLAGS:
-        search.add_argument(f"--{flag.replace('_', '-')}", default=None,
-                            type=str if flag == "acceptance_profile" else float)
+        if flag == "acceptance_profile":
+            search.add_argument("--acceptance-profile", default=None, nargs="+", metavar="FILE",
+                                help="measured acceptance profiles of the speculation axis "
+                                     "(merged where several)")
+        else:
+            search.add_argument(f"--{flag.replace('_', '-')}", default=None, type=float)
     search.add_argument("--no-early-stop", action="store_true", help="replay every rate to its end")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--workers", type=int, default=None, help="local processes (default: cores)")

@@ -400,3 +400,25 @@ def test_a_best_yaml_with_pool_arguments_resolves_in_simulate_and_serve(tmp_path
     ran = json.loads((out / "config.json").read_text())
     assert (ran["prefill_args"], ran["decode_args"]) == (written["prefill_args"], written["decode_args"])
     assert ran["max_num_seqs"] == 64
+
+
+def test_acceptance_profiles_are_one_file_or_several_merged(tmp_path) -> None:
+    from twinserve.entrypoints.cli.plan import plan_mapping
+    from twinserve.planner.verify import TwinSide
+    from twinserve.simulator.acceptance import AcceptanceProfile
+    files = [str(AcceptanceProfile.from_totals(n, 100, 400, a).save(tmp_path / f"{n}.json"))
+             for n, a in (("edits", 300), ("chat", 60))]
+    assert parse_plan({**BASE, "search": {"acceptance_profile": files[0]}}).acceptance_profile \
+        == (files[0],)
+    assert parse_plan(BASE).acceptance_profile == ()
+    for bad in ([], [files[0], 3], {"a": 1}):
+        with pytest.raises(ValueError, match="search.acceptance_profile: expected a file name"):
+            parse_plan({**BASE, "search": {"acceptance_profile": bad}})
+    args = parse_args(build_parser(only="plan"), ["plan", "--model", "llama-3-8b", "--max-gpus", "2", "--hardware",
+                      "h100-sxm", "--slo", "ttft_p90_ms=2000", "--acceptance-profile", *files,
+                      "--out", str(tmp_path / "out")])
+    spec = parse_plan(*plan_mapping(args))
+    assert spec.acceptance_profile == tuple(files)
+    merged = TwinSide(spec, tmp_path / "out")._acceptance  # what the verified replays draw
+    assert merged is not None and merged.workload == "edits + chat"
+    assert merged.num_accepted_tokens == 360

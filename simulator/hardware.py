@@ -32,6 +32,7 @@ _ALIASES = MappingProxyType({"h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100"
 
 STEP_SPACE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
+
 @dataclass(slots=True, frozen=True)
 class FittedParams:
     """A linear step-time model measured for one model at one tensor-parallel size.

@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "model with the most step tokens); with --real, replays run on --threads")
     p.add_argument("--fresh-processes", action="store_true",
                    help="with --real, each real replay in a spawned process of its own")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the real replays with --profile (default 1)")
     p.add_argument("--no-relevel", dest="relevel", action="store_false",
                    help="with --real: keep the cached CPU profile's level (default: re-level it "
@@ -291,6 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lookup-costs", action="store_true",
                    help="only time the ngram and suffix proposers on this host and exit")
     args = p.parse_args(argv)
+    if args.fresh_processes and not args.real:
+        p.error("--fresh-processes needs --real (it runs the real replays)")
+    if args.threads is not None and args.profile is None:
+        p.error("--threads needs --profile (the cached profile's own threads are used)")
+    if args.twin_at_real_rates and args.gpu_only:
+        p.error("--twin-at-real-rates needs the CPU setting (not --gpu-only)")
     if args.lookup_costs:
         for name, (per_step, per_seq) in lookup_costs().items():
             print(f"{name}: {per_step * 1e6:.1f} us per step + {per_seq * 1e6:.1f} us per sequence")
@@ -314,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir, hardware, threads = cpu_profile()
         else:
             from twinserve.fidelity.backend import model_dir_or_default
-            model_dir, hardware, threads = model_dir_or_default(None), args.profile, args.threads
+            model_dir, hardware, threads = model_dir_or_default(None), args.profile, args.threads or 1
         if args.real:
             from twinserve.fidelity.threads import set_threads
             set_threads(threads)  # the profile's: the probe and the replays run as it was timed

@@ -8,6 +8,7 @@ least recently used cached block is evicted first.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -38,11 +39,15 @@ class FreeKVCacheBlockQueue:
     operation is O(1) amortised: the list is compacted as its consumed or stale part grows.
     """
 
-    __slots__ = ("_items", "_head", "_stale", "_num_stale", "num_free")
+    __slots__ = ("_items", "_head", "_stale", "_num_stale", "num_free", "_dropped", "_hashed")
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self._items: list[KVCacheBlock] = []
         self._head = 0  # entries before it were popped
+        self._dropped = 0  # entries compacted away: an entry's position is this + its index
+        # The positions of the entries whose block carried a hash when it joined, ascending
+        # (None until ``unhashed_ahead`` is first asked): every stale entry is among them.
+        self._hashed: deque[int] | None = None
         self._stale: dict[KVCacheBlock, int] = {}  # block -> its stale entries at or after head
         self._num_stale = 0
         self.num_free = 0
@@ -66,8 +71,29 @@ class FreeKVCacheBlockQueue:
         self.num_free -= n
         if self._head >= _COMPACT_AT and 2 * self._head >= len(self._items):
             del self._items[:self._head]
+            self._dropped += self._head
             self._head = 0
         return out
+
+    def unhashed_ahead(self, n: int) -> bool:
+        """Whether the first ``n`` free blocks (``peek(n)``) all carry no hash, so handing them
+        out evicts nothing, read off the positions of the entries that joined with a hash,
+        without touching a block. A free block gains no hash (only a block in use is
+        registered), and revival finds a block by its hash, so the entries before the first
+        such position are live and carry none. The positions are kept from the first call on."""
+        hashed = self._hashed
+        if hashed is None:
+            hashed = self._hashed = self._hashed_positions()
+        head = self._dropped + self._head
+        while hashed and hashed[0] < head:
+            hashed.popleft()
+        return not hashed or hashed[0] - head >= n
+
+    def _hashed_positions(self) -> deque[int]:
+        """The positions of the entries whose block carries a hash or is stale."""
+        stale, at = self._stale, self._dropped + self._head
+        return deque(at + i for i, block in enumerate(self._items[self._head:])
+                     if block.block_hash is not None or block in stale)
 
     def peek(self, n: int) -> list[KVCacheBlock]:
         """The blocks ``popleft_n(n)`` would return (at most the free ones), left in place."""
@@ -110,11 +136,17 @@ class FreeKVCacheBlockQueue:
         self._num_stale -= 1
 
     def append(self, block: KVCacheBlock) -> None:
+        if self._hashed is not None and block.block_hash is not None:
+            self._hashed.append(self._dropped + len(self._items))
         self._items.append(block)
         self.num_free += 1
 
     def extend(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``append`` for each block in order."""
+        hashed = self._hashed
+        if hashed is not None:
+            at = self._dropped + len(self._items)
+            hashed += [at + i for i, block in enumerate(blocks) if block.block_hash is not None]
         self._items += blocks
         self.num_free += len(blocks)
 
@@ -125,9 +157,11 @@ class FreeKVCacheBlockQueue:
         self.num_free -= 1
         if self._num_stale > self.num_free + _STALE_SLACK:
             self._items = list(self)
-            self._head = 0
+            self._head = self._dropped = 0
             self._stale.clear()
             self._num_stale = 0
+            if self._hashed is not None:
+                self._hashed = self._hashed_positions()
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         skip = dict(self._stale)

@@ -188,13 +188,21 @@ class PendingRun:
     def evictions(self) -> list[KVCacheEvent]:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one
         ``BlockRemoved``, the pool's way), remembered in ``reported``. The blocks come off the
-        free queue's head in step order; the blocks ends free join its tail."""
-        taken = self._taken if self.crossing <= self._upto else self.blocks_taken()
+        free queue's head in step order; the blocks ends free join its tail.
+
+        A request starts at most one block in every ``block_size`` steps, so where the queue's
+        head holds no hash as far as the run's requests could take by the crossing step, there
+        is nothing to report, without counting the blocks taken."""
+        run, c = self.run, self.crossing
+        queue = run.scheduler.kv.pool.free_queue
+        if queue.unhashed_ahead(len(run.requests) * (c // run.scheduler.kv.block_size + 1)):
+            return []
+        taken = self._taken if c <= self._upto else self.blocks_taken()
         if taken == self._peeked:
             return []
         if taken > len(self._head):  # (the queue stays as it is while the run is pending:
             # read twice as far as needed, so the arrivals read each block about once)
-            self._head = self.run.scheduler.kv.pool.free_queue.peek(max(2 * taken, 16))
+            self._head = queue.peek(max(2 * taken, 16))
         blocks = self._head[self._peeked:taken]
         hashes = [b.block_hash for b in blocks if b.block_hash is not None]
         self._peeked = taken

@@ -143,3 +143,50 @@ def test_free_queue_order_survives_compaction_and_stale_sweeps():
             model.append(b)
     assert list(q) == model and q.num_free == len(model)
     assert q.popleft_n(len(model)) == model and list(q) == []
+
+
+def test_unhashed_ahead_is_what_peek_shows_through_allocations_hits_and_sweeps():
+    """``unhashed_ahead(n)`` against the blocks ``peek(n)`` shows, asked between random
+    allocations, registrations, prefix hits on free blocks (stale entries), frees, head
+    compactions and stale sweeps: never True over a hashed block, and exact while no entry is
+    stale (it may only be cautious about stale entries)."""
+    rng = random.Random(5)
+    pool = BlockPool(400)
+    q = pool.free_queue
+    held: list[KVCacheBlock] = []
+    next_hash, answers = 0, {True: 0, False: 0}
+    for step in range(8000):
+        op = rng.random()
+        if op < 0.3 and pool.num_free and step < 6000:
+            got = pool.allocate(rng.randint(1, min(6, pool.num_free)))
+            for block in got:
+                if rng.random() < 0.4:
+                    pool.cache(block, next_hash)
+                    next_hash += 1
+            held += got
+        elif op < 0.5 and pool.cached and step < 6000:
+            block = pool.lookup(rng.choice(list(pool.cached)))
+            pool.touch([block])  # a prefix hit: a free block revived leaves a stale entry
+            held.append(block)
+        elif step >= 6000 and pool.cached:  # (at the end, hits whose requests end at once:
+            # stale entries outnumber the free blocks and are swept)
+            block = pool.lookup(rng.choice(list(pool.cached)))
+            pool.touch([block])
+            pool.free([block])
+        elif held and step < 6000:
+            rng.shuffle(held)
+            k = rng.randint(1, min(8, len(held)))
+            pool.free(held[:k])
+            del held[:k]
+        if step == 50:
+            assert q.unhashed_ahead(0)  # (tracking starts here, with a queue already in use)
+        if step > 50:
+            n = rng.randint(0, 40)
+            clean = all(b.block_hash is None for b in q.peek(n))
+            answer = q.unhashed_ahead(n)
+            assert clean or not answer
+            if not q._stale:
+                assert answer == clean
+            answers[answer] += 1
+    assert answers[True] > 100 and answers[False] > 100, answers
+    assert pool.num_evictions > 0

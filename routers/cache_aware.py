@@ -134,14 +134,16 @@ class CacheAwareRouter:
         if walk is None or not walk.covers(hashes):
             walk = self._walk(hashes)
         depth, ends = walk.depth, walk.ends
-        short = min(len(hashes), depth)
-        matched = {i: min(ends.get(i, 0), short) for i in among}
+        short = len(hashes) if len(hashes) < depth else depth
+        get = ends.get
+        matched = {i: e if (e := get(i, 0)) < short else short for i in among}
         if short == depth and walk.continues(hashes):  # replicas that held all of the walk
             alive = 0
             for i in among:
                 if depth and matched[i] == depth:
                     alive |= 1 << i
-            if alive:
+            # (where none of them holds the next block, each one's match is the walk's)
+            if alive and self._index.get(hashes[depth], 0) & alive:
                 self._go_on(hashes, depth, alive, matched)
         touched = max(matched.values(), default=0)
         if touched:

@@ -54,6 +54,14 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
         counted[0] += self.run.stops[0] <= self.crossing and taken > 0
         return taken
 
+    unhashed_ahead, clean = FreeKVCacheBlockQueue.unhashed_ahead, [0]
+
+    def counting_unhashed_ahead(self: FreeKVCacheBlockQueue, n: int) -> bool:
+        answer = unhashed_ahead(self, n)
+        clean[0] += answer
+        return answer
+
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "unhashed_ahead", counting_unhashed_ahead)
     monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
     monkeypatch.setattr(fleet_module.PendingRun, "evictions", counting_evictions)
     monkeypatch.setattr(fleet_module.PendingRun, "blocks_taken", checked_blocks_taken)
@@ -68,6 +76,7 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
     assert read[0] > len(workload)  # most arrivals found some replica mid-run
     if router == "cache-aware":  # evictions reported ahead, then struck from the run's events
         assert reported[0] > 0 and counted[0] > 0  # (blocks counted past some runs' ends)
+        assert clean[0] > 0  # and reads that found no hash ahead, without reading a block
     assert ended[0] > 0
     assert fast.records == reference.records
     assert list(fast.steps) == list(reference.steps)
@@ -94,6 +103,14 @@ def test_a_full_waiting_queue_admits_as_the_reference_does(monkeypatch, router) 
         ended[0] += self.num_ended() > 0
         return load(self, *step_times)
 
+    unhashed_ahead, clean = FreeKVCacheBlockQueue.unhashed_ahead, [0]
+
+    def counting_unhashed_ahead(self: FreeKVCacheBlockQueue, n: int) -> bool:
+        answer = unhashed_ahead(self, n)
+        clean[0] += answer
+        return answer
+
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "unhashed_ahead", counting_unhashed_ahead)
     monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
     fast = simulate(cfg, burst)
     if router == "least-outstanding":  # (cache-aware keeps its runs short here: none past)

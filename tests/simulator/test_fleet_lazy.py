@@ -103,14 +103,6 @@ def test_a_full_waiting_queue_admits_as_the_reference_does(monkeypatch, router) 
         ended[0] += self.num_ended() > 0
         return load(self, *step_times)
 
-    unhashed_ahead, clean = FreeKVCacheBlockQueue.unhashed_ahead, [0]
-
-    def counting_unhashed_ahead(self: FreeKVCacheBlockQueue, n: int) -> bool:
-        answer = unhashed_ahead(self, n)
-        clean[0] += answer
-        return answer
-
-    monkeypatch.setattr(FreeKVCacheBlockQueue, "unhashed_ahead", counting_unhashed_ahead)
     monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
     fast = simulate(cfg, burst)
     if router == "least-outstanding":  # (cache-aware keeps its runs short here: none past)

@@ -32,6 +32,7 @@ The real engine never uses this: its tokens come from the model, one step at a t
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
@@ -134,18 +135,18 @@ class DecodeRun:
         running, lefts = self.requests, self.lefts
         limits: list[int] = []  # the steps each request takes part in
         ending: list[list[int]] = [[] for _ in range(k)]  # each step's requests ending in it
-        tokens = [self.token] * k
+        tokens, times = [self.token] * k, array("d", ends)
         for i, (request, left) in enumerate(zip(running, lefts)):
             if left < k:
                 request.output_token_ids += tokens[:left]
                 request.all_token_ids.extend(tokens[:left])
-                request.token_times += ends[:left]
+                request.token_times += times[:left]
                 ending[left - 1].append(i)
                 limits.append(left)
             else:
                 request.output_token_ids += tokens
                 request.all_token_ids.extend(tokens)
-                request.token_times += ends
+                request.token_times += times
                 if left == k:
                     ending[-1].append(i)
                 limits.append(k)
@@ -209,16 +210,16 @@ class DecodeRun:
         limits, ending = self.closing
         self.closing = None
         k = len(ends)
-        tokens = [self.token] * k
+        tokens, times = [self.token] * k, array("d", ends)
         for request, n in zip(self.requests, limits):
             if n < k:
                 request.output_token_ids += tokens[:n]
                 request.all_token_ids.extend(tokens[:n])
-                request.token_times += ends[:n]
+                request.token_times += times[:n]
             else:
                 request.output_token_ids += tokens
                 request.all_token_ids.extend(tokens)
-                request.token_times += ends
+                request.token_times += times
         self._set_progress(limits)
         sched = self.scheduler
         sched.num_generation_tokens += sum(limits)

@@ -87,15 +87,15 @@ class RequestRecord:
             req.spec_num_draft_tokens, req.spec_num_accepted_tokens, _gaps(req.token_times))
 
 
-def _gaps(times: list[float]) -> array:
+def _gaps(times: Sequence[float]) -> array:
     """Consecutive differences as a compact array: the same IEEE subtractions as a Python loop,
-    done by numpy (a request has hundreds of tokens). ``np.fromiter`` with the count turns the
-    floats into doubles faster than ``struct.pack`` of the unpacked list, ``np.array`` or
-    ``array`` (which parses each one)."""
+    done by numpy (a request has hundreds of tokens), read in place from ``Request.token_times``'
+    doubles (any other sequence is converted)."""
     n = len(times)
     if n < 2:
         return array("d")
-    t = np.fromiter(times, np.float64, n)
+    t = (np.frombuffer(times, np.float64) if type(times) is array and times.typecode == "d"
+         else np.fromiter(times, np.float64, n))
     return array("d", (t[1:] - t[:-1]).tobytes())
 
 
@@ -111,18 +111,45 @@ def _stats(name: str, values_s: np.ndarray | Sequence[float], owned: bool = Fals
         vals *= 1000.0
     else:
         vals = np.asarray(values_s, dtype=np.float64) * 1000.0
-    unknown = np.isnan(vals)
-    if unknown.any():
-        vals = vals[~unknown]
+    mean = float(vals.mean()) if vals.size else math.nan
+    if math.isnan(mean):  # (a NaN among them makes their sum one)
+        vals = vals[~np.isnan(vals)]
+        mean = float(vals.mean()) if vals.size else math.nan
     if vals.size == 0:
         nan = math.nan
         return {f"mean_{name}_ms": nan, f"median_{name}_ms": nan, f"std_{name}_ms": nan,
                 **{f"p{p}_{name}_ms": nan for p in PERCENTILES}}
-    mean, std = float(vals.mean()), float(vals.std())  # (before the partition reorders them)
+    std = math.sqrt(_sum_of_squares(vals, mean) / vals.size)  # (before the partition reorders)
     qs = percentiles(vals, (50, *PERCENTILES), overwrite=True)
     out = {f"mean_{name}_ms": mean, f"median_{name}_ms": float(qs[0]), f"std_{name}_ms": std}
     out.update({f"p{p}_{name}_ms": float(q) for p, q in zip(PERCENTILES, qs[1:])})
     return out
+
+
+# Elements of the deviations ``_sum_of_squares`` holds at a time: 64 KiB, under malloc's
+# threshold for a fresh mapping, so it reuses memory where a whole-array temporary faults in pages.
+_SQUARES_CHUNK = 8192
+
+
+def _sum_of_squares(vals: np.ndarray, mean: float) -> float:
+    """The sum of ``(vals - mean) ** 2`` exactly as ``np.var`` sums it, bit for bit, without its
+    temporary of the array's size (a whole trace's ITLs are millions: each fresh copy is pages to
+    fault in). numpy sums a contiguous float64 array pairwise, halving it (to a multiple of 8)
+    down to blocks of 128; the halving is replayed here down to chunks of ``_SQUARES_CHUNK``, each
+    summed by numpy itself. ``tests/core/test_metrics_summary.py`` compares it with ``np.std``."""
+    scratch = np.empty(min(vals.size, _SQUARES_CHUNK))
+
+    def part(lo: int, n: int) -> float:
+        if n <= _SQUARES_CHUNK:
+            dev = scratch[:n]
+            np.subtract(vals[lo:lo + n], mean, out=dev)
+            np.multiply(dev, dev, out=dev)
+            return float(np.add.reduce(dev))
+        half = n // 2
+        half -= half % 8
+        return part(lo, half) + part(lo + half, n - half)
+
+    return part(0, vals.size)
 
 
 def percentiles(values: np.ndarray, percents: Sequence[float], overwrite: bool = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -221,7 +222,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    # when each output token was sampled, as doubles: a request has hundreds, appended a run
+    # at a time by the twin (``core.decode_run``) and read once, by its record
+    token_times: array[float] = field(default_factory=lambda: array("d"))
     admitted_time: float | None = None
     # Speculative decoding: the drafts proposed for the next step (empty: none; cleared when the
     # request is preempted or finishes) and the request's verification counts (vLLM's names).

@@ -1,6 +1,6 @@
 """``summarize``'s ITL figures over every gap of every successful record: the same whether the
 records hold compact arrays (one copy of their bytes) or plain lists, and as numpy computes
-them over the gaps directly."""
+them over the gaps directly (its standard deviation too, summed chunk by chunk)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from array import array
 
 import numpy as np
 
-from twinserve.core.metrics import RequestRecord, summarize
+from twinserve.core.metrics import (
+    _SQUARES_CHUNK,
+    RequestRecord,
+    _stats,
+    _sum_of_squares,
+    summarize,
+)
 from twinserve.core.request import RequestStatus
 
 
@@ -45,6 +51,27 @@ def test_itl_figures_over_arrays_and_lists_are_numpys() -> None:
     with_nan = summarize(compact, duration_s=5.0)
     assert with_nan["mean_itl_ms"] == float(known.mean())
     assert with_nan["p90_itl_ms"] == float(np.percentile(known, 90))
+
+
+def test_the_standard_deviation_is_numpys_bit_for_bit_at_every_size() -> None:
+    """Sizes about the chunk and its multiples, where numpy's pairwise halving is replayed, over
+    values spread wide enough that another order of the additions rounds differently (the sum
+    itself is compared: the square root can hide a last bit); and a NaN among them, left out as
+    the summary leaves it."""
+    rng = np.random.default_rng(3)
+    c = _SQUARES_CHUNK
+    for n in (1, 7, 8, 129, c - 1, c, c + 1, 2 * c + 8, 3 * c + 5, 17 * c + 3, 250_001):
+        for _ in range(3):
+            vals = rng.lognormal(0.0, 3.0, n)
+            mean = float(vals.mean())
+            assert _sum_of_squares(vals, mean) == float(np.add.reduce((vals - mean) ** 2)), n
+        got = _stats("itl", vals.copy(), owned=True)
+        want = vals * 1000.0
+        assert (got["std_itl_ms"], got["mean_itl_ms"]) == (float(want.std()), float(want.mean()))
+    vals[7] = math.nan
+    got = _stats("itl", vals)
+    known = vals[~np.isnan(vals)] * 1000.0
+    assert (got["std_itl_ms"], got["mean_itl_ms"]) == (float(known.std()), float(known.mean()))
 
 
 def test_no_successful_record_has_no_itl_figures() -> None:
@@ -85,6 +112,9 @@ def test_a_requests_record_holds_each_field_by_name() -> None:
         for origin in (0.0, 0.5):
             got, want = RequestRecord.from_request(req, origin), _by_name(req, origin)
             assert repr(got) == repr(want)
+    listed = RequestRecord.from_request(done)
+    done.token_times = array("d", done.token_times)  # (as the engine keeps them)
+    assert repr(RequestRecord.from_request(done)) == repr(listed)
 
 
 def test_latency_figures_in_numpy_equal_the_records_properties() -> None:

@@ -7,8 +7,10 @@ router, and each replay's CPU time per request against one replica fed a quarter
 at a quarter of the rate (the same load per replica); then, in alternated rounds, the 4-replica
 replays behind ``--cost-routers`` against that lone replica, against one fed every request at a
 quarter of the rate (the same load per replica and the same run size: a replay's cost per request
-grows with its size, all replicas together) and against one fed round robin's share (the median
-of the rounds' CPU times, user + sys).
+grows with its size, all replicas together), against one fed round robin's share, and against
+the fleet's own replicas replayed one at a time, each fed the requests its router sent it (the
+same work, apart: what simulating them together adds); the median of the rounds' CPU times,
+user + sys.
 
 The user turns and outputs are lognormal around ``--input-len`` and ``--output-len`` with the
 Azure conversation trace's spread (``traces.multi_app``).
@@ -34,12 +36,23 @@ import multiprocessing
 import pstats
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from twinserve.routers import ROUTERS
-from twinserve.simulator import SimConfig, SimResult, simulate
+from twinserve.core.kv_events import KVCacheEvent
+from twinserve.core.request import Request
+from twinserve.routers import (
+    ROUTERS,
+    ReplicaLoad,
+    Router,
+    make_router,
+    reads_kv_usage,
+    reads_loads,
+    uses_kv_events,
+)
+from twinserve.simulator import SimConfig, SimResult, build_engine_config, simulate
+from twinserve.simulator.router_prices import router_prices
 from twinserve.traces import TraceRequest
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
@@ -100,12 +113,16 @@ def main() -> None:
     cost_routers = args.cost_routers.split(",")
     fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
     lone, whole, same = [], [], []  # alternated rounds, the median of each
+    shares = {name: _shares(SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas,
+                                      router=name), trace) for name in cost_routers}
+    apart: dict[str, list[float]] = {name: [] for name in cost_routers}
     cpu: Callable[[SimConfig, list[TraceRequest]], float] = \
         _fresh_cpu_time if args.fresh_processes else _replay_cpu_time
     for _ in range(args.repeats):
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
             fleet[name].append(cpu(cfg, trace))
+            apart[name].append(sum(cpu(lone_cfg, share_of) for share_of in shares[name]))
         lone.append(cpu(lone_cfg, quarter))
         whole.append(cpu(lone_cfg, slowed))
         same.append(cpu(lone_cfg, share))
@@ -120,7 +137,8 @@ def main() -> None:
         print(f"- {args.replicas} replicas behind {name}: {1e3 * per_request:.3f} ms, "
               f"{per_request / lone_ms:.2f}x; {per_request / whole_ms:.2f}x at equal request "
               f"counts; against 1 replica fed replica 0's round-robin share "
-              f"{per_request / (median(same) / len(share)):.2f}x")
+              f"{per_request / (median(same) / len(share)):.2f}x; against its replicas replayed "
+              f"one at a time {per_request / (median(apart[name]) / len(trace)):.2f}x")
     if args.calls:
         lone_calls, whole_calls = _calls(lone_cfg, quarter), _calls(lone_cfg, slowed)
         print(f"\nFunction calls per request; 1 replica at a quarter of the rate fed a quarter "
@@ -130,6 +148,37 @@ def main() -> None:
             calls = _calls(cfg, trace)
             print(f"- {args.replicas} replicas behind {name}: {calls:.0f}, {calls / lone_calls:.3f}x; "
                   f"{calls / whole_calls:.3f}x at equal request counts")
+
+
+class _Recording:
+    """A router that notes, in ``picks``, where the one it wraps sends each request."""
+
+    def __init__(self, inner: Router, picks: list[int]) -> None:
+        self.inner, self.picks = inner, picks
+        self.uses_kv_events, self.reads_kv_usage, self.reads_loads = (
+            uses_kv_events(inner), reads_kv_usage(inner), reads_loads(inner))
+
+    def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
+        index = self.inner.route(request, replicas)
+        self.picks.append(index)
+        return index
+
+    def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        self.inner.on_kv_events(replica, events)
+
+    def on_replica_reset(self, replica: int) -> None:
+        self.inner.on_replica_reset(replica)
+
+
+def _shares(cfg: SimConfig, trace: list[TraceRequest]) -> list[list[TraceRequest]]:
+    """Each replica's requests, in arrival order, as ``cfg``'s router (priced as ``simulate``
+    prices it) sends them in a replay of ``trace``."""
+    build = build_engine_config(cfg)
+    router = make_router(cfg.router, cfg.engine.block_size,
+                         router_prices(build.cost_model, build.engine_config.scheduler))
+    picks: list[int] = []
+    simulate(cfg, trace, router=_Recording(router, picks))
+    return [[tr for tr, at in zip(trace, picks) if at == i] for i in range(cfg.num_replicas)]
 
 
 def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:

@@ -1,5 +1,5 @@
 """The fleet benchmark end to end on a small workload: its router table, the alternated CPU
-rounds and the function-call counts."""
+rounds (against the fleet's replicas replayed apart too) and the function-call counts."""
 
 from __future__ import annotations
 
@@ -25,5 +25,25 @@ def test_fleet_benchmark_prints_every_router_and_the_call_counts(monkeypatch, ca
                                      re.M).groups())
     assert lone > 100 and whole > 100 and all(int(n) > 100 for n in calls.values())
     cpu = re.findall(r"^- 4 replicas behind ([\w-]+): [\d.]+ ms, [\d.]+x; [\d.]+x at equal request "
-                     r"counts; against 1 replica", out, re.M)
-    assert cpu == ["round-robin", "cache-aware"]
+                     r"counts; against 1 replica .* share [\d.]+x; against its replicas replayed "
+                     r"one at a time ([\d.]+)x$", out, re.M)
+    assert [name for name, _ in cpu] == ["round-robin", "cache-aware"]
+    assert all(float(ratio) > 0 for _, ratio in cpu)
+
+
+def test_a_fleets_shares_replayed_apart_are_its_own_requests() -> None:
+    """The recorded routing is the fleet's: each replica replayed alone on its share finishes
+    its requests when the fleet did."""
+    from twinserve.simulator import SimConfig, simulate
+    from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+    trace = multi_app_trace(MultiAppConfig(num_requests=120, request_rate=40.0, num_apps=6,
+                                           input_len=64, output_len=24, seed=2))
+    cfg = SimConfig(model=fleet_routers.MODEL, hardware=fleet_routers.HARDWARE, num_replicas=4,
+                    router="cache-aware")
+    shares = fleet_routers._shares(cfg, trace)
+    assert sorted(len(s) for s in shares) != [30] * 4 and sum(map(len, shares)) == len(trace)
+    lone = SimConfig(model=fleet_routers.MODEL, hardware=fleet_routers.HARDWARE)
+    apart = sorted((r.request_id, r.ttft, r.finish_time) for share in shares
+                   for r in simulate(lone, share).records)
+    assert apart == sorted((r.request_id, r.ttft, r.finish_time)
+                           for r in simulate(cfg, trace).records)

@@ -185,7 +185,7 @@ def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:
     """The function calls (Python and built-in) of a replay, per request."""
     profile = cProfile.Profile()
     profile.runcall(simulate, cfg, trace)
-    return pstats.Stats(profile).total_calls / len(trace)
+    return pstats.Stats(profile).total_calls / len(trace)  # type: ignore[attr-defined]
 
 
 def _cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, SimResult]:

@@ -46,13 +46,12 @@ from twinserve.routers import (
     ROUTERS,
     ReplicaLoad,
     Router,
-    make_router,
     reads_kv_usage,
     reads_loads,
     uses_kv_events,
 )
 from twinserve.simulator import SimConfig, SimResult, build_engine_config, simulate
-from twinserve.simulator.router_prices import router_prices
+from twinserve.simulator.run import fleet_router
 from twinserve.traces import TraceRequest
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
@@ -171,11 +170,10 @@ class _Recording:
 
 
 def _shares(cfg: SimConfig, trace: list[TraceRequest]) -> list[list[TraceRequest]]:
-    """Each replica's requests, in arrival order, as ``cfg``'s router (priced as ``simulate``
-    prices it) sends them in a replay of ``trace``."""
+    """Each replica's requests, in arrival order, as ``cfg``'s router (``simulate``'s own,
+    ``fleet_router``) sends them in a replay of ``trace``."""
     build = build_engine_config(cfg)
-    router = make_router(cfg.router, cfg.engine.block_size,
-                         router_prices(build.cost_model, build.engine_config.scheduler))
+    router = fleet_router(cfg, build.cost_model, build.engine_config.scheduler)
     picks: list[int] = []
     simulate(cfg, trace, router=_Recording(router, picks))
     return [[tr for tr, at in zip(trace, picks) if at == i] for i in range(cfg.num_replicas)]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import simpy
 
+from twinserve.core.config import SchedulerConfig
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.engine_config import USAGE_CONTEXTS, EngineConfig, resolve_engine_config
 from twinserve.core.kernel_settings import kernel_settings_mismatch
@@ -333,9 +334,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         cost = cost.with_lora(lora)
     sched_cfg, vocab, block_size = (engine_config.scheduler, spec.vocab_size,
                                     cfg.engine.block_size)
-    if router is None:  # priced on this run's hardware (simulator.router_prices)
-        prices = router_prices(cost, sched_cfg) if cfg.num_replicas > 1 else None
-        router = make_router(cfg.router, block_size, prices)
+    if router is None:
+        router = fleet_router(cfg, cost, sched_cfg)
     if uses_kv_events(router):
         sched_cfg = replace(sched_cfg, kv_events=True)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
@@ -406,6 +406,14 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     return SimResult(cfg, engine_config, records, recorder.steps, summary,
                      time.perf_counter() - t0, cost.describe(), gap,
                      _kernel_mismatch(cost, cfg, engine_config, trace))
+
+
+def fleet_router(cfg: SimConfig, cost: StepTimeModel, limits: SchedulerConfig) -> Router:
+    """The router ``simulate`` builds for ``cfg`` (without one given): ``cfg.router``, priced on
+    the run's step-time model within its engine's limits (``simulator.router_prices``) where
+    there is a fleet to route."""
+    prices = router_prices(cost, limits) if cfg.num_replicas > 1 else None
+    return make_router(cfg.router, cfg.engine.block_size, prices)
 
 
 def _simulate_disaggregated(cfg: SimConfig, trace: list[TraceRequest],

@@ -95,7 +95,7 @@ class CacheAwareRouter:
     def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
         up = healthy(replicas)
         matched = self.matched_blocks(request, up)
-        prompt, bs, per_decode = len(request.prompt_token_ids), self.block_size, self.decode_weight
+        prompt, bs, per_decode = request.num_prompt_tokens, self.block_size, self.decode_weight
         per_s = self.prefill_tokens_per_s
         n, start = len(replicas), self._next
         best, best_cost, best_turn = up[0], _INF, n

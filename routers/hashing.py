@@ -11,14 +11,18 @@ from twinserve.core.request import LazyPrompt, Request
 def prompt_block_hashes(request: Request, block_size: int) -> Iterable[int]:
     """The hashes of the prompt's full blocks, first to last, made as they are read (a router
     stops at its first miss). The same keys as ``core.block_hash.update_block_hashes``: a
-    ``LazyPrompt``'s keys for this block size (as they are, a slice of its list, when they
-    cover the prompt and no adapter salts them), else the chain over the ids; the request is
-    not changed."""
+    ``LazyPrompt``'s keys for this block size (as they are, its list or a slice of it, when
+    they cover the prompt and no adapter salts them: read them, never change them), else the
+    chain over the ids; the request is not changed."""
     prompt = request.prompt_token_ids
-    num_full = len(prompt) // block_size
+    num_full = request.num_prompt_tokens // block_size
     if isinstance(prompt, LazyPrompt) and prompt.key_block_size == block_size \
-            and request.lora is None and len(prompt.keys) >= num_full:
-        return prompt.keys[:num_full]
+            and request.lora is None:
+        keys = prompt.keys
+        if len(keys) == num_full:
+            return keys
+        if len(keys) > num_full:
+            return keys[:num_full]
     return _chained(request, block_size, num_full)
 
 

@@ -69,7 +69,9 @@ class ReplicaLoad:
 @runtime_checkable
 class Router(Protocol):
     def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
-        """The index of the replica for ``request``; raises ``NoHealthyReplica`` when none is."""
+        """The index of the replica for ``request``; raises ``NoHealthyReplica`` when none is.
+        ``replicas`` may be the caller's objects, refreshed in place before the next call (the
+        twin's are): read them here, never keep them."""
         ...
 
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:

@@ -33,7 +33,7 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.routers import ReplicaLoad, Router, reads_kv_usage, reads_loads, uses_kv_events
 from twinserve.simulator.acceptance import AcceptanceModel
-from twinserve.simulator.fleet import PendingRun, lazy_fits, strike
+from twinserve.simulator.fleet import LazyFits, PendingRun, strike
 from twinserve.simulator.step_time import StepTimeModel
 
 SIMULATED_TOKEN = 17
@@ -183,28 +183,29 @@ def arrival_process(env: simpy.Environment, requests: Iterable[Request], replica
         yield from _routed_ahead(env, requests, replicas, router, recorder, horizons)
         return
     events, usage = uses_kv_events(router), reads_kv_usage(router)
-    # a router that reads nothing of the replicas gets the same (unread) loads every time
-    idle = None if reads_loads(router) else [ReplicaLoad(0, 0, 0.0) for _ in replicas]
+    reads = reads_loads(router)  # (one that reads nothing gets the same unread loads)
+    loads = [ReplicaLoad(0, 0, 0.0) for _ in replicas]
     for request in requests:
         delay = request.arrival_time - env.now
         if horizons is not None:
             horizons.read_until = request.arrival_time
         if delay > 0:
             yield env.timeout(delay)
-        loads = idle or _read(replicas, router, env.now, usage, events)
+        if reads:
+            _read(replicas, router, env.now, usage, events, loads)
         _release(request, replicas[router.route(request, loads)], recorder)
     if horizons is not None:
         horizons.read_until = math.inf
 
 
 def _read(replicas: Sequence[Replica], router: Router, now: float, usage: bool,
-          events: bool) -> list[ReplicaLoad]:
+          events: bool, loads: list[ReplicaLoad]) -> None:
     """Every replica read once for an arrival: its KV events since the last read handed to the
     router where ``events`` (none to hand over: no call, as the DP front does), oldest first,
     its run in progress's evictions so far included; then its load as a front reads it (from
     its run in progress, if it has one), ``kv_usage`` 0.0 unless ``usage``
-    (``routers.reads_kv_usage``)."""
-    loads: list[ReplicaLoad] = []
+    (``routers.reads_kv_usage``), written into ``loads`` (the same objects every arrival:
+    values the twin computed need no validation, and a router reads them only in ``route``)."""
     for i, replica in enumerate(replicas):
         sched, pending, start = replica.driver.scheduler, replica.pending, replica.step_start
         if events:
@@ -215,14 +216,15 @@ def _read(replicas: Sequence[Replica], router: Router, now: float, usage: bool,
                 found += pending.evictions()
             if found:
                 router.on_kv_events(i, found)
-        elapsed = None if start is None else now - start
+        load = loads[i]
+        load.step_elapsed_s = None if start is None else now - start
+        load.last_step_s = replica.last_step
         if pending is not None:
-            loads.append(pending.load(elapsed, replica.last_step, usage))
+            pending.refresh(load, usage)
         else:
-            loads.append(ReplicaLoad(len(sched.running), sched.num_waiting,
-                                     sched.kv.usage if usage else 0.0, True,
-                                     sched.num_prefill_tokens, elapsed, replica.last_step))
-    return loads
+            load.num_running, load.num_waiting = len(sched.running), sched.num_waiting
+            load.kv_usage = sched.kv.usage if usage else 0.0
+            load.num_prefill_tokens = sched.num_prefill_tokens
 
 
 def _routed_ahead(env: simpy.Environment, requests: Iterable[Request], replicas: Sequence[Replica],
@@ -297,6 +299,7 @@ def engine_process(env: simpy.Environment, replica: Replica):
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
     alone, lazy = replica.alone, replica.lazy
+    lazy_fits = LazyFits()  # (whether a run may go on through arrivals: ``_lazy_run``)
     horizons, index = replica.horizons, replica.index
     if horizons is not None:  # the horizon: its next arrival, not the other replicas' steps
         def peek() -> float:

@@ -27,34 +27,78 @@ the router hears each once, in the reference's order.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from twinserve.core.block_pool import KVCacheBlock
 from twinserve.core.decode_run import DecodeRun
 from twinserve.core.kv_cache_manager import KVCacheManager
 from twinserve.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from twinserve.core.request import Request
 from twinserve.routers import ReplicaLoad
 
 
 def lazy_fits(run: DecodeRun) -> bool:
     """Whether ``run`` may go on through arrivals unapplied: a plain one-group manager (whose
-    block starts ``PendingRun`` counts), and no request registering a block as it decodes."""
+    block starts ``PendingRun`` counts), and no request registering a block as it decodes
+    (``LazyFits`` remembers the requests found to fit; this is its reference)."""
     kv = run.scheduler.kv
-    if type(kv) is not KVCacheManager or kv.sliding_window is not None \
-            or kv.key_salt is not None or kv.num_groups != 1:
+    if not _plain_manager(kv):
         return False
-    if not kv.enable_caching:
-        return True
-    if not kv.defers_own_blocks:
-        return False
-    # (``registration_stop`` registers nothing more once the first block of the request's own
-    # tokens, ``own_ids_from // block_size``, is within the blocks already handled)
+    return not kv.enable_caching or kv.defers_own_blocks and _all_fit(run.requests, kv)
+
+
+def _plain_manager(kv: KVCacheManager) -> bool:
+    return type(kv) is KVCacheManager and kv.sliding_window is None and kv.key_salt is None \
+        and kv.num_groups == 1
+
+
+def _all_fit(requests: Iterable[Request], kv: KVCacheManager) -> bool:
+    """Whether none of ``requests`` registers a block as it decodes: ``registration_stop``
+    registers nothing more once the first block of its own tokens, ``own_ids_from //
+    block_size``, is within the blocks already handled."""
     tables, bs = kv.tables, kv.block_size
-    for request in run.requests:
+    for request in requests:
         own = request.own_ids_from
         if own is None or own // bs > tables[request.request_id].num_cached_blocks:
             return False
     return True
+
+
+@dataclass(slots=True)
+class LazyFits:
+    """``lazy_fits`` for one replica's runs, each request checked once: a request that fits
+    goes on fitting while it runs, for its blocks handled only grow and its ``own_ids_from``
+    is cleared only when it is preempted (``KVCacheManager.register_own``), which the
+    scheduler counts. A run's requests are mostly the last run's, so only the new ones are
+    read (its set of fitting requests, pruned once it holds twice a batch)."""
+
+    _fit: set[Request] = field(default_factory=set)
+    _preemptions: int = -1
+
+    def __call__(self, run: DecodeRun) -> bool:
+        sched = run.scheduler
+        kv = sched.kv
+        if not _plain_manager(kv):
+            return False
+        if not kv.enable_caching:
+            return True
+        if not kv.defers_own_blocks:
+            return False
+        fit, requests = self._fit, run.requests
+        if sched.num_preemptions != self._preemptions:
+            self._preemptions = sched.num_preemptions
+            fit.clear()
+        if fit.issuperset(requests):
+            return True
+        new = [request for request in requests if request not in fit]
+        if not _all_fit(new, kv):
+            return False
+        if len(fit) > 2 * len(requests) + 64:
+            self._fit = fit = set(requests)
+        else:
+            fit.update(new)
+        return True
 
 
 @dataclass(slots=True)
@@ -165,10 +209,9 @@ class PendingRun:
         self._num_ended = ended
         return self._freed
 
-    def load(self, step_elapsed_s: float | None, last_step_s: float,
-             usage: bool = True) -> ReplicaLoad:
-        """The replica's load in the crossing step, as the reference holds it (the step times
-        are the replica's: ``ReplicaLoad``); ``kv_usage`` 0.0 unless ``usage``."""
+    def refresh(self, load: ReplicaLoad, usage: bool = True) -> None:
+        """The replica's load in the crossing step, as the reference holds it, written into
+        ``load`` (its step times left to the caller); ``kv_usage`` 0.0 unless ``usage``."""
         sched = self.run.scheduler
         running = len(sched.running)
         ended = self.run.stops[0] <= self.crossing  # some requests ended
@@ -182,8 +225,8 @@ class PendingRun:
             if ended:
                 free += self.blocks_freed()
             kv_usage = 1.0 - free / total if total else 0.0
-        return ReplicaLoad(running, len(sched.policy), kv_usage, True, sched.num_queued_tokens,
-                           step_elapsed_s, last_step_s)
+        load.num_running, load.num_waiting, load.kv_usage = running, len(sched.policy), kv_usage
+        load.num_prefill_tokens = sched.num_queued_tokens
 
     def evictions(self) -> list[KVCacheEvent]:
         """The evictions of the blocks taken up to the crossing step not reported yet (as one

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import filecmp
 from bisect import bisect_right
+from dataclasses import replace
 
 import pytest
 
@@ -95,7 +96,8 @@ class _Recording:
         self.seen: list[tuple[float, list[ReplicaLoad]]] = []
 
     def route(self, request, replicas) -> int:
-        self.seen.append((request.arrival_time, list(replicas)))
+        # (copies: the twin refreshes its loads in place for the next arrival)
+        self.seen.append((request.arrival_time, [replace(r) for r in replicas]))
         return self.inner.route(request, replicas)
 
     def on_kv_events(self, replica, events) -> None:

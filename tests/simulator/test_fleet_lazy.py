@@ -36,12 +36,13 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
                     usage_context=usage, **SMALL)
     reference = simulate(cfg, workload, decode_runs=False)
     read, reported, ended, counted = [0], [0], [0], [0]
-    load, evictions, blocks_taken = PendingRun.load, PendingRun.evictions, PendingRun.blocks_taken
+    refresh, evictions = PendingRun.refresh, PendingRun.evictions
+    blocks_taken = PendingRun.blocks_taken
 
-    def counting_load(self: PendingRun, *step_times: float | None):
+    def counting_refresh(self: PendingRun, *args) -> None:
         read[0] += 1
         ended[0] += self.num_ended() > 0
-        return load(self, *step_times)
+        refresh(self, *args)
 
     def counting_evictions(self: PendingRun):
         events = evictions(self)
@@ -62,7 +63,7 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
         return answer
 
     monkeypatch.setattr(FreeKVCacheBlockQueue, "unhashed_ahead", counting_unhashed_ahead)
-    monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
+    monkeypatch.setattr(fleet_module.PendingRun, "refresh", counting_refresh)
     monkeypatch.setattr(fleet_module.PendingRun, "evictions", counting_evictions)
     monkeypatch.setattr(fleet_module.PendingRun, "blocks_taken", checked_blocks_taken)
     schedule, steps = Scheduler.schedule, [0]
@@ -97,13 +98,13 @@ def test_a_full_waiting_queue_admits_as_the_reference_does(monkeypatch, router) 
                                            system_len_max=512, input_len=64, output_len=200))
     reference = simulate(cfg, burst, decode_runs=False)
     ended = [0]
-    load = PendingRun.load
+    refresh = PendingRun.refresh
 
-    def counting_load(self: PendingRun, *step_times: float | None):
+    def counting_refresh(self: PendingRun, *args) -> None:
         ended[0] += self.num_ended() > 0
-        return load(self, *step_times)
+        refresh(self, *args)
 
-    monkeypatch.setattr(fleet_module.PendingRun, "load", counting_load)
+    monkeypatch.setattr(fleet_module.PendingRun, "refresh", counting_refresh)
     fast = simulate(cfg, burst)
     if router == "least-outstanding":  # (cache-aware keeps its runs short here: none past)
         assert ended[0] > 0
@@ -159,3 +160,29 @@ def test_strike_removes_each_reported_eviction_once() -> None:
         strike(events, [5])
     cleared = [AllBlocksCleared()]  # an overflowed buffer: nothing left to strike
     assert strike(cleared, [1]) == cleared
+
+
+def test_lazy_fits_remembered_agrees_with_the_reference(monkeypatch, workload) -> None:
+    """``LazyFits`` reads only the requests it has not seen fit since the last preemption:
+    its verdict is ``lazy_fits``' on every run, through preemptions (whose requests register
+    their blocks from then on, and never fit again), and its memory stays bounded."""
+    cfg = SimConfig(num_replicas=3, router="least-outstanding", num_gpu_blocks_override=120,
+                    **SMALL)
+    verdicts, sizes = {True: 0, False: 0}, []
+    call = fleet_module.LazyFits.__call__
+
+    def checked(self: fleet_module.LazyFits, run) -> bool:
+        verdict = call(self, run)
+        assert verdict == fleet_module.lazy_fits(run)
+        verdicts[verdict] += 1
+        sizes.append(len(self._fit) - 3 * len(run.requests))
+        return verdict
+
+    monkeypatch.setattr(fleet_module.LazyFits, "__call__", checked)
+    result = simulate(cfg, workload)
+    assert result.summary["num_preemptions"] > 0
+    assert verdicts[True] > 0 and verdicts[False] > 0, verdicts
+    assert max(sizes) <= 64  # pruned back to the running batch
+    reference = simulate(cfg, workload, decode_runs=False)
+    assert [repr(r) for r in result.records] == [repr(r) for r in reference.records]  # (nan)
+    assert list(result.steps) == list(reference.steps)

@@ -442,6 +442,34 @@ def _steps_with_blocks(sched: Scheduler, starts: list[int], lefts: list[int],
     free, bs = kv.pool.free_queue.num_free // kv.num_groups, kv.block_size
     if len(starts) * (max_steps // bs + 1) <= free:
         return max_steps
-    steps = sorted(j for start, left in zip(starts, lefts)
-                   for j in range((-start) % bs, min(left, max_steps), bs))
-    return max_steps if len(steps) <= free else steps[free]
+    firsts = [(-start) % bs for start in starts]
+    ends = [left if left < max_steps else max_steps for left in lefts]
+    step = kth_block_start(firsts, ends, bs, free)
+    return max_steps if step is None else step
+
+
+def kth_block_start(firsts: list[int], ends: list[int], bs: int, k: int) -> int | None:
+    """The ``k``-th (from 0) of the steps at which the requests start blocks, in order: request
+    ``i`` starts one at ``firsts[i]``, then every ``bs`` steps, below ``ends[i]``; None where
+    they start ``k`` or fewer. Steps ``[r * bs, (r + 1) * bs)`` hold one start of every request
+    with more than ``r`` starts, at ``r * bs + firsts[i]``, so the counts (sorted) find the
+    round holding the ``k``-th and its requests' firsts (sorted) the step within it, without
+    listing every start (``_kth_block_start_plain`` sorts them all: the reference)."""
+    counts = sorted(len(range(f, e, bs)) for f, e in zip(firsts, ends))
+    n, before, r = len(counts), 0, 0  # starts in the rounds before round r
+    for i, count in enumerate(counts):  # rounds r .. count - 1: n - i requests in each
+        if count > r:
+            width = n - i
+            if before + (count - r) * width > k:
+                rounds = (k - before) // width
+                r, before = r + rounds, before + rounds * width
+                active = sorted(f for f, e in zip(firsts, ends) if len(range(f, e, bs)) > r)
+                return r * bs + active[k - before]
+            before, r = before + (count - r) * width, count
+    return None
+
+
+def _kth_block_start_plain(firsts: list[int], ends: list[int], bs: int, k: int) -> int | None:
+    """``kth_block_start`` by sorting every start (the reference)."""
+    steps = sorted(j for f, e in zip(firsts, ends) for j in range(f, e, bs))
+    return steps[k] if k < len(steps) else None

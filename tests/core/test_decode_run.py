@@ -11,6 +11,8 @@ import math
 
 import pytest
 from core_helpers import fake_execute, make_req, make_scheduler, step
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from twinserve.core import decode_run
 from twinserve.core.decode_run import DecodeRun, plan_decode_run
@@ -250,6 +252,19 @@ def test_a_run_stops_where_the_free_blocks_end() -> None:
     assert all(r.num_computed_tokens == 21 + run.max_steps
                and len(r.all_token_ids) == 22 + run.max_steps for r in sched.running)
     assert plan_decode_run(sched, TOKEN) is None  # the next step needs a block: no run
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 17).flatmap(lambda bs: st.tuples(
+    st.just(bs), st.lists(st.tuples(st.integers(0, bs - 1), st.integers(0, 90)), max_size=14),
+    st.integers(0, 200))))
+def test_the_kth_block_start_is_the_sorted_starts_kth(case) -> None:
+    """The step at which the free blocks run out, by rounds of ``block_size`` steps, is the
+    sorted list of every block start's (the reference), past the last start too (None)."""
+    bs, requests, k = case
+    firsts, ends = [f for f, _ in requests], [e for _, e in requests]
+    assert decode_run.kth_block_start(firsts, ends, bs, k) == \
+        decode_run._kth_block_start_plain(firsts, ends, bs, k)
 
 
 def _kv_state(sched) -> tuple:

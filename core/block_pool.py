@@ -81,13 +81,19 @@ class FreeKVCacheBlockQueue:
         without touching a block. A free block gains no hash (only a block in use is
         registered), and revival finds a block by its hash, so the entries before the first
         such position are live and carry none. The positions are kept from the first call on."""
+        ahead = self.unhashed_at_head()
+        return ahead is None or ahead >= n
+
+    def unhashed_at_head(self) -> int | None:
+        """How many entries from the head carry no hash (``unhashed_ahead``'s reading); None
+        where none does."""
         hashed = self._hashed
         if hashed is None:
             hashed = self._hashed = self._hashed_positions()
         head = self._dropped + self._head
         while hashed and hashed[0] < head:
             hashed.popleft()
-        return not hashed or hashed[0] - head >= n
+        return hashed[0] - head if hashed else None
 
     def _hashed_positions(self) -> deque[int]:
         """The positions of the entries whose block carries a hash or is stale."""

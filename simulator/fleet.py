@@ -122,6 +122,7 @@ class PendingRun:
     _upto: int = -1  # the last step counted
     _taken: int = 0  # blocks taken up to it
     _peeked: int = 0  # blocks of the free queue's head read for evictions
+    _clean_below: int = -1  # crossings whose evictions are surely none (-1: not yet found)
     _head: list[KVCacheBlock] = field(default_factory=list)  # the queue's head, as far as peeked
     _lefts: list[int] = field(default_factory=list)  # sorted, once a request ends
     _ended: list[int] = field(default_factory=list)  # run indices by left, once one ends
@@ -235,11 +236,18 @@ class PendingRun:
 
         A request starts at most one block in every ``block_size`` steps, so where the queue's
         head holds no hash as far as the run's requests could take by the crossing step, there
-        is nothing to report, without counting the blocks taken."""
+        is nothing to report, without counting the blocks taken. The queue stays as it is while
+        the run is pending, so the crossing steps below which that holds are found once."""
         run, c = self.run, self.crossing
-        queue = run.scheduler.kv.pool.free_queue
-        if queue.unhashed_ahead(len(run.requests) * (c // run.scheduler.kv.block_size + 1)):
+        if c < self._clean_below:
             return []
+        queue = run.scheduler.kv.pool.free_queue
+        if self._clean_below < 0:  # (first read: the steps whose starts cannot reach a hash)
+            ahead, bs = queue.unhashed_at_head(), run.scheduler.kv.block_size
+            self._clean_below = (run.max_steps if ahead is None
+                                 else ahead // len(run.requests) * bs)
+            if c < self._clean_below:
+                return []
         taken = self._taken if c <= self._upto else self.blocks_taken()
         if taken == self._peeked:
             return []

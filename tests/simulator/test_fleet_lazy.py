@@ -47,6 +47,11 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
     def counting_evictions(self: PendingRun):
         events = evictions(self)
         reported[0] += sum(len(e.block_hashes) for e in events)
+        clean[0] += self.crossing < self._clean_below  # (found without reading a block)
+        # every hash of the blocks the steps so far took off the queue's head, reported once
+        queue = self.run.scheduler.kv.pool.free_queue
+        assert self.reported == [b.block_hash for b in queue.peek(self._blocks_taken_plain())
+                                 if b.block_hash is not None]
         return events
 
     def checked_blocks_taken(self: PendingRun) -> int:  # the step-by-step count's reference
@@ -55,14 +60,15 @@ def test_arrivals_read_runs_in_progress_and_the_results_are_the_references(
         counted[0] += self.run.stops[0] <= self.crossing and taken > 0
         return taken
 
-    unhashed_ahead, clean = FreeKVCacheBlockQueue.unhashed_ahead, [0]
+    unhashed_at_head, clean = FreeKVCacheBlockQueue.unhashed_at_head, [0]
 
-    def counting_unhashed_ahead(self: FreeKVCacheBlockQueue, n: int) -> bool:
-        answer = unhashed_ahead(self, n)
-        clean[0] += answer
-        return answer
+    def checked_unhashed_at_head(self: FreeKVCacheBlockQueue) -> int | None:
+        ahead = unhashed_at_head(self)  # the head's blocks read only here, for the check
+        assert all(b.block_hash is None
+                   for b in self.peek(self.num_free if ahead is None else ahead))
+        return ahead
 
-    monkeypatch.setattr(FreeKVCacheBlockQueue, "unhashed_ahead", counting_unhashed_ahead)
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "unhashed_at_head", checked_unhashed_at_head)
     monkeypatch.setattr(fleet_module.PendingRun, "refresh", counting_refresh)
     monkeypatch.setattr(fleet_module.PendingRun, "evictions", counting_evictions)
     monkeypatch.setattr(fleet_module.PendingRun, "blocks_taken", checked_blocks_taken)

@@ -70,8 +70,10 @@ class LazyFits:
     """``lazy_fits`` for one replica's runs, each request checked once: a request that fits
     goes on fitting while it runs, for its blocks handled only grow and its ``own_ids_from``
     is cleared only when it is preempted (``KVCacheManager.register_own``), which the
-    scheduler counts. A run's requests are mostly the last run's, so only the new ones are
-    read (its set of fitting requests, pruned once it holds twice a batch)."""
+    scheduler counts. A run's requests are mostly the last run's, and those admitted since
+    come last (the running batch keeps its order), so only those are read; the rest are
+    checked against its set of fitting requests (pruned once it holds twice a batch) in one
+    C call. A run always brings some: it starts after an admission."""
 
     _fit: set[Request] = field(default_factory=set)
     _preemptions: int = -1
@@ -89,9 +91,15 @@ class LazyFits:
         if sched.num_preemptions != self._preemptions:
             self._preemptions = sched.num_preemptions
             fit.clear()
-        if fit.issuperset(requests):
+        seen = len(requests)  # (the batch's newest requests come last: read those first)
+        while seen and requests[seen - 1] not in fit:
+            seen -= 1
+        if fit.issuperset(requests[:seen] if seen < len(requests) else requests):
+            new = requests[seen:]
+        else:  # (a request seen fit ahead of one not seen: the batch reordered)
+            new = [request for request in requests if request not in fit]
+        if not new:
             return True
-        new = [request for request in requests if request not in fit]
         if not _all_fit(new, kv):
             return False
         if len(fit) > 2 * len(requests) + 64:

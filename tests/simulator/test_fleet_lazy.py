@@ -192,3 +192,41 @@ def test_lazy_fits_remembered_agrees_with_the_reference(monkeypatch, workload) -
     reference = simulate(cfg, workload, decode_runs=False)
     assert [repr(r) for r in result.records] == [repr(r) for r in reference.records]  # (nan)
     assert list(result.steps) == list(reference.steps)
+
+
+def test_lazy_fits_reads_only_the_requests_it_has_not_seen_fit(monkeypatch) -> None:
+    """Newcomers at the batch's end are read alone; a reordered batch still has every
+    newcomer read (the set check); a preemption forgets them all; a misfit is not kept."""
+    from types import SimpleNamespace
+
+    read: list[list[str]] = []
+    misfits: set[str] = set()
+
+    def fake_all_fit(requests, kv) -> bool:
+        read.append([r.request_id for r in requests])
+        return not misfits.intersection(r.request_id for r in requests)
+
+    monkeypatch.setattr(fleet_module, "_plain_manager", lambda kv: True)
+    monkeypatch.setattr(fleet_module, "_all_fit", fake_all_fit)
+    kv = SimpleNamespace(enable_caching=True, defers_own_blocks=True)
+    sched = SimpleNamespace(kv=kv, num_preemptions=0)
+    class Named:  # (hashed by identity, as requests are)
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+
+    made = {name: Named(name) for name in "abcdefg"}
+
+    def fits(names: str) -> bool:
+        return fleet_module.LazyFits.__call__(memo, SimpleNamespace(
+            scheduler=sched, requests=[made[n] for n in names]))
+
+    memo = fleet_module.LazyFits()
+    assert fits("abc") and read[-1] == ["a", "b", "c"]
+    assert fits("abcd") and read[-1] == ["d"]
+    assert fits("bd") and len(read) == 2  # all seen fit: nothing read
+    assert fits("dbea") and read[-1] == ["e"]  # reordered, a newcomer inside
+    misfits.add("f")
+    assert not fits("abf") and read[-1] == ["f"]
+    assert not fits("abf") and read[-1] == ["f"]  # a misfit is read again
+    sched.num_preemptions = 1
+    assert fits("ab") and read[-1] == ["a", "b"]  # a preemption forgets every request

@@ -4,6 +4,7 @@ the arrivals read the run in progress, and the run folder stays the step-by-step
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -197,8 +198,6 @@ def test_lazy_fits_remembered_agrees_with_the_reference(monkeypatch, workload) -
 def test_lazy_fits_reads_only_the_requests_it_has_not_seen_fit(monkeypatch) -> None:
     """Newcomers at the batch's end are read alone; a reordered batch still has every
     newcomer read (the set check); a preemption forgets them all; a misfit is not kept."""
-    from types import SimpleNamespace
-
     read: list[list[str]] = []
     misfits: set[str] = set()
 

@@ -46,7 +46,7 @@ class FreeKVCacheBlockQueue:
         self._head = 0  # entries before it were popped
         self._dropped = 0  # entries compacted away: an entry's position is this + its index
         # The positions of the entries whose block carried a hash when it joined, ascending
-        # (None until ``unhashed_ahead`` is first asked): every stale entry is among them.
+        # (None until ``unhashed_at_head`` is first asked): every stale entry is among them.
         self._hashed: deque[int] | None = None
         self._stale: dict[KVCacheBlock, int] = {}  # block -> its stale entries at or after head
         self._num_stale = 0
@@ -75,18 +75,13 @@ class FreeKVCacheBlockQueue:
             self._head = 0
         return out
 
-    def unhashed_ahead(self, n: int) -> bool:
-        """Whether the first ``n`` free blocks (``peek(n)``) all carry no hash, so handing them
-        out evicts nothing, read off the positions of the entries that joined with a hash,
-        without touching a block. A free block gains no hash (only a block in use is
-        registered), and revival finds a block by its hash, so the entries before the first
-        such position are live and carry none. The positions are kept from the first call on."""
-        ahead = self.unhashed_at_head()
-        return ahead is None or ahead >= n
-
     def unhashed_at_head(self) -> int | None:
-        """How many entries from the head carry no hash (``unhashed_ahead``'s reading); None
-        where none does."""
+        """How many free blocks from the head (``peek``'s order) carry no hash, so handing
+        that many out evicts nothing; None where none does. Read off the positions of the
+        entries that joined with a hash, without touching a block: a free block gains no hash
+        (only a block in use is registered), and revival finds a block by its hash, so the
+        entries before the first such position are live and carry none. The positions are kept
+        from the first call on."""
         hashed = self._hashed
         if hashed is None:
             hashed = self._hashed = self._hashed_positions()

@@ -43,14 +43,20 @@ def lazy_fits(run: DecodeRun) -> bool:
     block starts ``PendingRun`` counts), and no request registering a block as it decodes
     (``LazyFits`` remembers the requests found to fit; this is its reference)."""
     kv = run.scheduler.kv
-    if not _plain_manager(kv):
+    decided = _decided_by_manager(kv)
+    return decided if decided is not None else _all_fit(run.requests, kv)
+
+
+def _decided_by_manager(kv: KVCacheManager) -> bool | None:
+    """``lazy_fits`` where the manager alone decides it (None: its requests do): False but for
+    a plain one-group manager, True without prefix caching, False where it registers a
+    request's own blocks as they fill."""
+    if type(kv) is not KVCacheManager or kv.sliding_window is not None \
+            or kv.key_salt is not None or kv.num_groups != 1:
         return False
-    return not kv.enable_caching or kv.defers_own_blocks and _all_fit(run.requests, kv)
-
-
-def _plain_manager(kv: KVCacheManager) -> bool:
-    return type(kv) is KVCacheManager and kv.sliding_window is None and kv.key_salt is None \
-        and kv.num_groups == 1
+    if not kv.enable_caching:
+        return True
+    return None if kv.defers_own_blocks else False
 
 
 def _all_fit(requests: Iterable[Request], kv: KVCacheManager) -> bool:
@@ -81,12 +87,9 @@ class LazyFits:
     def __call__(self, run: DecodeRun) -> bool:
         sched = run.scheduler
         kv = sched.kv
-        if not _plain_manager(kv):
-            return False
-        if not kv.enable_caching:
-            return True
-        if not kv.defers_own_blocks:
-            return False
+        decided = _decided_by_manager(kv)
+        if decided is not None:
+            return decided
         fit, requests = self._fit, run.requests
         if sched.num_preemptions != self._preemptions:
             self._preemptions = sched.num_preemptions
@@ -247,15 +250,13 @@ class PendingRun:
         is nothing to report, without counting the blocks taken. The queue stays as it is while
         the run is pending, so the crossing steps below which that holds are found once."""
         run, c = self.run, self.crossing
-        if c < self._clean_below:
-            return []
         queue = run.scheduler.kv.pool.free_queue
         if self._clean_below < 0:  # (first read: the steps whose starts cannot reach a hash)
             ahead, bs = queue.unhashed_at_head(), run.scheduler.kv.block_size
             self._clean_below = (run.max_steps if ahead is None
                                  else ahead // len(run.requests) * bs)
-            if c < self._clean_below:
-                return []
+        if c < self._clean_below:
+            return []
         taken = self._taken if c <= self._upto else self.blocks_taken()
         if taken == self._peeked:
             return []

@@ -145,9 +145,9 @@ def test_free_queue_order_survives_compaction_and_stale_sweeps():
     assert q.popleft_n(len(model)) == model and list(q) == []
 
 
-def test_unhashed_ahead_is_what_peek_shows_through_allocations_hits_and_sweeps():
-    """``unhashed_ahead(n)`` against the blocks ``peek(n)`` shows, asked between random
-    allocations, registrations, prefix hits on free blocks (stale entries), frees, head
+def test_unhashed_at_head_is_what_peek_shows_through_allocations_hits_and_sweeps():
+    """``unhashed_at_head()`` (whether ``n`` blocks are clean) against the blocks ``peek(n)``
+    shows, asked between random allocations, registrations, prefix hits on free blocks (stale entries), frees, head
     compactions and stale sweeps: never True over a hashed block, and exact while no entry is
     stale (it may only be cautious about stale entries)."""
     rng = random.Random(5)
@@ -179,14 +179,20 @@ def test_unhashed_ahead_is_what_peek_shows_through_allocations_hits_and_sweeps()
             pool.free(held[:k])
             del held[:k]
         if step == 50:
-            assert q.unhashed_ahead(0)  # (tracking starts here, with a queue already in use)
+            assert _clean_ahead(q, 0)  # (tracking starts here, with a queue already in use)
         if step > 50:
             n = rng.randint(0, 40)
             clean = all(b.block_hash is None for b in q.peek(n))
-            answer = q.unhashed_ahead(n)
+            answer = _clean_ahead(q, n)
             assert clean or not answer
             if not q._stale:
                 assert answer == clean
             answers[answer] += 1
     assert answers[True] > 100 and answers[False] > 100, answers
     assert pool.num_evictions > 0
+
+
+def _clean_ahead(q, n: int) -> bool:
+    """Whether the queue's first ``n`` free blocks are clean, by ``unhashed_at_head``."""
+    ahead = q.unhashed_at_head()
+    return ahead is None or ahead >= n

@@ -205,10 +205,9 @@ def test_lazy_fits_reads_only_the_requests_it_has_not_seen_fit(monkeypatch) -> N
         read.append([r.request_id for r in requests])
         return not misfits.intersection(r.request_id for r in requests)
 
-    monkeypatch.setattr(fleet_module, "_plain_manager", lambda kv: True)
+    monkeypatch.setattr(fleet_module, "_decided_by_manager", lambda kv: None)
     monkeypatch.setattr(fleet_module, "_all_fit", fake_all_fit)
-    kv = SimpleNamespace(enable_caching=True, defers_own_blocks=True)
-    sched = SimpleNamespace(kv=kv, num_preemptions=0)
+    sched = SimpleNamespace(kv=None, num_preemptions=0)
     class Named:  # (hashed by identity, as requests are)
         def __init__(self, request_id: str) -> None:
             self.request_id = request_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any, overload
@@ -117,20 +117,28 @@ class LazyPrompt(Sequence[int]):
 
 
 class LazyTokenIds(Sequence[int]):
-    """``all_token_ids`` of a request with a ``LazyPrompt``: the prompt, then a plain list of
-    the tokens after it. Supports what the engine does with a token list: ``len``, slices,
-    ``append`` and ``+=``."""
+    """``all_token_ids`` of a request with a ``LazyPrompt``: the prompt, then ``outputs``, the
+    request's own ``output_token_ids`` (the same list, not a copy: such a request's tokens
+    after its prompt are its outputs). Supports what the engine does with a token list:
+    ``len``, slices, ``append`` and ``+=``.
 
-    __slots__ = ("prompt", "rest", "_num_prompt")
+    The engine appends each token to the outputs, then to ``all_token_ids``; here the second
+    append only counts the tokens, and raises where the outputs do not hold them already (a
+    token added here alone would otherwise be lost). One list a request where two grew side
+    by side: a running batch touches, and reallocates as it grows, half the memory."""
 
-    def __init__(self, prompt: LazyPrompt, rest: Iterable[int] = ()) -> None:
-        self.prompt, self.rest = prompt, list(rest)
+    __slots__ = ("prompt", "outputs", "_num_prompt", "_num_added")
+
+    def __init__(self, prompt: LazyPrompt, outputs: list[int] | None = None) -> None:
+        self.prompt = prompt
+        self.outputs: list[int] = [] if outputs is None else outputs
         # a LazyPrompt's length never changes: kept here, ``len`` (which the scheduler asks of
         # every running request every step) is one Python call, not two
         self._num_prompt = len(prompt)
+        self._num_added = len(self.outputs)  # the outputs this sequence was told of
 
     def __len__(self) -> int:
-        return self._num_prompt + len(self.rest)
+        return self._num_prompt + len(self.outputs)
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -141,29 +149,40 @@ class LazyTokenIds(Sequence[int]):
     def __getitem__(self, index: int | slice) -> int | list[int]:
         n = self._num_prompt
         if isinstance(index, slice):
-            start, stop, step = index.indices(n + len(self.rest))
+            start, stop, step = index.indices(n + len(self.outputs))
             if step != 1:
                 return list(self)[index]
             if start >= n:
-                return self.rest[start - n:stop - n]
-            return self.prompt.ids(start, stop) + self.rest[:max(stop - n, 0)]
+                return self.outputs[start - n:stop - n]
+            return self.prompt.ids(start, stop) + self.outputs[:max(stop - n, 0)]
         i = index + len(self) if index < 0 else index
         if not 0 <= i < len(self):
             raise IndexError("token index out of range")
-        return self.rest[i - n] if i >= n else self.prompt[i]
+        return self.outputs[i - n] if i >= n else self.prompt[i]
 
     def append(self, token: int) -> None:
-        self.rest.append(token)
+        self._num_added += 1
+        if self._num_added != len(self.outputs):
+            self._out_of_step()
 
-    def extend(self, tokens: Iterable[int]) -> None:
-        self.rest += tokens
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._num_added += len(tokens)
+        if self._num_added != len(self.outputs):
+            self._out_of_step()
 
-    def __iadd__(self, tokens: Iterable[int]) -> LazyTokenIds:
-        self.rest += tokens
+    def __iadd__(self, tokens: Sequence[int]) -> LazyTokenIds:
+        self.extend(tokens)
         return self
 
+    def _out_of_step(self) -> None:
+        added, held = self._num_added, len(self.outputs)
+        self._num_added = held
+        raise RuntimeError(
+            f"a lazy prompt's all_token_ids are its prompt and its output_token_ids: {added} "
+            f"tokens added after the prompt, {held} outputs (append to output_token_ids first)")
+
     def __iter__(self) -> Iterator[int]:
-        return chain(self.prompt, self.rest)
+        return chain(self.prompt, self.outputs)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (list, tuple, LazyTokenIds)):
@@ -256,7 +275,7 @@ class Request:
                              f"{type(self.kv_transfer_params).__name__}.")
         prompt = self.prompt_token_ids
         if type(prompt) is LazyPrompt:
-            self.all_token_ids = LazyTokenIds(prompt)
+            self.all_token_ids = LazyTokenIds(prompt, self.output_token_ids)
             if self.sampling_params.n == 1 and self.parent_id is None:
                 self.own_ids_from = prompt.own_ids_from
         else:

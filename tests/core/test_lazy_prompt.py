@@ -72,16 +72,40 @@ def test_lazy_token_ids_read_and_grow_as_the_list() -> None:
     assert prompt[-1] == ids[-1] and prompt[3] == ids[3] and prompt[5:40:3] == ids[5:40:3]
     with pytest.raises(IndexError):
         prompt[37]
-    lazy, plain = LazyTokenIds(prompt), list(ids)
+    outputs: list[int] = []
+    lazy, plain = LazyTokenIds(prompt, outputs), list(ids)
     for tokens in ([7], [8, 9, 10], []):
+        outputs += tokens  # (the engine's order: the outputs first)
         lazy += tokens
         plain += tokens
+    outputs.append(11)
     lazy.append(11)
     plain.append(11)
     assert len(lazy) == len(plain) and list(lazy) == plain and lazy == plain
     for s in (slice(30, 42), slice(0, 5), slice(37, 41), slice(40, 100), slice(None, None, 2)):
         assert lazy[s] == plain[s]
     assert lazy[-1] == 11 and lazy[36] == ids[36]
+
+
+def test_lazy_token_ids_refuse_tokens_their_outputs_do_not_hold() -> None:
+    """A lazy request's tokens after its prompt are its outputs, one list: a token added to
+    ``all_token_ids`` alone, or two where the outputs got one, raises rather than vanishing."""
+    (request,) = _engine_requests(_trace()[:1], VOCAB, 16)
+    tokens = request.all_token_ids
+    assert isinstance(tokens, LazyTokenIds) and tokens.outputs is request.output_token_ids
+    n = len(tokens)
+    request.append_output_token(5, 1.0)
+    request.output_token_ids += [6, 7]
+    tokens += [6, 7]
+    assert len(tokens) == n + 3 and tokens[n:] == [5, 6, 7]
+    with pytest.raises(RuntimeError, match="append to output_token_ids first"):
+        tokens.append(8)
+    request.output_token_ids.append(9)
+    with pytest.raises(RuntimeError, match="3 tokens added after the prompt, 4 outputs"):
+        tokens.extend([])
+    request.output_token_ids.append(10)
+    with pytest.raises(RuntimeError, match="6 tokens added after the prompt, 5 outputs"):
+        tokens += [10, 11]
 
 
 def test_requests_chain_on_from_the_keys_over_their_ids() -> None:
@@ -92,6 +116,7 @@ def test_requests_chain_on_from_the_keys_over_their_ids() -> None:
                            _engine_requests(trace, VOCAB, 16, lazy=False)):
         assert isinstance(lazy.all_token_ids, LazyTokenIds) and lazy.all_token_ids == plain.all_token_ids
         for r in (lazy, plain):
+            r.output_token_ids += [17] * 40
             r.all_token_ids += [17] * 40
         n = len(plain.all_token_ids)
         update_block_hashes(lazy, 16, n)

@@ -124,8 +124,8 @@ class LazyTokenIds(Sequence[int]):
 
     The engine appends each token to the outputs, then to ``all_token_ids``; here the second
     append only counts the tokens, and raises where the outputs do not hold them already (a
-    token added here alone would otherwise be lost). One list a request where two grew side
-    by side: a running batch touches, and reallocates as it grows, half the memory."""
+    token added here alone would otherwise be lost). One growing list of token ids a request,
+    where two grew side by side with the same tokens."""
 
     __slots__ = ("prompt", "outputs", "_num_prompt", "_num_added")
 

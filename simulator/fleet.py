@@ -71,6 +71,10 @@ def _all_fit(requests: Iterable[Request], kv: KVCacheManager) -> bool:
     return True
 
 
+# Requests that left the batch ``LazyFits`` keeps before it prunes its set back to the batch.
+_STALE_FITS = 16
+
+
 @dataclass(slots=True)
 class LazyFits:
     """``lazy_fits`` for one replica's runs, each request checked once: a request that fits
@@ -78,8 +82,13 @@ class LazyFits:
     is cleared only when it is preempted (``KVCacheManager.register_own``), which the
     scheduler counts. A run's requests are mostly the last run's, and those admitted since
     come last (the running batch keeps its order), so only those are read; the rest are
-    checked against its set of fitting requests (pruned once it holds twice a batch) in one
-    C call. A run always brings some: it starts after an admission."""
+    checked against its set of fitting requests in one C call. A run always brings some: it
+    starts after an admission.
+
+    The set also holds the requests that left the batch since it was last pruned (finished
+    ones, which it keeps alive with their token lists): it is pruned back to the batch once
+    there are ``_STALE_FITS``, so they are freed within a few runs of their finish, while
+    their memory is still warm for the allocator to reuse."""
 
     _fit: set[Request] = field(default_factory=set)
     _preemptions: int = -1
@@ -101,14 +110,11 @@ class LazyFits:
             new = requests[seen:]
         else:  # (a request seen fit ahead of one not seen: the batch reordered)
             new = [request for request in requests if request not in fit]
-        if not new:
-            return True
-        if not _all_fit(new, kv):
+        if new and not _all_fit(new, kv):
             return False
-        if len(fit) > 2 * len(requests) + 64:
-            self._fit = fit = set(requests)
-        else:
-            fit.update(new)
+        fit.update(new)
+        if len(fit) > len(requests) + _STALE_FITS:
+            self._fit = set(requests)
         return True
 
 

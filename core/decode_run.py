@@ -19,7 +19,8 @@ a run is cut into segments of one batch each (``DecodeRun.stops``)::
 ``append_slot`` of each decode that starts a block (at schedule time) and the
 ``cache_full_blocks`` of each that fills one (at update time), step by step, so block ids,
 prefix-cache hashes, evictions and the free count after each step are the same. The per-token work
-(appending the token and its time) is one ``extend`` per request. The plain reference is the
+is one ``extend`` of a request's tokens and the run's array of step times, shared by its batch
+(``TokenTimes.adopt``). The plain reference is the
 step-by-step loop itself; ``tests/core/test_decode_run.py`` compares the two run for run.
 
 A run that an arrival interrupts closes with the step that admits the arrival beside its
@@ -140,13 +141,13 @@ class DecodeRun:
             if left < k:
                 request.output_token_ids += tokens[:left]
                 request.all_token_ids.extend(tokens[:left])
-                request.token_times += times[:left]
+                request.token_times.adopt(times[:left])
                 ending[left - 1].append(i)
                 limits.append(left)
             else:
                 request.output_token_ids += tokens
                 request.all_token_ids.extend(tokens)
-                request.token_times += times
+                request.token_times.adopt(times)
                 if left == k:
                     ending[-1].append(i)
                 limits.append(k)
@@ -215,11 +216,11 @@ class DecodeRun:
             if n < k:
                 request.output_token_ids += tokens[:n]
                 request.all_token_ids.extend(tokens[:n])
-                request.token_times += times[:n]
+                request.token_times.adopt(times[:n])
             else:
                 request.output_token_ids += tokens
                 request.all_token_ids.extend(tokens)
-                request.token_times += times
+                request.token_times.adopt(times)
         self._set_progress(limits)
         sched = self.scheduler
         sched.num_generation_tokens += sum(limits)

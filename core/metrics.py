@@ -21,6 +21,7 @@ from twinserve.core.kv_offload import OffloadingStats
 from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
+from twinserve.core.token_times import TokenTimes
 
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -87,15 +88,17 @@ class RequestRecord:
             req.spec_num_draft_tokens, req.spec_num_accepted_tokens, _gaps(req.token_times))
 
 
-def _gaps(times: Sequence[float]) -> array:
+def _gaps(times: Sequence[float] | TokenTimes) -> array:
     """Consecutive differences as a compact array: the same IEEE subtractions as a Python loop,
-    done by numpy (a request has hundreds of tokens), read in place from ``Request.token_times``'
-    doubles (any other sequence is converted)."""
-    n = len(times)
-    if n < 2:
+    done by numpy (a request has hundreds of tokens), on ``Request.token_times``' doubles as
+    they lie (any other sequence is converted)."""
+    if type(times) is TokenTimes:
+        t = np.frombuffer(times.tobytes(), np.float64)
+    else:
+        t = (np.frombuffer(times, np.float64) if type(times) is array and times.typecode == "d"
+             else np.fromiter(times, np.float64, len(times)))
+    if t.size < 2:
         return array("d")
-    t = (np.frombuffer(times, np.float64) if type(times) is array and times.typecode == "d"
-         else np.fromiter(times, np.float64, n))
     return array("d", (t[1:] - t[:-1]).tobytes())
 
 

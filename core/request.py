@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from twinserve.core.pooling_params import PoolingParams
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.token_times import TokenTimes
 
 if TYPE_CHECKING:
     from twinserve.core.outputs import ScheduledRequest
@@ -241,9 +241,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # when each output token was sampled, as doubles: a request has hundreds, appended a run
-    # at a time by the twin (``core.decode_run``) and read once, by its record
-    token_times: array[float] = field(default_factory=lambda: array("d"))
+    # when each output token was sampled: a request has hundreds, handed over a run at a time
+    # by the twin (``core.decode_run``) and read once, by its record
+    token_times: TokenTimes = field(default_factory=TokenTimes)
     admitted_time: float | None = None
     # Speculative decoding: the drafts proposed for the next step (empty: none; cleared when the
     # request is preempted or finishes) and the request's verification counts (vLLM's names).

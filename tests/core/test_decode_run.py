@@ -273,7 +273,7 @@ def _kv_state(sched) -> tuple:
     return (sorted((h, b.block_id) for h, b in pool.cached.items()),
             [b.block_id for b in pool.free_queue],
             {rid: list(t.ids) for rid, t in sched.kv.tables.items()},
-            [(r.request_id, r.num_computed_tokens, list(r.all_token_ids), list(r.token_times),
+            [(r.request_id, r.num_computed_tokens, list(r.all_token_ids), r.token_times.times(),
               list(r.block_hashes), r.decode_entry and r.decode_entry.start)
              for r in sched.running],
             sched.num_generation_tokens)

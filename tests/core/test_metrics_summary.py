@@ -19,6 +19,7 @@ from twinserve.core.metrics import (
     summarize,
 )
 from twinserve.core.request import RequestStatus
+from twinserve.core.token_times import TokenTimes
 
 
 def _records(rng: random.Random, as_list: bool = False) -> list[RequestRecord]:
@@ -84,7 +85,8 @@ def _by_name(req, origin: float) -> RequestRecord:
     """The record as named fields (``from_request`` builds it positionally)."""
     def shift(t):
         return math.nan if t is None else t - origin
-    times = np.asarray(req.token_times, dtype=np.float64)
+    flat = [t for entry in req.token_times for t in (entry if isinstance(entry, array) else [entry])]
+    times = np.asarray(flat, dtype=np.float64)
     return RequestRecord(
         request_id=req.request_id, arrival_time=req.arrival_time - origin,
         first_scheduled_time=shift(req.first_scheduled_time),
@@ -102,7 +104,7 @@ def test_a_requests_record_holds_each_field_by_name() -> None:
     from core_helpers import make_req
     done = make_req("done", 20, 5, arrival=1.5, priority=3, tenant="t", lora="ad")
     done.first_scheduled_time, done.first_token_time, done.finish_time = 1.75, 2.0, 2.5
-    done.token_times = [2.0, 2.125, 2.25, 2.5]
+    done.token_times = TokenTimes([2.0, 2.125, 2.25, 2.5])
     done.output_token_ids = [9, 9, 9, 9]
     done.num_cached_tokens, done.num_preemptions = 16, 2
     done.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -113,7 +115,12 @@ def test_a_requests_record_holds_each_field_by_name() -> None:
             got, want = RequestRecord.from_request(req, origin), _by_name(req, origin)
             assert repr(got) == repr(want)
     listed = RequestRecord.from_request(done)
-    done.token_times = array("d", done.token_times)  # (as the engine keeps them)
+    run = TokenTimes([2.0])  # (as the twin keeps them: one by one, and a decode run's array)
+    run.adopt(array("d", [2.125, 2.25]))
+    run.append(2.5)
+    done.token_times = run
+    assert repr(RequestRecord.from_request(done)) == repr(listed)
+    done.token_times = [2.0, 2.125, 2.25, 2.5]  # type: ignore[assignment]  # (any sequence)
     assert repr(RequestRecord.from_request(done)) == repr(listed)
 
 

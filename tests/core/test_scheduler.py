@@ -246,7 +246,7 @@ def test_timestamps_for_metrics():
         now += 1.0
     a, b = reqs["a"], reqs["b"]
     assert (a.first_scheduled_time, a.first_token_time, a.finish_time) == (0.0, 0.5, 2.5)
-    assert list(a.token_times) == [0.5, 1.5, 2.5]
+    assert a.token_times.times() == [0.5, 1.5, 2.5]
     assert b.first_scheduled_time == 3.0 and b.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
@@ -308,7 +308,7 @@ def test_several_tokens_at_once_are_appended_up_to_a_stop_and_counted():
     outs = s.update_from_output(out, ModelRunnerOutput({"a": [5, 6], "b": [7]}), 1.5)
     assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [5, 6]), ("b", [7])]
     a, b = (x.request for x in out.scheduled)
-    assert a.output_token_ids == [5, 6] and list(a.token_times) == [1.5, 1.5]
+    assert a.output_token_ids == [5, 6] and a.token_times.times() == [1.5, 1.5]
     assert s.num_generation_tokens == 3
     out = s.schedule(2.0)  # a has two new tokens to compute, b decodes
     assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 2), ("b", 1)]

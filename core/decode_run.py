@@ -230,15 +230,13 @@ class DecodeRun:
         self.finished = [running[i] for step in ending for i in step]
 
     def _set_progress(self, limits: list[int]) -> None:
-        """Each request's computed tokens after its ``limits[i]`` steps, and the entry of each
-        that goes on decoding (its next step's start, its table's live lists)."""
-        tables = self.scheduler.kv.tables
+        """Each request's computed tokens after its ``limits[i]`` steps, and the start of the
+        next step in the entry of each that goes on decoding. (The entry's block ids are its
+        table's own lists, which the run's blocks joined in place.)"""
         for request, start, n, left in zip(self.requests, self.starts, limits, self.lefts):
             request.num_computed_tokens = start + n
             if n < left:
-                entry, table = request.decode_entry, tables[request.request_id]
-                entry.start = start + n - 1  # type: ignore[union-attr]
-                entry.block_ids, entry.group_block_ids = table.ids, table.group_ids  # type: ignore[union-attr]
+                request.decode_entry.start = start + n - 1  # type: ignore[union-attr]
 
     def _end_requests(self, ending: list[list[int]], ends: list[float],
                       free_after: list[int]) -> None:

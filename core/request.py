@@ -44,6 +44,8 @@ class RequestStatus(enum.IntEnum):
 # Enum class attributes cost ~0.1 us a lookup on Python 3.11; ``is_finished`` runs per step.
 _LAST_UNFINISHED = RequestStatus.WAITING_FOR_REMOTE_KVS
 
+_NO_STOP_IDS: frozenset[int] = frozenset()
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -283,7 +285,10 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         params = self.sampling_params
         eos = () if self.eos_token_id is None or params.ignore_eos else (self.eos_token_id,)
-        self.stop_ids = frozenset((*params.stop_token_ids, *eos))
+        stop = (*params.stop_token_ids, *eos)
+        # (none: one shared empty set, read by every decode run: an empty frozenset is a new
+        # object per call)
+        self.stop_ids = frozenset(stop) if stop else _NO_STOP_IDS
 
     @property
     def num_output_tokens(self) -> int:

@@ -274,7 +274,9 @@ def _kv_state(sched) -> tuple:
             [b.block_id for b in pool.free_queue],
             {rid: list(t.ids) for rid, t in sched.kv.tables.items()},
             [(r.request_id, r.num_computed_tokens, list(r.all_token_ids), r.token_times.times(),
-              list(r.block_hashes), r.decode_entry and r.decode_entry.start)
+              list(r.block_hashes), r.decode_entry and r.decode_entry.start,
+              # (an entry's block ids are its table's live list, which the run's blocks join)
+              r.decode_entry is None or r.decode_entry.block_ids is sched.kv.tables[r.request_id].ids)
              for r in sched.running],
             sched.num_generation_tokens)
 

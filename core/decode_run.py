@@ -139,13 +139,13 @@ class DecodeRun:
         tokens, times = [self.token] * k, array("d", ends)
         for i, (request, left) in enumerate(zip(running, lefts)):
             if left < k:
-                request.output_token_ids += tokens[:left]
+                request.output_token_ids.extend(tokens[:left])
                 request.all_token_ids.extend(tokens[:left])
                 request.token_times.adopt(times[:left])
                 ending[left - 1].append(i)
                 limits.append(left)
             else:
-                request.output_token_ids += tokens
+                request.output_token_ids.extend(tokens)
                 request.all_token_ids.extend(tokens)
                 request.token_times.adopt(times)
                 if left == k:
@@ -214,11 +214,11 @@ class DecodeRun:
         tokens, times = [self.token] * k, array("d", ends)
         for request, n in zip(self.requests, limits):
             if n < k:
-                request.output_token_ids += tokens[:n]
+                request.output_token_ids.extend(tokens[:n])
                 request.all_token_ids.extend(tokens[:n])
                 request.token_times.adopt(times[:n])
             else:
-                request.output_token_ids += tokens
+                request.output_token_ids.extend(tokens)
                 request.all_token_ids.extend(tokens)
                 request.token_times.adopt(times)
         self._set_progress(limits)
@@ -402,13 +402,16 @@ def plan_decode_run(sched: Scheduler, token: int) -> DecodeRun | None:
     starts: list[int] = []
     lefts: list[int] = []
     for request in running:
-        start = request.num_computed_tokens
-        if (request.status != _RUNNING or len(request.all_token_ids) - start != 1
-                or start < request.num_prompt_tokens or token in request.stop_ids
+        # (its tokens are its prompt and its outputs: one length read, where the twin's
+        # requests answer ``len`` in Python)
+        start, num_prompt = request.num_computed_tokens, request.num_prompt_tokens
+        num_out = len(request.output_token_ids)
+        if (request.status != _RUNNING or num_prompt + num_out - start != 1
+                or start < num_prompt or token in request.stop_ids
                 or (request.decode_entry is None and not start % bs)):
             return None  # (a first decode that starts a block takes the step's own path)
         starts.append(start)
-        lefts.append(request.max_output_tokens - len(request.output_token_ids))
+        lefts.append(request.max_output_tokens - num_out)
     segmented = (not sched.policy.accounts_tokens and type(kv) is KVCacheManager
                  and kv.sliding_window is None and kv.key_salt is None)
     max_steps = _steps_with_blocks(sched, starts, lefts, max(lefts) if segmented

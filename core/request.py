@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, overload
 
 from twinserve.core.pooling_params import PoolingParams
@@ -118,29 +118,96 @@ class LazyPrompt(Sequence[int]):
     __hash__ = None  # type: ignore[assignment]
 
 
+class RepeatedTokenIds(Sequence[int]):
+    """``output_token_ids`` of a request whose output tokens are all one id: their count.
+
+    The twin "samples" one token for every request and step (``simulator.engine``), so a
+    replayed request's outputs are that id, hundreds of times: a list of them would be grown,
+    copied at each reallocation and read back at its release, all for nothing. Supports what
+    the engine does with an output list: ``len``, indexing and slices, ``append``, ``extend``
+    and ``+=``; any other id is refused (``ValueError``)."""
+
+    __slots__ = ("token", "n")
+
+    def __init__(self, token: int, n: int = 0) -> None:
+        if n < 0:
+            raise ValueError(f"a count of token ids cannot be negative, got {n}.")
+        self.token, self.n = token, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, token: int) -> None:
+        if token != self.token:
+            self._refuse(token)
+        self.n += 1
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if tokens.count(self.token) != len(tokens):
+            self._refuse(next(t for t in tokens if t != self.token))
+        self.n += len(tokens)
+
+    def __iadd__(self, tokens: Sequence[int]) -> RepeatedTokenIds:
+        self.extend(tokens)
+        return self
+
+    def _refuse(self, token: int) -> None:
+        raise ValueError(f"an output list of one repeated token id ({self.token}) cannot take "
+                         f"token id {token!r}.")
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [self.token] * len(range(*index.indices(self.n)))
+        if not -self.n <= index < self.n:
+            raise IndexError("token index out of range")
+        return self.token
+
+    def __iter__(self) -> Iterator[int]:
+        return repeat(self.token, self.n)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RepeatedTokenIds):
+            return other.n == self.n and (not self.n or other.token == self.token)
+        if isinstance(other, (list, tuple)):
+            return len(other) == self.n and other.count(self.token) == self.n
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class LazyTokenIds(Sequence[int]):
     """``all_token_ids`` of a request with a ``LazyPrompt``: the prompt, then ``outputs``, the
-    request's own ``output_token_ids`` (the same list, not a copy: such a request's tokens
+    request's own ``output_token_ids`` (the same object, not a copy: such a request's tokens
     after its prompt are its outputs). Supports what the engine does with a token list:
     ``len``, slices, ``append`` and ``+=``.
 
     The engine appends each token to the outputs, then to ``all_token_ids``; here the second
     append only counts the tokens, and raises where the outputs do not hold them already (a
     token added here alone would otherwise be lost). One growing list of token ids a request,
-    where two grew side by side with the same tokens."""
+    where two grew side by side with the same tokens. Outputs that are a ``RepeatedTokenIds``
+    (the twin's) are counted by reading their count, without a second Python call."""
 
-    __slots__ = ("prompt", "outputs", "_num_prompt", "_num_added")
+    __slots__ = ("prompt", "outputs", "_num_prompt", "_num_added", "_repeated")
 
-    def __init__(self, prompt: LazyPrompt, outputs: list[int] | None = None) -> None:
+    def __init__(self, prompt: LazyPrompt,
+                 outputs: list[int] | RepeatedTokenIds | None = None) -> None:
         self.prompt = prompt
-        self.outputs: list[int] = [] if outputs is None else outputs
+        self.outputs: list[int] | RepeatedTokenIds = [] if outputs is None else outputs
+        self._repeated = outputs if type(outputs) is RepeatedTokenIds else None
         # a LazyPrompt's length never changes: kept here, ``len`` (which the scheduler asks of
         # every running request every step) is one Python call, not two
         self._num_prompt = len(prompt)
         self._num_added = len(self.outputs)  # the outputs this sequence was told of
 
     def __len__(self) -> int:
-        return self._num_prompt + len(self.outputs)
+        repeated = self._repeated
+        return self._num_prompt + (repeated.n if repeated is not None else len(self.outputs))
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -164,12 +231,14 @@ class LazyTokenIds(Sequence[int]):
 
     def append(self, token: int) -> None:
         self._num_added += 1
-        if self._num_added != len(self.outputs):
+        repeated = self._repeated
+        if self._num_added != (repeated.n if repeated is not None else len(self.outputs)):
             self._out_of_step()
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._num_added += len(tokens)
-        if self._num_added != len(self.outputs):
+        repeated = self._repeated
+        if self._num_added != (repeated.n if repeated is not None else len(self.outputs)):
             self._out_of_step()
 
     def __iadd__(self, tokens: Sequence[int]) -> LazyTokenIds:
@@ -224,7 +293,8 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    # A list, or a ``RepeatedTokenIds`` (a replay's outputs, one token id: their count)
+    output_token_ids: list[int] | RepeatedTokenIds = field(default_factory=list)
     all_token_ids: list[int] | LazyTokenIds = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None

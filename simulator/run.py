@@ -24,7 +24,7 @@ from twinserve.core.metrics import RequestRecord, StepLog, kv_offload_summary, s
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.policy import SchedulingPolicy
 from twinserve.core.pool_args import check_pool_args, pool_engine_args
-from twinserve.core.request import LazyPrompt, Request
+from twinserve.core.request import LazyPrompt, RepeatedTokenIds, Request
 from twinserve.core.run_dir import DisaggregatedParts, write_run
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import Scheduler
@@ -40,6 +40,7 @@ from twinserve.simulator.cost_model import (
     make_cost_model,
 )
 from twinserve.simulator.engine import (
+    SIMULATED_TOKEN,
     ArrivalHorizons,
     Replica,
     SyntheticTokens,
@@ -257,9 +258,12 @@ def to_request(tr: TraceRequest, vocab_size: int, block_size: int,
     (an oracle, as simulators usually assume)."""
     if prompt is None:
         prompt = tr.prompt_token_ids(vocab_size, block_size)
+    # (a lazy prompt's request keeps its outputs, every one the twin's token, as their count)
+    outputs: list[int] | RepeatedTokenIds = (RepeatedTokenIds(SIMULATED_TOKEN)
+                                             if type(prompt) is LazyPrompt else [])
     return Request(tr.request_id, prompt, params or _sampling_params(tr.output_tokens),
                    tr.arrival_time, priority=tr.priority, tenant=tr.tenant, lora=tr.lora,
-                   hints={"output_len_hint": float(tr.output_tokens)})
+                   hints={"output_len_hint": float(tr.output_tokens)}, output_token_ids=outputs)
 
 
 def _sampling_params(output_tokens: int) -> SamplingParams:

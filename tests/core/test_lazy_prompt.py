@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from twinserve.core.block_hash import _update_block_hashes_plain, update_block_hashes
-from twinserve.core.request import LazyPrompt, LazyTokenIds, Request
+from twinserve.core.request import LazyPrompt, LazyTokenIds, RepeatedTokenIds, Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.simulator import SimConfig, simulate, write_sim_run
+from twinserve.simulator.engine import SIMULATED_TOKEN
 from twinserve.simulator.run import _engine_requests
 from twinserve.traces import SyntheticConfig, TraceRequest, synthetic_trace
 from twinserve.traces.trace_request import iter_prompt_parts, prompt_ids_slice
@@ -87,25 +88,49 @@ def test_lazy_token_ids_read_and_grow_as_the_list() -> None:
     assert lazy[-1] == 11 and lazy[36] == ids[36]
 
 
-def test_lazy_token_ids_refuse_tokens_their_outputs_do_not_hold() -> None:
-    """A lazy request's tokens after its prompt are its outputs, one list: a token added to
-    ``all_token_ids`` alone, or two where the outputs got one, raises rather than vanishing."""
+@pytest.mark.parametrize("repeated", [True, False], ids=["repeated-outputs", "listed-outputs"])
+def test_lazy_token_ids_refuse_tokens_their_outputs_do_not_hold(repeated: bool) -> None:
+    """A lazy request's tokens after its prompt are its outputs, one sequence: a token added to
+    ``all_token_ids`` alone, or two where the outputs got one, raises rather than vanishing;
+    with the twin's outputs (a count of its one token) as with a list."""
     (request,) = _engine_requests(_trace()[:1], VOCAB, 16)
+    if not repeated:
+        request = Request("listed", request.prompt_token_ids, request.sampling_params, 0.0)
+    assert isinstance(request.output_token_ids, RepeatedTokenIds) == repeated
     tokens = request.all_token_ids
     assert isinstance(tokens, LazyTokenIds) and tokens.outputs is request.output_token_ids
-    n = len(tokens)
-    request.append_output_token(5, 1.0)
-    request.output_token_ids += [6, 7]
-    tokens += [6, 7]
-    assert len(tokens) == n + 3 and tokens[n:] == [5, 6, 7]
+    n, t = len(tokens), SIMULATED_TOKEN
+    request.append_output_token(t, 1.0)
+    request.output_token_ids += [t, t]
+    tokens += [t, t]
+    assert len(tokens) == n + 3 and tokens[n:] == [t, t, t] and tokens[-1] == t
     with pytest.raises(RuntimeError, match="append to output_token_ids first"):
-        tokens.append(8)
-    request.output_token_ids.append(9)
+        tokens.append(t)
+    request.output_token_ids.append(t)
     with pytest.raises(RuntimeError, match="3 tokens added after the prompt, 4 outputs"):
         tokens.extend([])
-    request.output_token_ids.append(10)
+    request.output_token_ids.append(t)
     with pytest.raises(RuntimeError, match="6 tokens added after the prompt, 5 outputs"):
-        tokens += [10, 11]
+        tokens += [t, t]
+
+
+def test_repeated_token_ids_read_as_the_list_of_that_id() -> None:
+    """The twin's outputs, a count of one id: read, compared and grown as the list would be;
+    another id is refused by name."""
+    ids, listed = RepeatedTokenIds(17), []
+    for grow in (lambda x: x.append(17), lambda x: x.extend([17, 17]), lambda x: x.__iadd__([17])):
+        grow(ids)
+        grow(listed)
+    assert len(ids) == 4 and ids == listed and listed == ids and ids == tuple(listed)
+    assert list(ids) == listed and ids[0] == ids[-1] == 17 and ids[1:3] == listed[1:3]
+    assert ids[::2] == listed[::2] and ids[5:] == [] and 17 in ids and ids.count(17) == 4
+    assert ids != [17, 17] and ids != [17, 17, 17, 18] and ids == RepeatedTokenIds(17, 4)
+    with pytest.raises(IndexError):
+        ids[4]
+    for grow in (lambda: ids.append(18), lambda: ids.extend([17, 18]), lambda: ids.__iadd__([3])):
+        with pytest.raises(ValueError, match=r"one repeated token id \(17\) cannot take token id (18|3)"):
+            grow()
+    assert len(ids) == 4  # (nothing of a refused extend was taken)
 
 
 def test_requests_chain_on_from_the_keys_over_their_ids() -> None:

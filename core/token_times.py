@@ -36,8 +36,11 @@ class TokenTimes(_Entries):
 
     def tobytes(self) -> bytes:
         """The times as native doubles, one after the other (``array.tobytes``' layout)."""
-        return b"".join([_DOUBLE.pack(entry) if type(entry) is not array else entry
-                         for entry in self])
+        try:  # single times only (the real engine's): read in C, from a plain list's copy
+            return array("d", self[:]).tobytes()
+        except TypeError:  # (a run's array among them)
+            return b"".join([_DOUBLE.pack(entry) if type(entry) is not array else entry
+                             for entry in self])
 
 
 _DOUBLE = struct.Struct("d")

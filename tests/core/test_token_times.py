@@ -29,6 +29,8 @@ def test_times_read_in_the_order_given() -> None:
     assert times.tobytes() == array("d", [0.5, 1.0, 1.5, 2.0, 2.0, 3.0]).tobytes()
     assert list(run) == [1.0, 1.5]  # appends after an adopted run never write into it
     assert TokenTimes().tobytes() == b"" and TokenTimes().times() == []
+    single = TokenTimes([0.5, 1, 2.5])  # (single times only: the real engine's)
+    assert single.tobytes() == array("d", [0.5, 1.0, 2.5]).tobytes()
 
 
 def test_adopted_runs_are_shared_not_copied() -> None:

@@ -180,6 +180,9 @@ class RepeatedTokenIds(Sequence[int]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __repr__(self) -> str:
+        return f"RepeatedTokenIds(token={self.token}, n={self.n})"
+
 
 class LazyTokenIds(Sequence[int]):
     """``all_token_ids`` of a request with a ``LazyPrompt``: the prompt, then ``outputs``, the

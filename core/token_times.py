@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     _Entries = list[float | array[float]]
@@ -37,7 +37,7 @@ class TokenTimes(_Entries):
     def tobytes(self) -> bytes:
         """The times as native doubles, one after the other (``array.tobytes``' layout)."""
         try:  # single times only (the real engine's): read in C, from a plain list's copy
-            return array("d", self[:]).tobytes()
+            return array("d", cast("list[float]", self[:])).tobytes()
         except TypeError:  # (a run's array among them)
             return b"".join([_DOUBLE.pack(entry) if type(entry) is not array else entry
                              for entry in self])

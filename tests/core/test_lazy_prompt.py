@@ -131,6 +131,9 @@ def test_repeated_token_ids_read_as_the_list_of_that_id() -> None:
         with pytest.raises(ValueError, match=r"one repeated token id \(17\) cannot take token id (18|3)"):
             grow()
     assert len(ids) == 4  # (nothing of a refused extend was taken)
+    assert repr(ids) == "RepeatedTokenIds(token=17, n=4)"
+    with pytest.raises(ValueError, match="negative"):
+        RepeatedTokenIds(17, -1)
 
 
 def test_requests_chain_on_from_the_keys_over_their_ids() -> None:

@@ -8,7 +8,7 @@ least recently used cached block is evicted first.
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +39,8 @@ class FreeKVCacheBlockQueue:
     operation is O(1) amortised: the list is compacted as its consumed or stale part grows.
     """
 
-    __slots__ = ("_items", "_head", "_stale", "_num_stale", "num_free", "_dropped", "_hashed")
+    __slots__ = ("_items", "_head", "_stale", "_num_stale", "num_free", "_dropped", "_hashed",
+                 "_hashed_from")
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self._items: list[KVCacheBlock] = []
@@ -47,7 +48,9 @@ class FreeKVCacheBlockQueue:
         self._dropped = 0  # entries compacted away: an entry's position is this + its index
         # The positions of the entries whose block carried a hash when it joined, ascending
         # (None until ``unhashed_at_head`` is first asked): every stale entry is among them.
-        self._hashed: deque[int] | None = None
+        # Those before ``_hashed_from`` were consumed (dropped in bulk once they are most).
+        self._hashed: list[int] | None = None
+        self._hashed_from = 0
         self._stale: dict[KVCacheBlock, int] = {}  # block -> its stale entries at or after head
         self._num_stale = 0
         self.num_free = 0
@@ -86,15 +89,21 @@ class FreeKVCacheBlockQueue:
         if hashed is None:
             hashed = self._hashed = self._hashed_positions()
         head = self._dropped + self._head
-        while hashed and hashed[0] < head:
-            hashed.popleft()
-        return hashed[0] - head if hashed else None
+        first = self._hashed_from
+        if first < len(hashed) and hashed[first] < head:  # (consumed since: bisect past them)
+            first = bisect_left(hashed, head, first + 1)
+        if first >= _COMPACT_AT and 2 * first >= len(hashed):
+            del hashed[:first]
+            first = 0
+        self._hashed_from = first
+        return hashed[first] - head if first < len(hashed) else None
 
-    def _hashed_positions(self) -> deque[int]:
+    def _hashed_positions(self) -> list[int]:
         """The positions of the entries whose block carries a hash or is stale."""
         stale, at = self._stale, self._dropped + self._head
-        return deque(at + i for i, block in enumerate(self._items[self._head:])
-                     if block.block_hash is not None or block in stale)
+        self._hashed_from = 0
+        return [at + i for i, block in enumerate(self._items[self._head:])
+                if block.block_hash is not None or block in stale]
 
     def peek(self, n: int) -> list[KVCacheBlock]:
         """The blocks ``popleft_n(n)`` would return (at most the free ones), left in place."""

@@ -500,9 +500,11 @@ def run_server(args: argparse.Namespace) -> None:
     async_engine = build_async_engine(args)
     try:
         app = build_app(async_engine, args)
+        # lifespan off: the app has no startup or shutdown hooks (the engine is built before
+        # and stopped after), and a lifespan task cancelled by a second SIGINT logs a traceback
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=getattr(args, "uvicorn_log_level", "warning"),
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, lifespan="off")
         logger.warning("twinserve: serving %s on http://%s:%d",
                        served_model_name(args, None), args.host, args.port)
         uvicorn.Server(config).run()
@@ -520,6 +522,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as exc:
         print(f"twinserve serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # (uvicorn raises the SIGINT it caught again once it has stopped)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_fixture import LiveServer, live_server
+from server_fixture import LiveServer, live_server, start_server, stop_server
 from stub_server import ExplodingRunner
 
 from twinserve.core.step_driver import RunRecorder
@@ -582,3 +583,20 @@ def test_logit_bias_and_allowed_token_ids(server: LiveServer, client: openai.Ope
         r = post(server, "/v1/completions", {"model": "smol", "prompt": "Hi", "max_tokens": 2,
                                               **body})
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_a_second_sigint_stops_the_server_without_a_traceback() -> None:
+    """Ctrl-C twice, or a supervisor's SIGINT next to the terminal's (``timeout``, a process
+    group): the server stops as for one, with no traceback in its output (uvicorn's lifespan
+    task, cancelled mid-shutdown, and the SIGINT it raises again once stopped both printed one)."""
+    srv = start_server([])
+    try:
+        srv.process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+        srv.process.send_signal(signal.SIGINT)
+        srv.process.wait(timeout=60)
+        log = srv.log_tail(20_000)
+        assert "Traceback" not in log, log
+        assert srv.process.returncode in (130, -signal.SIGINT), srv.process.returncode
+    finally:
+        stop_server(srv)

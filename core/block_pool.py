@@ -87,7 +87,7 @@ class FreeKVCacheBlockQueue:
         from the first call on."""
         hashed = self._hashed
         if hashed is None:
-            hashed = self._hashed = self._hashed_positions()
+            hashed = self._track_hashed()
         head = self._dropped + self._head
         first = self._hashed_from
         if first < len(hashed) and hashed[first] < head:  # (consumed since: bisect past them)
@@ -98,12 +98,14 @@ class FreeKVCacheBlockQueue:
         self._hashed_from = first
         return hashed[first] - head if first < len(hashed) else None
 
-    def _hashed_positions(self) -> list[int]:
-        """The positions of the entries whose block carries a hash or is stale."""
+    def _track_hashed(self) -> list[int]:
+        """Tracks, from now on, the positions of the entries whose block carries a hash or is
+        stale (read from the queue as it is); returns them."""
         stale, at = self._stale, self._dropped + self._head
         self._hashed_from = 0
-        return [at + i for i, block in enumerate(self._items[self._head:])
-                if block.block_hash is not None or block in stale]
+        self._hashed = [at + i for i, block in enumerate(self._items[self._head:])
+                        if block.block_hash is not None or block in stale]
+        return self._hashed
 
     def peek(self, n: int) -> list[KVCacheBlock]:
         """The blocks ``popleft_n(n)`` would return (at most the free ones), left in place."""
@@ -171,7 +173,7 @@ class FreeKVCacheBlockQueue:
             self._stale.clear()
             self._num_stale = 0
             if self._hashed is not None:
-                self._hashed = self._hashed_positions()
+                self._track_hashed()
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         skip = dict(self._stale)

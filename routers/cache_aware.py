@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,10 +11,9 @@ from twinserve.routers.hashing import prompt_block_hashes
 from twinserve.routers.router import ReplicaLoad, healthy
 
 _INF = float("inf")
-# Bounds of the walks kept and of the touches logged (cleared, or applied, past them).
+# Bounds of the walks kept (cleared past them).
 _MAX_WALKS = 1024
 _MAX_READERS = 1 << 17
-_MAX_LOGGED = 1024
 
 
 class CacheAwareRouter:
@@ -23,10 +21,15 @@ class CacheAwareRouter:
     prompt blocks a replica already holds (llm-d's precise prefix-cache scorer) priced together
     with the work ahead of it there, in one unit, prompt tokens.
 
-    What a replica holds comes only from its own KV events (``core.kv_events``): one LRU index,
-    block hash -> the replicas holding it (a bit each), of at most ``max_blocks`` hashes. A hash
-    stored or matched is moved to the young end; past the cap the oldest is forgotten, which can
-    only make a replica look emptier than it is.
+    What a replica holds comes only from its own KV events (``core.kv_events``): one index,
+    block hash -> the replicas holding it (a bit each), of at most ``max_blocks`` hashes, kept in
+    two generations (``hashlru``'s LRU of two segments, forgotten a segment at a time): a hash
+    stored joins the young generation, a hash matched moves up to it from the old one, and once
+    the young one holds half the cap the old one is forgotten and it becomes the old. Forgetting
+    can only make a replica look emptier than it is. Where the replicas hold fewer hashes than
+    half the cap (the default's 131,072; 4 replicas of ~28,000 blocks) nothing is forgotten and
+    no order is kept: an exact LRU reordered every hash stored and matched for an eviction that
+    never came.
 
     The cost of replica ``i``, in prompt tokens::
 
@@ -54,8 +57,8 @@ class CacheAwareRouter:
     the lowest index. The defaults of both constants are Llama-3-8B's on an H100; the twin and
     ``validate`` read them off their step-time model (``simulator.router_prices``)."""
 
-    __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_index",
-                 "_next", "_walks", "_readers", "_touched")
+    __slots__ = ("block_size", "max_blocks", "decode_weight", "prefill_tokens_per_s", "_young",
+                 "_old", "_young_cap", "_next", "_walks", "_readers")
 
     uses_kv_events = True  # constants of the class: the backend turns the replicas' events on
     reads_kv_usage = False
@@ -74,23 +77,29 @@ class CacheAwareRouter:
         self.max_blocks = max_blocks
         self.decode_weight = float(decode_weight)
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
-        self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> bitmask of replicas
+        # block hash -> bitmask of the replicas holding it (never 0), in two generations: the
+        # young one stays below ``_young_cap`` hashes and the old one at most that, so the two
+        # hold at most ``max_blocks``.
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+        self._young_cap = (max_blocks + 1) // 2
         self._next = 0  # where the next tie's rotation starts
         # Walks kept while the masks they read stay as they were, by first hash (``_walk``), and
-        # the first hash of the walk that read each hash; the LRU touches not applied yet, by
-        # deepest hash (``_flush_touches``). All bounded.
+        # the first hash of the walk that read each hash. Both bounded.
         self._walks: dict[int, _Walk] = {}
         self._readers: dict[int, int] = {}
-        self._touched: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
 
     def __len__(self) -> int:
         """The block hashes indexed (at most ``max_blocks``)."""
-        return len(self._index)
+        return len(self._young) + len(self._old)
 
     def holders(self, block_hash: int) -> list[int]:
         """The replicas the index says hold ``block_hash``."""
-        mask = self._index.get(block_hash, 0)
-        return [i for i in range(mask.bit_length()) if mask >> i & 1]
+        return _bits(self._mask(block_hash))
+
+    def _mask(self, block_hash: int) -> int:
+        """The replicas holding ``block_hash``, as a bitmask, in either generation."""
+        return self._young.get(block_hash) or self._old.get(block_hash, 0)
 
     def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
         up = healthy(replicas)
@@ -114,19 +123,15 @@ class CacheAwareRouter:
 
     def matched_blocks(self, request: Request, among: Sequence[int]) -> dict[int, int]:
         """For each replica in ``among``: how many of the prompt's blocks, from the first, it
-        holds (by the index). The hashes matched move to the young end of the LRU.
+        holds (by the index). The hashes matched in the old generation move up to the young.
 
         Requests of one application walk the same system prompt, so a walk is kept (by its
         first hash) until a mask it read changes: a later prompt whose hash at the walk's
         depth is the walk's shares every block before it (a hash covers its whole prefix) and
-        reads its matches off the walk, going on hash by hash only past it. Its LRU touch, the
-        matched hashes in order, is logged by its deepest hash and applied before a store or a
-        reset, which read the order (``_flush_touches``, not for removals): only a prefix's
-        last touch decides the order.
+        reads its matches off the walk, going on hash by hash only past it.
         ``_matched_blocks_plain`` is the hash-by-hash loop it stands for."""
         hashes = prompt_block_hashes(request, self.block_size)
         if not isinstance(hashes, list):  # a chain made as it is read: the plain loop
-            self._flush_touches()
             return self._matched_blocks_plain(request, among)
         if not hashes:
             return dict.fromkeys(among, 0)
@@ -143,21 +148,16 @@ class CacheAwareRouter:
                 if depth and matched[i] == depth:
                     alive |= 1 << i
             # (where none of them holds the next block, each one's match is the walk's)
-            if alive and self._index.get(hashes[depth], 0) & alive:
+            if alive and self._mask(hashes[depth]) & alive:
                 self._go_on(hashes, depth, alive, matched)
-        touched = max(matched.values(), default=0)
-        if touched:
-            log = self._touched
-            log[hashes[touched - 1]] = (hashes, touched)
-            log.move_to_end(hashes[touched - 1])
-            if len(log) > _MAX_LOGGED:
-                self._flush_touches()
+        if self._old:
+            self._promote(hashes[:max(matched.values(), default=0)])
         return matched
 
     def _walk(self, hashes: list[int]) -> _Walk:
         """The walk of ``hashes`` for every replica holding the first, kept by its first hash."""
         ends: dict[int, int] = {}
-        depth = self._go_on(hashes, 0, self._index.get(hashes[0], 0), ends)
+        depth = self._go_on(hashes, 0, self._mask(hashes[0]), ends)
         walks, readers, first = self._walks, self._readers, hashes[0]
         if len(walks) >= _MAX_WALKS or len(readers) >= _MAX_READERS:
             walks.clear()  # (a walk is kept only while every hash it read has its reader)
@@ -168,10 +168,10 @@ class CacheAwareRouter:
 
     def _go_on(self, hashes: list[int], depth: int, alive: int, matched: dict[int, int]) -> int:
         """The plain loop from block ``depth`` on, for the replicas in ``alive`` (without
-        touching): each one's match into ``matched``; returns the first block none holds."""
-        get = self._index.get
+        promoting): each one's match into ``matched``; returns the first block none holds."""
+        get = self._mask if self._old else self._young.get
         for block_hash in hashes[depth:] if depth else hashes:
-            holding = get(block_hash, 0) & alive
+            holding = (get(block_hash) or 0) & alive
             if holding != alive:
                 for i in _bits(alive & ~holding):
                     matched[i] = depth
@@ -183,44 +183,33 @@ class CacheAwareRouter:
             matched[i] = depth
         return depth
 
-    def _flush_touches(self) -> None:
-        """Applies the logged LRU touches, each prefix's last, in order.
-
-        Removals are not waited for (``on_kv_events``): taking a hash out moves no other, so a
-        touch applied after it gives the order the touch then the removal would, once the
-        hashes removed meanwhile are skipped."""
-        log = self._touched
-        if log:
-            index = self._index
-            touch = index.move_to_end
-            for hashes, n in log.values():
-                try:
-                    for block_hash in hashes[:n]:
-                        touch(block_hash)
-                except KeyError:  # (removed since: touched again from the first, in order)
-                    for block_hash in hashes[:n]:
-                        if block_hash in index:
-                            touch(block_hash)
-            log.clear()
+    def _promote(self, block_hashes: Sequence[int]) -> None:
+        """Moves those of ``block_hashes`` in the old generation up to the young one, in order,
+        while the young one has room (a match never forgets a generation)."""
+        young, old, cap = self._young, self._old, self._young_cap - 1
+        for block_hash in block_hashes:
+            if len(young) >= cap:
+                return
+            mask = old.pop(block_hash, 0)
+            if mask:
+                young[block_hash] = mask
 
     def _matched_blocks_plain(self, request: Request, among: Sequence[int]) -> dict[int, int]:
-        """``matched_blocks`` hash by hash, touching as it goes (the reference; call
-        ``_flush_touches`` first where ``matched_blocks`` ran before)."""
-        get, touch = self._index.get, self._index.move_to_end
+        """``matched_blocks`` hash by hash, promoting as it goes (the reference)."""
         alive = 0
         for i in among:
             alive |= 1 << i
         matched = dict.fromkeys(among, 0)
         depth = 0
         for block_hash in prompt_block_hashes(request, self.block_size):
-            holding = get(block_hash, 0) & alive
+            holding = self._mask(block_hash) & alive
             if holding != alive:  # some replicas' matches end here
                 for i in _bits(alive & ~holding):
                     matched[i] = depth
                 alive = holding
                 if not alive:
                     return matched
-            touch(block_hash)
+            self._promote((block_hash,))
             depth += 1
         for i in _bits(alive):
             matched[i] = depth
@@ -229,45 +218,62 @@ class CacheAwareRouter:
     def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         if not events:
             return
-        bit = 1 << replica
-        index, readers = self._index, self._readers
+        bit, readers = 1 << replica, self._readers
         for event in events:
             if isinstance(event, BlockStored):
-                if self._touched:  # (a store reads the LRU order: the touches before it first)
-                    self._flush_touches()
                 if not readers.keys().isdisjoint(event.block_hashes):
                     self._forget(event.block_hashes)
-                for block_hash in event.block_hashes:
-                    index[block_hash] = index.get(block_hash, 0) | bit
-                    index.move_to_end(block_hash)
-                while len(index) > self.max_blocks:
-                    block_hash = index.popitem(last=False)[0]
-                    if block_hash in readers:
-                        self._forget((block_hash,))
+                self._store(event.block_hashes, bit)
             elif isinstance(event, BlockRemoved):
                 if not readers.keys().isdisjoint(event.block_hashes):
                     self._forget(event.block_hashes)
-                for block_hash in event.block_hashes:
-                    mask = index.get(block_hash, 0) & ~bit
-                    if mask:
-                        index[block_hash] = mask
-                    else:
-                        index.pop(block_hash, None)
+                self._remove(event.block_hashes, bit)
             elif isinstance(event, AllBlocksCleared):
                 self.on_replica_reset(replica)
             else:
                 raise ValueError(f"events: not a KV cache event: {event!r}")
 
+    def _store(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Sets ``bit`` on these hashes, in the young generation; a new one that fills it makes
+        it the old one (the old one forgotten)."""
+        young, old, cap = self._young, self._old, self._young_cap
+        for block_hash in block_hashes:
+            mask = young.get(block_hash)
+            if mask is not None:
+                young[block_hash] = mask | bit
+                continue
+            young[block_hash] = old.pop(block_hash, 0) | bit if old else bit
+            if len(young) >= cap:
+                self._changing()  # (the old generation's masks go: every walk read them)
+                self._old, self._young = young, {}
+                young, old = self._young, self._old
+
+    def _remove(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Clears ``bit`` on these hashes; a hash no replica holds leaves the index."""
+        young, old = self._young, self._old
+        for block_hash in block_hashes:
+            where = young
+            mask = young.get(block_hash)
+            if mask is None:
+                where, mask = old, old.get(block_hash)
+                if mask is None:
+                    continue
+            mask &= ~bit
+            if mask:
+                where[block_hash] = mask
+            else:
+                del where[block_hash]
+
     def on_replica_reset(self, replica: int) -> None:
         self._changing()
         keep = ~(1 << replica)
-        index = self._index
-        for block_hash in list(index):
-            mask = index[block_hash] & keep
-            if mask:
-                index[block_hash] = mask
-            else:
-                del index[block_hash]
+        for index in (self._young, self._old):
+            for block_hash in list(index):
+                mask = index[block_hash] & keep
+                if mask:
+                    index[block_hash] = mask
+                else:
+                    del index[block_hash]
 
     def _forget(self, block_hashes: Sequence[int]) -> None:
         """Before these hashes' masks change: the kept walks that read them are dropped."""
@@ -278,8 +284,7 @@ class CacheAwareRouter:
                 walks.pop(first, None)
 
     def _changing(self) -> None:
-        """Before the whole index changes: the logged touches applied, every walk dropped."""
-        self._flush_touches()
+        """Before the whole index changes: every walk dropped."""
         self._walks.clear()
         self._readers.clear()
 

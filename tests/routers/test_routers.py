@@ -297,36 +297,46 @@ def _prompts(rng: random.Random) -> list[Request]:
     return requests
 
 
-def test_cache_aware_touches_wait_past_removals_and_skip_the_hashes_removed() -> None:
-    """A removal applies no logged touch (it reads no order); the store after it does, skipping
-    the hashes the removal took out: the LRU order the plain loop's touch-then-remove gives."""
-    fast, plain = CacheAwareRouter(BS), CacheAwareRouter(BS)
-    first, second, third = (_lazy_req(rid, list(range(k, k + 6))) for k, rid in
-                            ((100, "a"), (200, "b"), (300, "c")))
-    a, b, c = (list(prompt_block_hashes(r, BS)) for r in (first, second, third))
-    for router in (fast, plain):
-        router.on_kv_events(0, [BlockStored(a, None, None), BlockStored(b, None, None)])
-    assert fast.matched_blocks(first, [0]) == plain._matched_blocks_plain(first, [0]) == {0: 6}
-    assert fast._touched  # (logged, not applied)
-    for router in (fast, plain):
-        router.on_kv_events(0, [BlockRemoved([a[2]])])
-    assert fast._touched  # a removal waits for no touch
-    for router in (fast, plain):
-        router.on_kv_events(1, [BlockStored(c, None, None)])
-    assert not fast._touched
-    assert list(fast._index.items()) == list(plain._index.items())
-    assert list(fast._index) == [*b, a[0], a[1], *a[3:], *c]
+def test_cache_aware_index_forgets_a_generation_at_a_time_and_keeps_what_matched() -> None:
+    """Stored hashes fill the young generation; once it holds half the cap it becomes the old
+    one and the old one is forgotten. A match moves its hashes up from the old generation, so a
+    prompt in use outlives one stored and never read again."""
+    router = CacheAwareRouter(BS, max_blocks=12)  # generations of 6
+    hot, cold, filler = (_lazy_req(rid, list(range(k, k + 3))) for k, rid in
+                         ((100, "hot"), (200, "cold"), (300, "filler")))
+    more = _lazy_req("more", list(range(400, 406)))
+    for request in (hot, cold):
+        router.on_kv_events(0, [BlockStored(list(prompt_block_hashes(request, BS)), None, None)])
+    assert len(router) == 6 and not router._young  # the sixth hash turned the young one old
+    assert router.matched_blocks(hot, [0, 1]) == {0: 3, 1: 0}  # hot's hashes move up
+    assert len(router._young) == 3 and len(router._old) == 3
+    router.on_kv_events(1, [BlockStored(list(prompt_block_hashes(filler, BS)), None, None)])
+    assert len(router) == 6  # the young one filled again: cold's generation is forgotten
+    assert router.matched_blocks(hot, [0, 1]) == {0: 3, 1: 0}
+    assert router.matched_blocks(cold, [0, 1]) == {0: 0, 1: 0}
+    assert router.matched_blocks(filler, [0, 1]) == {0: 0, 1: 3}
+    router.on_kv_events(1, [BlockStored(list(prompt_block_hashes(more, BS)), None, None)])
+    assert len(router) <= 12 and router.matched_blocks(more, [1]) == {1: 6}
+    # a hash in the old generation stored by another replica moves up with both bits
+    first, second = list(prompt_block_hashes(more, BS))[:2]
+    assert first in router._old and second in router._young
+    router.on_kv_events(1, [BlockRemoved([second])])  # (room in the young one)
+    assert router.holders(second) == [] and len(router._young) == 4
+    router.on_kv_events(0, [BlockStored([first], None, None)])
+    assert router._young[first] == 0b11 and first not in router._old
+    router.on_kv_events(1, [BlockRemoved([first])])
+    assert router.holders(first) == [0]
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> None:
-    """``matched_blocks`` (walks kept until a mask they read changes, LRU touches logged) against the
-    hash-by-hash loop, through stores, removals, resets and a capped index: the same matches
-    for every request and replica set, and the same LRU order once the log is applied."""
+    """``matched_blocks`` (walks kept until a mask they read changes) against the hash-by-hash
+    loop, through stores, removals, resets and a capped index: the same matches for every
+    request and replica set, and the same generations."""
     rng = random.Random(seed)
     fast, plain = CacheAwareRouter(BS, max_blocks=40), CacheAwareRouter(BS, max_blocks=40)
     requests = _prompts(rng)
-    full = 0  # rounds with the index at its cap (stores evict)
+    forgot = 0  # rounds in which a store forgot the old generation
     walked, went_on = [0], [0]  # full walks, and walks gone on past a kept one
     walk, go_on = CacheAwareRouter._walk, CacheAwareRouter._go_on
 
@@ -351,23 +361,21 @@ def test_cache_aware_kept_walks_match_the_plain_loop(monkeypatch, seed: int) -> 
             replica, kept = rng.randrange(5), hashes[start:rng.randrange(start, len(hashes) + 1)]
             events = [BlockStored(kept, None, None)] if rng.random() < 0.7 else \
                 [BlockRemoved([h for h in kept if rng.random() < 0.3])]
+            old = fast._old
             for router in (fast, plain):
                 router.on_kv_events(replica, events)
+            forgot += fast._old is not old
         elif roll < 0.11:
             replica = rng.randrange(5)
             for router in (fast, plain):
                 router.on_replica_reset(replica)
-        full += len(fast) == 40
         among = sorted(rng.sample(range(5), rng.randrange(1, 6)))
         got = fast.matched_blocks(request, among)
         assert got == plain._matched_blocks_plain(request, among), (request.request_id, among)
-        if rng.random() < 0.1:
-            fast._flush_touches()
-            assert list(fast._index.items()) == list(plain._index.items())
-    fast._flush_touches()
-    assert list(fast._index.items()) == list(plain._index.items())
-    # most walks reused a kept one; some went on past it; the cap evicted
-    assert walked[0] < 0.6 * rounds and went_on[0] > 10 and full > 20, (walked, went_on, full)
+        assert fast._young == plain._young and fast._old == plain._old
+        assert len(fast) <= 40
+    # most walks reused a kept one; some went on past it; the cap forgot generations
+    assert walked[0] < 0.6 * rounds and went_on[0] > 10 and forgot > 5, (walked, went_on, forgot)
 
 
 def test_cache_aware_kept_walk_sees_the_blocks_stored_and_removed_past_it() -> None:
@@ -390,7 +398,7 @@ def test_cache_aware_kept_walk_sees_the_blocks_stored_and_removed_past_it() -> N
     assert router.matched_blocks(request, [1]) == {1: 10}
 
 
-def test_cache_aware_kept_walks_and_logged_touches_stay_bounded() -> None:
+def test_cache_aware_kept_walks_stay_bounded() -> None:
     router = CacheAwareRouter(BS)
     requests = [_lazy_req(f"p{i}", [i, i + 0.5, i + 0.25]) for i in range(2500)]
     for i, request in enumerate(requests):
@@ -399,7 +407,6 @@ def test_cache_aware_kept_walks_and_logged_touches_stay_bounded() -> None:
     sizes = []
     for i, request in enumerate(requests):
         assert router.matched_blocks(request, [0, 1, 2]) == {r: 2 * (r == i % 3) for r in range(3)}
-        sizes.append((len(router._walks), len(router._touched)))
-    assert max(w for w, _ in sizes) == cache_aware._MAX_WALKS
-    assert max(t for _, t in sizes) == cache_aware._MAX_LOGGED
+        sizes.append(len(router._walks))
+    assert max(sizes) == cache_aware._MAX_WALKS
     assert len(router._readers) <= cache_aware._MAX_READERS

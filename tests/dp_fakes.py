@@ -43,3 +43,10 @@ class NullSink:
 
     def put(self, item: Any) -> None:
         pass
+
+
+def inbox_reader(spec: Any, inbox: Any, outbox: Any) -> None:
+    """A replica process that only reads its inbox until ``("stop",)`` (``replica_main``'s
+    place, for tests of the replica set itself)."""
+    while inbox.get(timeout=30) != ("stop",):
+        pass

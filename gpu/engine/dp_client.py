@@ -23,6 +23,7 @@ from twinserve.gpu.worker.cpu_cores import usable_cores
 
 INBOX_SIZE = 4096  # commands queued for one replica before the front refuses new requests
 STOP_GRACE_S = 5.0
+FEEDER_JOIN_S = 2.0
 
 
 class ReplicaInboxFull(RuntimeError):
@@ -158,6 +159,7 @@ class ReplicaSet:
         replica.conn.close()
         replica.inbox.cancel_join_thread()  # commands it never read are dropped, not waited on
         replica.inbox.close()
+        _join_feeder(replica.inbox)
         return process.exitcode
 
     def shutdown(self) -> None:
@@ -172,6 +174,18 @@ class ReplicaSet:
             replica.process.join(timeout=STOP_GRACE_S)
         for i, _ in live:
             self._reap(i)
+
+
+def _join_feeder(inbox: Any) -> None:
+    """Waits, briefly, for a closed queue's feeder thread to end. Once the queue is dropped that
+    thread holds the last references to its semaphores, so their finalizer (unlink the name,
+    then unregister it with the resource tracker) runs in it as it ends; a front exiting right
+    after ``shutdown`` froze it in between, and the tracker reported the name, already
+    unlinked, as a leaked semaphore. (``_thread``: the stdlib's own join at exit, which
+    ``cancel_join_thread`` turns off, waits on it without a limit.)"""
+    feeder = getattr(inbox, "_thread", None)
+    if feeder is not None:
+        feeder.join(timeout=FEEDER_JOIN_S)
 
 
 def make_replica_set(args: EngineArgs, usage_context: str, on_cuda: bool,

@@ -107,7 +107,10 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
         if config.kv_events:
             self.kv.pool.events = KVEventBuffer()
         self.requests: dict[str, Request] = {}
+        # Requests join ``running`` only at its end (an admission, a forked sample) and leave it
+        # from anywhere: it keeps its order. ``num_joined`` counts the joins.
         self.running: list[Request] = []
+        self.num_joined = 0
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -519,6 +522,7 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
             self.num_queued_tokens -= request.num_prompt_tokens
         request.status = _RUNNING
         self.running.append(request)
+        self.num_joined += 1
         if self.loras is not None:
             self.loras.remove_waiting(request.lora)
             if request.lora is not None:
@@ -798,6 +802,7 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
             child.num_computed_tokens = parent.num_prompt_tokens - 1
             self.requests[child.request_id] = child
             self.running.append(child)
+            self.num_joined += 1
             if child.lora is not None and self.loras is not None:
                 self.loras.acquire(child.lora)  # resident and pinned by the parent: no load
 

@@ -41,7 +41,7 @@ from twinserve.routers import ReplicaLoad
 def lazy_fits(run: DecodeRun) -> bool:
     """Whether ``run`` may go on through arrivals unapplied: a plain one-group manager (whose
     block starts ``PendingRun`` counts), and no request registering a block as it decodes
-    (``LazyFits`` remembers the requests found to fit; this is its reference)."""
+    (``LazyFits`` reads only the requests that joined the batch since; this is its reference)."""
     kv = run.scheduler.kv
     decided = _decided_by_manager(kv)
     return decided if decided is not None else _all_fit(run.requests, kv)
@@ -71,26 +71,16 @@ def _all_fit(requests: Iterable[Request], kv: KVCacheManager) -> bool:
     return True
 
 
-# Requests that left the batch ``LazyFits`` keeps before it prunes its set back to the batch.
-_STALE_FITS = 16
-
-
 @dataclass(slots=True)
 class LazyFits:
     """``lazy_fits`` for one replica's runs, each request checked once: a request that fits
-    goes on fitting while it runs, for its blocks handled only grow and its ``own_ids_from``
-    is cleared only when it is preempted (``KVCacheManager.register_own``), which the
-    scheduler counts. A run's requests are mostly the last run's, and those admitted since
-    come last (the running batch keeps its order), so only those are read; the rest are
-    checked against its set of fitting requests in one C call. A run always brings some: it
-    starts after an admission.
+    goes on fitting while it runs, for its blocks handled only grow and its ``own_ids_from`` is
+    cleared only when it is preempted (``KVCacheManager.register_own``), which the scheduler
+    counts. The running batch keeps its order and requests join it only at its end, counted
+    (``Scheduler.num_joined``): so of a run's requests only those that joined since the last
+    run found to fit are read, the last ones, without touching the others."""
 
-    The set also holds the requests that left the batch since it was last pruned (finished
-    ones, which it keeps alive with their token lists): it is pruned back to the batch once
-    there are ``_STALE_FITS``, so they are freed within a few runs of their finish, while
-    their memory is still warm for the allocator to reuse."""
-
-    _fit: set[Request] = field(default_factory=set)
+    _joined: int = -1  # the scheduler's joins at the last run found to fit (-1: read them all)
     _preemptions: int = -1
 
     def __call__(self, run: DecodeRun) -> bool:
@@ -99,22 +89,15 @@ class LazyFits:
         decided = _decided_by_manager(kv)
         if decided is not None:
             return decided
-        fit, requests = self._fit, run.requests
         if sched.num_preemptions != self._preemptions:
-            self._preemptions = sched.num_preemptions
-            fit.clear()
-        seen = len(requests)  # (the batch's newest requests come last: read those first)
-        while seen and requests[seen - 1] not in fit:
-            seen -= 1
-        if fit.issuperset(requests[:seen] if seen < len(requests) else requests):
-            new = requests[seen:]
-        else:  # (a request seen fit ahead of one not seen: the batch reordered)
-            new = [request for request in requests if request not in fit]
-        if new and not _all_fit(new, kv):
+            self._preemptions, self._joined = sched.num_preemptions, -1
+        requests, joined = run.requests, sched.num_joined
+        new = joined - self._joined  # (at most: some may have left already)
+        if self._joined < 0 or new >= len(requests):
+            new = len(requests)
+        if new and not _all_fit(requests[len(requests) - new:], kv):
             return False
-        fit.update(new)
-        if len(fit) > len(requests) + _STALE_FITS:
-            self._fit = set(requests)
+        self._joined = joined
         return True
 
 

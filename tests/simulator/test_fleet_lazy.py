@@ -170,35 +170,43 @@ def test_strike_removes_each_reported_eviction_once() -> None:
 
 
 def test_lazy_fits_remembered_agrees_with_the_reference(monkeypatch, workload) -> None:
-    """``LazyFits`` reads only the requests it has not seen fit since the last preemption:
-    its verdict is ``lazy_fits``' on every run, through preemptions (whose requests register
-    their blocks from then on, and never fit again), and its memory stays bounded."""
+    """``LazyFits`` reads only the requests that joined the batch since the last run found to
+    fit: its verdict is ``lazy_fits``' on every run, through preemptions (whose requests
+    register their blocks from then on, and never fit again)."""
     cfg = SimConfig(num_replicas=3, router="least-outstanding", num_gpu_blocks_override=120,
                     **SMALL)
-    verdicts, sizes = {True: 0, False: 0}, []
-    call = fleet_module.LazyFits.__call__
+    verdicts = {True: 0, False: 0}
+    read = [0, 0]  # requests ``LazyFits`` read, requests in the runs it was asked about
+    call, all_fit = fleet_module.LazyFits.__call__, fleet_module._all_fit
+    counting = [False]
 
     def checked(self: fleet_module.LazyFits, run) -> bool:
+        counting[0] = True
         verdict = call(self, run)
+        counting[0] = False
         assert verdict == fleet_module.lazy_fits(run)
         verdicts[verdict] += 1
-        if verdict:  # (a misfit leaves the set as it was)
-            sizes.append(len(self._fit) - len(run.requests))
+        read[1] += len(run.requests)
         return verdict
 
+    def counted(requests, kv) -> bool:
+        read[0] += len(requests) if counting[0] else 0
+        return all_fit(requests, kv)
+
     monkeypatch.setattr(fleet_module.LazyFits, "__call__", checked)
+    monkeypatch.setattr(fleet_module, "_all_fit", counted)
     result = simulate(cfg, workload)
     assert result.summary["num_preemptions"] > 0
     assert verdicts[True] > 0 and verdicts[False] > 0, verdicts
-    assert max(sizes) <= fleet_module._STALE_FITS  # pruned back to the running batch
+    assert read[0] < read[1], read  # (fewer than all: most runs follow one found to fit)
     reference = simulate(cfg, workload, decode_runs=False)
     assert [repr(r) for r in result.records] == [repr(r) for r in reference.records]  # (nan)
     assert list(result.steps) == list(reference.steps)
 
 
-def test_lazy_fits_reads_only_the_requests_it_has_not_seen_fit(monkeypatch) -> None:
-    """Newcomers at the batch's end are read alone; a reordered batch still has every
-    newcomer read (the set check); a preemption forgets them all; a misfit is not kept."""
+def test_lazy_fits_reads_only_the_requests_that_joined_since_a_fit(monkeypatch) -> None:
+    """Those that joined since the last run found to fit are read, from the batch's end (some
+    may have left); a misfit is read again; a preemption has every request read."""
     read: list[list[str]] = []
     misfits: set[str] = set()
 
@@ -208,24 +216,23 @@ def test_lazy_fits_reads_only_the_requests_it_has_not_seen_fit(monkeypatch) -> N
 
     monkeypatch.setattr(fleet_module, "_decided_by_manager", lambda kv: None)
     monkeypatch.setattr(fleet_module, "_all_fit", fake_all_fit)
-    sched = SimpleNamespace(kv=None, num_preemptions=0)
-    class Named:  # (hashed by identity, as requests are)
-        def __init__(self, request_id: str) -> None:
-            self.request_id = request_id
+    sched = SimpleNamespace(kv=None, num_preemptions=0, num_joined=0)
+    made = {name: SimpleNamespace(request_id=name) for name in "abcdefg"}
 
-    made = {name: Named(name) for name in "abcdefg"}
-
-    def fits(names: str) -> bool:
+    def fits(names: str, joined: int) -> bool:
+        sched.num_joined += joined
         return fleet_module.LazyFits.__call__(memo, SimpleNamespace(
             scheduler=sched, requests=[made[n] for n in names]))
 
     memo = fleet_module.LazyFits()
-    assert fits("abc") and read[-1] == ["a", "b", "c"]
-    assert fits("abcd") and read[-1] == ["d"]
-    assert fits("bd") and len(read) == 2  # all seen fit: nothing read
-    assert fits("dbea") and read[-1] == ["e"]  # reordered, a newcomer inside
+    assert fits("abc", 3) and read[-1] == ["a", "b", "c"]
+    assert fits("abcd", 1) and read[-1] == ["d"]
+    assert fits("bd", 0) and len(read) == 2  # none joined: nothing read
+    assert fits("bde", 2) and read[-1] == ["d", "e"]  # one of the two left before the run
+    assert fits("e", 7) and read[-1] == ["e"]  # more joins than requests: all of them
     misfits.add("f")
-    assert not fits("abf") and read[-1] == ["f"]
-    assert not fits("abf") and read[-1] == ["f"]  # a misfit is read again
+    assert not fits("ef", 1) and read[-1] == ["f"]
+    assert not fits("efg", 1) and read[-1] == ["f", "g"]  # a misfit is read again
+    misfits.clear()
     sched.num_preemptions = 1
-    assert fits("ab") and read[-1] == ["a", "b"]  # a preemption forgets every request
+    assert fits("ab", 0) and read[-1] == ["a", "b"]  # a preemption: every request read

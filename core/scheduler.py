@@ -111,6 +111,9 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
         # from anywhere: it keeps its order. ``num_joined`` counts the joins.
         self.running: list[Request] = []
         self.num_joined = 0
+        # The running requests that may have prompt tokens left: each joins it with ``running``
+        # and leaves it when ``num_prefill_tokens`` finds it done or no longer running.
+        self._prefilling: set[Request] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -308,10 +311,17 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
     @property
     def num_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: the queued prompts never admitted (whole: their cached
-        part is found at admission) and what the running requests have left of theirs."""
-        return self.num_queued_tokens + sum(
-            r.num_prompt_tokens - r.num_computed_tokens for r in self.running
-            if r.num_computed_tokens < r.num_prompt_tokens)
+        part is found at admission) and what the running requests have left of theirs (read
+        off the few that may have some left, not the whole batch; ``ReferenceScheduler`` sums
+        the batch)."""
+        left, done = 0, []
+        for r in self._prefilling:
+            if r.status == _RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
+                left += r.num_prompt_tokens - r.num_computed_tokens
+            else:
+                done.append(r)
+        self._prefilling.difference_update(done)
+        return self.num_queued_tokens + left
 
     def _external_prefix_cache(self) -> tuple[int, int]:
         """A connector's external prefix cache queries and hits (0, 0 for one that keeps none)."""
@@ -523,6 +533,7 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
         request.status = _RUNNING
         self.running.append(request)
         self.num_joined += 1
+        self._prefilling.add(request)
         if self.loras is not None:
             self.loras.remove_waiting(request.lora)
             if request.lora is not None:
@@ -803,6 +814,7 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
             self.requests[child.request_id] = child
             self.running.append(child)
             self.num_joined += 1
+            self._prefilling.add(child)
             if child.lora is not None and self.loras is not None:
                 self.loras.acquire(child.lora)  # resident and pinned by the parent: no load
 

@@ -13,6 +13,12 @@ class ReferenceScheduler(Scheduler):
     outputs, written plainly; ``tests/core/test_scheduler_reference.py`` runs both side by side on
     random workloads and compares them step by step. Not for serving (it is slower)."""
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_queued_tokens + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           now: float) -> tuple[int, bool]:
         preempted = False

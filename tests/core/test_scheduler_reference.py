@@ -1,5 +1,6 @@
 """The scheduler's fast paths (the inlined decode path of ``_schedule_running``, the one-token
-path of ``update_from_output``) against ``ReferenceScheduler``, their plain version: random
+path of ``update_from_output``, ``num_prefill_tokens`` off the requests that may have prompt
+left) against ``ReferenceScheduler``, their plain version: random
 workloads, both run in lockstep, every step's output and the final state compared."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _token(request_id: str, position: int) -> int:
 def _state(s: Scheduler) -> tuple:
     return (tuple(r.request_id for r in s.running), s.num_waiting, s.kv.num_free_blocks,
             s.num_preemptions, s.num_prompt_tokens, s.num_generation_tokens,
-            s.kv.prefix_hits, s.kv.prefix_queries)
+            s.kv.prefix_hits, s.kv.prefix_queries, s.num_prefill_tokens)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,6 +14,7 @@ queues) and one per replica.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections import deque
@@ -84,9 +85,11 @@ class DataParallelFront:
         self._ready = threading.Condition(self._lock)
         self.error: str | None = None
         self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
+        self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
+        # (an LLM left without shutdown: replicas with workers are no daemons, see dp_client)
+        atexit.register(self.shutdown)
         for i in range(n):
             self._set.start(i)
-        self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
         self._reader.start()
         self._wait_ready(START_TIMEOUT_S)
 
@@ -267,7 +270,10 @@ class DataParallelFront:
         for sink in sinks:
             sink.put(error)
         if restart:
-            self._set.start(index)
+            try:
+                self._set.start(index)
+            except RuntimeError:  # (shut down meanwhile: nothing is to run again)
+                pass
 
     # ---- state ---------------------------------------------------------------------------
     def health(self) -> list[str]:
@@ -290,6 +296,7 @@ class DataParallelFront:
 
     def shutdown(self) -> None:
         """Ends the reader and every replica; requests in flight end with ``ReplicaDied``."""
+        atexit.unregister(self.shutdown)
         self._stop.set()
         if self._reader.is_alive() and threading.current_thread() is not self._reader:
             self._reader.join(timeout=POLL_S * 10)

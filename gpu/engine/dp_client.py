@@ -5,11 +5,18 @@ and its own pipe back; ``poll`` waits on every pipe and every process sentinel a
 replica's death is seen as soon as its process ends, not at the next request. A replica's
 inbox and pipe are made anew at each (re)start: a process killed while holding a queue's lock
 leaves that queue unusable, and it is not reused.
+
+A replica with tensor or pipeline parallelism starts worker processes of its own, which a daemonic
+process may not: such replicas are not daemons (as vLLM's engine cores are not). Interpreter exit
+does not end them: ``multiprocessing``'s exit hook joins them without a limit, so their owner ends
+them first, from an exit hook registered after that one (``dp_front.DataParallelFront``; this
+module imports ``multiprocessing.util``, which registers it).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401  (its exit hook registered now: see the module doc)
 import os
 import queue
 from collections.abc import Sequence
@@ -58,6 +65,20 @@ def replica_cores(index: int, size: int, on_cuda: bool) -> tuple[int, ...]:
     return tuple(mask[index * share:(index + 1) * share]) if share else ()
 
 
+def replica_world(args: EngineArgs) -> int:
+    """A replica's worker ranks: its tensor x pipeline world (one GPU each on CUDA)."""
+    return args.tensor_parallel_size * args.pipeline_parallel_size
+
+
+def replica_gpus(index: int, replica_args: Sequence[EngineArgs], on_cuda: bool) -> tuple[int, ...]:
+    """The CUDA devices replica ``index`` owns: the next ``replica_world`` after those of the
+    replicas before it (none on a CPU)."""
+    if not on_cuda:
+        return ()
+    first = sum(map(replica_world, replica_args[:index]))
+    return tuple(range(first, first + replica_world(replica_args[index])))
+
+
 def replica_threads(args: EngineArgs, on_cuda: bool) -> int:
     """Each replica's torch threads: its share of the usable cores (at least one)."""
     cores = usable_cores()
@@ -83,21 +104,27 @@ class ReplicaSet:
         self._kv_events = kv_events
         self._threads = replica_threads(args, on_cuda)
         self._replicas: list[_Replica | None] = [None] * self._size
+        self._daemons = [replica_world(a) == 1 for a in self._replica_args]
+        self._closed = False
 
     @property
     def size(self) -> int:
         return self._size
 
     def start(self, index: int) -> None:
-        """Starts (or restarts) replica ``index``; it reports ``("ready",)`` once loaded."""
+        """Starts (or restarts) replica ``index``; it reports ``("ready",)`` once loaded. Refused
+        (RuntimeError) once the set is shut down."""
+        if self._closed:
+            raise RuntimeError("the replica set is shut down: no replica starts again")
         self._reap(index)
         spec = ReplicaSpec(index, self._replica_args[index], self._usage_context, self._threads,
-                           index if self._on_cuda else None, os.getpid(), self._kv_events,
-                           replica_cores(index, self._size, self._on_cuda))
+                           replica_gpus(index, self._replica_args, self._on_cuda), os.getpid(),
+                           self._kv_events, replica_cores(index, self._size, self._on_cuda))
         inbox = self._ctx.Queue(maxsize=INBOX_SIZE)
         ours, theirs = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(target=replica_main, args=(spec, inbox, theirs),
-                                    name=f"twinserve-replica-{index}", daemon=True)
+                                    name=f"twinserve-replica-{index}",
+                                    daemon=self._daemons[index])
         process.start()
         theirs.close()  # our copy: EOF on ``ours`` then means the replica is gone
         self._replicas[index] = _Replica(process, inbox, ours)
@@ -164,6 +191,7 @@ class ReplicaSet:
 
     def shutdown(self) -> None:
         """Asks every replica to stop, waits up to STOP_GRACE_S, then kills the rest."""
+        self._closed = True
         live = [(i, r) for i, r in enumerate(self._replicas) if r is not None]
         for _, replica in live:
             try:

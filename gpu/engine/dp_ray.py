@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
-from twinserve.gpu.engine.dp_client import ReplicaEvent, replica_threads
+from twinserve.gpu.engine.dp_client import ReplicaEvent, replica_threads, replica_world
 from twinserve.gpu.engine.engine_process import Refusal, ReplicaSpec, apply_command, kv_events
 
 WAIT_SLICE_S = 0.005
@@ -91,9 +91,11 @@ class RayReplicaSet:
 
     def start(self, index: int) -> None:
         self._kill(index)
-        spec = ReplicaSpec(index, self._args, self._usage_context, self._threads, None,
+        spec = ReplicaSpec(index, self._args, self._usage_context, self._threads, (),
                            os.getpid(), self._kv_events)
-        options = {"num_gpus": 1} if self._on_cuda else {"num_cpus": self._threads}
+        # (Ray hands the actor its GPUs: one per worker rank of its tensor x pipeline world)
+        options = {"num_gpus": replica_world(self._args)} if self._on_cuda else \
+            {"num_cpus": self._threads}
         handle = self._cls.options(**options).remote(spec)  # type: ignore[attr-defined]
         with self._lock:
             self._actors[index] = _Actor(handle, handle.pid.remote())  # type: ignore[attr-defined]

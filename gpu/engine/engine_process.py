@@ -33,14 +33,15 @@ IDLE_POLL_S = 0.5
 
 @dataclass(slots=True, frozen=True)
 class ReplicaSpec:
-    """What a replica process is built from. ``gpu``: the CUDA device it owns (None on a CPU);
-    ``num_threads``: its torch threads (its share of the cores), on ``cores`` where given."""
+    """What a replica process is built from. ``gpus``: the CUDA devices it owns, one per worker
+    rank (none on a CPU); ``num_threads``: its torch threads (its share of the cores), on
+    ``cores`` where given."""
 
     index: int
     args: EngineArgs
     usage_context: str
     num_threads: int
-    gpu: int | None
+    gpus: tuple[int, ...]
     parent_pid: int
     kv_events: bool = False  # record the prefix cache's block-hash events for the router
     cores: tuple[int, ...] = ()  # the CPU cores it is pinned to (empty: not pinned)
@@ -71,8 +72,8 @@ class Refusal:
 def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
     """The replica process's entry point (a module-level function: spawn pickles it by name)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if spec.gpu is not None:  # before torch initialises CUDA: this process sees its GPU only
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+    if spec.gpus:  # before torch initialises CUDA: this process (and its workers) see its GPUs only
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
     from twinserve.gpu.engine.llm_engine import LLMEngine

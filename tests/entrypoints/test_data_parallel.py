@@ -77,6 +77,56 @@ def test_bad_data_parallel_arguments_name_the_field() -> None:
     from twinserve.gpu.engine.llm_engine import LLMEngine
     with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine is one replica"):
         LLMEngine(EngineArgs(data_parallel_size=2))  # refused, not run as one replica
+    with pytest.raises(ValueError, match="unknown router 'cache-awar'"):
+        LLMEngine(EngineArgs(router="cache-awar"))  # one replica routes nothing: still refused
+
+
+def test_each_replica_owns_one_gpu_per_worker_rank() -> None:
+    from twinserve.gpu.engine.dp_client import replica_gpus
+    tp2, pp2, one = (EngineArgs(tensor_parallel_size=2), EngineArgs(pipeline_parallel_size=2),
+                     EngineArgs())
+    assert [replica_gpus(i, [tp2, tp2], True) for i in range(2)] == [(0, 1), (2, 3)]
+    assert [replica_gpus(i, [one, pp2, one], True) for i in range(3)] == [(0,), (1, 2), (3,)]
+    assert replica_gpus(1, [tp2, tp2], False) == ()
+
+
+_DP_PP_SCRIPT = """
+import json
+from twinserve import LLM, SamplingParams
+SMALL = {small!r}
+PROMPTS, GREEDY = {prompts!r}, SamplingParams(temperature=0, max_tokens=8)
+if __name__ == "__main__":
+    one = LLM(**SMALL)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    llm = LLM(data_parallel_size=2, pipeline_parallel_size=2, **SMALL)
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    replicas = [llm.engine.front.pid(i) for i in range(2)]
+    workers = [int(c) for p in replicas
+               for c in open(f"/proc/{{p}}/task/{{p}}/children").read().split()]
+    print(json.dumps([outs == expected, [r.served for r in llm.engine.front.snapshot()],
+                      replicas + workers]))
+    # no shutdown: the front ends its replicas (no daemons: they start workers) at exit
+"""
+
+
+@pytest.mark.slow
+def test_replicas_with_pipeline_stages_match_one_engine_and_end_at_exit(tmp_path: Any) -> None:
+    """A replica with workers is no daemonic process (which may not start any); a script that
+    never shuts its LLM down still exits, leaving no replica or worker behind."""
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "dp_pp.py"
+    script.write_text(_DP_PP_SCRIPT.format(small=SMALL, prompts=PROMPTS))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    same, served, pids = json.loads(done.stdout.strip().splitlines()[-1])
+    assert same and served == [2, 2]
+    assert len(pids) == 4  # two replicas, each with its second stage's worker
+    wait_until(lambda: not any(alive(p) for p in pids), timeout_s=10)
+    assert "leaked" not in done.stderr
 
 
 @pytest.mark.slow

@@ -121,7 +121,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         dests.append(name)
         flags = (flag, *_SHORT.get(name, ()))
         default = getattr(defaults, name)
-        help_ = f"{_HELP[name]} (default: {default if default is not None else 'resolved'})"
+        help_ = _HELP[name]
+        if "default" not in help_:  # (where the text states its default, once is enough)
+            help_ += f" (default: {default if default is not None else 'resolved'})"
         if isinstance(default, bool):
             g.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                            default=None, help=help_)

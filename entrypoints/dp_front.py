@@ -55,6 +55,7 @@ class ReplicaState:
     restarts: int = 0
     served: int = 0  # requests it accepted
     was_ready: bool = False
+    config: dict[str, Any] | None = None  # its resolved configuration, as it reported when ready
 
 
 class DataParallelFront:
@@ -198,6 +199,7 @@ class DataParallelFront:
             with self._lock:
                 replica = self.replicas[event.replica]
                 replica.state, replica.was_ready = "ready", True
+                replica.config = message[2] if len(message) > 2 else None
                 self.loads[event.replica] = ReplicaLoad(0, 0, 0.0, healthy=True)
                 self._ready.notify_all()
         elif message[0] == "failed":
@@ -283,7 +285,7 @@ class DataParallelFront:
 
     def snapshot(self) -> list[ReplicaState]:
         with self._lock:
-            return [ReplicaState(r.state, r.stats, r.restarts, r.served, r.was_ready)
+            return [ReplicaState(r.state, r.stats, r.restarts, r.served, r.was_ready, r.config)
                     for r in self.replicas]
 
     def take_records(self) -> list[RequestRecord]:

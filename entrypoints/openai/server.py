@@ -161,7 +161,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
                         model_root=model_root, max_model_len=int(engine.runner.max_model_len),
                         metrics=ServerMetrics(model_name, max_loras_of(engine),
                                               int(engine.runner.max_model_len),
-                                              cache_config_labels(engine)), loras=loras,
+                                              cache_config_labels(async_engine)), loras=loras,
                         limits=limits,
                         tenants=TenantTracker(limits.max_tenants, limits.max_requests_per_tenant),
                         chat=checked_chat_options(args, getattr(engine, "tokenizer", None)))

@@ -64,29 +64,41 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-def cache_config_labels(engine: Any) -> dict[str, str] | None:
-    """``vllm:cache_config_info``'s labels (vLLM's CacheConfig names) from a running engine."""
-    config = getattr(engine, "engine_config", None)
-    if config is None:
-        return None
-    args, sched = config.args, config.scheduler
-    values = {"block_size": sched.block_size, "cache_dtype": args.kv_cache_dtype,
-              "enable_prefix_caching": sched.enable_prefix_caching,
-              "gpu_memory_utilization": args.gpu_memory_utilization,
-              "num_gpu_blocks": sched.num_gpu_blocks, "num_cpu_blocks": sched.num_cpu_blocks,
-              "swap_space": args.swap_space, "kv_cache_memory_bytes": config.kv_cache_bytes}
-    return {k: str(v) for k, v in values.items()}
+def cache_config_labels(async_engine: Any) -> list[dict[str, str]]:
+    """``vllm:cache_config_info``'s labels (vLLM's CacheConfig names), one set per engine with
+    vLLM's ``engine`` label: the running engine's, or each data-parallel replica's as it
+    reported its configuration when ready (the front's own engine holds no real cache)."""
+    front = getattr(async_engine, "front", None)
+    if front is not None:
+        return [_cache_labels(replica.config, str(i))
+                for i, replica in enumerate(front.snapshot()) if replica.config is not None]
+    config = getattr(async_engine.engine, "engine_config", None)
+    return [] if config is None else [_cache_labels(config.to_dict(), "0")]
+
+
+def _cache_labels(config: dict[str, Any], engine: str) -> dict[str, str]:
+    """The labels from an ``EngineConfig.to_dict()``."""
+    names = {"block_size": "block_size", "cache_dtype": "kv_cache_dtype",
+             "enable_prefix_caching": "enable_prefix_caching",
+             "gpu_memory_utilization": "gpu_memory_utilization",
+             "num_gpu_blocks": "num_gpu_blocks", "num_cpu_blocks": "num_cpu_blocks",
+             "swap_space": "swap_space", "kv_cache_memory_bytes": "kv_cache_bytes"}
+    return {**{label: str(config[key]) for label, key in names.items()}, "engine": engine}
 
 
 class InfoCollector(Collector):
-    """A gauge of value 1 whose labels describe a configuration (vLLM's ``*_config_info``)."""
+    """A gauge of value 1 whose labels describe a configuration (vLLM's ``*_config_info``), one
+    sample per label set (all with the same names)."""
 
-    def __init__(self, name: str, doc: str, labels: dict[str, str]) -> None:
-        self.name, self.doc, self.labels = name, doc, dict(labels)
+    def __init__(self, name: str, doc: str, label_sets: list[dict[str, str]]) -> None:
+        if not label_sets or any(ls.keys() != label_sets[0].keys() for ls in label_sets):
+            raise ValueError("an info metric needs label sets with the same names")
+        self.name, self.doc, self.label_sets = name, doc, [dict(ls) for ls in label_sets]
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.doc, labels=list(self.labels))
-        family.add_metric(list(self.labels.values()), 1.0)
+        family = GaugeMetricFamily(self.name, self.doc, labels=list(self.label_sets[0]))
+        for labels in self.label_sets:
+            family.add_metric(list(labels.values()), 1.0)
         yield family
 
 
@@ -184,7 +196,7 @@ class ServerMetrics:
     """All metrics of one app; nothing is shared with another app in the same process."""
 
     def __init__(self, model_name: str, max_loras: int | None = None, max_model_len: int = 0,
-                 cache_config: dict[str, str] | None = None) -> None:
+                 cache_configs: list[dict[str, str]] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerCollector(model_name)
@@ -210,10 +222,10 @@ class ServerMetrics:
                                     "Time from arrival to first scheduling.", labels,
                                     buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._add_request_histograms(max_model_len)
-        if cache_config is not None:
+        if cache_configs:
             self.registry.register(InfoCollector(
                 "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                {**cache_config, "engine": "0"}))
+                cache_configs))
         self.request_rejected = Counter(
             "twinserve:request_rejected", "Requests refused for overload (503/429).",
             labels + ["reason"], registry=reg)

@@ -39,8 +39,9 @@ class RayReplica:
         if spec.kv_events:
             self.engine.scheduler.kv.pool.events = KVEventBuffer()
 
-    def pid(self) -> int:
-        return os.getpid()
+    def ready(self) -> tuple[int, float, dict[str, Any]]:
+        """Its pid and what a replica process reports when ready (``engine_process``)."""
+        return os.getpid(), self.engine.time_origin, self.engine.engine_config.to_dict()
 
     def turn(self, commands: list[tuple]) -> tuple[tuple, bool]:
         """The step message and whether work remains."""
@@ -58,7 +59,7 @@ class RayReplica:
 @dataclass(slots=True)
 class _Actor:
     handle: Any
-    ready: Any  # the pid call's reference until it answered, then None
+    ready: Any  # the ready call's reference until it answered, then None
     pid: int | None = None
     turn: Any = None  # the turn in flight
     has_work: bool = False
@@ -98,7 +99,7 @@ class RayReplicaSet:
             {"num_cpus": self._threads}
         handle = self._cls.options(**options).remote(spec)  # type: ignore[attr-defined]
         with self._lock:
-            self._actors[index] = _Actor(handle, handle.pid.remote())  # type: ignore[attr-defined]
+            self._actors[index] = _Actor(handle, handle.ready.remote())  # type: ignore[attr-defined]
 
     def pid(self, index: int) -> int | None:
         actor = self._actors[index]
@@ -157,8 +158,8 @@ class RayReplicaSet:
                 return ReplicaEvent(index, "message", ("failed", str(exc).strip()[:300]))
             return ReplicaEvent(index, "died", None)
         if actor.pid is None:
-            actor.pid, actor.ready = result, None
-            return ReplicaEvent(index, "message", ("ready",))
+            (actor.pid, *reported), actor.ready = result, None
+            return ReplicaEvent(index, "message", ("ready", *reported))
         message, actor.has_work = result
         actor.turn = None
         return ReplicaEvent(index, "message", message)

@@ -234,6 +234,9 @@ def test_ray_backend_matches_one_engine_and_survives_a_killed_actor() -> None:
         outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert [r.served for r in front.snapshot()] == [2, 2]
+        # each actor reports its resolved configuration, as a replica process does (metrics)
+        assert [r.config["kv_cache_bytes"] for r in front.snapshot()] == \
+            [one.engine.engine_config.kv_cache_bytes] * 2  # type: ignore[index]
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         sinks = [Collect() for _ in range(2)]
         where = [front.submit(f"long{i}", [1, 2, 3, 4 + i], long, {}, s)

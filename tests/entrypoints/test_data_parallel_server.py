@@ -98,6 +98,11 @@ def test_health_and_metrics_report_each_replica(server: LiveServer) -> None:
         assert any(line.startswith("vllm:num_requests_running{") and f'engine="{engine}"' in line
                    for line in text.splitlines())
     assert "vllm:time_to_first_token_seconds_count" in text
+    # each replica's own cache (the server's flags), not the front's engine, which holds none
+    infos = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert sorted(line.split('engine="')[1][0] for line in infos) == ["0", "1"]
+    sizes = [int(line.split('kv_cache_memory_bytes="')[1].split('"')[0]) for line in infos]
+    assert all(0.99 * (256 << 20) < size <= 256 << 20 for size in sizes), infos  # (whole blocks)
 
 
 def test_a_replica_killed_mid_stream_ends_its_streams_and_the_server_serves_on(

@@ -26,6 +26,7 @@ from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.gpu.engine.engine_process import ReplicaSpec, replica_main
+from twinserve.gpu.executor.spawn import start_spawned
 from twinserve.gpu.worker.cpu_cores import usable_cores
 
 INBOX_SIZE = 4096  # commands queued for one replica before the front refuses new requests
@@ -125,7 +126,7 @@ class ReplicaSet:
         process = self._ctx.Process(target=replica_main, args=(spec, inbox, theirs),
                                     name=f"twinserve-replica-{index}",
                                     daemon=self._daemons[index])
-        process.start()
+        start_spawned(process)  # (from any script, one read from standard input included)
         theirs.close()  # our copy: EOF on ``ours`` then means the replica is gone
         self._replicas[index] = _Replica(process, inbox, ours)
 

@@ -8,10 +8,7 @@ and with ``error`` before it exits on an exception. Ctrl-C reaches the whole ter
 workers ignore it and the driver ends them; a worker whose driver is gone reads end-of-file and
 exits; a ``weakref.finalize`` (also run at interpreter exit) ends workers a dropped engine held.
 
-Spawning re-runs the parent's ``__main__`` file in each worker; a script read from standard input
-(``python - <<EOF``) names ``<stdin>``, which is no file, so ``_start`` hides that name while the
-workers start: they then import only this module, as they do from a notebook (whose ``__main__``
-has no file). The workers need nothing from ``__main__``.
+Workers start from any script, one read from standard input included (``executor.spawn``).
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import os
 import pickle
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -32,6 +28,7 @@ from typing import Any
 
 from twinserve.gpu.executor.executor_base import Executor, WorkerFailure
 from twinserve.gpu.executor.shard_worker import ShardSpec, ShardStep, ShardWorker
+from twinserve.gpu.executor.spawn import start_spawned
 
 
 class MultiprocExecutor(Executor):
@@ -49,7 +46,7 @@ class MultiprocExecutor(Executor):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(spec, rank, child, worker_type),
                                daemon=True, name=f"twinserve-tp-rank{rank}")
-            _start(proc)
+            start_spawned(proc)
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
@@ -113,21 +110,6 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
-
-
-def _start(proc: BaseProcess) -> None:
-    """``proc.start()``, with a ``__main__.__file__`` that is no file (``<stdin>``) hidden
-    meanwhile (see the module doc)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or not isinstance(path, str) or os.path.isfile(path):
-        proc.start()
-        return
-    del main.__file__
-    try:
-        proc.start()
-    finally:
-        main.__file__ = path
 
 
 def _send_loop(outbox: queue.Queue[bytes | None], conns: list[Connection]) -> None:

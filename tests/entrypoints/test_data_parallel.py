@@ -95,32 +95,30 @@ import json
 from twinserve import LLM, SamplingParams
 SMALL = {small!r}
 PROMPTS, GREEDY = {prompts!r}, SamplingParams(temperature=0, max_tokens=8)
-if __name__ == "__main__":
-    one = LLM(**SMALL)
-    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    one.shutdown()
-    llm = LLM(data_parallel_size=2, pipeline_parallel_size=2, **SMALL)
-    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    replicas = [llm.engine.front.pid(i) for i in range(2)]
-    workers = [int(c) for p in replicas
-               for c in open(f"/proc/{{p}}/task/{{p}}/children").read().split()]
-    print(json.dumps([outs == expected, [r.served for r in llm.engine.front.snapshot()],
-                      replicas + workers]))
-    # no shutdown: the front ends its replicas (no daemons: they start workers) at exit
+one = LLM(**SMALL)
+expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+one.shutdown()
+llm = LLM(data_parallel_size=2, pipeline_parallel_size=2, **SMALL)
+outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+replicas = [llm.engine.front.pid(i) for i in range(2)]
+workers = [int(c) for p in replicas for c in open(f"/proc/{{p}}/task/{{p}}/children").read().split()]
+print(json.dumps([outs == expected, [r.served for r in llm.engine.front.snapshot()],
+                  replicas + workers]))
+# no shutdown: the front ends its replicas (no daemons: they start workers) at exit
 """
 
 
 @pytest.mark.slow
-def test_replicas_with_pipeline_stages_match_one_engine_and_end_at_exit(tmp_path: Any) -> None:
-    """A replica with workers is no daemonic process (which may not start any); a script that
-    never shuts its LLM down still exits, leaving no replica or worker behind."""
+def test_replicas_with_pipeline_stages_match_one_engine_and_end_at_exit() -> None:
+    """A replica with workers is no daemonic process (which may not start any). From a script
+    read from standard input (``python - <<EOF``: spawned replicas cannot re-run ``<stdin>``),
+    which never shuts its LLM down: the tokens equal one engine's, and the script exits,
+    leaving no replica or worker behind."""
     import json
     import subprocess
     import sys
-    script = tmp_path / "dp_pp.py"
-    script.write_text(_DP_PP_SCRIPT.format(small=SMALL, prompts=PROMPTS))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run([sys.executable, "-"], input=_DP_PP_SCRIPT.format(
+        small=SMALL, prompts=PROMPTS), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     same, served, pids = json.loads(done.stdout.strip().splitlines()[-1])
     assert same and served == [2, 2]

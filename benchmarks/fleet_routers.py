@@ -22,6 +22,10 @@ the routers differ only in how they spread the load.
 
     PYTHONPATH=... python -m twinserve.benchmarks.fleet_routers [--num-apps 24] [--calls]
 
+``--decompose`` splits each fleet's cost over its replicas apart, replaying its router's recorded
+picks: through the fleet's reads (everything but the router's own work), then through one
+environment that reads nothing (the replicas' interleaving alone), then apart.
+
 ``--calls`` adds each replay's function calls per request against the lone replica's (cProfile):
 a count that does not move with the host's load, where the CPU times do. ``--fresh-processes``
 runs each replay of the rounds in a process of its own (spawned, timed around the replay only),
@@ -84,6 +88,9 @@ def main() -> None:
                         "deterministic, where CPU times move with the host's load")
     p.add_argument("--fresh-processes", action="store_true",
                    help="run each replay of the rounds in a fresh process")
+    p.add_argument("--decompose", action="store_true",
+                   help="also replay each router's picks, with and without its reads, to split "
+                        "its fleet's cost: the router, the reads, the replicas' interleaving")
     args = p.parse_args()
     workload = MultiAppConfig(num_requests=args.num_requests, request_rate=args.rate,
                               num_apps=args.num_apps, zipf_s=args.zipf_s, input_len=args.input_len,
@@ -112,16 +119,23 @@ def main() -> None:
     cost_routers = args.cost_routers.split(",")
     fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
     lone, whole, same = [], [], []  # alternated rounds, the median of each
-    shares = {name: _shares(SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas,
-                                      router=name), trace) for name in cost_routers}
+    picks = {name: _picks(SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas,
+                                    router=name), trace) for name in cost_routers}
+    shares = {name: [[tr for tr, at in zip(trace, picks[name][0]) if at == i]
+                     for i in range(args.replicas)] for name in cost_routers}
     apart: dict[str, list[float]] = {name: [] for name in cost_routers}
-    cpu: Callable[[SimConfig, list[TraceRequest]], float] = \
-        _fresh_cpu_time if args.fresh_processes else _replay_cpu_time
+    replayed: dict[str, list[float]] = {name: [] for name in cost_routers}
+    shared: dict[str, list[float]] = {name: [] for name in cost_routers}
+    cpu: Callable[..., float] = _fresh_cpu_time if args.fresh_processes else _replay_cpu_time
     for _ in range(args.repeats):
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
             fleet[name].append(cpu(cfg, trace))
             apart[name].append(sum(cpu(lone_cfg, share_of) for share_of in shares[name]))
+            if args.decompose:
+                order, flags = picks[name]
+                replayed[name].append(cpu(cfg, trace, (order, *flags, True)))
+                shared[name].append(cpu(cfg, trace, (order, False, False, False, False)))
         lone.append(cpu(lone_cfg, quarter))
         whole.append(cpu(lone_cfg, slowed))
         same.append(cpu(lone_cfg, share))
@@ -138,6 +152,17 @@ def main() -> None:
               f"counts; against 1 replica fed replica 0's round-robin share "
               f"{per_request / (median(same) / len(share)):.2f}x; against its replicas replayed "
               f"one at a time {per_request / (median(apart[name]) / len(trace)):.2f}x")
+    if args.decompose:
+        print("\nEach fleet's cost split, as ratios of the rounds' medians: the router's own work "
+              "(the fleet against its picks replayed through its reads), the reads and lazy runs "
+              "(those against the picks replayed in one environment that reads nothing), the "
+              "replicas' interleaving (that against its replicas replayed one at a time), and "
+              "the replicas apart against the lone replica fed all requests")
+        for name in cost_routers:
+            steps = [median(fleet[name]), median(replayed[name]), median(shared[name]),
+                     median(apart[name]), whole_ms * len(trace)]
+            print(f"- {name}: " + ", ".join(f"{label} {a / b:.3f}x" for label, a, b in zip(
+                ("router", "reads", "interleaving", "apart vs lone"), steps, steps[1:])))
     if args.calls:
         lone_calls, whole_calls = _calls(lone_cfg, quarter), _calls(lone_cfg, slowed)
         print(f"\nFunction calls per request; 1 replica at a quarter of the rate fed a quarter "
@@ -169,14 +194,38 @@ class _Recording:
         self.inner.on_replica_reset(replica)
 
 
-def _shares(cfg: SimConfig, trace: list[TraceRequest]) -> list[list[TraceRequest]]:
-    """Each replica's requests, in arrival order, as ``cfg``'s router (``simulate``'s own,
-    ``fleet_router``) sends them in a replay of ``trace``."""
+class _Replayed:
+    """A router that sends each request where ``picks`` says, doing no work of its own, and
+    reads the replicas (loads, KV events, KV usage) as its flags say: the fleet's machinery
+    without its router."""
+
+    def __init__(self, picks: list[int], reads: bool, events: bool, usage: bool) -> None:
+        self.picks, self.next = picks, 0
+        self.reads_loads, self.uses_kv_events, self.reads_kv_usage = reads, events, usage
+
+    def route(self, request: Request, replicas: Sequence[ReplicaLoad]) -> int:
+        self.next += 1
+        return self.picks[self.next - 1]
+
+    def on_kv_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        pass
+
+    def on_replica_reset(self, replica: int) -> None:
+        pass
+
+
+# (picks, reads loads, KV events, KV usage, replicas apart): a replay of recorded picks
+Replay = tuple[list[int], bool, bool, bool, bool]
+
+
+def _picks(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[list[int], tuple[bool, bool, bool]]:
+    """Where ``cfg``'s router (``simulate``'s own, ``fleet_router``) sends each request of
+    ``trace``, and what it reads (loads, KV events, KV usage)."""
     build = build_engine_config(cfg)
     router = fleet_router(cfg, build.cost_model, build.engine_config.scheduler)
     picks: list[int] = []
     simulate(cfg, trace, router=_Recording(router, picks))
-    return [[tr for tr, at in zip(trace, picks) if at == i] for i in range(cfg.num_replicas)]
+    return picks, (reads_loads(router), uses_kv_events(router), reads_kv_usage(router))
 
 
 def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:
@@ -186,26 +235,32 @@ def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:
     return pstats.Stats(profile).total_calls / len(trace)  # type: ignore[attr-defined]
 
 
-def _cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[float, SimResult]:
+def _cpu_time(cfg: SimConfig, trace: list[TraceRequest],
+              replay: Replay | None = None) -> tuple[float, SimResult]:
+    kwargs = {} if replay is None else {"router": _Replayed(*replay[:4]),
+                                        "replicas_apart": replay[4]}
     t0 = time.process_time()
-    result = simulate(cfg, trace)
+    result = simulate(cfg, trace, **kwargs)  # type: ignore[arg-type]
     return time.process_time() - t0, result
 
 
-def _replay_cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> float:
-    return _cpu_time(cfg, trace)[0]
+def _replay_cpu_time(cfg: SimConfig, trace: list[TraceRequest],
+                     replay: Replay | None = None) -> float:
+    return _cpu_time(cfg, trace, replay)[0]
 
 
-def _warm_replay_cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> float:
+def _warm_replay_cpu_time(cfg: SimConfig, trace: list[TraceRequest],
+                          replay: Replay | None = None) -> float:
     """The replay's CPU time after a replay of its first 50 requests (lazy imports and loads)."""
-    simulate(cfg, trace[:50])
-    return _replay_cpu_time(cfg, trace)
+    simulate(cfg, trace[:50], **({} if replay is None else {"router": _Replayed(*replay[:4])}))
+    return _replay_cpu_time(cfg, trace, replay)
 
 
-def _fresh_cpu_time(cfg: SimConfig, trace: list[TraceRequest]) -> float:
+def _fresh_cpu_time(cfg: SimConfig, trace: list[TraceRequest],
+                    replay: Replay | None = None) -> float:
     """``_warm_replay_cpu_time`` in a spawned process of its own."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_warm_replay_cpu_time, cfg, trace).result()
+        return pool.submit(_warm_replay_cpu_time, cfg, trace, replay).result()
 
 
 if __name__ == "__main__":

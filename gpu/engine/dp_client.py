@@ -113,7 +113,7 @@ class ReplicaSet:
         return self._size
 
     def start(self, index: int) -> None:
-        """Starts (or restarts) replica ``index``; it reports ``("ready",)`` once loaded. Refused
+        """Starts (or restarts) replica ``index``; it reports ``("ready", ...)`` once loaded. Refused
         (RuntimeError) once the set is shut down."""
         if self._closed:
             raise RuntimeError("the replica set is shut down: no replica starts again")

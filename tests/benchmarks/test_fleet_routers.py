@@ -1,5 +1,6 @@
 """The fleet benchmark end to end on a small workload: its router table, the alternated CPU
-rounds (against the fleet's replicas replayed apart too) and the function-call counts."""
+rounds (against the fleet's replicas replayed apart too), the cost's decomposition and the
+function-call counts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def test_fleet_benchmark_prints_every_router_and_the_call_counts(monkeypatch, ca
     monkeypatch.setattr(sys, "argv", [
         "fleet_routers", "--num-requests", "48", "--num-apps", "4", "--rate", "20",
         "--input-len", "32", "--output-len", "16", "--repeats", "1",
-        "--cost-routers", "round-robin,cache-aware", "--calls"])
+        "--cost-routers", "round-robin,cache-aware", "--calls", "--decompose"])
     fleet_routers.main()
     out = capsys.readouterr().out
     for name in ("round-robin", "least-outstanding", "prefix-affinity", "cache-aware"):
@@ -29,6 +30,10 @@ def test_fleet_benchmark_prints_every_router_and_the_call_counts(monkeypatch, ca
                      r"one at a time ([\d.]+)x$", out, re.M)
     assert [name for name, _ in cpu] == ["round-robin", "cache-aware"]
     assert all(float(ratio) > 0 for _, ratio in cpu)
+    split = re.findall(r"^- ([\w-]+): router ([\d.]+)x, reads ([\d.]+)x, interleaving ([\d.]+)x, "
+                       r"apart vs lone ([\d.]+)x$", out, re.M)
+    assert [row[0] for row in split] == ["round-robin", "cache-aware"]
+    assert all(float(x) > 0 for row in split for x in row[1:])
 
 
 def test_a_fleets_shares_replayed_apart_are_its_own_requests() -> None:
@@ -40,10 +45,18 @@ def test_a_fleets_shares_replayed_apart_are_its_own_requests() -> None:
                                            input_len=64, output_len=24, seed=2))
     cfg = SimConfig(model=fleet_routers.MODEL, hardware=fleet_routers.HARDWARE, num_replicas=4,
                     router="cache-aware")
-    shares = fleet_routers._shares(cfg, trace)
+    picks, flags = fleet_routers._picks(cfg, trace)
+    assert flags == (True, True, False)  # cache-aware reads loads and KV events, not usage
+    shares = [[tr for tr, at in zip(trace, picks) if at == i] for i in range(4)]
     assert sorted(len(s) for s in shares) != [30] * 4 and sum(map(len, shares)) == len(trace)
     lone = SimConfig(model=fleet_routers.MODEL, hardware=fleet_routers.HARDWARE)
     apart = sorted((r.request_id, r.ttft, r.finish_time) for share in shares
                    for r in simulate(lone, share).records)
-    assert apart == sorted((r.request_id, r.ttft, r.finish_time)
-                           for r in simulate(cfg, trace).records)
+    fleet = sorted((r.request_id, r.ttft, r.finish_time) for r in simulate(cfg, trace).records)
+    assert apart == fleet
+    # the decomposition's replays of the picks, through the reads and in one environment
+    # reading nothing, are the same work too
+    for replay in ((picks, *flags, True), (picks, False, False, False, False)):
+        router = fleet_routers._Replayed(*replay[:4])
+        records = simulate(cfg, trace, router=router, replicas_apart=replay[4]).records
+        assert sorted((r.request_id, r.ttft, r.finish_time) for r in records) == fleet

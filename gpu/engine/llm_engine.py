@@ -34,7 +34,6 @@ from twinserve.gpu.engine.request_surface import RequestSurface
 from twinserve.gpu.worker.model_runner import ModelRunner
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import speculation_policy_for
-from twinserve.routers import check_router
 
 CONNECTOR_IDLE_WAIT_S = 0.005  # a step with only KV transfers pending waits this long for news
 
@@ -58,7 +57,6 @@ class LLMEngine:
         if args.data_parallel_size > 1:  # refused, not dropped: replicas need a front
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: an LLMEngine is one "
                              "replica; LLM(data_parallel_size=N) and serve start N behind a router.")
-        check_router(args.router)
         if args.kv_transfer_config is not None and args.speculation is not None:
             raise ValueError("kv_transfer_config with speculative_config is not implemented.")
         self.args = args

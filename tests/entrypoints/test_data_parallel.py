@@ -78,7 +78,7 @@ def test_bad_data_parallel_arguments_name_the_field() -> None:
     with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine is one replica"):
         LLMEngine(EngineArgs(data_parallel_size=2))  # refused, not run as one replica
     with pytest.raises(ValueError, match="unknown router 'cache-awar'"):
-        LLMEngine(EngineArgs(router="cache-awar"))  # one replica routes nothing: still refused
+        LLM(router="cache-awar")  # one replica routes nothing: still refused
 
 
 def test_each_replica_owns_one_gpu_per_worker_rank() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import queue
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.metrics import RequestRecord, summarize
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.gpu.engine.dp_client import replica_world
 from twinserve.traces import TraceRequest
 
 if TYPE_CHECKING:
@@ -125,6 +127,19 @@ def format_table(rows: list[FleetRow]) -> str:
     return "\n".join(lines)
 
 
+def core_sharing(engine: EngineArgs, cores: int, on_cuda: bool) -> str | None:
+    """Why the real fleet will run slower than its twin where, on a CPU, the replicas' worker
+    ranks outnumber the cores (None where they do not): ranks then share cores, which a profile
+    measured with a core per rank does not model."""
+    world = replica_world(engine)
+    ranks = engine.data_parallel_size * world
+    if on_cuda or ranks <= cores:
+        return None
+    return (f"{engine.data_parallel_size} replicas x {world} worker ranks = {ranks} processes "
+            f"on {cores} cores: ranks share cores, which the twin's profile (a core per rank) "
+            "does not model; the real fleet will run slower than its twin.")
+
+
 def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
                     trace: list[TraceRequest]) -> int:
     """The real fleet and its twin per router (``--router``, comma-separated names)."""
@@ -132,7 +147,12 @@ def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
         raise ValueError("validate --data-parallel-size needs --profile (a profile calibrated "
                          "with one thread, as each replica runs on its share of the cores).")
     from twinserve.core.model_config import ModelConfig
+    from twinserve.entrypoints.dp_llm_engine import on_cuda
     from twinserve.gpu.models.default_model import resolve_model_source
+    from twinserve.gpu.worker.cpu_cores import usable_cores
+    sharing = core_sharing(engine, usable_cores(), on_cuda(engine))
+    if sharing is not None:
+        print(f"WARNING: {sharing}", file=sys.stderr)
     vocab = ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size
     prices = profile_prices(engine, args.profile)
     print("router prices from the profile: " + ", ".join(f"{k} {v:.4g}" for k, v in prices.items()))

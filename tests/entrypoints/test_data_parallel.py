@@ -81,6 +81,18 @@ def test_bad_data_parallel_arguments_name_the_field() -> None:
         LLM(router="cache-awar")  # one replica routes nothing: still refused
 
 
+def test_validate_warns_where_worker_ranks_share_cores() -> None:
+    from twinserve.entrypoints.cli.validate_dp import core_sharing
+    dp_pp = EngineArgs(data_parallel_size=2, pipeline_parallel_size=2)
+    assert core_sharing(dp_pp, 2, on_cuda=False) == (
+        "2 replicas x 2 worker ranks = 4 processes on 2 cores: ranks share cores, which the "
+        "twin's profile (a core per rank) does not model; the real fleet will run slower than "
+        "its twin.")
+    assert core_sharing(dp_pp, 4, on_cuda=False) is None
+    assert core_sharing(dp_pp, 2, on_cuda=True) is None
+    assert core_sharing(EngineArgs(data_parallel_size=2), 2, on_cuda=False) is None
+
+
 def test_each_replica_owns_one_gpu_per_worker_rank() -> None:
     from twinserve.gpu.engine.dp_client import replica_gpus
     tp2, pp2, one = (EngineArgs(tensor_parallel_size=2), EngineArgs(pipeline_parallel_size=2),

@@ -117,7 +117,10 @@ class DataParallelFront:
             failed = [i for i, r in enumerate(self.replicas) if r.state != "ready"]
         if failed:
             self.shutdown()
-            raise RuntimeError(f"replicas {failed} did not start: {self.error or 'timed out'}")
+            reason = f"replicas {failed} did not start: {self.error or 'timed out'}"
+            # (a replica's engine refusing its arguments: the caller's bad input, by name)
+            bad_input = self.error is not None and self.error.split(": ", 2)[1:2] == ["ValueError"]
+            raise (ValueError if bad_input else RuntimeError)(reason)
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -81,6 +81,15 @@ def test_bad_data_parallel_arguments_name_the_field() -> None:
         LLM(router="cache-awar")  # one replica routes nothing: still refused
 
 
+@pytest.mark.slow
+def test_replicas_refusing_their_arguments_raise_value_error() -> None:
+    """A replica's engine refusing its arguments is the caller's bad input: ValueError, with
+    the reason (the bundled model's 9 heads do not split over 2 ranks)."""
+    with pytest.raises(ValueError, match=r"replica \d: ValueError: Total number of attention "
+                                         r"heads \(9\) must be divisible by tensor parallel size"):
+        LLM(data_parallel_size=2, tensor_parallel_size=2, **SMALL)
+
+
 def test_validate_warns_where_worker_ranks_share_cores() -> None:
     from twinserve.entrypoints.cli.validate_dp import core_sharing
     dp_pp = EngineArgs(data_parallel_size=2, pipeline_parallel_size=2)

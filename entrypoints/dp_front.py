@@ -85,6 +85,7 @@ class DataParallelFront:
         self._stop = threading.Event()
         self._ready = threading.Condition(self._lock)
         self.error: str | None = None
+        self._refused_args = False  # a replica failed to start on a ValueError (bad arguments)
         self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
         self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
         # (an LLM left without shutdown: replicas with workers are no daemons, see dp_client)
@@ -119,8 +120,7 @@ class DataParallelFront:
             self.shutdown()
             reason = f"replicas {failed} did not start: {self.error or 'timed out'}"
             # (a replica's engine refusing its arguments: the caller's bad input, by name)
-            bad_input = self.error is not None and self.error.split(": ", 2)[1:2] == ["ValueError"]
-            raise (ValueError if bad_input else RuntimeError)(reason)
+            raise (ValueError if self._refused_args else RuntimeError)(reason)
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -208,6 +208,7 @@ class DataParallelFront:
         elif message[0] == "failed":
             with self._lock:
                 self.error = f"replica {event.replica}: {message[1]}"
+                self._refused_args = message[1].startswith("ValueError: ")
                 self.replicas[event.replica].state = "dead"
                 self._ready.notify_all()
 

@@ -20,7 +20,7 @@ from twinserve.core.request_output import EmbeddingRequestOutput, RequestOutput
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.pd_front import PDDeployment
 from twinserve.gpu.engine.llm_engine import LLMEngine
-from twinserve.routers import check_router
+from twinserve.routers import router_class
 
 Prompt = str | list[int]
 PromptDict = dict[str, Any]  # vLLM's TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids"}
@@ -180,7 +180,7 @@ def _make_engine(args: EngineArgs, pd: PDDeployment | None = None) -> Any:
     if args.data_parallel_size > 1:
         from twinserve.entrypoints.dp_llm_engine import DataParallelEngine
         return DataParallelEngine(args, usage_context="llm")
-    check_router(args.router)  # (one replica routes nothing; a misspelt name is still refused)
+    router_class(args.router)  # (one replica routes nothing; a misspelt name is still refused)
     return LLMEngine(args, usage_context="llm")
 
 

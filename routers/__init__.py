@@ -35,7 +35,7 @@ ROUTERS: tuple[str, ...] = tuple(_BUILTIN)
 
 __all__ = ["ROUTERS", "ENTRY_POINT_GROUP", "CacheAwareRouter", "LeastOutstandingRouter",
            "NoHealthyReplica", "PrefixAffinityRouter", "ReplicaLoad", "RoundRobinRouter", "Router",
-           "available_routers", "check_router", "make_router", "reads_kv_usage", "reads_loads",
+           "available_routers", "make_router", "reads_kv_usage", "reads_loads", "router_class",
            "uses_kv_events"]
 
 
@@ -48,13 +48,16 @@ def available_routers() -> dict[str, type]:
     return found
 
 
-def check_router(name: str) -> None:
-    """Raises ValueError unless ``name`` is a built-in or installed router (an engine of one
-    replica routes nothing, but a misspelt name is refused there too, not dropped)."""
-    if name not in _BUILTIN:
+def router_class(name: str) -> type:
+    """The built-in or installed router class named ``name``; ValueError naming it otherwise
+    (also where one replica routes nothing: a misspelt name is refused, not dropped)."""
+    cls = _BUILTIN.get(name)
+    if cls is None:
         routers = available_routers()
-        if name not in routers:
+        cls = routers.get(name)
+        if cls is None:
             raise ValueError(f"unknown router {name!r}; valid: {', '.join(routers)}")
+    return cls
 
 
 def make_router(name: str, block_size: int, prices: Mapping[str, float] | None = None,
@@ -64,8 +67,7 @@ def make_router(name: str, block_size: int, prices: Mapping[str, float] | None =
     ``simulator.router_prices`` reads them off a step-time model) the routers whose constructor
     has a parameter of its name; ``options`` win over both. Unknown names and bad options raise
     ValueError."""
-    check_router(name)
-    cls = _BUILTIN.get(name) or available_routers()[name]
+    cls = router_class(name)
     try:
         parameters = inspect.signature(cls).parameters
     except (TypeError, ValueError):  # not a class with a readable signature

@@ -31,7 +31,7 @@ from twinserve.core.scheduler import Scheduler
 from twinserve.core.step_driver import RunRecorder, StepDriver
 from twinserve.policies import get_policy
 from twinserve.policies.speculation import speculation_policy_for
-from twinserve.routers import Router, check_router, make_router, reads_loads, uses_kv_events
+from twinserve.routers import Router, make_router, reads_loads, router_class, uses_kv_events
 from twinserve.simulator.acceptance import AcceptanceModel, AcceptanceProfile
 from twinserve.simulator.cost_model import (
     CostModel,
@@ -127,7 +127,7 @@ class SimConfig:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
                 or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}.")
-        check_router(router)
+        router_class(router)
         self.prefill_instances, self.decode_instances = prefill_instances, decode_instances
         self.kv_link = kv_link
         self.prefill_args = check_pool_args(prefill_args, "prefill_args")

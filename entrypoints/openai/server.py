@@ -105,7 +105,7 @@ from twinserve.entrypoints.openai.serving_models import (
 )
 from twinserve.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from twinserve.entrypoints.pd_front import PDDeployment
-from twinserve.routers import check_router
+from twinserve.routers import router_class
 
 logger = logging.getLogger("twinserve.server")
 
@@ -462,7 +462,7 @@ def build_async_engine(args: argparse.Namespace) -> Any:
     if engine_args.data_parallel_size > 1 or pd is not None:
         from twinserve.entrypoints.openai.dp_async_engine import DPAsyncEngine
         return DPAsyncEngine(engine_args, pd)
-    check_router(engine_args.router)  # (one replica routes nothing; a misspelt name is refused)
+    router_class(engine_args.router)  # (one replica routes nothing; a misspelt name is refused)
     engine = LLMEngine(engine_args, usage_context="server")
     engine.metrics.record_steps = False  # a server runs for days: keep no per-step rows
     return AsyncEngine(engine)

@@ -203,6 +203,8 @@ class DataParallelFront:
                 replica = self.replicas[event.replica]
                 replica.state, replica.was_ready = "ready", True
                 replica.config = message[2] if len(message) > 2 else None
+                # a replica that has not stepped yet holds nothing: zero gauges, as vLLM's show
+                replica.stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
                 self.loads[event.replica] = ReplicaLoad(0, 0, 0.0, healthy=True)
                 self._ready.notify_all()
         elif message[0] == "failed":

@@ -73,6 +73,23 @@ def wait_health(server: LiveServer, status: int, timeout_s: float = 180.0) -> di
         time.sleep(0.2)
 
 
+def test_health_and_metrics_report_each_replica(server: LiveServer) -> None:
+    # first in this module: a replica that has served nothing yet shows zero gauges too
+    health = wait_health(server, 200)
+    assert [(r["engine"], r["state"]) for r in health["replicas"]] == [("0", "ready"),
+                                                                       ("1", "ready")]
+    text = httpx.get(server.url("/metrics"), timeout=30).text
+    for engine in ("0", "1"):
+        assert any(line.startswith("vllm:num_requests_running{") and f'engine="{engine}"' in line
+                   for line in text.splitlines())
+    assert "vllm:time_to_first_token_seconds_count" in text
+    # each replica's own cache (the server's flags), not the front's engine, which holds none
+    infos = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert sorted(line.split('engine="')[1][0] for line in infos) == ["0", "1"]
+    sizes = [int(line.split('kv_cache_memory_bytes="')[1].split('"')[0]) for line in infos]
+    assert all(0.99 * (256 << 20) < size <= 256 << 20 for size in sizes), infos  # (whole blocks)
+
+
 def test_greedy_tokens_equal_one_engines(server: LiveServer, expected: list[str]) -> None:
     texts = [complete(server, p).json()["choices"][0]["text"] for p in PROMPTS]
     assert texts == expected
@@ -87,22 +104,6 @@ def stream_events_greedy(server: LiveServer, prompt: str) -> list[dict]:
     with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=120) as r:
         return [json.loads(line[6:]) for line in r.iter_lines()
                 if line.startswith("data: ") and line != "data: [DONE]"]
-
-
-def test_health_and_metrics_report_each_replica(server: LiveServer) -> None:
-    health = wait_health(server, 200)
-    assert [(r["engine"], r["state"]) for r in health["replicas"]] == [("0", "ready"),
-                                                                       ("1", "ready")]
-    text = httpx.get(server.url("/metrics"), timeout=30).text
-    for engine in ("0", "1"):
-        assert any(line.startswith("vllm:num_requests_running{") and f'engine="{engine}"' in line
-                   for line in text.splitlines())
-    assert "vllm:time_to_first_token_seconds_count" in text
-    # each replica's own cache (the server's flags), not the front's engine, which holds none
-    infos = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
-    assert sorted(line.split('engine="')[1][0] for line in infos) == ["0", "1"]
-    sizes = [int(line.split('kv_cache_memory_bytes="')[1].split('"')[0]) for line in infos]
-    assert all(0.99 * (256 << 20) < size <= 256 << 20 for size in sizes), infos  # (whole blocks)
 
 
 def test_a_replica_killed_mid_stream_ends_its_streams_and_the_server_serves_on(

@@ -52,6 +52,7 @@ class RequestRecord:
     spec_num_accepted_tokens: int = 0
     # seconds; a compact array (8 bytes a gap) since a long simulation holds millions of them
     itls: Sequence[float] = field(default_factory=lambda: array("d"))
+    replica: int = 0  # the replica that served it, in a fleet (data parallelism, the twin's)
 
     @property
     def ttft(self) -> float:
@@ -72,7 +73,8 @@ class RequestRecord:
         return self.first_scheduled_time - self.arrival_time
 
     @classmethod
-    def from_request(cls, req: Request, time_origin: float = 0.0) -> RequestRecord:
+    def from_request(cls, req: Request, time_origin: float = 0.0,
+                     replica: int = 0) -> RequestRecord:
         """Builds the record of a finished request; times are shifted by ``time_origin``.
         (Positional, in the fields' order: a replay builds one per request.)"""
         nan = math.nan
@@ -85,7 +87,8 @@ class RequestRecord:
             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens or 0,
             req.num_preemptions, req.tenant, req.priority, req.lora or "",
             req.finish_reason or "", first is not None, "", req.spec_num_drafts,
-            req.spec_num_draft_tokens, req.spec_num_accepted_tokens, _gaps(req.token_times))
+            req.spec_num_draft_tokens, req.spec_num_accepted_tokens, _gaps(req.token_times),
+            replica)
 
 
 def _gaps(times: Sequence[float] | TokenTimes) -> array:

@@ -3,7 +3,8 @@
     RUN_DIR/
       config.json     what ran: backend (sim | twinserve | vllm), model, hardware, policy, trace, knobs
       requests.csv    one row per request (REQUEST_COLUMNS; times in seconds from the run start,
-                      latencies in ms, ``itls_ms`` space-separated)
+                      latencies in ms, ``itls_ms`` space-separated; then, where they apply,
+                      SPEC_, REPLICA_ or PD_REQUEST_COLUMNS)
       steps.csv       one row per engine step (STEP_COLUMNS); absent for client-side runs
       tenants.csv     tokens served per step per tenant (time, tenant, prefill_tokens, output_tokens)
       summary.json    ``metrics.summarize`` (vLLM's benchmark keys)
@@ -42,6 +43,9 @@ REQUEST_COLUMNS = (
 # Appended to requests.csv when some request verified drafts (speculative decoding), so the
 # files of runs without speculation stay as they were.
 SPEC_REQUEST_COLUMNS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+# Appended to requests.csv by a fleet's runs (replicas behind a router, the twin's or the
+# data-parallel front's): the replica that served each request.
+REPLICA_REQUEST_COLUMNS = ("replica",)
 # Appended to requests.csv by disaggregated (prefill/decode) runs only: where each request's
 # prefill and decode ran, its KV load (consumer's load start -> finish, bytes) and the parts of
 # its TTFT, which add up to it (DisaggregatedParts).
@@ -103,28 +107,38 @@ def _has_speculation(records: Sequence[RequestRecord]) -> bool:
     return any(r.spec_num_drafts for r in records)
 
 
-def _request_row(r: RequestRecord, speculation: bool = False) -> list[Any]:
+def is_fleet(config: Mapping[str, Any]) -> bool:
+    """Whether a run's configuration has several replicas behind a router (the twin's
+    ``num_replicas``, the real ``data_parallel_size``): its requests.csv names each request's."""
+    return max(int(config.get("num_replicas") or 1), int(config.get("data_parallel_size") or 1)) > 1
+
+
+def _request_row(r: RequestRecord, speculation: bool = False,
+                 fleet: bool = False) -> list[Any]:
     """The plain requests.csv row (``_write_requests`` writes the same, faster)."""
-    spec = [r.spec_num_drafts, r.spec_num_draft_tokens, r.spec_num_accepted_tokens] \
+    tail = [r.spec_num_drafts, r.spec_num_draft_tokens, r.spec_num_accepted_tokens] \
         if speculation else []
+    if fleet:
+        tail.append(r.replica)
     return [
         r.request_id, r.tenant, r.priority, r.lora, _fmt(r.arrival_time),
         _fmt(r.first_scheduled_time), _fmt(r.first_token_time), _fmt(r.finish_time),
         r.input_tokens, r.output_tokens, r.cached_tokens, r.num_preemptions, r.finish_reason,
         int(r.success), r.error,
         _fmt(r.ttft * 1e3), _fmt(r.tpot * 1e3), _fmt(r.e2el * 1e3), _fmt(r.queue_time * 1e3),
-        " ".join(f"{g * 1e3:.6g}" for g in r.itls), *spec,
+        " ".join(f"{g * 1e3:.6g}" for g in r.itls), *tail,
     ]
 
 
 def _write_requests(f: TextIO, records: list[RequestRecord],
                     parts: Mapping[str, DisaggregatedParts] | None = None,
-                    step_times: Sequence[float] | None = None) -> None:
+                    step_times: Sequence[float] | None = None, fleet: bool = False) -> None:
     """requests.csv's rows as ``_request_row`` and csv.writer write them: each row's first
     fields from ``_row_heads`` (csv.writer's own where a row needs it), the ITL column (digits,
     dots, signs, spaces: never quoted) appended without csv's scan of every character.
     ``parts``: a disaggregated run's PD_REQUEST_COLUMNS, by request id; ``step_times``: the
-    run's step start times, whose differences most ITL columns are (``_itl_texts``)."""
+    run's step start times, whose differences most ITL columns are (``_itl_texts``); ``fleet``:
+    add REPLICA_REQUEST_COLUMNS."""
     speculation = _has_speculation(records)
     for r, head, itls in zip(records, _row_heads(records), _itl_columns(records, step_times)):
         if head is None:
@@ -136,6 +150,8 @@ def _write_requests(f: TextIO, records: list[RequestRecord],
                 fmt(r.ttft * 1e3), fmt(r.tpot * 1e3), fmt(r.e2el * 1e3), fmt(r.queue_time * 1e3)))
         if speculation:
             itls += f",{r.spec_num_drafts},{r.spec_num_draft_tokens},{r.spec_num_accepted_tokens}"
+        if fleet:
+            itls += f",{r.replica}"
         if parts is not None:
             itls += _pd_text(parts.get(r.request_id), r.first_token_time)
         f.write(head + "," + itls + "\n")
@@ -381,7 +397,8 @@ def write_run(
 ) -> Path:
     """Writes a run folder (creating it) and returns its path. Output is byte-identical for
     identical inputs (sorted keys, fixed float formatting). ``disaggregated``: a P/D run's
-    parts by request id (adds PD_REQUEST_COLUMNS)."""
+    parts by request id (adds PD_REQUEST_COLUMNS); a fleet's (``is_fleet``) adds
+    REPLICA_REQUEST_COLUMNS."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
@@ -389,10 +406,14 @@ def write_run(
     log = None if steps is None else steps if isinstance(steps, StepLog) else StepLog(steps)
     with open(out / "requests.csv", "w", newline="") as f:
         columns = REQUEST_COLUMNS + (SPEC_REQUEST_COLUMNS if _has_speculation(records) else ())
+        fleet = disaggregated is None and is_fleet(config)
+        if fleet:
+            columns += REPLICA_REQUEST_COLUMNS
         if disaggregated is not None:
             columns += PD_REQUEST_COLUMNS
         csv.writer(f, lineterminator="\n").writerow(columns)
-        _write_requests(f, records, disaggregated, None if log is None else log.columns()[0])
+        _write_requests(f, records, disaggregated, None if log is None else log.columns()[0],
+                        fleet)
     if log is not None:
         _write_steps(out, log)
     return out

@@ -204,7 +204,7 @@ class StepDriver:
                 continue
             n += 1
             if rec.record_requests:
-                rec.requests.append(RequestRecord.from_request(request))
+                rec.requests.append(RequestRecord.from_request(request, 0.0, self.replica))
             if release is not None:
                 release(rid)
         if n and rec.on_finish is not None:

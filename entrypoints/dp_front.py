@@ -218,6 +218,8 @@ class DataParallelFront:
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
                  records: list[RequestRecord]) -> None:
         deliveries: list[tuple[Sink, Any]] = []
+        for record in records:  # (each replica's engine numbers itself 0)
+            record.replica = index
         with self._lock:
             self._records.extend(records)
             replica = self.replicas[index]

@@ -20,7 +20,7 @@ COMPARED_METRICS = (
 )
 # config keys that say two runs served the same workload, most telling first
 PAIRING_KEYS = ("trace", "request_rate", "model", "num_prompts", "seed", "scheduling_policy",
-                "policy")
+                "policy", "router")
 # The same workload: the same trace slice at the same rate.
 REQUIRED_KEYS = ("trace", "request_rate", "num_requests", "time_scale", "time_window")
 

@@ -192,6 +192,43 @@ def disaggregation(table: pd.DataFrame) -> go.Figure | None:
     return _base_layout(fig, "Disaggregated prefill and decode", 420)
 
 
+REPLICA_PANELS = ("requests served", "mean TTFT (ms)", "prefix hit rate")
+
+
+def replica_table(requests: pd.DataFrame) -> pd.DataFrame:
+    """A fleet's run per replica (its requests.csv ``replica`` column): the requests each
+    served, their mean TTFT (successful ones) and the share of their prompt tokens the
+    replica's prefix cache held."""
+    ok = requests[requests["success"]]
+    by = requests.groupby("replica")
+    table = pd.DataFrame({"requests served": by.size()})
+    table["mean TTFT (ms)"] = ok.groupby("replica")["ttft_ms"].mean()
+    tokens = ok.groupby("replica")[["cached_tokens", "input_tokens"]].sum()
+    table["prefix hit rate"] = tokens["cached_tokens"] / tokens["input_tokens"].where(
+        tokens["input_tokens"] > 0)
+    return table.sort_index()
+
+
+def replicas(runs: list[Run]) -> go.Figure | None:
+    """Per replica of each fleet's run (``replica_table``), one bar group per run: how a router
+    spread the load and the prefix hits; None when no run names its requests' replicas."""
+    fleets = [(i, r) for i, r in enumerate(runs) if "replica" in r.requests.columns]
+    if not fleets:
+        return None
+    fig = make_subplots(rows=1, cols=len(REPLICA_PANELS), horizontal_spacing=0.08,
+                        subplot_titles=list(REPLICA_PANELS))
+    for i, run in fleets:
+        table = replica_table(run.requests)
+        for k, column in enumerate(REPLICA_PANELS):
+            fig.add_trace(go.Bar(x=[f"replica {int(v)}" for v in table.index], y=table[column],
+                                 name=run.display_name, legendgroup=run.display_name,
+                                 showlegend=k == 0, marker={"color": color(i)}),
+                          row=1, col=k + 1)
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(range=[0, 1.02], row=1, col=len(REPLICA_PANELS))
+    return _base_layout(fig, "Replicas behind a router (requests.csv's replica column)", 460)
+
+
 def engine_timeseries(runs: list[Run]) -> go.Figure | None:
     """Queue length, batch size and KV usage over time from steps.csv, one trace per run."""
     with_steps = [(i, r, r.steps) for i, r in enumerate(runs) if r.steps is not None]

@@ -41,6 +41,8 @@ SECTIONS: tuple[tuple[str, Builder, str], ...] = (
      "every request has the same priority class."),
     ("Speculative decoding", lambda runs, sweep: figures.speculation(summary_table(runs)),
      "no run verified draft tokens."),
+    ("Replicas behind a router", lambda runs, sweep: figures.replicas(runs),
+     "no run has replicas behind a router."),
     ("Disaggregated prefill and decode",
      lambda runs, sweep: figures.disaggregation(summary_table(runs)),
      "no run was disaggregated (prefill and decode instances)."),

@@ -264,7 +264,7 @@ def _release(request: Request, replica: Replica, recorder: RunRecorder) -> None:
         replica.driver.add_request(request)
     except (ValueError, EngineOverloaded) as exc:  # can never run (400) or not now (503):
         # recorded as failed, as a server's client would see it
-        recorder.requests.append(rejected_record(request, str(exc)))
+        recorder.requests.append(rejected_record(request, str(exc), replica.index))
         if recorder.on_finish:
             recorder.on_finish(1)
         return
@@ -562,10 +562,11 @@ def _segment_ends(run: DecodeRun, step_time: Callable[[SchedulerOutput], float],
     return ends
 
 
-def rejected_record(request: Request, error: str) -> RequestRecord:
-    """The record of a request an engine refused (400 or 503), failed, as a client saw it."""
+def rejected_record(request: Request, error: str, replica: int = 0) -> RequestRecord:
+    """The record of a request an engine (``replica``) refused (400 or 503), failed, as a
+    client saw it."""
     nan = float("nan")
     return RequestRecord(request.request_id, request.arrival_time, nan, nan, nan,
                          request.num_prompt_tokens, 0, tenant=request.tenant,
                          priority=request.priority, lora=request.lora or "", finish_reason="",
-                         success=False, error=error)
+                         success=False, error=error, replica=replica)

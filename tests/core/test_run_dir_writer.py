@@ -152,11 +152,16 @@ def test_request_rows_equal_csv_writers_plain_rows() -> None:
            RequestRecord(7, 1e-6, 1e-5, 1e-3, 0.5, 5, 3, success=2)]  # type: ignore
     for k, record in enumerate(odd):
         records.insert(37 * k, record)
-    want = io.StringIO(newline="")
-    csv.writer(want, lineterminator="\n").writerows(run_dir._request_row(r) for r in records)
-    got = io.StringIO(newline="")
-    run_dir._write_requests(got, records)
-    assert got.getvalue() == want.getvalue()
+    for fleet in (False, True):  # (a fleet's rows end with the replica's index)
+        for i, record in enumerate(records):
+            record.replica = i % 3 if fleet else 0
+        want = io.StringIO(newline="")
+        csv.writer(want, lineterminator="\n").writerows(run_dir._request_row(r, fleet=fleet)
+                                                        for r in records)
+        got = io.StringIO(newline="")
+        run_dir._write_requests(got, records, fleet=fleet)
+        assert got.getvalue() == want.getvalue()
+    assert want.getvalue().splitlines()[2].endswith(",2")
     heads = run_dir._row_heads(records)
     assert [i for i, head in enumerate(heads) if head is None] == [37, 74, 111, 148]
 

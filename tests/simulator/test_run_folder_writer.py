@@ -21,18 +21,19 @@ def result(request):
                               num_replicas=request.param), trace)
 
 
-def _plain_requests(records) -> str:
+def _plain_requests(records, fleet: bool) -> str:
     buf = io.StringIO(newline="")
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(run_dir.REQUEST_COLUMNS)
-    w.writerows(run_dir._request_row(r) for r in records)
+    w.writerow(run_dir.REQUEST_COLUMNS + (run_dir.REPLICA_REQUEST_COLUMNS if fleet else ()))
+    w.writerows(run_dir._request_row(r, fleet=fleet) for r in records)
     return buf.getvalue()
 
 
 def test_a_runs_folder_is_the_plain_writers_bytes(result, tmp_path) -> None:
     assert len(result.steps) > 1000 and sum(len(r.itls) for r in result.records) > 10_000
     out = write_sim_run(result, tmp_path / "run", {"trace": "azure-conv"})
-    assert (out / "requests.csv").read_text() == _plain_requests(result.records)
+    fleet = result.config.num_replicas > 1
+    assert (out / "requests.csv").read_text() == _plain_requests(result.records, fleet)
     run_dir._write_steps_reference(tmp_path, list(result.steps))
     for name in ("steps.csv", "tenants.csv"):
         assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name

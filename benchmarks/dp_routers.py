@@ -185,9 +185,8 @@ def run_seed(flags: list[str], seed: int, rounds: int, twin_only: bool) -> tuple
         for k in range(rounds):
             for name in routers[k % len(routers):] + routers[:k % len(routers)]:
                 log = RoutingLog(make_router(name, engine.block_size, prices), engine.block_size)
-                records, duration = replay_fleet_records(engine.replace(router=name), trace,
-                                                         vocab, log)
-                real.append(Run(seed, k, name, records, duration, log))
+                replay = replay_fleet_records(engine.replace(router=name), trace, vocab, log)
+                real.append(Run(seed, k, name, replay.records, replay.duration_s, log))
                 print(f"seed {seed} round {k} {name}: mean TTFT "
                       f"{figures(real[-1:])['mean']:.1f} ms", flush=True)
     return real, twin

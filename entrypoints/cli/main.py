@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinserve.core.engine_config import USAGE_CONTEXTS
 from twinserve.entrypoints.engine_args import (
@@ -17,6 +17,9 @@ from twinserve.entrypoints.engine_args import (
     config_file_defaults,
     engine_args_from,
 )
+
+if TYPE_CHECKING:
+    from twinserve.simulator import SimConfig
 
 
 def _simulate_parser(sub) -> None:
@@ -94,8 +97,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if acceptance is not None:
         desc = {**desc, "acceptance_profile": acceptance.to_dict()}
     write_sim_run(result, out, desc)
-    _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}, "
-                                    f"{cfg.scheduling_policy})")
+    _print_summary(result.summary, f"Simulation Result ({cfg.model} on {cfg.hardware}"
+                                    f"{_deployment(cfg)}, {cfg.scheduling_policy})")
     print(f"step times: {result.cost_model}")
     if result.roofline_gap:
         print(result.roofline_gap)
@@ -104,6 +107,21 @@ def _simulate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"simulated {len(trace)} requests in {result.wall_time_s:.2f} s wall; run folder: {out}")
     return 0
+
+
+def _deployment(cfg: SimConfig) -> str:
+    """What the run deploys beyond one engine on one device, for the summary's title: its
+    parallelism, replicas behind a router, or prefill and decode pools (empty when none)."""
+    engine, parts = cfg.engine, []
+    if engine.tensor_parallel_size > 1:
+        parts.append(f"TP={engine.tensor_parallel_size}")
+    if engine.pipeline_parallel_size > 1:
+        parts.append(f"PP={engine.pipeline_parallel_size}")
+    if cfg.prefill_instances:
+        parts.append(f"{cfg.prefill_instances}P{cfg.decode_instances}D")
+    elif cfg.num_replicas > 1:
+        parts.append(f"{cfg.num_replicas} replicas behind {cfg.router}")
+    return "".join(f", {p}" for p in parts)
 
 
 def _acceptance_profile(args: argparse.Namespace, cfg: Any) -> Any:

@@ -188,7 +188,7 @@ def run_validate(args: argparse.Namespace, weights_from: ModelRunner | None = No
         raise ValueError("--kv-link needs --prefill-instances and --decode-instances.")
     if engine.data_parallel_size > 1:  # replicas behind a router: entrypoints/cli/validate_dp.py
         from twinserve.entrypoints.cli.validate_dp import run_validate_dp
-        return run_validate_dp(args, engine, list(workload.requests))
+        return run_validate_dp(args, engine, list(workload.requests), dict(workload.desc))
     settings = validate_settings(args)
     progress = Progress("validate", messages=not args.quiet, bar=not settings.reuse_real)
     try:

@@ -7,16 +7,24 @@ submitted when its arrival time comes (greedy, ``max_tokens`` = its output lengt
 replica's own clock (the front-to-replica hop, well under a millisecond, is not in its TTFT).
 Twin: ``simulator.simulate`` with ``num_replicas`` = N, the same router name and engine
 settings, the profile (``--profile``; calibrated with one thread per replica) as hardware.
-The table: mean and p99 TTFT, mean TPOT and prefix hit rate, real beside twin.
+
+Per router, under ``OUT/<router>/``: the real run folders (``real``, ``real-2``... with
+``--real-repeats``, each on a fresh fleet), the twin's (``sim``), both naming each request's
+replica, and ``errors.csv`` (``reports.fidelity``'s rows: the twin against the median of the
+real runs). ``OUT/report.html`` sets them all side by side. Printed: mean and p99 TTFT, mean
+TPOT and prefix hit rate, real (median) beside twin, and the requests each replica served.
 """
 
 from __future__ import annotations
 
 import argparse
 import queue
+import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from twinserve.core.engine_args import EngineArgs
@@ -32,15 +40,39 @@ if TYPE_CHECKING:
 METRICS = (("mean TTFT", "mean_ttft_ms", "ms"), ("p99 TTFT", "p99_ttft_ms", "ms"),
            ("mean TPOT", "mean_tpot_ms", "ms"), ("prefix hit rate", "prefix_cache_hit_rate", "%"))
 FINISH_TIMEOUT_S = 600.0
+# validate's flags a fleet's validate does not run, refused by name: (attribute, default, flag)
+REFUSED_FLAGS = (
+    ("reuse_real", None, "--reuse-real"),
+    ("at_host_speed", False, "--at-host-speed (the replicas run no speed probe)"),
+    ("at_replay_speed", False, "--at-replay-speed (the replicas keep no step rows)"),
+    ("full_space", False, "--calibrate-full-space (a fleet's validate takes --profile)"),
+    ("acceptance_profile", None, "--acceptance-profile"),
+    ("profile_cache", None, "--profile-cache (a fleet's validate takes --profile)"),
+    ("use_profile_cache", True, "--no-profile-cache (a fleet's validate takes --profile)"),
+    ("detokenize", True, "--no-detokenize"),
+)
 
 
 @dataclass(slots=True, frozen=True)
 class FleetRow:
-    """One router's real and twin summaries."""
+    """One router's real (the median of its runs, per metric) and twin summaries, and the
+    requests each replica served (real: the first run's)."""
 
     router: str
     real: dict[str, Any]
     twin: dict[str, Any]
+    real_served: tuple[int, ...] = ()
+    twin_served: tuple[int, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class FleetReplay:
+    """One real replay: the replicas' records by arrival (each naming its replica), the seconds
+    from the first submission to the last end, and replica 0's resolved configuration."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    config: dict[str, Any]
 
 
 class _Done:
@@ -54,20 +86,9 @@ class _Done:
             self.items.put(item)
 
 
-def replay_fleet(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int,
-                 prices: dict[str, float] | None = None) -> dict[str, Any]:
-    """The trace through ``engine.data_parallel_size`` real replicas behind ``engine.router``
-    (priced with ``prices``); their summary."""
-    from twinserve.routers import make_router
-    router = make_router(engine.router, engine.block_size, prices)
-    records, duration = replay_fleet_records(engine, trace, vocab_size, router)
-    return summarize(records, duration_s=duration)
-
-
 def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_size: int,
-                         router: Router) -> tuple[list[RequestRecord], float]:
-    """The trace through ``engine.data_parallel_size`` real replicas behind ``router``: the
-    replicas' records by arrival, and the seconds from the first submission to the last end."""
+                         router: Router) -> FleetReplay:
+    """The trace through ``engine.data_parallel_size`` real replicas behind ``router``."""
     from twinserve.entrypoints.dp_front import DataParallelFront
     front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda", router=router)
     done = _Done()
@@ -77,7 +98,7 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
             time.sleep(max(0.0, tr.arrival_time - (time.monotonic() - t0)))
             params = SamplingParams(temperature=0, max_tokens=tr.output_tokens, ignore_eos=True)
             front.submit(tr.request_id, tr.prompt_token_ids(vocab_size, engine.block_size),
-                         params, {}, done)
+                         params, {"priority": tr.priority, "tenant": tr.tenant}, done)
         ends = 0
         while ends < 2 * len(trace):  # "accepted" then the final output (or an error)
             item = done.items.get(timeout=FINISH_TIMEOUT_S)
@@ -85,11 +106,27 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
                 raise RuntimeError(f"a real request failed: {item}")
             ends += 1
         duration = time.monotonic() - t0
-        time.sleep(0.5)  # the last steps' records travel with the replicas' next messages
-        records = front.take_records()
+        records = _all_records(front, len(trace))
+        config = front.snapshot()[0].config or {}
     finally:
         front.shutdown()
-    return sorted(records, key=lambda r: r.arrival_time), duration
+    return FleetReplay(sorted(records, key=lambda r: (r.arrival_time, r.request_id)), duration,
+                       dict(config))
+
+
+def _all_records(front: Any, n: int, timeout_s: float = 30.0) -> list[RequestRecord]:
+    """The ``n`` records of the requests that ended: the last steps' records travel with the
+    replicas' next messages (RuntimeError if they do not come within ``timeout_s``)."""
+    records: list[RequestRecord] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records += front.take_records()
+        if len(records) >= n:
+            return records
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{n} requests ended but the replicas sent {len(records)} "
+                               f"records within {timeout_s:g} s.")
+        time.sleep(0.05)
 
 
 def twin_config(engine: EngineArgs, router: str, profile: str) -> SimConfig:
@@ -108,10 +145,40 @@ def profile_prices(engine: EngineArgs, profile: str) -> dict[str, float]:
     return router_prices(build.cost_model, build.engine_config.scheduler)
 
 
-def simulate_fleet(engine: EngineArgs, trace: list[TraceRequest], router: str,
-                   profile: str) -> dict[str, Any]:
+def write_real(replay: FleetReplay, engine: EngineArgs, out: Path,
+               trace_desc: dict[str, Any]) -> dict[str, Any]:
+    """``out`` as a run folder (backend ``twinserve``, a replica's resolved configuration, the
+    fleet's keys); returns its summary."""
+    from twinserve.core.run_dir import write_run
+    summary = summarize(replay.records, duration_s=replay.duration_s)
+    config = {**replay.config, "backend": "twinserve", **trace_desc, "model": str(engine.model),
+              "label": f"real {engine.router}", "router": engine.router,
+              "data_parallel_size": engine.data_parallel_size, "wall_time_s": replay.duration_s}
+    write_run(out, config, replay.records, summary)
+    return summary
+
+
+def simulate_fleet(engine: EngineArgs, trace: list[TraceRequest], router: str, profile: str,
+                   out: Path, trace_desc: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """The twin of the fleet as the run folder ``out``: its summary and the requests each
+    replica served."""
     from twinserve.simulator import simulate
-    return simulate(twin_config(engine, router, profile), trace).summary
+    from twinserve.simulator.run import write_sim_run
+    result = simulate(twin_config(engine, router, profile), trace)
+    write_sim_run(result, out, {**trace_desc, "profile": str(profile), "label": f"twin {router}"})
+    return result.summary, served(result.records, engine.data_parallel_size)
+
+
+def served(records: list[RequestRecord], replicas: int) -> tuple[int, ...]:
+    """How many of ``records`` each replica served."""
+    counts = Counter(r.replica for r in records)
+    return tuple(counts.get(i, 0) for i in range(replicas))
+
+
+def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each of METRICS' median over the real runs' summaries."""
+    return {key: statistics.median(float(s.get(key, float("nan"))) for s in summaries)
+            for _, key, _ in METRICS}
 
 
 def format_table(rows: list[FleetRow]) -> str:
@@ -124,7 +191,26 @@ def format_table(rows: list[FleetRow]) -> str:
                 value = float(summary.get(key, float("nan")))
                 cells.append(f"{100 * value:.1f}%" if unit == "%" else f"{value:.1f} ms")
         lines.append(f"| {row.router} | " + " | ".join(cells) + " |")
+    for row in rows:
+        if row.real_served or row.twin_served:
+            lines.append(f"requests per replica, {row.router}: real {list(row.real_served)}, "
+                         f"twin {list(row.twin_served)}")
     return "\n".join(lines)
+
+
+def check_dp_validate(args: argparse.Namespace, engine: EngineArgs) -> None:
+    """Refuses, by name, what a fleet's validate does not run."""
+    for name, default, flag in REFUSED_FLAGS:
+        value = getattr(args, name, default)
+        if value is not None and value != default:
+            raise ValueError(f"{flag} is not supported with --data-parallel-size.")
+    if not getattr(args, "profile", None):
+        raise ValueError("validate --data-parallel-size needs --profile (a profile calibrated "
+                         "with one thread, as each replica runs on its share of the cores).")
+    if engine.enable_lora:
+        raise ValueError("--enable-lora is not supported with --data-parallel-size.")
+    if int(getattr(args, "real_repeats", 1) or 1) < 1:
+        raise ValueError(f"--real-repeats must be >= 1, got {args.real_repeats}.")
 
 
 def core_sharing(engine: EngineArgs, cores: int, on_cuda: bool) -> str | None:
@@ -141,25 +227,51 @@ def core_sharing(engine: EngineArgs, cores: int, on_cuda: bool) -> str | None:
 
 
 def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
-                    trace: list[TraceRequest]) -> int:
-    """The real fleet and its twin per router (``--router``, comma-separated names)."""
-    if not args.profile:
-        raise ValueError("validate --data-parallel-size needs --profile (a profile calibrated "
-                         "with one thread, as each replica runs on its share of the cores).")
+                    trace: list[TraceRequest], trace_desc: dict[str, Any] | None = None) -> int:
+    """The real fleet (``--real-repeats`` times) and its twin per router (``--router``,
+    comma-separated names), as run folders under ``--out``; prints the table."""
+    check_dp_validate(args, engine)
+    with_adapter = next((tr for tr in trace if tr.lora is not None), None)
+    if with_adapter is not None:
+        raise ValueError(f"request {with_adapter.request_id!r} names LoRA adapter "
+                         f"{with_adapter.lora!r}: not supported with --data-parallel-size.")
     from twinserve.core.model_config import ModelConfig
     from twinserve.entrypoints.dp_llm_engine import on_cuda
+    from twinserve.fidelity.replays import run_dir_name
     from twinserve.gpu.models.default_model import resolve_model_source
     from twinserve.gpu.worker.cpu_cores import usable_cores
+    from twinserve.reports.fidelity import error_rows, write_errors
+    from twinserve.routers import make_router
     sharing = core_sharing(engine, usable_cores(), on_cuda(engine))
     if sharing is not None:
         print(f"WARNING: {sharing}", file=sys.stderr)
+    log = (lambda msg: None) if getattr(args, "quiet", False) else print
+    out, desc = Path(args.out), dict(trace_desc or {})
+    repeats = int(getattr(args, "real_repeats", 1) or 1)
     vocab = ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size
     prices = profile_prices(engine, args.profile)
-    print("router prices from the profile: " + ", ".join(f"{k} {v:.4g}" for k, v in prices.items()))
-    rows = []
+    log("router prices from the profile: " + ", ".join(f"{k} {v:.4g}" for k, v in prices.items()))
+    rows, folders = [], []
     for router in [r for r in engine.router.split(",") if r]:
-        one = engine.replace(router=router)
-        rows.append(FleetRow(router, replay_fleet(one, trace, vocab, prices),
-                             simulate_fleet(one, trace, router, args.profile)))
+        one, where = engine.replace(router=router), out / router
+        reals, real_served = [], ()
+        for i in range(repeats):
+            log(f"real: {one.data_parallel_size} replicas behind {router}, {len(trace)} requests "
+                f"(run {i + 1} of {repeats})")
+            replay = replay_fleet_records(one, trace, vocab,
+                                          make_router(router, one.block_size, prices))
+            reals.append(write_real(replay, one, where / run_dir_name(i), desc))
+            folders.append(where / run_dir_name(i))
+            real_served = real_served or served(replay.records, one.data_parallel_size)
+        twin, twin_served = simulate_fleet(one, trace, router, args.profile, where / "sim", desc)
+        folders.append(where / "sim")
+        write_errors(where / "errors.csv", error_rows(reals, twin))
+        rows.append(FleetRow(router, median_summary(reals), twin, real_served, twin_served))
     print(format_table(rows))
+    try:
+        from twinserve.reports import write_report
+        title = f"twinserve validate: {engine.data_parallel_size} replicas"
+        print(f"report: {write_report(folders, out / 'report.html', title=title)}")
+    except Exception as exc:  # noqa: BLE001 (the table is the result, not the report)
+        print(f"report not written: {exc}", file=sys.stderr)
     return 0

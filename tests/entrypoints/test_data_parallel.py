@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import queue
 import signal
@@ -232,6 +233,12 @@ def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None
     from twinserve.entrypoints.cli.validate_dp import FleetRow, format_table, run_validate_dp
     with pytest.raises(ValueError, match="--profile"):
         run_validate_dp(argparse.Namespace(profile=None), EngineArgs(data_parallel_size=2), [])
+    for flag, value in (("reuse_real", ["runs/x"]), ("at_host_speed", True),
+                        ("use_profile_cache", False), ("detokenize", False),
+                        ("acceptance_profile", ["a.json"])):
+        args = argparse.Namespace(profile="p.json", **{flag: value})
+        with pytest.raises(ValueError, match="not supported with --data-parallel-size"):
+            run_validate_dp(args, EngineArgs(data_parallel_size=2), [])
     row = FleetRow("cache-aware", {"mean_ttft_ms": 12.0, "p99_ttft_ms": 30.0, "mean_tpot_ms": 5.0,
                                    "prefix_cache_hit_rate": 0.5},
                    {"mean_ttft_ms": 10.0, "p99_ttft_ms": 25.0, "mean_tpot_ms": 4.5,
@@ -239,6 +246,36 @@ def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None
     table = format_table([row]).splitlines()
     assert table[2] == ("| cache-aware | 12.0 ms | 10.0 ms | 30.0 ms | 25.0 ms | 5.0 ms | 4.5 ms "
                         "| 50.0% | 25.0% |")
+
+
+@pytest.mark.slow
+def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> None:
+    """``validate --data-parallel-size 2``: per router, each real run and the twin's as run
+    folders naming each request's replica, the errors against the real median, the report."""
+    import json
+
+    from twinserve.entrypoints.cli.main import main
+    out = tmp_path / "v"
+    assert main(["validate", "--data-parallel-size", "2", "--router", "cache-aware",
+                 "--trace", "multi-app", "--num-apps", "2", "--system-len-min", "32",
+                 "--system-len-max", "48", "--num-requests", "6", "--request-rate", "4",
+                 "--input-len", "16", "--output-len", "4", "--max-model-len", "128",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+                 "--profile", "cpu", "--real-repeats", "2", "--quiet",
+                 "--out", str(out)]) == 0
+    where = out / "cache-aware"
+    for run in ("real", "real-2", "sim"):
+        with open(where / run / "requests.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 6 and {r["replica"] for r in rows} <= {"0", "1"}
+        assert {r["tenant"] for r in rows} == {"app-0", "app-1"}  # the trace's, both sides
+    real = json.loads((where / "real" / "config.json").read_text())
+    assert (real["backend"], real["router"], real["data_parallel_size"]) == (
+        "twinserve", "cache-aware", 2)
+    with open(where / "errors.csv", newline="") as f:
+        errors = {r["metric"]: r for r in csv.DictReader(f)}
+    assert errors["mean_ttft_ms"]["real_runs"] == "2"
+    assert "Replicas behind a router" in (out / "report.html").read_text()
 
 
 @pytest.mark.slow
@@ -274,7 +311,7 @@ def test_ray_backend_matches_one_engine_and_survives_a_killed_actor() -> None:
     assert front.health() == ["dead", "dead"]
 
 
-def test_simulate_takes_data_parallel_size_as_its_replicas(tmp_path: Any) -> None:
+def test_simulate_takes_data_parallel_size_as_its_replicas(tmp_path: Any, capsys: Any) -> None:
     import json
 
     from twinserve.entrypoints.cli.main import main
@@ -282,6 +319,10 @@ def test_simulate_takes_data_parallel_size_as_its_replicas(tmp_path: Any) -> Non
     assert main([*base, "--data-parallel-size", "2", "--out", str(tmp_path / "a")]) == 0
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert (config["num_replicas"], config["data_parallel_size"]) == (2, 1)
+    assert ", 2 replicas behind round-robin, fcfs)" in capsys.readouterr().out  # (the title)
+    with open(tmp_path / "a" / "requests.csv", newline="") as f:  # who served each (round robin)
+        rows = sorted(csv.DictReader(f), key=lambda r: float(r["arrival_time"]))
+    assert [r["replica"] for r in rows] == ["0", "1"] * 4
     assert main([*base, "--data-parallel-size", "2", "--num-replicas", "3",
                  "--out", str(tmp_path / "b")]) == 2
     assert not (tmp_path / "b" / "config.json").exists()

@@ -80,6 +80,22 @@ def replica_gpus(index: int, replica_args: Sequence[EngineArgs], on_cuda: bool) 
     return tuple(range(first, first + replica_world(replica_args[index])))
 
 
+# On a CPU, a fleet's processes (its replicas' worker ranks) per usable core, at most: beyond,
+# each gets a sliver of a core and its own copy of the model, and a start takes minutes
+RANKS_PER_CORE = 2
+
+
+def check_cpu_ranks(replica_args: Sequence[EngineArgs], cores: int) -> None:
+    """Refuses (ValueError) a fleet on a CPU whose replicas' worker ranks exceed
+    ``RANKS_PER_CORE`` per usable core."""
+    ranks = sum(map(replica_world, replica_args))
+    if ranks > RANKS_PER_CORE * cores:
+        raise ValueError(
+            f"{len(replica_args)} replicas (data_parallel_size, or prefill + decode instances) "
+            f"with {ranks} worker ranks in all on {cores} usable cores: a CPU runs at most "
+            f"{RANKS_PER_CORE} ranks a core ({RANKS_PER_CORE * cores} here).")
+
+
 def replica_threads(args: EngineArgs, on_cuda: bool) -> int:
     """Each replica's torch threads: its share of the usable cores (at least one)."""
     cores = usable_cores()
@@ -100,6 +116,8 @@ class ReplicaSet:
         # each replica's own arguments (P/D: its role and side-channel port), else all alike
         self._replica_args = [a.replace(data_parallel_size=1) for a in replica_args] or \
             [self._args] * self._size
+        if not on_cuda:
+            check_cpu_ranks(self._replica_args, usable_cores())
         self._usage_context = usage_context
         self._on_cuda = on_cuda
         self._kv_events = kv_events

@@ -9,6 +9,7 @@ import signal
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 from twinserve import LLM, SamplingParams
@@ -80,6 +81,19 @@ def test_bad_data_parallel_arguments_name_the_field() -> None:
         LLMEngine(EngineArgs(data_parallel_size=2))  # refused, not run as one replica
     with pytest.raises(ValueError, match="unknown router 'cache-awar'"):
         LLM(router="cache-awar")  # one replica routes nothing: still refused
+
+
+def test_more_ranks_than_a_cpu_can_hold_are_refused_before_any_process() -> None:
+    from twinserve.gpu.engine.dp_client import check_cpu_ranks
+    from twinserve.gpu.worker.cpu_cores import usable_cores
+    check_cpu_ranks([EngineArgs(pipeline_parallel_size=2)] * 2, 2)  # two ranks a core: runs
+    with pytest.raises(ValueError, match="5 worker ranks in all on 2 usable cores"):
+        check_cpu_ranks([EngineArgs()] * 5, 2)
+    too_many = 2 * usable_cores() + 1
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match=f"{too_many} replicas"):
+        LLM(data_parallel_size=too_many, **SMALL)  # (not minutes of starting processes)
+    assert set(psutil.Process().children(recursive=True)) <= before
 
 
 @pytest.mark.slow

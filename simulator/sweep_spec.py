@@ -5,7 +5,7 @@
 title = "Policies on Azure conv"      # optional: the report's title
 
 [workload]                            # one workload, shared by every point
-trace = "azure-conv"                  # bundled name, a .csv/.jsonl file, or "synthetic"
+trace = "azure-conv"                  # bundled name, a .csv/.jsonl file, "synthetic" or "multi-app"
 num_requests = 2000                   # the first N (synthetic: how many; default 1000)
 time_window = [0.0, 600.0]            # keep arrivals in [start, end) s (before num_requests)
 request_rate = 10.0                   # mean req/s: the trace time-scaled to it (synthetic: its rate)
@@ -18,6 +18,9 @@ lora_rank = 16                        #   table of weights); their rank (default
 lora_target_modules = "all"           #   and modules; serve them with enable_lora in [engine]
 clip_max_model_len = 4096             # clip prompt + output to fit (traces.clip_lengths)
 # synthetic only: burstiness, input_len, output_len, range_ratio, prefix_len, prefix_share
+# multi-app only (applications with their own system prompts, Zipf popularity; the tenant is
+# the application): num_apps, zipf_s, system_len_min, system_len_max, and input_len,
+# output_len, range_ratio
 
 [engine]                              # fixed engine arguments (vLLM's names) and hardware,
 config = "base.yaml"                  # optional: keys of a --config YAML file (these override)
@@ -28,6 +31,7 @@ hardware = "h100-sxm"
 scheduling_policy = ["fcfs", "priority", "fair"]
 request_rate = [8, 12, 16]
 max_num_seqs = [128, 256]
+# a fleet: num_replicas = [2, 4] and router = ["round-robin", "cache-aware"] (on "multi-app")
 
 [slo]                                 # optional: goodput SLOs and the capacity target
 ttft_ms = 1000
@@ -81,14 +85,21 @@ from twinserve.traces import (
     time_window,
 )
 from twinserve.traces.lora import parse_loras, parse_target_modules
+from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
 SECTIONS = ("sweep", "workload", "engine", "grid", "slo", "policy_options")
 SYNTHETIC = "synthetic"
 SYNTHETIC_KEYS = ("burstiness", "input_len", "output_len", "range_ratio", "prefix_len", "prefix_share")
+# The multi-application workload (``traces.multi_app``): its own keys, and the lengths it shares
+# with the synthetic trace
+MULTI_APP = "multi-app"
+MULTI_APP_KEYS = ("num_apps", "zipf_s", "system_len_min", "system_len_max")
+MULTI_APP_SHARED = ("input_len", "output_len", "range_ratio")
 LORA_KEYS = ("loras", "lora_rank", "lora_target_modules")  # in a point's workload only when set
 WORKLOAD_KEYS = ("trace", "num_requests", "time_window", "request_rate", "seed", "tenants",
                  "priorities", "tenant_priorities", "clip_max_model_len", *LORA_KEYS,
-                 *SYNTHETIC_KEYS)
+                 *SYNTHETIC_KEYS, *MULTI_APP_KEYS)
+GENERATED_KEYS = {SYNTHETIC: SYNTHETIC_KEYS, MULTI_APP: MULTI_APP_SHARED + MULTI_APP_KEYS}
 WORKLOAD_AXES = ("trace", "request_rate", "seed")
 NOT_ENGINE_KEYS = ("policy_options", "label")  # set through [policy_options.<name>] and the grid
 # Each [engine]/[grid] key with its type: EngineArgs' fields (as their annotations read) and the
@@ -300,8 +311,8 @@ def _parse_workload(table: dict[str, Any], source: str) -> dict[str, Any]:
 def _workload_value(key: str, value: Any, source: str, where: str) -> Any:
     """A workload setting, checked and normalised (rates to float, priority keys to int)."""
     checker = WORKLOAD_CHECKS.get(key)
-    if checker is None:  # a synthetic-only setting: SyntheticConfig judges it
-        checker = _synthetic_setting(key)
+    if checker is None:  # a generated trace's setting: its config judges it
+        checker = _multi_app_setting(key) if key in MULTI_APP_KEYS else _synthetic_setting(key)
     try:
         return checker(value)
     except (ValueError, TypeError) as exc:
@@ -372,6 +383,16 @@ def _synthetic_setting(key: str) -> Callable[[Any], Any]:
     return check
 
 
+def _multi_app_setting(key: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if not _is_number(value):
+            raise ValueError(f"expected a number, got {value!r}.")
+        if key != "system_len_max":  # (checked against the minimum with the whole workload)
+            MultiAppConfig(**{key: value})
+        return value
+    return check
+
+
 def _loras(value: Any) -> str:
     """``--loras`` text, from a count, that text, or a table of weights."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -404,10 +425,12 @@ WORKLOAD_CHECKS: dict[str, Callable[[Any], Any]] = {
 
 
 def resolve_workload(workload: dict[str, Any]) -> dict[str, Any]:
-    """Every workload key with its value or ``None`` (synthetic keys only for a synthetic trace), so
-    that a point's id does not depend on which defaults were written out."""
+    """Every workload key with its value or ``None`` (a generated trace's keys only for that
+    trace, ``GENERATED_KEYS``), so that a point's id does not depend on which defaults were
+    written out."""
     trace = workload.get("trace", DEFAULT_TRACE)
-    keys = [k for k in WORKLOAD_KEYS if (trace == SYNTHETIC or k not in SYNTHETIC_KEYS)
+    own = GENERATED_KEYS.get(trace, ())
+    keys = [k for k in WORKLOAD_KEYS if (k in own or k not in SYNTHETIC_KEYS + MULTI_APP_KEYS)
             and (k not in LORA_KEYS or workload.get(k) is not None)]  # ids of LoRA-less points stay
     resolved = {k: workload.get(k) for k in keys}
     resolved["trace"] = trace
@@ -477,10 +500,12 @@ def _check_points(spec: SweepSpec) -> None:
                 _run_check(spec.source, where[key], key, partial(check, point.sim[key]))
         _run_check(spec.source, "[engine]/[grid]", "SimConfig", point.sim_config)
         _check_workload(spec, point.workload)
-    if not any(p.workload["trace"] == SYNTHETIC for p in spec.points()):
-        for key in SYNTHETIC_KEYS:
-            if key in spec.workload:
-                raise _fail(spec.source, "[workload]", key, f"applies only to trace = {SYNTHETIC!r}.")
+    traces = {p.workload["trace"] for p in spec.points()}
+    for key in spec.workload:
+        takers = [t for t, keys in GENERATED_KEYS.items() if key in keys]
+        if takers and not traces & set(takers):
+            raise _fail(spec.source, "[workload]", key, "applies only to trace = "
+                        + " or ".join(map(repr, takers)) + ".")
 
 
 def _run_check(source: str, where: str, key: str, check: Callable[[], Any]) -> None:
@@ -497,21 +522,25 @@ def _check_workload(spec: SweepSpec, workload: dict[str, Any]) -> None:
     rate = workload["request_rate"]
     if workload["trace"] != SYNTHETIC and rate is not None and not math.isfinite(rate):
         where = "[grid]" if "request_rate" in spec.grid else "[workload]"
-        raise _fail(spec.source, where, "request_rate", "must be finite for a real trace.")
+        raise _fail(spec.source, where, "request_rate",
+                    f"must be finite for trace {workload['trace']!r}.")
+    if workload["trace"] == MULTI_APP:
+        _run_check(spec.source, "[workload]", "system_len_max", lambda: _multi_app_config(workload))
 
 
 # ---------------------------------------------------------------- a point's requests
 
 
 def base_trace(workload: dict[str, Any]) -> list[TraceRequest] | None:
-    """The loaded trace a point's requests are cut from (``None`` for a synthetic workload)."""
-    return None if workload["trace"] == SYNTHETIC else load_trace(workload["trace"])
+    """The loaded trace a point's requests are cut from (``None`` for a generated workload)."""
+    return None if workload["trace"] in GENERATED_KEYS else load_trace(workload["trace"])
 
 
 def point_trace(workload: dict[str, Any], base: list[TraceRequest] | None) -> list[TraceRequest]:
     """A point's requests: source, time window, first N, request rate, tenants, priorities, clipping
     (the order of ``traces.cli_args``)."""
-    reqs = _synthetic(workload) if base is None else base
+    reqs = base if base is not None else multi_app_trace(_multi_app_config(workload)) \
+        if workload["trace"] == MULTI_APP else _synthetic(workload)
     if workload["time_window"] is not None:
         reqs = time_window(reqs, *workload["time_window"])
     if base is not None and workload["num_requests"] is not None:
@@ -537,6 +566,15 @@ def _synthetic(workload: dict[str, Any]) -> list[TraceRequest]:
         given["request_rate"] = workload["request_rate"]
     num = workload["num_requests"] or DEFAULT_SYNTHETIC_REQUESTS
     return synthetic_trace(SyntheticConfig(num_requests=num, seed=workload["seed"], **given))
+
+
+def _multi_app_config(workload: dict[str, Any]) -> MultiAppConfig:
+    """A multi-application point's workload (``traces.multi_app``), defaults where not given."""
+    given = {k: workload[k] for k in GENERATED_KEYS[MULTI_APP] if workload.get(k) is not None}
+    if workload["request_rate"] is not None:
+        given["request_rate"] = workload["request_rate"]
+    num = workload["num_requests"] or DEFAULT_SYNTHETIC_REQUESTS
+    return MultiAppConfig(num_requests=num, seed=workload["seed"], **given)
 
 
 def _labelled(reqs: list[TraceRequest], workload: dict[str, Any]) -> list[TraceRequest]:

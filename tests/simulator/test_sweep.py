@@ -197,6 +197,11 @@ def test_find_capacity_per_configuration() -> None:
     (("[workload]", "[workload]\nnum_request = 5"), "num_request"),
     (("num_requests = 60", "num_requests = 0"), "num_requests"),
     (("[workload]", "[workload]\ninput_len = 64"), "input_len"),
+    (("[workload]", "[workload]\nnum_apps = 4"), "num_apps"),  # (multi-app's alone)
+    (('trace = "azure-conv"', 'trace = "multi-app"\nsystem_len_min = 90\nsystem_len_max = 80'),
+     "system_len_max"),
+    (('trace = "azure-conv"', 'trace = "multi-app"\nzipf_s = -1'), "zipf_s"),
+    (('trace = "azure-conv"', 'trace = "multi-app"\nprefix_len = 8'), "prefix_len"),
     (("[workload]", "[workload]\ntime_window = [5, 1]"), "time_window"),
     (("[workload]", "[workload]\npriorities = { high = 1 }"), "priorities"),
     (("[workload]", "[workload]\nrequest_rate = 3"), "request_rate"),
@@ -250,6 +255,23 @@ def test_synthetic_workload_uses_its_own_rate() -> None:
     trace = point_trace(point.workload, None)
     assert len(trace) == 60 and {r.input_tokens for r in trace} == {64}
     assert 5.0 < mean_rate(trace) < 12.0  # Poisson at 8 req/s over 60 requests
+
+
+def test_multi_app_workload_is_generated_from_its_keys() -> None:
+    """``trace = "multi-app"`` (the workload routers are compared on): its keys, at each
+    point's rate, and its applications as the tenants."""
+    from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+    keys = "num_apps = 5\nzipf_s = 0.5\nsystem_len_min = 64\nsystem_len_max = 96\ninput_len = 32"
+    text = SPEC.replace('trace = "azure-conv"', f'trace = "multi-app"\n{keys}').replace(
+        "tenants = { heavy = 0.8, light = 0.2 }\n", "")
+    points = parse_spec(_toml(text)).points()
+    trace = point_trace(points[1].workload, None)  # fcfs at 32 req/s
+    assert trace == multi_app_trace(MultiAppConfig(
+        num_requests=60, request_rate=32.0, num_apps=5, zipf_s=0.5, system_len_min=64,
+        system_len_max=96, input_len=32))
+    assert {r.tenant for r in trace} <= {f"app-{k}" for k in range(5)}
+    other = parse_spec(_toml(text.replace("num_apps = 5", "num_apps = 6"))).points()
+    assert not {p.point_id for p in other} & {p.point_id for p in points}
 
 
 def _toml(text: str) -> dict:

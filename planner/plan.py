@@ -23,12 +23,13 @@ from typing import Any
 from twinserve.planner.pareto import Searched, capacity_bound, is_dominated
 from twinserve.planner.search import RateGrid, SearchOutcome, SearchTask, search_candidate
 from twinserve.planner.space import Candidate, size_candidate
-from twinserve.planner.spec import PlanSpec
+from twinserve.planner.spec import MULTI_APP, MULTI_APP_REQUESTS, PlanSpec
 from twinserve.simulator.acceptance import AcceptanceProfile
 from twinserve.simulator.acceptance_merge import load_profiles
 from twinserve.simulator.sweep import POINTS_DIR, execute
 from twinserve.simulator.sweep import _check_run_args as check_run_args
 from twinserve.traces import TraceRequest, load_trace
+from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
 FITTED, PRUNED, DOMINATED, NO_CAPACITY = "fitted", "pruned-memory", "dominated", "no-capacity"
 
@@ -47,6 +48,11 @@ class PlanResult:
 
 
 def plan_trace(spec: PlanSpec) -> list[TraceRequest]:
+    """The plan's requests: the trace's first ``num_requests``, or the multi-application
+    workload generated from its settings (``MULTI_APP_REQUESTS`` of them by default)."""
+    if spec.trace == MULTI_APP:
+        return multi_app_trace(MultiAppConfig(num_requests=spec.num_requests or MULTI_APP_REQUESTS,
+                                              **dict(spec.trace_options)))
     return load_trace(spec.trace, limit=spec.num_requests)
 
 
@@ -200,6 +206,8 @@ def _fingerprint(spec: PlanSpec, num_requests: int) -> str:
     """What a replay's verdict depends on besides its configuration and rate."""
     blob = json.dumps({"model": spec.space.model, "fixed": spec.space.fixed,
                        "slos": [asdict(s) for s in spec.slos], "trace": spec.trace,
+                       **({"trace_options": dict(spec.trace_options)} if spec.trace_options
+                          else {}),  # (a loaded trace's fingerprint as before)
                        "num_requests": num_requests, "duration_s": spec.duration_s,
                        "grid": asdict(rate_grid(spec, num_requests)),
                        "acceptance": spec.acceptance_profile}, sort_keys=True, default=str)

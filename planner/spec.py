@@ -7,6 +7,9 @@ hardware: [a100-80gb, h100-sxm, h200]
 max_gpus: 8
 attainment: 0.9                 # fraction for SLO keys without a percentile
 workload: {trace: azure-conv, num_requests: 5000, duration_s: 120}   # see search.replay_requests
+# or generated, applications with their own system prompts (routers differ on it):
+# workload: {trace: multi-app, num_apps: 400, zipf_s: 0.8, system_len_min: 256,
+#            system_len_max: 2048, input_len: 256, output_len: 128, seed: 0}
 slo: {ttft_p90_ms: 2000, tpot_p99_ms: 100}
 space:                          # axes (defaults: PlanSpace's)
   tensor_parallel_size: [1, 2, 4, 8]
@@ -49,7 +52,12 @@ from twinserve.planner.space import AGGREGATED, POOL_COLUMNS, PlanSpace
 
 TOP_KEYS = ("model", "hardware", "max_gpus", "attainment", "workload", "slo", "space", "engine",
             "prices", "search")
-WORKLOAD_KEYS = ("trace", "num_requests", "duration_s")
+MULTI_APP = "multi-app"
+# the multi-application workload's settings (``traces.multi_app.MultiAppConfig``'s names)
+MULTI_APP_KEYS = ("num_apps", "zipf_s", "system_len_min", "system_len_max", "input_len",
+                  "output_len", "range_ratio", "seed")
+MULTI_APP_REQUESTS = 10_000  # generated where num_requests is not given
+WORKLOAD_KEYS = ("trace", "num_requests", "duration_s", *MULTI_APP_KEYS)
 SPACE_KEYS = {"tensor_parallel_size": "tensor_parallel_sizes",
               "pipeline_parallel_size": "pipeline_parallel_sizes", "replicas": "replicas",
               "router": "routers", "max_num_seqs": "max_num_seqs",
@@ -79,6 +87,8 @@ class PlanSpec:
     early_stop: bool = True
     acceptance_profile: tuple[str, ...] = ()  # measured profiles, merged where several
     source: str = "<plan>"
+    # a generated workload's settings (``trace`` multi-app: MULTI_APP_KEYS given), as pairs
+    trace_options: tuple[tuple[str, Any], ...] = ()
 
     def price(self, hardware: str) -> float:
         return self.prices.price(hardware)
@@ -127,6 +137,8 @@ def _parse(data: Mapping[str, Any]) -> PlanSpec:
     num = workload.get("num_requests")
     if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 2):
         raise ValueError(f"workload.num_requests: expected an integer >= 2, got {num!r}.")
+    trace = str(workload.get("trace", "azure-conv"))
+    options = _trace_options(workload, trace, num)
     duration = workload.get("duration_s", DEFAULT_DURATION_S)
     if duration is not None:
         duration = _number("workload.duration_s", duration)
@@ -153,8 +165,31 @@ def _parse(data: Mapping[str, Any]) -> PlanSpec:
                                 or not all(isinstance(f, str) and f for f in files)):
         raise ValueError(f"search.acceptance_profile: expected a file name or a list of them "
                          f"(merged), got {profile!r}.")
-    return PlanSpec(space, slos, str(workload.get("trace", "azure-conv")), num, duration, table,
-                    grid, slack, early, tuple(files or ()))
+    return PlanSpec(space, slos, trace, num, duration, table, grid, slack, early,
+                    tuple(files or ()), trace_options=options)
+
+
+def _trace_options(workload: Mapping[str, Any], trace: str,
+                   num: int | None) -> tuple[tuple[str, Any], ...]:
+    """The multi-application workload's settings (refused by name for any other trace),
+    checked by building its config."""
+    from twinserve.traces.multi_app import MultiAppConfig
+    given = {k: workload[k] for k in MULTI_APP_KEYS if k in workload}
+    if trace != MULTI_APP:
+        if given:
+            raise ValueError(f"workload.{next(iter(given))}: applies only to trace {MULTI_APP}.")
+        return ()
+    for key, value in given.items():  # one at a time, so the error names the key
+        if key != "system_len_max":  # (checked against the minimum below)
+            try:
+                MultiAppConfig(**{key: value})
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"workload.{key}: {exc}") from None
+    try:
+        MultiAppConfig(num_requests=num or MULTI_APP_REQUESTS, **given)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"workload.system_len_max: {exc}") from None
+    return tuple(given.items())
 
 
 def _space(data: Mapping[str, Any]) -> PlanSpace:

@@ -21,6 +21,10 @@ LIST_FLAGS = {"tp": ("space", "tensor_parallel_size", int), "pp": ("space", "pip
               **{name: ("space", name, "optint") for name in (
                   "prefill_max_num_seqs", "prefill_max_num_batched_tokens", "decode_max_num_seqs",
                   "decode_max_num_batched_tokens")}}
+# the multi-application workload's settings (planner.spec.MULTI_APP_KEYS)
+MULTI_APP_FLAGS = (("num_apps", int), ("zipf_s", float), ("system_len_min", int),
+                   ("system_len_max", int), ("input_len", int), ("output_len", int),
+                   ("range_ratio", float), ("seed", int))
 SEARCH_FLAGS = ("tolerance", "base_rps", "min_rps", "max_rps", "dominance_slack", "acceptance_profile")
 
 
@@ -30,6 +34,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=None, help="the trace's first N requests")
     p.add_argument("--duration", type=float, default=None, metavar="S",
                    help="seconds of arrivals per replay, whatever its rate (default 120)")
+    multi = p.add_argument_group("--trace multi-app (applications with their own system "
+                                 "prompts, Zipf popularity)")
+    for flag, kind in MULTI_APP_FLAGS:
+        multi.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
     p.add_argument("--model", default=None, help="bundled model name or config.json")
     p.add_argument("--hardware", default=None, help="comma-separated profiles, e.g. a100-80gb,h100-sxm,h200")
     p.add_argument("--max-gpus", type=int, default=None, help="most GPUs a deployment may use")
@@ -83,6 +91,9 @@ def plan_mapping(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         workload["num_requests"] = args.num_requests
     if args.duration is not None:
         workload["duration_s"] = args.duration
+    for flag, _ in MULTI_APP_FLAGS:
+        if getattr(args, flag) is not None:
+            workload[flag] = getattr(args, flag)
     data["workload"] = workload
     if args.slo:
         from twinserve.planner.slo import parse_slo_flag

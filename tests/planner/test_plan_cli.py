@@ -126,10 +126,34 @@ def test_the_bound_and_the_fronts() -> None:
     ({"search": {"tolerance": 0}}, "tolerance"),
     ({"attainment": 1.5}, "attainment"),
     ({"hardware": ["a100-40gb"]}, "no price for hardware"),
+    ({"workload": {"num_apps": 4}}, "workload.num_apps: applies only to trace multi-app"),
+    ({"workload": {"trace": "multi-app", "num_apps": 0}}, "workload.num_apps: num_apps must"),
+    ({"workload": {"trace": "multi-app", "system_len_min": 90, "system_len_max": 80}},
+     "workload.system_len_max"),
+    ({"workload": {"trace": "multi-app", "apps": 4}}, "workload.apps: unknown key"),
 ])
 def test_bad_input_is_refused_by_name(change, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         parse_plan({**BASE, **change}, "plan.yaml")
+
+
+def test_a_multi_app_plan_generates_its_workload_from_the_flags(tmp_path) -> None:
+    """``--trace multi-app`` and its settings (the workload routers differ on): the plan's
+    requests are that workload, and its settings are part of a replay's fingerprint."""
+    from twinserve.entrypoints.cli.plan import plan_mapping
+    from twinserve.planner.plan import _fingerprint, plan_trace
+    from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+    flags = ["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--max-gpus", "2",
+             "--slo", "ttft_p90_ms=2000", "--trace", "multi-app", "--num-requests", "300",
+             "--num-apps", "40", "--zipf-s", "0.8", "--system-len-max", "512",
+             "--out", str(tmp_path)]
+    spec = parse_plan(*plan_mapping(parse_args(build_parser(only="plan"), flags)))
+    assert plan_trace(spec) == multi_app_trace(MultiAppConfig(
+        num_requests=300, num_apps=40, zipf_s=0.8, system_len_max=512))
+    other = parse_plan(*plan_mapping(parse_args(build_parser(only="plan"),
+                                                [*flags, "--num-apps", "41"])))
+    assert _fingerprint(spec, 300) != _fingerprint(other, 300)
+    assert len(plan_trace(parse_plan({**BASE, "workload": {"trace": "multi-app"}}))) == 10_000
 
 
 def test_the_command_refuses_bad_flags_by_name(tmp_path, capsys) -> None:

@@ -5,9 +5,12 @@ tight, pessimistic, optimistic). Writes ``OUT/verify.csv`` and the real run fold
 ``OUT/verify/<id>/{at,above}/real``.
 
 An aggregated configuration replays through ``fidelity.replays.replay`` (one engine, its model
-loaded once for both rates); an xPyD one through the machinery of ``validate
---prefill-instances X --decode-instances Y`` (``entrypoints/cli/validate_pd.py``: the P/D front
-over X + Y engine processes, its run folder), so the real columns are the same either way.
+loaded once for both rates); one of several replicas through the machinery of ``validate
+--data-parallel-size N`` (``entrypoints/cli/validate_dp.py``: the data-parallel front over N
+engine processes behind the configuration's router, priced from the profile as the twin prices
+it); an xPyD one through that of ``validate --prefill-instances X --decode-instances Y``
+(``entrypoints/cli/validate_pd.py``: the P/D front over X + Y engine processes). Each writes a
+run folder, so the real columns are the same every way.
 """
 
 from __future__ import annotations
@@ -40,8 +43,21 @@ def verifiable(row: dict[str, Any], model: str) -> str:
         return f"needs {row['gpus']} x {row['hardware']} ({wanted}); this machine has {have}"
     if row.get("prefill_instances"):
         return _pd_verifiable(row, have, count)
+    if have == "cpu" and int(row.get("num_replicas") or 1) > 1:
+        return _dp_verifiable(row)
     if row["gpus"] > count:
         return f"needs {row['gpus']} devices; this machine has {count}"
+    return ""
+
+
+def _dp_verifiable(row: dict[str, Any]) -> str:
+    """Replicas on a CPU run as ``validate --data-parallel-size`` does: each replica's ranks
+    on cores of their own (the one-thread profile's assumption)."""
+    from twinserve.gpu.worker.cpu_cores import usable_cores
+    ranks = row["gpus"]  # (replicas x TP x PP)
+    if ranks > usable_cores():
+        return (f"{row['num_replicas']} replicas run {ranks} worker ranks, each on a core of "
+                f"its own; this machine has {usable_cores()} usable cores")
     return ""
 
 
@@ -164,6 +180,8 @@ def _real_replay(config: dict[str, Any], model: str, trace_name: str, hardware: 
     desc = {"trace": trace_name}
     if "prefill_instances" in config:
         return _pd_replay(engine, config, desc, hardware)
+    if engine.data_parallel_size > 1:
+        return _dp_replay(engine, desc, hardware)
     from twinserve.fidelity.backend import load_runner
     from twinserve.fidelity.replays import replay
     from twinserve.fidelity.threads import measurement_threads, set_threads
@@ -188,6 +206,28 @@ def _pd_replay(engine: Any, config: dict[str, Any], desc: dict[str, Any],
     def run(requests: list[TraceRequest], folder: Path) -> Path:
         real = replay_pd(engine, pd, requests, vocab)
         return write_real(real, requests, pd, folder / "real", engine, desc)  # (as replay's)
+    return run
+
+
+def _dp_replay(engine: Any, desc: dict[str, Any], hardware: str) -> RealReplay:
+    """Replicas behind the configuration's router: the data-parallel front, a fresh fleet per
+    replay, its router priced from the profile (``validate --data-parallel-size``'s way)."""
+    from twinserve.core.model_config import ModelConfig
+    from twinserve.entrypoints.cli.validate_dp import (
+        profile_prices,
+        replay_fleet_records,
+        write_real,
+    )
+    from twinserve.gpu.models.default_model import resolve_model_source
+    from twinserve.routers import make_router
+    vocab = ModelConfig.from_dir(resolve_model_source(str(engine.model))[0]).vocab_size
+    prices = profile_prices(engine, hardware)
+
+    def run(requests: list[TraceRequest], folder: Path) -> Path:
+        router = make_router(engine.router, engine.block_size, prices)
+        write_real(replay_fleet_records(engine, requests, vocab, router), engine,
+                   folder / "real", desc)
+        return folder / "real"  # (as replay's)
     return run
 
 

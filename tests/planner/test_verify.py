@@ -146,6 +146,48 @@ def test_what_a_pd_deployment_needs_here() -> None:
     assert "checkpoint" in plan_verify.verifiable(pd_row, "llama-3-8b")
 
 
+def test_what_replicas_need_here() -> None:
+    import torch
+
+    from twinserve.gpu.worker.cpu_cores import usable_cores
+    if torch.cuda.is_available():
+        pytest.skip("the CPU cases assume a machine without CUDA")
+    row = {"hardware": "cpu", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+           "num_replicas": 2, "router": "cache-aware", "gpus": 2}
+    if usable_cores() >= 2:
+        assert plan_verify.verifiable(row, "smollm2-135m") == ""
+    n = usable_cores() + 1
+    assert f"{n} replicas run {n} worker ranks, each on a core" in plan_verify.verifiable(
+        {**row, "num_replicas": n, "gpus": n}, "smollm2-135m")
+
+
+@pytest.mark.slow
+def test_verify_top_replays_replicas_through_the_data_parallel_front(tmp_path, capsys) -> None:
+    from twinserve.gpu.worker.cpu_cores import usable_cores
+    if usable_cores() < 2:
+        pytest.skip("2 replicas run on a core each at least")
+    out = tmp_path / "out"
+    code = main(["plan", "--trace", _tiny_trace(tmp_path / "tiny.csv"), "--model",
+                 "smollm2-135m", "--hardware", "cpu", "--price", "cpu=0.05", "--max-gpus", "2",
+                 "--tp", "1", "--pp", "1", "--replicas", "2", "--routers", "cache-aware",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+                 "--slo", "ttft_p90_ms=30000", "--slo", "tpot_p99_ms=10000", "--duration", "2",
+                 "--base-rps", "0.5", "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1",
+                 "--workers", "1", "--out", str(out), "--verify-top", "1"])
+    assert code == 0
+    row = pd.read_csv(out / "verify.csv").iloc[0]
+    assert row["verifiable"] and "x2 cache-aware" in row["name"], row.to_dict()
+    for suffix in ("", "_above"):
+        run = Path(row[f"folder{suffix}"])
+        config = json.loads((run / "config.json").read_text())
+        assert (config["data_parallel_size"], config["router"]) == (2, "cache-aware")
+        requests = pd.read_csv(run / "requests.csv")
+        assert set(requests["replica"]) <= {0, 1}  # through the data-parallel front
+        assert row[f"measured_verdict{suffix}"] in (PASS, FAIL)
+    assert row["capacity_verdict"] in (TIGHT, PESSIMISTIC)
+    assert "one step above" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_verify_top_replays_both_rates_for_real(tmp_path, capsys) -> None:
     trace = _tiny_trace(tmp_path / "tiny.csv")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.metrics import RequestRecord, summarize
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.entrypoints.cli.validate_refusals import refuse_fleet_flags
 from twinserve.gpu.engine.dp_client import replica_world
 from twinserve.traces import TraceRequest
 
@@ -40,17 +41,6 @@ if TYPE_CHECKING:
 METRICS = (("mean TTFT", "mean_ttft_ms", "ms"), ("p99 TTFT", "p99_ttft_ms", "ms"),
            ("mean TPOT", "mean_tpot_ms", "ms"), ("prefix hit rate", "prefix_cache_hit_rate", "%"))
 FINISH_TIMEOUT_S = 600.0
-# validate's flags a fleet's validate does not run, refused by name: (attribute, default, flag)
-REFUSED_FLAGS = (
-    ("reuse_real", None, "--reuse-real"),
-    ("at_host_speed", False, "--at-host-speed (the replicas run no speed probe)"),
-    ("at_replay_speed", False, "--at-replay-speed (the replicas keep no step rows)"),
-    ("full_space", False, "--calibrate-full-space (a fleet's validate takes --profile)"),
-    ("acceptance_profile", None, "--acceptance-profile"),
-    ("profile_cache", None, "--profile-cache (a fleet's validate takes --profile)"),
-    ("use_profile_cache", True, "--no-profile-cache (a fleet's validate takes --profile)"),
-    ("detokenize", True, "--no-detokenize"),
-)
 
 
 @dataclass(slots=True, frozen=True)
@@ -200,10 +190,7 @@ def format_table(rows: list[FleetRow]) -> str:
 
 def check_dp_validate(args: argparse.Namespace, engine: EngineArgs) -> None:
     """Refuses, by name, what a fleet's validate does not run."""
-    for name, default, flag in REFUSED_FLAGS:
-        value = getattr(args, name, default)
-        if value is not None and value != default:
-            raise ValueError(f"{flag} is not supported with --data-parallel-size.")
+    refuse_fleet_flags(args, "--data-parallel-size")
     if not getattr(args, "profile", None):
         raise ValueError("validate --data-parallel-size needs --profile (a profile calibrated "
                          "with one thread, as each replica runs on its share of the cores).")

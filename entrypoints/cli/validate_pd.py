@@ -58,6 +58,7 @@ from twinserve.core.metrics import RequestRecord, summarize
 from twinserve.core.request_output import KVLoadTiming
 from twinserve.core.run_dir import DisaggregatedParts, write_run
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.entrypoints.cli.validate_refusals import refuse_fleet_flags
 from twinserve.entrypoints.pd_front import DisaggregatedFront, InstanceRecord, PDDeployment
 from twinserve.fidelity.comparison import ErrorTable
 from twinserve.fidelity.workload import Workload
@@ -70,21 +71,11 @@ TTFT_PARTS = ("queue", "prefill", "transfer", "decode")
 # beside reports.fidelity's rows: the P/D summary keys both runs write (no targets)
 PD_METRICS = ("mean_kv_transfer_ms", "p90_kv_transfer_ms",
               *(f"mean_ttft_{p}_ms" for p in TTFT_PARTS))
-# validate's flags a P/D run does not take: (dest, its default, the flag and why)
-REFUSED_FLAGS = (
-    ("reuse_real", None, "--reuse-real"),
-    ("at_host_speed", False, "--at-host-speed (the instances run no speed probe)"),
-    ("at_replay_speed", False, "--at-replay-speed (the instances keep no step rows)"),
-    ("full_space", False, "--calibrate-full-space (a P/D validate takes --profile)"),
-    ("acceptance_profile", None, "--acceptance-profile (no speculation with P/D)"),
-)
 
 
 def check_pd_validate(args: argparse.Namespace, engine: EngineArgs) -> None:
     """Refuses, by name, what a P/D validate does not run."""
-    for name, default, flag in REFUSED_FLAGS:
-        if getattr(args, name, default) not in (default, None, False):
-            raise ValueError(f"{flag} is not supported with --prefill-instances.")
+    refuse_fleet_flags(args, "--prefill-instances")
     if engine.data_parallel_size > 1:
         raise ValueError("--data-parallel-size with --prefill-instances: the pools are the "
                          "replicas; give one or the other.")

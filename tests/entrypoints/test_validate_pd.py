@@ -54,6 +54,8 @@ def namespace(**given) -> argparse.Namespace:
     ({"at_replay_speed": True}, "--at-replay-speed"),
     ({"full_space": True}, "--calibrate-full-space"),
     ({"acceptance_profile": "a.json"}, "--acceptance-profile"),
+    ({"use_profile_cache": False}, "--no-profile-cache"),
+    ({"detokenize": False}, "--no-detokenize"),
     ({"profile": None}, "needs --profile"),
 ])
 def test_flags_a_pd_validate_does_not_take_are_refused_by_name(given: dict, named: str) -> None:

@@ -25,6 +25,13 @@ TINY_CPU = {"model": "smollm2-135m", "hardware": ["cpu"], "max_gpus": 1, "prices
             "search": {"tolerance": 0.5, "base_rps": 0.5, "min_rps": 0.25, "max_rps": 8}}
 
 
+# a small search whose SLOs any replay meets, verified for its best configuration
+TINY_SEARCH = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+               "--slo", "ttft_p90_ms=30000", "--slo", "tpot_p99_ms=10000", "--duration", "2",
+               "--base-rps", "0.5", "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1",
+               "--workers", "1", "--verify-top", "1"]
+
+
 def _tiny_trace(path: Path, n: int = 12) -> str:
     rows = "".join(f"{i * 0.5},{32 + 4 * i},4\n" for i in range(n))
     path.write_text("arrival_time_s,input_tokens,output_tokens\n" + rows)
@@ -170,10 +177,7 @@ def test_verify_top_replays_replicas_through_the_data_parallel_front(tmp_path, c
     code = main(["plan", "--trace", _tiny_trace(tmp_path / "tiny.csv"), "--model",
                  "smollm2-135m", "--hardware", "cpu", "--price", "cpu=0.05", "--max-gpus", "2",
                  "--tp", "1", "--pp", "1", "--replicas", "2", "--routers", "cache-aware",
-                 "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-                 "--slo", "ttft_p90_ms=30000", "--slo", "tpot_p99_ms=10000", "--duration", "2",
-                 "--base-rps", "0.5", "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1",
-                 "--workers", "1", "--out", str(out), "--verify-top", "1"])
+                 *TINY_SEARCH, "--out", str(out)])
     assert code == 0
     row = pd.read_csv(out / "verify.csv").iloc[0]
     assert row["verifiable"] and "x2 cache-aware" in row["name"], row.to_dict()
@@ -193,11 +197,7 @@ def test_verify_top_replays_both_rates_for_real(tmp_path, capsys) -> None:
     trace = _tiny_trace(tmp_path / "tiny.csv")
     out = tmp_path / "out"
     code = main(["plan", "--trace", trace, "--model", "smollm2-135m", "--hardware", "cpu",
-                 "--price", "cpu=0.05", "--max-gpus", "1", "--max-num-seqs", "8",
-                 "--max-num-batched-tokens", "256", "--slo", "ttft_p90_ms=30000",
-                 "--slo", "tpot_p99_ms=10000", "--duration", "2", "--base-rps", "0.5",
-                 "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1", "--workers", "1",
-                 "--out", str(out), "--verify-top", "1"])
+                 "--price", "cpu=0.05", "--max-gpus", "1", *TINY_SEARCH, "--out", str(out)])
     assert code == 0
     frame = pd.read_csv(out / "verify.csv")
     row = frame.iloc[0]
@@ -235,10 +235,7 @@ def test_verify_top_replays_a_pd_deployment_through_validate_s_front(tmp_path, c
                  "--model", "smollm2-135m",
                  "--hardware", _cpu_profile_with_link(tmp_path / "cpu-pd.json"),
                  "--price", "cpu-pd=0.05", "--max-gpus", "2", "--disaggregation", "1P1D",
-                 "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-                 "--slo", "ttft_p90_ms=30000", "--slo", "tpot_p99_ms=10000", "--duration", "2",
-                 "--base-rps", "0.5", "--tolerance", "0.5", "--min-rps", "0.25", "--max-rps", "1",
-                 "--workers", "1", "--out", str(out), "--verify-top", "1"])
+                 *TINY_SEARCH, "--out", str(out)])
     assert code == 0
     row = pd.read_csv(out / "verify.csv").iloc[0]
     assert row["verifiable"] and "1P1D" in row["name"]

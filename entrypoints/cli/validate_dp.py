@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -213,6 +214,41 @@ def core_sharing(engine: EngineArgs, cores: int, on_cuda: bool) -> str | None:
             "does not model; the real fleet will run slower than its twin.")
 
 
+@dataclass(slots=True, frozen=True)
+class FleetValidation:
+    """One workload through real fleets and their twins, router after router: the trace (and
+    what selected it), the model's vocabulary, the routers' prices and the twin's profile."""
+
+    trace: list[TraceRequest]
+    desc: dict[str, Any]
+    vocab_size: int
+    prices: dict[str, float]
+    profile: str
+    repeats: int = 1
+    log: Callable[[str], None] = print
+
+    def router(self, engine: EngineArgs, where: Path) -> tuple[FleetRow, list[Path]]:
+        """``engine``'s fleet (behind ``engine.router``): ``repeats`` real runs, each on a
+        fresh fleet, and the twin, as run folders under ``where`` with ``errors.csv``."""
+        from twinserve.fidelity.replays import run_dir_name
+        from twinserve.reports.fidelity import error_rows, write_errors
+        from twinserve.routers import make_router
+        reals, folders, real_served = [], [], ()
+        for i in range(self.repeats):
+            self.log(f"real: {engine.data_parallel_size} replicas behind {engine.router}, "
+                     f"{len(self.trace)} requests (run {i + 1} of {self.repeats})")
+            router = make_router(engine.router, engine.block_size, self.prices)
+            replay = replay_fleet_records(engine, self.trace, self.vocab_size, router)
+            folders.append(where / run_dir_name(i))
+            reals.append(write_real(replay, engine, folders[-1], self.desc))
+            real_served = real_served or served(replay.records, engine.data_parallel_size)
+        twin, twin_served = simulate_fleet(engine, self.trace, engine.router, self.profile,
+                                           where / "sim", self.desc)
+        write_errors(where / "errors.csv", error_rows(reals, twin))
+        row = FleetRow(engine.router, median_summary(reals), twin, real_served, twin_served)
+        return row, [*folders, where / "sim"]
+
+
 def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
                     trace: list[TraceRequest], trace_desc: dict[str, Any] | None = None) -> int:
     """The real fleet (``--real-repeats`` times) and its twin per router (``--router``,
@@ -224,36 +260,23 @@ def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
                          f"{with_adapter.lora!r}: not supported with --data-parallel-size.")
     from twinserve.core.model_config import ModelConfig
     from twinserve.entrypoints.dp_llm_engine import on_cuda
-    from twinserve.fidelity.replays import run_dir_name
     from twinserve.gpu.models.default_model import resolve_model_source
     from twinserve.gpu.worker.cpu_cores import usable_cores
-    from twinserve.reports.fidelity import error_rows, write_errors
-    from twinserve.routers import make_router
     sharing = core_sharing(engine, usable_cores(), on_cuda(engine))
     if sharing is not None:
         print(f"WARNING: {sharing}", file=sys.stderr)
-    log = (lambda msg: None) if getattr(args, "quiet", False) else print
-    out, desc = Path(args.out), dict(trace_desc or {})
-    repeats = int(getattr(args, "real_repeats", 1) or 1)
-    vocab = ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size
+    log: Callable[[str], None] = (lambda msg: None) if getattr(args, "quiet", False) else print
     prices = profile_prices(engine, args.profile)
     log("router prices from the profile: " + ", ".join(f"{k} {v:.4g}" for k, v in prices.items()))
-    rows, folders = [], []
+    fleets = FleetValidation(
+        trace, dict(trace_desc or {}),
+        ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size, prices,
+        args.profile, int(getattr(args, "real_repeats", 1) or 1), log)
+    out, rows, folders = Path(args.out), [], []
     for router in [r for r in engine.router.split(",") if r]:
-        one, where = engine.replace(router=router), out / router
-        reals, real_served = [], ()
-        for i in range(repeats):
-            log(f"real: {one.data_parallel_size} replicas behind {router}, {len(trace)} requests "
-                f"(run {i + 1} of {repeats})")
-            replay = replay_fleet_records(one, trace, vocab,
-                                          make_router(router, one.block_size, prices))
-            reals.append(write_real(replay, one, where / run_dir_name(i), desc))
-            folders.append(where / run_dir_name(i))
-            real_served = real_served or served(replay.records, one.data_parallel_size)
-        twin, twin_served = simulate_fleet(one, trace, router, args.profile, where / "sim", desc)
-        folders.append(where / "sim")
-        write_errors(where / "errors.csv", error_rows(reals, twin))
-        rows.append(FleetRow(router, median_summary(reals), twin, real_served, twin_served))
+        row, written = fleets.router(engine.replace(router=router), out / router)
+        rows.append(row)
+        folders += written
     print(format_table(rows))
     try:
         from twinserve.reports import write_report

@@ -83,6 +83,7 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
     from twinserve.entrypoints.dp_front import DataParallelFront
     front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda", router=router)
     done = _Done()
+    records: list[RequestRecord] = []  # (taken as they come: the front keeps a bounded few)
     try:
         t0 = time.monotonic()
         for tr in sorted(trace, key=lambda r: r.arrival_time):
@@ -90,14 +91,16 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
             params = SamplingParams(temperature=0, max_tokens=tr.output_tokens, ignore_eos=True)
             front.submit(tr.request_id, tr.prompt_token_ids(vocab_size, engine.block_size),
                          params, {"priority": tr.priority, "tenant": tr.tenant}, done)
+            records += front.take_records()
         ends = 0
         while ends < 2 * len(trace):  # "accepted" then the final output (or an error)
             item = done.items.get(timeout=FINISH_TIMEOUT_S)
             if isinstance(item, BaseException):
                 raise RuntimeError(f"a real request failed: {item}")
             ends += 1
+            records += front.take_records()
         duration = time.monotonic() - t0
-        records = _all_records(front, len(trace))
+        records += _all_records(front, len(trace) - len(records))
         config = front.snapshot()[0].config or {}
     finally:
         front.shutdown()
@@ -106,18 +109,17 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
 
 
 def _all_records(front: Any, n: int, timeout_s: float = 30.0) -> list[RequestRecord]:
-    """The ``n`` records of the requests that ended: the last steps' records travel with the
-    replicas' next messages (RuntimeError if they do not come within ``timeout_s``)."""
+    """The ``n`` records still to come of requests that ended: the last steps' records travel
+    with the replicas' next messages (RuntimeError if they do not come within ``timeout_s``)."""
     records: list[RequestRecord] = []
     deadline = time.monotonic() + timeout_s
-    while True:
-        records += front.take_records()
-        if len(records) >= n:
-            return records
+    while len(records) < n:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{n} requests ended but the replicas sent {len(records)} "
-                               f"records within {timeout_s:g} s.")
+            raise RuntimeError(f"{n} more records were due from the replicas; {len(records)} "
+                               f"came within {timeout_s:g} s.")
         time.sleep(0.05)
+        records += front.take_records()
+    return records
 
 
 def twin_config(engine: EngineArgs, router: str, profile: str) -> SimConfig:
@@ -233,7 +235,8 @@ class FleetValidation:
         from twinserve.fidelity.replays import run_dir_name
         from twinserve.reports.fidelity import error_rows, write_errors
         from twinserve.routers import make_router
-        reals, folders, real_served = [], [], ()
+        reals, folders = [], []
+        real_served: tuple[int, ...] = ()
         for i in range(self.repeats):
             self.log(f"real: {engine.data_parallel_size} replicas behind {engine.router}, "
                      f"{len(self.trace)} requests (run {i + 1} of {self.repeats})")

@@ -262,6 +262,24 @@ def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None
                         "| 50.0% | 25.0% |")
 
 
+def test_a_fleet_replay_waits_for_every_record_it_is_due() -> None:
+    """The last steps' records come with the replicas' next messages: they are waited for, and
+    a shortfall is an error, not a summary of fewer requests."""
+    from twinserve.core.metrics import RequestRecord
+    from twinserve.entrypoints.cli.validate_dp import _all_records
+
+    class Front:
+        def __init__(self, batches: list[list[RequestRecord]]) -> None:
+            self.batches = batches
+
+        def take_records(self) -> list[RequestRecord]:
+            return self.batches.pop(0) if self.batches else []
+    late = [RequestRecord(f"r{i}", 0.0, 0.1, 0.2, 0.3, 4, 2) for i in range(3)]
+    assert _all_records(Front([[], late[:1], [], late[1:]]), 3) == late
+    with pytest.raises(RuntimeError, match="3 more records were due from the replicas; 1 came"):
+        _all_records(Front([late[:1]]), 3, timeout_s=0.3)
+
+
 @pytest.mark.slow
 def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> None:
     """``validate --data-parallel-size 2``: per router, each real run and the twin's as run

@@ -146,7 +146,9 @@ def write_real(replay: FleetReplay, engine: EngineArgs, out: Path,
     summary = summarize(replay.records, duration_s=replay.duration_s)
     config = {**replay.config, "backend": "twinserve", **trace_desc, "model": str(engine.model),
               "label": f"real {engine.router}", "router": engine.router,
-              "data_parallel_size": engine.data_parallel_size, "wall_time_s": replay.duration_s}
+              "data_parallel_size": engine.data_parallel_size,
+              "data_parallel_backend": engine.data_parallel_backend,
+              "wall_time_s": replay.duration_s}
     write_run(out, config, replay.records, summary)
     return summary
 

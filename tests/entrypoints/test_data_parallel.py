@@ -302,8 +302,8 @@ def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> N
         assert len(rows) == 6 and {r["replica"] for r in rows} <= {"0", "1"}
         assert {r["tenant"] for r in rows} == {"app-0", "app-1"}  # the trace's, both sides
     real = json.loads((where / "real" / "config.json").read_text())
-    assert (real["backend"], real["router"], real["data_parallel_size"]) == (
-        "twinserve", "cache-aware", 2)
+    assert (real["backend"], real["router"], real["data_parallel_size"],
+            real["data_parallel_backend"]) == ("twinserve", "cache-aware", 2, "mp")
     with open(where / "errors.csv", newline="") as f:
         errors = {r["metric"]: r for r in csv.DictReader(f)}
     assert errors["mean_ttft_ms"]["real_runs"] == "2"

@@ -56,6 +56,7 @@ class ReplicaState:
     served: int = 0  # requests it accepted
     was_ready: bool = False
     config: dict[str, Any] | None = None  # its resolved configuration, as it reported when ready
+    time_origin: float | None = None  # the ``time.monotonic()`` its engine's clock counts from
 
 
 class DataParallelFront:
@@ -87,6 +88,8 @@ class DataParallelFront:
         self.error: str | None = None
         self._refused_args = False  # a replica failed to start on a ValueError (bad arguments)
         self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
+        # the ``time.monotonic()`` the records' times count from (``take_records``)
+        self.time_origin = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
         # (an LLM left without shutdown: replicas with workers are no daemons, see dp_client)
         atexit.register(self.shutdown)
@@ -98,6 +101,12 @@ class DataParallelFront:
     @property
     def size(self) -> int:
         return self._set.size
+
+    @property
+    def shares_clock(self) -> bool:
+        """Whether the replicas run on the front's clock: arrivals are then stamped as the
+        front takes them, and the records' times count from ``time_origin``."""
+        return bool(self._set.shares_clock)
 
     @property
     def is_alive(self) -> bool:
@@ -141,6 +150,11 @@ class DataParallelFront:
             except NoHealthyReplica as exc:
                 raise EngineOverloaded(f"no replica can serve now: {exc}", "no_healthy_replica",
                                        ADMISSION_RETRY_AFTER_S) from exc
+            origin = self.replicas[index].time_origin
+            if origin is not None and self.shares_clock and "arrival_time" not in kwargs:
+                # arrived now, at the front (as vLLM's API server stamps it), not when the
+                # replica reads the add after its step in progress: its TTFT counts that wait
+                kwargs = {**kwargs, "arrival_time": now - origin}
             self._queue(index, ("add", request_id, prompt, params, kwargs), request_id, sink,
                         len(routed.prompt_token_ids))
         return index
@@ -203,6 +217,7 @@ class DataParallelFront:
                 replica = self.replicas[event.replica]
                 replica.state, replica.was_ready = "ready", True
                 replica.config = message[2] if len(message) > 2 else None
+                replica.time_origin = message[1] if len(message) > 1 else None
                 # a replica that has not stepped yet holds nothing: zero gauges, as vLLM's show
                 replica.stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
                 self.loads[event.replica] = ReplicaLoad(0, 0, 0.0, healthy=True)
@@ -218,8 +233,15 @@ class DataParallelFront:
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
                  records: list[RequestRecord]) -> None:
         deliveries: list[tuple[Sink, Any]] = []
-        for record in records:  # (each replica's engine numbers itself 0)
+        origin = self.replicas[index].time_origin
+        shift = 0.0 if origin is None or not self.shares_clock else origin - self.time_origin
+        for record in records:  # (each replica's engine numbers itself 0, on its own clock)
             record.replica = index
+            if shift:
+                record.arrival_time += shift
+                record.first_scheduled_time += shift
+                record.first_token_time += shift
+                record.finish_time += shift
         with self._lock:
             self._records.extend(records)
             replica = self.replicas[index]
@@ -293,12 +315,13 @@ class DataParallelFront:
 
     def snapshot(self) -> list[ReplicaState]:
         with self._lock:
-            return [ReplicaState(r.state, r.stats, r.restarts, r.served, r.was_ready, r.config)
-                    for r in self.replicas]
+            return [ReplicaState(r.state, r.stats, r.restarts, r.served, r.was_ready, r.config,
+                                 r.time_origin) for r in self.replicas]
 
     def take_records(self) -> list[RequestRecord]:
         """The finished-request records the replicas sent since the last call (the newest
-        MAX_PENDING_RECORDS)."""
+        MAX_PENDING_RECORDS); their times count from ``time_origin`` where the replicas share
+        the front's clock (local processes), else from their own engine's start."""
         with self._lock:
             taken = list(self._records)
             self._records.clear()

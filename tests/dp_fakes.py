@@ -11,13 +11,19 @@ from twinserve.gpu.engine.dp_client import ReplicaEvent
 
 class FakeReplicas:
     """Two replicas that report ready at once and then only what the test hands the front; the
-    commands the front sends are kept in ``sent``."""
+    commands the front sends are kept in ``sent``. Their engines' clocks started ``ORIGINS``
+    (``time.monotonic()``) ago, on the front's host."""
 
     size = 2
+    shares_clock = True
+    ORIGINS = (5.0, 2.0)  # seconds before the set was made
 
     def __init__(self, *args: Any) -> None:
         self.sent: list[tuple[int, tuple]] = []
-        self._ready = [ReplicaEvent(i, "message", ("ready",)) for i in range(self.size)]
+        now = time.monotonic()
+        self.origins = [now - ago for ago in self.ORIGINS]
+        self._ready = [ReplicaEvent(i, "message", ("ready", self.origins[i], {}))
+                       for i in range(self.size)]
 
     def start(self, index: int) -> None:
         pass

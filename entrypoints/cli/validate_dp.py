@@ -3,8 +3,10 @@ N real replicas behind the router and through the twin's N replicas behind the s
 
 Real: the data-parallel front (``entrypoints/dp_front.py``) in real time; each trace request is
 submitted when its arrival time comes (greedy, ``max_tokens`` = its output length,
-``ignore_eos``), routed by the router, and its replica's ``RequestRecord`` measured on the
-replica's own clock (the front-to-replica hop, well under a millisecond, is not in its TTFT).
+``ignore_eos``), routed by the router, and its replica's ``RequestRecord`` measured from the
+arrival the front stamps as it submits it (``DataParallelFront.submit``): its TTFT counts the
+wait for the replica's step in progress, as vLLM's API server counts it (with Ray actors, which
+may run on other hosts' clocks, from when the replica read it).
 Twin: ``simulator.simulate`` with ``num_replicas`` = N, the same router name and engine
 settings, the profile (``--profile``; calibrated with one thread per replica) as hardware.
 
@@ -102,10 +104,21 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
         duration = time.monotonic() - t0
         records += _all_records(front, len(trace) - len(records))
         config = front.snapshot()[0].config or {}
+        if front.shares_clock:  # (times from the first submission, as a replay's)
+            _shift(records, front.time_origin - t0)
     finally:
         front.shutdown()
     return FleetReplay(sorted(records, key=lambda r: (r.arrival_time, r.request_id)), duration,
                        dict(config))
+
+
+def _shift(records: list[RequestRecord], by: float) -> None:
+    """Moves the records' times by ``by`` seconds, in place."""
+    for r in records:
+        r.arrival_time += by
+        r.first_scheduled_time += by
+        r.first_token_time += by
+        r.finish_time += by
 
 
 def _all_records(front: Any, n: int, timeout_s: float = 30.0) -> list[RequestRecord]:

@@ -130,6 +130,12 @@ class ReplicaSet:
     def size(self) -> int:
         return self._size
 
+    @property
+    def shares_clock(self) -> bool:
+        """Whether the replicas' ``time.monotonic()`` is the front's: local processes, on one
+        host's clock."""
+        return True
+
     def start(self, index: int) -> None:
         """Starts (or restarts) replica ``index``; it reports ``("ready", ...)`` once loaded. Refused
         (RuntimeError) once the set is shut down."""

@@ -90,6 +90,11 @@ class RayReplicaSet:
     def size(self) -> int:
         return self._size
 
+    @property
+    def shares_clock(self) -> bool:
+        """False: an actor may run on another host, whose monotonic clock is its own."""
+        return False
+
     def start(self, index: int) -> None:
         self._kill(index)
         spec = ReplicaSpec(index, self._args, self._usage_context, self._threads, (),

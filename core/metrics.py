@@ -72,6 +72,13 @@ class RequestRecord:
     def queue_time(self) -> float:
         return self.first_scheduled_time - self.arrival_time
 
+    def shift(self, seconds: float) -> None:
+        """Moves its times by ``seconds`` (onto another clock's origin), in place."""
+        self.arrival_time += seconds
+        self.first_scheduled_time += seconds
+        self.first_token_time += seconds
+        self.finish_time += seconds
+
     @classmethod
     def from_request(cls, req: Request, time_origin: float = 0.0,
                      replica: int = 0) -> RequestRecord:

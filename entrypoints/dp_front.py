@@ -238,10 +238,7 @@ class DataParallelFront:
         for record in records:  # (each replica's engine numbers itself 0, on its own clock)
             record.replica = index
             if shift:
-                record.arrival_time += shift
-                record.first_scheduled_time += shift
-                record.first_token_time += shift
-                record.finish_time += shift
+                record.shift(shift)
         with self._lock:
             self._records.extend(records)
             replica = self.replicas[index]

@@ -105,20 +105,12 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
         records += _all_records(front, len(trace) - len(records))
         config = front.snapshot()[0].config or {}
         if front.shares_clock:  # (times from the first submission, as a replay's)
-            _shift(records, front.time_origin - t0)
+            for record in records:
+                record.shift(front.time_origin - t0)
     finally:
         front.shutdown()
     return FleetReplay(sorted(records, key=lambda r: (r.arrival_time, r.request_id)), duration,
                        dict(config))
-
-
-def _shift(records: list[RequestRecord], by: float) -> None:
-    """Moves the records' times by ``by`` seconds, in place."""
-    for r in records:
-        r.arrival_time += by
-        r.first_scheduled_time += by
-        r.first_token_time += by
-        r.finish_time += by
 
 
 def _all_records(front: Any, n: int, timeout_s: float = 30.0) -> list[RequestRecord]:

@@ -173,22 +173,13 @@ def _trace_options(workload: Mapping[str, Any], trace: str,
                    num: int | None) -> tuple[tuple[str, Any], ...]:
     """The multi-application workload's settings (refused by name for any other trace),
     checked by building its config."""
-    from twinserve.traces.multi_app import MultiAppConfig
+    from twinserve.traces.multi_app import checked_config
     given = {k: workload[k] for k in MULTI_APP_KEYS if k in workload}
     if trace != MULTI_APP:
         if given:
             raise ValueError(f"workload.{next(iter(given))}: applies only to trace {MULTI_APP}.")
         return ()
-    for key, value in given.items():  # one at a time, so the error names the key
-        if key != "system_len_max":  # (checked against the minimum below)
-            try:
-                MultiAppConfig(**{key: value})
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"workload.{key}: {exc}") from None
-    try:
-        MultiAppConfig(num_requests=num or MULTI_APP_REQUESTS, **given)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"workload.system_len_max: {exc}") from None
+    checked_config(num or MULTI_APP_REQUESTS, given, name=lambda key: f"workload.{key}")
     return tuple(given.items())
 
 

@@ -28,7 +28,7 @@ from twinserve.traces.cli_flags import MULTI_APP, MULTI_APP_FLAGS, SYNTHETIC, SY
 from twinserve.traces.errors import TraceError
 from twinserve.traces.loaders import load_trace
 from twinserve.traces.lora import AdapterShape, LoRAAdapters, assign_loras, parse_loras, parse_target_modules
-from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+from twinserve.traces.multi_app import checked_config, multi_app_trace
 from twinserve.traces.synthetic import SyntheticConfig, synthetic_trace
 from twinserve.traces.trace_request import TraceRequest
 from twinserve.traces.transforms import (
@@ -138,18 +138,12 @@ def _source(args: argparse.Namespace) -> list[TraceRequest]:
 
 def _multi_app(args: argparse.Namespace, given: dict[str, Any]) -> list[TraceRequest]:
     """The multi-application workload (``traces.multi_app``) from its flags."""
-    with _flag("--num-requests"):
-        num = 1000 if args.num_requests is None else args.num_requests
-        MultiAppConfig(num_requests=num)
-    for dest, value in given.items():
-        with _flag("--" + dest.replace("_", "-")):
-            if dest not in MULTI_APP_FLAGS:
-                raise ValueError(f"applies only to --trace {SYNTHETIC}.")
-            if dest != "system_len_max":  # (checked against the given minimum below)
-                MultiAppConfig(**{dest: value})
-    with _flag("--system-len-max"):
-        config = MultiAppConfig(num_requests=num, seed=args.seed, **given)
-    return multi_app_trace(config)
+    for dest in given:
+        if dest not in MULTI_APP_FLAGS:
+            raise ValueError(f"--{dest.replace('_', '-')}: applies only to --trace {SYNTHETIC}.")
+    num = 1000 if args.num_requests is None else args.num_requests
+    return multi_app_trace(checked_config(num, given, args.seed,
+                                          lambda key: "--" + key.replace("_", "-")))
 
 
 def parse_window(text: str) -> tuple[float, float]:

@@ -18,7 +18,9 @@ medians). A ``range_ratio`` samples vLLM's random-dataset lengths instead, unifo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +56,8 @@ class MultiAppConfig:
                              f"({self.system_len_min}), got {self.system_len_max!r}.")
         if not 0 < self.request_rate < float("inf"):
             raise ValueError(f"request_rate must be positive and finite, got {self.request_rate!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}.")
         if not self.zipf_s >= 0:
             raise ValueError(f"zipf_s must be non-negative, got {self.zipf_s!r}.")
         if self.range_ratio is not None and not 0 <= self.range_ratio < 1:
@@ -63,6 +67,23 @@ class MultiAppConfig:
         """Each application's share of the requests (Zipf, summing to 1)."""
         weights = 1.0 / np.arange(1, self.num_apps + 1) ** self.zipf_s
         return weights / weights.sum()
+
+
+def checked_config(num_requests: int, settings: Mapping[str, Any], seed: int = 0,
+                   name: Callable[[str], str] = str) -> MultiAppConfig:
+    """``MultiAppConfig`` of ``settings`` (its field names), each checked alone first so that a
+    ValueError names the one at fault, as ``name(field)`` (a flag, a spec key);
+    ``system_len_max`` is judged against the minimum, with the whole."""
+    for key, value in {"num_requests": num_requests, **settings}.items():
+        if key != "system_len_max":
+            try:
+                MultiAppConfig(**{key: value})
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{name(key)}: {exc}") from None
+    try:
+        return MultiAppConfig(**{"num_requests": num_requests, "seed": seed, **settings})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name('system_len_max')}: {exc}") from None
 
 
 def multi_app_trace(cfg: MultiAppConfig) -> list[TraceRequest]:

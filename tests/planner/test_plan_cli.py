@@ -131,6 +131,7 @@ def test_the_bound_and_the_fronts() -> None:
     ({"workload": {"trace": "multi-app", "system_len_min": 90, "system_len_max": 80}},
      "workload.system_len_max"),
     ({"workload": {"trace": "multi-app", "apps": 4}}, "workload.apps: unknown key"),
+    ({"workload": {"trace": "multi-app", "seed": -1}}, "workload.seed: seed must be"),
 ])
 def test_bad_input_is_refused_by_name(change, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -150,6 +151,9 @@ def test_a_multi_app_plan_generates_its_workload_from_the_flags(tmp_path) -> Non
     spec = parse_plan(*plan_mapping(parse_args(build_parser(only="plan"), flags)))
     assert plan_trace(spec) == multi_app_trace(MultiAppConfig(
         num_requests=300, num_apps=40, zipf_s=0.8, system_len_max=512))
+    seeded = parse_plan(*plan_mapping(parse_args(build_parser(only="plan"), [*flags, "--seed", "3"])))
+    assert plan_trace(seeded) == multi_app_trace(MultiAppConfig(
+        num_requests=300, num_apps=40, zipf_s=0.8, system_len_max=512, seed=3))
     other = parse_plan(*plan_mapping(parse_args(build_parser(only="plan"),
                                                 [*flags, "--num-apps", "41"])))
     assert _fingerprint(spec, 300) != _fingerprint(other, 300)

@@ -498,6 +498,13 @@ class StepLog(Sequence[StepRecord]):
                 new = at.tolist()
                 self._tenants = {new[old]: tokens for old, tokens in self._tenants.items()}
 
+    def clear(self) -> None:
+        """Drops every row, in place."""
+        for col in self._cols:
+            del col[:]
+        self._tenants.clear()
+        self._odd.clear()
+
     def columns(self) -> tuple[array, ...]:
         """Every numeric field's column (``_STEP_COLUMNS``' order), stand-ins at the rows of
         ``odd()``: read-only views for fast writers."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from twinserve.core.decode_run import DecodeRun
-from twinserve.core.metrics import RequestRecord, StepLog
+from twinserve.core.metrics import RequestRecord, StepLog, StepRecord
 from twinserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from twinserve.core.request import Request
 from twinserve.core.scheduler import Scheduler
@@ -59,6 +59,13 @@ class RunRecorder:
     def take_requests(self) -> list[RequestRecord]:
         """The finished-request records since the last call."""
         taken, self.requests = self.requests, []
+        return taken
+
+    def take_steps(self) -> list[StepRecord]:
+        """The step rows since the last call; the log is emptied in place (a driver's
+        ``completer`` keeps recording into it)."""
+        taken = list(self.steps)
+        self.steps.clear()
         return taken
 
 

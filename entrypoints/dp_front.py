@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
-from twinserve.core.metrics import RequestRecord
+from twinserve.core.metrics import RequestRecord, StepRecord
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
@@ -35,6 +35,7 @@ from twinserve.routers import NoHealthyReplica, ReplicaLoad, Router, make_router
 START_TIMEOUT_S = 600.0
 POLL_S = 0.2
 MAX_PENDING_RECORDS = 10_000  # finished-request records kept for the next metrics scrape
+MAX_PENDING_STEPS = 100_000  # step rows kept for the next ``take_steps`` (``record_steps``)
 REPLICA_STATES = ("starting", "ready", "dead")
 
 
@@ -62,14 +63,15 @@ class ReplicaState:
 class DataParallelFront:
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 router: Router | None = None, replica_args: Sequence[EngineArgs] = ()) -> None:
+                 router: Router | None = None, replica_args: Sequence[EngineArgs] = (),
+                 record_steps: bool = False) -> None:
         if args.enable_lora:
             raise ValueError("enable_lora with data_parallel_size > 1 is not implemented.")
         self.args = args
         self.router = router if router is not None else make_router(args.router, args.block_size)
         self._tokenize = tokenize
         self._set = make_replica_set(args, usage_context, on_cuda, uses_kv_events(self.router),
-                                     replica_args)
+                                     replica_args, record_steps)
         n = self._set.size
         self.loads = [ReplicaLoad(0, 0, 0.0, healthy=False) for _ in range(n)]
         self.replicas = [ReplicaState() for _ in range(n)]
@@ -88,6 +90,7 @@ class DataParallelFront:
         self.error: str | None = None
         self._refused_args = False  # a replica failed to start on a ValueError (bad arguments)
         self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
+        self._steps: deque[StepRecord] = deque(maxlen=MAX_PENDING_STEPS)  # (``record_steps``)
         # the ``time.monotonic()`` the records' times count from (``take_records``)
         self.time_origin = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
@@ -231,7 +234,7 @@ class DataParallelFront:
 
     def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
-                 records: list[RequestRecord]) -> None:
+                 records: list[RequestRecord], steps: Sequence[StepRecord] = ()) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         origin = self.replicas[index].time_origin
         shift = 0.0 if origin is None or not self.shares_clock else origin - self.time_origin
@@ -239,8 +242,12 @@ class DataParallelFront:
             record.replica = index
             if shift:
                 record.shift(shift)
+        for step in steps:
+            step.replica = index
+            step.time += shift
         with self._lock:
             self._records.extend(records)
+            self._steps.extend(steps)
             replica = self.replicas[index]
             replica.stats = stats
             replica.served += len(accepted)
@@ -322,6 +329,15 @@ class DataParallelFront:
         with self._lock:
             taken = list(self._records)
             self._records.clear()
+        return taken
+
+    def take_steps(self) -> list[StepRecord]:
+        """The replicas' step rows since the last call (the newest MAX_PENDING_STEPS), each
+        naming its replica, on the clock of ``take_records``; none unless the front was made
+        with ``record_steps``."""
+        with self._lock:
+            taken = list(self._steps)
+            self._steps.clear()
         return taken
 
     def shutdown(self) -> None:

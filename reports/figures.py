@@ -230,22 +230,37 @@ def replicas(runs: list[Run]) -> go.Figure | None:
 
 
 def engine_timeseries(runs: list[Run]) -> go.Figure | None:
-    """Queue length, batch size and KV usage over time from steps.csv, one trace per run."""
+    """Queue length, batch size and KV usage over time from steps.csv, one trace per run, or
+    per replica of a fleet's run (its replicas' states are each their own: one line through
+    all of their steps would zigzag between them), a dash per replica."""
     with_steps = [(i, r, r.steps) for i, r in enumerate(runs) if r.steps is not None]
     if not with_steps:
         return None
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=[t for _, t in STEP_SERIES])
     for i, run, run_steps in with_steps:
-        steps = decimate_mean(run_steps.sort_values("time"), "time")
-        for k, (column, _) in enumerate(STEP_SERIES):
-            fig.add_trace(go.Scatter(
-                x=steps["time"], y=steps[column], mode="lines", name=run.display_name,
-                legendgroup=run.display_name, showlegend=k == 0, line={"color": color(i)}),
-                row=k + 1, col=1)
+        for name, dash, engine_steps in _per_replica(run.display_name, run_steps):
+            steps = decimate_mean(engine_steps.sort_values("time"), "time")
+            for k, (column, _) in enumerate(STEP_SERIES):
+                fig.add_trace(go.Scatter(
+                    x=steps["time"], y=steps[column], mode="lines", name=name,
+                    legendgroup=name, showlegend=k == 0,
+                    line={"color": color(i), "dash": dash}), row=k + 1, col=1)
     fig.update_xaxes(title_text="time since run start (s)", row=3, col=1)
     fig.update_yaxes(range=[0, 1.02], row=3, col=1)
     return _base_layout(fig, "Engine state over time (steps.csv)", 820)
+
+
+_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+
+
+def _per_replica(name: str, steps: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """A run's steps as (trace name, dash, rows): the whole run where one engine stepped, else
+    one entry per replica (``steps.csv``'s replica column)."""
+    if "replica" not in steps.columns or steps["replica"].nunique() < 2:
+        return [(name, "solid", steps)]
+    return [(f"{name}, replica {int(k)}", _DASHES[j % len(_DASHES)], rows)
+            for j, (k, rows) in enumerate(steps.groupby("replica", sort=True))]
 
 
 def tenant_service(tenants: pd.DataFrame) -> pd.DataFrame:

@@ -12,9 +12,10 @@ settings, the profile (``--profile``; calibrated with one thread per replica) as
 
 Per router, under ``OUT/<router>/``: the real run folders (``real``, ``real-2``... with
 ``--real-repeats``, each on a fresh fleet), the twin's (``sim``), both naming each request's
-replica, and ``errors.csv`` (``reports.fidelity``'s rows: the twin against the median of the
-real runs). ``OUT/report.html`` sets them all side by side. Printed: mean and p99 TTFT, mean
-TPOT and prefix hit rate, real (median) beside twin, and the requests each replica served.
+and each step's replica (a real step timed as a whole, as a single engine's replay times it),
+and ``errors.csv`` (``reports.fidelity``'s rows: the twin against the median of the real runs).
+``OUT/report.html`` sets them all side by side. Printed: mean and p99 TTFT, mean TPOT and prefix
+hit rate, real (median) beside twin, and the requests each replica served.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from twinserve.core.engine_args import EngineArgs
-from twinserve.core.metrics import RequestRecord, summarize
+from twinserve.core.metrics import RequestRecord, StepRecord, summarize
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.entrypoints.cli.validate_refusals import refuse_fleet_flags
 from twinserve.gpu.engine.dp_client import replica_world
@@ -60,12 +61,14 @@ class FleetRow:
 
 @dataclass(slots=True, frozen=True)
 class FleetReplay:
-    """One real replay: the replicas' records by arrival (each naming its replica), the seconds
-    from the first submission to the last end, and replica 0's resolved configuration."""
+    """One real replay: the replicas' records by arrival and their steps by start (each naming
+    its replica), the seconds from the first submission to the last end, and replica 0's
+    resolved configuration."""
 
     records: list[RequestRecord]
     duration_s: float
     config: dict[str, Any]
+    steps: list[StepRecord] = field(default_factory=list)
 
 
 class _Done:
@@ -83,9 +86,11 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
                          router: Router) -> FleetReplay:
     """The trace through ``engine.data_parallel_size`` real replicas behind ``router``."""
     from twinserve.entrypoints.dp_front import DataParallelFront
-    front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda", router=router)
+    front = DataParallelFront(engine, "server", on_cuda=engine.device == "cuda", router=router,
+                              record_steps=True)
     done = _Done()
     records: list[RequestRecord] = []  # (taken as they come: the front keeps a bounded few)
+    steps: list[StepRecord] = []
     try:
         t0 = time.monotonic()
         for tr in sorted(trace, key=lambda r: r.arrival_time):
@@ -94,6 +99,7 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
             front.submit(tr.request_id, tr.prompt_token_ids(vocab_size, engine.block_size),
                          params, {"priority": tr.priority, "tenant": tr.tenant}, done)
             records += front.take_records()
+            steps += front.take_steps()
         ends = 0
         while ends < 2 * len(trace):  # "accepted" then the final output (or an error)
             item = done.items.get(timeout=FINISH_TIMEOUT_S)
@@ -101,16 +107,20 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
                 raise RuntimeError(f"a real request failed: {item}")
             ends += 1
             records += front.take_records()
+            steps += front.take_steps()
         duration = time.monotonic() - t0
         records += _all_records(front, len(trace) - len(records))
+        steps += front.take_steps()  # (those of the last steps came with their outputs)
         config = front.snapshot()[0].config or {}
         if front.shares_clock:  # (times from the first submission, as a replay's)
             for record in records:
                 record.shift(front.time_origin - t0)
+            for step in steps:
+                step.time += front.time_origin - t0
     finally:
         front.shutdown()
     return FleetReplay(sorted(records, key=lambda r: (r.arrival_time, r.request_id)), duration,
-                       dict(config))
+                       dict(config), sorted(steps, key=lambda s: (s.time, s.replica)))
 
 
 def _all_records(front: Any, n: int, timeout_s: float = 30.0) -> list[RequestRecord]:
@@ -154,7 +164,7 @@ def write_real(replay: FleetReplay, engine: EngineArgs, out: Path,
               "data_parallel_size": engine.data_parallel_size,
               "data_parallel_backend": engine.data_parallel_backend,
               "wall_time_s": replay.duration_s}
-    write_run(out, config, replay.records, summary)
+    write_run(out, config, replay.records, summary, replay.steps)
     return summary
 
 

@@ -107,7 +107,8 @@ class ReplicaSet:
     reader); ``send`` may be called from any thread."""
 
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
-                 kv_events: bool = False, replica_args: Sequence[EngineArgs] = ()) -> None:
+                 kv_events: bool = False, replica_args: Sequence[EngineArgs] = (),
+                 record_steps: bool = False) -> None:
         self._ctx = mp.get_context("spawn")
         self._args = args.replace(data_parallel_size=1)
         self._size = args.data_parallel_size
@@ -121,6 +122,7 @@ class ReplicaSet:
         self._usage_context = usage_context
         self._on_cuda = on_cuda
         self._kv_events = kv_events
+        self._record_steps = record_steps
         self._threads = replica_threads(args, on_cuda)
         self._replicas: list[_Replica | None] = [None] * self._size
         self._daemons = [replica_world(a) == 1 for a in self._replica_args]
@@ -144,7 +146,8 @@ class ReplicaSet:
         self._reap(index)
         spec = ReplicaSpec(index, self._replica_args[index], self._usage_context, self._threads,
                            replica_gpus(index, self._replica_args, self._on_cuda), os.getpid(),
-                           self._kv_events, replica_cores(index, self._size, self._on_cuda))
+                           self._kv_events, replica_cores(index, self._size, self._on_cuda),
+                           self._record_steps)
         inbox = self._ctx.Queue(maxsize=INBOX_SIZE)
         ours, theirs = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(target=replica_main, args=(spec, inbox, theirs),
@@ -242,13 +245,15 @@ def _join_feeder(inbox: Any) -> None:
 
 
 def make_replica_set(args: EngineArgs, usage_context: str, on_cuda: bool,
-                     kv_events: bool = False, replica_args: Sequence[EngineArgs] = ()) -> Any:
+                     kv_events: bool = False, replica_args: Sequence[EngineArgs] = (),
+                     record_steps: bool = False) -> Any:
     """The replicas on ``args.data_parallel_backend``: local processes (mp) or Ray actors.
-    ``replica_args``: per-replica arguments (local processes only)."""
+    ``replica_args``: per-replica arguments (local processes only); ``record_steps``: each
+    step's row sent with its message (``ReplicaSpec.record_steps``)."""
     if args.data_parallel_backend == "ray":
         if replica_args:
             raise ValueError("data_parallel_backend ray with per-instance arguments (prefill and "
                              "decode instances) is not implemented.")
         from twinserve.gpu.engine.dp_ray import RayReplicaSet
-        return RayReplicaSet(args, usage_context, on_cuda, kv_events)
-    return ReplicaSet(args, usage_context, on_cuda, kv_events, replica_args)
+        return RayReplicaSet(args, usage_context, on_cuda, kv_events, record_steps)
+    return ReplicaSet(args, usage_context, on_cuda, kv_events, replica_args, record_steps)

@@ -21,7 +21,7 @@ from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.gpu.engine.dp_client import ReplicaEvent, replica_threads, replica_world
-from twinserve.gpu.engine.engine_process import Refusal, ReplicaSpec, apply_command, kv_events
+from twinserve.gpu.engine.engine_process import Refusal, ReplicaSpec, StepRows, apply_command, kv_events
 
 WAIT_SLICE_S = 0.005
 
@@ -38,6 +38,7 @@ class RayReplica:
         self.engine.metrics.record_steps = False
         if spec.kv_events:
             self.engine.scheduler.kv.pool.events = KVEventBuffer()
+        self._rows = StepRows(self.engine) if spec.record_steps else None
 
     def ready(self) -> tuple[int, float, dict[str, Any]]:
         """Its pid and what a replica process reports when ready (``engine_process``)."""
@@ -52,7 +53,8 @@ class RayReplica:
             apply_command(engine, command, accepted, refused)
         outputs = engine.step() if engine.has_unfinished_requests() else []
         message = ("step", outputs, accepted, refused, engine.scheduler.stats(), kv_events(engine),
-                   engine.metrics.take_requests())
+                   engine.metrics.take_requests(),
+                   self._rows.take() if self._rows is not None else [])
         return message, engine.has_unfinished_requests()
 
 
@@ -68,7 +70,7 @@ class _Actor:
 
 class RayReplicaSet:
     def __init__(self, args: EngineArgs, usage_context: str, on_cuda: bool,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, record_steps: bool = False) -> None:
         try:
             import ray
         except ImportError:
@@ -82,6 +84,7 @@ class RayReplicaSet:
         self._args = args.replace(data_parallel_size=1, data_parallel_backend="mp")
         self._size = args.data_parallel_size
         self._usage_context, self._on_cuda, self._kv_events = usage_context, on_cuda, kv_events
+        self._record_steps = record_steps
         self._cls = ray.remote(RayReplica)
         self._actors: list[_Actor | None] = [None] * self._size
         self._lock = threading.Lock()
@@ -98,7 +101,7 @@ class RayReplicaSet:
     def start(self, index: int) -> None:
         self._kill(index)
         spec = ReplicaSpec(index, self._args, self._usage_context, self._threads, (),
-                           os.getpid(), self._kv_events)
+                           os.getpid(), self._kv_events, record_steps=self._record_steps)
         # (Ray hands the actor its GPUs: one per worker rank of its tensor x pipeline world)
         options = {"num_gpus": replica_world(self._args)} if self._on_cuda else \
             {"num_cpus": self._threads}

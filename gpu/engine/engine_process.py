@@ -5,9 +5,10 @@ The front sends commands on the replica's inbox (a bounded ``multiprocessing`` q
 replica answers on its end of a pipe, one message per loop turn that did something:
 ``("ready", time_origin, engine_config)`` once its engine is built (the ``time.monotonic()`` its
 records' times count from; its resolved ``EngineConfig.to_dict()``), ``("failed", reason)`` if
-it could not be built, and ``("step", outputs, accepted, refused, stats, kv_events, records)``
-after each step (or after commands when idle; ``records``: the finished requests'
-``RequestRecord``s, for the server's latency histograms). ``refused`` holds ``Refusal`` rows:
+it could not be built, and ``("step", outputs, accepted, refused, stats, kv_events, records,
+steps)`` after each step (or after commands when idle; ``records``: the finished requests'
+``RequestRecord``s, for the server's latency histograms; ``steps``: the steps' ``StepRecord``s
+where the front asked for them, ``ReplicaSpec.record_steps``, else none). ``refused`` holds ``Refusal`` rows:
 exceptions travel as plain fields, so their classes need not pickle. Commands are read only
 between steps, as the in-process engine thread reads them.
 
@@ -17,6 +18,7 @@ SIGINT: Ctrl-C reaches the whole process group, and the front ends its replicas 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -27,6 +29,7 @@ from typing import Any
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_events import KVEventBuffer
+from twinserve.core.metrics import StepRecord
 
 IDLE_POLL_S = 0.5
 
@@ -45,6 +48,7 @@ class ReplicaSpec:
     parent_pid: int
     kv_events: bool = False  # record the prefix cache's block-hash events for the router
     cores: tuple[int, ...] = ()  # the CPU cores it is pinned to (empty: not pinned)
+    record_steps: bool = False  # send each step's row (a replay's run folder: validate)
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -97,6 +101,7 @@ def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
 
 
 def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
+    rows = StepRows(engine) if spec.record_steps else None
     while True:
         accepted: list[str] = []
         refused: list[Refusal] = []
@@ -115,7 +120,8 @@ def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> No
         # a transfer that ended changes the stats (a producer's freed blocks): the front hears
         if outputs or accepted or refused or commands or transfers != _num_transfers(engine):
             outbox.send(("step", outputs, accepted, refused, engine.scheduler.stats(),
-                         kv_events(engine), engine.metrics.take_requests()))
+                         kv_events(engine), engine.metrics.take_requests(),
+                         rows.take() if rows is not None else []))
 
 
 def _num_transfers(engine: Any) -> int:
@@ -159,3 +165,26 @@ def apply_command(engine: Any, command: tuple, accepted: list[str], refused: lis
 def kv_events(engine: Any) -> list[Any]:
     """The scheduler's block-hash events since the last step (none when it records none)."""
     return engine.scheduler.take_kv_events()
+
+
+class StepRows:
+    """A replica's step rows for its front (``ReplicaSpec.record_steps``): the engine's rows
+    since the last ``take``, on its clock, each timed as the whole step (``StepRecorder``'s
+    seconds), as a replay's run folder times its steps (``gpu.engine.replay``)."""
+
+    __slots__ = ("_engine", "_recorder")
+
+    def __init__(self, engine: Any) -> None:
+        from twinserve.gpu.engine.engine_loop import StepRecorder
+        engine.metrics.record_steps = True
+        self._engine = engine
+        self._recorder = StepRecorder(engine)
+
+    def take(self) -> list[StepRecord]:
+        rows, timed = self._engine.metrics.take_steps(), self._recorder.steps
+        if len(rows) != len(timed):
+            raise RuntimeError(f"recorded {len(timed)} timed steps for {len(rows)} engine "
+                               "steps: the step recorder lost track.")
+        self._recorder.steps = []
+        return [dataclasses.replace(row, duration=sample.seconds)
+                for row, sample in zip(rows, timed)]

@@ -85,3 +85,23 @@ def test_a_decode_runs_rows_equal_the_rows_appended_one_by_one() -> None:
                                     1.0 - [40, 39, 30][j] / 100, 0, 1, {"a": (0, 2), "b": (0, 1)}))
         assert _astuples(log) == _astuples(plain)
         assert log.odd() == plain.odd()
+
+
+def test_taken_steps_leave_the_log_empty_and_recording() -> None:
+    """``RunRecorder.take_steps`` (a replica's rows for its front): each row once, odd values
+    and tenant tokens with it, and the same log, emptied, takes the next rows (a driver's
+    ``completer`` holds its bound ``record_step``)."""
+    from twinserve.core.step_driver import RunRecorder
+    records = _odd_records()
+    recorder = RunRecorder()
+    keep = recorder.steps
+    append = keep.append  # (as a completer holds it)
+    for r in records[:150]:
+        append(r)
+    assert _astuples(recorder.take_steps()) == _astuples(records[:150])
+    assert recorder.steps is keep and len(keep) == 0 and keep.odd() == {} \
+        and keep.tenant_tokens() == {}
+    for r in records[150:]:
+        append(r)
+    assert _astuples(recorder.take_steps()) == _astuples(records[150:])
+    assert recorder.take_steps() == []

@@ -301,6 +301,20 @@ def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> N
             rows = list(csv.DictReader(f))
         assert len(rows) == 6 and {r["replica"] for r in rows} <= {"0", "1"}
         assert {r["tenant"] for r in rows} == {"app-0", "app-1"}  # the trace's, both sides
+        with open(where / run / "steps.csv", newline="") as f:  # each replica's steps, both sides
+            steps = list(csv.DictReader(f))
+        served = {r["replica"] for r in rows}
+        assert {s["replica"] for s in steps} == served
+        times = [float(s["time"]) for s in steps]
+        assert times == sorted(times) and all(float(s["duration"]) > 0 for s in steps)
+        ends = max(float(r["finish_time"]) for r in rows)
+        assert min(times) >= 0 and max(times) < ends  # (on the requests' clock)
+        # every prompt token not cached is computed in some step, every output token but the
+        # prefills' first decoded in one
+        assert sum(int(s["num_prefill_tokens"]) for s in steps) == \
+            sum(int(r["input_tokens"]) - int(r["cached_tokens"]) for r in rows)
+        assert sum(int(s["num_decode_tokens"]) for s in steps) == \
+            sum(int(r["output_tokens"]) - 1 for r in rows)
     real = json.loads((where / "real" / "config.json").read_text())
     assert (real["backend"], real["router"], real["data_parallel_size"],
             real["data_parallel_backend"]) == ("twinserve", "cache-aware", 2, "mp")

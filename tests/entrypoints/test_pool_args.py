@@ -34,7 +34,7 @@ def test_each_instance_gets_its_pools_arguments() -> None:
 def test_the_front_starts_each_process_with_its_pools_arguments(monkeypatch) -> None:
     seen: list[EngineArgs] = []
 
-    def fake_replica_set(args, usage_context, on_cuda, kv_events, replica_args):
+    def fake_replica_set(args, usage_context, on_cuda, kv_events, replica_args, record_steps):
         seen.extend(replica_args)
         raise Captured
     monkeypatch.setattr(dp_front, "make_replica_set", fake_replica_set)

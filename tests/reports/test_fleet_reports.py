@@ -8,7 +8,7 @@ from pathlib import Path
 import browser
 import pytest
 
-from twinserve.reports.figures import replica_table, replicas
+from twinserve.reports.figures import engine_timeseries, replica_table, replicas
 from twinserve.reports.html import write_report
 from twinserve.reports.runs import load_run, load_runs
 from twinserve.simulator import SimConfig, simulate, write_sim_run
@@ -56,6 +56,20 @@ def test_the_figure_has_a_bar_group_per_fleet_run(runs: list[Path]) -> None:
     assert {t.name for t in fig.data} == {"round-robin [sim]", "cache-aware [sim]"}
     assert len(fig.data) == 2 * 3  # two runs, three panels
     assert replicas(loaded[2:]) is None
+
+
+def test_a_fleets_engine_state_is_a_line_per_replica(runs: list[Path]) -> None:
+    loaded = load_runs(runs)
+    fig = engine_timeseries(loaded)
+    named = [t for t in fig.data if t.showlegend]
+    assert [t.name for t in named] == [f"{run} [sim], replica {k}" for run in
+                                       ("round-robin", "cache-aware") for k in range(3)] + \
+        ["lone [sim]"]
+    assert len({t.line.dash for t in named[:3]}) == 3  # the replicas told apart
+    steps = loaded[1].steps  # each line holds its replica's steps only
+    for trace, (k, rows) in zip(fig.data[9:18:3], steps.groupby("replica")):
+        assert trace.name == f"cache-aware [sim], replica {k}"
+        assert list(trace.y) == rows.sort_values("time")["num_waiting"].tolist()
 
 
 def test_the_fleet_figure_renders_in_chromium(runs: list[Path], tmp_path: Path) -> None:

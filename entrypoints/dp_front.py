@@ -28,6 +28,7 @@ from twinserve.core.metrics import RequestRecord, StepRecord
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
+from twinserve.core.step_sample import StepSample
 from twinserve.gpu.engine.dp_client import ReplicaEvent, ReplicaInboxFull, make_replica_set
 from twinserve.gpu.engine.engine_process import Refusal
 from twinserve.routers import NoHealthyReplica, ReplicaLoad, Router, make_router, uses_kv_events
@@ -35,7 +36,7 @@ from twinserve.routers import NoHealthyReplica, ReplicaLoad, Router, make_router
 START_TIMEOUT_S = 600.0
 POLL_S = 0.2
 MAX_PENDING_RECORDS = 10_000  # finished-request records kept for the next metrics scrape
-MAX_PENDING_STEPS = 100_000  # step rows kept for the next ``take_steps`` (``record_steps``)
+MAX_PENDING_STEPS = 100_000  # steps kept for the next ``take_steps`` (``record_steps``)
 REPLICA_STATES = ("starting", "ready", "dead")
 
 
@@ -90,7 +91,7 @@ class DataParallelFront:
         self.error: str | None = None
         self._refused_args = False  # a replica failed to start on a ValueError (bad arguments)
         self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
-        self._steps: deque[StepRecord] = deque(maxlen=MAX_PENDING_STEPS)  # (``record_steps``)
+        self._steps: deque[tuple[StepRecord, StepSample]] = deque(maxlen=MAX_PENDING_STEPS)
         # the ``time.monotonic()`` the records' times count from (``take_records``)
         self.time_origin = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
@@ -234,7 +235,8 @@ class DataParallelFront:
 
     def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
-                 records: list[RequestRecord], steps: Sequence[StepRecord] = ()) -> None:
+                 records: list[RequestRecord],
+                 steps: Sequence[tuple[StepRecord, StepSample]] = ()) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         origin = self.replicas[index].time_origin
         shift = 0.0 if origin is None or not self.shares_clock else origin - self.time_origin
@@ -242,9 +244,9 @@ class DataParallelFront:
             record.replica = index
             if shift:
                 record.shift(shift)
-        for step in steps:
-            step.replica = index
-            step.time += shift
+        for row, _ in steps:
+            row.replica = index
+            row.time += shift
         with self._lock:
             self._records.extend(records)
             self._steps.extend(steps)
@@ -331,10 +333,10 @@ class DataParallelFront:
             self._records.clear()
         return taken
 
-    def take_steps(self) -> list[StepRecord]:
-        """The replicas' step rows since the last call (the newest MAX_PENDING_STEPS), each
-        naming its replica, on the clock of ``take_records``; none unless the front was made
-        with ``record_steps``."""
+    def take_steps(self) -> list[tuple[StepRecord, StepSample]]:
+        """The replicas' steps since the last call (the newest MAX_PENDING_STEPS): each one's
+        row, naming its replica, on the clock of ``take_records``, and its measured sample; none
+        unless the front was made with ``record_steps``."""
         with self._lock:
             taken = list(self._steps)
             self._steps.clear()

@@ -103,7 +103,7 @@ def validate(engine: EngineArgs, workload: Workload, out: str | Path,
     model = str(engine.model)
     base_profile = profile
     if settings.at_speed is not None:
-        profile = _scaled(profile, real_dirs, model, settings.at_speed, out, log)
+        profile = scaled_profile(profile, real_dirs, model, settings.at_speed, out, log)
     twin_dir = out / "sim"
     acceptance = twin_acceptance(real_dirs[0], settings.acceptance_profile, log)
     simulate_twin(profile, workload, real_dirs[0], twin_dir, model, log, acceptance)
@@ -147,9 +147,10 @@ def _policy(real_dir: Path) -> str:
     return str(json.loads((real_dir / "config.json").read_text())["scheduling_policy"])
 
 
-def _scaled(profile: Path, real_dirs: list[Path], model: str, which: str, out: Path,
+def scaled_profile(profile: Path, real_dirs: list[Path], model: str, which: str, out: Path,
             log: Log) -> Path:
-    """The profile at the replays' ``which`` speed (``speeds.at_speed``)."""
+    """The profile at the replays' ``which`` speed (``speeds.at_speed``), written to
+    ``out/profile-at-<which>-speed.json``."""
     from twinserve.core.step_sample import read_recorded_samples
     tp = int(json.loads((real_dirs[0] / "config.json").read_text()).get("tensor_parallel_size", 1))
     fit = profile_fit(profile, model, tp)

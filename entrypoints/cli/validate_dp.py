@@ -13,9 +13,13 @@ settings, the profile (``--profile``; calibrated with one thread per replica) as
 Per router, under ``OUT/<router>/``: the real run folders (``real``, ``real-2``... with
 ``--real-repeats``, each on a fresh fleet), the twin's (``sim``), both naming each request's
 and each step's replica (a real step timed as a whole, as a single engine's replay times it),
-and ``errors.csv`` (``reports.fidelity``'s rows: the twin against the median of the real runs).
-``OUT/report.html`` sets them all side by side. Printed: mean and p99 TTFT, mean TPOT and prefix
-hit rate, real (median) beside twin, and the requests each replica served.
+and ``errors.csv`` (``reports.fidelity``'s rows: the twin against the median of the real runs,
+the real runs' speed against the profile's, ``replay_speed_vs_profile``, and their steps' time
+against the profile's prediction). ``--at-replay-speed`` runs the twin on the profile scaled to
+that speed (``OUT/<router>/profile-at-replay-speed.json``; the router keeps the real front's
+prices): what is left of its error is its routing and scheduling. ``OUT/report.html`` sets them
+all side by side. Printed: mean and p99 TTFT, mean TPOT and prefix hit rate, real (median)
+beside twin, and the requests each replica served.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.metrics import RequestRecord, StepRecord, summarize
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.step_sample import StepSample
 from twinserve.entrypoints.cli.validate_refusals import refuse_fleet_flags
 from twinserve.gpu.engine.dp_client import replica_world
 from twinserve.traces import TraceRequest
@@ -62,13 +67,14 @@ class FleetRow:
 @dataclass(slots=True, frozen=True)
 class FleetReplay:
     """One real replay: the replicas' records by arrival and their steps by start (each naming
-    its replica), the seconds from the first submission to the last end, and replica 0's
-    resolved configuration."""
+    its replica), the seconds from the first submission to the last end, replica 0's resolved
+    configuration, and the steps' measured samples (``step_features.csv``)."""
 
     records: list[RequestRecord]
     duration_s: float
     config: dict[str, Any]
     steps: list[StepRecord] = field(default_factory=list)
+    samples: list[StepSample] = field(default_factory=list)  # each step's, as ``steps``
 
 
 class _Done:
@@ -90,7 +96,7 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
                               record_steps=True)
     done = _Done()
     records: list[RequestRecord] = []  # (taken as they come: the front keeps a bounded few)
-    steps: list[StepRecord] = []
+    steps: list[tuple[StepRecord, StepSample]] = []
     try:
         t0 = time.monotonic()
         for tr in sorted(trace, key=lambda r: r.arrival_time):
@@ -115,12 +121,13 @@ def replay_fleet_records(engine: EngineArgs, trace: list[TraceRequest], vocab_si
         if front.shares_clock:  # (times from the first submission, as a replay's)
             for record in records:
                 record.shift(front.time_origin - t0)
-            for step in steps:
-                step.time += front.time_origin - t0
+            for row, _ in steps:
+                row.time += front.time_origin - t0
     finally:
         front.shutdown()
+    steps.sort(key=lambda step: (step[0].time, step[0].replica))
     return FleetReplay(sorted(records, key=lambda r: (r.arrival_time, r.request_id)), duration,
-                       dict(config), sorted(steps, key=lambda s: (s.time, s.replica)))
+                       dict(config), [row for row, _ in steps], [sample for _, sample in steps])
 
 
 def _all_records(front: Any, n: int, timeout_s: float = 30.0) -> list[RequestRecord]:
@@ -156,8 +163,9 @@ def profile_prices(engine: EngineArgs, profile: str) -> dict[str, float]:
 def write_real(replay: FleetReplay, engine: EngineArgs, out: Path,
                trace_desc: dict[str, Any]) -> dict[str, Any]:
     """``out`` as a run folder (backend ``twinserve``, a replica's resolved configuration, the
-    fleet's keys); returns its summary."""
+    fleet's keys) with its steps' samples (``step_features.csv``); returns its summary."""
     from twinserve.core.run_dir import write_run
+    from twinserve.core.step_sample import SAMPLES_FILE, write_samples
     summary = summarize(replay.records, duration_s=replay.duration_s)
     config = {**replay.config, "backend": "twinserve", **trace_desc, "model": str(engine.model),
               "label": f"real {engine.router}", "router": engine.router,
@@ -165,16 +173,21 @@ def write_real(replay: FleetReplay, engine: EngineArgs, out: Path,
               "data_parallel_backend": engine.data_parallel_backend,
               "wall_time_s": replay.duration_s}
     write_run(out, config, replay.records, summary, replay.steps)
+    write_samples(out / SAMPLES_FILE, replay.samples)
     return summary
 
 
 def simulate_fleet(engine: EngineArgs, trace: list[TraceRequest], router: str, profile: str,
-                   out: Path, trace_desc: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+                   out: Path, trace_desc: dict[str, Any],
+                   prices: dict[str, float] | None = None) -> tuple[dict[str, Any], tuple[int, ...]]:
     """The twin of the fleet as the run folder ``out``: its summary and the requests each
-    replica served."""
+    replica served. ``prices``: the router's constants (the real front's; default: read off
+    ``profile``, as the twin reads them)."""
+    from twinserve.routers import make_router
     from twinserve.simulator import simulate
     from twinserve.simulator.run import write_sim_run
-    result = simulate(twin_config(engine, router, profile), trace)
+    priced = None if prices is None else make_router(router, engine.block_size, prices)
+    result = simulate(twin_config(engine, router, profile), trace, router=priced)
     write_sim_run(result, out, {**trace_desc, "profile": str(profile), "label": f"twin {router}"})
     return result.summary, served(result.records, engine.data_parallel_size)
 
@@ -210,7 +223,7 @@ def format_table(rows: list[FleetRow]) -> str:
 
 def check_dp_validate(args: argparse.Namespace, engine: EngineArgs) -> None:
     """Refuses, by name, what a fleet's validate does not run."""
-    refuse_fleet_flags(args, "--data-parallel-size")
+    refuse_fleet_flags(args, "--data-parallel-size", runs=("at_replay_speed",))
     if not getattr(args, "profile", None):
         raise ValueError("validate --data-parallel-size needs --profile (a profile calibrated "
                          "with one thread, as each replica runs on its share of the cores).")
@@ -236,7 +249,9 @@ def core_sharing(engine: EngineArgs, cores: int, on_cuda: bool) -> str | None:
 @dataclass(slots=True, frozen=True)
 class FleetValidation:
     """One workload through real fleets and their twins, router after router: the trace (and
-    what selected it), the model's vocabulary, the routers' prices and the twin's profile."""
+    what selected it), the model's vocabulary, the routers' prices and the twin's profile;
+    ``at_replay_speed``: the twin on the profile scaled to the real runs' own speed (their
+    steps' measured time over the profile's), as single-engine ``validate`` scales it."""
 
     trace: list[TraceRequest]
     desc: dict[str, Any]
@@ -245,12 +260,16 @@ class FleetValidation:
     profile: str
     repeats: int = 1
     log: Callable[[str], None] = print
+    at_replay_speed: bool = False
 
     def router(self, engine: EngineArgs, where: Path) -> tuple[FleetRow, list[Path]]:
         """``engine``'s fleet (behind ``engine.router``): ``repeats`` real runs, each on a
-        fresh fleet, and the twin, as run folders under ``where`` with ``errors.csv``."""
+        fresh fleet, and the twin, as run folders under ``where`` with ``errors.csv`` (the twin
+        against the real runs' median, their speed against the profile's, their steps' time
+        against the profile's prediction)."""
+        from twinserve.fidelity.comparison import compare
         from twinserve.fidelity.replays import run_dir_name
-        from twinserve.reports.fidelity import error_rows, write_errors
+        from twinserve.fidelity.validation import scaled_profile
         from twinserve.routers import make_router
         reals, folders = [], []
         real_served: tuple[int, ...] = ()
@@ -262,9 +281,15 @@ class FleetValidation:
             folders.append(where / run_dir_name(i))
             reals.append(write_real(replay, engine, folders[-1], self.desc))
             real_served = real_served or served(replay.records, engine.data_parallel_size)
-        twin, twin_served = simulate_fleet(engine, self.trace, engine.router, self.profile,
-                                           where / "sim", self.desc)
-        write_errors(where / "errors.csv", error_rows(reals, twin))
+        model, profile = str(engine.model), self.profile
+        if self.at_replay_speed:  # (the router keeps the real front's prices)
+            profile = str(scaled_profile(Path(profile), folders, model, "replay", where,
+                                         self.log))
+        twin, twin_served = simulate_fleet(engine, self.trace, engine.router, profile,
+                                           where / "sim", self.desc, self.prices)
+        compare(where / "sim", folders, profile, model, speed_profile=self.profile,
+                title=f"sim vs real ({engine.router}, {len(folders)} real run(s), "
+                      f"profile {profile})").write(where)
         row = FleetRow(engine.router, median_summary(reals), twin, real_served, twin_served)
         return row, [*folders, where / "sim"]
 
@@ -291,7 +316,8 @@ def run_validate_dp(args: argparse.Namespace, engine: EngineArgs,
     fleets = FleetValidation(
         trace, dict(trace_desc or {}),
         ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size, prices,
-        args.profile, int(getattr(args, "real_repeats", 1) or 1), log)
+        args.profile, int(getattr(args, "real_repeats", 1) or 1), log,
+        bool(getattr(args, "at_replay_speed", False)))
     out, rows, folders = Path(args.out), [], []
     for router in [r for r in engine.router.split(",") if r]:
         row, written = fleets.router(engine.replace(router=router), out / router)

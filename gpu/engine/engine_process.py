@@ -7,8 +7,9 @@ replica answers on its end of a pipe, one message per loop turn that did somethi
 records' times count from; its resolved ``EngineConfig.to_dict()``), ``("failed", reason)`` if
 it could not be built, and ``("step", outputs, accepted, refused, stats, kv_events, records,
 steps)`` after each step (or after commands when idle; ``records``: the finished requests'
-``RequestRecord``s, for the server's latency histograms; ``steps``: the steps' ``StepRecord``s
-where the front asked for them, ``ReplicaSpec.record_steps``, else none). ``refused`` holds ``Refusal`` rows:
+``RequestRecord``s, for the server's latency histograms; ``steps``: each step's ``StepRecord``
+and measured ``StepSample`` where the front asked for them, ``ReplicaSpec.record_steps``, else
+none). ``refused`` holds ``Refusal`` rows:
 exceptions travel as plain fields, so their classes need not pickle. Commands are read only
 between steps, as the in-process engine thread reads them.
 
@@ -30,6 +31,7 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_events import KVEventBuffer
 from twinserve.core.metrics import StepRecord
+from twinserve.core.step_sample import StepSample
 
 IDLE_POLL_S = 0.5
 
@@ -168,9 +170,9 @@ def kv_events(engine: Any) -> list[Any]:
 
 
 class StepRows:
-    """A replica's step rows for its front (``ReplicaSpec.record_steps``): the engine's rows
-    since the last ``take``, on its clock, each timed as the whole step (``StepRecorder``'s
-    seconds), as a replay's run folder times its steps (``gpu.engine.replay``)."""
+    """A replica's steps for its front (``ReplicaSpec.record_steps``): each step's row (the
+    engine's, on its clock) and its measured sample (``StepRecorder``'s), the row timed as the
+    whole step, as a replay's run folder has them (``gpu.engine.replay``)."""
 
     __slots__ = ("_engine", "_recorder")
 
@@ -180,11 +182,12 @@ class StepRows:
         self._engine = engine
         self._recorder = StepRecorder(engine)
 
-    def take(self) -> list[StepRecord]:
+    def take(self) -> list[tuple[StepRecord, StepSample]]:
+        """The steps since the last call."""
         rows, timed = self._engine.metrics.take_steps(), self._recorder.steps
         if len(rows) != len(timed):
             raise RuntimeError(f"recorded {len(timed)} timed steps for {len(rows)} engine "
                                "steps: the step recorder lost track.")
         self._recorder.steps = []
-        return [dataclasses.replace(row, duration=sample.seconds)
+        return [(dataclasses.replace(row, duration=sample.seconds), sample)
                 for row, sample in zip(rows, timed)]

@@ -285,15 +285,22 @@ def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> N
     """``validate --data-parallel-size 2``: per router, each real run and the twin's as run
     folders naming each request's replica, the errors against the real median, the report."""
     import json
+    from dataclasses import replace
 
     from twinserve.entrypoints.cli.main import main
+    from twinserve.fidelity.backend import with_model
+    from twinserve.simulator.hardware import FittedParams, load_hardware
+    from twinserve.simulator.model_spec import load_model_spec
     out = tmp_path / "v"
+    model = load_model_spec(str(with_model(EngineArgs()).model)).name  # (a fit of its steps)
+    fit = FittedParams(5e-3, {"num_tokens": 2e-5, "num_decode_seqs": 1e-4}, model)
+    profile = replace(load_hardware("cpu"), fitted=(fit,)).save(tmp_path / "fit.json")
     assert main(["validate", "--data-parallel-size", "2", "--router", "cache-aware",
                  "--trace", "multi-app", "--num-apps", "2", "--system-len-min", "32",
                  "--system-len-max", "48", "--num-requests", "6", "--request-rate", "4",
                  "--input-len", "16", "--output-len", "4", "--max-model-len", "128",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-                 "--profile", "cpu", "--real-repeats", "2", "--quiet",
+                 "--profile", str(profile), "--real-repeats", "2", "--at-replay-speed", "--quiet",
                  "--out", str(out)]) == 0
     where = out / "cache-aware"
     for run in ("real", "real-2", "sim"):
@@ -315,12 +322,23 @@ def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> N
             sum(int(r["input_tokens"]) - int(r["cached_tokens"]) for r in rows)
         assert sum(int(s["num_decode_tokens"]) for s in steps) == \
             sum(int(r["output_tokens"]) - 1 for r in rows)
+        if run != "sim":  # each step's measured sample, as a single engine's replay keeps
+            with open(where / run / "step_features.csv", newline="") as f:
+                samples = list(csv.DictReader(f))
+            assert [float(x["seconds"]) for x in samples] == \
+                pytest.approx([float(s["duration"]) for s in steps])
     real = json.loads((where / "real" / "config.json").read_text())
     assert (real["backend"], real["router"], real["data_parallel_size"],
             real["data_parallel_backend"]) == ("twinserve", "cache-aware", 2, "mp")
     with open(where / "errors.csv", newline="") as f:
         errors = {r["metric"]: r for r in csv.DictReader(f)}
     assert errors["mean_ttft_ms"]["real_runs"] == "2"
+    # the real runs' own speed against the profile's, to which the twin's profile was scaled
+    from twinserve.simulator.hardware import load_hardware
+    speed = float(errors["replay_speed_vs_profile"]["real"])
+    scaled = load_hardware(str(where / "profile-at-replay-speed.json"))
+    assert speed > 0 and scaled.fitted[0].intercept_s == pytest.approx(5e-3 * speed, rel=1e-6)
+    assert float(errors["replayed_step_time_s"]["real"]) > 0
     assert "Replicas behind a router" in (out / "report.html").read_text()
 
 

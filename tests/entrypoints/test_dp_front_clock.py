@@ -59,17 +59,19 @@ def test_records_come_back_on_the_fronts_clock(monkeypatch) -> None:
 
 def test_step_rows_come_back_on_the_fronts_clock_naming_their_replica(monkeypatch) -> None:
     from twinserve.core.metrics import StepRecord
+    from twinserve.core.step_sample import StepSample
     front = _front(monkeypatch)
     try:
         stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        sample = StepSample({"total_num_scheduled_tokens": 8}, 0.05)
         for replica in (0, 1):  # a step at 10 s on each replica's own clock
             step = StepRecord(10.0, 0.05, 1, 8, 0, 1, 0, 0.1, 0)
             front._handle(ReplicaEvent(replica, "message",
-                                       ("step", [], [], [], stats, [], [], [step])))
+                                       ("step", [], [], [], stats, [], [], [(step, sample)])))
         steps = front.take_steps()
-        assert [s.replica for s in steps] == [0, 1] and front.take_steps() == []
-        for s in steps:
+        assert [s.replica for s, _ in steps] == [0, 1] and front.take_steps() == []
+        for s, measured in steps:
             at = front._set.origins[s.replica] + 10.0 - front.time_origin
-            assert abs(s.time - at) < 1e-6 and s.duration == 0.05
+            assert abs(s.time - at) < 1e-6 and s.duration == 0.05 and measured is sample
     finally:
         front.shutdown()

@@ -24,18 +24,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_transfer_config import KVTransferConfig
-from twinserve.core.metrics import RequestRecord
+from twinserve.core.metrics import RequestRecord, StepRecord
 from twinserve.core.pool_args import check_pool_args, pool_engine_args
 from twinserve.core.request import Request
 from twinserve.core.sampling_params import SamplingParams
 from twinserve.core.scheduler import ADMISSION_RETRY_AFTER_S, SchedulerStats
+from twinserve.core.step_sample import StepSample
 from twinserve.entrypoints.dp_front import MAX_PENDING_RECORDS, DataParallelFront, Sink
 from twinserve.gpu.engine.dp_client import ReplicaEvent
 from twinserve.gpu.engine.engine_process import Refusal
@@ -132,7 +133,7 @@ def on_monotonic(record: RequestRecord, origin: float) -> RequestRecord:
 class DisaggregatedFront(DataParallelFront):
     """The data-parallel front over X + Y instances, routing each request through a prefill
     instance then a decode instance. ``record_instances``: keep each instance's records
-    (``take_instance_records``; the newest MAX_PENDING_RECORDS)."""
+    (``take_instance_records``; the newest MAX_PENDING_RECORDS) and steps (``take_steps``)."""
 
     def __init__(self, args: EngineArgs, pd: PDDeployment, usage_context: str, on_cuda: bool,
                  tokenize: Callable[[str], list[int]] | None = None,
@@ -152,7 +153,8 @@ class DisaggregatedFront(DataParallelFront):
         self._prefilling: dict[str, _PrefillSink] = {}
         # (the base's own router is never asked: submit routes through pd_router)
         super().__init__(args.replace(data_parallel_size=pd.size), usage_context, on_cuda,
-                         tokenize, make_router("round-robin", args.block_size), replicas)
+                         tokenize, make_router("round-robin", args.block_size), replicas,
+                         record_steps=record_instances)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                kwargs: dict[str, Any], sink: Sink) -> int:
@@ -234,13 +236,14 @@ class DisaggregatedFront(DataParallelFront):
 
     def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
-                 records: list[RequestRecord]) -> None:
+                 records: list[RequestRecord],
+                 steps: Sequence[tuple[StepRecord, StepSample]] = ()) -> None:
         if records and self._instance_records is not None:  # (before the outputs are delivered)
             origin = self.origins[index]
             with self._lock:
                 self._instance_records.extend(InstanceRecord(index, on_monotonic(r, origin))
                                               for r in records)
-        super()._on_step(index, outputs, accepted, refused, stats, kv_events, records)
+        super()._on_step(index, outputs, accepted, refused, stats, kv_events, records, steps)
 
     def _on_death(self, index: int, exitcode: int | None) -> None:
         super()._on_death(index, exitcode)

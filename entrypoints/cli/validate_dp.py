@@ -223,7 +223,7 @@ def format_table(rows: list[FleetRow]) -> str:
 
 def check_dp_validate(args: argparse.Namespace, engine: EngineArgs) -> None:
     """Refuses, by name, what a fleet's validate does not run."""
-    refuse_fleet_flags(args, "--data-parallel-size", runs=("at_replay_speed",))
+    refuse_fleet_flags(args, "--data-parallel-size")
     if not getattr(args, "profile", None):
         raise ValueError("validate --data-parallel-size needs --profile (a profile calibrated "
                          "with one thread, as each replica runs on its share of the cores).")

@@ -24,7 +24,11 @@ instances' resolved settings (``simulator.twin_of_run``) and ``--kv-link`` (defa
 profile's measured ``kv_link``; a CPU profile without one gets this machine's Peer connector
 measured now, ``gpu.measurement.kv_transfer``, saved as ``OUT/profile.json``).
 
-Writes ``OUT/real`` (backend ``twinserve``, no steps.csv: instances keep no step rows),
+Writes ``OUT/real`` (backend ``twinserve``; each instance's steps in ``steps.csv``, their
+replica column the instance's index, prefill instances first, as the twin's, and their measured
+samples in ``step_features.csv``, whose time against the profile's is the row
+``replay_speed_vs_profile``; ``--at-replay-speed`` runs the twin on the profile scaled to it,
+``OUT/profile-at-replay-speed.json``),
 ``OUT/sim``, ``OUT/errors.csv`` (``reports.fidelity``'s rows plus the transfer and TTFT-part
 means) and prints the table. ``--real-repeats N`` runs the real deployment N times, each a
 fresh one (``OUT/real``, ``OUT/real-2``, ...: ``fidelity.replays.run_dir_name``), and judges
@@ -54,10 +58,11 @@ import numpy as np
 from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_transfer_config import KVTransferConfig
-from twinserve.core.metrics import RequestRecord, summarize
+from twinserve.core.metrics import RequestRecord, StepRecord, summarize
 from twinserve.core.request_output import KVLoadTiming
 from twinserve.core.run_dir import DisaggregatedParts, write_run
 from twinserve.core.sampling_params import SamplingParams
+from twinserve.core.step_sample import SAMPLES_FILE, StepSample, write_samples
 from twinserve.entrypoints.cli.validate_refusals import refuse_fleet_flags
 from twinserve.entrypoints.pd_front import DisaggregatedFront, InstanceRecord, PDDeployment
 from twinserve.fidelity.comparison import ErrorTable
@@ -130,13 +135,16 @@ class FrontTiming:
 @dataclass(slots=True)
 class PDReplay:
     """A real P/D replay: the front's view of each request, each instance's records, the
-    instances' resolved configurations, ``t0`` (the trace's time 0 on ``time.monotonic()``)."""
+    instances' resolved configurations, ``t0`` (the trace's time 0 on ``time.monotonic()``),
+    the instances' steps."""
 
     timings: list[FrontTiming]
     instance_records: list[InstanceRecord]
     instance_configs: list[dict[str, Any]]
     t0: float
     wall_time_s: float
+    # each instance's steps (their rows naming the instance, on the trace's clock) by start
+    steps: list[tuple[StepRecord, StepSample]] = field(default_factory=list)
 
 
 def replay_pd(engine: EngineArgs, pd: PDDeployment, trace: list[TraceRequest],
@@ -149,11 +157,14 @@ def replay_pd(engine: EngineArgs, pd: PDDeployment, trace: list[TraceRequest],
     try:
         _warm_up(front, vocab_size)
         front.take_instance_records()
+        front.take_steps()
         done: queue.SimpleQueue = queue.SimpleQueue()
         timings, records = [], []
+        steps: list[tuple[StepRecord, StepSample]] = []
         t0 = time.monotonic()
         for tr in trace:
             records += front.take_instance_records()  # (the front keeps a bounded number)
+            steps += front.take_steps()
             time.sleep(max(0.0, t0 + tr.arrival_time - time.monotonic()))
             params = SamplingParams(temperature=0, max_tokens=tr.output_tokens, ignore_eos=True)
             timing = FrontTiming(tr.request_id, time.monotonic(), done)
@@ -166,7 +177,11 @@ def replay_pd(engine: EngineArgs, pd: PDDeployment, trace: list[TraceRequest],
         _wait(done, len(timings))
         wall = time.monotonic() - t0
         records += front.take_instance_records()
-        return PDReplay(timings, records, list(front.instance_configs), t0, wall)
+        steps += front.take_steps()
+        for row, _ in steps:  # (from the front's clock to the trace's)
+            row.time += front.time_origin - t0
+        steps.sort(key=lambda step: (step[0].time, step[0].replica))
+        return PDReplay(timings, records, list(front.instance_configs), t0, wall, steps)
     finally:
         front.shutdown()
 
@@ -273,7 +288,10 @@ def write_real(replay: PDReplay, trace: list[TraceRequest], pd: PDDeployment, ou
                             f"{pd.prefill_instances}P{pd.decode_instances}D",
                    "prefill_instances": pd.prefill_instances,
                    "decode_instances": pd.decode_instances, "wall_time_s": replay.wall_time_s})
-    return write_run(out, config, records, pd_summary(records, parts, pd), None, parts)
+    folder = write_run(out, config, records, pd_summary(records, parts, pd),
+                       [row for row, _ in replay.steps], parts)
+    write_samples(out / SAMPLES_FILE, [sample for _, sample in replay.steps])
+    return folder
 
 
 # ---- the twin and the comparison -------------------------------------------------------
@@ -335,14 +353,20 @@ def simulate_pd(real_dir: Path, profile: str, trace: list[TraceRequest], pd: PDD
     return result.summary
 
 
-def error_table(reals: list[dict[str, Any]], sim: dict[str, Any], title: str) -> ErrorTable:
+def error_table(reals: list[dict[str, Any]], sim: dict[str, Any], title: str,
+                speeds: list[float] | None = None) -> ErrorTable:
     """``reports.fidelity``'s rows and the P/D ones (transfers, TTFT parts), the median of the
-    real runs beside the twin; the leave-one-out repeatability from three runs on."""
+    real runs beside the twin; ``speeds``: each real run's steps' measured time over the
+    profile's (``replay_speed_vs_profile``); the leave-one-out repeatability from three runs
+    on."""
+    from twinserve.fidelity.speeds import REPLAY_SPEED_METRIC
     from twinserve.reports.fidelity import as_number, error_row, error_rows
     from twinserve.reports.repeatability import repeatability
     rows = error_rows(reals, sim) + [
         error_row(m, [as_number(r.get(m)) for r in reals], as_number(sim.get(m)))
         for m in PD_METRICS]
+    if speeds:
+        rows.append(error_row(REPLAY_SPEED_METRIC, speeds, 1.0))
     return ErrorTable(tuple(rows), tuple(repeatability(reals, sim)), title)
 
 
@@ -363,9 +387,9 @@ class LoadSplit:
 
 def load_split(folder: Path) -> LoadSplit:
     """The loads of the run in ``folder`` (its ``requests.csv``), split by the decode instance's
-    steps, which a real instance does not record: they are read from the times of its tokens
-    (first token, then the ITLs), a gap between two consecutive tokens on one instance shorter
-    than twice the median gap being one step (longer: idle between them)."""
+    steps, read from the times of its tokens (first token, then the ITLs) the same way for a
+    real run and the twin's: a gap between two consecutive tokens on one instance shorter than
+    twice the median gap being one step (longer: idle between them)."""
     import csv
     with open(folder / "requests.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["success"] == "1" and r["kv_transfer_s"]]
@@ -401,6 +425,9 @@ def run_validate_pd(args: argparse.Namespace, engine: EngineArgs, workload: Work
     import json
 
     from twinserve.core.model_config import ModelConfig
+    from twinserve.core.step_sample import read_recorded_samples
+    from twinserve.fidelity.speeds import profile_fit, replay_speeds
+    from twinserve.fidelity.validation import scaled_profile
     from twinserve.gpu.models.default_model import resolve_model_source
     check_pd_validate(args, engine)
     trace = sorted(workload.requests, key=lambda r: r.arrival_time)
@@ -418,13 +445,17 @@ def run_validate_pd(args: argparse.Namespace, engine: EngineArgs, workload: Work
     config = json.loads((real_dirs[0] / "config.json").read_text())
     profile, link = twin_link(str(args.profile), getattr(args, "kv_link", None), model, config,
                               out, log)
+    speeds = replay_speeds([read_recorded_samples([d]) for d in real_dirs],
+                           profile_fit(profile, model))
+    if getattr(args, "at_replay_speed", False):  # (the single engine's scaling)
+        profile = str(scaled_profile(Path(profile), real_dirs, model, "replay", out, log))
     sim = simulate_pd(real_dirs[0], profile, trace, pd, link, out / "sim", dict(workload.desc),
                       model, log)
     reals = [json.loads((d / "summary.json").read_text()) for d in real_dirs]
     table = error_table(reals, sim, f"sim vs real ({pd.prefill_instances}P"
                                     f"{pd.decode_instances}D, {len(trace)} requests, "
                                     f"{len(real_dirs)} real run(s), profile {profile}, kv link "
-                                    f"{sim.get('kv_link')})")
+                                    f"{sim.get('kv_link')})", speeds)
     table.write(out)
     print(table.format())
     for folder in (*real_dirs, out / "sim"):

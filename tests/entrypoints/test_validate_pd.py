@@ -51,7 +51,6 @@ def namespace(**given) -> argparse.Namespace:
 @pytest.mark.parametrize(("given", "named"), [
     ({"reuse_real": ["runs/real"]}, "--reuse-real"),
     ({"at_host_speed": True}, "--at-host-speed"),
-    ({"at_replay_speed": True}, "--at-replay-speed"),
     ({"full_space": True}, "--calibrate-full-space"),
     ({"acceptance_profile": "a.json"}, "--acceptance-profile"),
     ({"use_profile_cache": False}, "--no-profile-cache"),
@@ -101,10 +100,10 @@ def test_the_twin_takes_the_given_link_else_the_profiles_measured_one(tmp_path: 
     assert not (tmp_path / "profile.json").exists()  # nothing measured
 
 
-def with_link(path: Path) -> Path:
-    """The bundled CPU profile with a link (so the twin needs no measurement)."""
+def with_link(path: Path, fitted: tuple = ()) -> Path:
+    """The bundled CPU profile with a link (so the twin needs no measurement) and ``fitted``."""
     profile = dataclasses.replace(load_hardware("cpu"), kv_link={
-        "bandwidth_bytes_per_s": 2.5e9, "latency_s": 4e-4})
+        "bandwidth_bytes_per_s": 2.5e9, "latency_s": 4e-4}, fitted=fitted)
     return profile.save(path)
 
 
@@ -116,12 +115,24 @@ def rows(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_validate_1p1d_writes_both_runs_with_transfer_columns_and_the_errors(
         tmp_path: Path, capsys) -> None:
+    from twinserve.fidelity.backend import with_model
+    from twinserve.simulator.hardware import FittedParams
+    from twinserve.simulator.model_spec import load_model_spec
     out = tmp_path / "out"
+    model = load_model_spec(str(with_model(EngineArgs()).model)).name
+    fit = FittedParams(5e-3, {"num_tokens": 2e-5, "num_decode_seqs": 1e-4}, model)
+    profile = with_link(tmp_path / "cpu-link.json", (fit,))
     code = main(["validate", *WORKLOAD, *ENGINE, "--prefill-instances", "1",
                  "--decode-instances", "1", "--kv-transfer-config", f'{{"kv_port": {PORT}}}',
-                 "--profile", str(with_link(tmp_path / "cpu-link.json")), "--out", str(out)])
+                 "--profile", str(profile), "--at-replay-speed", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
+    steps = rows(out / "real" / "steps.csv")  # each instance's, prefill first, as the twin's
+    assert {s["replica"] for s in steps} == {"0", "1"}
+    assert [float(s["seconds"]) for s in rows(out / "real" / "step_features.csv")] == \
+        pytest.approx([float(s["duration"]) for s in steps])
+    prefill = [s for s in steps if s["replica"] == "0"]
+    assert sum(int(s["num_prefill_tokens"]) for s in prefill) >= 6 * 64  # (the prompts)
     for side in ("real", "sim"):
         requests = rows(out / side / "requests.csv")
         assert len(requests) == 6 and set(PD_REQUEST_COLUMNS) <= set(requests[0])
@@ -140,6 +151,10 @@ def test_validate_1p1d_writes_both_runs_with_transfer_columns_and_the_errors(
         assert not math.isnan(float(errors[metric]["rel_error_pct"]))
         assert metric in printed
     assert "1P1D" in printed
+    speed = float(errors["replay_speed_vs_profile"]["real"])  # the twin ran at the real speed
+    scaled = load_hardware(str(out / "profile-at-replay-speed.json"))
+    assert speed > 0 and scaled.fitted[0].intercept_s == pytest.approx(5e-3 * speed, rel=1e-6)
+    assert scaled.kv_link == load_hardware(str(profile)).kv_link
 
 
 def test_real_results_set_the_instances_records_and_the_load_on_the_fronts_clock() -> None:

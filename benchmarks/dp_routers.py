@@ -11,6 +11,12 @@ replicas, the routers' order rotated each round, so a slow minute of a shared ho
 every router alike. Pooled rows take every request of every seed and round: a p99 of 2 x 300
 requests is the 7th worst of 600, where one run's is the 3rd worst of 300.
 
+``--at-replay-speed`` runs each seed's twin, per router, on the profile scaled to that
+router's real runs' own speed (their steps' measured time over the profile's, the median over
+the rounds), as ``validate --at-replay-speed`` does: the host's drift between calibration and
+the runs taken out, what is left is the twin's routing and scheduling. Each real run's speed
+is printed with it either way.
+
 ``--tail K`` prints, for each real run, its K slowest requests with where they went and what
 the router read at their arrival (each replica's running, waiting, prompt tokens queued and its
 step's time left), and how many of the prompt's tokens each replica held by the router's index
@@ -20,17 +26,25 @@ step's time left), and how many of the prompt's tokens each replica held by the 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from twinserve.core.engine_args import EngineArgs
 from twinserve.core.kv_events import KVCacheEvent
 from twinserve.core.metrics import RequestRecord
 from twinserve.core.request import Request
 from twinserve.routers import ReplicaLoad, Router, make_router
 from twinserve.routers.hashing import prompt_block_hashes
+from twinserve.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from twinserve.simulator.hardware import FittedParams
 
 
 @dataclass(slots=True)
@@ -92,6 +106,9 @@ class Run:
     records: list[RequestRecord]
     duration_s: float
     log: RoutingLog
+    # a real run's steps' measured time over the profile's (nan: the profile has no fit); the
+    # twin's: the scale its profile ran at (1.0: as given)
+    speed: float = math.nan
 
     def ttfts_ms(self) -> np.ndarray:
         return np.array([1000 * r.ttft for r in self.records if r.success])
@@ -154,17 +171,14 @@ def _validate_args(flags: list[str], seed: int) -> argparse.Namespace:
                       ["validate", *flags, "--seed", str(seed), "--out", "/dev/null"])
 
 
-def run_seed(flags: list[str], seed: int, rounds: int, twin_only: bool) -> tuple[list[Run], list[Run]]:
+def run_seed(flags: list[str], seed: int, rounds: int, twin_only: bool,
+             at_replay_speed: bool = False) -> tuple[list[Run], list[Run]]:
     from twinserve.core.model_config import ModelConfig
     from twinserve.entrypoints.cli.calibrate import engine_of, model_dir_or_default
-    from twinserve.entrypoints.cli.validate_dp import (
-        profile_prices,
-        replay_fleet_records,
-        twin_config,
-    )
+    from twinserve.entrypoints.cli.validate_dp import profile_prices
+    from twinserve.fidelity.speeds import profile_fit
     from twinserve.fidelity.workload import TraceSpec
     from twinserve.gpu.models.default_model import resolve_model_source
-    from twinserve.simulator import simulate
     args = _validate_args(flags, seed)
     if not args.profile:
         raise ValueError("--profile is required (a profile calibrated with one thread).")
@@ -173,23 +187,54 @@ def run_seed(flags: list[str], seed: int, rounds: int, twin_only: bool) -> tuple
     engine = engine_of(args)
     prices = profile_prices(engine, args.profile)
     routers = [r for r in engine.router.split(",") if r]
-    twin: list[Run] = []
-    for name in routers:
-        log = RoutingLog(make_router(name, engine.block_size, prices), engine.block_size)
-        result = simulate(twin_config(engine, name, args.profile), trace, router=log)
-        end = max(r.finish_time for r in result.records)
-        twin.append(Run(seed, -1, name, list(result.records), end, log))
     real: list[Run] = []
     if not twin_only:
         vocab = ModelConfig.from_dir(resolve_model_source(engine.model)[0]).vocab_size
+        fit = profile_fit(args.profile, str(engine.model))
         for k in range(rounds):
             for name in routers[k % len(routers):] + routers[:k % len(routers)]:
-                log = RoutingLog(make_router(name, engine.block_size, prices), engine.block_size)
-                replay = replay_fleet_records(engine.replace(router=name), trace, vocab, log)
-                real.append(Run(seed, k, name, replay.records, replay.duration_s, log))
-                print(f"seed {seed} round {k} {name}: mean TTFT "
-                      f"{figures(real[-1:])['mean']:.1f} ms", flush=True)
+                real.append(_real_run(engine.replace(router=name), trace, vocab, prices, fit,
+                                      seed, k))
+    with tempfile.TemporaryDirectory() as scaled:
+        twin = [_twin_run(engine, trace, name, prices, seed, args.profile,
+                          [r.speed for r in real if r.router == name] if at_replay_speed
+                          else None, scaled) for name in routers]
     return real, twin
+
+
+def _real_run(engine: EngineArgs, trace: list[TraceRequest], vocab: int,
+              prices: dict[str, float], fit: FittedParams | None, seed: int, k: int) -> Run:
+    from twinserve.entrypoints.cli.validate_dp import replay_fleet_records
+    from twinserve.simulator.calibration import run_speed
+    log = RoutingLog(make_router(engine.router, engine.block_size, prices), engine.block_size)
+    replay = replay_fleet_records(engine, trace, vocab, log)
+    speed = run_speed(fit, replay.samples) if fit is not None else math.nan
+    run = Run(seed, k, engine.router, replay.records, replay.duration_s, log, speed)
+    print(f"seed {seed} round {k} {engine.router}: mean TTFT {figures([run])['mean']:.1f} ms, "
+          f"steps at {speed:.3f}x the profile's time", flush=True)
+    return run
+
+
+def _twin_run(engine: EngineArgs, trace: list[TraceRequest], name: str,
+              prices: dict[str, float], seed: int, profile: str, speeds: list[float] | None,
+              scaled: str) -> Run:
+    """The twin behind ``name`` on ``profile``, or, given the real runs' ``speeds``, on it
+    scaled to their median (written under ``scaled``; the router keeps the real front's
+    prices)."""
+    from pathlib import Path
+
+    from twinserve.entrypoints.cli.validate_dp import twin_config
+    from twinserve.fidelity.speeds import at_speed
+    from twinserve.simulator import simulate
+    scale = 1.0
+    if speeds is not None:
+        speeds = [v for v in speeds if math.isfinite(v)]
+        profile = str(at_speed(profile, speeds, "replay", Path(scaled) / f"{seed}-{name}.json"))
+        scale = statistics.median(speeds)
+    log = RoutingLog(make_router(name, engine.block_size, prices), engine.block_size)
+    result = simulate(twin_config(engine, name, profile), trace, router=log)
+    end = max(r.finish_time for r in result.records)
+    return Run(seed, -1, name, list(result.records), end, log, scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,15 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="real runs per seed and router")
     p.add_argument("--tail", type=int, default=0, metavar="K", help="print each run's K slowest")
     p.add_argument("--twin-only", action="store_true", help="the twin's side only (seconds)")
+    p.add_argument("--at-replay-speed", action="store_true",
+                   help="the twin on the profile scaled to the real runs' own speed")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then twinserve validate's flags")
     args = p.parse_args(argv)
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}.")
+    if args.at_replay_speed and args.twin_only:
+        raise ValueError("--at-replay-speed scales the twin to the real runs: not with "
+                         "--twin-only.")
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     real: list[Run] = []
     twin: list[Run] = []
     for seed in args.seeds:
-        r, t = run_seed(flags, seed, args.rounds, args.twin_only)
+        r, t = run_seed(flags, seed, args.rounds, args.twin_only, args.at_replay_speed)
         real += r
         twin += t
     routers = list(dict.fromkeys(run.router for run in twin))
@@ -223,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         print("real mean TTFT per run: " + "; ".join(
             f"{k} {statistics.fmean(v):.1f} (" + ", ".join(f"{x:.1f}" for x in v) + ")"
             for k, v in spread.items()))
+        print("real steps' time over the profile's, per run: " + "; ".join(
+            f"{name} " + ", ".join(f"{r.speed:.3f}" for r in real if r.router == name)
+            for name in routers) + (" (the twin ran at each seed's median)"
+                                    if args.at_replay_speed else ""))
     if args.tail:
         for run in real or twin:
             print(format_tail(run, args.tail))

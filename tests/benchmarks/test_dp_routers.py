@@ -60,3 +60,35 @@ def test_bad_rounds_and_a_missing_profile_are_refused() -> None:
         main(["--rounds", "0", "--", *FLAGS])
     with pytest.raises(ValueError, match="--profile"):
         run_seed([f for f in FLAGS if f not in ("--profile", "cpu")], 0, 1, True)
+    with pytest.raises(ValueError, match="--twin-only"):
+        main(["--twin-only", "--at-replay-speed", "--", *FLAGS])
+
+
+def test_at_replay_speed_the_twin_runs_on_the_profile_scaled_to_the_real_runs(tmp_path) -> None:
+    """``--at-replay-speed``: each router's twin on the profile scaled to the median speed of
+    its real runs (runs without one left out); a profile without a fit for the model is named."""
+    import dataclasses
+
+    from twinserve.benchmarks.dp_routers import _twin_run
+    from twinserve.entrypoints.cli.calibrate import engine_of, model_dir_or_default
+    from twinserve.entrypoints.cli.main import build_parser, parse_args
+    from twinserve.fidelity.workload import TraceSpec
+    from twinserve.simulator.hardware import FittedParams, load_hardware
+    from twinserve.simulator.model_spec import load_model_spec
+    args = parse_args(build_parser(only="validate"), ["validate", *FLAGS, "--out", "/dev/null"])
+    args.model = model_dir_or_default(args.model)
+    trace = list(TraceSpec.from_namespace(args).load().requests)[:40]
+    engine = engine_of(args)
+    fit = FittedParams(5e-3, {"num_tokens": 2e-5, "num_decode_seqs": 1e-4},
+                       load_model_spec(str(engine.model)).name)
+    profile = str(dataclasses.replace(load_hardware("cpu"), fitted=(fit,))
+                  .save(tmp_path / "fit.json"))
+    given = _twin_run(engine, trace, "cache-aware", {}, 0, profile, None, str(tmp_path))
+    slow = _twin_run(engine, trace, "cache-aware", {}, 0, profile,
+                     [1.5, float("nan"), 2.5, 2.0], str(tmp_path))
+    assert (given.speed, slow.speed) == (1.0, 2.0)
+    assert load_hardware(str(tmp_path / "0-cache-aware.json")).fitted[0].intercept_s == \
+        pytest.approx(2 * 5e-3)
+    assert figures([slow])["mean"] > 1.5 * figures([given])["mean"]
+    with pytest.raises(ValueError, match="--at-replay-speed needs"):
+        _twin_run(engine, trace, "cache-aware", {}, 0, profile, [float("nan")], str(tmp_path))

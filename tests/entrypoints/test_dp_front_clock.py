@@ -1,6 +1,6 @@
 """A request's arrival is when the front takes it, as vLLM's API server stamps it, not when its
-replica reads the add after the step in progress; the replicas' records come back on the
-front's clock, so requests of different replicas line up."""
+replica reads the add after the step in progress; the replicas' records and step rows come
+back on the front's clock, so requests and steps of different replicas line up."""
 
 from __future__ import annotations
 
@@ -38,14 +38,18 @@ def test_the_front_stamps_each_arrival_on_its_replicas_clock(monkeypatch) -> Non
         front.shutdown()
 
 
-def test_records_come_back_on_the_fronts_clock(monkeypatch) -> None:
+def test_records_and_step_rows_come_back_on_the_fronts_clock(monkeypatch) -> None:
+    from twinserve.core.metrics import StepRecord
+    from twinserve.core.step_sample import StepSample
     front = _front(monkeypatch)
     try:
         stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        sample = StepSample({"total_num_scheduled_tokens": 8}, 0.05)
         for replica in (0, 1):  # each replica: 10 s on its own clock
             record = RequestRecord(f"r{replica}", 10.0, 10.1, 10.2, 10.5, 8, 2)
-            front._handle(ReplicaEvent(replica, "message",
-                                       ("step", [], [], [], stats, [], [record])))
+            step = StepRecord(10.0, 0.05, 1, 8, 0, 1, 0, 0.1, 0)
+            front._handle(ReplicaEvent(replica, "message", ("step", [], [], [], stats, [],
+                                                            [record], [(step, sample)])))
         records = {r.request_id: r for r in front.take_records()}
         for replica in (0, 1):
             r = records[f"r{replica}"]
@@ -53,22 +57,7 @@ def test_records_come_back_on_the_fronts_clock(monkeypatch) -> None:
             assert r.replica == replica and abs(r.arrival_time - at) < 1e-6
             assert abs(r.ttft - 0.2) < 1e-9 and abs(r.e2el - 0.5) < 1e-9  # (spans unchanged)
         assert abs((records["r0"].arrival_time - records["r1"].arrival_time) - (-3.0)) < 1e-6
-    finally:
-        front.shutdown()
-
-
-def test_step_rows_come_back_on_the_fronts_clock_naming_their_replica(monkeypatch) -> None:
-    from twinserve.core.metrics import StepRecord
-    from twinserve.core.step_sample import StepSample
-    front = _front(monkeypatch)
-    try:
-        stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
-        sample = StepSample({"total_num_scheduled_tokens": 8}, 0.05)
-        for replica in (0, 1):  # a step at 10 s on each replica's own clock
-            step = StepRecord(10.0, 0.05, 1, 8, 0, 1, 0, 0.1, 0)
-            front._handle(ReplicaEvent(replica, "message",
-                                       ("step", [], [], [], stats, [], [], [(step, sample)])))
-        steps = front.take_steps()
+        steps = front.take_steps()  # each with its replica and its measured sample
         assert [s.replica for s, _ in steps] == [0, 1] and front.take_steps() == []
         for s, measured in steps:
             at = front._set.origins[s.replica] + 10.0 - front.time_origin

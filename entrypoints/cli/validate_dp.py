@@ -54,14 +54,16 @@ FINISH_TIMEOUT_S = 600.0
 
 @dataclass(slots=True, frozen=True)
 class FleetRow:
-    """One router's real (the median of its runs, per metric) and twin summaries, and the
-    requests each replica served (real: the first run's)."""
+    """One router's real (the median of its runs, per metric) and twin summaries, the
+    requests each replica served (real: the first run's) and the real steps' measured time
+    over the profile's (the median over the runs; nan where the profile has no fit)."""
 
     router: str
     real: dict[str, Any]
     twin: dict[str, Any]
     real_served: tuple[int, ...] = ()
     twin_served: tuple[int, ...] = ()
+    replay_speed: float = float("nan")
 
 
 @dataclass(slots=True, frozen=True)
@@ -218,6 +220,9 @@ def format_table(rows: list[FleetRow]) -> str:
         if row.real_served or row.twin_served:
             lines.append(f"requests per replica, {row.router}: real {list(row.real_served)}, "
                          f"twin {list(row.twin_served)}")
+        if row.replay_speed == row.replay_speed:  # (not nan)
+            lines.append(f"real steps, {row.router}: {row.replay_speed:.3f}x the profile's time "
+                         "for the same steps")
     return "\n".join(lines)
 
 
@@ -287,10 +292,13 @@ class FleetValidation:
                                          self.log))
         twin, twin_served = simulate_fleet(engine, self.trace, engine.router, profile,
                                            where / "sim", self.desc, self.prices)
-        compare(where / "sim", folders, profile, model, speed_profile=self.profile,
-                title=f"sim vs real ({engine.router}, {len(folders)} real run(s), "
-                      f"profile {profile})").write(where)
-        row = FleetRow(engine.router, median_summary(reals), twin, real_served, twin_served)
+        table = compare(where / "sim", folders, profile, model, speed_profile=self.profile,
+                        title=f"sim vs real ({engine.router}, {len(folders)} real run(s), "
+                              f"profile {profile})")
+        table.write(where)
+        speeds = table.speeds.get("replay") or [float("nan")]
+        row = FleetRow(engine.router, median_summary(reals), twin, real_served, twin_served,
+                       statistics.median(speeds))
         return row, [*folders, where / "sim"]
 
 

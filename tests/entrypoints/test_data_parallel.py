@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import queue
 import signal
@@ -259,7 +260,9 @@ def test_validate_data_parallel_needs_a_profile_and_formats_both_sides() -> None
                     "prefix_cache_hit_rate": 0.25})
     table = format_table([row]).splitlines()
     assert table[2] == ("| cache-aware | 12.0 ms | 10.0 ms | 30.0 ms | 25.0 ms | 5.0 ms | 4.5 ms "
-                        "| 50.0% | 25.0% |")
+                        "| 50.0% | 25.0% |") and len(table) == 3  # (no speed: no fit)
+    timed = format_table([dataclasses.replace(row, replay_speed=0.9204)]).splitlines()
+    assert timed[3] == "real steps, cache-aware: 0.920x the profile's time for the same steps"
 
 
 def test_a_fleet_replay_waits_for_every_record_it_is_due() -> None:
@@ -281,7 +284,7 @@ def test_a_fleet_replay_waits_for_every_record_it_is_due() -> None:
 
 
 @pytest.mark.slow
-def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> None:
+def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any, capsys: Any) -> None:
     """``validate --data-parallel-size 2``: per router, each real run and the twin's as run
     folders naming each request's replica, the errors against the real median, the report."""
     import json
@@ -338,6 +341,7 @@ def test_validate_data_parallel_writes_both_sides_per_router(tmp_path: Any) -> N
     speed = float(errors["replay_speed_vs_profile"]["real"])
     scaled = load_hardware(str(where / "profile-at-replay-speed.json"))
     assert speed > 0 and scaled.fitted[0].intercept_s == pytest.approx(5e-3 * speed, rel=1e-6)
+    assert "real steps, cache-aware: " in capsys.readouterr().out  # (the table prints it)
     assert float(errors["replayed_step_time_s"]["real"]) > 0
     assert "Replicas behind a router" in (out / "report.html").read_text()
 

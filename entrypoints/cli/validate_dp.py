@@ -19,7 +19,7 @@ against the profile's prediction). ``--at-replay-speed`` runs the twin on the pr
 that speed (``OUT/<router>/profile-at-replay-speed.json``; the router keeps the real front's
 prices): what is left of its error is its routing and scheduling. ``OUT/report.html`` sets them
 all side by side. Printed: mean and p99 TTFT, mean TPOT and prefix hit rate, real (median)
-beside twin, and the requests each replica served.
+beside twin, the requests each replica served and the real steps' speed against the profile's.
 """
 
 from __future__ import annotations

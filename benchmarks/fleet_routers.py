@@ -27,7 +27,9 @@ picks: through the fleet's reads (everything but the router's own work), then th
 environment that reads nothing (the replicas' interleaving alone), then apart.
 
 ``--calls`` adds each replay's function calls per request against the lone replica's (cProfile):
-a count that does not move with the host's load, where the CPU times do. ``--fresh-processes``
+a count that does not move with the host's load, where the CPU times do; and each fleet's
+profiled time against the lone replica fed every request, split into the functions both call
+as often, those only the fleet calls, and the rest: where its excess lies. ``--fresh-processes``
 runs each replay of the rounds in a process of its own (spawned, timed around the replay only),
 so that no replay inherits the heap, the allocator's arenas or the caches of the ones before it.
 """
@@ -42,7 +44,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from twinserve.core.kv_events import KVCacheEvent
 from twinserve.core.request import Request
@@ -166,12 +168,21 @@ def main() -> None:
     if args.calls:
         lone_calls, whole_calls = _calls(lone_cfg, quarter), _calls(lone_cfg, slowed)
         print(f"\nFunction calls per request; 1 replica at a quarter of the rate fed a quarter "
-              f"of the requests: {lone_calls:.0f}, fed all: {whole_calls:.0f}")
+              f"of the requests: {lone_calls.calls:.0f}, fed all: {whole_calls.calls:.0f}")
+        fleets = {}
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
-            calls = _calls(cfg, trace)
-            print(f"- {args.replicas} replicas behind {name}: {calls:.0f}, {calls / lone_calls:.3f}x; "
-                  f"{calls / whole_calls:.3f}x at equal request counts")
+            calls = fleets[name] = _calls(cfg, trace)
+            print(f"- {args.replicas} replicas behind {name}: {calls.calls:.0f}, "
+                  f"{calls.calls / lone_calls.calls:.3f}x; "
+                  f"{calls.calls / whole_calls.calls:.3f}x at equal request counts")
+        print("\nThe profile's time per request (us, cProfile's own per-call cost included), "
+              "against 1 replica fed all requests: in the functions both call as often (within "
+              "10%), in those only the fleet calls, and in the rest")
+        for name, calls in fleets.items():
+            same, only, rest = calls.split(whole_calls)
+            print(f"- {name}: as often {same[1]:.0f} against {same[0]:.0f} ({same[1] / same[0]:.3f}x)"
+                  f", the fleet's own {only:.0f}, the rest {rest[1]:.0f} against {rest[0]:.0f}")
 
 
 class _Recording:
@@ -228,11 +239,41 @@ def _picks(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[list[int], tuple[
     return picks, (reads_loads(router), uses_kv_events(router), reads_kv_usage(router))
 
 
-def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> float:
-    """The function calls (Python and built-in) of a replay, per request."""
+@dataclass(slots=True)
+class _Profile:
+    """A replay's cProfile, per request: its function calls (Python and built-in), and each
+    function's calls and own time (seconds)."""
+
+    calls: float
+    functions: dict[tuple[str, int, str], tuple[float, float]]
+
+    def split(self, lone: _Profile) -> tuple[tuple[float, float], float, tuple[float, float]]:
+        """Own time per request (us), ``lone``'s against this one's: in the functions both call
+        as often (within 10%), in those only this one calls, and in the rest."""
+        same, only, rest = [0.0, 0.0], 0.0, [0.0, 0.0]
+        for key in self.functions.keys() | lone.functions.keys():
+            n_lone, t_lone = lone.functions.get(key, (0.0, 0.0))
+            n, t = self.functions.get(key, (0.0, 0.0))
+            if not n_lone:
+                only += t
+            elif n and 0.9 <= n / n_lone <= 1.1:
+                same[0] += t_lone
+                same[1] += t
+            else:
+                rest[0] += t_lone
+                rest[1] += t
+        return (1e6 * same[0], 1e6 * same[1]), 1e6 * only, (1e6 * rest[0], 1e6 * rest[1])
+
+
+def _calls(cfg: SimConfig, trace: list[TraceRequest]) -> _Profile:
+    """A replay's profile, per request."""
     profile = cProfile.Profile()
     profile.runcall(simulate, cfg, trace)
-    return pstats.Stats(profile).total_calls / len(trace)  # type: ignore[attr-defined]
+    stats = pstats.Stats(profile)
+    n = len(trace)
+    return _Profile(stats.total_calls / n,  # type: ignore[attr-defined]
+                    {key: (row[1] / n, row[2] / n)
+                     for key, row in stats.stats.items()})  # type: ignore[attr-defined]
 
 
 def _cpu_time(cfg: SimConfig, trace: list[TraceRequest],

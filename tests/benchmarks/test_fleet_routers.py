@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from twinserve.benchmarks import fleet_routers
 
 
@@ -34,6 +36,12 @@ def test_fleet_benchmark_prints_every_router_and_the_call_counts(monkeypatch, ca
                        r"apart vs lone ([\d.]+)x$", out, re.M)
     assert [row[0] for row in split] == ["round-robin", "cache-aware"]
     assert all(float(x) > 0 for row in split for x in row[1:])
+    profiled = re.findall(r"^- ([\w-]+): as often (\d+) against (\d+) \(([\d.]+)x\), the fleet's "
+                          r"own (\d+), the rest (\d+) against (\d+)$", out, re.M)
+    assert [row[0] for row in profiled] == ["round-robin", "cache-aware"]
+    for _, same, same_lone, ratio, _own, rest, rest_lone in profiled:
+        assert int(same) > 0 and int(same_lone) > 0 and float(ratio) > 0
+        assert int(rest) + int(same) > 0 and int(rest_lone) >= 0
 
 
 def test_a_fleets_shares_replayed_apart_are_its_own_requests() -> None:
@@ -60,3 +68,15 @@ def test_a_fleets_shares_replayed_apart_are_its_own_requests() -> None:
         router = fleet_routers._Replayed(*replay[:4])
         records = simulate(cfg, trace, router=router, replicas_apart=replay[4]).records
         assert sorted((r.request_id, r.ttft, r.finish_time) for r in records) == fleet
+
+
+def test_the_profile_split_puts_each_function_in_one_class() -> None:
+    """As often: within 10% of the lone replica's calls; the fleet's own: calls the lone
+    replica never makes; the rest: the other calls, either side's time."""
+    lone = fleet_routers._Profile(4.0, {("a", 1, "f"): (10.0, 1e-6), ("a", 2, "g"): (1.0, 3e-6),
+                                        ("a", 3, "h"): (2.0, 5e-6)})
+    fleet = fleet_routers._Profile(5.0, {("a", 1, "f"): (10.9, 2e-6), ("a", 2, "g"): (2.0, 4e-6),
+                                         ("b", 1, "r"): (1.0, 7e-6)})
+    (same_lone, same), own, (rest_lone, rest) = fleet.split(lone)
+    assert (same_lone, same, own) == pytest.approx((1.0, 2.0, 7.0))
+    assert (rest_lone, rest) == pytest.approx((8.0, 4.0))  # g's calls doubled; h: the lone's only

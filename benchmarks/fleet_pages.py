@@ -30,10 +30,11 @@ import sys
 import time
 from dataclasses import replace
 
+from twinserve.benchmarks.fleet_routers import HARDWARE, MODEL
 from twinserve.simulator import SimConfig, simulate
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
-MODEL, HARDWARE, REPLICAS = "llama-3-8b", "h100-sxm", 4
+REPLICAS = 4  # (the fleet benchmark's model, hardware, replicas and workload)
 LONE = "lone"
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},

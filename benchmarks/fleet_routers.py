@@ -10,7 +10,9 @@ quarter of the rate (the same load per replica and the same run size: a replay's
 grows with its size, all replicas together), against one fed round robin's share, and against
 the fleet's own replicas replayed one at a time, each fed the requests its router sent it (the
 same work, apart: what simulating them together adds); the median of the rounds' CPU times,
-user + sys.
+user + sys. Each fleet replay is followed at once by a replay of the lone replica fed every
+request, and the median of those pairs' ratios is printed too: a pair shares the host's load of
+the moment, which moves the rounds' medians on a shared machine.
 
 The user turns and outputs are lognormal around ``--input-len`` and ``--output-len`` with the
 Azure conversation trace's spread (``traces.multi_app``).
@@ -121,6 +123,9 @@ def main() -> None:
     cost_routers = args.cost_routers.split(",")
     fleet: dict[str, list[float]] = {name: [] for name in cost_routers}
     lone, whole, same = [], [], []  # alternated rounds, the median of each
+    # each fleet replay's ratio to the lone replay fed every request that follows it at once:
+    # the pair shares the host's state of the moment, where the rounds' medians drift apart
+    paired: dict[str, list[float]] = {name: [] for name in cost_routers}
     picks = {name: _picks(SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas,
                                     router=name), trace) for name in cost_routers}
     shares = {name: [[tr for tr, at in zip(trace, picks[name][0]) if at == i]
@@ -133,13 +138,14 @@ def main() -> None:
         for name in cost_routers:
             cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=args.replicas, router=name)
             fleet[name].append(cpu(cfg, trace))
+            whole.append(cpu(lone_cfg, slowed))
+            paired[name].append(fleet[name][-1] / whole[-1])
             apart[name].append(sum(cpu(lone_cfg, share_of) for share_of in shares[name]))
             if args.decompose:
                 order, flags = picks[name]
                 replayed[name].append(cpu(cfg, trace, (order, *flags, True)))
                 shared[name].append(cpu(cfg, trace, (order, False, False, False, False)))
         lone.append(cpu(lone_cfg, quarter))
-        whole.append(cpu(lone_cfg, slowed))
         same.append(cpu(lone_cfg, share))
     median = statistics.median
     lone_ms, whole_ms = median(lone) / len(quarter), median(whole) / len(slowed)
@@ -151,7 +157,8 @@ def main() -> None:
         per_request = median(walls) / len(trace)
         print(f"- {args.replicas} replicas behind {name}: {1e3 * per_request:.3f} ms, "
               f"{per_request / lone_ms:.2f}x; {per_request / whole_ms:.2f}x at equal request "
-              f"counts; against 1 replica fed replica 0's round-robin share "
+              f"counts ({median(paired[name]):.2f}x paired: the median of each replay against "
+              f"the lone one right after it); against 1 replica fed replica 0's round-robin share "
               f"{per_request / (median(same) / len(share)):.2f}x; against its replicas replayed "
               f"one at a time {per_request / (median(apart[name]) / len(trace)):.2f}x")
     if args.decompose:

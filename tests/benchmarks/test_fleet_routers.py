@@ -28,10 +28,10 @@ def test_fleet_benchmark_prints_every_router_and_the_call_counts(monkeypatch, ca
                                      re.M).groups())
     assert lone > 100 and whole > 100 and all(int(n) > 100 for n in calls.values())
     cpu = re.findall(r"^- 4 replicas behind ([\w-]+): [\d.]+ ms, [\d.]+x; [\d.]+x at equal request "
-                     r"counts; against 1 replica .* share [\d.]+x; against its replicas replayed "
-                     r"one at a time ([\d.]+)x$", out, re.M)
-    assert [name for name, _ in cpu] == ["round-robin", "cache-aware"]
-    assert all(float(ratio) > 0 for _, ratio in cpu)
+                     r"counts \(([\d.]+)x paired: .*\); against 1 replica .* share [\d.]+x; "
+                     r"against its replicas replayed one at a time ([\d.]+)x$", out, re.M)
+    assert [name for name, _, _ in cpu] == ["round-robin", "cache-aware"]
+    assert all(float(paired) > 0 and float(ratio) > 0 for _, paired, ratio in cpu)
     split = re.findall(r"^- ([\w-]+): router ([\d.]+)x, reads ([\d.]+)x, interleaving ([\d.]+)x, "
                        r"apart vs lone ([\d.]+)x$", out, re.M)
     assert [row[0] for row in split] == ["round-robin", "cache-aware"]

@@ -112,7 +112,7 @@ def instance_process(env: simpy.Environment, inst: Instance, on_outputs):
         outputs = complete(out, result, start, env.now)
         if outputs:
             on_outputs(inst, outputs)
-        if not out.scheduled and not report and not worker.has_news:
+        if not (out.scheduled or out.preempted_request_ids or report or worker.has_news):
             inst.wakeup = env.event()  # idle: until an arrival or a transfer event
             yield inst.wakeup
             inst.wakeup = None

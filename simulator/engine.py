@@ -299,6 +299,11 @@ def engine_process(env: simpy.Environment, replica: Replica):
     schedule, complete = sched.schedule, driver.completer()
     complete_run, decode_runs = driver.complete_decode_run, replica.decode_runs
     alone, lazy = replica.alone, replica.lazy
+    # A policy that hears each token (fair's counters) is read by an arrival's ``add``: a
+    # run then applies its steps before the next arrival and leaves the step it comes
+    # during to the step-by-step path, as the reference updates it after the arrival.
+    if sched.policy.accounts_tokens:
+        alone = lazy = False
     lazy_fits = LazyFits()  # (whether a run may go on through arrivals: ``_lazy_run``)
     horizons, index = replica.horizons, replica.index
     if horizons is not None:  # the horizon: its next arrival, not the other replicas' steps
@@ -320,7 +325,8 @@ def engine_process(env: simpy.Environment, replica: Replica):
             base = now = env.now
             horizon = peek()
         out = schedule(now)
-        if not out.scheduled:
+        # (a step that only preempted is the engine's too: nothing runs, the next one goes on)
+        if not out.scheduled and not out.preempted_request_ids:
             raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={now}")
         duration = step_time(out)
         end = now + duration

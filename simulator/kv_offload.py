@@ -107,7 +107,7 @@ def offloading_engine_process(env: simpy.Environment, replica: Replica, worker: 
         worker.start(out.kv_connector_metadata, now)
         if out.scheduled:
             yield env.timeout(step_time(out))
-        else:
+        elif not out.preempted_request_ids:  # (a step that only preempted: the next goes on)
             due = worker.next_event_time()
             if due is None:
                 raise RuntimeError(f"replica {replica.index}: scheduler made no progress at t={now}")

@@ -336,6 +336,8 @@ def pipelined_engine_process(env: simpy.Environment, replica: Replica, pipe: Pip
                 yield env.timeout(driver_free - now)  # the driver's stage, then its send
                 if not queue.full:
                     continue
+            elif out.preempted_request_ids:  # a step that only preempted: the next goes on
+                continue
             elif not len(queue):
                 raise RuntimeError(f"replica {replica.index}: scheduler made no progress at "
                                    f"t={now}")

@@ -202,11 +202,14 @@ def iter_prompt_parts(requests: Iterable[TraceRequest], vocab_size: int, block_s
 
     Key of full block ``i`` (tokens ``[0, E)``, ``E = (i + 1) * block_size``): where those
     tokens lie within the shared prefix, a hash of the prefix block ids that make them (and
-    ``E``, ``prefix_block_tokens``), as every request sharing them computes; else a function of
-    the request's own seed and ``i`` (splitmix64, a bijection: distinct for distinct requests
-    and blocks), as its own tokens are. So two keys are equal exactly where the two prompts'
-    first ``E`` ids are (up to 64-bit collisions, as for any hash, and to ids of different
-    positions colliding in all of a block's tokens, about ``vocab ** -block_size``)."""
+    ``E``, ``prefix_block_tokens``), as every request sharing them computes; where the block
+    holds the prefix's end and the request's first own ids, a hash of the prefix's blocks, its
+    length and those own ids (two prompts' few own ids there coincide about once in ``vocab``
+    pairs per id, and the plain ids then share the block); past it, a function of the
+    request's own seed and ``i`` (splitmix64, a bijection: distinct for distinct requests and
+    blocks), as its own tokens are. So two keys are equal exactly where the two prompts' first
+    ``E`` ids are (up to 64-bit collisions, as for any hash, and to a whole block of own ids
+    colliding, about ``vocab ** -block_size``)."""
     _check_count("block_size", block_size, 1)
     batch: list[TraceRequest] = []
     for r in requests:
@@ -226,20 +229,31 @@ def _prompt_parts(requests: list[TraceRequest], vocab_size: int,
     tail_starts = num_full * block_size
     seeds = _request_seeds(requests)
     tails = _ids_view(_prompt_ids(requests, vocab_size, tail_starts, lengths, seeds))
+    # the own ids of the full block that holds the shared prefix's end, where there is one
+    shared = np.fromiter((r.num_prefix_tokens if r.prefix_blocks else 0 for r in requests),
+                         np.int64, n)
+    mixed_ends = np.minimum(-(-shared // block_size) * block_size, tail_starts)
+    mixed_starts = np.minimum(shared, mixed_ends)
+    mixed = _ids_view(_prompt_ids(requests, vocab_size, mixed_starts, mixed_ends, seeds))
     offsets = np.cumsum(num_full) - num_full
     keys = np.arange(int(num_full.sum()), dtype=_U64)
     keys -= np.repeat(offsets.astype(_U64), num_full)  # block index within each prompt
     keys += np.repeat(_mix(seeds ^ _KEY_SALT), num_full)
     all_keys = _ids_view(_mix(keys)).tolist()
-    t = 0
-    for r, start, full, off in zip(requests, tail_starts.tolist(), num_full.tolist(),
-                                   offsets.tolist()):
+    t = m = 0
+    for r, start, full, off, own in zip(requests, tail_starts.tolist(), num_full.tolist(),
+                                        offsets.tolist(), (mixed_ends - mixed_starts).tolist()):
         mine = all_keys[off:off + full]
         if r.prefix_blocks:
-            per, pre = r.prefix_block_tokens, r.prefix_blocks
-            for i in range(min(full, r.num_prefix_tokens // block_size)):
+            per, pre, num_shared = r.prefix_block_tokens, r.prefix_blocks, r.num_prefix_tokens
+            whole = min(full, num_shared // block_size)
+            for i in range(whole):
                 end = (i + 1) * block_size
                 mine[i] = hash((_PREFIX_KEY, per, end, pre[:-(-end // per)]))
+            if own:
+                mine[whole] = hash((_PREFIX_KEY, per, num_shared, pre[:-(-num_shared // per)],
+                                    tuple(mixed[m:m + own].tolist())))
+                m += own
         size = r.input_tokens - start
         yield PromptParts(start, tails[t:t + size].tolist(), mine)
         t += size

@@ -17,7 +17,7 @@ from twinserve.core.sampling_params import SamplingParams
 from twinserve.simulator import SimConfig, simulate, write_sim_run
 from twinserve.simulator.engine import SIMULATED_TOKEN
 from twinserve.simulator.run import _engine_requests
-from twinserve.traces import SyntheticConfig, TraceRequest, synthetic_trace
+from twinserve.traces import LOWEST_TOKEN_ID, SyntheticConfig, TraceRequest, synthetic_trace
 from twinserve.traces.trace_request import iter_prompt_parts, prompt_ids_slice
 
 VOCAB = 49_152
@@ -48,6 +48,21 @@ def test_prompt_parts_and_slices_are_the_prompts_own_ids() -> None:
         assert len(parts.keys) == len(ids) // 16
         for a, b in ((0, len(ids)), (1, min(5, len(ids))), (len(ids) // 2, len(ids))):
             assert prompt_ids_slice(tr, VOCAB, a, b) == ids[a:b]
+
+
+def test_a_block_holding_the_prefixs_end_is_shared_where_the_first_own_ids_are() -> None:
+    """Keys equal exactly where the ids are, both ways, for the block that holds a shared
+    prefix's end and a prompt's first own id: with 8 ids to draw from, such ids coincide."""
+    vocab = LOWEST_TOKEN_ID + 8
+    trace = [TraceRequest(f"c-{i}", 0.0, 40, 1, prefix_blocks=(1,), prefix_block_tokens=31)
+             for i in range(40)]
+    blocks = [(tuple(tr.prompt_token_ids(vocab)[:32]), parts.keys[1])
+              for tr, parts in zip(trace, iter_prompt_parts(trace, vocab, 16))]
+    pairs = [(a == b, ka == kb) for i, (a, ka) in enumerate(blocks) for b, kb in blocks[:i]]
+    assert all(same_ids == same_key for same_ids, same_key in pairs)
+    assert any(same for same, _ in pairs) and not all(same for same, _ in pairs)
+    lazy = {r.request_id: r for r in _engine_requests(trace, vocab, 16)}
+    assert {r.own_ids_from for r in lazy.values()} == {32}
 
 
 def test_block_keys_are_equal_exactly_where_the_prefixes_are() -> None:
@@ -203,12 +218,12 @@ def test_a_request_registers_its_own_blocks_only_when_preempted() -> None:
     from twinserve.core.kv_cache_manager import KVCacheManager
     tr = TraceRequest("mine", 0.0, 70, 5, prefix_blocks=(1,), prefix_block_tokens=24)
     (request,) = _engine_requests([tr], VOCAB, 16)
-    assert request.own_ids_from == 24
+    assert request.own_ids_from == 32  # (block 1 holds the prefix's end: registered as it fills)
     kv = KVCacheManager(20, 16)
     kv.allocate_slots(request, 70)
     request.num_computed_tokens = 70
-    kv.cache_full_blocks(request)  # 4 full blocks: block 0 is shared, blocks 1-3 hold its own
-    assert len(kv.pool.cached) == 1 and kv.tables["mine"].num_cached_blocks == 4
+    kv.cache_full_blocks(request)  # 4 full blocks: 0 shared, 1 shared and own, 2-3 its own
+    assert len(kv.pool.cached) == 2 and kv.tables["mine"].num_cached_blocks == 4
     kv.register_own(request)
     assert len(kv.pool.cached) == 4 and request.own_ids_from is None
     assert set(kv.pool.cached) == set(request.block_hashes[:4])

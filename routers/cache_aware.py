@@ -126,9 +126,10 @@ class CacheAwareRouter:
         holds (by the index). The hashes matched in the old generation move up to the young.
 
         Requests of one application walk the same system prompt, so a walk is kept (by its
-        first hash) until a mask it read changes: a later prompt whose hash at the walk's
-        depth is the walk's shares every block before it (a hash covers its whole prefix) and
-        reads its matches off the walk, going on hash by hash only past it.
+        first hash) until a mask it read changes (a change of its first miss only opens its
+        end): a later prompt whose hash at the walk's depth is the walk's shares every block
+        before it (a hash covers its whole prefix) and reads its matches off the walk, going on
+        hash by hash only past it.
         ``_matched_blocks_plain`` is the hash-by-hash loop it stands for."""
         hashes = prompt_block_hashes(request, self.block_size)
         if not isinstance(hashes, list):  # a chain made as it is read: the plain loop
@@ -276,11 +277,20 @@ class CacheAwareRouter:
                     del index[block_hash]
 
     def _forget(self, block_hashes: Sequence[int]) -> None:
-        """Before these hashes' masks change: the kept walks that read them are dropped."""
+        """Before these hashes' masks change: the kept walks that read them are dropped, but for
+        a walk's first miss (a prompt's first block of its own, stored as that prompt is
+        prefilled), after which the walk only stops trusting it (``_Walk.open_end``): the masks
+        of its blocks before it are as they were."""
         pop, walks = self._readers.pop, self._walks
         for block_hash in block_hashes:
             first = pop(block_hash, None)
-            if first is not None:
+            if first is None:
+                continue
+            walk = walks.get(first)
+            if walk is not None and walk.depth < len(walk.hashes) \
+                    and walk.hashes[walk.depth] == block_hash:
+                walk.open_end = True
+            else:
                 walks.pop(first, None)
 
     def _changing(self) -> None:
@@ -297,6 +307,9 @@ class _Walk:
     hashes: list[int]
     depth: int
     ends: dict[int, int]
+    # Its first miss, ``hashes[depth]``, may have been stored since: a prompt going on past the
+    # walk is then read on from there, whatever its block there.
+    open_end: bool = False
 
     def covers(self, hashes: list[int]) -> bool:
         """Whether ``hashes`` share the walk's blocks up to its depth (or to their end)."""
@@ -305,9 +318,10 @@ class _Walk:
 
     def continues(self, hashes: list[int]) -> bool:
         """Whether ``hashes`` (sharing the walk's blocks) go on past it with a block the walk
-        did not read."""
+        did not read, or did before it may have changed."""
         depth, mine = self.depth, self.hashes
-        return len(hashes) > depth and (len(mine) == depth or hashes[depth] != mine[depth])
+        return len(hashes) > depth and (self.open_end or len(mine) == depth
+                                        or hashes[depth] != mine[depth])
 
 
 def _bits(mask: int) -> list[int]:

@@ -398,6 +398,33 @@ def test_cache_aware_kept_walk_sees_the_blocks_stored_and_removed_past_it() -> N
     assert router.matched_blocks(request, [1]) == {1: 10}
 
 
+def test_cache_aware_kept_walk_outlives_a_store_of_its_first_miss(monkeypatch) -> None:
+    """Each prompt of an application stores its first own block as it is prefilled: the walk
+    kept for the application's system prompt, whose first miss that block was, goes on serving
+    the application's next prompts (no new walk), and no longer trusts that block."""
+    router = CacheAwareRouter(BS)
+    system = list(range(6))
+    first, second = _lazy_req("a", [*system, 100, 101]), _lazy_req("b", [*system, 200])
+    hashes = list(prompt_block_hashes(first, BS))
+    router.on_kv_events(0, [BlockStored(hashes[:6], None, None)])
+    walks = [0]
+    walk = CacheAwareRouter._walk
+
+    def counting_walk(self, hashes):
+        walks[0] += 1
+        return walk(self, hashes)
+
+    monkeypatch.setattr(CacheAwareRouter, "_walk", counting_walk)
+    assert router.matched_blocks(first, [0, 1]) == {0: 6, 1: 0}
+    router.on_kv_events(0, [BlockStored(hashes[6:8], hashes[5], None)])  # its own blocks
+    assert router.matched_blocks(second, [0, 1]) == {0: 6, 1: 0}
+    assert router.matched_blocks(first, [0, 1]) == {0: 8, 1: 0}
+    assert walks[0] == 1
+    router.on_kv_events(0, [BlockRemoved(hashes[3:4])])  # a block within the walk: walked anew
+    assert router.matched_blocks(second, [0, 1]) == {0: 3, 1: 0}
+    assert walks[0] == 2
+
+
 def test_cache_aware_kept_walks_stay_bounded() -> None:
     router = CacheAwareRouter(BS)
     requests = [_lazy_req(f"p{i}", [i, i + 0.5, i + 0.25]) for i in range(2500)]

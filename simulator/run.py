@@ -296,10 +296,13 @@ def _engine_requests(trace: list[TraceRequest], vocab_size: int, block_size: int
 
 def _lazy_prompt(vocab_size: int, block_size: int, unique_ids: bool, tr: TraceRequest,
                  parts: PromptParts) -> LazyPrompt:
-    # (from the first block past the shared prefix's end: the block that holds the end may be
-    # another prompt's too, where their first own ids coincide)
-    own = -(-tr.num_prefix_tokens // block_size) * block_size
-    own = own if unique_ids and own < tr.input_tokens else None
+    # (from the block past the shared prefix's end, where the block that holds the end is a
+    # full block of the prompt: it may be another prompt's too, where their first own ids
+    # coincide; one the outputs fill is this request's own)
+    shared = tr.num_prefix_tokens
+    end = -(-shared // block_size) * block_size
+    own = (end if end <= tr.input_tokens else shared) if unique_ids and shared < tr.input_tokens \
+        else None
     return LazyPrompt(tr.input_tokens, partial(prompt_ids_slice, tr, vocab_size),
                       parts.tail_start, parts.tail, block_size, parts.keys, own)
 

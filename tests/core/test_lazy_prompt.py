@@ -220,7 +220,7 @@ def test_a_request_registers_its_own_blocks_only_when_preempted() -> None:
     (request,) = _engine_requests([tr], VOCAB, 16)
     assert request.own_ids_from == 32  # (block 1 holds the prefix's end: registered as it fills)
     short = dataclasses.replace(tr, request_id="short", input_tokens=30)
-    assert _engine_requests([short], VOCAB, 16)[0].own_ids_from == 24  # its outputs fill block 1
+    assert next(_engine_requests([short], VOCAB, 16)).own_ids_from == 24  # outputs fill block 1
     kv = KVCacheManager(20, 16)
     kv.allocate_slots(request, 70)
     request.num_computed_tokens = 70

@@ -496,6 +496,8 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
                 if self.connector is not None and not request.num_computed_tokens:
                     loading = self._start_remote_load(request)
                     if loading is None:  # no room for its blocks or its load: wait
+                        if self._release_a_loaded(request):
+                            continue
                         return
                     if loading:
                         continue
@@ -510,6 +512,8 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
                 if n is None:  # no seat or no blocks: the policy may evict someone it outranks
                     freed = self._preempt_for(request, out, now)
                     if freed is None:
+                        if self._release_a_loaded(request):
+                            continue
                         return
                     budget += freed
                     reserved = self._reserved_seats()
@@ -522,6 +526,24 @@ class Scheduler(SpeculationSteps, KVConnectorSteps):
         finally:
             for request in reversed(skipped):
                 policy.unpop(request)
+
+    def _release_a_loaded(self, request: Request) -> bool:
+        """Where nothing running, loading or sending can free a block, the prompts loaded ahead
+        of their admission (``_holding_loaded``) may hold every block while none of them gets
+        the blocks for the rest of its prompt, and would wait for ever: the latest of them to
+        arrive, ``request`` aside, gives its blocks back (its loaded blocks stay in the prefix
+        cache until reused) and is looked up and loaded again at its turn. Whether one did."""
+        holding = self._holding_loaded
+        if self.running or self.waiting_for_remote or self.sending or not holding:
+            return False
+        for rid in reversed(self.requests):
+            if rid in holding and rid != request.request_id:
+                holding.discard(rid)
+                holder = self.requests[rid]
+                self.kv.free(holder)
+                holder.num_computed_tokens = 0
+                return True
+        return False
 
     def _admit(self, request: Request, now: float) -> None:
         self._holding_loaded.discard(request.request_id)

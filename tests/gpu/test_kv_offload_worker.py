@@ -61,8 +61,8 @@ def test_a_load_naming_missing_blocks_fails_alone():
 # ---- the engine with the host tier (the bundled model, fp32 on the CPU) ------------------------
 def _engine(model_dir, **kwargs):
     from twinserve.gpu.engine.llm_engine import LLMEngine
-    return LLMEngine(EngineArgs(model=str(model_dir), dtype="float32", block_size=16,
-                                max_model_len=256, **kwargs))
+    return LLMEngine(EngineArgs(**{"model": str(model_dir), "dtype": "float32", "block_size": 16,
+                                   "max_model_len": 256, **kwargs}))
 
 
 def _generate(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -108,6 +108,34 @@ def test_engine_reloads_an_evicted_prefix_from_host_with_fresh_compute_tokens(en
     assert tier.engine_config.kv_transfer_config.kv_connector == "OffloadingConnector"
     assert tier.engine_config.to_dict()["kv_offloading_blocks"] == int(0.05 * 2**30) // (
         tier.engine_config.block_bytes)
+
+
+@pytest.mark.slow
+def test_engine_prompts_loaded_together_cannot_hold_every_block(default_model_dir):
+    """Two prompts whose first 160 tokens come back from the host together take 10 blocks each
+    of 24, then need 9 more each while 4 are free, with nothing running: one gives its blocks
+    back (``Scheduler._release_a_loaded``), and both finish, as without the tier."""
+    engine = _engine(default_model_dir, num_gpu_blocks_override=24, kv_offloading_size=0.2,
+                     max_num_seqs=8, max_model_len=384)
+    plain = _engine(default_model_dir, num_gpu_blocks_override=64, max_model_len=384)
+    prefixes = [_prompt(10, 160), _prompt(11, 160)]
+    for prefix in prefixes:  # the prefixes reach the host tier
+        _generate(engine, [prefix + _prompt(12, 40)], 2)
+    for seed in (13, 14, 15):  # other prompts push them out of the device cache
+        _generate(engine, [_prompt(seed, 300)], 2)
+    prompts = [prefix + _prompt(16 + i, 140) for i, prefix in enumerate(prefixes)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    for _ in range(200):  # (a deadlock steps for ever: bounded here)
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = list(output.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    assert [done.get(i) for i in ids] == _generate(plain, prompts, 2)
+    assert engine.scheduler.connector.stats.external_prefix_cache_hits >= 2 * 160
+    engine.scheduler.kv.check_consistency()
 
 
 @pytest.mark.slow

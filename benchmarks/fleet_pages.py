@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import replace
 
-from twinserve.benchmarks.fleet_routers import HARDWARE, MODEL
+from twinserve.benchmarks.fleet_routers import HARDWARE, MODEL, WORKLOAD
 from twinserve.simulator import SimConfig, simulate
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
@@ -102,8 +102,7 @@ def _child(setting: str, name: str, num_requests: int, num_apps: int) -> tuple[f
 def _replay(name: str, num_requests: int, num_apps: int) -> None:
     """The child's replay: the lone replica or a fleet behind router ``name``."""
     trace = multi_app_trace(MultiAppConfig(num_requests=num_requests, num_apps=num_apps,
-                                           request_rate=40.0, zipf_s=0.8, input_len=256,
-                                           output_len=384, seed=0))
+                                           **WORKLOAD))  # type: ignore[arg-type]
     if name == LONE:
         cfg = SimConfig(model=MODEL, hardware=HARDWARE)
         trace = [replace(tr, arrival_time=tr.arrival_time * REPLICAS) for tr in trace]

@@ -64,6 +64,8 @@ from twinserve.traces import TraceRequest
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
 MODEL, HARDWARE = "llama-3-8b", "h100-sxm"
+# the workload's defaults, besides its size (``fleet_pages`` replays the same)
+WORKLOAD = {"request_rate": 40.0, "zipf_s": 0.8, "input_len": 256, "output_len": 384, "seed": 0}
 
 
 def _row(name: str, summary: dict, wall: float, n: int, lone_per_request: float) -> str:
@@ -77,13 +79,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=8000)
     p.add_argument("--num-apps", type=int, default=400)
-    p.add_argument("--zipf-s", type=float, default=0.8)
-    p.add_argument("--rate", type=float, default=40.0)
+    p.add_argument("--zipf-s", type=float, default=WORKLOAD["zipf_s"])
+    p.add_argument("--rate", type=float, default=WORKLOAD["request_rate"])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--routers", default=",".join(ROUTERS))
-    p.add_argument("--input-len", type=int, default=256, help="the user turn, after the system prompt")
-    p.add_argument("--output-len", type=int, default=384)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len", type=int, default=WORKLOAD["input_len"],
+                   help="the user turn, after the system prompt")
+    p.add_argument("--output-len", type=int, default=WORKLOAD["output_len"])
+    p.add_argument("--seed", type=int, default=WORKLOAD["seed"])
     p.add_argument("--repeats", type=int, default=3, help="runs of the cost comparison")
     p.add_argument("--cost-routers", default="round-robin,least-outstanding,cache-aware",
                    help="the routers of the cost comparison")

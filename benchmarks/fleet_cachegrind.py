@@ -70,6 +70,9 @@ def main() -> None:
         replay(args.replay, args.num_requests, args.num_apps, args.stop_before)
         sys.stdout.flush()
         os._exit(0)  # (no collection at exit in either child: the difference is the replay's)
+    for flag, value in (("--num-requests", args.num_requests), ("--jobs", args.jobs)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, got {value}")
     if args.split not in FLEETS or args.split == "round-robin":
         p.error(f"--split: a router that reads the replicas, one of {FLEETS[1:]}")
     if shutil.which("valgrind") is None:
@@ -82,8 +85,7 @@ def main() -> None:
                                     args.num_requests) for name in names}
     print(f"{args.num_requests} requests, {args.num_apps} applications; {REPLICAS} x {MODEL} on "
           f"{HARDWARE}; per request, cachegrind (D1 {args.d1}, LL {args.ll}, PYTHONHASHSEED=0); "
-          f"each against 1 "
-          f"replica fed every request at a quarter of the rate\n")
+          f"each against 1 replica fed every request at a quarter of the rate\n")
     print("| replay | " + " | ".join(column for column, _ in COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))
     lone = counts[LONE]

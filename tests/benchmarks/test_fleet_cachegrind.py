@@ -64,9 +64,11 @@ def test_a_row_per_replay_each_against_the_lone_one(monkeypatch, capsys) -> None
 @pytest.mark.parametrize("argv, message", [
     (["--split", "round-robin"], "--split: a router that reads the replicas"),
     (["--split", "nope"], "--split: a router that reads the replicas"),
+    (["--num-requests", "0"], "--num-requests must be at least 1, got 0"),
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
 ])
-def test_a_split_of_a_router_that_reads_nothing_is_refused(monkeypatch, capsys, argv,
-                                                           message) -> None:
+def test_bad_flags_are_refused_by_name(monkeypatch, capsys, argv,
+                                       message) -> None:
     monkeypatch.setattr(sys, "argv", ["fleet_cachegrind", *argv])
     with pytest.raises(SystemExit):
         fleet_cachegrind.main()

@@ -70,7 +70,8 @@ def main() -> None:
         replay(args.replay, args.num_requests, args.num_apps, args.stop_before)
         sys.stdout.flush()
         os._exit(0)  # (no collection at exit in either child: the difference is the replay's)
-    for flag, value in (("--num-requests", args.num_requests), ("--jobs", args.jobs)):
+    for flag, value in (("--num-requests", args.num_requests), ("--num-apps", args.num_apps),
+                        ("--jobs", args.jobs)):
         if value < 1:
             p.error(f"{flag} must be at least 1, got {value}")
     if args.split not in FLEETS or args.split == "round-robin":

@@ -65,6 +65,7 @@ def test_a_row_per_replay_each_against_the_lone_one(monkeypatch, capsys) -> None
     (["--split", "round-robin"], "--split: a router that reads the replicas"),
     (["--split", "nope"], "--split: a router that reads the replicas"),
     (["--num-requests", "0"], "--num-requests must be at least 1, got 0"),
+    (["--num-apps", "0"], "--num-apps must be at least 1, got 0"),
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
 ])
 def test_bad_flags_are_refused_by_name(monkeypatch, capsys, argv,

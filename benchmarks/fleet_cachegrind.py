@@ -38,15 +38,12 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
-from twinserve.benchmarks.fleet_routers import HARDWARE, MODEL, WORKLOAD, _picks, _Replayed
-from twinserve.simulator import SimConfig, simulate
-from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
+from twinserve.benchmarks.fleet_pages import LONE, REPLICAS, lone_or_fleet
+from twinserve.benchmarks.fleet_routers import HARDWARE, MODEL, _picks, _Replayed
+from twinserve.simulator import simulate
 
-REPLICAS = 4
-LONE = "lone"
 FLEETS = ("round-robin", "least-outstanding", "cache-aware")
 SPLITS = ("apart", "interleaved", "read")
 # cachegrind's events, summed as printed: (column, its events)
@@ -101,22 +98,16 @@ def main() -> None:
 def replay(name: str, num_requests: int, num_apps: int, stop_before: bool = False) -> None:
     """The child's replay (``name``: ``lone``, a router, or ``router:how``), after its trace
     and warm-up; ``stop_before``: returns before it."""
-    trace = multi_app_trace(MultiAppConfig(num_requests=num_requests, num_apps=num_apps,
-                                           **WORKLOAD))  # type: ignore[arg-type]
+    router, _, how = name.partition(":")
+    cfg, trace = lone_or_fleet(router, num_requests, num_apps)
     kwargs: dict = {}
     warm: dict = {}
-    if name == LONE:
-        cfg = SimConfig(model=MODEL, hardware=HARDWARE)
-        trace = [replace(tr, arrival_time=tr.arrival_time * REPLICAS) for tr in trace]
-    else:
-        router, _, how = name.partition(":")
-        cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=REPLICAS, router=router)
-        if how:
-            picks, flags = _picks(cfg, trace)
-            reads = flags if how == "read" else (False, False, False)
-            kwargs = {"router": _Replayed(picks, *reads), "replicas_apart": how == "apart"}
-            # (a replayed router walks its picks once: the warm-up has its own)
-            warm = {**kwargs, "router": _Replayed(picks, *reads)}
+    if how:
+        picks, flags = _picks(cfg, trace)
+        reads = flags if how == "read" else (False, False, False)
+        kwargs = {"router": _Replayed(picks, *reads), "replicas_apart": how == "apart"}
+        # (a replayed router walks its picks once: the warm-up has its own)
+        warm = {**kwargs, "router": _Replayed(picks, *reads)}
     simulate(cfg, trace[:50], **warm)
     if not stop_before:
         simulate(cfg, trace, **kwargs)

@@ -32,6 +32,7 @@ from dataclasses import replace
 
 from twinserve.benchmarks.fleet_routers import HARDWARE, MODEL, WORKLOAD
 from twinserve.simulator import SimConfig, simulate
+from twinserve.traces import TraceRequest
 from twinserve.traces.multi_app import MultiAppConfig, multi_app_trace
 
 REPLICAS = 4  # (the fleet benchmark's model, hardware, replicas and workload)
@@ -99,15 +100,21 @@ def _child(setting: str, name: str, num_requests: int, num_apps: int) -> tuple[f
     return float(fields["cpu_s"]), int(fields["anon_huge_kb"])
 
 
-def _replay(name: str, num_requests: int, num_apps: int) -> None:
-    """The child's replay: the lone replica or a fleet behind router ``name``."""
+def lone_or_fleet(name: str, num_requests: int, num_apps: int
+                  ) -> tuple[SimConfig, list[TraceRequest]]:
+    """The fleet benchmark's workload and the replay ``name`` names: the lone replica fed every
+    request at a quarter of the rate, or the fleet behind router ``name``."""
     trace = multi_app_trace(MultiAppConfig(num_requests=num_requests, num_apps=num_apps,
                                            **WORKLOAD))  # type: ignore[arg-type]
     if name == LONE:
-        cfg = SimConfig(model=MODEL, hardware=HARDWARE)
-        trace = [replace(tr, arrival_time=tr.arrival_time * REPLICAS) for tr in trace]
-    else:
-        cfg = SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=REPLICAS, router=name)
+        return (SimConfig(model=MODEL, hardware=HARDWARE),
+                [replace(tr, arrival_time=tr.arrival_time * REPLICAS) for tr in trace])
+    return SimConfig(model=MODEL, hardware=HARDWARE, num_replicas=REPLICAS, router=name), trace
+
+
+def _replay(name: str, num_requests: int, num_apps: int) -> None:
+    """The child's replay: the lone replica or a fleet behind router ``name``."""
+    cfg, trace = lone_or_fleet(name, num_requests, num_apps)
     simulate(cfg, trace[:50])
     t0 = time.process_time()
     simulate(cfg, trace)

@@ -92,6 +92,7 @@ class DataParallelFront:
         self._refused_args = False  # a replica failed to start on a ValueError (bad arguments)
         self._records: deque[RequestRecord] = deque(maxlen=MAX_PENDING_RECORDS)
         self._steps: deque[tuple[StepRecord, StepSample]] = deque(maxlen=MAX_PENDING_STEPS)
+        self._step_tokens: deque[tuple[int, int]] = deque(maxlen=MAX_PENDING_STEPS)
         # the ``time.monotonic()`` the records' times count from (``take_records``)
         self.time_origin = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="twinserve-dp-front", daemon=True)
@@ -236,7 +237,8 @@ class DataParallelFront:
     def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
                  records: list[RequestRecord],
-                 steps: Sequence[tuple[StepRecord, StepSample]] = ()) -> None:
+                 steps: Sequence[tuple[StepRecord, StepSample]] = (),
+                 step_tokens: Sequence[int] = ()) -> None:
         deliveries: list[tuple[Sink, Any]] = []
         origin = self.replicas[index].time_origin
         shift = 0.0 if origin is None or not self.shares_clock else origin - self.time_origin
@@ -250,6 +252,7 @@ class DataParallelFront:
         with self._lock:
             self._records.extend(records)
             self._steps.extend(steps)
+            self._step_tokens.extend((index, n) for n in step_tokens)
             replica = self.replicas[index]
             replica.stats = stats
             replica.served += len(accepted)
@@ -340,6 +343,14 @@ class DataParallelFront:
         with self._lock:
             taken = list(self._steps)
             self._steps.clear()
+        return taken
+
+    def take_step_tokens(self) -> list[tuple[int, int]]:
+        """``(replica, tokens)`` of each replica step since the last call (the newest
+        MAX_PENDING_STEPS): the tokens it computed, for ``vllm:iteration_tokens_total``."""
+        with self._lock:
+            taken = list(self._step_tokens)
+            self._step_tokens.clear()
         return taken
 
     def shutdown(self) -> None:

@@ -237,13 +237,15 @@ class DisaggregatedFront(DataParallelFront):
     def _on_step(self, index: int, outputs: list[Any], accepted: list[str],
                  refused: list[Refusal], stats: SchedulerStats, kv_events: list[Any],
                  records: list[RequestRecord],
-                 steps: Sequence[tuple[StepRecord, StepSample]] = ()) -> None:
+                 steps: Sequence[tuple[StepRecord, StepSample]] = (),
+                 step_tokens: Sequence[int] = ()) -> None:
         if records and self._instance_records is not None:  # (before the outputs are delivered)
             origin = self.origins[index]
             with self._lock:
                 self._instance_records.extend(InstanceRecord(index, on_monotonic(r, origin))
                                               for r in records)
-        super()._on_step(index, outputs, accepted, refused, stats, kv_events, records, steps)
+        super()._on_step(index, outputs, accepted, refused, stats, kv_events, records, steps,
+                         step_tokens)
 
     def _on_death(self, index: int, exitcode: int | None) -> None:
         super()._on_death(index, exitcode)

@@ -45,11 +45,15 @@ class RequestStream:
     """One submitted request: ``await accepted()``, then ``outputs()``; ``close()`` (idempotent)
     aborts it unless it finished."""
 
-    __slots__ = ("_done", "_engine", "_outputs_started", "_pending", "_queue", "request_id")
+    __slots__ = ("_done", "_engine", "_outputs_started", "_pending", "_queue", "engine_index",
+                 "request_id")
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue,
+                 engine_index: int = 0) -> None:
         self._engine = engine
         self.request_id = request_id
+        # the engine that serves it: a data-parallel replica's index (the metrics' ``engine``)
+        self.engine_index = engine_index
         self._queue = queue
         self._pending: list[RequestOutput] = []
         self._done = False

@@ -94,11 +94,12 @@ class DPAsyncEngine:
             raise EngineDeadError(f"the data-parallel front is not running: {self.front.error}")
         queue: asyncio.Queue = asyncio.Queue()
         sink = _LoopSink(asyncio.get_running_loop(), queue)
+        index = 0
         try:
-            self.front.submit(request_id, prompt, params, kwargs, sink)
+            index = self.front.submit(request_id, prompt, params, kwargs, sink)
         except Exception as exc:  # a refusal at the front: the stream raises it when awaited
             queue.put_nowait(exc)
-        return RequestStream(self, request_id, queue)  # type: ignore[arg-type]
+        return RequestStream(self, request_id, queue, index)  # type: ignore[arg-type]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:

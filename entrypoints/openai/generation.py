@@ -390,8 +390,8 @@ class Generation:
             for stream in self._streams:
                 stream.close()
             if self._merged is not None:  # accepted: each request counts, waiting or not
-                for last in self.last:
-                    self.state.metrics.observe_request_end(last, self.n)
+                for last, stream in zip(self.last, self._streams):
+                    self.state.metrics.observe_request_end(last, self.n, stream.engine_index)
         finally:
             if self._holds_tenant:
                 self._holds_tenant = False

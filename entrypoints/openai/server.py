@@ -134,7 +134,8 @@ async def render_metrics(state: ServerState) -> Response:
     replicas = getattr(state.async_engine, "replicas", None)
     if replicas is not None:  # data parallel: the front holds each replica's last stats
         front = state.async_engine.front  # type: ignore[attr-defined]
-        metrics.take_replica_snapshot([r.stats for r in replicas()], front.take_records())
+        metrics.take_replica_snapshot([r.stats for r in replicas()], front.take_records(),
+                                      front.take_step_tokens())
     elif state.async_engine.is_alive:
         try:
             stats, records, running = await asyncio.wait_for(
@@ -146,6 +147,12 @@ async def render_metrics(state: ServerState) -> Response:
         except (TimeoutError, EngineDeadError):
             pass  # the last snapshot stands
     return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _num_engines(async_engine: Any) -> int:
+    """The data-parallel replicas behind the app (0: one engine, no ``engine`` label)."""
+    front = getattr(async_engine, "front", None)
+    return 0 if front is None else int(front.size)
 
 
 # ==== the app ====================================================================================
@@ -162,7 +169,8 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
                         model_root=model_root, max_model_len=int(engine.runner.max_model_len),
                         metrics=ServerMetrics(model_name, max_loras_of(engine),
                                               int(engine.runner.max_model_len),
-                                              cache_config_labels(async_engine)), loras=loras,
+                                              cache_config_labels(async_engine),
+                                              _num_engines(async_engine)), loras=loras,
                         limits=limits,
                         tenants=TenantTracker(limits.max_tenants, limits.max_requests_per_tenant),
                         chat=checked_chat_options(args, getattr(engine, "tokenizer", None)))

@@ -23,7 +23,7 @@ Three sources, each read where it is exact:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -193,10 +193,18 @@ class LoRAInfoCollector(Collector):
 
 
 class ServerMetrics:
-    """All metrics of one app; nothing is shared with another app in the same process."""
+    """All metrics of one app; nothing is shared with another app in the same process.
+
+    ``num_engines``: the data-parallel replicas behind the app (0: one engine). With replicas,
+    every per-request metric and ``vllm:iteration_tokens_total`` carry vLLM's ``engine`` label,
+    the replica that served the request or ran the step, as the scheduler's gauges do; a single
+    engine's have none (``model_name`` only). Overload refusals (``twinserve:request_rejected``)
+    are the front's own and carry no ``engine``."""
 
     def __init__(self, model_name: str, max_loras: int | None = None, max_model_len: int = 0,
-                 cache_configs: list[dict[str, str]] | None = None) -> None:
+                 cache_configs: list[dict[str, str]] | None = None, num_engines: int = 0) -> None:
+        if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 0:
+            raise ValueError(f"num_engines must be a non-negative integer, got {num_engines!r}.")
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerCollector(model_name)
@@ -204,23 +212,29 @@ class ServerMetrics:
         self.lora_info = LoRAInfoCollector(max_loras) if max_loras else None
         if self.lora_info is not None:
             self.registry.register(self.lora_info)
-        labels = ["model_name"]
+        # the label values of each engine, in order (one set, ``model_name`` only, for one engine)
+        self._engines = ([[model_name, str(i)] for i in range(num_engines)] if num_engines
+                         else [[model_name]])
+        self._labels = ["model_name", "engine"] if num_engines else ["model_name"]
         reg = self.registry
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", labels,
-                                     registry=reg).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels,
-                                         registry=reg).labels(model_name)
+        self.prompt_tokens = self._per_engine(Counter(
+            "vllm:prompt_tokens", "Prefilled prompt tokens.", self._labels, registry=reg))
+        self.generation_tokens = self._per_engine(Counter(
+            "vllm:generation_tokens", "Generated tokens.", self._labels, registry=reg))
         self.request_success = Counter("vllm:request_success", "Finished requests.",
-                                       labels + ["finished_reason"], registry=reg)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
-                             labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                             labels, buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Time from arrival to first scheduling.", labels,
-                                    buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+                                       [*self._labels, "finished_reason"], registry=reg)
+        self.ttft = self._per_engine(Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", self._labels,
+            buckets=TTFT_BUCKETS, registry=reg))
+        self.itl = self._per_engine(Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", self._labels,
+            buckets=ITL_BUCKETS, registry=reg))
+        self.e2e = self._per_engine(Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", self._labels,
+            buckets=LATENCY_BUCKETS, registry=reg))
+        self.queue_time = self._per_engine(Histogram(
+            "vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
+            self._labels, buckets=LATENCY_BUCKETS, registry=reg))
         self._add_request_histograms(max_model_len)
         if cache_configs:
             self.registry.register(InfoCollector(
@@ -228,57 +242,72 @@ class ServerMetrics:
                 cache_configs))
         self.request_rejected = Counter(
             "twinserve:request_rejected", "Requests refused for overload (503/429).",
-            labels + ["reason"], registry=reg)
-        for reason in ("stop", "length", "abort"):  # present from the first scrape, at 0
-            self.request_success.labels(model_name, reason)
+            ["model_name", "reason"], registry=reg)
+        for values in self._engines:  # present from the first scrape, at 0
+            for reason in ("stop", "length", "abort"):
+                self.request_success.labels(*values, reason)
         for reason in REJECT_REASONS:
             self.request_rejected.labels(model_name, reason)
 
+    def _per_engine(self, metric: Any) -> list[Any]:
+        """The metric's child of each engine, by engine index."""
+        return [metric.labels(*values) for values in self._engines]
+
+    def _engine(self, engine: int) -> int:
+        """``engine`` checked against the engines behind the app."""
+        if not 0 <= engine < len(self._engines):
+            raise ValueError(f"engine {engine} is not one of the app's {len(self._engines)}.")
+        return engine
+
     def _add_request_histograms(self, max_model_len: int) -> None:
-        labels, reg, name = ["model_name"], self.registry, self.model_name
+        labels, reg = self._labels, self.registry
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
-        self.prefill_time = Histogram(
+        self.prefill_time = self._per_engine(Histogram(
             "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
-            "for request.", labels, buckets=LATENCY_BUCKETS, registry=reg).labels(name)
-        self.decode_time = Histogram(
+            "for request.", labels, buckets=LATENCY_BUCKETS, registry=reg))
+        self.decode_time = self._per_engine(Histogram(
             "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
-            "request.", labels, buckets=LATENCY_BUCKETS, registry=reg).labels(name)
-        self.time_per_output_token = Histogram(
+            "request.", labels, buckets=LATENCY_BUCKETS, registry=reg))
+        self.time_per_output_token = self._per_engine(Histogram(
             "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_"
-            "seconds per request.", labels, buckets=ITL_BUCKETS, registry=reg).labels(name)
-        self.request_prompt_tokens = Histogram(
+            "seconds per request.", labels, buckets=ITL_BUCKETS, registry=reg))
+        self.request_prompt_tokens = self._per_engine(Histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
-            buckets=token_buckets, registry=reg).labels(name)
-        self.request_generation_tokens = Histogram(
+            buckets=token_buckets, registry=reg))
+        self.request_generation_tokens = self._per_engine(Histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            labels, buckets=token_buckets, registry=reg).labels(name)
-        self.iteration_tokens = Histogram(
+            labels, buckets=token_buckets, registry=reg))
+        self.iteration_tokens = self._per_engine(Histogram(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            labels, buckets=ITERATION_TOKEN_BUCKETS, registry=reg).labels(name)
+            labels, buckets=ITERATION_TOKEN_BUCKETS, registry=reg))
 
     def on_step(self, out: SchedulerOutput, seconds: float, execute_seconds: float) -> None:
         """A step observer (engine thread): the tokens the step computed."""
-        self.iteration_tokens.observe(out.total_num_scheduled_tokens)
+        self.iteration_tokens[0].observe(out.total_num_scheduled_tokens)
 
     # ---- the HTTP layer ------------------------------------------------------------------
-    def observe_request_end(self, last: RequestOutput | None, num_samples: int = 0) -> None:
+    def observe_request_end(self, last: RequestOutput | None, num_samples: int = 0,
+                            engine: int = 0) -> None:
         """Counts a request the server handed back (``last`` = its last output, None if it never
-        produced a token: its ``num_samples`` samples were aborted while waiting). Unfinished
-        samples count as aborted."""
+        produced a token: its ``num_samples`` samples were aborted while waiting), under the
+        engine that served it. Unfinished samples count as aborted."""
+        values = self._engines[self._engine(engine)]
         if last is None:
             if num_samples:
-                self.request_success.labels(self.model_name, "abort").inc(num_samples)
+                self.request_success.labels(*values, "abort").inc(num_samples)
             return
-        self.prompt_tokens.inc(len(last.prompt_token_ids))
+        self.prompt_tokens[engine].inc(len(last.prompt_token_ids))
         for comp in last.outputs:
-            self.generation_tokens.inc(len(comp.token_ids))
+            self.generation_tokens[engine].inc(len(comp.token_ids))
             reason = comp.finish_reason or "abort"
-            self.request_success.labels(self.model_name, reason).inc()
+            self.request_success.labels(*values, reason).inc()
 
-    def observe_embeddings(self, num_prompt_tokens: int, num_requests: int) -> None:
+    def observe_embeddings(self, num_prompt_tokens: int, num_requests: int,
+                           engine: int = 0) -> None:
         """Embedding requests the server answered (each prefilled its prompt, then stopped)."""
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.request_success.labels(self.model_name, "stop").inc(num_requests)
+        values = self._engines[self._engine(engine)]
+        self.prompt_tokens[engine].inc(num_prompt_tokens)
+        self.request_success.labels(*values, "stop").inc(num_requests)
 
     def observe_rejection(self, reason: str) -> None:
         self.request_rejected.labels(self.model_name, reason).inc()
@@ -289,41 +318,46 @@ class ServerMetrics:
         records not seen before."""
         self.scheduler.stats = stats
         for record in records:
-            self._observe_record(record)
+            self._observe_record(record, 0)
 
     def take_replica_snapshot(self, stats: list[SchedulerStats | None],
-                              records: list[RequestRecord]) -> None:
-        """The data-parallel front's snapshot: each replica's stats (None: down) and the
-        finished-request records its replicas sent since the last one."""
+                              records: list[RequestRecord],
+                              step_tokens: Sequence[tuple[int, int]] = ()) -> None:
+        """The data-parallel front's snapshot: each replica's stats (None: down), the
+        finished-request records its replicas sent since the last one (each naming its
+        replica) and ``(replica, tokens)`` of each step they ran since."""
         self.scheduler.per_engine = list(stats)
         for record in records:
-            self._observe_record(record)
+            self._observe_record(record, self._engine(record.replica))
+        for engine, tokens in step_tokens:
+            self.iteration_tokens[self._engine(engine)].observe(tokens)
 
     def take_lora_snapshot(self, running: list[str], waiting: list[str]) -> None:
         """The adapters' names, running and waiting, as of now."""
         if self.lora_info is not None:
             self.lora_info.snapshot = (running, waiting, time.time())
 
-    def _observe_record(self, record: RequestRecord) -> None:
+    def _observe_record(self, record: RequestRecord, engine: int) -> None:
         if record.first_token_time == record.first_token_time:  # not NaN
-            self.ttft.observe(max(record.ttft, 0.0))
+            self.ttft[engine].observe(max(record.ttft, 0.0))
         if record.first_scheduled_time == record.first_scheduled_time:
-            self.queue_time.observe(max(record.queue_time, 0.0))
+            self.queue_time[engine].observe(max(record.queue_time, 0.0))
         if record.finish_time == record.finish_time:
-            self.e2e.observe(max(record.e2el, 0.0))
+            self.e2e[engine].observe(max(record.e2el, 0.0))
+        itl = self.itl[engine]
         for gap in record.itls:
-            self.itl.observe(max(gap, 0.0))
-        self.request_prompt_tokens.observe(record.input_tokens)
-        self.request_generation_tokens.observe(record.output_tokens)
+            itl.observe(max(gap, 0.0))
+        self.request_prompt_tokens[engine].observe(record.input_tokens)
+        self.request_generation_tokens[engine].observe(record.output_tokens)
         first, scheduled, end = (record.first_token_time, record.first_scheduled_time,
                                  record.finish_time)
         if first == first and scheduled == scheduled:  # neither NaN
-            self.prefill_time.observe(max(first - scheduled, 0.0))
+            self.prefill_time[engine].observe(max(first - scheduled, 0.0))
         if first == first and end == end:
             decode = max(end - first, 0.0)
-            self.decode_time.observe(decode)
+            self.decode_time[engine].observe(decode)
             if record.output_tokens > 1:
-                self.time_per_output_token.observe(decode / (record.output_tokens - 1))
+                self.time_per_output_token[engine].observe(decode / (record.output_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

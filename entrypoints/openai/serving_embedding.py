@@ -165,7 +165,8 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest,
         if lora is not None:
             state.loras.release(lora, len(prompts))
     num_tokens = sum(len(p.token_ids) for p in prompts)
-    state.metrics.observe_embeddings(num_tokens, len(prompts))
+    for p, s in zip(prompts, streams):
+        state.metrics.observe_embeddings(len(p.token_ids), 1, s.engine_index)
     data = [EmbeddingData(index=i, embedding=encode_embedding(o.outputs.embedding,
                                                               body.encoding_format))
             for i, o in enumerate(outputs)]

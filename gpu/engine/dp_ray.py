@@ -21,7 +21,14 @@ from typing import Any
 
 from twinserve.core.engine_args import EngineArgs
 from twinserve.gpu.engine.dp_client import ReplicaEvent, replica_threads, replica_world
-from twinserve.gpu.engine.engine_process import Refusal, ReplicaSpec, StepRows, apply_command, kv_events
+from twinserve.gpu.engine.engine_process import (
+    Refusal,
+    ReplicaSpec,
+    StepRows,
+    StepTokens,
+    apply_command,
+    kv_events,
+)
 
 WAIT_SLICE_S = 0.005
 
@@ -39,6 +46,7 @@ class RayReplica:
         if spec.kv_events:
             self.engine.scheduler.kv.pool.events = KVEventBuffer()
         self._rows = StepRows(self.engine) if spec.record_steps else None
+        self._tokens = StepTokens(self.engine)
 
     def ready(self) -> tuple[int, float, dict[str, Any]]:
         """Its pid and what a replica process reports when ready (``engine_process``)."""
@@ -54,7 +62,7 @@ class RayReplica:
         outputs = engine.step() if engine.has_unfinished_requests() else []
         message = ("step", outputs, accepted, refused, engine.scheduler.stats(), kv_events(engine),
                    engine.metrics.take_requests(),
-                   self._rows.take() if self._rows is not None else [])
+                   self._rows.take() if self._rows is not None else [], self._tokens.take())
         return message, engine.has_unfinished_requests()
 
 

@@ -6,10 +6,11 @@ replica answers on its end of a pipe, one message per loop turn that did somethi
 ``("ready", time_origin, engine_config)`` once its engine is built (the ``time.monotonic()`` its
 records' times count from; its resolved ``EngineConfig.to_dict()``), ``("failed", reason)`` if
 it could not be built, and ``("step", outputs, accepted, refused, stats, kv_events, records,
-steps)`` after each step (or after commands when idle; ``records``: the finished requests'
-``RequestRecord``s, for the server's latency histograms; ``steps``: each step's ``StepRecord``
-and measured ``StepSample`` where the front asked for them, ``ReplicaSpec.record_steps``, else
-none). ``refused`` holds ``Refusal`` rows:
+steps, step_tokens)`` after each step (or after commands when idle; ``records``: the finished
+requests' ``RequestRecord``s, for the server's latency histograms; ``steps``: each step's
+``StepRecord`` and measured ``StepSample`` where the front asked for them,
+``ReplicaSpec.record_steps``, else none; ``step_tokens``: the tokens each step since the last
+message computed, for ``vllm:iteration_tokens_total``). ``refused`` holds ``Refusal`` rows:
 exceptions travel as plain fields, so their classes need not pickle. Commands are read only
 between steps, as the in-process engine thread reads them.
 
@@ -31,6 +32,7 @@ from twinserve.core.engine_args import EngineArgs
 from twinserve.core.errors import EngineOverloaded
 from twinserve.core.kv_events import KVEventBuffer
 from twinserve.core.metrics import StepRecord
+from twinserve.core.outputs import SchedulerOutput
 from twinserve.core.step_sample import StepSample
 
 IDLE_POLL_S = 0.5
@@ -93,16 +95,18 @@ def replica_main(spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
     engine.metrics.record_steps = False  # a replica runs for days: keep no per-step rows
     if spec.kv_events:  # as Scheduler.__init__ does for SchedulerConfig.kv_events, before any step
         engine.scheduler.kv.pool.events = KVEventBuffer()
+    tokens = StepTokens(engine)
     outbox.send(("ready", engine.time_origin, engine.engine_config.to_dict()))
     try:
-        _serve(engine, spec, inbox, outbox)
+        _serve(engine, spec, inbox, outbox, tokens)
     except (BrokenPipeError, EOFError):
         pass  # the front is gone
     finally:
         engine.shutdown()
 
 
-def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> None:
+def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection,
+           tokens: StepTokens) -> None:
     rows = StepRows(engine) if spec.record_steps else None
     while True:
         accepted: list[str] = []
@@ -123,7 +127,7 @@ def _serve(engine: Any, spec: ReplicaSpec, inbox: Any, outbox: Connection) -> No
         if outputs or accepted or refused or commands or transfers != _num_transfers(engine):
             outbox.send(("step", outputs, accepted, refused, engine.scheduler.stats(),
                          kv_events(engine), engine.metrics.take_requests(),
-                         rows.take() if rows is not None else []))
+                         rows.take() if rows is not None else [], tokens.take()))
 
 
 def _num_transfers(engine: Any) -> int:
@@ -167,6 +171,26 @@ def apply_command(engine: Any, command: tuple, accepted: list[str], refused: lis
 def kv_events(engine: Any) -> list[Any]:
     """The scheduler's block-hash events since the last step (none when it records none)."""
     return engine.scheduler.take_kv_events()
+
+
+class StepTokens:
+    """A replica's step observer: the tokens each step computed (its scheduled tokens, as the
+    single-engine server's ``vllm:iteration_tokens_total`` counts them), taken with each step
+    message."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, engine: Any) -> None:
+        self._tokens: list[int] = []
+        engine.driver.observers.append(self)
+
+    def on_step(self, out: SchedulerOutput, seconds: float, execute_seconds: float) -> None:
+        self._tokens.append(out.total_num_scheduled_tokens)
+
+    def take(self) -> list[int]:
+        """The steps' token counts since the last call."""
+        taken, self._tokens = self._tokens, []
+        return taken
 
 
 class StepRows:

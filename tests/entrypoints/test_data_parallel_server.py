@@ -96,6 +96,23 @@ def test_greedy_tokens_equal_one_engines(server: LiveServer, expected: list[str]
     streamed = ["".join(e["choices"][0]["text"] for e in stream_events_greedy(server, p))
                 for p in PROMPTS]
     assert streamed == expected
+    # each request's histograms and counters under the replica that served it (vLLM's label)
+    text = httpx.get(server.url("/metrics"), timeout=30).text
+    served = {engine: _count(text, "vllm:time_to_first_token_seconds_count", engine)
+              for engine in ("0", "1")}
+    assert sum(served.values()) == 2 * len(PROMPTS)
+    for engine, n in served.items():
+        success = f'vllm:request_success_total{{engine="{engine}",finished_reason="length"'
+        assert _count(text, success, None) == n
+        assert (_count(text, "vllm:iteration_tokens_total_count", engine) > 0) == (n > 0)
+
+
+def _count(text: str, prefix: str, engine: str | None) -> float:
+    """The value of the one sample starting with ``prefix`` (and ``engine``'s label, if given)."""
+    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith(prefix) and (engine is None or f'engine="{engine}"' in line)]
+    assert len(found) == 1, (prefix, engine, found)
+    return found[0]
 
 
 def stream_events_greedy(server: LiveServer, prompt: str) -> list[dict]:

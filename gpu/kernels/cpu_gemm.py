@@ -17,8 +17,10 @@ Decisions (the figures behind each, per machine, with the command that measures 
   one-row half product sums in another order than its product of 2+ rows (at 1,536 inputs it
   differs in the last bit), so without the pad a speculative verification's rows would not be
   bitwise those of the decodes they stand for and greedy outputs would part at near-ties. Rows
-  of 2+ row products are bitwise independent of the row count; the pad costs no measurable time
-  (docs/speculative-decoding.md, "Verification").
+  of 2+ row products are bitwise independent of the row count, on a CPU with AMX within each of
+  two classes (up to 32 rows, 33 or more: torch's oneDNN switches kernels; evening them out
+  would cost 1.3-3.5x, so it is not done); the pad costs no measurable time
+  (docs/speculative-decoding.md, "bf16 greedy equality").
 - Feature-major products of T >= 7 tokens cost as much as those of the next multiple of 8 when
   T % 8 >= 3 (MKL's AVX2 tail for 3-7 columns is slow; in served batches a step-time sawtooth),
   so such T are padded with zero tokens (``padded_width``). A tail of 1-2 columns is left as it

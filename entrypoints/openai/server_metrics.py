@@ -12,7 +12,8 @@ Three sources, each read where it is exact:
   histograms (TTFT, ITL, E2E, queue time) with the engine's own timestamps;
 - the same records feed vLLM's per-request histograms (prefill time, decode time, mean time
   per output token, prompt and generation token counts); an observer of the engine's steps
-  counts ``vllm:iteration_tokens_total`` (the tokens each step computed) on the engine thread;
+  counts ``vllm:iteration_tokens_total`` (the tokens each step computed) on the engine thread
+  (with data-parallel replicas, their step messages carry those counts; ``ServerMetrics``);
 - ``vllm:cache_config_info``: the KV cache's configuration as labels (value 1), as vLLM has it;
 - with LoRA enabled, ``vllm:lora_requests_info`` as vLLM has it: one sample whose labels are
   ``max_lora`` and the comma-separated ``running_lora_adapters`` (the scheduler's) and

@@ -346,8 +346,6 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
     if uses_kv_events(router):
         sched_cfg = replace(sched_cfg, kv_events=True)
     recorder = RunRecorder(record_tenants=len({tr.tenant for tr in trace}) > 1)
-    bar = _progress_bar(len(trace)) if progress else None
-    recorder.on_finish = bar.update if bar is not None else None
     with _cyclic_gc_paused():
         env = simpy.Environment()
         # with LoRA each replica's step time also tallies its adapter loads
@@ -363,6 +361,9 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
         if spec_cfg is not None:
             from twinserve.simulator.spec_cost import with_speculation
             step = with_speculation(step, cost, spec_cfg, cfg.engine.kernel_settings())
+        # (once the configuration is checked: a refused one prints no bar)
+        bar = _progress_bar(len(trace)) if progress else None
+        recorder.on_finish = bar.update if bar is not None else None
         tallies = ([] if lora is None else
                    [LoadTally(step, cost.lora_load_time) for _ in range(cfg.num_replicas)])
         models: list[StepTimeModel] = [*tallies] if tallies else [step] * cfg.num_replicas

@@ -152,7 +152,9 @@ def _vllm_notes(config: dict[str, Any]) -> list[str]:
 def write_best(row: dict[str, Any], spec: PlanSpec, path: Path) -> dict[str, Any]:
     config = best_config(row, spec)
     slos = ", ".join(f"{s.key}={s.limit_ms:g}" for s in spec.slos)
-    notes = [f"capacity_rps: {row['capacity_rps']:.4g}",
+    bounded = " (a lower bound: it passed at the highest rate searched)" \
+        if row.get("capacity_lower_bound") else ""
+    notes = [f"capacity_rps: {row['capacity_rps']:.4g}{bounded}",
              f"the cheapest configuration meeting {slos} (attainment as planned)"
              f" at {row['capacity_rps']:.4g} req/s: ${row['cost_per_m_output_tokens']:.4g} per million "
              f"output tokens, {row['gpus']} x {row['hardware']}{_shape(config)}",
@@ -178,10 +180,33 @@ def write_outputs(result: PlanResult, spec: PlanSpec, out: Path) -> dict[str, Pa
 
 
 def top_table(result: PlanResult, n: int = 10) -> str:
-    """The ``n`` best configurations (the cheapest per output token first), as text."""
+    """The ``n`` best configurations (the cheapest per output token first), as text; a capacity
+    the search could only bound from below is shown as ``>=`` and explained under the table."""
     fitted = [r for r in result.rows if r["status"] == FITTED][:n]
     if not fitted:
         return "no configuration meets the SLOs."
-    frame = pd.DataFrame([{k: r[k] for k in TOP_COLUMNS} for r in fitted])
+    frame = pd.DataFrame([{k: capacity_text(r) if k == "capacity_rps" else r[k]
+                           for k in TOP_COLUMNS} for r in fitted])
     frame.index = range(1, len(frame) + 1)
-    return frame.to_string(float_format=lambda v: f"{v:.4g}")
+    note = lower_bound_note(fitted, result.stats.get("requests_per_replay"))
+    table = frame.to_string(float_format=lambda v: f"{v:.4g}")
+    return table if note is None else f"{table}\n{note}"
+
+
+def capacity_text(row: dict[str, Any]) -> str:
+    """A fitted row's capacity, ``>=`` where it is a lower bound."""
+    return (">= " if row.get("capacity_lower_bound") else "") + f"{row['capacity_rps']:.4g}"
+
+
+def lower_bound_note(rows: list[dict[str, Any]], num_requests: int | None) -> str | None:
+    """What a reader must know when some of ``rows`` passed at the highest rate searched: their
+    capacities (and so their costs and their order) are bounds, not found (None: none did)."""
+    bounded = [r for r in rows if r.get("capacity_lower_bound")]
+    if not bounded:
+        return None
+    held = f"the most {num_requests} requests hold over duration_s" if num_requests else \
+        "the most the trace holds over duration_s"
+    return (f"capacity >= {bounded[0]['capacity_rps']:.4g} req/s: {len(bounded)} of these "
+            f"{len(rows)} pass at the highest rate searched (search.max_rps, or {held}), so "
+            "their capacities and costs are bounds and their order is not decided; take more "
+            "requests (--num-requests), a shorter --duration or a higher --max-rps to place them.")

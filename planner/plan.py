@@ -162,7 +162,8 @@ def _row(cand: Candidate, spec: PlanSpec, status: str, reason: str) -> dict[str,
             "output_tokens_per_s": math.nan, "output_tokens_per_s_per_gpu": math.nan,
             "output_tokens_per_s_per_user": math.nan, "p90_ttft_ms": math.nan,
             "p99_tpot_ms": math.nan, "cost_per_m_output_tokens": math.nan,
-            "bound_tokens_per_s": math.nan, "replays": 0, "reason": reason,
+            "bound_tokens_per_s": math.nan, "replays": 0, "capacity_lower_bound": False,
+            "reason": reason,
             "folder": f"{POINTS_DIR}/{cand.folder}"}
 
 
@@ -179,13 +180,14 @@ def _fill(row: dict[str, Any], outcome: SearchOutcome, grid: RateGrid) -> None:
     # output_throughput divides by its whole length, the drain after the last arrival included)
     tokens = outcome.capacity_rps * float(point["mean_output_tokens"])
     tpot = summary.get("mean_tpot_ms")
-    row.update(status=FITTED, capacity_rps=outcome.capacity_rps,
+    censored = outcome.capacity_index >= grid.highest  # (it passed where the search ends)
+    row.update(status=FITTED, capacity_rps=outcome.capacity_rps, capacity_lower_bound=censored,
                capacity_per_dollar_hour=outcome.capacity_rps / (gpus * price),
                output_tokens_per_s=tokens, output_tokens_per_s_per_gpu=tokens / gpus,
                output_tokens_per_s_per_user=1000.0 / tpot if tpot else math.nan,
                p90_ttft_ms=summary.get("p90_ttft_ms"), p99_tpot_ms=summary.get("p99_tpot_ms"),
                cost_per_m_output_tokens=gpus * price / (tokens * 3600.0) * 1e6 if tokens
-               else math.nan, reason="" if outcome.capacity_index < grid.highest else
+               else math.nan, reason="" if not censored else
                f"lower bound: passes at the grid's highest rate {grid.rate(grid.highest):.4g} "
                "req/s (search.max_rps, or the most the trace holds over duration_s)")
 

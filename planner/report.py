@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
-from twinserve.planner.output import FRONTS, TOP_COLUMNS
+from twinserve.planner.output import FRONTS, TOP_COLUMNS, capacity_text, lower_bound_note
 from twinserve.planner.plan import FITTED, PlanResult
 from twinserve.reports.figures import color
 from twinserve.reports.html import _table_html, render_page
@@ -61,10 +61,15 @@ def write_report(result: PlanResult, front: pd.DataFrame, path: Path, title: str
     built.append(("The searched space", space_figure(plan), ""))
     stats = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                       for k, v in result.stats.items())
-    top = [[r[c] if not isinstance(r[c], float) else f"{r[c]:.4g}" for c in TOP_COLUMNS]
-           for r in result.fitted()[:10]]
+    fitted = result.fitted()[:10]
+    top = [[capacity_text(r) if c == "capacity_rps" else
+            r[c] if not isinstance(r[c], float) else f"{r[c]:.4g}" for c in TOP_COLUMNS]
+           for r in fitted]
+    note = lower_bound_note(fitted, result.stats.get("requests_per_replay"))
     body = [f'<p class="meta">{html.escape(settings)}</p>', f'<p class="meta">{html.escape(stats)}</p>',
             "<h2>Top configurations (the cheapest per output token first)</h2>",
             _table_html(list(TOP_COLUMNS), top) if top else '<p class="note">None met the SLOs.</p>']
+    if note is not None:
+        body.append(f'<p class="note">{html.escape(note)}</p>')
     path.write_text(render_page(title, body, built), encoding="utf-8")
     return path

@@ -450,3 +450,28 @@ def test_acceptance_profiles_are_one_file_or_several_merged(tmp_path) -> None:
     merged = TwinSide(spec, tmp_path / "out")._acceptance  # what the verified replays draw
     assert merged is not None and merged.workload == "edits + chat"
     assert merged.num_accepted_tokens == 360
+
+
+def test_a_capacity_found_only_as_a_lower_bound_says_so(tmp_path, capsys) -> None:
+    # 40 requests over 20 s hold at most 1.95 req/s: an H100 passes there, and the search ends
+    spec = tmp_path / "plan.yaml"
+    spec.write_text(yaml.safe_dump({**BASE, "max_gpus": 1, "workload": {"num_requests": 40,
+                                    "duration_s": 20}, "space": {"max_num_seqs": [64]}}))
+    out = tmp_path / "out"
+    assert main(["plan", "--spec", str(spec), "--out", str(out), "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    plan = pd.read_csv(out / "plan.csv")
+    fitted = plan[plan["status"] == "fitted"]
+    assert len(fitted) and fitted["capacity_lower_bound"].all()
+    assert (fitted["capacity_rps"] < 1.95).all()
+    assert ">= " in printed and "pass at the highest rate searched" in printed
+    assert "most 40 requests hold" in printed
+    assert "(a lower bound" in (out / "best.yaml").read_text().splitlines()[0]
+    assert "pass at the highest rate searched" in (out / "plan.html").read_text()
+
+
+def test_a_capacity_found_inside_the_grid_is_no_bound() -> None:
+    from twinserve.planner.output import capacity_text, lower_bound_note
+    row = {"capacity_rps": 3.25, "capacity_lower_bound": False}
+    assert capacity_text(row) == "3.25" and lower_bound_note([row], 100) is None
+    assert capacity_text({**row, "capacity_lower_bound": True}) == ">= 3.25"

@@ -12,8 +12,10 @@ requests over both batches (``BatchQueue.balance``; ``2+bal``), and with
 switch for this; ``2``). Timed on the driver (stage 0): its send of the hidden states and
 residual to stage 1 (and the bytes; a send also waits until stage 1 takes it), and its wait for
 the logits (stage 1's compute plus both transfers, less what the driver overlapped): the
-driver's idle share, its side of the bubble. Workloads: 16 prompts x 64 generated tokens and
-1 x 64 (32-token prompts, greedy, ignore_eos), in interleaved rounds; medians are printed.
+driver's idle share, its side of the bubble. Workloads: 16 prompts x 64 generated tokens, 1 x 64
+and 128 x 32 (32-token prompts, greedy, ignore_eos), in interleaved rounds; medians are printed.
+Only 128 x 32 fills two batches: the engines take up to 128 sequences, which the queue keeps in
+one batch unless it balances them (two of 64).
 ``batch ms``: wall time per batch completed; ``in flight``: the most batches in the pipeline.
 Last, the PP=2 engine's shared-stage slowdown (``gpu.measurement.stage_overlap``: its first
 stage alone and beside the second, with the send per step alone), the figure ``calibrate``
@@ -31,14 +33,14 @@ import time
 import torch
 
 PROMPT_LEN = 32
-WORKLOADS = {"16x64": (16, 64), "1x64": (1, 64)}
+WORKLOADS = {"16x64": (16, 64), "1x64": (1, 64), "128x32": (128, 32)}
 
 
 def _engine(model: str, pp: int, dtype: str):
     from twinserve.core.engine_args import EngineArgs
     from twinserve.gpu.engine.llm_engine import LLMEngine
     return LLMEngine(EngineArgs(model=model, dtype=dtype, pipeline_parallel_size=pp,
-                                max_model_len=512, max_num_seqs=64))
+                                max_model_len=512, max_num_seqs=128))
 
 
 # label, pp, batch queue (None: off; else its balance)

@@ -74,6 +74,10 @@ class EngineArgs:
     max_waiting_tokens: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # layers split into this many stages (world = tp * pp)
+    # Layers per stage, comma-separated, first stage first (vLLM's VLLM_PP_LAYER_PARTITION);
+    # None: vLLM's even split. The last stage also computes the LM head: a lighter share
+    # there balances the stages.
+    pp_layer_partition: str | None = None
     distributed_executor_backend: str | None = None  # None: mp when tp * pp > 1
     # Data parallelism (vLLM's names): replicas behind one front that routes each request
     data_parallel_size: int = 1
@@ -143,6 +147,7 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
         check_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend)
+        self.layer_partition()  # (validates it against pipeline_parallel_size, naming it)
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
         if self.kv_offloading_size is not None and self.kv_transfer_config is not None:
@@ -184,6 +189,25 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+    def layer_partition(self) -> tuple[int, ...] | None:
+        """``pp_layer_partition`` as layers per stage (None: the even split); raises ValueError
+        unless it holds one positive integer per pipeline stage."""
+        text = self.pp_layer_partition
+        if text is None:
+            return None
+        if self.pipeline_parallel_size == 1:
+            raise ValueError("pp_layer_partition splits the layers into pipeline stages: it "
+                             "needs pipeline_parallel_size > 1.")
+        try:
+            sizes = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1 or len(sizes) != self.pipeline_parallel_size:
+            raise ValueError(f"pp_layer_partition must be {self.pipeline_parallel_size} positive "
+                             "integers separated by commas, one per pipeline stage (e.g. "
+                             f"'19,11' for 2 stages), got {text!r}.")
+        return sizes
 
     def kernel_settings(self) -> KernelSettings:
         return KernelSettings(self.cpu_attention, self.fused_decode, self.fused_packed,

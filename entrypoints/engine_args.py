@@ -58,6 +58,8 @@ _HELP: dict[str, str] = {
                             "cores split between them)",
     "pipeline_parallel_size": "stages the model's layers are split into, one batch in flight per "
                               "stage (world = tp x pp processes)",
+    "pp_layer_partition": "layers per pipeline stage, comma-separated, first stage first, e.g. "
+                          "19,11 (vLLM's VLLM_PP_LAYER_PARTITION; default: the even split)",
     "distributed_executor_backend": "tensor and pipeline parallelism's workers: mp (local processes) or ray "
                                     "(Ray actors) (default: mp)",
     "data_parallel_size": "engine replicas (processes, each with its share of the cores on a "
@@ -166,7 +168,7 @@ def _field_type(name: str) -> type:
     value = {"dtype": str, "device": str, "scheduling_policy": str, "preemption_mode": str,
              "distributed_executor_backend": str, "quantization": str, "kv_cache_dtype": str,
              "cpu_attention": str, "quant_activations": str, "data_parallel_backend": str,
-             "router": str,
+             "router": str, "pp_layer_partition": str,
              "kv_offloading_backend": str,
              "gpu_memory_utilization": float, "swap_space": float, "kv_offloading_size": float}
     return value.get(name, int)

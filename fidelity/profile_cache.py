@@ -51,6 +51,7 @@ class ProfileCacheKey:
     kernel_settings: dict[str, str] = field(default_factory=dict)
     # a PP=N step runs the stages on other processes and threads: another profile
     pipeline_parallel_size: int = 1
+    pp_layer_partition: str = ""  # (its stages' own shares, as measured: "" the even split)
 
     def __post_init__(self) -> None:
         for name in ("threads", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -74,7 +75,8 @@ class ProfileCacheKey:
                    limits.max_num_batched_tokens, runner.max_model_len, runner.block_size,
                    engine.tensor_parallel_size, runner.quantization or "",
                    engine.kv_cache_dtype, engine.enable_lora, quick, engine_loop,
-                   dict(kernel_settings or {}), engine.pipeline_parallel_size)
+                   dict(kernel_settings or {}), engine.pipeline_parallel_size,
+                   engine.pp_layer_partition or "")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,6 +85,8 @@ class ProfileCacheKey:
         key = self.as_dict()
         if key["pipeline_parallel_size"] == 1:  # the keys cached before it was one
             del key["pipeline_parallel_size"]
+        if not key["pp_layer_partition"]:  # (likewise)
+            del key["pp_layer_partition"]
         text = json.dumps({"format": FORMAT, **key}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -45,12 +45,19 @@ from twinserve.simulator.step_time import StepTimeModel
 LOGITS_BYTES = 4  # the engine sends float32 logits
 
 
-def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per stage, as the engine splits them (vLLM's even split, the remainder on the
-    stages before the last)."""
+def stage_layers(num_layers: int, pp: int,
+                 partition: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Layers per stage, as the engine splits them: ``partition`` (``pp_layer_partition``), else
+    vLLM's even split, the remainder on the stages before the last."""
     if pp < 1 or num_layers < pp:
         raise ValueError(f"pipeline_parallel_size must be in [1, num_hidden_layers={num_layers}], "
                          f"got {pp}.")
+    if partition is not None:
+        if len(partition) != pp or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(f"pp_layer_partition {','.join(map(str, partition))} must give each "
+                             f"of the {pp} stages at least one layer and sum to "
+                             f"num_hidden_layers ({num_layers}).")
+        return tuple(partition)
     sizes = [num_layers // pp] * pp
     for i in range(2, num_layers % pp + 2):
         sizes[-i % pp] += 1
@@ -107,14 +114,20 @@ class PipelineCost:
     hardware: HardwareProfile
     pipeline_parallel_size: int
     tensor_parallel_size: int = 1
+    layer_partition: tuple[int, ...] | None = None  # layers per stage (None: the even split)
 
     def __post_init__(self) -> None:
-        stage_layers(self.model.num_hidden_layers, self.pipeline_parallel_size)
+        self.layers()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
 
     def step_time(self, out: SchedulerOutput) -> float:
         return self.breakdown(out).total_s
+
+    def layers(self) -> tuple[int, ...]:
+        """Layers per stage, as the engine splits them."""
+        return stage_layers(self.model.num_hidden_layers, self.pipeline_parallel_size,
+                            self.layer_partition)
 
     def decode_run_ends(self, out: SchedulerOutput, now: float, horizon: float, base: float,
                         max_steps: int) -> list[float] | None:
@@ -140,7 +153,7 @@ class PipelineCost:
     def breakdown(self, out: SchedulerOutput) -> PipelineStepCost:
         total = self.base.step_time(out)
         tokens = out.total_num_scheduled_tokens
-        layers = stage_layers(self.model.num_hidden_layers, self.pipeline_parallel_size)
+        layers = self.layers()
         if tokens == 0 or self.pipeline_parallel_size == 1:
             return PipelineStepCost((total,) + (0.0,) * (len(layers) - 1), 0.0, 0.0, total)
         rows = out.num_prefill_seqs + out.num_decode_seqs

@@ -356,7 +356,8 @@ def simulate(cfg: SimConfig, trace: list[TraceRequest], progress: bool = False,
             from twinserve.simulator.pipeline import PipelineCost
             step = pipe = PipelineCost(step, spec, cost.hardware,
                                        cfg.engine.pipeline_parallel_size,
-                                       cfg.engine.tensor_parallel_size)
+                                       cfg.engine.tensor_parallel_size,
+                                       cfg.engine.layer_partition())
         spec_cfg = cfg.engine.speculation
         if spec_cfg is not None:
             from twinserve.simulator.spec_cost import with_speculation

@@ -21,17 +21,27 @@ import torch.distributed as dist
 from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, init_tp_group
 
 
-def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
-    """vLLM's even split: ``num_layers // pp`` each, the remainder one more per stage counted
-    back from the one before the last (the last stage also computes the head)."""
+def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,
+                      partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """The layers ``[start, end)`` of stage ``pp_rank``: ``partition``'s share (layers per
+    stage, ``EngineArgs.layer_partition``), else vLLM's even split: ``num_layers // pp`` each,
+    the remainder one more per stage counted back from the one before the last (the last stage
+    also computes the head)."""
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}.")
     if num_layers < pp_size:
         raise ValueError(f"num_hidden_layers ({num_layers}) must be at least pipeline parallel "
                          f"size ({pp_size}).")
-    sizes = [num_layers // pp_size] * pp_size
-    for i in range(2, num_layers % pp_size + 2):
-        sizes[-i % pp_size] += 1
+    if partition is not None:
+        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(f"pp_layer_partition {','.join(map(str, partition))} must give each "
+                             f"of the {pp_size} stages at least one layer and sum to "
+                             f"num_hidden_layers ({num_layers}).")
+        sizes = list(partition)
+    else:
+        sizes = [num_layers // pp_size] * pp_size
+        for i in range(2, num_layers % pp_size + 2):
+            sizes[-i % pp_size] += 1
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
 
@@ -48,10 +58,11 @@ class StageLayout:
     end: int
 
     @classmethod
-    def of(cls, rank: int, tp_size: int, pp_size: int, num_layers: int) -> StageLayout:
+    def of(cls, rank: int, tp_size: int, pp_size: int, num_layers: int,
+           partition: tuple[int, ...] | None = None) -> StageLayout:
         pp_rank, tp_rank = divmod(rank, tp_size)
         return cls(pp_rank, pp_size, tp_rank, tp_size,
-                   *stage_layer_range(num_layers, pp_size, pp_rank))
+                   *stage_layer_range(num_layers, pp_size, pp_rank, partition))
 
     @property
     def is_first(self) -> bool:
@@ -174,17 +185,18 @@ def init_pipeline_links(address: GroupAddress, store: dist.Store, layout: StageL
 
 
 def init_parallel_groups(address: GroupAddress, rank: int, device: torch.device, tp_size: int,
-                         num_layers: int, store: dist.TCPStore | None = None) -> TPGroup:
+                         num_layers: int, store: dist.TCPStore | None = None,
+                         partition: tuple[int, ...] | None = None) -> TPGroup:
     """Joins the world at ``address`` (``world_size = tp * pp``) as ``rank``: its stage's
-    tensor-parallel group, then its pipeline links (``TPGroup.pipeline``). The driver passes
-    the store it hosts."""
+    tensor-parallel group, then its pipeline links (``TPGroup.pipeline``), its layers by
+    ``partition`` (None: the even split). The driver passes the store it hosts."""
     world = address.world_size
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"world size ({world}) must be a multiple of tensor_parallel_size "
                          f"({tp_size}).")
     if world == tp_size:
         return init_tp_group(address, rank, device, store)
-    layout = StageLayout.of(rank, tp_size, world // tp_size, num_layers)
+    layout = StageLayout.of(rank, tp_size, world // tp_size, num_layers, partition)
     if store is None:
         store = dist.TCPStore(address.host, address.port, world, False,
                               timeout=datetime.timedelta(seconds=address.timeout_s))

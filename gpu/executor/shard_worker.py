@@ -49,6 +49,7 @@ class ShardSpec:
     profile_tokens: int = 0  # > 0 on CUDA: profile a forward of this many tokens (all ranks)
     kernels: KernelSettings = DEFAULT_KERNELS  # the engine's kernel choices (every rank the same)
     tensor_parallel_size: int = 0  # 0: the whole world (no pipeline parallelism)
+    layer_partition: tuple[int, ...] | None = None  # layers per stage (None: the even split)
 
     @property
     def tp_size(self) -> int:
@@ -101,7 +102,8 @@ class ShardWorker:
             torch.cuda.set_device(self.device)
         config = ModelConfig.from_dir(spec.model_dir)
         self.group: TPGroup = init_parallel_groups(spec.address, rank, self.device, spec.tp_size,
-                                                   config.num_hidden_layers)
+                                                   config.num_hidden_layers,
+                                                   partition=spec.layer_partition)
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.model: CausalLM = load_model(spec.model_dir, self.dtype, self.device,
                                           spec.max_model_len, self.group, kernels=spec.kernels)

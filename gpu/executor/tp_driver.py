@@ -73,7 +73,8 @@ def check_tensor_parallel(args: EngineArgs, config: ModelConfig,
 def check_pipeline_parallel(args: EngineArgs, config: ModelConfig) -> None:
     """What the pipeline stages cannot serve, named."""
     pp = args.pipeline_parallel_size
-    stage_layer_range(config.num_hidden_layers, pp, 0)  # (at least one layer per stage)
+    # (at least one layer per stage, and a partition that sums to the model's layers)
+    stage_layer_range(config.num_hidden_layers, pp, 0, args.layer_partition())
     if len({config.layer_window(i) for i in range(config.num_hidden_layers)}) > 1:
         raise ValueError("pipeline_parallel_size > 1 with a model mixing sliding-window and full "
                          "layers is not implemented.")
@@ -98,7 +99,7 @@ class TPDriver:
         # (decode graphs would capture the stages' sends: pipeline stages run eagerly)
         spec = ShardSpec(model_dir, dtype, device.type, max_model_len, args.block_size, address,
                          threads_per_rank(world), args.enforce_eager or pp > 1, profile_tokens,
-                         args.kernel_settings(), tp)
+                         args.kernel_settings(), tp, args.layer_partition())
         num_layers = ModelConfig.from_dir(model_dir).num_hidden_layers
         self.executor: Executor = make_executor(args.distributed_executor_backend or "mp", spec)
         self.group: TPGroup | None = None
@@ -108,7 +109,8 @@ class TPDriver:
         self.max_batches_in_flight = 0
         try:
             self.executor.wait_joining(START_TIMEOUT_S)
-            self.group = init_parallel_groups(address, 0, device, tp, num_layers, self._store)
+            self.group = init_parallel_groups(address, 0, device, tp, num_layers, self._store,
+                                              args.layer_partition())
         except RuntimeError as exc:  # a worker that failed between "joining" and joining
             reason = None if isinstance(exc, WorkerFailure) else self.executor.failure(2.0)
             self.shutdown()

@@ -61,6 +61,10 @@ def test_the_profile_cache_serves_an_equal_key_whose_space_covers_the_request(tm
     for other in (_key(threads=2), _key(dtype="bfloat16"), _key(max_num_seqs=16),
                   _key(kernel_settings={"cpu_attention": "sdpa"}), _key(pipeline_parallel_size=2)):
         assert cache.find(other, StepSpace(3, 48, 20)) is None
+    pp2 = cache.store(profile, _key(pipeline_parallel_size=2), StepSpace(4, 64, 32))
+    assert cache.find(_key(pipeline_parallel_size=2), StepSpace(3, 48, 20)) == pp2
+    assert cache.find(_key(pipeline_parallel_size=2, pp_layer_partition="19,11"),
+                      StepSpace(3, 48, 20)) is None  # (its stages measured apart)
     meta = json.loads(stored.with_name(stored.stem + ".meta.json").read_text())
     assert meta["space"] == {"max_num_seqs": 4, "max_num_batched_tokens": 64,
                              "max_model_len": 32} and meta["kernel_settings"] == {}

@@ -208,6 +208,32 @@ def test_a_stage_killed_mid_run_fails_the_step_naming_it_and_leaves_no_process(l
     assert _gone(pids)
 
 
+def test_a_layer_partition_moves_the_stage_boundary_and_keeps_the_tokens(
+        llama3, llama3_expected) -> None:
+    engine = _engine(llama3, 2, pp_layer_partition="1,2")  # the even split is 2 + 1
+    try:
+        assert engine.runner.model.layer_range == (0, 1)
+        assert engine.runner.kv_cache.spec.num_layers == 1
+        assert _run(engine, _prompts()) == llama3_expected
+    finally:
+        engine.shutdown()
+    assert _gone(engine.runner.tp.worker_pids())
+
+
+def test_a_layer_partition_is_refused_unless_it_fits_the_stages_and_the_layers(llama3) -> None:
+    assert stage_layer_range(30, 2, 0, (19, 11)) == (0, 19)
+    assert stage_layer_range(30, 2, 1, (19, 11)) == (19, 30)
+    assert StageLayout.of(1, 1, 2, 3, (1, 2)).start == 1
+    with pytest.raises(ValueError, match=r"sum to num_hidden_layers \(3\)"):
+        check_tensor_parallel(EngineArgs(model=str(llama3), pipeline_parallel_size=2,
+                                         pp_layer_partition="2,2"), ModelConfig.from_dir(llama3))
+    for pp, text in ((2, "3"), (2, "2,x"), (2, "3,0"), (3, "1,2")):
+        with pytest.raises(ValueError, match=f"pp_layer_partition must be {pp} positive"):
+            EngineArgs(model=str(llama3), pipeline_parallel_size=pp, pp_layer_partition=text)
+    with pytest.raises(ValueError, match="needs pipeline_parallel_size > 1"):
+        EngineArgs(model=str(llama3), pp_layer_partition="3")
+
+
 @pytest.mark.slow
 def test_tp2_x_pp2_equals_pp1(llama3, llama3_expected) -> None:
     engine = _engine(llama3, 2, tp=2)

@@ -38,6 +38,7 @@ import simpy
 from twinserve.core.batch_queue import BatchQueue
 from twinserve.core.model_config import ModelConfig
 from twinserve.core.outputs import SchedulerOutput
+from twinserve.core.pipeline_stages import stage_layer_counts
 from twinserve.simulator.engine import Replica
 from twinserve.simulator.hardware import HardwareProfile
 from twinserve.simulator.step_time import StepTimeModel
@@ -47,21 +48,11 @@ LOGITS_BYTES = 4  # the engine sends float32 logits
 
 def stage_layers(num_layers: int, pp: int,
                  partition: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Layers per stage, as the engine splits them: ``partition`` (``pp_layer_partition``), else
-    vLLM's even split, the remainder on the stages before the last."""
+    """Layers per stage, as the engine splits them (``core.pipeline_stages``)."""
     if pp < 1 or num_layers < pp:
         raise ValueError(f"pipeline_parallel_size must be in [1, num_hidden_layers={num_layers}], "
                          f"got {pp}.")
-    if partition is not None:
-        if len(partition) != pp or sum(partition) != num_layers or min(partition) < 1:
-            raise ValueError(f"pp_layer_partition {','.join(map(str, partition))} must give each "
-                             f"of the {pp} stages at least one layer and sum to "
-                             f"num_hidden_layers ({num_layers}).")
-        return tuple(partition)
-    sizes = [num_layers // pp] * pp
-    for i in range(2, num_layers % pp + 2):
-        sizes[-i % pp] += 1
-    return tuple(sizes)
+    return stage_layer_counts(num_layers, pp, partition)
 
 
 @dataclass(frozen=True, slots=True)

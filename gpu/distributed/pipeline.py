@@ -18,30 +18,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from twinserve.core.pipeline_stages import stage_layer_counts
 from twinserve.gpu.distributed.parallel_state import GroupAddress, TPGroup, init_tp_group
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int,
                       partition: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """The layers ``[start, end)`` of stage ``pp_rank``: ``partition``'s share (layers per
-    stage, ``EngineArgs.layer_partition``), else vLLM's even split: ``num_layers // pp`` each,
-    the remainder one more per stage counted back from the one before the last (the last stage
-    also computes the head)."""
+    """The layers ``[start, end)`` of stage ``pp_rank`` (``core.pipeline_stages``: the
+    partition given, else vLLM's even split)."""
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}.")
-    if num_layers < pp_size:
-        raise ValueError(f"num_hidden_layers ({num_layers}) must be at least pipeline parallel "
-                         f"size ({pp_size}).")
-    if partition is not None:
-        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
-            raise ValueError(f"pp_layer_partition {','.join(map(str, partition))} must give each "
-                             f"of the {pp_size} stages at least one layer and sum to "
-                             f"num_hidden_layers ({num_layers}).")
-        sizes = list(partition)
-    else:
-        sizes = [num_layers // pp_size] * pp_size
-        for i in range(2, num_layers % pp_size + 2):
-            sizes[-i % pp_size] += 1
+    sizes = stage_layer_counts(num_layers, pp_size, partition)
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
 
